@@ -1,0 +1,315 @@
+//! Block identity (DESIGN section 4).
+//!
+//! The index speaks NVIDIA Dynamo's language so that any engine-side publisher that follows it can feed
+//! kvsteer: a block is `block_size` token ids; its *local hash* is XXH3-64 (seed 1337) over the token ids
+//! as little-endian `u32`; its *sequence hash* chains the local hashes so that one value names a whole
+//! prefix: `seq[0] = local[0]`, `seq[i] = XXH3-64(LE(seq[i-1]) ++ LE(local[i]))`, same seed.
+//! Only full blocks are hashed: a partial tail block is never shared by engines either.
+//!
+//! Text prompts seen without a tokenizer get a separate, *approximate* identity ([`TextHasher`]) over
+//! fixed character chunks. Its values are a different type ([`TextHash`]) and use a different seed, so
+//! they can never be confused with engine block hashes in the KV index.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// vLLM's default KV block size in tokens.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// Dynamo's seed for both the local and the chained hash.
+pub const HASH_SEED: u64 = 1337;
+/// Largest block size accepted; engines use 16..=512 in practice (Mooncake traces use 512).
+pub const MAX_BLOCK_SIZE: usize = 4096;
+
+/// Sequence hash of a full token block: names the block *and* everything before it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqHash(pub u64);
+
+/// Approximate identity of a chunk of prompt text and everything before it. Never an engine block.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TextHash(pub u64);
+
+/// Error for an unusable block size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockSizeError(pub usize);
+
+impl core::fmt::Display for BlockSizeError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "block_size must be between 1 and {MAX_BLOCK_SIZE}, got {}",
+            self.0
+        )
+    }
+}
+
+fn check_block_size(block_size: usize) -> Result<(), BlockSizeError> {
+    if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+        Err(BlockSizeError(block_size))
+    } else {
+        Ok(())
+    }
+}
+
+/// The seed for a namespace. With neither a LoRA adapter nor a cache salt it is Dynamo's 1337, so plain
+/// requests hash exactly as Dynamo does; otherwise the names are hashed into a new seed, so the same
+/// tokens under another adapter or salt never match (the engine would not share those blocks either).
+pub fn namespace_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
+    match (lora_name, cache_salt) {
+        (None, None) => HASH_SEED,
+        (lora, salt) => {
+            let mut buf = Vec::new();
+            buf.extend_from_slice(b"lora\0");
+            buf.extend_from_slice(lora.unwrap_or("").as_bytes());
+            buf.extend_from_slice(b"\0salt\0");
+            buf.extend_from_slice(salt.unwrap_or("").as_bytes());
+            xxh3_64_with_seed(&buf, HASH_SEED)
+        }
+    }
+}
+
+/// Chains a parent sequence hash with a block's local hash.
+#[inline]
+pub fn chain(parent: u64, local: u64, seed: u64) -> u64 {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&parent.to_le_bytes());
+    buf[8..].copy_from_slice(&local.to_le_bytes());
+    xxh3_64_with_seed(&buf, seed)
+}
+
+/// Computes exact block identities for token-id prompts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockHasher {
+    block_size: usize,
+    seed: u64,
+}
+
+impl BlockHasher {
+    /// A hasher with Dynamo's seed.
+    pub fn new(block_size: usize) -> Result<Self, BlockSizeError> {
+        check_block_size(block_size)?;
+        Ok(Self {
+            block_size,
+            seed: HASH_SEED,
+        })
+    }
+
+    /// The same hasher in the namespace of a LoRA adapter and/or cache salt.
+    pub fn namespaced(&self, lora_name: Option<&str>, cache_salt: Option<&str>) -> Self {
+        Self {
+            block_size: self.block_size,
+            seed: namespace_seed(lora_name, cache_salt),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Number of full blocks in a prompt of `tokens` tokens.
+    pub fn full_blocks(&self, tokens: usize) -> usize {
+        tokens / self.block_size
+    }
+
+    /// Local hash of one block of token ids (any length; callers pass full blocks).
+    pub fn local_hash(&self, block: &[u32]) -> u64 {
+        // A block of 16 tokens is 64 bytes: hash from the stack in the common case.
+        let mut stack = [0u8; 256];
+        if block.len() * 4 <= stack.len() {
+            let bytes = &mut stack[..block.len() * 4];
+            for (dst, t) in bytes.chunks_exact_mut(4).zip(block) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            xxh3_64_with_seed(bytes, self.seed)
+        } else {
+            let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+            xxh3_64_with_seed(&bytes, self.seed)
+        }
+    }
+
+    /// Sequence hashes of every full block of `tokens`.
+    pub fn sequence_hashes(&self, tokens: &[u32]) -> Vec<SeqHash> {
+        let mut out = Vec::with_capacity(tokens.len() / self.block_size);
+        self.extend_sequence(None, tokens, &mut out);
+        out
+    }
+
+    /// Appends the sequence hashes of the full blocks of `tokens`, continuing after `parent` (the last
+    /// sequence hash of the blocks that precede `tokens`, or `None` at the start of a prompt).
+    pub fn extend_sequence(&self, parent: Option<SeqHash>, tokens: &[u32], out: &mut Vec<SeqHash>) {
+        let mut prev = parent.map(|p| p.0);
+        for block in tokens.chunks_exact(self.block_size) {
+            let local = self.local_hash(block);
+            let seq = match prev {
+                None => local,
+                Some(p) => chain(p, local, self.seed),
+            };
+            out.push(SeqHash(seq));
+            prev = Some(seq);
+        }
+    }
+}
+
+/// Computes approximate identities for text prompts: chained hashes over chunks of
+/// `block_size * 4` characters (about `block_size` tokens for English text with BPE tokenizers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TextHasher {
+    chars_per_block: usize,
+    seed: u64,
+}
+
+/// Domain tag mixed into the text seed so text hashes never equal token hashes by construction.
+const TEXT_DOMAIN: &[u8] = b"kvsteer/approximate-text-identity/v1";
+
+impl TextHasher {
+    pub fn new(block_size: usize) -> Result<Self, BlockSizeError> {
+        check_block_size(block_size)?;
+        Ok(Self {
+            chars_per_block: block_size * 4,
+            seed: xxh3_64_with_seed(TEXT_DOMAIN, HASH_SEED),
+        })
+    }
+
+    pub fn chars_per_block(&self) -> usize {
+        self.chars_per_block
+    }
+
+    /// Approximate tokens a text of `chars` characters stands for (4 characters a token).
+    pub fn approx_tokens(chars: usize) -> usize {
+        chars.div_ceil(4)
+    }
+
+    /// Chained hashes of every full chunk of `text`; `parent` continues an earlier part of the prompt.
+    pub fn extend(&self, parent: Option<TextHash>, text: &str, out: &mut Vec<TextHash>) -> usize {
+        let mut prev = parent.map(|p| p.0);
+        let mut start = 0usize;
+        let mut count = 0usize;
+        let mut chars = 0usize;
+        for (i, _) in text.char_indices() {
+            if count == self.chars_per_block {
+                prev = Some(self.push_chunk(prev, &text[start..i], out));
+                start = i;
+                count = 0;
+            }
+            count += 1;
+            chars += 1;
+        }
+        if count == self.chars_per_block {
+            self.push_chunk(prev, &text[start..], out);
+        }
+        chars
+    }
+
+    fn push_chunk(&self, prev: Option<u64>, chunk: &str, out: &mut Vec<TextHash>) -> u64 {
+        let local = xxh3_64_with_seed(chunk.as_bytes(), self.seed);
+        let h = match prev {
+            None => local,
+            Some(p) => chain(p, local, self.seed),
+        };
+        out.push(TextHash(h));
+        h
+    }
+
+    /// Chained hashes of every full chunk of one text.
+    pub fn hashes(&self, text: &str) -> Vec<TextHash> {
+        let mut out = Vec::new();
+        self.extend(None, text, &mut out);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_full_blocks_are_hashed() {
+        let h = BlockHasher::new(16).unwrap();
+        assert_eq!(h.sequence_hashes(&[1; 15]).len(), 0);
+        assert_eq!(h.sequence_hashes(&[1; 16]).len(), 1);
+        assert_eq!(h.sequence_hashes(&[1; 47]).len(), 2);
+    }
+
+    #[test]
+    fn first_sequence_hash_is_local_hash_and_chain_follows() {
+        let h = BlockHasher::new(4).unwrap();
+        let toks = [1u32, 2, 3, 4, 5, 6, 7, 8];
+        let seq = h.sequence_hashes(&toks);
+        let l0 = h.local_hash(&toks[..4]);
+        let l1 = h.local_hash(&toks[4..]);
+        assert_eq!(seq[0].0, l0);
+        assert_eq!(seq[1].0, chain(l0, l1, HASH_SEED));
+    }
+
+    #[test]
+    fn shared_prefix_shares_hashes_and_diverges_after() {
+        let h = BlockHasher::new(2).unwrap();
+        let a = h.sequence_hashes(&[1, 2, 3, 4, 5, 6]);
+        let b = h.sequence_hashes(&[1, 2, 3, 4, 9, 9]);
+        assert_eq!(a[..2], b[..2]);
+        assert_ne!(a[2], b[2]);
+        // Same block content after a different prefix gets a different sequence hash.
+        let c = h.sequence_hashes(&[7, 7, 3, 4]);
+        assert_ne!(a[1], c[1]);
+    }
+
+    #[test]
+    fn incremental_extension_equals_whole() {
+        let h = BlockHasher::new(16).unwrap();
+        let toks: Vec<u32> = (0..100).collect();
+        let whole = h.sequence_hashes(&toks);
+        let mut part = h.sequence_hashes(&toks[..32]);
+        let last = part.last().copied();
+        h.extend_sequence(last, &toks[32..], &mut part);
+        assert_eq!(whole, part);
+    }
+
+    #[test]
+    fn large_blocks_hash_like_small_path() {
+        // 512-token blocks take the heap path; the result must equal hashing the same bytes directly.
+        let h = BlockHasher::new(512).unwrap();
+        let toks: Vec<u32> = (0..512).collect();
+        let bytes: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(h.local_hash(&toks), xxh3_64_with_seed(&bytes, HASH_SEED));
+    }
+
+    #[test]
+    fn namespaces_change_hashes() {
+        let h = BlockHasher::new(4).unwrap();
+        let toks = [1u32, 2, 3, 4];
+        let plain = h.sequence_hashes(&toks);
+        assert_eq!(h.namespaced(None, None).sequence_hashes(&toks), plain);
+        let lora = h.namespaced(Some("adapter-a"), None).sequence_hashes(&toks);
+        let salt = h.namespaced(None, Some("adapter-a")).sequence_hashes(&toks);
+        assert_ne!(lora, plain);
+        assert_ne!(salt, plain);
+        assert_ne!(lora, salt);
+    }
+
+    #[test]
+    fn bad_block_sizes_are_refused() {
+        assert!(BlockHasher::new(0).is_err());
+        assert!(BlockHasher::new(MAX_BLOCK_SIZE + 1).is_err());
+        assert!(TextHasher::new(0).is_err());
+    }
+
+    #[test]
+    fn text_chunks_are_characters_not_bytes() {
+        let t = TextHasher::new(1).unwrap(); // 4 characters a chunk
+        let mut out = Vec::new();
+        let chars = t.extend(None, "ééééaaaab", &mut out);
+        assert_eq!(chars, 9);
+        assert_eq!(out.len(), 2);
+        let again = t.hashes("ééééaaaac");
+        assert_eq!(out, again);
+        assert_ne!(t.hashes("éééé")[0], t.hashes("aaaa")[0]);
+    }
+
+    #[test]
+    fn text_and_token_identities_use_different_seeds() {
+        let t = TextHasher::new(16).unwrap();
+        assert_ne!(t.seed, HASH_SEED);
+    }
+}

@@ -1,0 +1,1 @@
+//! proxy-wasm filter (issue 4).

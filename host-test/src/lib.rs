@@ -1,0 +1,1 @@
+//! wasmtime harness (issue 4).

@@ -1,0 +1,1 @@
+//! Simulated engine replica (issue 3).
