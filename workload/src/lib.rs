@@ -1,0 +1,1 @@
+//! Workloads and routing-quality measurement.
