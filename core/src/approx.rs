@@ -1,0 +1,199 @@
+//! The approximate prefix index behind `prefix_affinity` (and the overlap estimate for text prompts).
+//!
+//! It is filled only by the router's own decisions, as Ray Serve's PrefixCacheAffinityRouter and
+//! SGLang's cache-aware router do: "I sent this prefix to replica r at time t". Entries expire after a
+//! TTL (the engine has probably evicted them by then) and the index has a hard cap in blocks, evicting
+//! the least recently recorded blocks first. It is generic over the key newtype so token-prompt
+//! identities ([`SeqHash`]) and text-prompt identities ([`TextHash`]) live in two separate instances and
+//! can never be mixed with each other or with the KV index.
+
+use std::collections::VecDeque;
+
+use hashbrown::HashMap;
+
+use crate::block::{SeqHash, TextHash};
+
+/// A key type the approximate index can hold.
+pub trait PrefixKey: Copy + Eq + core::hash::Hash {
+    fn raw(self) -> u64;
+}
+impl PrefixKey for SeqHash {
+    fn raw(self) -> u64 {
+        self.0
+    }
+}
+impl PrefixKey for TextHash {
+    fn raw(self) -> u64 {
+        self.0
+    }
+}
+
+/// Most replicas remembered per block; the oldest is forgotten first.
+const MAX_HOLDERS: usize = 8;
+
+#[derive(Clone, Debug, Default)]
+struct Entry {
+    /// (replica, last time recorded in ms), at most MAX_HOLDERS.
+    holders: Vec<(u16, u64)>,
+    /// Time of the latest record for any holder: the eviction order key.
+    last_ms: u64,
+}
+
+/// Approximate prefix index over keys `K`.
+#[derive(Clone, Debug)]
+pub struct ApproxIndex<K: PrefixKey> {
+    map: HashMap<K, Entry>,
+    /// Keys in record order with the record time; stale duplicates are skipped on eviction.
+    order: VecDeque<(K, u64)>,
+    capacity: usize,
+    ttl_ms: u64,
+    evictions: u64,
+}
+
+impl<K: PrefixKey> ApproxIndex<K> {
+    pub fn new(capacity_blocks: usize, ttl_ms: u64) -> Self {
+        Self {
+            map: HashMap::new(),
+            order: VecDeque::new(),
+            capacity: capacity_blocks.max(1),
+            ttl_ms,
+            evictions: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    /// Records that the blocks `keys` were sent to `replica` at `now_ms`.
+    pub fn record(&mut self, replica: usize, keys: &[K], now_ms: u64) {
+        let r = replica.min(u16::MAX as usize) as u16;
+        for &k in keys {
+            let e = self.map.entry(k).or_default();
+            if let Some(h) = e.holders.iter_mut().find(|h| h.0 == r) {
+                h.1 = now_ms;
+            } else {
+                if e.holders.len() >= MAX_HOLDERS {
+                    if let Some(oldest) = (0..e.holders.len()).min_by_key(|&i| e.holders[i].1) {
+                        e.holders.swap_remove(oldest);
+                    }
+                }
+                e.holders.push((r, now_ms));
+            }
+            e.last_ms = now_ms;
+            self.order.push_back((k, now_ms));
+        }
+        self.enforce_cap(now_ms);
+    }
+
+    fn enforce_cap(&mut self, now_ms: u64) {
+        // Drop expired and over-cap blocks from the old end; skip queue records superseded by a later
+        // record of the same key (their time no longer matches the entry's).
+        while let Some(&(k, t)) = self.order.front() {
+            let current = self.map.get(&k).map(|e| e.last_ms);
+            if current != Some(t) {
+                self.order.pop_front();
+                continue;
+            }
+            let expired = now_ms.saturating_sub(t) > self.ttl_ms;
+            if self.map.len() > self.capacity || expired {
+                self.map.remove(&k);
+                self.order.pop_front();
+                if !expired {
+                    self.evictions += 1;
+                }
+                continue;
+            }
+            break;
+        }
+        // Re-recording the same keys grows the queue with superseded records; compact it so it stays
+        // proportional to the map.
+        if self.order.len() > 2 * self.capacity + 64 {
+            let map = &self.map;
+            self.order
+                .retain(|(k, t)| map.get(k).is_some_and(|e| e.last_ms == *t));
+        }
+    }
+
+    /// Each replica's run of leading blocks recorded within the TTL. `out` is resized to `replicas`.
+    pub fn match_prefix(&self, keys: &[K], now_ms: u64, replicas: usize, out: &mut Vec<u32>) {
+        out.clear();
+        out.resize(replicas, 0);
+        for (i, k) in keys.iter().enumerate() {
+            let Some(e) = self.map.get(k) else { break };
+            let mut any = false;
+            for &(r, t) in &e.holders {
+                let r = r as usize;
+                if r < replicas && out[r] as usize == i && now_ms.saturating_sub(t) <= self.ttl_ms {
+                    out[r] += 1;
+                    any = true;
+                }
+            }
+            if !any {
+                break;
+            }
+        }
+    }
+
+    /// Forgets a replica everywhere (it restarted or left).
+    pub fn remove_replica(&mut self, replica: usize) {
+        self.map.retain(|_, e| {
+            e.holders.retain(|h| h.0 as usize != replica);
+            !e.holders.is_empty()
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(v: &[u64]) -> Vec<SeqHash> {
+        v.iter().map(|&x| SeqHash(x)).collect()
+    }
+
+    #[test]
+    fn records_match_and_expire() {
+        let mut ix = ApproxIndex::new(100, 1000);
+        ix.record(1, &keys(&[1, 2, 3]), 0);
+        ix.record(0, &keys(&[1]), 500);
+        let mut out = Vec::new();
+        ix.match_prefix(&keys(&[1, 2, 3, 4]), 900, 2, &mut out);
+        assert_eq!(out, vec![1, 3]);
+        ix.match_prefix(&keys(&[1, 2, 3]), 1200, 2, &mut out);
+        assert_eq!(out, vec![1, 0], "replica 1's record is older than the TTL");
+    }
+
+    #[test]
+    fn cap_holds_and_rerecording_refreshes() {
+        let mut ix = ApproxIndex::new(3, 1_000_000);
+        ix.record(0, &keys(&[1, 2, 3]), 1);
+        ix.record(0, &keys(&[1]), 2);
+        ix.record(0, &keys(&[4]), 3);
+        assert_eq!(ix.len(), 3);
+        assert_eq!(ix.evictions(), 1);
+        let mut out = Vec::new();
+        ix.match_prefix(&keys(&[1]), 3, 1, &mut out);
+        assert_eq!(out, vec![1], "re-recorded block 1 survived, block 2 went");
+        ix.match_prefix(&keys(&[2]), 3, 1, &mut out);
+        assert_eq!(out, vec![0]);
+        for t in 0..10_000u64 {
+            ix.record(0, &keys(&[t % 2]), 10 + t);
+        }
+        assert!(ix.order.len() <= 2 * 3 + 64 + 1);
+    }
+
+    #[test]
+    fn text_and_seq_instances_are_separate_types() {
+        let mut t: ApproxIndex<TextHash> = ApproxIndex::new(10, 10);
+        t.record(0, &[TextHash(1)], 0);
+        t.remove_replica(0);
+        assert!(t.is_empty());
+    }
+}

@@ -1,0 +1,279 @@
+//! Routing configuration: JSON via serde, every field defaulted, unknown fields refused, and every
+//! error names the field it is about (`kv_load.temperature: ...`).
+
+use serde::Deserialize;
+
+use crate::block::MAX_BLOCK_SIZE;
+
+/// Which policy scores replicas.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    RoundRobin,
+    LeastLoad,
+    SessionHash,
+    PrefixAffinity,
+    KvAffinity,
+    #[default]
+    KvLoad,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 6] = [
+        PolicyKind::RoundRobin,
+        PolicyKind::LeastLoad,
+        PolicyKind::SessionHash,
+        PolicyKind::PrefixAffinity,
+        PolicyKind::KvAffinity,
+        PolicyKind::KvLoad,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::LeastLoad => "least_load",
+            PolicyKind::SessionHash => "session_hash",
+            PolicyKind::PrefixAffinity => "prefix_affinity",
+            PolicyKind::KvAffinity => "kv_affinity",
+            PolicyKind::KvLoad => "kv_load",
+        }
+    }
+}
+
+/// Coefficients of the `kv_load` cost (DESIGN section 1; defaults are NVIDIA Dynamo's KV router's).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvLoadParams {
+    /// Weight of prefill blocks against decode blocks.
+    pub prefill_scale: f64,
+    /// `c`: how much a cached block discounts the request's prefill blocks.
+    pub overlap_credit: f64,
+    /// `w`: cost per active request.
+    pub active_request_weight: f64,
+    /// 0: argmin with seeded random tie-break; > 0: softmax sampling.
+    pub temperature: f64,
+    /// Credit of a block held only in host memory, relative to a GPU block.
+    pub host_tier_credit: f64,
+    /// Credit of a block held only on disk.
+    pub disk_tier_credit: f64,
+    /// Weight decode blocks by `1 - generated/expected` when the request gives `max_tokens`.
+    pub use_output_hint: bool,
+}
+
+impl Default for KvLoadParams {
+    fn default() -> Self {
+        Self {
+            prefill_scale: 1.0,
+            overlap_credit: 1.0,
+            active_request_weight: 0.0,
+            temperature: 0.0,
+            host_tier_credit: 0.75,
+            disk_tier_credit: 0.25,
+            use_output_hint: false,
+        }
+    }
+}
+
+/// `session_hash`: a consistent-hash ring on the session key.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionHashParams {
+    /// Points per replica on the ring (Ray Serve's ConsistentHashRouter uses 100).
+    pub virtual_nodes: usize,
+}
+
+impl Default for SessionHashParams {
+    fn default() -> Self {
+        Self { virtual_nodes: 100 }
+    }
+}
+
+/// `prefix_affinity`: the approximate index of prefixes this router sent.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixAffinityParams {
+    /// Fraction of the request's blocks that must match on the best replica; below it, least load.
+    pub match_threshold: f64,
+    /// How long a recorded prefix is trusted (ms).
+    pub ttl_ms: u64,
+    /// Hard cap of each approximate index (token and text), in blocks.
+    pub capacity_blocks: usize,
+}
+
+impl Default for PrefixAffinityParams {
+    fn default() -> Self {
+        Self {
+            match_threshold: 0.1,
+            ttl_ms: 600_000,
+            capacity_blocks: 262_144,
+        }
+    }
+}
+
+/// Everything the routing core is told.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    pub policy: PolicyKind,
+    /// KV block size in tokens; must equal the engines'.
+    pub block_size: usize,
+    /// Hard cap of the KV index in distinct blocks.
+    pub index_capacity_blocks: usize,
+    /// Seed of the tie-break / softmax generator.
+    pub seed: u64,
+    pub kv_load: KvLoadParams,
+    pub session_hash: SessionHashParams,
+    pub prefix_affinity: PrefixAffinityParams,
+    /// Request bodies larger than this are refused by the parser (the request is then routed by load).
+    pub max_body_bytes: usize,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            policy: PolicyKind::KvLoad,
+            block_size: 16,
+            index_capacity_blocks: 1_000_000,
+            seed: 0x6B76_7374_6565_72, // "kvsteer"
+            kv_load: KvLoadParams::default(),
+            session_hash: SessionHashParams::default(),
+            prefix_affinity: PrefixAffinityParams::default(),
+            max_body_bytes: 4 << 20,
+        }
+    }
+}
+
+/// A configuration problem, naming the field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Dotted path of the field (`kv_load.temperature`), or `.` for the document itself.
+    pub field: String,
+    pub message: String,
+}
+
+impl core::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "routing config: {}: {}", self.field, self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.to_string(),
+        message: message.into(),
+    }
+}
+
+/// Most virtual nodes per replica accepted (the ring has replicas x virtual_nodes points).
+pub const MAX_VIRTUAL_NODES: usize = 10_000;
+
+impl RoutingConfig {
+    /// Parses and validates. An empty document (`{}`) is the default configuration.
+    pub fn from_json(s: &str) -> Result<Self, ConfigError> {
+        let de = &mut serde_json::Deserializer::from_str(s);
+        let cfg: RoutingConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            // serde_path_to_error's path includes an unknown field's own name.
+            let field = e.path().to_string();
+            let msg = e.into_inner().to_string();
+            err(&field, msg)
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks ranges that types alone do not.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
+            return Err(err(
+                "block_size",
+                format!("must be 1..={MAX_BLOCK_SIZE}, got {}", self.block_size),
+            ));
+        }
+        if self.index_capacity_blocks == 0 || self.index_capacity_blocks > u32::MAX as usize {
+            return Err(err("index_capacity_blocks", "must be 1..=4294967295"));
+        }
+        let k = &self.kv_load;
+        let nonneg = |name: &str, v: f64| {
+            if v.is_finite() && v >= 0.0 {
+                Ok(())
+            } else {
+                Err(err(name, format!("must be a finite number >= 0, got {v}")))
+            }
+        };
+        nonneg("kv_load.prefill_scale", k.prefill_scale)?;
+        nonneg("kv_load.overlap_credit", k.overlap_credit)?;
+        nonneg("kv_load.active_request_weight", k.active_request_weight)?;
+        nonneg("kv_load.temperature", k.temperature)?;
+        for (name, v) in [
+            ("kv_load.host_tier_credit", k.host_tier_credit),
+            ("kv_load.disk_tier_credit", k.disk_tier_credit),
+            (
+                "prefix_affinity.match_threshold",
+                self.prefix_affinity.match_threshold,
+            ),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(err(name, format!("must be between 0 and 1, got {v}")));
+            }
+        }
+        let vn = self.session_hash.virtual_nodes;
+        if vn == 0 || vn > MAX_VIRTUAL_NODES {
+            return Err(err(
+                "session_hash.virtual_nodes",
+                format!("must be 1..={MAX_VIRTUAL_NODES}, got {vn}"),
+            ));
+        }
+        if self.prefix_affinity.capacity_blocks == 0 {
+            return Err(err("prefix_affinity.capacity_blocks", "must be >= 1"));
+        }
+        if self.max_body_bytes == 0 {
+            return Err(err("max_body_bytes", "must be >= 1"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_is_default_and_fields_parse() {
+        assert_eq!(
+            RoutingConfig::from_json("{}").unwrap(),
+            RoutingConfig::default()
+        );
+        let c = RoutingConfig::from_json(
+            r#"{"policy":"session_hash","block_size":64,"kv_load":{"temperature":0.5},
+                "session_hash":{"virtual_nodes":50}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.policy, PolicyKind::SessionHash);
+        assert_eq!(c.block_size, 64);
+        assert_eq!(c.kv_load.temperature, 0.5);
+        assert_eq!(c.kv_load.overlap_credit, 1.0);
+        assert_eq!(c.session_hash.virtual_nodes, 50);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = RoutingConfig::from_json(r#"{"polcy":"kv_load"}"#).unwrap_err();
+        assert_eq!(e.field, "polcy", "{e}");
+        let e = RoutingConfig::from_json(r#"{"kv_load":{"temprature":1}}"#).unwrap_err();
+        assert_eq!(e.field, "kv_load.temprature", "{e}");
+        let e = RoutingConfig::from_json(r#"{"kv_load":{"temperature":"hot"}}"#).unwrap_err();
+        assert_eq!(e.field, "kv_load.temperature", "{e}");
+        let e = RoutingConfig::from_json(r#"{"policy":"fastest"}"#).unwrap_err();
+        assert_eq!(e.field, "policy", "{e}");
+        let e = RoutingConfig::from_json(r#"{"block_size":0}"#).unwrap_err();
+        assert_eq!(e.field, "block_size");
+        let e = RoutingConfig::from_json(r#"{"kv_load":{"temperature":-1}}"#).unwrap_err();
+        assert_eq!(e.field, "kv_load.temperature");
+        let e = RoutingConfig::from_json(r#"{"kv_load":{"host_tier_credit":2}}"#).unwrap_err();
+        assert_eq!(e.field, "kv_load.host_tier_credit");
+        assert!(RoutingConfig::from_json("[").is_err());
+        assert!(e.to_string().contains("kv_load.host_tier_credit"));
+    }
+}

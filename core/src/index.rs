@@ -1,0 +1,535 @@
+//! The KV block index: which replica holds which block, on which tier (DESIGN sections 1 and 4).
+//!
+//! Layout, chosen for a few tens of bytes per block and no allocation per block:
+//! - a slab of 24-byte [`Slot`]s: the sequence hash, up to four holders inline, a "referenced" bit;
+//! - a `hashbrown::HashTable<u32>` of slab positions (5 bytes a bucket, 7/8 load), keyed by the
+//!   sequence hash mixed with a per-index secret (hashes come from replicas, which are not trusted);
+//! - holders packed in a `u16`: replica index (13 bits, so up to [`MAX_REPLICAS`]) and a 3-bit tier mask
+//!   (a replica can hold the same block on GPU and in host memory at once); a block held by more than
+//!   four replicas moves its holder list to an overflow map.
+//!
+//! The hard cap counts distinct blocks. Eviction is *least recently touched* approximated by CLOCK
+//! (second chance): storing or matching a block sets its referenced bit, and the eviction hand clears
+//! bits until it finds an unreferenced block. An exact LRU list would cost three random writes per
+//! matched block on the routing path (a 512-block prompt would pay ~1,500 cache misses); CLOCK pays one
+//! write to a line the lookup already loaded.
+
+use hashbrown::{HashMap, HashTable};
+
+use crate::feed::Tier;
+
+/// Largest replica count the index can represent (13-bit replica field).
+pub const MAX_REPLICAS: usize = 1 << 13;
+const INLINE: usize = 4;
+/// `Slot::len` value meaning "holders live in the overflow map".
+const OVERFLOW: u8 = u8::MAX;
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    key: u64,
+    inline: [u16; INLINE],
+    /// 0: free slot; 1..=INLINE: inline holders; OVERFLOW: see `KvIndex::overflow`.
+    len: u8,
+    referenced: bool,
+}
+
+impl Slot {
+    const FREE: Slot = Slot {
+        key: 0,
+        inline: [0; INLINE],
+        len: 0,
+        referenced: false,
+    };
+}
+
+#[inline]
+fn holder(replica: usize, mask: u8) -> u16 {
+    ((replica as u16) << 3) | mask as u16
+}
+#[inline]
+fn holder_replica(h: u16) -> usize {
+    (h >> 3) as usize
+}
+#[inline]
+fn holder_mask(h: u16) -> u8 {
+    (h & 7) as u8
+}
+
+/// The best tier in a mask: a GPU copy beats a host copy beats a disk copy.
+#[inline]
+fn best_tier(mask: u8) -> usize {
+    if mask & 1 != 0 {
+        0
+    } else if mask & 2 != 0 {
+        1
+    } else {
+        2
+    }
+}
+
+/// Folded 64x64->128 multiply: a strong enough mix for table placement, and keyed by `secret` so a
+/// replica that crafts hashes cannot aim them at one bucket without knowing it.
+#[inline]
+fn mix(key: u64, secret: u64) -> u64 {
+    let x = (key ^ secret) as u128 * 0x9E37_79B9_7F4A_7C15u128;
+    (x as u64) ^ ((x >> 64) as u64)
+}
+
+/// Per-replica match of a request: blocks of its leading run, by tier of the best copy.
+pub type TierCounts = [u32; 3];
+
+/// The KV block index. See the module docs for layout and eviction.
+#[derive(Clone, Debug)]
+pub struct KvIndex {
+    table: HashTable<u32>,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    overflow: HashMap<u32, Vec<u16>>,
+    capacity: usize,
+    replicas: usize,
+    per_replica: Vec<u64>,
+    hand: usize,
+    live: usize,
+    evictions: u64,
+    secret: u64,
+}
+
+impl KvIndex {
+    /// An empty index for `replicas` replicas (clamped to 1..=MAX_REPLICAS) holding at most
+    /// `capacity_blocks` distinct blocks (at least 1, at most `u32::MAX`).
+    pub fn new(capacity_blocks: usize, replicas: usize, secret: u64) -> Self {
+        let replicas = replicas.clamp(1, MAX_REPLICAS);
+        Self {
+            table: HashTable::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            overflow: HashMap::new(),
+            capacity: capacity_blocks.clamp(1, u32::MAX as usize),
+            replicas,
+            per_replica: vec![0; replicas],
+            hand: 0,
+            live: 0,
+            evictions: 0,
+            secret,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.live
+    }
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+    /// Blocks evicted by the cap since creation.
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+    /// Blocks a replica holds on any tier.
+    pub fn replica_blocks(&self, replica: usize) -> u64 {
+        self.per_replica.get(replica).copied().unwrap_or(0)
+    }
+
+    /// Bytes of heap this index holds, from the capacities of its containers.
+    pub fn heap_bytes(&self) -> usize {
+        let overflow: usize = self
+            .overflow
+            .values()
+            .map(|v| v.capacity() * 2 + 24)
+            .sum::<usize>()
+            + self.overflow.capacity() * (4 + 24 + 1);
+        self.slots.capacity() * size_of::<Slot>()
+            + self.table.capacity() * (size_of::<u32>() + 1)
+            + self.free.capacity() * 4
+            + self.per_replica.capacity() * 8
+            + overflow
+    }
+
+    #[inline]
+    fn find(&self, key: u64) -> Option<u32> {
+        let slots = &self.slots;
+        self.table
+            .find(mix(key, self.secret), |&s| slots[s as usize].key == key)
+            .copied()
+    }
+
+    fn holders(&self, slot: u32) -> &[u16] {
+        let s = &self.slots[slot as usize];
+        if s.len == OVERFLOW {
+            self.overflow.get(&slot).map_or(&[], |v| v.as_slice())
+        } else {
+            &s.inline[..s.len as usize]
+        }
+    }
+
+    /// Records that `replica` stores `keys` on `tier`. Out-of-range replicas are ignored (returns false).
+    pub fn store(&mut self, replica: usize, tier: Tier, keys: &[u64]) -> bool {
+        if replica >= self.replicas {
+            return false;
+        }
+        let bit = 1u8 << (tier as u8);
+        for &key in keys {
+            let slot = match self.find(key) {
+                Some(s) => s,
+                None => self.insert(key),
+            };
+            self.slots[slot as usize].referenced = true;
+            self.add_holder(slot, replica, bit);
+        }
+        true
+    }
+
+    /// Records that `replica` no longer holds `keys` on `tier`. Unknown keys are ignored.
+    pub fn remove(&mut self, replica: usize, tier: Tier, keys: &[u64]) -> bool {
+        if replica >= self.replicas {
+            return false;
+        }
+        let bit = 1u8 << (tier as u8);
+        for &key in keys {
+            if let Some(slot) = self.find(key) {
+                self.drop_holder(slot, replica, bit);
+            }
+        }
+        true
+    }
+
+    /// Drops everything a replica holds (engine restart, `cleared`, or a feed resync). O(indexed blocks),
+    /// which is fine for an event that happens on restarts.
+    pub fn remove_replica(&mut self, replica: usize) {
+        if replica >= self.replicas || self.per_replica[replica] == 0 {
+            return;
+        }
+        for slot in 0..self.slots.len() as u32 {
+            if self.slots[slot as usize].len != 0 {
+                self.drop_holder(slot, replica, 0b111);
+            }
+        }
+    }
+
+    /// For a request's block hashes, each replica's longest run of leading blocks, split by the tier of
+    /// the best copy. `out` is resized to the replica count. Matched blocks count as touched.
+    pub fn match_prefix(&mut self, keys: &[u64], out: &mut Vec<TierCounts>) {
+        out.clear();
+        out.resize(self.replicas, [0; 3]);
+        for (i, &key) in keys.iter().enumerate() {
+            let Some(slot) = self.find(key) else { break };
+            let mut any = false;
+            let s = &self.slots[slot as usize];
+            let holders: &[u16] = if s.len == OVERFLOW {
+                self.overflow.get(&slot).map_or(&[], |v| v.as_slice())
+            } else {
+                &s.inline[..s.len as usize]
+            };
+            for &h in holders {
+                let r = holder_replica(h);
+                let c = &mut out[r];
+                if (c[0] + c[1] + c[2]) as usize == i {
+                    c[best_tier(holder_mask(h))] += 1;
+                    any = true;
+                }
+            }
+            if !any {
+                break;
+            }
+            self.slots[slot as usize].referenced = true;
+        }
+    }
+
+    /// Whether `replica` holds `key` on `tier` (tests and debugging).
+    pub fn holds(&self, replica: usize, tier: Tier, key: u64) -> bool {
+        self.find(key).is_some_and(|s| {
+            self.holders(s)
+                .iter()
+                .any(|&h| holder_replica(h) == replica && holder_mask(h) & (1 << tier as u8) != 0)
+        })
+    }
+
+    fn insert(&mut self, key: u64) -> u32 {
+        if self.live >= self.capacity {
+            self.evict_one();
+        }
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.slots[s as usize] = Slot { key, ..Slot::FREE };
+                s
+            }
+            None => {
+                if self.slots.len() == self.slots.capacity() {
+                    let room = self.capacity.saturating_sub(self.slots.len()).max(1);
+                    self.slots.reserve_exact(self.slots.len().max(16).min(room));
+                }
+                self.slots.push(Slot { key, ..Slot::FREE });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slots = &self.slots;
+        let secret = self.secret;
+        self.table.insert_unique(mix(key, secret), slot, |&s| {
+            mix(slots[s as usize].key, secret)
+        });
+        self.live += 1;
+        slot
+    }
+
+    fn evict_one(&mut self) {
+        let n = self.slots.len();
+        // Two sweeps always suffice: the first clears every referenced bit.
+        for _ in 0..=2 * n {
+            let s = self.hand;
+            self.hand = if self.hand + 1 >= n { 0 } else { self.hand + 1 };
+            let slot = &mut self.slots[s];
+            if slot.len == 0 {
+                continue;
+            }
+            if slot.referenced {
+                slot.referenced = false;
+                continue;
+            }
+            self.free_slot(s as u32);
+            self.evictions += 1;
+            return;
+        }
+    }
+
+    fn free_slot(&mut self, slot: u32) {
+        let key = self.slots[slot as usize].key;
+        let slots = &self.slots;
+        if let Ok(entry) = self
+            .table
+            .find_entry(mix(key, self.secret), |&s| slots[s as usize].key == key)
+        {
+            entry.remove();
+        }
+        let holders: Vec<u16> = if self.slots[slot as usize].len == OVERFLOW {
+            self.overflow.remove(&slot).unwrap_or_default()
+        } else {
+            let s = &self.slots[slot as usize];
+            s.inline[..s.len as usize].to_vec()
+        };
+        for h in holders {
+            let r = holder_replica(h);
+            self.per_replica[r] = self.per_replica[r].saturating_sub(1);
+        }
+        self.slots[slot as usize] = Slot::FREE;
+        self.free.push(slot);
+        self.live -= 1;
+    }
+
+    fn add_holder(&mut self, slot: u32, replica: usize, bit: u8) {
+        let s = &mut self.slots[slot as usize];
+        if s.len == OVERFLOW {
+            let v = self.overflow.entry(slot).or_default();
+            if let Some(h) = v.iter_mut().find(|h| holder_replica(**h) == replica) {
+                *h |= bit as u16;
+            } else {
+                v.push(holder(replica, bit));
+                self.per_replica[replica] += 1;
+            }
+            return;
+        }
+        let len = s.len as usize;
+        if let Some(h) = s.inline[..len]
+            .iter_mut()
+            .find(|h| holder_replica(**h) == replica)
+        {
+            *h |= bit as u16;
+            return;
+        }
+        self.per_replica[replica] += 1;
+        if len < INLINE {
+            s.inline[len] = holder(replica, bit);
+            s.len += 1;
+        } else {
+            let mut v = Vec::with_capacity(INLINE * 2);
+            v.extend_from_slice(&s.inline);
+            v.push(holder(replica, bit));
+            s.len = OVERFLOW;
+            self.overflow.insert(slot, v);
+        }
+    }
+
+    /// Clears `bits` of `replica`'s tier mask on a block; frees the block when nobody holds it.
+    fn drop_holder(&mut self, slot: u32, replica: usize, bits: u8) {
+        let s = &mut self.slots[slot as usize];
+        let remaining = if s.len == OVERFLOW {
+            let Some(v) = self.overflow.get_mut(&slot) else {
+                return;
+            };
+            let Some(i) = v.iter().position(|h| holder_replica(*h) == replica) else {
+                return;
+            };
+            v[i] &= !(bits as u16);
+            if holder_mask(v[i]) == 0 {
+                v.swap_remove(i);
+                self.per_replica[replica] = self.per_replica[replica].saturating_sub(1);
+            }
+            if v.len() <= INLINE {
+                let n = v.len();
+                s.inline[..n].copy_from_slice(v);
+                s.len = n as u8;
+                self.overflow.remove(&slot);
+            }
+            if s.len == OVERFLOW {
+                INLINE + 1
+            } else {
+                s.len as usize
+            }
+        } else {
+            let len = s.len as usize;
+            let Some(i) = s.inline[..len]
+                .iter()
+                .position(|h| holder_replica(*h) == replica)
+            else {
+                return;
+            };
+            s.inline[i] &= !(bits as u16);
+            if holder_mask(s.inline[i]) == 0 {
+                s.inline[i] = s.inline[len - 1];
+                s.len -= 1;
+                self.per_replica[replica] = self.per_replica[replica].saturating_sub(1);
+            }
+            s.len as usize
+        };
+        if remaining == 0 {
+            self.free_slot(slot);
+        }
+    }
+
+    /// Checks internal invariants (tests): table and slab agree, counts match, cap holds.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> Result<(), String> {
+        if self.live > self.capacity {
+            return Err(format!("live {} over cap {}", self.live, self.capacity));
+        }
+        if self.table.len() != self.live {
+            return Err(format!("table {} vs live {}", self.table.len(), self.live));
+        }
+        let mut per = vec![0u64; self.replicas];
+        let mut live = 0;
+        for (i, s) in self.slots.iter().enumerate() {
+            if s.len == 0 {
+                continue;
+            }
+            live += 1;
+            if self.find(s.key) != Some(i as u32) {
+                return Err(format!("slot {i} not findable"));
+            }
+            for &h in self.holders(i as u32) {
+                if holder_mask(h) == 0 {
+                    return Err(format!("slot {i} has an empty holder"));
+                }
+                per[holder_replica(h)] += 1;
+            }
+            if self.holders(i as u32).is_empty() {
+                return Err(format!("slot {i} live without holders"));
+            }
+        }
+        if live != self.live {
+            return Err(format!("counted {live} live vs {}", self.live));
+        }
+        if per != self.per_replica {
+            return Err(format!("per replica {per:?} vs {:?}", self.per_replica));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn longest_leading_run_per_replica_by_tier() {
+        let mut ix = KvIndex::new(100, 3, 9);
+        ix.store(0, Tier::Gpu, &[1, 2, 3]);
+        ix.store(1, Tier::Gpu, &[1]);
+        ix.store(1, Tier::Host, &[2, 3]);
+        ix.store(2, Tier::Gpu, &[2, 3]); // no block 1: no leading run
+        let mut out = Vec::new();
+        ix.match_prefix(&[1, 2, 3, 4], &mut out);
+        assert_eq!(out, vec![[3, 0, 0], [1, 2, 0], [0, 0, 0]]);
+        // GPU beats host when both hold it.
+        ix.store(1, Tier::Gpu, &[2]);
+        ix.match_prefix(&[1, 2, 3], &mut out);
+        assert_eq!(out[1], [2, 1, 0]);
+        ix.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_gap_ends_the_run() {
+        let mut ix = KvIndex::new(100, 1, 0);
+        ix.store(0, Tier::Gpu, &[1, 3]);
+        let mut out = Vec::new();
+        ix.match_prefix(&[1, 2, 3], &mut out);
+        assert_eq!(out[0], [1, 0, 0]);
+    }
+
+    #[test]
+    fn remove_by_tier_and_replica_reset() {
+        let mut ix = KvIndex::new(100, 2, 0);
+        ix.store(0, Tier::Gpu, &[1, 2]);
+        ix.store(0, Tier::Host, &[1]);
+        ix.store(1, Tier::Disk, &[1, 2]);
+        ix.remove(0, Tier::Gpu, &[1]);
+        assert!(ix.holds(0, Tier::Host, 1));
+        assert!(!ix.holds(0, Tier::Gpu, 1));
+        assert_eq!(ix.replica_blocks(0), 2);
+        ix.remove_replica(1);
+        assert_eq!(ix.replica_blocks(1), 0);
+        assert!(!ix.holds(1, Tier::Disk, 2));
+        ix.remove(0, Tier::Host, &[1]);
+        ix.remove(0, Tier::Gpu, &[2, 99]);
+        assert!(ix.is_empty());
+        ix.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn many_holders_overflow_and_shrink_back() {
+        let mut ix = KvIndex::new(10, 300, 0);
+        for r in 0..300 {
+            ix.store(r, Tier::Gpu, &[42]);
+        }
+        let mut out = Vec::new();
+        ix.match_prefix(&[42], &mut out);
+        assert!(out.iter().all(|c| *c == [1, 0, 0]));
+        ix.check_invariants().unwrap();
+        for r in 0..298 {
+            ix.remove(r, Tier::Gpu, &[42]);
+        }
+        ix.check_invariants().unwrap();
+        assert!(ix.holds(299, Tier::Gpu, 42));
+        assert!(ix.overflow.is_empty());
+    }
+
+    #[test]
+    fn cap_evicts_unreferenced_first() {
+        let mut ix = KvIndex::new(4, 1, 0);
+        ix.store(0, Tier::Gpu, &[1, 2, 3, 4]);
+        // All referenced: first sweep clears bits, then 1 goes.
+        ix.store(0, Tier::Gpu, &[5]);
+        assert_eq!(ix.len(), 4);
+        assert_eq!(ix.evictions(), 1);
+        assert!(!ix.holds(0, Tier::Gpu, 1));
+        // Touch 2 by matching... it is not a leading block of [2]? It is: a run starting at 2.
+        let mut out = Vec::new();
+        ix.match_prefix(&[2], &mut out);
+        ix.store(0, Tier::Gpu, &[6]);
+        assert!(ix.holds(0, Tier::Gpu, 2), "touched block survives");
+        assert!(!ix.holds(0, Tier::Gpu, 3), "untouched block goes");
+        ix.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn out_of_range_replica_is_ignored() {
+        let mut ix = KvIndex::new(4, 2, 0);
+        assert!(!ix.store(2, Tier::Gpu, &[1]));
+        assert!(!ix.remove(5, Tier::Gpu, &[1]));
+        ix.remove_replica(7);
+        assert!(ix.is_empty());
+    }
+}

@@ -1,0 +1,327 @@
+//! The token-load table (DESIGN section 1): the work each replica still has to do, tracked through
+//! every request's life as this router sees it.
+//!
+//! Transitions:
+//! - **admit**: the prompt tokens the chosen replica does not already cache become prefill load;
+//! - **first token**: that prefill load is done; the request now holds its prompt's KV blocks, read at
+//!   every decode step, so they become decode load;
+//! - **decode progress**: one more block at each block boundary of the output; with an output-length
+//!   hint (and `use_output_hint`) the request's decode blocks are weighted by `1 - generated/expected`,
+//!   so a request about to finish weighs little;
+//! - **complete or abort** (`release`): everything the request contributes is removed. Releasing an
+//!   unknown request (double release, or one admitted by another worker) does nothing and is counted.
+
+use hashbrown::HashMap;
+
+/// Router-tracked totals for one replica; also what a worker publishes to its peers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadTotals {
+    pub prefill_tokens: u64,
+    pub decode_blocks: u64,
+    pub active_requests: u32,
+}
+
+/// Bytes of one encoded [`LoadTotals`].
+pub const LOAD_TOTALS_LEN: usize = 20;
+const LOAD_MAGIC: [u8; 4] = *b"KVLT";
+
+/// Why published totals could not be read back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LoadDecodeError {
+    BadMagic,
+    /// The length is not a header plus a whole number of entries, or disagrees with the count.
+    BadLength {
+        len: usize,
+    },
+}
+
+impl core::fmt::Display for LoadDecodeError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            LoadDecodeError::BadMagic => write!(f, "load totals: bad magic"),
+            LoadDecodeError::BadLength { len } => write!(f, "load totals: bad length {len}"),
+        }
+    }
+}
+
+impl LoadTotals {
+    fn add(&mut self, o: &LoadTotals) {
+        self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);
+        self.decode_blocks = self.decode_blocks.saturating_add(o.decode_blocks);
+        self.active_requests = self.active_requests.saturating_add(o.active_requests);
+    }
+
+    /// Compact encoding of a per-replica vector for proxy shared data: `KVLT`, a u32 count, then
+    /// `prefill_tokens u64 | decode_blocks u64 | active_requests u32` per replica, little-endian.
+    pub fn encode_all(totals: &[LoadTotals]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 + totals.len() * LOAD_TOTALS_LEN);
+        out.extend_from_slice(&LOAD_MAGIC);
+        out.extend_from_slice(&(totals.len() as u32).to_le_bytes());
+        for t in totals {
+            out.extend_from_slice(&t.prefill_tokens.to_le_bytes());
+            out.extend_from_slice(&t.decode_blocks.to_le_bytes());
+            out.extend_from_slice(&t.active_requests.to_le_bytes());
+        }
+        out
+    }
+
+    /// Decodes [`LoadTotals::encode_all`] output, refusing anything malformed.
+    pub fn decode_all(buf: &[u8]) -> Result<Vec<LoadTotals>, LoadDecodeError> {
+        let bad = LoadDecodeError::BadLength { len: buf.len() };
+        if buf.len() < 8 {
+            return Err(bad);
+        }
+        if buf[..4] != LOAD_MAGIC {
+            return Err(LoadDecodeError::BadMagic);
+        }
+        let count = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
+        let body = &buf[8..];
+        if body.len() % LOAD_TOTALS_LEN != 0 || body.len() / LOAD_TOTALS_LEN != count {
+            return Err(bad);
+        }
+        Ok(body
+            .chunks_exact(LOAD_TOTALS_LEN)
+            .map(|c| {
+                let u64_at = |i: usize| {
+                    let mut b = [0u8; 8];
+                    b.copy_from_slice(&c[i..i + 8]);
+                    u64::from_le_bytes(b)
+                };
+                LoadTotals {
+                    prefill_tokens: u64_at(0),
+                    decode_blocks: u64_at(8),
+                    active_requests: u32::from_le_bytes([c[16], c[17], c[18], c[19]]),
+                }
+            })
+            .collect())
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Tracked {
+    replica: usize,
+    /// Uncached prompt tokens charged as prefill until the first token.
+    prefill_tokens: u64,
+    /// Blocks of the whole prompt (cached or not): read at every decode step.
+    prompt_blocks: u64,
+    expected_output: Option<u64>,
+    decoding: bool,
+    /// Decode blocks currently charged to the replica for this request.
+    charged_blocks: u64,
+}
+
+/// Per-replica tracked load and the requests behind it.
+#[derive(Clone, Debug)]
+pub struct LoadTable {
+    block_size: u64,
+    use_output_hint: bool,
+    totals: Vec<LoadTotals>,
+    requests: HashMap<u64, Tracked>,
+    release_anomalies: u64,
+}
+
+impl LoadTable {
+    pub fn new(replicas: usize, block_size: usize, use_output_hint: bool) -> Self {
+        Self {
+            block_size: block_size.max(1) as u64,
+            use_output_hint,
+            totals: vec![LoadTotals::default(); replicas],
+            requests: HashMap::new(),
+            release_anomalies: 0,
+        }
+    }
+
+    pub fn totals(&self) -> &[LoadTotals] {
+        &self.totals
+    }
+    pub fn active(&self) -> usize {
+        self.requests.len()
+    }
+    /// Releases or progress reports for requests this table does not know.
+    pub fn release_anomalies(&self) -> u64 {
+        self.release_anomalies
+    }
+
+    /// Starts tracking a request routed to `replica` with `uncached_tokens` of `prompt_tokens` to
+    /// prefill. Re-admitting a known id first releases the old one. Returns false for a bad replica.
+    pub fn admit(
+        &mut self,
+        request_id: u64,
+        replica: usize,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+        expected_output: Option<u64>,
+    ) -> bool {
+        if replica >= self.totals.len() {
+            return false;
+        }
+        if self.requests.contains_key(&request_id) {
+            self.release(request_id);
+        }
+        let t = &mut self.totals[replica];
+        let prefill = uncached_tokens.min(prompt_tokens);
+        t.prefill_tokens = t.prefill_tokens.saturating_add(prefill);
+        t.active_requests = t.active_requests.saturating_add(1);
+        self.requests.insert(
+            request_id,
+            Tracked {
+                replica,
+                prefill_tokens: prefill,
+                prompt_blocks: prompt_tokens.div_ceil(self.block_size),
+                expected_output: expected_output.filter(|&e| e > 0),
+                decoding: false,
+                charged_blocks: 0,
+            },
+        );
+        true
+    }
+
+    /// The first output token arrived: prefill load becomes decode load.
+    pub fn first_token(&mut self, request_id: u64) {
+        let Some(r) = self.requests.get_mut(&request_id) else {
+            self.release_anomalies += 1;
+            return;
+        };
+        if r.decoding {
+            return;
+        }
+        r.decoding = true;
+        let t = &mut self.totals[r.replica];
+        t.prefill_tokens = t.prefill_tokens.saturating_sub(r.prefill_tokens);
+        r.prefill_tokens = 0;
+        Self::recharge(t, r, self.block_size, self.use_output_hint, 1);
+    }
+
+    /// `generated` output tokens so far (cumulative). Implies the first token.
+    pub fn decode_progress(&mut self, request_id: u64, generated: u64) {
+        if !self.requests.contains_key(&request_id) {
+            self.release_anomalies += 1;
+            return;
+        }
+        self.first_token(request_id);
+        if let Some(r) = self.requests.get_mut(&request_id) {
+            let t = &mut self.totals[r.replica];
+            Self::recharge(t, r, self.block_size, self.use_output_hint, generated);
+        }
+    }
+
+    fn recharge(t: &mut LoadTotals, r: &mut Tracked, bs: u64, hint: bool, generated: u64) {
+        let blocks = r.prompt_blocks + generated / bs;
+        let charged = match (hint, r.expected_output) {
+            (true, Some(expected)) => {
+                let w = 1.0 - (generated as f64 / expected as f64).min(1.0);
+                (blocks as f64 * w).ceil() as u64
+            }
+            _ => blocks,
+        };
+        t.decode_blocks = t
+            .decode_blocks
+            .saturating_sub(r.charged_blocks)
+            .saturating_add(charged);
+        r.charged_blocks = charged;
+    }
+
+    /// Completion or abort: removes everything the request contributes. False (and counted) when the
+    /// request is unknown.
+    pub fn release(&mut self, request_id: u64) -> bool {
+        let Some(r) = self.requests.remove(&request_id) else {
+            self.release_anomalies += 1;
+            return false;
+        };
+        let t = &mut self.totals[r.replica];
+        t.prefill_tokens = t.prefill_tokens.saturating_sub(r.prefill_tokens);
+        t.decode_blocks = t.decode_blocks.saturating_sub(r.charged_blocks);
+        t.active_requests = t.active_requests.saturating_sub(1);
+        true
+    }
+
+    /// Sum of this table and the given peer contributions, per replica.
+    pub fn combined<'a>(&self, peers: impl Iterator<Item = &'a [LoadTotals]>) -> Vec<LoadTotals> {
+        let mut out = self.totals.clone();
+        for p in peers {
+            for (o, t) in out.iter_mut().zip(p) {
+                o.add(t);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn life_cycle_moves_load_and_releases_all() {
+        let mut t = LoadTable::new(2, 16, false);
+        assert!(t.admit(1, 1, 100, 60, None));
+        assert_eq!(
+            t.totals()[1],
+            LoadTotals {
+                prefill_tokens: 60,
+                decode_blocks: 0,
+                active_requests: 1
+            }
+        );
+        t.first_token(1);
+        assert_eq!(t.totals()[1].prefill_tokens, 0);
+        assert_eq!(t.totals()[1].decode_blocks, 7); // ceil(100/16)
+        t.decode_progress(1, 15);
+        assert_eq!(t.totals()[1].decode_blocks, 7);
+        t.decode_progress(1, 16);
+        assert_eq!(t.totals()[1].decode_blocks, 8);
+        t.decode_progress(1, 40);
+        assert_eq!(t.totals()[1].decode_blocks, 9);
+        assert!(t.release(1));
+        assert_eq!(t.totals()[1], LoadTotals::default());
+        assert!(!t.release(1), "double release is harmless");
+        assert_eq!(t.release_anomalies(), 1);
+        assert!(!t.admit(2, 5, 10, 10, None), "bad replica");
+    }
+
+    #[test]
+    fn output_hint_weights_decode_blocks() {
+        let mut t = LoadTable::new(1, 16, true);
+        t.admit(1, 0, 160, 160, Some(160));
+        t.first_token(1);
+        assert_eq!(t.totals()[0].decode_blocks, 10);
+        t.decode_progress(1, 80); // 15 blocks, half done
+        assert_eq!(t.totals()[0].decode_blocks, 8);
+        t.decode_progress(1, 160);
+        assert_eq!(t.totals()[0].decode_blocks, 0);
+        t.release(1);
+        assert_eq!(t.totals()[0], LoadTotals::default());
+    }
+
+    #[test]
+    fn release_before_first_token_removes_prefill() {
+        let mut t = LoadTable::new(1, 16, false);
+        t.admit(1, 0, 100, 100, None);
+        t.admit(2, 0, 50, 20, None);
+        t.release(1);
+        assert_eq!(t.totals()[0].prefill_tokens, 20);
+        assert_eq!(t.totals()[0].active_requests, 1);
+        t.decode_progress(9, 3);
+        assert_eq!(t.release_anomalies(), 1);
+    }
+
+    #[test]
+    fn totals_encoding_round_trips_and_refuses_garbage() {
+        let v = vec![
+            LoadTotals {
+                prefill_tokens: 1,
+                decode_blocks: u64::MAX,
+                active_requests: 7,
+            },
+            LoadTotals::default(),
+        ];
+        let b = LoadTotals::encode_all(&v);
+        assert_eq!(LoadTotals::decode_all(&b).unwrap(), v);
+        for cut in 0..b.len() {
+            assert!(LoadTotals::decode_all(&b[..cut]).is_err());
+        }
+        let mut bad = b.clone();
+        bad[0] = b'x';
+        assert_eq!(LoadTotals::decode_all(&bad), Err(LoadDecodeError::BadMagic));
+    }
+}
