@@ -1,1 +1,19 @@
-//! Simulated engine replica (issue 3).
+//! kvsteer-sim: a simulated vLLM-like engine replica (issue 3, DESIGN sections 5 and 6).
+//!
+//! The [`engine`] model runs in virtual time for the local harness (fast and deterministic for a seed)
+//! and behind the OpenAI-compatible [`server`] in real, optionally scaled, time. It shares block
+//! identity and the feed format with the routing core (`kvsteer_core::block`, `kvsteer_core::feed`).
+//! docs/simulator.md describes the model, its parameters and their sources.
+
+pub mod engine;
+pub mod feed_log;
+pub mod kv;
+pub mod output;
+pub mod profile;
+pub mod tokenize;
+
+pub use engine::{
+    Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats, FinishReason, SubmitError,
+};
+pub use output::{OutputLen, output_token};
+pub use profile::{Profile, StepWork};

@@ -1,0 +1,822 @@
+//! The engine model: vLLM-style continuous batching over a paged KV cache, in virtual time.
+//!
+//! The scheduler follows vLLM V1's unified model: every sequence has `tokens` (prompt plus output so
+//! far) and `computed` (tokens whose KV exists); each step gives each scheduled sequence
+//! `tokens - computed` new tokens to compute, capped by a per-step token budget (chunked prefill), so
+//! prefill, decode and recompute after preemption are the same thing. Running sequences are served
+//! first in arrival order; when blocks run out the most recently admitted running sequence is
+//! preempted (its blocks freed, its progress recomputed later); waiting requests are admitted in FCFS
+//! order while the budget, the running cap and the free blocks allow, after a prefix-cache lookup.
+//! When a sequence's tokens are all computed at the end of a step it samples one token.
+//!
+//! Time is integer microseconds given by the caller: [`Engine::next_event_time`] says when the
+//! current step ends and [`Engine::advance`] completes every step that ends by a time. Nothing depends
+//! on wall time or on hash-map iteration order, so a run is reproducible for a seed.
+
+use crate::feed_log::FeedLog;
+use crate::kv::KvCache;
+use crate::output::{OutputLen, mix64, output_token};
+use crate::profile::{Profile, StepWork, attn_pairs};
+use hashbrown::HashMap;
+use kvsteer_core::block::{BlockHasher, SeqHash};
+use kvsteer_core::feed::{FeedBatch, FeedQuery, ReplicaLoad};
+use std::collections::VecDeque;
+
+/// Engine configuration. [`EngineConfig::default`] is Llama-3.1-8B on one H100 with vLLM's defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineConfig {
+    /// Tokens per KV block (vLLM's default 16).
+    pub block_size: usize,
+    /// GPU KV blocks.
+    pub kv_blocks: u32,
+    /// Host-memory KV blocks (0: no host tier).
+    pub host_blocks: u32,
+    /// Token budget per step (vLLM `max_num_batched_tokens`).
+    pub max_batch_tokens: u32,
+    /// Cap on running sequences (vLLM `max_num_seqs`).
+    pub max_running: u32,
+    /// Context limit: prompt plus `max_tokens`.
+    pub max_model_len: u32,
+    pub profile: Profile,
+    /// Output length of requests that do not set `ignore_eos`.
+    pub output_len: OutputLen,
+    pub seed: u64,
+    /// Epoch of the first start (0: derived from the seed, so virtual runs are reproducible).
+    pub epoch: u64,
+    /// Hashes the feed log retains before a lagging router needs a snapshot.
+    pub feed_log_hashes: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        let profile = Profile::default();
+        Self {
+            block_size: 16,
+            kv_blocks: profile.kv_blocks_16,
+            host_blocks: 0,
+            max_batch_tokens: 8192,
+            max_running: 256,
+            max_model_len: profile.max_model_len,
+            profile,
+            output_len: OutputLen::default(),
+            seed: 0,
+            epoch: 0,
+            feed_log_hashes: 1 << 20,
+        }
+    }
+}
+
+/// One request as the engine sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineRequest {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    /// Generate exactly `max_tokens` (vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
+    /// Generate at least this many tokens (vLLM's `min_tokens`).
+    pub min_tokens: u32,
+}
+
+/// Why a request was refused at submission.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SubmitError {
+    EmptyPrompt,
+    ZeroMaxTokens,
+    DuplicateId(u64),
+    /// Prompt plus `max_tokens` exceeds the context limit.
+    TooLong {
+        tokens: u64,
+        max_model_len: u32,
+    },
+    /// The request could never fit in the KV cache even alone.
+    ExceedsKvCapacity {
+        blocks: u64,
+        kv_blocks: u32,
+    },
+}
+
+impl core::fmt::Display for SubmitError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            SubmitError::EmptyPrompt => write!(f, "the prompt is empty"),
+            SubmitError::ZeroMaxTokens => write!(f, "max_tokens must be at least 1"),
+            SubmitError::DuplicateId(id) => write!(f, "request id {id} is already in flight"),
+            SubmitError::TooLong {
+                tokens,
+                max_model_len,
+            } => write!(
+                f,
+                "this model's maximum context length is {max_model_len} tokens, but the request \
+                 needs {tokens} tokens (prompt plus max_tokens)"
+            ),
+            SubmitError::ExceedsKvCapacity { blocks, kv_blocks } => write!(
+                f,
+                "the request needs {blocks} KV blocks but the cache holds {kv_blocks}"
+            ),
+        }
+    }
+}
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// Reached `max_tokens`.
+    Length,
+    /// Reached its natural (EOS) length.
+    Stop,
+    /// Aborted by the client or by a restart.
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// What the engine reports as steps complete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EngineEvent {
+    FirstToken {
+        id: u64,
+        t_us: u64,
+        cached_tokens: u32,
+        token: u32,
+    },
+    Token {
+        id: u64,
+        t_us: u64,
+        token: u32,
+    },
+    Finished {
+        id: u64,
+        t_us: u64,
+        prompt_tokens: u32,
+        cached_tokens: u32,
+        completion_tokens: u32,
+        reason: FinishReason,
+    },
+}
+
+impl EngineEvent {
+    pub fn id(&self) -> u64 {
+        match self {
+            EngineEvent::FirstToken { id, .. }
+            | EngineEvent::Token { id, .. }
+            | EngineEvent::Finished { id, .. } => *id,
+        }
+    }
+}
+
+/// Prometheus-style histogram with fixed upper bounds (seconds).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Histogram {
+    pub bounds: &'static [f64],
+    /// Count per bucket (non-cumulative); one extra for +Inf.
+    pub counts: Vec<u64>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+/// vLLM's `time_to_first_token_seconds` buckets.
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// vLLM's `inter_token_latency_seconds` buckets.
+pub const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: vec![0; bounds.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        let i = self.bounds.partition_point(|b| *b < v);
+        self.counts[i] += 1;
+        self.sum += v;
+        self.count += 1;
+    }
+}
+
+/// Counters the engine keeps for `/metrics` (cumulative across restarts).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineStats {
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    /// Prompt tokens looked up in the prefix cache (vLLM `prefix_cache_queries`).
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found (vLLM `prefix_cache_hits`), host-tier hits included.
+    pub prefix_cache_hits: u64,
+    pub preemptions: u64,
+    pub steps: u64,
+    pub finished_length: u64,
+    pub finished_stop: u64,
+    pub finished_abort: u64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+}
+
+impl Default for EngineStats {
+    fn default() -> Self {
+        Self {
+            prompt_tokens: 0,
+            generation_tokens: 0,
+            prefix_cache_queries: 0,
+            prefix_cache_hits: 0,
+            preemptions: 0,
+            steps: 0,
+            finished_length: 0,
+            finished_stop: 0,
+            finished_abort: 0,
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Seq {
+    id: u64,
+    tokens: Vec<u32>,
+    prompt_len: u32,
+    /// Sequence hashes of every full block of `tokens`.
+    hashes: Vec<u64>,
+    /// Blocks of `blocks` registered in the prefix cache.
+    registered: usize,
+    blocks: Vec<u32>,
+    computed: usize,
+    generated: u32,
+    target: u32,
+    max_tokens: u32,
+    /// Prefix-cache hit at first scheduling (`None` until then).
+    cached_tokens: Option<u32>,
+    arrival_us: u64,
+    last_token_us: u64,
+}
+
+impl Seq {
+    fn decoding(&self) -> bool {
+        self.generated > 0 && self.tokens.len() - self.computed == 1
+    }
+}
+
+#[derive(Debug)]
+struct Step {
+    end_us: u64,
+    /// (slot, request id, tokens computed)
+    work: Vec<(u32, u64, u32)>,
+}
+
+/// A simulated engine replica.
+#[derive(Debug)]
+pub struct Engine {
+    cfg: EngineConfig,
+    hasher: BlockHasher,
+    kv: KvCache,
+    log: FeedLog,
+    slots: Vec<Option<Seq>>,
+    free_slots: Vec<u32>,
+    by_id: HashMap<u64, u32>,
+    running: Vec<u32>,
+    waiting: VecDeque<u32>,
+    step: Option<Step>,
+    now_us: u64,
+    pending: Vec<EngineEvent>,
+    slowdown: f64,
+    restarts: u64,
+    stats: EngineStats,
+    scratch: Vec<(u32, u64, u32)>,
+}
+
+impl Engine {
+    /// A fresh engine. An unusable block size falls back to 16 (the configuration is the caller's;
+    /// the server validates its flags before getting here).
+    pub fn new(mut cfg: EngineConfig) -> Engine {
+        let hasher = BlockHasher::new(cfg.block_size).unwrap_or_else(|_| {
+            cfg.block_size = 16;
+            BlockHasher::new(16).expect("16 is a valid block size")
+        });
+        cfg.max_batch_tokens = cfg.max_batch_tokens.max(1);
+        cfg.max_running = cfg.max_running.max(1);
+        let epoch = if cfg.epoch != 0 {
+            cfg.epoch
+        } else {
+            mix64(cfg.seed ^ 0x6570_6f63_68) | 1
+        };
+        Engine {
+            kv: KvCache::new(cfg.kv_blocks, cfg.host_blocks),
+            log: FeedLog::new(epoch, cfg.feed_log_hashes),
+            hasher,
+            cfg,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            by_id: HashMap::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            step: None,
+            now_us: 0,
+            pending: Vec::new(),
+            slowdown: 1.0,
+            restarts: 0,
+            stats: EngineStats::default(),
+            scratch: Vec::new(),
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.log.epoch()
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// The engine's clock: the last time it was given.
+    pub fn now_us(&self) -> u64 {
+        self.now_us
+    }
+
+    /// Multiplies every later step's duration (a "slow GPU" fault); values below 0.01 are clamped.
+    pub fn set_slowdown(&mut self, factor: f64) {
+        self.slowdown = if factor.is_finite() {
+            factor.max(0.01)
+        } else {
+            1.0
+        };
+    }
+
+    pub fn slowdown(&self) -> f64 {
+        self.slowdown
+    }
+
+    /// Requests running or waiting.
+    pub fn in_flight(&self) -> usize {
+        self.running.len() + self.waiting.len()
+    }
+
+    /// The token id this engine generates at `position` of request `id`.
+    pub fn output_token(&self, id: u64, position: u32) -> u32 {
+        output_token(self.cfg.seed, id, position)
+    }
+
+    /// Queues a request arriving at `now_us`.
+    pub fn submit(&mut self, now_us: u64, req: EngineRequest) -> Result<(), SubmitError> {
+        if req.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if req.max_tokens == 0 {
+            return Err(SubmitError::ZeroMaxTokens);
+        }
+        if self.by_id.contains_key(&req.id) {
+            return Err(SubmitError::DuplicateId(req.id));
+        }
+        let tokens = req.prompt.len() as u64 + req.max_tokens as u64;
+        if tokens > self.cfg.max_model_len as u64 {
+            return Err(SubmitError::TooLong {
+                tokens,
+                max_model_len: self.cfg.max_model_len,
+            });
+        }
+        let blocks = tokens.div_ceil(self.cfg.block_size as u64);
+        if blocks > self.cfg.kv_blocks as u64 {
+            return Err(SubmitError::ExceedsKvCapacity {
+                blocks,
+                kv_blocks: self.cfg.kv_blocks,
+            });
+        }
+        let now_us = now_us.max(self.now_us);
+        self.now_us = now_us;
+        let target = self.cfg.output_len.target(
+            self.cfg.seed,
+            req.id,
+            req.max_tokens,
+            req.ignore_eos,
+            req.min_tokens,
+        );
+        let hashes: Vec<u64> = self
+            .hasher
+            .sequence_hashes(&req.prompt)
+            .into_iter()
+            .map(|h| h.0)
+            .collect();
+        let prompt_len = req.prompt.len() as u32;
+        let mut tokens = req.prompt;
+        tokens.reserve(target as usize);
+        let seq = Seq {
+            id: req.id,
+            tokens,
+            prompt_len,
+            hashes,
+            registered: 0,
+            blocks: Vec::new(),
+            computed: 0,
+            generated: 0,
+            target,
+            max_tokens: req.max_tokens,
+            cached_tokens: None,
+            arrival_us: now_us,
+            last_token_us: now_us,
+        };
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s as usize] = Some(seq);
+                s
+            }
+            None => {
+                self.slots.push(Some(seq));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.by_id.insert(req.id, slot);
+        self.waiting.push_back(slot);
+        self.stats.prompt_tokens += prompt_len as u64;
+        if self.step.is_none() {
+            self.plan(now_us);
+        }
+        self.log.publish();
+        Ok(())
+    }
+
+    /// Aborts a request; true when it was in flight. Its `Finished { reason: Abort }` comes out of the
+    /// next [`Engine::advance`].
+    pub fn abort(&mut self, now_us: u64, id: u64) -> bool {
+        let Some(&slot) = self.by_id.get(&id) else {
+            return false;
+        };
+        self.now_us = self.now_us.max(now_us);
+        if let Some(i) = self.running.iter().position(|&s| s == slot) {
+            self.running.remove(i);
+        } else if let Some(i) = self.waiting.iter().position(|&s| s == slot) {
+            self.waiting.remove(i);
+        }
+        self.finish(slot, self.now_us, FinishReason::Abort, None);
+        true
+    }
+
+    /// A restart: every request in flight is aborted, the cache is cleared, and the feed starts a new
+    /// epoch (a router's next poll gets a snapshot).
+    pub fn restart(&mut self, now_us: u64) {
+        self.now_us = self.now_us.max(now_us);
+        let slots: Vec<u32> = self
+            .running
+            .drain(..)
+            .chain(self.waiting.drain(..))
+            .collect();
+        for slot in slots {
+            if let Some(seq) = self.slots[slot as usize].as_mut() {
+                // Blocks vanish with the cache; no release needed.
+                seq.blocks.clear();
+            }
+            self.finish(slot, self.now_us, FinishReason::Abort, None);
+        }
+        self.step = None;
+        self.kv.clear();
+        self.restarts += 1;
+        let epoch = mix64(self.log.epoch() ^ self.restarts) | 1;
+        self.log.reset(epoch);
+    }
+
+    /// When the step in progress ends; `None` when the engine is idle.
+    pub fn next_event_time(&self) -> Option<u64> {
+        self.step.as_ref().map(|s| s.end_us)
+    }
+
+    /// Runs every step that ends at or before `to_us`, appending what happened to `out`.
+    pub fn advance(&mut self, to_us: u64, out: &mut Vec<EngineEvent>) {
+        out.append(&mut self.pending);
+        while let Some(end) = self.step.as_ref().map(|s| s.end_us) {
+            if end > to_us {
+                break;
+            }
+            self.now_us = self.now_us.max(end);
+            self.complete_step(out);
+            self.plan(end);
+        }
+        self.now_us = self.now_us.max(to_us);
+        self.log.publish();
+    }
+
+    /// Load as the replica reports it in the feed.
+    pub fn load(&self) -> ReplicaLoad {
+        let mut prefill = 0u64;
+        let mut decode_blocks = 0u64;
+        for &s in &self.running {
+            if let Some(seq) = &self.slots[s as usize] {
+                if seq.decoding() {
+                    decode_blocks += seq.blocks.len() as u64;
+                } else {
+                    prefill += (seq.tokens.len() - seq.computed) as u64;
+                }
+            }
+        }
+        for &s in &self.waiting {
+            if let Some(seq) = &self.slots[s as usize] {
+                prefill += seq.tokens.len() as u64;
+            }
+        }
+        ReplicaLoad {
+            running: self.running.len() as u32,
+            waiting: self.waiting.len() as u32,
+            prefill_tokens: prefill,
+            decode_blocks,
+            kv_used_blocks: self.kv.used_blocks() as u64,
+            kv_total_blocks: self.kv.total_blocks() as u64,
+            block_size: self.cfg.block_size as u32,
+        }
+    }
+
+    /// KV blocks held by decoding sequences (DESIGN section 7's decode-block CV metric).
+    pub fn decode_blocks(&self) -> u64 {
+        self.load().decode_blocks
+    }
+
+    /// Fraction of GPU blocks referenced by running sequences (vLLM's `kv_cache_usage_perc`).
+    pub fn kv_usage(&self) -> f64 {
+        if self.kv.total_blocks() == 0 {
+            0.0
+        } else {
+            self.kv.referenced_blocks() as f64 / self.kv.total_blocks() as f64
+        }
+    }
+
+    /// Answers a feed poll.
+    pub fn feed(&mut self, q: &FeedQuery) -> FeedBatch {
+        self.log.publish();
+        let load = self.load();
+        let kv = &self.kv;
+        self.log.answer(q, load, || kv.snapshot())
+    }
+
+    /// Whether a sequence hash is cached on the GPU (for tests and diagnostics).
+    pub fn is_cached(&self, h: SeqHash) -> bool {
+        self.kv.is_cached(h.0)
+    }
+
+    fn seq(&self, slot: u32) -> &Seq {
+        self.slots[slot as usize]
+            .as_ref()
+            .expect("scheduled slots hold a sequence")
+    }
+
+    fn seq_mut(&mut self, slot: u32) -> &mut Seq {
+        self.slots[slot as usize]
+            .as_mut()
+            .expect("scheduled slots hold a sequence")
+    }
+
+    /// Frees a sequence's slot and blocks, reporting it finished.
+    fn finish(
+        &mut self,
+        slot: u32,
+        t_us: u64,
+        reason: FinishReason,
+        out: Option<&mut Vec<EngineEvent>>,
+    ) {
+        let Some(seq) = self.slots[slot as usize].take() else {
+            return;
+        };
+        self.kv.release(&seq.blocks);
+        self.by_id.remove(&seq.id);
+        self.free_slots.push(slot);
+        match reason {
+            FinishReason::Length => self.stats.finished_length += 1,
+            FinishReason::Stop => self.stats.finished_stop += 1,
+            FinishReason::Abort => self.stats.finished_abort += 1,
+        }
+        let ev = EngineEvent::Finished {
+            id: seq.id,
+            t_us,
+            prompt_tokens: seq.prompt_len,
+            cached_tokens: seq.cached_tokens.unwrap_or(0),
+            completion_tokens: seq.generated,
+            reason,
+        };
+        match out {
+            Some(out) => out.push(ev),
+            None => self.pending.push(ev),
+        }
+    }
+
+    /// Preempts (recompute) the most recently admitted running sequence.
+    fn preempt_last(&mut self) -> Option<u32> {
+        let slot = self.running.pop()?;
+        let seq = self.slots[slot as usize]
+            .as_mut()
+            .expect("running slots hold a sequence");
+        let blocks = std::mem::take(&mut seq.blocks);
+        seq.computed = 0;
+        seq.registered = 0;
+        self.kv.release(&blocks);
+        self.waiting.push_front(slot);
+        self.stats.preemptions += 1;
+        Some(slot)
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.cfg.block_size)
+    }
+
+    /// Schedules the next step starting at `start_us` (or goes idle when there is no work).
+    fn plan(&mut self, start_us: u64) {
+        let mut work = std::mem::take(&mut self.scratch);
+        work.clear();
+        let mut budget = self.cfg.max_batch_tokens as usize;
+        let mut w = StepWork::default();
+        let mut preempted = false;
+
+        // Running sequences first, in admission order.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let slot = self.running[i];
+            let (computed, total, held) = {
+                let s = self.seq(slot);
+                (s.computed, s.tokens.len(), s.blocks.len())
+            };
+            let n = (total - computed).min(budget);
+            let need = self.blocks_for(computed + n).saturating_sub(held);
+            let mut scheduled = true;
+            loop {
+                let mut blocks = std::mem::take(&mut self.seq_mut(slot).blocks);
+                let ok = self.kv.allocate(need, &mut blocks, &mut self.log);
+                self.seq_mut(slot).blocks = blocks;
+                if ok {
+                    break;
+                }
+                preempted = true;
+                match self.preempt_last() {
+                    Some(v) if v == slot => {
+                        scheduled = false;
+                        break;
+                    }
+                    Some(_) => {}
+                    None => {
+                        scheduled = false;
+                        break;
+                    }
+                }
+            }
+            if !scheduled {
+                break;
+            }
+            let s = self.seq(slot);
+            self.account(&mut w, s, n);
+            work.push((slot, s.id, n as u32));
+            budget -= n;
+            i += 1;
+        }
+
+        // Then waiting requests, FCFS, unless this step had to preempt.
+        while !preempted
+            && budget > 0
+            && self.running.len() < self.cfg.max_running as usize
+            && let Some(&slot) = self.waiting.front()
+        {
+            let bs = self.cfg.block_size;
+            let s = self.seq(slot);
+            let total = s.tokens.len();
+            // Never hit the whole sequence: the last token is always computed to sample from it.
+            let max_hit = (total - 1) / bs;
+            let hit = self.kv.lookup(&s.hashes, max_hit);
+            let hit_blocks = hit.gpu_blocks + hit.host_blocks;
+            let cached = hit_blocks * bs;
+            let n = (total - cached).min(budget);
+            let need = self.blocks_for(cached + n) - hit.gpu_blocks;
+            let taken_free = self.kv.free_among_hits(&s.hashes, hit.gpu_blocks);
+            if self.kv.free_blocks() < need + taken_free {
+                break;
+            }
+            self.waiting.pop_front();
+            let mut blocks = std::mem::take(&mut self.seq_mut(slot).blocks);
+            let hashes = std::mem::take(&mut self.seq_mut(slot).hashes);
+            self.kv.take_hits(&hashes, hit, &mut blocks);
+            let ok = self.kv.allocate(need, &mut blocks, &mut self.log);
+            debug_assert!(ok, "free blocks were checked");
+            let s = self.seq_mut(slot);
+            s.hashes = hashes;
+            s.blocks = blocks;
+            s.computed = cached;
+            s.registered = hit.gpu_blocks;
+            if s.cached_tokens.is_none() {
+                s.cached_tokens = Some(cached as u32);
+            }
+            w.host_load_tokens += (hit.host_blocks * bs) as u64;
+            self.stats.prefix_cache_queries += total as u64;
+            self.stats.prefix_cache_hits += cached as u64;
+            self.running.push(slot);
+            let s = self.seq(slot);
+            self.account(&mut w, s, n);
+            work.push((slot, s.id, n as u32));
+            budget -= n;
+        }
+
+        if work.is_empty() {
+            self.scratch = work;
+            self.step = None;
+            return;
+        }
+        let dur = (self.cfg.profile.step_us(&w) * self.slowdown)
+            .round()
+            .max(1.0) as u64;
+        self.step = Some(Step {
+            end_us: start_us + dur,
+            work,
+        });
+    }
+
+    fn account(&self, w: &mut StepWork, s: &Seq, n: usize) {
+        w.seqs += 1;
+        if s.decoding() {
+            w.decode_seqs += 1;
+            w.decode_kv_tokens += s.computed as u64;
+        } else {
+            w.prefill_tokens += n as u64;
+            w.prefill_attn_pairs += attn_pairs(s.computed as u64, n as u64);
+        }
+    }
+
+    fn complete_step(&mut self, out: &mut Vec<EngineEvent>) {
+        let Some(step) = self.step.take() else {
+            return;
+        };
+        let t = step.end_us;
+        self.stats.steps += 1;
+        let bs = self.cfg.block_size;
+        let seed = self.cfg.seed;
+        let mut finished = false;
+        for &(slot, id, n) in &step.work {
+            let Some(seq) = self.slots[slot as usize].as_mut() else {
+                continue;
+            };
+            if seq.id != id {
+                continue;
+            }
+            seq.computed += n as usize;
+            let full = (seq.computed / bs).min(seq.hashes.len());
+            while seq.registered < full {
+                let i = seq.registered;
+                self.kv
+                    .register(seq.blocks[i], seq.hashes[i], &mut self.log);
+                seq.registered += 1;
+            }
+            if seq.computed < seq.tokens.len() {
+                continue;
+            }
+            let token = output_token(seed, seq.id, seq.generated);
+            seq.tokens.push(token);
+            seq.generated += 1;
+            if seq.tokens.len().is_multiple_of(bs) {
+                let parent = seq.hashes.last().map(|&h| SeqHash(h));
+                let mut h = Vec::with_capacity(1);
+                self.hasher
+                    .extend_sequence(parent, &seq.tokens[seq.tokens.len() - bs..], &mut h);
+                seq.hashes.push(h[0].0);
+            }
+            self.stats.generation_tokens += 1;
+            if seq.generated == 1 {
+                self.stats.ttft.observe((t - seq.arrival_us) as f64 / 1e6);
+                out.push(EngineEvent::FirstToken {
+                    id,
+                    t_us: t,
+                    cached_tokens: seq.cached_tokens.unwrap_or(0),
+                    token,
+                });
+            } else {
+                self.stats.itl.observe((t - seq.last_token_us) as f64 / 1e6);
+                out.push(EngineEvent::Token { id, t_us: t, token });
+            }
+            seq.last_token_us = t;
+            if seq.generated >= seq.target {
+                let reason = if seq.generated >= seq.max_tokens {
+                    FinishReason::Length
+                } else {
+                    FinishReason::Stop
+                };
+                self.finish(slot, t, reason, Some(out));
+                finished = true;
+            }
+        }
+        if finished {
+            let slots = &self.slots;
+            self.running.retain(|&s| slots[s as usize].is_some());
+        }
+        self.scratch = step.work;
+    }
+}

@@ -1,0 +1,375 @@
+//! Engine behaviour the router can see: prefix-cache hits, eviction in the feed, preemption, latency
+//! shape, reproducibility, restarts and aborts.
+
+use kvsteer_core::block::BlockHasher;
+use kvsteer_core::feed::{FeedCursor, FeedEvent, FeedQuery, Tier};
+use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest, FinishReason, OutputLen};
+
+fn req(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
+    EngineRequest {
+        id,
+        prompt,
+        max_tokens,
+        ignore_eos: true,
+        min_tokens: 0,
+    }
+}
+
+fn prompt(tag: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| tag * 1_000_000 + i).collect()
+}
+
+/// Runs until idle, returning every event.
+fn drain(e: &mut Engine) -> Vec<EngineEvent> {
+    let mut out = Vec::new();
+    while let Some(t) = e.next_event_time() {
+        e.advance(t, &mut out);
+    }
+    e.advance(e.now_us(), &mut out);
+    out
+}
+
+fn finished(events: &[EngineEvent], id: u64) -> (u32, u32, u32, FinishReason, u64) {
+    events
+        .iter()
+        .find_map(|e| match *e {
+            EngineEvent::Finished {
+                id: i,
+                prompt_tokens,
+                cached_tokens,
+                completion_tokens,
+                reason,
+                t_us,
+            } if i == id => Some((
+                prompt_tokens,
+                cached_tokens,
+                completion_tokens,
+                reason,
+                t_us,
+            )),
+            _ => None,
+        })
+        .expect("request finished")
+}
+
+fn first_token_time(events: &[EngineEvent], id: u64) -> u64 {
+    events
+        .iter()
+        .find_map(|e| match *e {
+            EngineEvent::FirstToken { id: i, t_us, .. } if i == id => Some(t_us),
+            _ => None,
+        })
+        .expect("first token")
+}
+
+#[test]
+fn same_prefix_reports_shared_full_blocks_as_cached() {
+    let mut e = Engine::new(EngineConfig::default());
+    let shared = prompt(1, 1000); // 62 full blocks + 8 tokens
+    let mut a = shared.clone();
+    a.extend(prompt(2, 100));
+    let mut b = shared.clone();
+    b.extend(prompt(3, 100));
+    e.submit(0, req(1, a, 4)).unwrap();
+    let ev = drain(&mut e);
+    assert_eq!(finished(&ev, 1).1, 0);
+    let t = e.now_us();
+    e.submit(t, req(2, b, 4)).unwrap();
+    let ev = drain(&mut e);
+    let (prompt_tokens, cached, completion, reason, _) = finished(&ev, 2);
+    assert_eq!(prompt_tokens, 1100);
+    assert_eq!(cached, 62 * 16, "only the shared full blocks hit");
+    assert_eq!(completion, 4);
+    assert_eq!(reason, FinishReason::Length);
+    let hits = e.stats().prefix_cache_hits;
+    assert_eq!(hits, 62 * 16);
+}
+
+#[test]
+fn identical_prompt_keeps_one_token_to_compute() {
+    let mut e = Engine::new(EngineConfig::default());
+    let p = prompt(1, 64);
+    e.submit(0, req(1, p.clone(), 2)).unwrap();
+    drain(&mut e);
+    e.submit(e.now_us(), req(2, p, 2)).unwrap();
+    let ev = drain(&mut e);
+    assert_eq!(
+        finished(&ev, 2).1,
+        48,
+        "the last full block is recomputed to sample"
+    );
+}
+
+#[test]
+fn eviction_under_pressure_shows_up_in_the_feed_as_removals() {
+    let cfg = EngineConfig {
+        kv_blocks: 64,
+        ..Default::default()
+    };
+    let mut e = Engine::new(cfg);
+    let mut cursor = FeedCursor::default();
+    let snap = e.feed(&cursor.query(4096));
+    cursor.accept(&snap);
+    let first = prompt(1, 40 * 16);
+    let first_hashes: Vec<u64> = BlockHasher::new(16)
+        .unwrap()
+        .sequence_hashes(&first)
+        .iter()
+        .map(|h| h.0)
+        .collect();
+    e.submit(0, req(1, first, 1)).unwrap();
+    drain(&mut e);
+    e.submit(e.now_us(), req(2, prompt(2, 40 * 16), 1)).unwrap();
+    drain(&mut e);
+    let batch = e.feed(&cursor.query(4096));
+    assert_eq!(
+        cursor.accept(&batch),
+        kvsteer_core::feed::CursorVerdict::Apply
+    );
+    let mut stored: Vec<u64> = Vec::new();
+    let mut removed: Vec<u64> = Vec::new();
+    for ev in &batch.events {
+        match ev {
+            FeedEvent::Stored { tier, hashes } => {
+                assert_eq!(*tier, Tier::Gpu);
+                stored.extend(hashes)
+            }
+            FeedEvent::Removed { hashes, .. } => removed.extend(hashes),
+            FeedEvent::Cleared => panic!("no clear without a restart"),
+        }
+    }
+    assert_eq!(stored.len(), 80, "both prompts' full blocks were stored");
+    assert!(
+        !removed.is_empty(),
+        "the second prompt evicted some of the first"
+    );
+    for h in &removed {
+        assert!(first_hashes.contains(h));
+        assert!(!e.is_cached(kvsteer_core::block::SeqHash(*h)));
+    }
+    assert_eq!(batch.load.kv_total_blocks, 64);
+}
+
+#[test]
+fn preemption_happens_when_the_cache_is_full() {
+    let cfg = EngineConfig {
+        kv_blocks: 40,
+        ..Default::default()
+    };
+    let mut e = Engine::new(cfg);
+    // Four requests of 8 blocks of prompt that each grow by 8 blocks: 64 blocks wanted, 40 exist.
+    for id in 0..4 {
+        e.submit(0, req(id, prompt(id as u32 + 1, 128), 128))
+            .unwrap();
+    }
+    let ev = drain(&mut e);
+    assert!(e.stats().preemptions > 0);
+    for id in 0..4 {
+        let (_, _, completion, reason, _) = finished(&ev, id);
+        assert_eq!((completion, reason), (128, FinishReason::Length));
+    }
+    // Token positions stay in order and complete despite recompute.
+    let toks: Vec<u32> = ev
+        .iter()
+        .filter_map(|x| match x {
+            EngineEvent::FirstToken { id: 3, token, .. }
+            | EngineEvent::Token { id: 3, token, .. } => Some(*token),
+            _ => None,
+        })
+        .collect();
+    let want: Vec<u32> = (0..128).map(|p| e.output_token(3, p)).collect();
+    assert_eq!(toks, want);
+}
+
+#[test]
+fn ttft_grows_with_uncached_prompt_length() {
+    let mut ttft = Vec::new();
+    for len in [256usize, 2048, 8192, 32768] {
+        let mut e = Engine::new(EngineConfig::default());
+        e.submit(0, req(1, prompt(1, len), 1)).unwrap();
+        let ev = drain(&mut e);
+        ttft.push(first_token_time(&ev, 1));
+    }
+    assert!(ttft.windows(2).all(|w| w[1] > w[0]), "{ttft:?}");
+    // A cached prefix cuts TTFT.
+    let mut e = Engine::new(EngineConfig::default());
+    let p = prompt(1, 32768);
+    e.submit(0, req(1, p.clone(), 1)).unwrap();
+    drain(&mut e);
+    let mut q = p;
+    q.extend(prompt(9, 256));
+    let t0 = e.now_us();
+    e.submit(t0, req(2, q, 1)).unwrap();
+    let ev = drain(&mut e);
+    assert!(first_token_time(&ev, 2) - t0 < ttft[3] / 10);
+}
+
+#[test]
+fn inter_token_latency_grows_with_batch_size() {
+    let mut itl = Vec::new();
+    for batch in [1u64, 16, 64, 256] {
+        let mut e = Engine::new(EngineConfig::default());
+        for id in 0..batch {
+            e.submit(0, req(id, prompt(id as u32 + 1, 1024), 64))
+                .unwrap();
+        }
+        let ev = drain(&mut e);
+        let first = first_token_time(&ev, 0);
+        let last = finished(&ev, 0).4;
+        // Every request decodes together after the prefill steps.
+        itl.push((last - first) / 63);
+    }
+    assert!(itl.windows(2).all(|w| w[1] > w[0]), "{itl:?}");
+    assert!((6000..8000).contains(&itl[0]), "batch-1 ITL {}", itl[0]);
+}
+
+#[test]
+fn virtual_runs_are_reproducible_for_a_seed() {
+    let run = |seed: u64| {
+        let cfg = EngineConfig {
+            kv_blocks: 300,
+            seed,
+            output_len: OutputLen::Exponential { mean: 40.0 },
+            ..Default::default()
+        };
+        let mut e = Engine::new(cfg);
+        let mut all = Vec::new();
+        for id in 0..40u64 {
+            let t = id * 7_000;
+            e.advance(t, &mut all);
+            let mut p = prompt((id % 5) as u32, 300);
+            p.extend(prompt(100 + id as u32, 50 + (id as usize * 13) % 200));
+            let r = EngineRequest {
+                id,
+                prompt: p,
+                max_tokens: 200,
+                ignore_eos: false,
+                min_tokens: 3,
+            };
+            e.submit(t, r).unwrap();
+        }
+        all.extend(drain(&mut e));
+        let feed = e.feed(&FeedQuery::resync(4096));
+        (all, feed)
+    };
+    let a = run(7);
+    assert_eq!(a, run(7));
+    assert_ne!(a.0, run(8).0);
+    let lens: Vec<u32> = (0..40).map(|id| finished(&a.0, id).2).collect();
+    assert!(lens.iter().all(|&l| (3..=200).contains(&l)));
+    assert!(lens.iter().any(|&l| l < 200), "natural lengths vary");
+}
+
+#[test]
+fn restart_aborts_in_flight_and_changes_epoch() {
+    let mut e = Engine::new(EngineConfig::default());
+    e.submit(0, req(1, prompt(1, 4000), 1000)).unwrap();
+    e.submit(0, req(2, prompt(2, 4000), 1000)).unwrap();
+    let mut out = Vec::new();
+    e.advance(1_000_000, &mut out);
+    let epoch = e.epoch();
+    let mut cursor = FeedCursor::default();
+    cursor.accept(&e.feed(&cursor.query(100)));
+    e.restart(1_000_000);
+    assert_ne!(e.epoch(), epoch);
+    assert_eq!(e.next_event_time(), None);
+    let mut out = Vec::new();
+    e.advance(1_000_001, &mut out);
+    let aborted: Vec<u64> = out
+        .iter()
+        .filter_map(|x| match x {
+            EngineEvent::Finished {
+                id,
+                reason: FinishReason::Abort,
+                ..
+            } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(aborted.len(), 2);
+    let b = e.feed(&cursor.query(100));
+    assert!(b.resync);
+    assert_eq!(b.events, vec![FeedEvent::Cleared]);
+    assert_eq!(b.load.kv_used_blocks, 0);
+}
+
+#[test]
+fn abort_frees_blocks_and_reports_once() {
+    let mut e = Engine::new(EngineConfig::default());
+    e.submit(0, req(1, prompt(1, 100), 1000)).unwrap();
+    let mut out = Vec::new();
+    e.advance(100_000, &mut out);
+    assert!(e.decode_blocks() > 0);
+    assert!(e.abort(100_000, 1));
+    assert!(!e.abort(100_000, 1));
+    let ev = drain(&mut e);
+    assert_eq!(finished(&ev, 1).3, FinishReason::Abort);
+    assert_eq!(e.decode_blocks(), 0);
+    assert_eq!(e.in_flight(), 0);
+    assert_eq!(e.load().running, 0);
+}
+
+#[test]
+fn bad_requests_are_refused() {
+    use kvsteer_sim::SubmitError;
+    let mut e = Engine::new(EngineConfig {
+        kv_blocks: 10,
+        max_model_len: 1000,
+        ..Default::default()
+    });
+    assert_eq!(
+        e.submit(0, req(1, vec![], 1)),
+        Err(SubmitError::EmptyPrompt)
+    );
+    assert_eq!(
+        e.submit(0, req(1, vec![1], 0)),
+        Err(SubmitError::ZeroMaxTokens)
+    );
+    assert!(matches!(
+        e.submit(0, req(1, prompt(1, 990), 20)),
+        Err(SubmitError::TooLong { tokens: 1010, .. })
+    ));
+    assert!(matches!(
+        e.submit(0, req(1, prompt(1, 200), 1)),
+        Err(SubmitError::ExceedsKvCapacity { .. })
+    ));
+    e.submit(0, req(1, vec![1], 1)).unwrap();
+    assert_eq!(
+        e.submit(0, req(1, vec![1], 1)),
+        Err(SubmitError::DuplicateId(1))
+    );
+}
+
+#[test]
+fn host_tier_brings_evicted_blocks_back_cheaper() {
+    let cfg = EngineConfig {
+        kv_blocks: 70,
+        host_blocks: 200,
+        ..Default::default()
+    };
+    let mut e = Engine::new(cfg);
+    let a = prompt(1, 64 * 16);
+    e.submit(0, req(1, a.clone(), 1)).unwrap();
+    let ev = drain(&mut e);
+    let cold = first_token_time(&ev, 1);
+    let t = e.now_us();
+    e.submit(t, req(2, prompt(2, 64 * 16), 1)).unwrap();
+    drain(&mut e);
+    let b = e.feed(&FeedQuery::resync(10));
+    assert!(b.events.iter().any(|x| matches!(
+        x,
+        FeedEvent::Stored {
+            tier: Tier::Host,
+            ..
+        }
+    )));
+    let t = e.now_us();
+    e.submit(t, req(3, a, 1)).unwrap();
+    let ev = drain(&mut e);
+    let (_, cached, ..) = finished(&ev, 3);
+    assert!(
+        cached >= 63 * 16 - 16,
+        "host hits count as cached: {cached}"
+    );
+    assert!(first_token_time(&ev, 3) - t < cold / 2);
+}
