@@ -1,1 +1,23 @@
-//! Workloads and routing-quality measurement.
+//! Workloads and routing-quality measurement (DESIGN section 7).
+//!
+//! The crate knows nothing about engines or routers: it deals in token ids, sessions, integer
+//! microseconds and replica indices. A [`session::Workload`] is built by a generator ([`rl`]) or a trace
+//! reader ([`weka`], [`mooncake`], [`azure`]); a [`driver::Driver`] issues its requests in virtual time as
+//! the consumer's event loop reports completions; a [`measure::Recorder`] turns what the consumer saw into
+//! a [`measure::Summary`]; [`report`] prints summaries side by side and draws SVG plots.
+
+pub mod azure;
+pub mod driver;
+pub mod error;
+pub mod measure;
+pub mod mooncake;
+pub mod report;
+pub mod rl;
+pub mod session;
+pub mod token_blocks;
+pub mod weka;
+
+pub use driver::{Driver, Issue, Mode, SessionRef};
+pub use error::WorkloadError;
+pub use measure::{Recorder, Summary};
+pub use session::{BlockPrompt, Prompt, Session, Turn, Workload};

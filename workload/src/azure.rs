@@ -1,0 +1,218 @@
+//! Reader for the Azure LLM inference conversation trace (CSV: `TIMESTAMP,ContextTokens,
+//! GeneratedTokens`): arrival pattern and length mix with **no reuse**, the control where no policy can
+//! gain from the cache. Each row is a single-turn session (`az-<row>`) whose prompt is entirely
+//! request-unique tokens. Arrivals count from the earliest timestamp, divided by `speed`.
+
+use crate::driver::Mode;
+use crate::error::{WorkloadError, read_file};
+use crate::session::{BlockPrompt, Prompt, Session, Turn, Workload};
+use crate::token_blocks::block_key;
+use std::path::PathBuf;
+
+pub const DEFAULT_PATH: &str = "../shared/traces/azure_llm_inference_conv_2023.csv";
+pub const NOTE_SKIPPED: &str = "requests over the prompt cap skipped";
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct AzureParams {
+    pub path: PathBuf,
+    pub speed: f64,
+    /// Read only the first N rows.
+    pub max_rows: Option<usize>,
+    /// Block size reported to the consumer (nothing is shared, so it only affects block accounting).
+    pub block_size: u32,
+    pub max_prompt_tokens: u32,
+}
+
+impl Default for AzureParams {
+    fn default() -> Self {
+        AzureParams {
+            path: DEFAULT_PATH.into(),
+            speed: 1.0,
+            max_rows: None,
+            block_size: 16,
+            max_prompt_tokens: 1 << 20,
+        }
+    }
+}
+
+/// Microseconds since 1970 of `YYYY-MM-DD HH:MM:SS[.fraction]` (UTC assumed; only differences matter).
+pub fn parse_timestamp(s: &str) -> Option<u64> {
+    let (date, time) = s.trim().split_once(' ')?;
+    let mut d = date.split('-');
+    let y: i64 = d.next()?.parse().ok()?;
+    let m: i64 = d.next()?.parse().ok()?;
+    let day: i64 = d.next()?.parse().ok()?;
+    if d.next().is_some() || !(1..=12).contains(&m) || !(1..=31).contains(&day) {
+        return None;
+    }
+    let (hms, frac) = match time.split_once('.') {
+        Some((a, b)) => (a, b),
+        None => (time, ""),
+    };
+    let mut t = hms.split(':');
+    let h: i64 = t.next()?.parse().ok()?;
+    let mi: i64 = t.next()?.parse().ok()?;
+    let sec: i64 = t.next()?.parse().ok()?;
+    if t.next().is_some() || h > 23 || mi > 59 || sec > 60 || h < 0 || mi < 0 || sec < 0 {
+        return None;
+    }
+    if !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let mut us: i64 = 0;
+    for (i, b) in frac.bytes().take(6).enumerate() {
+        us += i64::from(b - b'0') * 10i64.pow(5 - i as u32);
+    }
+    // Days from civil (Howard Hinnant's algorithm).
+    let y2 = if m <= 2 { y - 1 } else { y };
+    let era = y2.div_euclid(400);
+    let yoe = y2 - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let total = ((days * 86_400 + h * 3600 + mi * 60 + sec) * 1_000_000).checked_add(us)?;
+    u64::try_from(total).ok()
+}
+
+pub fn read(p: &AzureParams) -> Result<Workload, WorkloadError> {
+    parse(&read_file(&p.path)?, p)
+}
+
+pub fn parse(text: &str, p: &AzureParams) -> Result<Workload, WorkloadError> {
+    if !(p.speed > 0.0 && p.speed.is_finite()) || p.block_size == 0 {
+        return Err(WorkloadError::Param(
+            "speed must be > 0 and block_size >= 1".into(),
+        ));
+    }
+    let mut rows = Vec::new();
+    let mut lines = text.lines().enumerate();
+    match lines.next() {
+        Some((_, h)) if h.trim().starts_with("TIMESTAMP") => {}
+        _ => {
+            return Err(WorkloadError::Parse {
+                line: 1,
+                message: "expected the header TIMESTAMP,ContextTokens,GeneratedTokens".into(),
+            });
+        }
+    }
+    let mut skipped = 0u64;
+    for (ln, line) in lines {
+        if line.trim().is_empty() {
+            continue;
+        }
+        if p.max_rows
+            .is_some_and(|m| rows.len() + skipped as usize >= m)
+        {
+            break;
+        }
+        let err = |message: String| WorkloadError::Parse {
+            line: ln + 1,
+            message,
+        };
+        let mut f = line.split(',');
+        let (Some(ts), Some(ctx), Some(gen_), None) = (f.next(), f.next(), f.next(), f.next())
+        else {
+            return Err(err("expected 3 fields".into()));
+        };
+        let ts = parse_timestamp(ts).ok_or_else(|| err(format!("bad timestamp {ts:?}")))?;
+        let ctx: u64 = ctx
+            .trim()
+            .parse()
+            .map_err(|_| err(format!("bad ContextTokens {ctx:?}")))?;
+        let gen_: u64 = gen_
+            .trim()
+            .parse()
+            .map_err(|_| err(format!("bad GeneratedTokens {gen_:?}")))?;
+        if ctx > u64::from(p.max_prompt_tokens) {
+            skipped += 1;
+            continue;
+        }
+        rows.push((
+            ln,
+            ts,
+            ctx as u32,
+            gen_.clamp(1, u64::from(u32::MAX)) as u32,
+        ));
+    }
+    let t0 = rows.iter().map(|r| r.1).min().unwrap_or(0);
+    let sessions = rows
+        .into_iter()
+        .map(|(ln, ts, ctx, out)| Session {
+            id: format!("az-{ln}"),
+            turns: vec![Turn {
+                prompt: Prompt::Blocks(BlockPrompt {
+                    keys: vec![],
+                    block_size: p.block_size,
+                    len: ctx,
+                    pad_key: block_key("azure-pad", ln as u64),
+                }),
+                output_tokens: out,
+                think_us: 0,
+                arrival_us: Some(((ts - t0) as f64 / p.speed) as u64),
+            }],
+        })
+        .collect();
+    Ok(Workload {
+        name: "azure".into(),
+        params: vec![
+            ("path".into(), p.path.display().to_string()),
+            ("speed".into(), p.speed.to_string()),
+            ("max_rows".into(), format!("{:?}", p.max_rows)),
+        ],
+        block_size: p.block_size,
+        default_mode: Mode::Open,
+        sessions,
+        notes: vec![(NOTE_SKIPPED.into(), skipped)],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_parse_to_microseconds() {
+        let a = parse_timestamp("2023-11-16 18:15:46.6805900").unwrap();
+        let b = parse_timestamp("2023-11-16 18:15:50.9951690").unwrap();
+        assert_eq!(b - a, 4_314_579);
+        let c = parse_timestamp("2023-11-17 00:00:00").unwrap();
+        let d = parse_timestamp("2023-11-16 23:59:59.5").unwrap();
+        assert_eq!(c - d, 500_000);
+        assert_eq!(parse_timestamp("1970-01-01 00:00:01"), Some(1_000_000));
+        assert!(parse_timestamp("2023-13-01 00:00:00").is_none());
+        assert!(parse_timestamp("garbage").is_none());
+    }
+
+    #[test]
+    fn rows_are_unique_and_errors_typed() {
+        let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,40,4\n2023-11-16 18:15:48.0,40,0\n";
+        let w = parse(
+            text,
+            &AzureParams {
+                speed: 2.0,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(w.sessions[1].turns[0].arrival_us, Some(1_000_000));
+        assert_eq!(w.sessions[1].turns[0].output_tokens, 1);
+        let (Prompt::Blocks(a), Prompt::Blocks(b)) = (
+            &w.sessions[0].turns[0].prompt,
+            &w.sessions[1].turns[0].prompt,
+        ) else {
+            panic!("block prompts expected")
+        };
+        assert_ne!(a.tokens()[..16], b.tokens()[..16]);
+        let p = AzureParams::default();
+        assert!(matches!(
+            parse("x\n", &p),
+            Err(WorkloadError::Parse { line: 1, .. })
+        ));
+        let bad = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,-4,4\n";
+        assert!(matches!(
+            parse(bad, &p),
+            Err(WorkloadError::Parse { line: 2, .. })
+        ));
+    }
+}
