@@ -1,1 +1,21 @@
-//! wasmtime harness (issue 4).
+//! kvsteer-host-test: runs the compiled kvsteer filter (`kvsteer_filter.wasm`) the way a proxy would.
+//!
+//! - [`host`]: a proxy-wasm ABI 0.2.1 host on wasmtime ([`FilterModule`], [`Proxy`], [`Worker`]), in
+//!   Envoy or nginx (ngx_wasm_module) mode, with a virtual clock and process-wide shared data.
+//! - [`abi`]: the ABI's status codes, enums and header-pair format.
+//! - [`artifact`]: where the compiled filter is found.
+//!
+//! The point of a second host is to prove, in `cargo test`, that the filter routes correctly and never
+//! traps, without an Envoy binary: every call crosses the same ABI boundary a proxy's would.
+
+pub mod abi;
+pub mod artifact;
+pub mod host;
+mod wasi;
+
+pub use abi::{Action, LogLevel, Pairs, Status};
+pub use artifact::filter_wasm_path;
+pub use host::{
+    CallOutcome, Callout, FilterModule, HostError, HostMode, LocalResponse, Proxy, ProxyOptions,
+    StreamState, Worker, header_value, pairs,
+};
