@@ -9,5 +9,12 @@ pub mod config;
 pub mod feed;
 pub mod index;
 pub mod load;
+pub mod policy;
 pub mod request;
 pub mod rng;
+pub mod router;
+
+pub use config::{ConfigError, PolicyKind, RoutingConfig};
+pub use load::LoadTotals;
+pub use request::{PromptIdentity, RequestError, RouteRequest};
+pub use router::{Decision, FallbackReason, FeedOutcome, Router, RouterStats};
