@@ -1,0 +1,355 @@
+//! The Router as the filter drives it: read, route, admit, token events, release, feed.
+
+use kvsteer_core::block::BlockHasher;
+use kvsteer_core::feed::{FeedBatch, FeedEvent, ReplicaLoad, Tier};
+use kvsteer_core::{FallbackReason, FeedOutcome, LoadTotals, PolicyKind, Router, RoutingConfig};
+
+fn cfg(policy: PolicyKind) -> RoutingConfig {
+    RoutingConfig {
+        policy,
+        block_size: 4,
+        ..RoutingConfig::default()
+    }
+}
+
+fn body(tokens: &[u32]) -> Vec<u8> {
+    format!("{{\"model\":\"m\",\"prompt\":{tokens:?},\"max_tokens\":8}}").into_bytes()
+}
+
+fn batch(epoch: u64, resync: bool, first: u64, events: Vec<FeedEvent>) -> FeedBatch {
+    let n = events.len() as u64;
+    FeedBatch {
+        epoch,
+        resync,
+        more: false,
+        first_seq: first,
+        next_seq: if resync { first } else { first + n },
+        load: ReplicaLoad {
+            block_size: 4,
+            ..ReplicaLoad::default()
+        },
+        events,
+    }
+}
+
+fn hashes(tokens: &[u32]) -> Vec<u64> {
+    BlockHasher::new(4)
+        .unwrap()
+        .sequence_hashes(tokens)
+        .iter()
+        .map(|h| h.0)
+        .collect()
+}
+
+#[test]
+fn kv_load_prefers_the_replica_holding_the_prefix_until_it_is_loaded() {
+    let mut r = Router::new(cfg(PolicyKind::KvLoad), 3).unwrap();
+    let prompt: Vec<u32> = (0..64).collect();
+    let snap = batch(
+        7,
+        true,
+        0,
+        vec![
+            FeedEvent::Cleared,
+            FeedEvent::Stored {
+                tier: Tier::Gpu,
+                hashes: hashes(&prompt),
+            },
+        ],
+    );
+    assert_eq!(
+        r.apply_feed(2, &snap),
+        FeedOutcome::Reset {
+            events: 2,
+            epoch: 7
+        }
+    );
+    let req = r
+        .read_request("/v1/completions", &body(&prompt), None)
+        .unwrap();
+    let d = r.route(&req, 0);
+    assert_eq!(d.replica, 2);
+    assert_eq!(d.matched_tokens, vec![0, 0, 64]);
+    assert_eq!(d.costs[2], 0.0);
+    assert_eq!(d.costs[0], 16.0);
+    // Load replica 2 with decode work heavier than the prefill saved: the request goes elsewhere.
+    let big: Vec<u32> = (1000..1200).collect();
+    let big_req = r
+        .read_request("/v1/completions", &body(&big), None)
+        .unwrap();
+    let forced = kvsteer_core::Decision {
+        replica: 2,
+        ..r.route(&big_req, 0)
+    };
+    r.admit(1, &big_req, &forced, 0);
+    r.first_token(1);
+    assert_eq!(r.local_load()[2].decode_blocks, 50);
+    let d2 = r.route(&req, 0);
+    assert_ne!(d2.replica, 2, "costs {:?}", d2.costs);
+    assert!(r.release(1));
+    assert!(!r.release(1));
+    assert_eq!(r.stats().release_anomalies, 1);
+    assert_eq!(r.local_load()[2], LoadTotals::default());
+}
+
+#[test]
+fn admit_charges_only_uncached_prompt_tokens() {
+    let mut r = Router::new(cfg(PolicyKind::KvAffinity), 2).unwrap();
+    let prompt: Vec<u32> = (0..40).collect();
+    r.apply_feed(
+        1,
+        &batch(
+            1,
+            true,
+            0,
+            vec![FeedEvent::Stored {
+                tier: Tier::Gpu,
+                hashes: hashes(&prompt[..24]),
+            }],
+        ),
+    );
+    let req = r
+        .read_request("/v1/completions", &body(&prompt), None)
+        .unwrap();
+    let d = r.route(&req, 0);
+    assert_eq!(d.replica, 1);
+    r.admit(9, &req, &d, 0);
+    assert_eq!(r.local_load()[1].prefill_tokens, 16);
+    assert_eq!(r.local_load()[1].active_requests, 1);
+}
+
+#[test]
+fn host_tier_counts_with_credit_and_stale_replicas_count_nothing() {
+    let mut c = cfg(PolicyKind::KvLoad);
+    c.kv_load.host_tier_credit = 0.5;
+    let mut r = Router::new(c, 2).unwrap();
+    let prompt: Vec<u32> = (0..32).collect();
+    r.apply_feed(
+        0,
+        &batch(
+            1,
+            true,
+            0,
+            vec![FeedEvent::Stored {
+                tier: Tier::Host,
+                hashes: hashes(&prompt),
+            }],
+        ),
+    );
+    let req = r
+        .read_request("/v1/completions", &body(&prompt), None)
+        .unwrap();
+    let d = r.route(&req, 0);
+    assert_eq!(d.matched_tokens[0], 16, "8 host blocks at credit 0.5");
+    assert_eq!(d.costs, vec![4.0, 8.0]);
+    r.set_stale(0, true);
+    let d = r.route(&req, 0);
+    assert_eq!(d.matched_tokens[0], 0);
+    assert_eq!(d.costs, vec![8.0, 8.0]);
+}
+
+#[test]
+fn feed_gaps_and_restarts() {
+    let mut r = Router::new(cfg(PolicyKind::KvLoad), 2).unwrap();
+    let p: Vec<u32> = (0..8).collect();
+    let stored = |h| FeedEvent::Stored {
+        tier: Tier::Gpu,
+        hashes: h,
+    };
+    assert_eq!(r.feed_query(0, 10).epoch, 0);
+    r.apply_feed(0, &batch(5, true, 3, vec![stored(hashes(&p))]));
+    assert_eq!(r.feed_query(0, 10).cursor, 3);
+    assert_eq!(r.stats().index_blocks, 2);
+    assert_eq!(
+        r.apply_feed(0, &batch(5, false, 3, vec![FeedEvent::Cleared])),
+        FeedOutcome::Applied { events: 1 }
+    );
+    assert_eq!(r.stats().index_blocks, 0);
+    // A batch that skips ahead is a gap; nothing is applied and a snapshot is asked for.
+    assert_eq!(
+        r.apply_feed(0, &batch(5, false, 10, vec![stored(hashes(&p))])),
+        FeedOutcome::Gap
+    );
+    assert_eq!(r.stats().index_blocks, 0);
+    assert_eq!(r.feed_query(0, 10).epoch, 0);
+    // Restart: a new epoch's snapshot replaces the replica's blocks.
+    r.apply_feed(0, &batch(6, true, 0, vec![stored(hashes(&p))]));
+    r.apply_feed(1, &batch(1, true, 0, vec![stored(hashes(&p))]));
+    assert_eq!(r.index().replica_blocks(0), 2);
+    r.apply_feed(0, &batch(7, true, 0, vec![]));
+    assert_eq!(r.index().replica_blocks(0), 0);
+    assert_eq!(r.index().replica_blocks(1), 2);
+    let s = r.stats();
+    assert_eq!((s.feed_gaps, s.feed_resets), (1, 4));
+    assert_eq!(
+        r.apply_feed(9, &batch(1, true, 0, vec![])),
+        FeedOutcome::BadReplica
+    );
+}
+
+#[test]
+fn reported_load_is_combined_by_max_and_ignored_when_stale() {
+    let mut r = Router::new(cfg(PolicyKind::LeastLoad), 2).unwrap();
+    let mut b = batch(1, true, 0, vec![]);
+    b.load.prefill_tokens = 400;
+    b.load.decode_blocks = 10;
+    b.load.running = 3;
+    r.apply_feed(0, &b);
+    let eff = r.effective_load();
+    assert_eq!(
+        eff[0],
+        LoadTotals {
+            prefill_tokens: 400,
+            decode_blocks: 10,
+            active_requests: 3
+        }
+    );
+    let req = r
+        .read_request("/v1/completions", &body(&[1, 2, 3, 4]), None)
+        .unwrap();
+    assert_eq!(r.route(&req, 0).replica, 1);
+    r.set_stale(0, true);
+    assert_eq!(r.effective_load()[0], LoadTotals::default());
+}
+
+#[test]
+fn peers_add_their_tracked_load() {
+    let mut r = Router::new(cfg(PolicyKind::LeastLoad), 2).unwrap();
+    let peer = vec![LoadTotals {
+        prefill_tokens: 100,
+        decode_blocks: 5,
+        active_requests: 2,
+    }];
+    r.set_peer_load(
+        3,
+        &LoadTotals::decode_all(&LoadTotals::encode_all(&peer)).unwrap(),
+    );
+    assert_eq!(r.effective_load()[0].prefill_tokens, 100);
+    let req = r
+        .read_request("/v1/completions", &body(&[1, 2, 3, 4]), None)
+        .unwrap();
+    assert_eq!(r.route(&req, 0).replica, 1);
+    r.clear_peer(3);
+    assert_eq!(r.effective_load()[0], LoadTotals::default());
+}
+
+#[test]
+fn session_hash_is_sticky_and_falls_back_without_a_key() {
+    let mut r = Router::new(cfg(PolicyKind::SessionHash), 8).unwrap();
+    let b = body(&[1, 2, 3, 4]);
+    let first = {
+        let req = r.read_request("/v1/completions", &b, Some("abc")).unwrap();
+        r.route(&req, 0).replica
+    };
+    for _ in 0..10 {
+        let req = r.read_request("/v1/completions", &b, Some("abc")).unwrap();
+        assert_eq!(r.route(&req, 0).replica, first);
+    }
+    let req = r.read_request("/v1/completions", &b, None).unwrap();
+    assert_eq!(
+        r.route(&req, 0).fallback,
+        Some(FallbackReason::NoSessionKey)
+    );
+    assert_eq!(r.stats().fallback_no_session_key, 1);
+}
+
+#[test]
+fn prefix_affinity_follows_its_own_decisions_and_expires() {
+    let mut c = cfg(PolicyKind::PrefixAffinity);
+    c.prefix_affinity.match_threshold = 0.5;
+    c.prefix_affinity.ttl_ms = 1000;
+    let mut r = Router::new(c, 4).unwrap();
+    let prompt: Vec<u32> = (0..32).collect();
+    let req = r
+        .read_request("/v1/completions", &body(&prompt), None)
+        .unwrap();
+    let d = r.route(&req, 0);
+    assert_eq!(d.fallback, Some(FallbackReason::BelowMatchThreshold));
+    r.admit(1, &req, &d, 0);
+    r.release(1);
+    let mut longer = prompt.clone();
+    longer.extend(100..108);
+    let req2 = r
+        .read_request("/v1/completions", &body(&longer), None)
+        .unwrap();
+    let d2 = r.route(&req2, 500);
+    assert_eq!((d2.replica, d2.fallback), (d.replica, None));
+    // Half a match is not enough once the prefix is only a third of the prompt.
+    let mut other = prompt[..16].to_vec();
+    other.extend(200..232);
+    let req3 = r
+        .read_request("/v1/completions", &body(&other), None)
+        .unwrap();
+    assert_eq!(
+        r.route(&req3, 500).fallback,
+        Some(FallbackReason::BelowMatchThreshold)
+    );
+    assert_eq!(
+        r.route(&req2, 5000).fallback,
+        Some(FallbackReason::BelowMatchThreshold)
+    );
+}
+
+#[test]
+fn text_prompts_use_the_router_own_decisions_as_overlap() {
+    let mut r = Router::new(cfg(PolicyKind::KvLoad), 3).unwrap();
+    let text = "x".repeat(400);
+    let b = format!("{{\"prompt\":\"{text}\"}}").into_bytes();
+    let req = r.read_request("/v1/completions", &b, None).unwrap();
+    let d = r.route(&req, 0);
+    r.admit(1, &req, &d, 0);
+    r.release(1);
+    let d2 = r.route(&req, 1);
+    assert_eq!(d2.replica, d.replica);
+    assert_eq!(
+        d2.matched_tokens[d.replica], 100,
+        "25 chunks of 16 chars = 25 blocks of 4 tokens"
+    );
+}
+
+#[test]
+fn round_robin_cycles_and_fallback_routes_by_load() {
+    let mut r = Router::new(cfg(PolicyKind::RoundRobin), 3).unwrap();
+    let req = r
+        .read_request("/v1/completions", &body(&[1, 2, 3, 4]), None)
+        .unwrap();
+    let picks: Vec<usize> = (0..6).map(|_| r.route(&req, 0).replica).collect();
+    assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+    let d = r.route_fallback(0);
+    r.admit_unread(5, &d, 1000);
+    let d2 = r.route_fallback(0);
+    assert_ne!(d2.replica, d.replica);
+    assert_eq!(r.stats().fallback_body_unreadable, 2);
+    assert_eq!(r.stats().decisions.iter().sum::<u64>(), 8);
+}
+
+#[test]
+fn kv_load_softmax_spreads_and_is_reproducible() {
+    let mut c = cfg(PolicyKind::KvLoad);
+    c.kv_load.temperature = 1.0;
+    let run = |c: &RoutingConfig| {
+        let mut r = Router::new(c.clone(), 4).unwrap();
+        let req = r
+            .read_request("/v1/completions", &body(&[1, 2, 3, 4]), None)
+            .unwrap();
+        (0..50)
+            .map(|_| r.route(&req, 0).replica)
+            .collect::<Vec<_>>()
+    };
+    let a = run(&c);
+    assert_eq!(a, run(&c), "same seed, same choices");
+    let mut distinct = a.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert!(distinct.len() >= 3, "{a:?}");
+}
+
+#[test]
+fn bad_replica_counts() {
+    assert!(Router::new(RoutingConfig::default(), 0).is_err());
+    let mut r = Router::new(RoutingConfig::default(), 2).unwrap();
+    r.set_stale(5, true);
+    r.first_token(77);
+    assert_eq!(r.stats().bad_replica, 1);
+    assert_eq!(r.stats().release_anomalies, 1);
+}
