@@ -1,0 +1,181 @@
+"""Read the committed Envoy configurations (envoy/*.yaml) and fit them to a running stack.
+
+The tests run the very files users get, not a look-alike generated here: `rewrite` only changes what
+differs between a user's machine and a test run (ports, the replica list, the path of the .wasm) and
+leaves every policy, timeout, retry and filter setting as committed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+ENVOY_DIR = REPO / "envoy"
+
+# Variant name (file envoy/<name>.yaml) -> what it is, for tables and messages.
+VARIANTS = {
+    "envoy": "kvsteer filter, override_host on x-gateway-destination-endpoint",
+    "envoy-cluster-header": "kvsteer filter, one cluster per replica, cluster_header routing",
+    "envoy-round-robin": "Envoy round_robin, no filter",
+    "envoy-least-request": "Envoy least_request, no filter",
+    "envoy-ring-hash": "Envoy ring_hash on x-session-id, no filter",
+}
+
+WASM_FILTER = "envoy.filters.http.wasm"
+FEED_PREFIX = "kvsteer_feed_"
+REPLICA_CLUSTER_PREFIX = "replica_"
+MAIN_CLUSTER = "replicas"
+
+
+def load(variant: str) -> dict:
+    path = ENVOY_DIR / f"{variant}.yaml"
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def http_filters(doc: dict) -> list[dict]:
+    out = []
+    for listener in doc["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                hcm = f.get("typed_config", {})
+                out.extend(hcm.get("http_filters", []))
+    return out
+
+
+def routes(doc: dict) -> list[dict]:
+    out = []
+    for listener in doc["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                rc = f.get("typed_config", {}).get("route_config", {})
+                for vh in rc.get("virtual_hosts", []):
+                    out.extend(vh.get("routes", []))
+    return out
+
+
+def wasm_filter(doc: dict) -> dict | None:
+    """The wasm filter's `config` (a PluginConfig), or None when the variant runs without it."""
+    for f in http_filters(doc):
+        if f.get("name") == WASM_FILTER:
+            return f["typed_config"]["config"]
+    return None
+
+
+def uses_wasm(doc: dict) -> bool:
+    return wasm_filter(doc) is not None
+
+
+def plugin_config(doc: dict) -> dict:
+    """The filter's own JSON configuration, parsed."""
+    w = wasm_filter(doc)
+    if w is None:
+        raise ValueError("no wasm filter in this configuration")
+    return json.loads(w["configuration"]["value"])
+
+
+def clusters(doc: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in doc["static_resources"]["clusters"]}
+
+
+def cluster_endpoints(cluster: dict) -> list[str]:
+    out = []
+    for group in cluster["load_assignment"]["endpoints"]:
+        for e in group["lb_endpoints"]:
+            sa = e["endpoint"]["address"]["socket_address"]
+            out.append(f"{sa['address']}:{sa['port_value']}")
+    return out
+
+
+def health_checked_clusters(doc: dict) -> list[str]:
+    return [c["name"] for c in doc["static_resources"]["clusters"] if c.get("health_checks")]
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _endpoint(template: dict, host_port: str) -> dict:
+    host, _, port = host_port.rpartition(":")
+    e = copy.deepcopy(template)
+    sa = e["endpoint"]["address"]["socket_address"]
+    sa["address"], sa["port_value"] = host, int(port)
+    return e
+
+
+def _single_host_cluster(template: dict, name: str, host_port: str) -> dict:
+    c = copy.deepcopy(template)
+    c["name"] = name
+    c["load_assignment"]["cluster_name"] = name
+    group = c["load_assignment"]["endpoints"][0]
+    group["lb_endpoints"] = [_endpoint(group["lb_endpoints"][0], host_port)]
+    c["load_assignment"]["endpoints"] = [group]
+    return c
+
+
+def rewrite(
+    doc: dict,
+    replicas: list[tuple[str, str]],
+    listen_port: int,
+    admin_port: int,
+    wasm: str,
+    plugin_overrides: dict | None = None,
+) -> dict:
+    """A copy of `doc` for these replicas (name, `IP:port`), ports and wasm path.
+
+    Per-replica clusters (`kvsteer_feed_<name>`, `replica_<name>`) are rebuilt from the first one in
+    the file, so the committed four-replica files serve any replica count.
+    """
+    doc = copy.deepcopy(doc)
+    doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    doc["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen_port
+
+    out_clusters = []
+    templates: dict[str, dict] = {}
+    for c in doc["static_resources"]["clusters"]:
+        name = c["name"]
+        for prefix in (FEED_PREFIX, REPLICA_CLUSTER_PREFIX):
+            if name.startswith(prefix):
+                templates.setdefault(prefix, c)
+                break
+        else:
+            if name == MAIN_CLUSTER:
+                group = c["load_assignment"]["endpoints"][0]
+                tmpl = group["lb_endpoints"][0]
+                group["lb_endpoints"] = [_endpoint(tmpl, ep) for _, ep in replicas]
+                c["load_assignment"]["endpoints"] = [group]
+            out_clusters.append(c)
+    for prefix, tmpl in templates.items():
+        for name, ep in replicas:
+            out_clusters.append(_single_host_cluster(tmpl, prefix + name, ep))
+    doc["static_resources"]["clusters"] = out_clusters
+
+    w = wasm_filter(doc)
+    if w is not None:
+        w["vm_config"]["code"]["local"]["filename"] = wasm
+        pc = json.loads(w["configuration"]["value"])
+        tmpl = pc["replicas"][0]
+        new = []
+        for name, ep in replicas:
+            r = dict(tmpl)
+            r["name"], r["endpoint"] = name, ep
+            if "feed_cluster" in r:
+                r["feed_cluster"] = FEED_PREFIX + name
+            if "feed_authority" in r:
+                r["feed_authority"] = ep
+            if "feed_address" in r:
+                r["feed_address"] = ep
+            if "cluster" in r:
+                r["cluster"] = REPLICA_CLUSTER_PREFIX + name
+            new.append(r)
+        pc["replicas"] = new
+        pc = _merge(pc, plugin_overrides or {})
+        w["configuration"]["value"] = json.dumps(pc)
+    return doc

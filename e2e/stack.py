@@ -1,0 +1,434 @@
+"""Start and stop what an end-to-end run needs: simulated replicas and Envoy, on 127.0.0.1.
+
+Everything started here is a child of this Python process, in a session of its own (so a shell's
+SIGHUP/SIGTERM aimed at the terminal's process group does not reach it: Envoy started in the
+background of a shell has been seen to get SIGTERM when that shell exits), with the kernel asked to
+kill it should this process die without cleaning up (PR_SET_PDEATHSIG). `Stack.close()` stops exactly
+the processes it started, by pid, and it runs on normal exit, on SIGTERM/SIGINT, and from tests'
+tearDown.
+
+Paths come from the environment so CI and developers can point at their builds:
+- `CARGO_TARGET_DIR` (default `<repo>/target`): where the release wasm and sim binary are.
+- `KVSTEER_WASM`, `KVSTEER_SIM`, `ENVOY_BIN`: explicit overrides.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import envoy_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class StackError(RuntimeError):
+    """A part of the stack could not be started, with what it printed."""
+
+
+def target_dir() -> Path:
+    t = os.environ.get("CARGO_TARGET_DIR")
+    p = Path(t) if t else REPO / "target"
+    return p if p.is_absolute() else REPO / p
+
+
+def wasm_path() -> Path:
+    return Path(
+        os.environ.get("KVSTEER_WASM")
+        or target_dir() / "wasm32-wasip1" / "release" / "kvsteer_filter.wasm"
+    )
+
+
+def sim_path() -> Path:
+    return Path(os.environ.get("KVSTEER_SIM") or target_dir() / "release" / "kvsteer-sim")
+
+
+def envoy_path() -> Path:
+    """The Envoy binary: `ENVOY_BIN`, else the one scripts/envoy-install put in .venv."""
+    if os.environ.get("ENVOY_BIN"):
+        return Path(os.environ["ENVOY_BIN"])
+    out = subprocess.run(
+        [str(REPO / "scripts" / "envoy-install")], check=True, capture_output=True, text=True
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports the kernel says are free now (another process may still take one first)."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:
+    # Runs in the child between fork and exec: die with the supervisor.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@dataclass
+class Proc:
+    """One started process, its log file, and what it is for (in error messages)."""
+
+    what: str
+    popen: subprocess.Popen
+    log: Path
+    lines: list[str] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            text = ""
+        return "\n".join(text.splitlines()[-n:])
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        if self.popen.poll() is not None:
+            return
+        # The child leads its own session, so its pid is its process group: signal the group so that
+        # anything it spawned goes too, and nothing else.
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.popen.wait(timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL now: a replica that dies, not one that shuts down."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=5)
+
+
+@dataclass
+class Replica:
+    name: str
+    port: int
+    proc: Proc
+    sim_name: str = ""
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+_live_stacks: list["Stack"] = []
+
+
+def _close_all(*_args) -> None:
+    for s in list(_live_stacks):
+        s.close()
+
+
+def _on_signal(signum, _frame) -> None:
+    _close_all()
+    # Exit with the conventional status for the signal.
+    sys.exit(128 + signum)
+
+
+atexit.register(_close_all)
+for _sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(_sig, _on_signal)
+
+
+class Stack:
+    """Replicas plus (optionally) one Envoy in front of them. Use as a context manager."""
+
+    def __init__(self, workdir: Path | None = None, quiet: bool = True):
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvsteer-e2e-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[Proc] = []
+        self.replicas: list[Replica] = []
+        self.envoy: Proc | None = None
+        self.listen_port = 0
+        self.admin_port = 0
+        self.variant = ""
+        self.quiet = quiet
+        _live_stacks.append(self)
+
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def say(self, msg: str) -> None:
+        if not self.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    # -- processes -------------------------------------------------------------------------------
+
+    def spawn(self, what: str, argv: list[str]) -> Proc:
+        log = self.workdir / f"{what}.log"
+        f = open(log, "wb")
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=f,
+            start_new_session=True,
+            preexec_fn=_child_setup,
+            cwd=str(REPO),
+        )
+        f.close()
+        proc = Proc(what, popen, log)
+        self.procs.append(proc)
+
+        def pump() -> None:
+            # Copy stdout to the log too, keeping lines for readiness checks.
+            with open(log, "ab") as out:
+                assert popen.stdout is not None
+                for raw in popen.stdout:
+                    out.write(raw)
+                    out.flush()
+                    proc.lines.append(raw.decode(errors="replace").rstrip("\n"))
+
+        threading.Thread(target=pump, daemon=True).start()
+        return proc
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs.clear()
+        if self in _live_stacks:
+            _live_stacks.remove(self)
+
+    # -- replicas --------------------------------------------------------------------------------
+
+    def start_replicas(self, n: int, extra: list[str] | None = None, prefix: str = "r") -> None:
+        """`n` simulated replicas, each its own process (so one can be killed), named r0..r{n-1}."""
+        sim = sim_path()
+        if not sim.exists():
+            raise StackError(
+                f"sim binary not found at {sim}: build it with "
+                "`cargo build -p kvsteer-sim --release --bin kvsteer-sim` (or set KVSTEER_SIM)"
+            )
+        for i, port in enumerate(free_ports(n)):
+            name = f"{prefix}{i}"
+            proc = self.spawn(f"replica-{name}", self._replica_argv(sim, name, port, i, extra or []))
+            self.replicas.append(Replica(name, port, proc))
+        deadline = time.monotonic() + 30
+        for r in self.replicas:
+            # The sim prints `ready <name> 127.0.0.1:<port>` per replica it serves.
+            suffix = f" 127.0.0.1:{r.port}"
+            while True:
+                ready = [ln for ln in r.proc.lines if ln.startswith("ready ") and ln.endswith(suffix)]
+                if ready:
+                    r.sim_name = ready[0].split()[1]
+                    break
+                if not r.proc.alive():
+                    raise StackError(f"replica {r.name} exited:\n{r.proc.tail()}")
+                if time.monotonic() > deadline:
+                    raise StackError(f"replica {r.name} not ready in 30 s:\n{r.proc.tail()}")
+                time.sleep(0.02)
+            wait_http(f"http://{r.endpoint}/health", 10, r.proc)
+        self.say("replicas: " + ", ".join(f"{r.name}={r.endpoint}" for r in self.replicas))
+
+    @staticmethod
+    def _replica_argv(sim: Path, name: str, port: int, index: int, extra: list[str]) -> list[str]:
+        # One process per replica so a test can kill one. The sim names its replicas
+        # `<prefix><i>`; with one replica per process the prefix `<name>_` makes the names distinct
+        # (`r0_0`, `r1_0`, ...), and the ready line tells which name a replica answers with.
+        return [str(sim), "serve", "--replicas", "1", "--host", "127.0.0.1", "--port", str(port),
+                "--name-prefix", f"{name}_", "--seed", str(1000 + index), *extra]
+
+    def by_sim_name(self, sim_name: str) -> "Replica | None":
+        """The replica that answers with `x-kvsteer-replica: <sim_name>`."""
+        for r in self.replicas:
+            if r.sim_name == sim_name:
+                return r
+        return None
+
+    def replica(self, name: str) -> Replica:
+        for r in self.replicas:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def by_endpoint(self) -> dict[str, str]:
+        return {r.endpoint: r.name for r in self.replicas}
+
+    # -- envoy -----------------------------------------------------------------------------------
+
+    def start_envoy(
+        self,
+        variant: str = "envoy",
+        concurrency: int = 2,
+        plugin_overrides: dict | None = None,
+        wait_feeds: bool = True,
+    ) -> None:
+        """Envoy with `envoy/<variant>.yaml`, rewritten for this stack's ports and the built wasm."""
+        wasm = wasm_path()
+        cfg_doc = envoy_config.load(variant)
+        if envoy_config.uses_wasm(cfg_doc) and not wasm.exists():
+            raise StackError(
+                f"filter not built at {wasm}: build it with "
+                "`cargo build -p kvsteer-filter --target wasm32-wasip1 --release` (or set KVSTEER_WASM)"
+            )
+        self.listen_port, self.admin_port = free_ports(2)
+        self.variant = variant
+        doc = envoy_config.rewrite(
+            cfg_doc,
+            replicas=[(r.name, r.endpoint) for r in self.replicas],
+            listen_port=self.listen_port,
+            admin_port=self.admin_port,
+            wasm=str(wasm),
+            plugin_overrides=plugin_overrides or {},
+        )
+        path = self.workdir / f"{variant}.json"
+        path.write_text(json.dumps(doc, indent=1))
+        envoy = envoy_path()
+        last = ""
+        for attempt in range(3):
+            # Each run its own base id: two Envoys on one machine must not share hot-restart memory.
+            base_id = random.randint(1000, 4_000_000)
+            argv = [str(envoy), "-c", str(path), "--concurrency", str(concurrency),
+                    "--base-id", str(base_id), "--log-level", "warn",
+                    "--component-log-level", "wasm:info"]
+            self.envoy = self.spawn(f"envoy-{variant}-{attempt}", argv)
+            try:
+                wait_http(f"http://127.0.0.1:{self.admin_port}/ready", 30, self.envoy)
+                break
+            except StackError as e:
+                last = str(e)
+                self.envoy.stop()
+                # A port or base id taken by someone else between our check and Envoy's bind: retry
+                # on fresh ones.
+                self.listen_port, self.admin_port = free_ports(2)
+                doc = envoy_config.rewrite(
+                    cfg_doc, replicas=[(r.name, r.endpoint) for r in self.replicas],
+                    listen_port=self.listen_port, admin_port=self.admin_port, wasm=str(wasm),
+                    plugin_overrides=plugin_overrides or {})
+                path.write_text(json.dumps(doc, indent=1))
+        else:
+            raise StackError(f"envoy did not become ready:\n{last}")
+        self.wait_healthy()
+        if wait_feeds and envoy_config.uses_wasm(cfg_doc):
+            self.wait_feeds()
+        self.say(f"envoy ({variant}): listen 127.0.0.1:{self.listen_port}, "
+                 f"admin 127.0.0.1:{self.admin_port}")
+
+    def admin(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as r:
+            return r.read().decode()
+
+    def stats(self, prefix_filter: str = "") -> dict[str, int]:
+        """Envoy's counters and gauges (`/stats`), name -> value; histograms are skipped."""
+        out: dict[str, int] = {}
+        q = f"?filter={prefix_filter}" if prefix_filter else ""
+        for line in self.admin(f"/stats{q}").splitlines():
+            name, _, value = line.partition(": ")
+            try:
+                out[name] = int(value)
+            except ValueError:
+                continue
+        return out
+
+    def host_health(self, cluster: str) -> dict[str, str]:
+        """Endpoints of `cluster` and their health flags (`healthy`, or e.g. `/failed_active_hc`)."""
+        flags: dict[str, str] = {}
+        for line in self.admin("/clusters").splitlines():
+            parts = line.split("::")
+            if len(parts) == 4 and parts[0] == cluster and parts[2] == "health_flags":
+                flags[parts[1]] = parts[3]
+        return flags
+
+    def healthy_hosts(self, cluster: str) -> set[str]:
+        return {h for h, f in self.host_health(cluster).items() if f == "healthy"}
+
+    def wait_healthy(self, timeout_s: float = 20) -> None:
+        """Until every host of every health-checked cluster passes its checks."""
+        clusters = envoy_config.health_checked_clusters(envoy_config.load(self.variant))
+        deadline = time.monotonic() + timeout_s
+        for c in clusters:
+            while True:
+                flags = self.host_health(c)
+                if flags and all(f == "healthy" for f in flags.values()):
+                    break
+                if time.monotonic() > deadline:
+                    raise StackError(f"cluster {c} not healthy in {timeout_s} s: {flags}")
+                time.sleep(0.1)
+
+    def wait_feeds(self, timeout_s: float = 20) -> None:
+        """Until every replica's feed has answered at least one poll.
+
+        Sending a first request before the filter has seen any feed would route it on load alone,
+        which is correct but not what the tests want to observe.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            polls = {}
+            for r in self.replicas:
+                polls[r.name] = self.feed_polls(r)
+            if all(v > 0 for v in polls.values()):
+                return
+            if time.monotonic() > deadline:
+                raise StackError(f"feeds not polled in {timeout_s} s: {polls}")
+            time.sleep(0.1)
+
+    def feed_polls(self, r: Replica) -> int:
+        """How many feed requests the replica's feed cluster has completed with a 2xx."""
+        s = self.stats(f"cluster.kvsteer_feed_{r.name}.upstream_rq_2xx")
+        return s.get(f"cluster.kvsteer_feed_{r.name}.upstream_rq_2xx", 0)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+
+def wait_http(url: str, timeout_s: float, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise StackError(f"{proc.what} exited ({proc.popen.returncode}):\n{proc.tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+                last = f"status {r.status}"
+        except (urllib.error.URLError, ConnectionError, OSError) as e:
+            last = str(e)
+        time.sleep(0.05)
+    tail = proc.tail() if proc is not None else ""
+    raise StackError(f"{url} not ready in {timeout_s} s ({last})\n{tail}")
