@@ -331,6 +331,7 @@ pub struct Progress {
     start: Instant,
     last_draw: Option<Instant>,
     done: u64,
+    drawn: Option<u64>,
 }
 
 impl Progress {
@@ -341,6 +342,7 @@ impl Progress {
             start: Instant::now(),
             last_draw: None,
             done: 0,
+            drawn: None,
         }
     }
 
@@ -351,8 +353,9 @@ impl Progress {
         let due = self
             .last_draw
             .is_none_or(|t| now.duration_since(t) >= Duration::from_millis(100));
-        if due || done >= self.total {
+        if (due || done >= self.total) && self.drawn != Some(done) {
             self.last_draw = Some(now);
+            self.drawn = Some(done);
             let _ = std::io::stderr().write_all(self.line().as_bytes());
         }
     }
@@ -380,7 +383,13 @@ impl Progress {
 
     /// Draws the final state and ends the line.
     pub fn finish(&mut self) {
-        let _ = std::io::stderr().write_all(format!("{}\n", self.line()).as_bytes());
+        let text = if self.drawn == Some(self.done) {
+            "\n".to_string()
+        } else {
+            format!("{}\n", self.line())
+        };
+        self.drawn = Some(self.done);
+        let _ = std::io::stderr().write_all(text.as_bytes());
     }
 }
 

@@ -1,0 +1,183 @@
+//! Prints what each workload is: sessions, requests, tokens, and the prompt hit rate an infinite prefix
+//! cache would reach (an upper bound for every routing policy's hit rate).
+//!
+//! Usage (from the repository root): `cargo run --release -p kvsteer-workload --bin workload-stats --
+//! [--traces DIR] [rl|rl-small|weka|mooncake|azure ...]` (default: all; DIR defaults to
+//! `../shared/traces`).
+//!
+//! The infinite cache is replayed serially in workload order: every issued prompt's full blocks are
+//! looked up (longest cached run of leading blocks counts as hit tokens), then the prompt and its output
+//! are inserted. Outputs are deterministic stand-ins derived from the request id, as an engine's output
+//! would be request-specific.
+
+use kvsteer_workload::azure::{self, AzureParams};
+use kvsteer_workload::mooncake::{self, MooncakeParams};
+use kvsteer_workload::report::Progress;
+use kvsteer_workload::rl::{self, RlParams};
+use kvsteer_workload::token_blocks::{block_key, tokens};
+use kvsteer_workload::weka::{self, WekaParams};
+use kvsteer_workload::{Driver, Mode, Workload, WorkloadError};
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::time::Instant;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+struct Row {
+    name: String,
+    sessions: usize,
+    requests: usize,
+    prompt_tokens: u64,
+    output_tokens: u64,
+    hit_tokens: u64,
+    build_s: f64,
+    replay_s: f64,
+    notes: String,
+}
+
+fn chain_hashes(tokens: &[u32], block: usize) -> Vec<u64> {
+    let mut prev = 0u64;
+    let mut buf = Vec::with_capacity(block * 4 + 8);
+    tokens
+        .chunks_exact(block)
+        .map(|c| {
+            buf.clear();
+            buf.extend_from_slice(&prev.to_le_bytes());
+            for t in c {
+                buf.extend_from_slice(&t.to_le_bytes());
+            }
+            prev = xxh3_64_with_seed(&buf, 1337);
+            prev
+        })
+        .collect()
+}
+
+fn replay(w: Workload, build_s: f64) -> Row {
+    let name = w.name.clone();
+    let notes = w
+        .notes
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(k, n)| format!("{k}: {n}"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let block = w.block_size as usize;
+    let sessions = w.sessions.len();
+    let t0 = Instant::now();
+    let mut d = Driver::new(w, Mode::Closed { concurrency: 1 });
+    let (_, total) = d.progress();
+    let mut bar = Progress::new(&format!("{name:>9}"), total as u64);
+    let mut cache: HashSet<u64> = HashSet::new();
+    let (mut prompt_tokens, mut output_tokens, mut hit_tokens) = (0u64, 0u64, 0u64);
+    let mut now = 0u64;
+    let mut out = vec![];
+    while !d.done() {
+        now = now.max(d.next_wakeup().unwrap_or(now));
+        out.clear();
+        d.poll(now, &mut out);
+        for i in out.drain(..) {
+            let hashes = chain_hashes(&i.prompt, block);
+            let hit = hashes.iter().take_while(|h| cache.contains(h)).count();
+            hit_tokens += (hit * block) as u64;
+            prompt_tokens += i.prompt.len() as u64;
+            output_tokens += u64::from(i.output_tokens);
+            let output = tokens(
+                block_key("stats-output", i.request_id),
+                i.output_tokens as usize,
+            );
+            let mut full = i.prompt.to_vec();
+            full.extend_from_slice(&output);
+            cache.extend(chain_hashes(&full, block));
+            d.complete(i.request_id, now, &output)
+                .expect("issued by this driver");
+            bar.set(d.progress().0 as u64);
+        }
+    }
+    bar.finish();
+    Row {
+        name,
+        sessions,
+        requests: total,
+        prompt_tokens,
+        output_tokens,
+        hit_tokens,
+        build_s,
+        replay_s: t0.elapsed().as_secs_f64(),
+        notes,
+    }
+}
+
+fn build(name: &str, dir: &std::path::Path) -> Result<Workload, WorkloadError> {
+    match name {
+        "rl" => rl::generate(&RlParams::default()),
+        "rl-small" => rl::generate(&RlParams::small()),
+        "weka" => weka::read(&WekaParams {
+            path: dir.join("weka_cc_sample36.jsonl"),
+            ..Default::default()
+        }),
+        "mooncake" => mooncake::read(&MooncakeParams {
+            path: dir.join("mooncake_synthetic_trace.jsonl"),
+            ..Default::default()
+        }),
+        "azure" => azure::read(&AzureParams {
+            path: dir.join("azure_llm_inference_conv_2023.csv"),
+            ..Default::default()
+        }),
+        other => Err(WorkloadError::Param(format!(
+            "unknown workload {other:?} (rl, rl-small, weka, mooncake, azure)"
+        ))),
+    }
+}
+
+fn main() {
+    let mut dir = PathBuf::from("../shared/traces");
+    let mut names = vec![];
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if a == "--traces" {
+            match args.next() {
+                Some(d) => dir = d.into(),
+                None => {
+                    eprintln!("--traces needs a directory");
+                    std::process::exit(2);
+                }
+            }
+        } else {
+            names.push(a);
+        }
+    }
+    if names.is_empty() {
+        names = ["rl", "weka", "mooncake", "azure"]
+            .map(String::from)
+            .to_vec();
+    }
+    let mut rows = vec![];
+    for n in &names {
+        let t = Instant::now();
+        match build(n, &dir) {
+            Ok(w) => rows.push(replay(w, t.elapsed().as_secs_f64())),
+            Err(e) => {
+                eprintln!("{n}: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    println!(
+        "| workload | sessions | requests | prompt tokens | mean prompt | output tokens | infinite-cache hit | build s | replay s | notes |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {} | {:.0} | {} | {:.1}% | {:.2} | {:.2} | {} |",
+            r.name,
+            r.sessions,
+            r.requests,
+            r.prompt_tokens,
+            r.prompt_tokens as f64 / r.requests.max(1) as f64,
+            r.output_tokens,
+            100.0 * r.hit_tokens as f64 / r.prompt_tokens.max(1) as f64,
+            r.build_s,
+            r.replay_s,
+            r.notes
+        );
+    }
+}
