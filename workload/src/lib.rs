@@ -7,6 +7,7 @@
 //! a [`measure::Summary`]; [`report`] prints summaries side by side and draws SVG plots.
 
 pub mod azure;
+pub mod catalog;
 pub mod driver;
 pub mod error;
 pub mod measure;

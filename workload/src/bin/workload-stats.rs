@@ -10,13 +10,10 @@
 //! are inserted. Outputs are deterministic stand-ins derived from the request id, as an engine's output
 //! would be request-specific.
 
-use kvsteer_workload::azure::{self, AzureParams};
-use kvsteer_workload::mooncake::{self, MooncakeParams};
+use kvsteer_workload::catalog;
 use kvsteer_workload::report::Progress;
-use kvsteer_workload::rl::{self, RlParams};
 use kvsteer_workload::token_blocks::{block_key, tokens};
-use kvsteer_workload::weka::{self, WekaParams};
-use kvsteer_workload::{Driver, Mode, Workload, WorkloadError};
+use kvsteer_workload::{Driver, Mode, Workload};
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -106,30 +103,8 @@ fn replay(w: Workload, build_s: f64) -> Row {
     }
 }
 
-fn build(name: &str, dir: &std::path::Path) -> Result<Workload, WorkloadError> {
-    match name {
-        "rl" => rl::generate(&RlParams::default()),
-        "rl-small" => rl::generate(&RlParams::small()),
-        "weka" => weka::read(&WekaParams {
-            path: dir.join("weka_cc_sample36.jsonl"),
-            ..Default::default()
-        }),
-        "mooncake" => mooncake::read(&MooncakeParams {
-            path: dir.join("mooncake_synthetic_trace.jsonl"),
-            ..Default::default()
-        }),
-        "azure" => azure::read(&AzureParams {
-            path: dir.join("azure_llm_inference_conv_2023.csv"),
-            ..Default::default()
-        }),
-        other => Err(WorkloadError::Param(format!(
-            "unknown workload {other:?} (rl, rl-small, weka, mooncake, azure)"
-        ))),
-    }
-}
-
 fn main() {
-    let mut dir = PathBuf::from("../shared/traces");
+    let mut dir = PathBuf::from(catalog::DEFAULT_TRACES);
     let mut names = vec![];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -153,7 +128,7 @@ fn main() {
     let mut rows = vec![];
     for n in &names {
         let t = Instant::now();
-        match build(n, &dir) {
+        match catalog::build(n, &dir) {
             Ok(w) => rows.push(replay(w, t.elapsed().as_secs_f64())),
             Err(e) => {
                 eprintln!("{n}: {e}");
