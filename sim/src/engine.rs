@@ -315,7 +315,7 @@ impl Engine {
         let epoch = if cfg.epoch != 0 {
             cfg.epoch
         } else {
-            mix64(cfg.seed ^ 0x6570_6f63_68) | 1
+            mix64(cfg.seed ^ 0x0065_706f_6368) | 1
         };
         Engine {
             kv: KvCache::new(cfg.kv_blocks, cfg.host_blocks),

@@ -17,3 +17,6 @@ pub use engine::{
 };
 pub use output::{OutputLen, output_token};
 pub use profile::{Profile, StepWork};
+pub mod http;
+pub mod metrics;
+pub mod server;

@@ -1,0 +1,104 @@
+//! `kvsteer-sim`: simulated vLLM-like replicas behind real HTTP servers.
+//!
+//! ```text
+//! kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] [--seed S]
+//!     [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192]
+//!     [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]
+//! ```
+//! Replica i listens on port P+i and is named `<prefix><i>`; one line `ready <name> <host>:<port>` is
+//! printed per replica once it listens. The process runs until killed.
+
+use kvsteer_sim::engine::EngineConfig;
+use kvsteer_sim::output::OutputLen;
+use kvsteer_sim::server::{ReplicaConfig, start_replicas};
+use std::io::Write;
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] \
+[--seed S] [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192] \
+[--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]";
+
+fn parse<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String> {
+    let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
+    v.parse().map_err(|_| format!("{flag}: cannot parse {v:?}"))
+}
+
+fn run() -> Result<(), String> {
+    let mut args = std::env::args().skip(1);
+    match args.next().as_deref() {
+        Some("serve") => {}
+        Some("-h" | "--help") | None => return Err(USAGE.into()),
+        Some(other) => return Err(format!("unknown command {other:?}\n{USAGE}")),
+    }
+    let mut engine = EngineConfig::default();
+    let mut cfg = ReplicaConfig {
+        name: String::new(),
+        host: "127.0.0.1".into(),
+        port: 8000,
+        time_scale: 1.0,
+        model: "llama-3.1-8b-sim".into(),
+        engine: EngineConfig::default(),
+    };
+    let mut replicas = 1usize;
+    let mut prefix = "r".to_string();
+    while let Some(flag) = args.next() {
+        let v = args.next();
+        match flag.as_str() {
+            "--replicas" => replicas = parse(&flag, v)?,
+            "--host" => cfg.host = parse(&flag, v)?,
+            "--port" => cfg.port = parse(&flag, v)?,
+            "--time-scale" => cfg.time_scale = parse(&flag, v)?,
+            "--seed" => engine.seed = parse(&flag, v)?,
+            "--kv-blocks" => engine.kv_blocks = parse(&flag, v)?,
+            "--block-size" => engine.block_size = parse(&flag, v)?,
+            "--host-blocks" => engine.host_blocks = parse(&flag, v)?,
+            "--max-batch-tokens" => engine.max_batch_tokens = parse(&flag, v)?,
+            "--max-running" => engine.max_running = parse(&flag, v)?,
+            "--max-model-len" => engine.max_model_len = parse(&flag, v)?,
+            "--output-mean" => {
+                engine.output_len = OutputLen::Exponential {
+                    mean: parse(&flag, v)?,
+                }
+            }
+            "--model" => cfg.model = parse(&flag, v)?,
+            "--name-prefix" => prefix = parse(&flag, v)?,
+            _ => return Err(format!("unknown flag {flag:?}\n{USAGE}")),
+        }
+    }
+    if replicas == 0 || replicas > 1024 {
+        return Err("--replicas must be between 1 and 1024".into());
+    }
+    if engine.block_size == 0 || engine.block_size > kvsteer_core::block::MAX_BLOCK_SIZE {
+        return Err(format!(
+            "--block-size must be between 1 and {}",
+            kvsteer_core::block::MAX_BLOCK_SIZE
+        ));
+    }
+    if engine.kv_blocks == 0 {
+        return Err("--kv-blocks must be at least 1".into());
+    }
+    if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
+        return Err("--time-scale must be a positive number".into());
+    }
+    cfg.engine = engine;
+    let started = start_replicas(&cfg, replicas, &prefix).map_err(|e| format!("bind: {e}"))?;
+    let mut out = std::io::stdout().lock();
+    for r in &started {
+        let _ = writeln!(out, "ready {} {}", r.name(), r.addr());
+    }
+    let _ = out.flush();
+    drop(out);
+    loop {
+        std::thread::park();
+    }
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvsteer-sim: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

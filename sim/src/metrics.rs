@@ -1,0 +1,146 @@
+//! `/metrics` in Prometheus text format with vLLM's metric names, so dashboards and scrapers written
+//! for vLLM read the simulator unchanged. Latency histograms are in *engine* seconds (virtual time:
+//! what the simulated GPU took), not wall seconds of a time-scaled run.
+
+use crate::engine::{Engine, Histogram};
+use std::fmt::Write;
+
+fn gauge(out: &mut String, name: &str, help: &str, labels: &str, v: f64) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {v}"
+    );
+}
+
+fn counter(out: &mut String, name: &str, help: &str, labels: &str, v: u64) {
+    let _ = writeln!(
+        out,
+        "# HELP {name}_total {help}\n# TYPE {name}_total counter\n{name}_total{{{labels}}} {v}"
+    );
+}
+
+fn histogram(out: &mut String, name: &str, help: &str, labels: &str, h: &Histogram) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    let mut cum = 0u64;
+    for (i, b) in h.bounds.iter().enumerate() {
+        cum += h.counts[i];
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b}\"}} {cum}");
+    }
+    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", h.count);
+    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h.sum);
+    let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
+}
+
+/// Renders the engine's state and counters.
+pub fn render(engine: &Engine, model: &str) -> String {
+    let l = format!("model_name=\"{model}\"");
+    let s = engine.stats();
+    let load = engine.load();
+    let cfg = engine.config();
+    let mut out = String::with_capacity(8192);
+    gauge(
+        &mut out,
+        "vllm:num_requests_running",
+        "Requests in the running batch.",
+        &l,
+        load.running as f64,
+    );
+    gauge(
+        &mut out,
+        "vllm:num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        &l,
+        load.waiting as f64,
+    );
+    gauge(
+        &mut out,
+        "vllm:kv_cache_usage_perc",
+        "Fraction of KV blocks referenced by running requests (1 = full).",
+        &l,
+        engine.kv_usage(),
+    );
+    gauge(
+        &mut out,
+        "vllm:gpu_cache_usage_perc",
+        "Older name of vllm:kv_cache_usage_perc.",
+        &l,
+        engine.kv_usage(),
+    );
+    counter(
+        &mut out,
+        "vllm:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        &l,
+        s.prefix_cache_queries,
+    );
+    counter(
+        &mut out,
+        "vllm:prefix_cache_hits",
+        "Prompt tokens found in the prefix cache (host tier included).",
+        &l,
+        s.prefix_cache_hits,
+    );
+    counter(
+        &mut out,
+        "vllm:num_preemptions",
+        "Preemptions (recompute) of running requests.",
+        &l,
+        s.preemptions,
+    );
+    counter(
+        &mut out,
+        "vllm:prompt_tokens",
+        "Prompt tokens admitted.",
+        &l,
+        s.prompt_tokens,
+    );
+    counter(
+        &mut out,
+        "vllm:generation_tokens",
+        "Tokens generated.",
+        &l,
+        s.generation_tokens,
+    );
+    let _ = writeln!(
+        out,
+        "# HELP vllm:request_success_total Finished requests by reason.\n# TYPE vllm:request_success_total counter"
+    );
+    for (reason, v) in [
+        ("length", s.finished_length),
+        ("stop", s.finished_stop),
+        ("abort", s.finished_abort),
+    ] {
+        let _ = writeln!(
+            out,
+            "vllm:request_success_total{{{l},finished_reason=\"{reason}\"}} {v}"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP vllm:cache_config_info Information of the KV cache configuration.\n# TYPE vllm:cache_config_info gauge\n\
+         vllm:cache_config_info{{block_size=\"{}\",num_gpu_blocks=\"{}\",num_cpu_blocks=\"{}\",enable_prefix_caching=\"True\"}} 1",
+        cfg.block_size, cfg.kv_blocks, cfg.host_blocks
+    );
+    histogram(
+        &mut out,
+        "vllm:time_to_first_token_seconds",
+        "Time to first token (engine time).",
+        &l,
+        &s.ttft,
+    );
+    histogram(
+        &mut out,
+        "vllm:inter_token_latency_seconds",
+        "Time between output tokens (engine time).",
+        &l,
+        &s.itl,
+    );
+    gauge(
+        &mut out,
+        "kvsteer_sim:decode_blocks",
+        "KV blocks held by decoding requests.",
+        &l,
+        load.decode_blocks as f64,
+    );
+    out
+}
