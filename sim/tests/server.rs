@@ -1,0 +1,398 @@
+//! The server over real sockets: streamed and non-streamed round trips, cached tokens, the feed,
+//! faults, and bad input.
+
+use kvsteer_core::feed::{FeedBatch, FeedCursor};
+use kvsteer_sim::engine::EngineConfig;
+use kvsteer_sim::server::{Replica, ReplicaConfig, start_replicas};
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+fn replica(kv_blocks: u32) -> Replica {
+    let cfg = ReplicaConfig {
+        name: "t0".into(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        time_scale: 50.0,
+        model: "sim".into(),
+        engine: EngineConfig {
+            kv_blocks,
+            max_model_len: 4096,
+            ..Default::default()
+        },
+    };
+    Replica::start(cfg).expect("replica starts")
+}
+
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Resp {
+    fn header(&self, k: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.as_str())
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).expect("JSON body")
+    }
+}
+
+fn read_resp(r: &mut BufReader<TcpStream>) -> Resp {
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    let status: u16 = line.split(' ').nth(1).unwrap().parse().unwrap();
+    let mut headers = Vec::new();
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).unwrap();
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        let (k, v) = h.split_once(':').unwrap();
+        headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+    }
+    let mut body = Vec::new();
+    let get = |k: &str| headers.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    if get("transfer-encoding").as_deref() == Some("chunked") {
+        loop {
+            let mut size = String::new();
+            r.read_line(&mut size).unwrap();
+            let n = usize::from_str_radix(size.trim(), 16).unwrap();
+            let mut chunk = vec![0; n + 2];
+            r.read_exact(&mut chunk).unwrap();
+            if n == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..n]);
+        }
+    } else {
+        let n: usize = get("content-length").unwrap().parse().unwrap();
+        body = vec![0; n];
+        r.read_exact(&mut body).unwrap();
+    }
+    Resp {
+        status,
+        headers,
+        body,
+    }
+}
+
+struct Client {
+    r: BufReader<TcpStream>,
+}
+
+impl Client {
+    fn new(rep: &Replica) -> Client {
+        let s = TcpStream::connect(rep.addr()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        Client {
+            r: BufReader::new(s),
+        }
+    }
+    fn raw(&mut self, bytes: &[u8]) -> Resp {
+        self.r.get_mut().write_all(bytes).unwrap();
+        read_resp(&mut self.r)
+    }
+    fn call(&mut self, method: &str, path: &str, body: &str) -> Resp {
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        self.raw(req.as_bytes())
+    }
+    fn post(&mut self, path: &str, v: &Value) -> Resp {
+        self.call("POST", path, &v.to_string())
+    }
+}
+
+fn ids(tag: u32, n: u32) -> Vec<u32> {
+    (0..n).map(|i| tag * 10_000 + i).collect()
+}
+
+#[test]
+fn non_streamed_round_trip_and_cached_tokens_on_keep_alive() {
+    let rep = replica(2000);
+    let mut c = Client::new(&rep);
+    let mut a = ids(1, 200);
+    a.extend(ids(2, 30));
+    let r = c.post(
+        "/v1/completions",
+        &json!({"model": "m", "prompt": a, "max_tokens": 5, "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-kvsteer-replica"), Some("t0"));
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["model"], "m");
+    assert_eq!(v["usage"]["prompt_tokens"], 230);
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        v["choices"][0]["text"].as_str().unwrap().split(' ').count(),
+        6
+    );
+    // Same connection, same 200-token prefix: 12 full blocks of 16 are shared.
+    let mut b = ids(1, 200);
+    b.extend(ids(3, 30));
+    let r = c.post(
+        "/v1/completions",
+        &json!({"prompt": b, "max_tokens": 2, "return_token_ids": true}),
+    );
+    let v = r.json();
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 192);
+    assert!(v["choices"][0]["token_ids"].as_array().unwrap().len() <= 2);
+    // Chat, text prompt.
+    let r = c.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3,
+            "ignore_eos": true}),
+    );
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+}
+
+#[test]
+fn streamed_round_trip_ends_with_usage_and_done() {
+    let rep = replica(2000);
+    let mut c = Client::new(&rep);
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let body = if path == "/v1/completions" {
+            json!({"prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 4,
+                "ignore_eos": true, "stream": true})
+        } else {
+            json!({"messages": [{"role": "user", "content": "The quick brown fox"}],
+                "max_tokens": 4, "ignore_eos": true, "stream": true,
+                "stream_options": {"include_usage": true}})
+        };
+        let r = c.post(path, &body);
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("content-type"), Some("text/event-stream"));
+        let text = String::from_utf8(r.body).unwrap();
+        let events: Vec<&str> = text
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| e.strip_prefix("data: ").expect("SSE data line"))
+            .collect();
+        assert_eq!(*events.last().unwrap(), "[DONE]");
+        let usage: Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+        assert_eq!(usage["usage"]["completion_tokens"], 4);
+        assert!(usage["choices"].as_array().unwrap().is_empty());
+        let fin: Value = serde_json::from_str(events[events.len() - 3]).unwrap();
+        assert_eq!(fin["choices"][0]["finish_reason"], "length");
+        let content = events
+            .iter()
+            .filter(|e| **e != "[DONE]")
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .filter(|v| {
+                let ch = &v["choices"][0];
+                ch["text"].as_str().is_some_and(|t| !t.is_empty())
+                    || ch["delta"]["content"]
+                        .as_str()
+                        .is_some_and(|t| !t.is_empty())
+            })
+            .count();
+        assert_eq!(content, 4, "{path}");
+    }
+}
+
+#[test]
+fn bad_input_gets_openai_errors_and_the_server_survives() {
+    let rep = replica(2000);
+    let mut c = Client::new(&rep);
+    let cases: Vec<(&str, &str, &str, u16)> = vec![
+        ("POST", "/v1/completions", "{not json", 400),
+        ("POST", "/v1/completions", "[1,2]", 400),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "x", "max_tokens": "many"}"#,
+            400,
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "x", "stream": 1}"#,
+            400,
+        ),
+        ("POST", "/v1/completions", r#"{"prompt": [[1],[2]]}"#, 400),
+        ("POST", "/v1/completions", r#"{"prompt": [1, -2]}"#, 400),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "x", "max_tokens": 0}"#,
+            400,
+        ),
+        ("POST", "/v1/chat/completions", r#"{"messages": []}"#, 400),
+        (
+            "POST",
+            "/v1/chat/completions",
+            r#"{"messages": [{"content": "x"}]}"#,
+            400,
+        ),
+        ("GET", "/v1/completions", "", 405),
+        ("GET", "/no/such/path", "", 404),
+        ("GET", "/kvsteer/feed?epoch=abc", "", 400),
+        ("POST", "/admin/fault", r#"{"slowdown": -1}"#, 400),
+        ("POST", "/admin/fault", r#"{"explode": true}"#, 400),
+    ];
+    for (m, p, b, want) in cases {
+        let r = c.call(m, p, b);
+        assert_eq!(r.status, want, "{m} {p} {b}");
+        let v = r.json();
+        assert!(v["error"]["message"].is_string(), "{m} {p} {b}");
+        assert_eq!(v["error"]["code"], want);
+    }
+    // Longer than the context limit (4096).
+    let long = "abcd".repeat(5000);
+    let r = c.post("/v1/completions", &json!({"prompt": long}));
+    assert_eq!(r.status, 400);
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("context length")
+    );
+    let r = c.post(
+        "/v1/completions",
+        &json!({"prompt": "abcd".repeat(4000), "max_tokens": 200}),
+    );
+    assert_eq!(r.status, 400);
+    // Oversized body: refused from the header, connection closed.
+    let mut c2 = Client::new(&rep);
+    let r = c2.raw(b"POST /v1/completions HTTP/1.1\r\ncontent-length: 99999999\r\n\r\n");
+    assert_eq!(r.status, 413);
+    let mut c3 = Client::new(&rep);
+    let r = c3.raw(b"GARBAGE\r\n\r\n");
+    assert_eq!(r.status, 400);
+    // Still serving.
+    let r = c.post("/v1/completions", &json!({"prompt": "ok", "max_tokens": 1}));
+    assert_eq!(r.status, 200);
+    assert_eq!(c.call("GET", "/health", "").status, 200);
+}
+
+#[test]
+fn feed_serves_snapshots_increments_outages_and_restarts() {
+    let rep = replica(2000);
+    let mut c = Client::new(&rep);
+    let mut cursor = FeedCursor::default();
+    let poll = |c: &mut Client, cursor: &mut FeedCursor| {
+        let r = c.call("GET", &cursor.query(4096).to_path(), "");
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("content-type"), Some("application/x-kvsteer-feed"));
+        let b = FeedBatch::decode(&r.body).expect("valid feed batch");
+        cursor.accept(&b);
+        b
+    };
+    let first = poll(&mut c, &mut cursor);
+    assert!(first.resync);
+    assert_eq!(first.load.kv_total_blocks, 2000);
+    let r = c.post(
+        "/v1/completions",
+        &json!({"prompt": ids(5, 64), "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 200);
+    let inc = poll(&mut c, &mut cursor);
+    assert!(!inc.resync);
+    let stored: usize = inc
+        .events
+        .iter()
+        .map(|e| match e {
+            kvsteer_core::feed::FeedEvent::Stored { hashes, .. } => hashes.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(stored, 4);
+    let r = c.post("/admin/fault", &json!({"feed_outage": true}));
+    assert_eq!(r.status, 200);
+    assert_eq!(c.call("GET", "/kvsteer/feed", "").status, 503);
+    c.post(
+        "/admin/fault",
+        &json!({"feed_outage": false, "restart": true}),
+    );
+    let after = poll(&mut c, &mut cursor);
+    assert!(after.resync, "a restart changes the epoch");
+    assert_ne!(after.epoch, first.epoch);
+    assert_eq!(after.events, vec![kvsteer_core::feed::FeedEvent::Cleared]);
+    let m = String::from_utf8(c.call("GET", "/metrics", "").body).unwrap();
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"2000\"",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_count",
+    ] {
+        assert!(m.contains(name), "{name} missing");
+    }
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_does_not_leak_its_request() {
+    let rep = replica(2000);
+    {
+        let mut s = TcpStream::connect(rep.addr()).unwrap();
+        let body = json!({"prompt": "go on", "max_tokens": 3000, "ignore_eos": true,
+            "stream": true})
+        .to_string();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut buf = [0u8; 512];
+        let _ = s.read(&mut buf).unwrap();
+    }
+    let mut c = Client::new(&rep);
+    let mut running = 1.0;
+    for _ in 0..200 {
+        let m = String::from_utf8(c.call("GET", "/metrics", "").body).unwrap();
+        running = m
+            .lines()
+            .find(|l| l.starts_with("vllm:num_requests_running{"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap();
+        if running == 0.0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(running, 0.0, "the abandoned request was aborted");
+}
+
+#[test]
+fn several_replicas_start_from_one_call_and_name_themselves() {
+    let base = ReplicaConfig {
+        name: String::new(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        time_scale: 50.0,
+        model: "sim".into(),
+        engine: EngineConfig {
+            kv_blocks: 500,
+            ..Default::default()
+        },
+    };
+    let reps = start_replicas(&base, 3, "rep").unwrap();
+    for (i, r) in reps.iter().enumerate() {
+        let mut c = Client::new(r);
+        let resp = c.call("GET", "/health", "");
+        assert_eq!(
+            resp.header("x-kvsteer-replica"),
+            Some(format!("rep{i}").as_str())
+        );
+    }
+}
