@@ -79,10 +79,10 @@ impl<K: PrefixKey> ApproxIndex<K> {
             if let Some(h) = e.holders.iter_mut().find(|h| h.0 == r) {
                 h.1 = now_ms;
             } else {
-                if e.holders.len() >= MAX_HOLDERS {
-                    if let Some(oldest) = (0..e.holders.len()).min_by_key(|&i| e.holders[i].1) {
-                        e.holders.swap_remove(oldest);
-                    }
+                if e.holders.len() >= MAX_HOLDERS
+                    && let Some(oldest) = (0..e.holders.len()).min_by_key(|&i| e.holders[i].1)
+                {
+                    e.holders.swap_remove(oldest);
                 }
                 e.holders.push((r, now_ms));
             }

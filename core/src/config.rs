@@ -134,7 +134,7 @@ impl Default for RoutingConfig {
             policy: PolicyKind::KvLoad,
             block_size: 16,
             index_capacity_blocks: 1_000_000,
-            seed: 0x6B76_7374_6565_72, // "kvsteer"
+            seed: 0x006B_7673_7465_6572, // "kvsteer"
             kv_load: KvLoadParams::default(),
             session_hash: SessionHashParams::default(),
             prefix_affinity: PrefixAffinityParams::default(),

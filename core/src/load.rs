@@ -76,7 +76,7 @@ impl LoadTotals {
         }
         let count = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
         let body = &buf[8..];
-        if body.len() % LOAD_TOTALS_LEN != 0 || body.len() / LOAD_TOTALS_LEN != count {
+        if !body.len().is_multiple_of(LOAD_TOTALS_LEN) || body.len() / LOAD_TOTALS_LEN != count {
             return Err(bad);
         }
         Ok(body

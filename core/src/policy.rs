@@ -8,7 +8,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::rng::SplitMix64;
 
-const RING_SEED: u64 = 0x7265_706c_6963_61; // "replica"
+const RING_SEED: u64 = 0x0072_6570_6c69_6361; // "replica"
 
 /// A consistent-hash ring with virtual nodes (Karger et al. 1997; as Ray Serve's ConsistentHashRouter).
 /// A point's position depends only on (replica, vnode), so removing a replica moves only the keys that
