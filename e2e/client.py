@@ -169,10 +169,13 @@ def _read_stream(res: Result, data: bytes) -> None:
             res.done = True
             continue
         doc = json.loads(payload)
+        if "error" in doc:
+            res.error = f"error event: {doc['error']}"
+            continue
         res.events += 1
         parts.extend(_choice_text(c) for c in doc.get("choices", []))
         if doc.get("usage"):
             _usage(res, doc["usage"])
     res.text = "".join(parts)
-    if not res.done:
+    if not res.done and not res.error:
         res.error = "stream ended without [DONE]"

@@ -216,8 +216,8 @@ class Stack:
 
         def pump() -> None:
             # Copy stdout to the log too, keeping lines for readiness checks.
-            with open(log, "ab") as out:
-                assert popen.stdout is not None
+            assert popen.stdout is not None
+            with open(log, "ab") as out, popen.stdout:
                 for raw in popen.stdout:
                     out.write(raw)
                     out.flush()

@@ -1,0 +1,332 @@
+"""End-to-end: the built filter inside a real Envoy (V8, `--concurrency 2`) in front of simulated
+replicas, all on 127.0.0.1. Run by scripts/e2e; needs the release wasm and the sim binary.
+
+Each test class starts its own replicas and Envoy (a class that kills or loads a replica must not
+disturb the others) and stops exactly those processes afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import unittest
+
+import envoy_config
+from client import Client, Result, tokens
+from stack import Stack
+
+TIME_SCALE = os.environ.get("E2E_TIME_SCALE", "10")
+REPLICAS = 4
+# Long enough for three feed periods (200 ms each): what the filter learns from a feed is in use by then.
+FEED_SETTLE_S = 0.8
+
+
+def new_stack(variant: str = "envoy", plugin_overrides: dict | None = None) -> Stack:
+    s = Stack()
+    try:
+        s.start_replicas(REPLICAS, extra=["--time-scale", TIME_SCALE])
+        s.start_envoy(variant, concurrency=2, plugin_overrides=plugin_overrides)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def send(stack: Stack, prompt: list[int], fresh: bool = True, **kw) -> Result:
+    """One request through Envoy; a fresh connection by default, so requests spread over workers."""
+    c = Client("127.0.0.1", stack.listen_port)
+    try:
+        return c.complete(prompt, **kw)
+    finally:
+        c.close()
+
+
+def replica_of(stack: Stack, res: Result) -> str:
+    """Our name (r0..) for the replica that answered."""
+    r = stack.by_sim_name(res.replica)
+    if r is None:
+        raise AssertionError(f"answer names unknown replica {res.replica!r} ({res})")
+    return r.name
+
+
+def stat_sum(stack: Stack, needle: str) -> int:
+    """Sum of Envoy stats whose name contains `needle` (wasm metrics carry a prefix such as
+    `wasmcustom.`, and each worker's VM writes the same stat)."""
+    return sum(v for k, v in stack.stats(needle).items() if needle in k)
+
+
+class KvsteerBehindEnvoy(unittest.TestCase):
+    """envoy/envoy.yaml: override_host on the destination header, kv_load."""
+
+    stack: Stack
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.stack = new_stack("envoy")
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.stack.close()
+
+    def seed_prefix(self, seed: int, n: int = 1024) -> tuple[list[int], str]:
+        """Sends a fresh prefix once; returns it and the replica that now caches it."""
+        prefix = tokens(n, seed)
+        first = send(self.stack, prefix + tokens(32, seed + 1))
+        self.assertTrue(first.ok, first)
+        return prefix, replica_of(self.stack, first)
+
+    def test_same_prefix_lands_on_the_replica_that_holds_it(self):
+        holders = {}
+        for p in range(4):
+            holders[p] = self.seed_prefix(10_000 + 100 * p)
+        time.sleep(FEED_SETTLE_S)
+        for p, (prefix, holder) in holders.items():
+            for k in range(3):
+                res = send(self.stack, prefix + tokens(32, 50_000 + 100 * p + k))
+                self.assertTrue(res.ok, res)
+                self.assertEqual(replica_of(self.stack, res), holder, f"prefix {p} follow-up {k}")
+                # The engine itself says the prefix was reused: 64 full blocks of 16 tokens.
+                self.assertGreaterEqual(res.cached_tokens, 1024, res)
+                self.assertEqual(res.prompt_tokens, 1024 + 32, res)
+
+    def test_streamed_and_non_streamed_requests_both_work(self):
+        prompt = tokens(300, 777)
+        for chat in (False, True):
+            plain = send(self.stack, prompt, max_tokens=12, chat=chat)
+            self.assertTrue(plain.ok, plain)
+            self.assertEqual(plain.completion_tokens, 12)
+            self.assertTrue(plain.text)
+            streamed = send(self.stack, prompt, max_tokens=12, stream=True, chat=chat)
+            self.assertTrue(streamed.ok, streamed)
+            self.assertTrue(streamed.done, "stream closed with [DONE]")
+            self.assertEqual(streamed.headers.get("content-type", "").split(";")[0],
+                             "text/event-stream")
+            self.assertGreaterEqual(streamed.events, 12)
+            self.assertEqual(streamed.completion_tokens, 12)
+            self.assertTrue(streamed.replica)
+
+    def test_a_spoofed_destination_header_is_ignored(self):
+        prefix, holder = self.seed_prefix(20_000)
+        time.sleep(FEED_SETTLE_S)
+        before = stat_sum(self.stack, "kvsteer_spoofed_headers_removed")
+        others = [r.endpoint for r in self.stack.replicas if r.name != holder]
+        spoofs = others + ["127.0.0.1:1", ",".join(others)]
+        for k, spoof in enumerate(spoofs):
+            res = send(self.stack, prefix + tokens(16, 21_000 + k),
+                       headers={"x-gateway-destination-endpoint": spoof})
+            self.assertTrue(res.ok, res)
+            self.assertEqual(replica_of(self.stack, res), holder, f"spoofed {spoof}")
+        # Not only inference requests: no request may carry a client's routing header upstream.
+        c = Client("127.0.0.1", self.stack.listen_port)
+        status, _, _ = c.request("GET", "/v1/models",
+                                 headers={"x-gateway-destination-endpoint": others[0]})
+        c.close()
+        self.assertEqual(status, 200)
+        removed = stat_sum(self.stack, "kvsteer_spoofed_headers_removed") - before
+        self.assertGreaterEqual(removed, len(spoofs) + 1)
+
+    def test_filter_metrics_appear_in_envoy_stats(self):
+        before = stat_sum(self.stack, "kvsteer_requests_routed")
+        for k in range(3):
+            self.assertTrue(send(self.stack, tokens(64, 30_000 + k)).ok)
+        stats = self.stack.stats("kvsteer_")
+        names = {k.split("kvsteer_", 1)[1] for k in stats}
+        for want in ("requests_routed", "prompt_tokens", "matched_tokens",
+                     "spoofed_headers_removed", "index_blocks"):
+            self.assertIn(want, names, sorted(names))
+        for r in self.stack.replicas:
+            self.assertIn(f"feed_errors_{r.name}", names)
+        self.assertGreaterEqual(stat_sum(self.stack, "kvsteer_requests_routed") - before, 3)
+
+    def test_a_feed_outage_changes_nothing_a_client_sees(self):
+        prefix = tokens(512, 40_000)
+        errors_before = stat_sum(self.stack, "kvsteer_feed_errors_")
+        try:
+            for r in self.stack.replicas:
+                self.set_fault(r.endpoint, {"feed_outage": True})
+            # Long enough for the filter to mark every feed stale (3 failed polls).
+            time.sleep(1.2)
+            for k in range(8):
+                res = send(self.stack, prefix + tokens(16, 41_000 + k), max_tokens=6,
+                           stream=bool(k % 2))
+                self.assertTrue(res.ok, res)
+                self.assertEqual(res.completion_tokens, 6)
+            self.assertGreater(stat_sum(self.stack, "kvsteer_feed_errors_") - errors_before, 0,
+                               "the outage was seen by the filter")
+        finally:
+            for r in self.stack.replicas:
+                self.set_fault(r.endpoint, {"feed_outage": False})
+
+    def set_fault(self, endpoint: str, fault: dict) -> None:
+        import json
+
+        host, _, port = endpoint.rpartition(":")
+        c = Client(host, int(port))
+        status, _, body = c.request("POST", "/admin/fault", json.dumps(fault).encode(),
+                                    {"content-type": "application/json"})
+        c.close()
+        self.assertEqual(status, 200, body)
+
+
+class BusyReplicaAvoided(unittest.TestCase):
+    """Under kv_load a replica already loaded with decode work is avoided, even by a request whose
+    prefix it caches, because the prefill saved there is smaller than the load it carries."""
+
+    def test_busy_replica_is_avoided(self):
+        with new_stack("envoy") as stack:
+            busy = stack.replicas[0]
+            prefix = tokens(256, 60_000)
+            # Cache the prefix on `busy` only, by asking it directly.
+            direct = Client("127.0.0.1", busy.port)
+            self.assertTrue(direct.complete(prefix + tokens(16, 60_001)).ok)
+            direct.close()
+            # Then load it with long generations the proxy never saw (another router's traffic).
+            loaders = [Client("127.0.0.1", busy.port, timeout_s=120) for _ in range(8)]
+            threads = [
+                threading.Thread(
+                    target=c.complete,
+                    args=(tokens(1024, 61_000 + i),),
+                    kwargs={"max_tokens": 4000, "stream": True, "extra": {"ignore_eos": True}},
+                    daemon=True,
+                )
+                for i, c in enumerate(loaders)
+            ]
+            for t in threads:
+                t.start()
+            try:
+                time.sleep(FEED_SETTLE_S + 0.5)
+                landed = []
+                for k in range(6):
+                    res = send(stack, prefix + tokens(16, 62_000 + k))
+                    self.assertTrue(res.ok, res)
+                    landed.append(replica_of(stack, res))
+                    # Fresh prompts too: nothing cached anywhere, load decides.
+                    res = send(stack, tokens(256, 63_000 + k))
+                    self.assertTrue(res.ok, res)
+                    landed.append(replica_of(stack, res))
+                self.assertNotIn(busy.name, landed, landed)
+            finally:
+                stack.close()  # ends the loaders' streams
+
+
+class ReplicaKilledMidRun(unittest.TestCase):
+    """A replica that dies costs no request Envoy could retry elsewhere: non-streamed requests in
+    flight on it (reset before any response) and new ones routed to it (connection refused) are
+    retried on another replica. A stream that has already started cannot be retried by any proxy."""
+
+    def test_killed_replica_costs_no_retriable_request(self):
+        with new_stack("envoy") as stack:
+            victim = stack.replicas[1]
+            results: list[Result] = []
+            lock = threading.Lock()
+            stop = threading.Event()
+
+            def worker(w: int) -> None:
+                c = Client("127.0.0.1", stack.listen_port, timeout_s=60)
+                k = 0
+                while not stop.is_set() and k < 400:
+                    res = c.complete(tokens(256, 70_000 + 1000 * w + k), max_tokens=64,
+                                     extra={"ignore_eos": True})
+                    with lock:
+                        results.append(res)
+                    k += 1
+                c.close()
+
+            threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(6)]
+            for t in threads:
+                t.start()
+            time.sleep(2.0)
+            with lock:
+                before_kill = len(results)
+                on_victim_before = sum(1 for r in results if r.replica == victim.sim_name)
+            victim.proc.kill()
+            time.sleep(3.0)
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+            retries = stat_sum(stack, "cluster.replicas.upstream_rq_retry")
+            failed = [r for r in results if not r.ok]
+            self.assertGreater(before_kill, 10, "traffic was flowing before the kill")
+            self.assertGreater(on_victim_before, 0, "the victim was serving before it died")
+            self.assertEqual(failed, [], f"{len(failed)} of {len(results)} requests failed")
+            after = [r for r in results[before_kill:] if r.ok]
+            self.assertGreater(len(after), 10, "traffic kept flowing after the kill")
+            self.assertGreater(retries, 0, "Envoy retried the requests the dead replica lost")
+
+
+class EnvoyVariants(unittest.TestCase):
+    """The other configurations in envoy/ run on the same replicas: the cluster_header variant of
+    kvsteer, and Envoy's own balancers the benchmark compares against."""
+
+    stack: Stack
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.stack = Stack()
+        try:
+            cls.stack.start_replicas(REPLICAS, extra=["--time-scale", TIME_SCALE])
+        except BaseException:
+            cls.stack.close()
+            raise
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.stack.close()
+
+    def with_envoy(self, variant: str) -> None:
+        if self.stack.envoy is not None:
+            self.stack.envoy.stop()
+            self.stack.procs.remove(self.stack.envoy)
+        self.stack.start_envoy(variant, concurrency=2)
+
+    def test_every_variant_is_tested_here(self):
+        files = {p.stem for p in envoy_config.ENVOY_DIR.glob("*.yaml")}
+        self.assertEqual(files, set(envoy_config.VARIANTS))
+
+    def test_cluster_header_variant_routes_by_prefix_and_ignores_spoofs(self):
+        self.with_envoy("envoy-cluster-header")
+        prefix = tokens(1024, 80_000)
+        first = send(self.stack, prefix + tokens(16, 80_001))
+        self.assertTrue(first.ok, first)
+        holder = replica_of(self.stack, first)
+        time.sleep(FEED_SETTLE_S)
+        others = [r.name for r in self.stack.replicas if r.name != holder]
+        for k, other in enumerate(others + [None]):
+            spoof = {"x-kvsteer-cluster": f"replica_{other}"} if other else {
+                "x-kvsteer-cluster": "kvsteer_feed_" + holder}
+            res = send(self.stack, prefix + tokens(16, 80_010 + k), headers=spoof)
+            self.assertTrue(res.ok, res)
+            self.assertEqual(replica_of(self.stack, res), holder, spoof)
+            self.assertGreaterEqual(res.cached_tokens, 1024)
+
+    def spread(self, n: int = 12, session=None) -> list[str]:
+        landed = []
+        for k in range(n):
+            res = send(self.stack, tokens(64, 90_000 + k),
+                       session=session(k) if session else None)
+            self.assertTrue(res.ok, res)
+            landed.append(replica_of(self.stack, res))
+        return landed
+
+    def test_round_robin_spreads(self):
+        self.with_envoy("envoy-round-robin")
+        self.assertGreaterEqual(len(set(self.spread())), 3)
+
+    def test_least_request_spreads(self):
+        self.with_envoy("envoy-least-request")
+        self.assertGreaterEqual(len(set(self.spread())), 2)
+
+    def test_ring_hash_keeps_a_session_on_one_replica(self):
+        self.with_envoy("envoy-ring-hash")
+        landed = self.spread(24, session=lambda k: f"session-{k % 6}")
+        by_session: dict[int, set[str]] = {}
+        for k, r in enumerate(landed):
+            by_session.setdefault(k % 6, set()).add(r)
+        for s, rs in by_session.items():
+            self.assertEqual(len(rs), 1, f"session {s} went to {rs}")
+        self.assertGreaterEqual(len(set(landed)), 2, "six sessions do not all hash to one replica")
+
+
+if __name__ == "__main__":
+    unittest.main()
