@@ -216,27 +216,37 @@ impl KvIndex {
     pub fn match_prefix(&mut self, keys: &[u64], out: &mut Vec<TierCounts>) {
         out.clear();
         out.resize(self.replicas, [0; 3]);
-        for (i, &key) in keys.iter().enumerate() {
-            let Some(slot) = self.find(key) else { break };
-            let mut any = false;
-            let s = &self.slots[slot as usize];
-            let holders: &[u16] = if s.len == OVERFLOW {
-                self.overflow.get(&slot).map_or(&[], |v| v.as_slice())
-            } else {
-                &s.inline[..s.len as usize]
-            };
-            for &h in holders {
-                let r = holder_replica(h);
-                let c = &mut out[r];
-                if (c[0] + c[1] + c[2]) as usize == i {
-                    c[best_tier(holder_mask(h))] += 1;
-                    any = true;
+        // Look keys up a chunk at a time: the lookups in a chunk are independent, so the CPU overlaps
+        // their cache misses; the run logic then walks the chunk in order and stops at the first miss.
+        const CHUNK: usize = 16;
+        let mut found = [None::<u32>; CHUNK];
+        for (c, chunk) in keys.chunks(CHUNK).enumerate() {
+            for (f, &key) in found.iter_mut().zip(chunk) {
+                *f = self.find(key);
+            }
+            for (j, f) in found[..chunk.len()].iter().enumerate() {
+                let i = c * CHUNK + j;
+                let Some(slot) = *f else { return };
+                let mut any = false;
+                let s = &self.slots[slot as usize];
+                let holders: &[u16] = if s.len == OVERFLOW {
+                    self.overflow.get(&slot).map_or(&[], |v| v.as_slice())
+                } else {
+                    &s.inline[..s.len as usize]
+                };
+                for &h in holders {
+                    let r = holder_replica(h);
+                    let c = &mut out[r];
+                    if (c[0] + c[1] + c[2]) as usize == i {
+                        c[best_tier(holder_mask(h))] += 1;
+                        any = true;
+                    }
                 }
+                if !any {
+                    return;
+                }
+                self.slots[slot as usize].referenced = true;
             }
-            if !any {
-                break;
-            }
-            self.slots[slot as usize].referenced = true;
         }
     }
 
