@@ -3,6 +3,9 @@
 //! - [`host`]: a proxy-wasm ABI 0.2.1 host on wasmtime ([`FilterModule`], [`Proxy`], [`Worker`]), in
 //!   Envoy or nginx (ngx_wasm_module) mode, with a virtual clock and process-wide shared data.
 //! - [`abi`]: the ABI's status codes, enums and header-pair format.
+//! - [`harness`]: the filter in front of simulated replicas in virtual time ([`Harness`]): requests as
+//!   streams, feed callouts answered by the engines, faults, and workload replay.
+//! - [`openai`]: completions requests and vLLM-shaped SSE responses.
 //! - [`artifact`]: where the compiled filter is found.
 //!
 //! The point of a second host is to prove, in `cargo test`, that the filter routes correctly and never
@@ -10,11 +13,17 @@
 
 pub mod abi;
 pub mod artifact;
+pub mod harness;
 pub mod host;
+pub mod openai;
 mod wasi;
 
 pub use abi::{Action, LogLevel, Pairs, Status};
 pub use artifact::filter_wasm_path;
+pub use harness::{
+    FeedFault, Harness, HarnessConfig, HarnessError, HarnessStats, Output, RequestRecord,
+    RequestSpec,
+};
 pub use host::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, LocalResponse, Proxy, ProxyOptions,
     StreamState, Worker, header_value, pairs,

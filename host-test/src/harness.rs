@@ -1,0 +1,1146 @@
+//! The local harness: the compiled filter in a [`Proxy`] with several workers, in front of simulated
+//! replicas (`kvsteer_sim::Engine`) in virtual time.
+//!
+//! One event loop drives everything in time order ([`Harness::run_until`]): engine steps (their
+//! first-token, token and finish events become response headers and SSE body chunks pushed through the
+//! worker that carried the request), worker ticks (`proxy_on_tick` every period the filter asked for),
+//! callout answers (a feed callout's `:path` is parsed as a `FeedQuery` and answered with
+//! `engine.feed(&q).encode()` at the virtual time it arrives, after `callout_latency_us`), decode-load
+//! samples every 0.5 s, and, when a workload runs, the driver's requests.
+//!
+//! A request goes through a worker (round robin) as a client's would: headers, then the body in
+//! `body_chunk_bytes` chunks; once the filter releases it, the replica is read from what it wrote
+//! (destination header, cluster header or nginx variable). A request the filter released without a
+//! usable destination is sent where the proxy's own load balancer would send it (round robin over the
+//! replicas; counted as `fallback`), as Envoy's override_host policy does.
+
+use crate::abi::Action;
+use crate::host::{
+    CallOutcome, Callout, FilterModule, HostError, HostMode, Proxy, ProxyOptions, StreamState,
+    Worker,
+};
+use crate::openai::{SseWriter, completion_body, error_response, request_headers, sse_headers};
+use kvsteer_core::feed::{FEED_CONTENT_TYPE, FEED_PATH, FeedQuery};
+use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest, FinishReason};
+use kvsteer_workload::{Driver, Recorder, Summary};
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::fmt;
+
+/// How the filter hands over its choice.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Output {
+    DestinationHeader,
+    ClusterHeader,
+    NginxVariable,
+}
+
+impl Output {
+    fn name(self) -> &'static str {
+        match self {
+            Output::DestinationHeader => "destination_header",
+            Output::ClusterHeader => "cluster_header",
+            Output::NginxVariable => "nginx_variable",
+        }
+    }
+}
+
+/// What a replica's feed endpoint does when polled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FeedFault {
+    /// Answers normally.
+    Healthy,
+    /// The connection fails (Envoy: `on_http_call_response` with no headers).
+    Reset,
+    /// Never answers: the callout times out (Envoy delivers a local 504 after the timeout).
+    Timeout,
+    /// Answers with this HTTP status and a text body.
+    Status(u16),
+    /// Answers 200 with these bytes (a corrupt or hostile feed).
+    Garbage(Vec<u8>),
+}
+
+/// One simulated replica.
+pub struct Replica {
+    pub name: String,
+    /// `IP:port` the filter writes into the destination header (and, in nginx mode, the feed address).
+    pub endpoint: String,
+    pub feed_cluster: String,
+    pub cluster: String,
+    pub engine: Engine,
+    pub feed_fault: FeedFault,
+    /// Feed polls answered (any outcome).
+    pub polls: u64,
+}
+
+/// Harness configuration. [`HarnessConfig::small`] is sized for tests (runs in seconds).
+#[derive(Clone, Debug)]
+pub struct HarnessConfig {
+    pub mode: HostMode,
+    pub output: Output,
+    pub workers: usize,
+    pub replicas: usize,
+    /// Template for every engine (each gets its own seed).
+    pub engine: EngineConfig,
+    /// The filter's `routing` section (policy, block size, coefficients).
+    pub routing: Value,
+    pub feed_period_ms: u64,
+    pub tick_ms: u64,
+    /// More top-level filter configuration fields (merged over the generated ones).
+    pub filter_extra: serde_json::Map<String, Value>,
+    pub session_header: String,
+    /// Tokens coalesced into one SSE event / body chunk (the first token always goes alone).
+    pub chunk_tokens: usize,
+    /// Request bodies are pushed in chunks of this many bytes (Envoy reads 16 KiB slices).
+    pub body_chunk_bytes: usize,
+    /// Every n-th response chunk ends inside an SSE event (0: never).
+    pub split_every: u64,
+    /// Virtual time between a callout and its answer.
+    pub callout_latency_us: u64,
+    /// Decode-load sampling period.
+    pub sample_us: u64,
+}
+
+impl HarnessConfig {
+    /// Four replicas of a small engine (2,048 blocks of 16 tokens each), two workers, Envoy mode.
+    pub fn small(policy: &str) -> HarnessConfig {
+        let engine = EngineConfig {
+            kv_blocks: 2048,
+            ..EngineConfig::default()
+        };
+        HarnessConfig {
+            mode: HostMode::Envoy,
+            output: Output::DestinationHeader,
+            workers: 2,
+            replicas: 4,
+            engine,
+            routing: json!({"policy": policy, "block_size": 16}),
+            feed_period_ms: 200,
+            tick_ms: 100,
+            filter_extra: serde_json::Map::new(),
+            session_header: "x-session-id".into(),
+            chunk_tokens: 16,
+            body_chunk_bytes: 16 * 1024,
+            split_every: 3,
+            callout_latency_us: 500,
+            sample_us: 500_000,
+        }
+    }
+
+    /// The replicas' names, endpoints and clusters, as the plugin configuration lists them.
+    pub fn replica_specs(&self) -> Vec<(String, String, String, String)> {
+        (0..self.replicas)
+            .map(|i| {
+                (
+                    format!("r{i}"),
+                    format!("127.0.0.1:{}", 18000 + i),
+                    format!("kvsteer_feed_r{i}"),
+                    format!("replica_r{i}"),
+                )
+            })
+            .collect()
+    }
+
+    /// The plugin configuration JSON the filter receives in `on_configure`.
+    pub fn plugin_config(&self) -> Value {
+        let replicas: Vec<Value> = self
+            .replica_specs()
+            .into_iter()
+            .map(|(name, endpoint, feed_cluster, cluster)| match self.mode {
+                HostMode::Envoy => json!({
+                    "name": name, "endpoint": endpoint, "feed_cluster": feed_cluster,
+                    "feed_authority": endpoint, "cluster": cluster
+                }),
+                HostMode::Nginx => json!({
+                    "name": name, "endpoint": endpoint, "feed_address": endpoint
+                }),
+            })
+            .collect();
+        let mut cfg = json!({
+            "replicas": replicas,
+            "routing": self.routing,
+            "feed_period_ms": self.feed_period_ms,
+            "tick_ms": self.tick_ms,
+            "session_header": self.session_header,
+            "output": self.output.name(),
+        });
+        if let Value::Object(m) = &mut cfg {
+            for (k, v) in &self.filter_extra {
+                m.insert(k.clone(), v.clone());
+            }
+        }
+        cfg
+    }
+}
+
+/// Why a harness run stopped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HarnessError {
+    /// The filter trapped, refused its configuration, or the host was misused.
+    Host(HostError),
+    /// The filter paused a request and never released it (a hang a proxy would time out on).
+    Stuck {
+        request: u64,
+        detail: String,
+    },
+    /// The filter paused a response chunk (it must pass SSE through for time to first token).
+    ResponsePaused {
+        request: u64,
+    },
+    Config(String),
+}
+
+impl fmt::Display for HarnessError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HarnessError::Host(e) => write!(f, "{e}"),
+            HarnessError::Stuck { request, detail } => {
+                write!(f, "request {request} was never released: {detail}")
+            }
+            HarnessError::ResponsePaused { request } => {
+                write!(f, "the filter paused the response of request {request}")
+            }
+            HarnessError::Config(m) => write!(f, "harness configuration: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for HarnessError {}
+
+impl From<HostError> for HarnessError {
+    fn from(e: HostError) -> Self {
+        HarnessError::Host(e)
+    }
+}
+
+/// A request for [`Harness::send`].
+#[derive(Clone, Debug, Default)]
+pub struct RequestSpec {
+    pub session: Option<String>,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    /// Worker to use (default: round robin).
+    pub worker: Option<usize>,
+    /// More request headers (e.g. a spoofed destination header).
+    pub headers: Vec<(String, String)>,
+    /// Send these bytes instead of a completions body built from `prompt` (malformed-input tests).
+    pub raw_body: Option<Vec<u8>>,
+    /// Path (default `/v1/completions`).
+    pub path: Option<String>,
+}
+
+impl RequestSpec {
+    pub fn new(prompt: Vec<u32>, max_tokens: u32) -> RequestSpec {
+        RequestSpec {
+            prompt,
+            max_tokens,
+            ..Default::default()
+        }
+    }
+
+    pub fn session(mut self, s: &str) -> Self {
+        self.session = Some(s.to_string());
+        self
+    }
+
+    pub fn worker(mut self, w: usize) -> Self {
+        self.worker = Some(w);
+        self
+    }
+
+    pub fn header(mut self, k: &str, v: &str) -> Self {
+        self.headers.push((k.to_string(), v.to_string()));
+        self
+    }
+}
+
+/// What happened to one request.
+#[derive(Clone, Debug, Default)]
+pub struct RequestRecord {
+    pub id: u64,
+    pub worker: usize,
+    pub issued_us: u64,
+    /// The filter let the request go upstream.
+    pub released: bool,
+    /// The destination the filter chose, as written (header value or nginx variable).
+    pub destination: Option<String>,
+    /// The replica that served it (chosen by the filter, or by fallback).
+    pub replica: Option<usize>,
+    /// Released without a usable destination: the proxy's own balancing picked the replica.
+    pub fallback: bool,
+    /// The filter answered locally with this status.
+    pub local_response: Option<u32>,
+    /// The engine refused the request (400 passed back through the filter).
+    pub rejected: Option<String>,
+    pub first_token_us: Option<u64>,
+    pub finished_us: Option<u64>,
+    pub failed: bool,
+    pub cached_tokens: u32,
+    pub completion_tokens: u32,
+    /// Request headers as the upstream saw them.
+    pub upstream_headers: Vec<(String, String)>,
+    /// Response body bytes that reached the client.
+    pub downstream_bytes: usize,
+}
+
+impl RequestRecord {
+    pub fn upstream_header(&self, name: &str) -> Option<&str> {
+        self.upstream_headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+struct Flight {
+    worker: usize,
+    stream: u32,
+    prompt_len: u32,
+    output: Vec<u32>,
+    unsent: usize,
+    sse: SseWriter,
+    from_driver: bool,
+    headers_sent: bool,
+}
+
+/// A request the filter has not released yet.
+struct Paused {
+    id: u64,
+    worker: usize,
+    stream: u32,
+    spec: RequestSpec,
+    from_driver: bool,
+}
+
+struct PendingCall {
+    worker: usize,
+    call: Callout,
+    due_us: u64,
+    outcome: Option<CallOutcome>,
+}
+
+/// Counters of what the harness did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HarnessStats {
+    pub requests: u64,
+    pub fallback: u64,
+    pub local_responses: u64,
+    pub rejected: u64,
+    pub failed: u64,
+    pub ticks: u64,
+    pub callouts: u64,
+    pub request_body_chunks: u64,
+    pub response_body_chunks: u64,
+    /// Wall time spent inside guest callbacks for requests (headers + body), nanoseconds.
+    pub request_filter_ns: u64,
+}
+
+/// Ids of requests submitted straight to an engine (not through the filter) start here.
+const DIRECT_ID_BASE: u64 = 1 << 62;
+
+pub struct Harness {
+    cfg: HarnessConfig,
+    proxy: Proxy,
+    workers: Vec<Worker>,
+    pub replicas: Vec<Replica>,
+    now_us: u64,
+    next_tick_us: Vec<u64>,
+    calls: Vec<PendingCall>,
+    flights: HashMap<u64, Flight>,
+    paused: Vec<Paused>,
+    records: HashMap<u64, RequestRecord>,
+    next_id: u64,
+    next_direct: u64,
+    rr_worker: usize,
+    rr_fallback: usize,
+    next_sample_us: u64,
+    events: Vec<EngineEvent>,
+    driver: Option<Driver>,
+    pub recorder: Recorder,
+    pub stats: HarnessStats,
+}
+
+impl Harness {
+    /// Starts the proxy (one VM per worker, each configured) in front of fresh replicas.
+    pub fn new(module: &FilterModule, cfg: HarnessConfig) -> Result<Harness, HarnessError> {
+        if cfg.workers == 0 || cfg.replicas == 0 {
+            return Err(HarnessError::Config(
+                "workers and replicas must be at least 1".into(),
+            ));
+        }
+        let specs = cfg.replica_specs();
+        let mut options = ProxyOptions::new(cfg.mode, cfg.plugin_config().to_string());
+        if cfg.mode == HostMode::Envoy {
+            options.clusters = Some(
+                specs
+                    .iter()
+                    .flat_map(|(_, _, feed, cluster)| [feed.clone(), cluster.clone()])
+                    .collect(),
+            );
+        }
+        let proxy = Proxy::new(module, options);
+        let mut workers = Vec::new();
+        for _ in 0..cfg.workers {
+            workers.push(proxy.start_worker()?);
+        }
+        let replicas = specs
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, endpoint, feed_cluster, cluster))| Replica {
+                name,
+                endpoint,
+                feed_cluster,
+                cluster,
+                engine: Engine::new(EngineConfig {
+                    seed: cfg.engine.seed.wrapping_add(i as u64 * 7919 + 1),
+                    ..cfg.engine.clone()
+                }),
+                feed_fault: FeedFault::Healthy,
+                polls: 0,
+            })
+            .collect();
+        let next_tick_us = workers
+            .iter()
+            .map(|w| w.tick_period_ms() as u64 * 1000)
+            .collect();
+        let mut h = Harness {
+            cfg,
+            proxy,
+            workers,
+            replicas,
+            now_us: 0,
+            next_tick_us,
+            calls: Vec::new(),
+            flights: HashMap::new(),
+            paused: Vec::new(),
+            records: HashMap::new(),
+            next_id: 0,
+            next_direct: DIRECT_ID_BASE,
+            rr_worker: 0,
+            rr_fallback: 0,
+            next_sample_us: 0,
+            events: Vec::new(),
+            driver: None,
+            recorder: Recorder::new(),
+            stats: HarnessStats::default(),
+        };
+        // Callouts dispatched during configuration (a first poll) are answered like any other.
+        h.collect_callouts();
+        Ok(h)
+    }
+
+    pub fn config(&self) -> &HarnessConfig {
+        &self.cfg
+    }
+
+    pub fn proxy(&self) -> &Proxy {
+        &self.proxy
+    }
+
+    pub fn worker(&self, i: usize) -> &Worker {
+        &self.workers[i]
+    }
+
+    pub fn workers(&self) -> &[Worker] {
+        &self.workers
+    }
+
+    pub fn now_us(&self) -> u64 {
+        self.now_us
+    }
+
+    pub fn record(&self, id: u64) -> Option<&RequestRecord> {
+        self.records.get(&id)
+    }
+
+    pub fn records(&self) -> impl Iterator<Item = &RequestRecord> {
+        self.records.values()
+    }
+
+    /// Requests sent through the filter and not finished.
+    pub fn in_flight(&self) -> usize {
+        self.flights.len() + self.paused.len()
+    }
+
+    /// Replica index of an `IP:port` endpoint.
+    pub fn replica_of_endpoint(&self, endpoint: &str) -> Option<usize> {
+        self.replicas.iter().position(|r| r.endpoint == endpoint)
+    }
+
+    pub fn set_feed_fault(&mut self, replica: usize, fault: FeedFault) {
+        self.replicas[replica].feed_fault = fault;
+    }
+
+    /// Restarts a replica's engine: requests in flight there fail, its cache is empty, and its feed
+    /// starts a new epoch.
+    pub fn restart_replica(&mut self, replica: usize) -> Result<(), HarnessError> {
+        let now = self.now_us;
+        self.replicas[replica].engine.restart(now);
+        self.drain_engine(replica)
+    }
+
+    /// Submits a request straight to an engine, bypassing the filter (to set up cache or load state the
+    /// filter can only learn from the feed). Returns the engine request id.
+    pub fn submit_direct(
+        &mut self,
+        replica: usize,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+    ) -> Result<u64, HarnessError> {
+        let id = self.next_direct;
+        self.next_direct += 1;
+        let req = EngineRequest {
+            id,
+            prompt,
+            max_tokens,
+            ignore_eos: true,
+            min_tokens: 0,
+        };
+        self.replicas[replica]
+            .engine
+            .submit(self.now_us, req)
+            .map_err(|e| HarnessError::Config(format!("direct submit: {e}")))?;
+        Ok(id)
+    }
+
+    fn set_now(&mut self, t: u64) {
+        if t > self.now_us {
+            self.now_us = t;
+        }
+        self.proxy.set_now_ns(self.now_us.saturating_mul(1000));
+    }
+
+    /// Sends a request through the filter at the current virtual time. Returns its id.
+    pub fn send(&mut self, spec: &RequestSpec) -> Result<u64, HarnessError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send_with_id(id, spec, false)?;
+        Ok(id)
+    }
+
+    fn send_with_id(
+        &mut self,
+        id: u64,
+        spec: &RequestSpec,
+        from_driver: bool,
+    ) -> Result<(), HarnessError> {
+        self.set_now(self.now_us);
+        let w = match spec.worker {
+            Some(w) if w < self.workers.len() => w,
+            Some(w) => return Err(HarnessError::Config(format!("no worker {w}"))),
+            None => {
+                let w = self.rr_worker % self.workers.len();
+                self.rr_worker += 1;
+                w
+            }
+        };
+        self.stats.requests += 1;
+        let body = match &spec.raw_body {
+            Some(b) => b.clone(),
+            None => completion_body(&spec.prompt, spec.max_tokens),
+        };
+        let path = spec.path.as_deref().unwrap_or("/v1/completions");
+        let session = spec
+            .session
+            .as_deref()
+            .map(|s| (self.cfg.session_header.as_str(), s));
+        let headers = request_headers(path, body.len(), session, &spec.headers);
+        let session_label = spec
+            .session
+            .clone()
+            .unwrap_or_else(|| format!("request-{id}"));
+        if !from_driver {
+            self.recorder
+                .issued(id, &session_label, self.now_us, spec.prompt.len() as u64);
+        }
+        self.records.insert(
+            id,
+            RequestRecord {
+                id,
+                worker: w,
+                issued_us: self.now_us,
+                ..Default::default()
+            },
+        );
+        let started = std::time::Instant::now();
+        let worker = &mut self.workers[w];
+        let stream = worker.new_stream()?;
+        worker.request_headers(stream, headers, body.is_empty())?;
+        if !body.is_empty() {
+            let n = self.cfg.body_chunk_bytes.max(1);
+            let mut chunks = body.chunks(n).peekable();
+            while let Some(c) = chunks.next() {
+                let last = chunks.peek().is_none();
+                worker.request_body(stream, c, last)?;
+                self.stats.request_body_chunks += 1;
+            }
+        }
+        self.stats.request_filter_ns += started.elapsed().as_nanos() as u64;
+        self.after_request_phase(id, w, stream, spec, from_driver)
+    }
+
+    /// Routes a request whose request phase ran: released → engine; local response → failed; else paused.
+    fn after_request_phase(
+        &mut self,
+        id: u64,
+        w: usize,
+        stream: u32,
+        spec: &RequestSpec,
+        from_driver: bool,
+    ) -> Result<(), HarnessError> {
+        let st = self.workers[w]
+            .stream(stream)
+            .ok_or_else(|| HostError::Usage(format!("stream {stream} vanished")))?
+            .clone();
+        if let Some(lr) = &st.local_response {
+            self.stats.local_responses += 1;
+            let rec = self.records.get_mut(&id).expect("record inserted at send");
+            rec.local_response = Some(lr.status);
+            rec.failed = true;
+            self.workers[w].end_stream(stream)?;
+            self.fail_request(id, from_driver);
+            return Ok(());
+        }
+        if !st.released {
+            // The filter may still release it (proxy_continue_stream after a callout).
+            self.paused.push(Paused {
+                id,
+                worker: w,
+                stream,
+                spec: spec.clone(),
+                from_driver,
+            });
+            return Ok(());
+        }
+        let (destination, replica) = self.destination(&st);
+        let fallback = replica.is_none();
+        let replica = match replica {
+            Some(r) => r,
+            None => {
+                self.stats.fallback += 1;
+                let r = self.rr_fallback % self.replicas.len();
+                self.rr_fallback += 1;
+                r
+            }
+        };
+        {
+            let rec = self.records.get_mut(&id).expect("record inserted at send");
+            rec.released = true;
+            rec.destination = destination;
+            rec.replica = Some(replica);
+            rec.fallback = fallback;
+            rec.upstream_headers = st
+                .upstream_headers
+                .as_ref()
+                .map(|h| {
+                    h.iter()
+                        .map(|(k, v)| {
+                            (
+                                String::from_utf8_lossy(k).into_owned(),
+                                String::from_utf8_lossy(v).into_owned(),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+        }
+        self.recorder.routed(id, replica);
+        let req = EngineRequest {
+            id,
+            prompt: spec.prompt.clone(),
+            max_tokens: spec.max_tokens,
+            ignore_eos: true,
+            min_tokens: 0,
+        };
+        let submit = if spec.raw_body.is_some() {
+            // A hand-made body is not a prompt the engine could run: the upstream refuses it.
+            Err("the request body is not a completions request".to_string())
+        } else {
+            self.replicas[replica]
+                .engine
+                .submit(self.now_us, req)
+                .map_err(|e| e.to_string())
+        };
+        match submit {
+            Ok(()) => {
+                self.flights.insert(
+                    id,
+                    Flight {
+                        worker: w,
+                        stream,
+                        prompt_len: spec.prompt.len() as u32,
+                        output: Vec::new(),
+                        unsent: 0,
+                        sse: SseWriter::new(id, self.now_us / 1_000_000, self.cfg.split_every),
+                        from_driver,
+                        headers_sent: false,
+                    },
+                );
+            }
+            Err(message) => {
+                self.stats.rejected += 1;
+                let (headers, body) = error_response(&message);
+                let worker = &mut self.workers[w];
+                worker.response_headers(stream, headers, false)?;
+                worker.response_body(stream, &body, true)?;
+                let st = worker.end_stream(stream)?;
+                let rec = self.records.get_mut(&id).expect("record inserted at send");
+                rec.rejected = Some(message);
+                rec.failed = true;
+                rec.downstream_bytes = st.downstream_body.len();
+                self.fail_request(id, from_driver);
+            }
+        }
+        Ok(())
+    }
+
+    fn fail_request(&mut self, id: u64, from_driver: bool) {
+        self.stats.failed += 1;
+        self.recorder.failed(id, self.now_us);
+        if let Some(rec) = self.records.get_mut(&id) {
+            rec.failed = true;
+            rec.finished_us = Some(self.now_us);
+        }
+        if from_driver && let Some(d) = self.driver.as_mut() {
+            let _ = d.fail(id, self.now_us);
+        }
+    }
+
+    /// The replica the filter chose, from what it wrote for the configured output mode.
+    fn destination(&self, st: &StreamState) -> (Option<String>, Option<usize>) {
+        let cfg_str = |key: &str, default: &str| -> String {
+            self.cfg
+                .filter_extra
+                .get(key)
+                .and_then(Value::as_str)
+                .unwrap_or(default)
+                .to_string()
+        };
+        match self.cfg.output {
+            Output::DestinationHeader => {
+                let name = cfg_str("destination_header", "x-gateway-destination-endpoint");
+                let v = st.upstream_header(&name).map(str::to_string);
+                // override_host takes the first entry of a comma-separated list.
+                let r = v
+                    .as_deref()
+                    .and_then(|v| v.split(',').next())
+                    .and_then(|e| self.replica_of_endpoint(e.trim()));
+                (v, r)
+            }
+            Output::ClusterHeader => {
+                let name = cfg_str("cluster_header", "x-kvsteer-cluster");
+                let v = st.upstream_header(&name).map(str::to_string);
+                let r = v
+                    .as_deref()
+                    .and_then(|c| self.replicas.iter().position(|r| r.cluster == c));
+                (v, r)
+            }
+            Output::NginxVariable => {
+                let var = cfg_str("nginx_variable", "kvsteer_upstream");
+                let v = st.property(&["ngx", &var]).map(str::to_string);
+                let r = v.as_deref().and_then(|e| self.replica_of_endpoint(e));
+                (v, r)
+            }
+        }
+    }
+
+    /// The earliest time anything is due.
+    fn next_event_us(&self) -> Option<u64> {
+        let mut t: Option<u64> = None;
+        let mut take = |v: u64| t = Some(t.map_or(v, |x| x.min(v)));
+        for r in &self.replicas {
+            if let Some(e) = r.engine.next_event_time() {
+                take(e);
+            }
+        }
+        for (i, w) in self.workers.iter().enumerate() {
+            if w.tick_period_ms() > 0 {
+                take(self.next_tick_us[i]);
+            }
+        }
+        for c in &self.calls {
+            take(c.due_us);
+        }
+        if let Some(d) = &self.driver
+            && let Some(wake) = d.next_wakeup()
+        {
+            take(wake);
+        }
+        if self.driver.is_some() || !self.flights.is_empty() {
+            take(self.next_sample_us);
+        }
+        t
+    }
+
+    /// Processes everything due up to `end_us`, then sets the clock to `end_us`.
+    pub fn run_until(&mut self, end_us: u64) -> Result<(), HarnessError> {
+        while let Some(t) = self.next_event_us().filter(|t| *t <= end_us) {
+            self.set_now(t);
+            self.process_due()?;
+        }
+        self.set_now(end_us);
+        Ok(())
+    }
+
+    pub fn run_for(&mut self, us: u64) -> Result<(), HarnessError> {
+        self.run_until(self.now_us.saturating_add(us))
+    }
+
+    /// Runs until no request sent through the filter is in flight (or `limit_us` of virtual time
+    /// passed, which is an error naming the first request still open).
+    pub fn run_until_idle(&mut self, limit_us: u64) -> Result<(), HarnessError> {
+        let end = self.now_us.saturating_add(limit_us);
+        while self.in_flight() > 0 {
+            match self.next_event_us() {
+                Some(t) if t <= end => {
+                    self.set_now(t);
+                    self.process_due()?;
+                }
+                _ => {
+                    let id = self
+                        .flights
+                        .keys()
+                        .copied()
+                        .chain(self.paused.iter().map(|p| p.id))
+                        .min()
+                        .unwrap_or_default();
+                    return Err(HarnessError::Stuck {
+                        request: id,
+                        detail: format!("still open after {limit_us} us of virtual time"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn process_due(&mut self) -> Result<(), HarnessError> {
+        let now = self.now_us;
+        for r in 0..self.replicas.len() {
+            if self.replicas[r]
+                .engine
+                .next_event_time()
+                .is_some_and(|t| t <= now)
+            {
+                self.replicas[r].engine.advance(now, &mut self.events);
+                self.drain_events()?;
+            }
+        }
+        // Callouts due now, in dispatch order.
+        let mut due = Vec::new();
+        let mut i = 0;
+        while i < self.calls.len() {
+            if self.calls[i].due_us <= now {
+                due.push(self.calls.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        for c in due {
+            self.answer(c)?;
+        }
+        for w in 0..self.workers.len() {
+            let period = self.workers[w].tick_period_ms() as u64 * 1000;
+            if period > 0 && self.next_tick_us[w] <= now {
+                self.workers[w].tick()?;
+                self.stats.ticks += 1;
+                self.next_tick_us[w] = now + period;
+            }
+        }
+        self.collect_callouts();
+        self.check_paused()?;
+        if now >= self.next_sample_us {
+            let blocks: Vec<u64> = self
+                .replicas
+                .iter()
+                .map(|r| r.engine.decode_blocks())
+                .collect();
+            self.recorder.sample(now, &blocks);
+            self.next_sample_us = now + self.cfg.sample_us.max(1);
+        }
+        if self.driver.is_some() {
+            let mut issues = Vec::new();
+            if let Some(d) = self.driver.as_mut() {
+                d.poll(now, &mut issues);
+            }
+            for issue in issues {
+                self.recorder.issued_from(&issue);
+                let spec = RequestSpec {
+                    session: Some(issue.session_id.clone()),
+                    prompt: issue.prompt.to_vec(),
+                    max_tokens: issue.output_tokens,
+                    ..Default::default()
+                };
+                self.send_with_id(issue.request_id, &spec, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves callouts the workers dispatched into the pending list, deciding each one's fate.
+    fn collect_callouts(&mut self) {
+        for w in 0..self.workers.len() {
+            for call in self.workers[w].take_callouts() {
+                self.stats.callouts += 1;
+                let replica = self.replica_of_callout(&call);
+                let mut due = self.now_us + self.cfg.callout_latency_us;
+                let mut outcome = None;
+                match replica.map(|r| &self.replicas[r].feed_fault) {
+                    None => {
+                        outcome = Some(CallOutcome::ok(
+                            404,
+                            "text/plain",
+                            b"no such upstream".to_vec(),
+                        ))
+                    }
+                    Some(FeedFault::Timeout) => {
+                        due = self.now_us + call.timeout_ms as u64 * 1000;
+                        outcome = Some(CallOutcome::timeout());
+                    }
+                    Some(_) => {}
+                }
+                self.calls.push(PendingCall {
+                    worker: w,
+                    call,
+                    due_us: due,
+                    outcome,
+                });
+            }
+        }
+    }
+
+    fn replica_of_callout(&self, call: &Callout) -> Option<usize> {
+        match self.cfg.mode {
+            HostMode::Envoy => self
+                .replicas
+                .iter()
+                .position(|r| r.feed_cluster == call.upstream),
+            HostMode::Nginx => self.replica_of_endpoint(&call.upstream),
+        }
+    }
+
+    /// Answers a callout from the replica's engine at the current virtual time.
+    fn answer(&mut self, p: PendingCall) -> Result<(), HarnessError> {
+        let outcome = match p.outcome {
+            Some(o) => o,
+            None => match self.replica_of_callout(&p.call) {
+                None => CallOutcome::ok(404, "text/plain", b"no such upstream".to_vec()),
+                Some(r) => {
+                    let rep = &mut self.replicas[r];
+                    rep.polls += 1;
+                    match rep.feed_fault.clone() {
+                        FeedFault::Reset => CallOutcome::Reset,
+                        FeedFault::Timeout => CallOutcome::timeout(),
+                        FeedFault::Status(s) => {
+                            CallOutcome::ok(s, "text/plain", b"feed unavailable".to_vec())
+                        }
+                        FeedFault::Garbage(bytes) => CallOutcome::ok(200, FEED_CONTENT_TYPE, bytes),
+                        FeedFault::Healthy => feed_answer(&mut rep.engine, &p.call),
+                    }
+                }
+            },
+        };
+        if self.workers[p.worker].is_dead() {
+            return Ok(());
+        }
+        self.workers[p.worker].answer_callout(&p.call, outcome)?;
+        Ok(())
+    }
+
+    /// Requests the filter paused: released since? local response? Still paused is fine until the run
+    /// ends; [`Harness::run_until_idle`] reports them as stuck.
+    fn check_paused(&mut self) -> Result<(), HarnessError> {
+        if self.paused.is_empty() {
+            return Ok(());
+        }
+        let waiting = std::mem::take(&mut self.paused);
+        for p in waiting {
+            let st = self.workers[p.worker].stream(p.stream);
+            let progressed = st.is_some_and(|s| s.released || s.local_response.is_some());
+            if progressed {
+                self.after_request_phase(p.id, p.worker, p.stream, &p.spec, p.from_driver)?;
+            } else {
+                self.paused.push(p);
+            }
+        }
+        Ok(())
+    }
+
+    fn drain_engine(&mut self, replica: usize) -> Result<(), HarnessError> {
+        let now = self.now_us;
+        self.replicas[replica].engine.advance(now, &mut self.events);
+        self.drain_events()
+    }
+
+    fn drain_events(&mut self) -> Result<(), HarnessError> {
+        let events = std::mem::take(&mut self.events);
+        for ev in &events {
+            self.on_engine_event(ev)?;
+        }
+        let mut events = events;
+        events.clear();
+        self.events = events;
+        Ok(())
+    }
+
+    fn flush_tokens(&mut self, id: u64) -> Result<(), HarnessError> {
+        let Some(f) = self.flights.get_mut(&id) else {
+            return Ok(());
+        };
+        if f.unsent == 0 {
+            return Ok(());
+        }
+        let start = f.output.len() - f.unsent;
+        let text = kvsteer_sim::tokenize::detokenize(&f.output[start..]);
+        f.unsent = 0;
+        let chunk = f.sse.tokens(&text);
+        let (w, stream) = (f.worker, f.stream);
+        let action = self.workers[w].response_body(stream, &chunk, false)?;
+        self.stats.response_body_chunks += 1;
+        if action != Action::Continue {
+            return Err(HarnessError::ResponsePaused { request: id });
+        }
+        Ok(())
+    }
+
+    fn on_engine_event(&mut self, ev: &EngineEvent) -> Result<(), HarnessError> {
+        let id = ev.id();
+        if !self.flights.contains_key(&id) {
+            return Ok(()); // a direct submission, or a request already failed
+        }
+        match ev {
+            EngineEvent::FirstToken { t_us, token, .. } => {
+                let f = self.flights.get_mut(&id).expect("checked above");
+                f.output.push(*token);
+                f.unsent += 1;
+                let (w, stream) = (f.worker, f.stream);
+                if !f.headers_sent {
+                    f.headers_sent = true;
+                    self.workers[w].response_headers(stream, sse_headers(), false)?;
+                }
+                if let Some(r) = self.records.get_mut(&id) {
+                    r.first_token_us.get_or_insert(*t_us);
+                }
+                self.recorder.first_token(id, *t_us);
+                self.flush_tokens(id)?;
+            }
+            EngineEvent::Token { token, .. } => {
+                let f = self.flights.get_mut(&id).expect("checked above");
+                f.output.push(*token);
+                f.unsent += 1;
+                if f.unsent >= self.cfg.chunk_tokens.max(1) {
+                    self.flush_tokens(id)?;
+                }
+            }
+            EngineEvent::Finished {
+                t_us,
+                prompt_tokens,
+                cached_tokens,
+                completion_tokens,
+                reason,
+                ..
+            } => {
+                let f = self.flights.remove(&id).expect("checked above");
+                let (w, stream) = (f.worker, f.stream);
+                if *reason == FinishReason::Abort {
+                    // The upstream connection dies mid-stream: the proxy ends the stream without eos.
+                    let st = self.workers[w].end_stream(stream)?;
+                    if let Some(r) = self.records.get_mut(&id) {
+                        r.downstream_bytes = st.downstream_body.len();
+                    }
+                    self.fail_request(id, f.from_driver);
+                    return Ok(());
+                }
+                let mut f = f;
+                let start = f.output.len() - f.unsent;
+                let text = kvsteer_sim::tokenize::detokenize(&f.output[start..]);
+                let chunk = f.sse.finish(
+                    &text,
+                    reason.as_str(),
+                    *prompt_tokens,
+                    *completion_tokens,
+                    *cached_tokens,
+                );
+                if !f.headers_sent {
+                    self.workers[w].response_headers(stream, sse_headers(), false)?;
+                }
+                let action = self.workers[w].response_body(stream, &chunk, true)?;
+                self.stats.response_body_chunks += 1;
+                if action != Action::Continue {
+                    return Err(HarnessError::ResponsePaused { request: id });
+                }
+                let st = self.workers[w].end_stream(stream)?;
+                if let Some(r) = self.records.get_mut(&id) {
+                    r.finished_us = Some(*t_us);
+                    r.cached_tokens = *cached_tokens;
+                    r.completion_tokens = *completion_tokens;
+                    r.downstream_bytes = st.downstream_body.len();
+                }
+                debug_assert_eq!(f.prompt_len, *prompt_tokens);
+                self.recorder
+                    .finished(id, *t_us, *cached_tokens as u64, *completion_tokens as u64);
+                if f.from_driver
+                    && let Some(d) = self.driver.as_mut()
+                {
+                    let _ = d.complete(id, *t_us, &f.output);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Replays a workload: the driver issues requests in virtual time, each goes through the filter to
+    /// the replica it picks. `progress(done, total)` is called as requests finish.
+    pub fn run_workload(
+        &mut self,
+        driver: Driver,
+        mut progress: impl FnMut(u64, u64),
+    ) -> Result<(), HarnessError> {
+        let total = driver.workload().total_requests() as u64;
+        self.driver = Some(driver);
+        loop {
+            let done = self.stats.requests - self.in_flight() as u64;
+            progress(done, total);
+            let driver_idle = self
+                .driver
+                .as_ref()
+                .is_none_or(|d| d.next_wakeup().is_none());
+            if driver_idle && self.in_flight() == 0 {
+                break;
+            }
+            match self.next_event_us() {
+                Some(t) => {
+                    self.set_now(t);
+                    self.process_due()?;
+                }
+                None => break,
+            }
+            if driver_idle && self.in_flight() > 0 && self.flights.is_empty() {
+                let id = self.paused.first().map_or(0, |p| p.id);
+                return Err(HarnessError::Stuck {
+                    request: id,
+                    detail: "paused by the filter with nothing left that could resume it".into(),
+                });
+            }
+        }
+        self.driver = None;
+        Ok(())
+    }
+
+    pub fn summary(&self, label: &str) -> Summary {
+        self.recorder.summary(label)
+    }
+}
+
+/// The feed's answer to a callout, as the simulator's HTTP server gives it.
+fn feed_answer(engine: &mut Engine, call: &Callout) -> CallOutcome {
+    let path = call.header(":path").unwrap_or("");
+    let (p, query) = path.split_once('?').unwrap_or((path, ""));
+    if !p.ends_with(FEED_PATH) {
+        return CallOutcome::ok(404, "text/plain", format!("no route {p}").into_bytes());
+    }
+    match FeedQuery::parse(query) {
+        Ok(q) => CallOutcome::ok(200, FEED_CONTENT_TYPE, engine.feed(&q).encode()),
+        Err(e) => CallOutcome::ok(400, "text/plain", e.into_bytes()),
+    }
+}
