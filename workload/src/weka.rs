@@ -50,6 +50,11 @@ pub struct WekaParams {
     pub concurrency: usize,
     /// Read only the first N sessions.
     pub max_sessions: Option<usize>,
+    /// Replay each session this many times (at least 1). Copy `k` of session `S` is session `S#k` with
+    /// its own namespace, sharing only the global tool+system prefix with the others, as a new user
+    /// running the same conversation would. Copies come after all originals, so a closed loop works
+    /// through the originals first. Lets concurrency levels above the session count mean something.
+    pub copies: usize,
 }
 
 /// Default location of the trace, relative to the repository root.
@@ -66,6 +71,7 @@ impl Default for WekaParams {
             max_think_s: 60.0,
             concurrency: 16,
             max_sessions: None,
+            copies: 1,
         }
     }
 }
@@ -150,6 +156,7 @@ fn prefix_blocks(tool: u64, system: u64, block_size: u32, fraction: f64) -> usiz
     (k * fraction.clamp(0.0, 1.0)).floor() as usize
 }
 
+#[derive(Default)]
 struct Counters {
     skipped: u64,
     truncated: u64,
@@ -171,14 +178,10 @@ pub fn parse(text: &str, p: &WekaParams) -> Result<Workload, WorkloadError> {
         ));
     }
     let mut sessions = Vec::new();
-    let mut c = Counters {
-        skipped: 0,
-        truncated: 0,
-        zero_out: 0,
-        subagent: 0,
-    };
+    let mut c = Counters::default();
     let mut dropped = 0u64;
     let mut global_ids = 0u64;
+    let mut copies: Vec<Vec<Session>> = vec![Vec::new(); p.copies.saturating_sub(1)];
     let mut block_size = None;
     for (ln, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -212,7 +215,6 @@ pub fn parse(text: &str, p: &WekaParams) -> Result<Workload, WorkloadError> {
             }
             _ => {}
         }
-        let ns = format!("weka:{}", raw.id);
         // Local id -> global key, for the tool+system trunks.
         let mut global: HashMap<u64, u64> = HashMap::new();
         let main: Vec<&RawRequest> = raw
@@ -258,52 +260,25 @@ pub fn parse(text: &str, p: &WekaParams) -> Result<Workload, WorkloadError> {
         }
         global_ids += global.len() as u64;
 
-        let mut turns = Vec::new();
-        let mut think_credit_s = 0.0f64;
-        let pad_root = block_key(&ns, u64::MAX);
-        let mut n = 0u64;
-        for r in &raw.requests {
-            if r.kind == "subagent" {
-                for q in &r.requests {
-                    c.subagent += 1;
-                    let think = q.think_time.unwrap_or(0.0);
-                    push_turn(
-                        &mut turns,
-                        q,
-                        &ns,
-                        &global,
-                        raw.block_size,
-                        think,
-                        p,
-                        &mut c,
-                        sub_key(pad_root, &[n]),
-                    );
-                    n += 1;
-                }
-                think_credit_s += r.duration_ms.unwrap_or(0.0).max(0.0) / 1000.0;
-            } else {
-                let think = (r.think_time.unwrap_or(0.0) - think_credit_s).max(0.0);
-                think_credit_s = 0.0;
-                push_turn(
-                    &mut turns,
-                    r,
-                    &ns,
-                    &global,
-                    raw.block_size,
-                    think,
-                    p,
-                    &mut c,
-                    sub_key(pad_root, &[n]),
-                );
-                n += 1;
-            }
-        }
+        let ns = format!("weka:{}", raw.id);
+        let turns = build_turns(&raw, &ns, &global, p, &mut c);
         if turns.is_empty() {
             dropped += 1;
             continue;
         }
-        sessions.push(Session { id: raw.id, turns });
+        sessions.push(Session {
+            id: raw.id.clone(),
+            turns,
+        });
+        for (copy, list) in (1..).zip(copies.iter_mut()) {
+            // Copies count nothing: the notes describe the trace itself.
+            let mut ignore = Counters::default();
+            let id = format!("{}#{copy}", raw.id);
+            let turns = build_turns(&raw, &format!("weka:{id}"), &global, p, &mut ignore);
+            list.push(Session { id, turns });
+        }
     }
+    sessions.extend(copies.into_iter().flatten());
     let over_note = match p.over_long {
         OverLong::Skip => (NOTE_SKIPPED.to_string(), c.skipped),
         OverLong::Truncate => (NOTE_TRUNCATED.to_string(), c.truncated),
@@ -321,6 +296,7 @@ pub fn parse(text: &str, p: &WekaParams) -> Result<Workload, WorkloadError> {
             ("think_scale".into(), p.think_scale.to_string()),
             ("max_think_s".into(), p.max_think_s.to_string()),
             ("concurrency".into(), p.concurrency.to_string()),
+            ("copies".into(), p.copies.to_string()),
         ],
         block_size: block_size.unwrap_or(64),
         default_mode: Mode::Closed {
@@ -335,6 +311,39 @@ pub fn parse(text: &str, p: &WekaParams) -> Result<Workload, WorkloadError> {
             (NOTE_ZERO_OUTPUT.into(), c.zero_out),
         ],
     })
+}
+
+/// The turns of one session (or one copy of it, under namespace `ns`).
+fn build_turns(
+    raw: &RawSession,
+    ns: &str,
+    global: &HashMap<u64, u64>,
+    p: &WekaParams,
+    c: &mut Counters,
+) -> Vec<Turn> {
+    let mut turns = Vec::new();
+    let mut think_credit_s = 0.0f64;
+    let pad_root = block_key(ns, u64::MAX);
+    let mut n = 0u64;
+    for r in &raw.requests {
+        if r.kind == "subagent" {
+            for q in &r.requests {
+                c.subagent += 1;
+                let think = q.think_time.unwrap_or(0.0);
+                let pad = sub_key(pad_root, &[n]);
+                push_turn(&mut turns, q, ns, global, raw.block_size, think, p, c, pad);
+                n += 1;
+            }
+            think_credit_s += r.duration_ms.unwrap_or(0.0).max(0.0) / 1000.0;
+        } else {
+            let think = (r.think_time.unwrap_or(0.0) - think_credit_s).max(0.0);
+            think_credit_s = 0.0;
+            let pad = sub_key(pad_root, &[n]);
+            push_turn(&mut turns, r, ns, global, raw.block_size, think, p, c, pad);
+            n += 1;
+        }
+    }
+    turns
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -121,3 +121,54 @@ fn open_loop_issues_at_arrivals() {
     let at: Vec<u64> = issued.iter().map(|i| i.issued_us).collect();
     assert_eq!(at, vec![0, 500_000, 3_000_000]);
 }
+
+/// Completions and failures in a scrambled order, with bogus ids mixed in: the driver never panics, never
+/// loses a request, and never exceeds the concurrency.
+#[test]
+fn scrambled_completions_and_failures() {
+    let w = generate(&RlParams::small()).unwrap();
+    let total = w.total_requests();
+    let mut d = Driver::new(w, Mode::Closed { concurrency: 5 });
+    let mut in_flight: Vec<u64> = vec![];
+    let mut state = 12345u64;
+    let mut rnd = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut now = 0;
+    let mut buf = vec![];
+    let mut seen = 0;
+    let mut failed = 0;
+    for _ in 0..100_000 {
+        if d.done() {
+            break;
+        }
+        if let Some(t) = d.next_wakeup() {
+            now = now.max(t);
+        }
+        buf.clear();
+        d.poll(now, &mut buf);
+        seen += buf.len();
+        in_flight.extend(buf.iter().map(|i| i.request_id));
+        assert!(d.open_sessions() <= 5);
+        assert!(d.complete(u64::MAX - rnd() % 10, now, &[]).is_err());
+        if !in_flight.is_empty() {
+            let k = (rnd() % in_flight.len() as u64) as usize;
+            let id = in_flight.swap_remove(k);
+            now += rnd() % 1000;
+            if rnd() % 4 == 0 {
+                d.fail(id, now).unwrap();
+                failed += 1;
+            } else {
+                d.complete(id, now, &[7; 3]).unwrap();
+            }
+            assert!(d.fail(id, now).is_err(), "a request ends once");
+        }
+    }
+    assert!(d.done());
+    assert_eq!(seen, total);
+    assert_eq!(d.failed(), failed);
+    assert_eq!(d.progress(), (total, total));
+}

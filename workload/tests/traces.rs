@@ -20,12 +20,16 @@ fn keys(w: &Workload, s: usize, t: usize) -> &[u64] {
     }
 }
 
-fn weka_default() -> Workload {
-    weka::read(&WekaParams {
-        path: trace("weka_cc_sample36.jsonl"),
-        ..Default::default()
+/// The default reading, parsed once for all tests (debug builds parse 18 MB slowly).
+fn weka_default() -> &'static Workload {
+    static W: std::sync::OnceLock<Workload> = std::sync::OnceLock::new();
+    W.get_or_init(|| {
+        weka::read(&WekaParams {
+            path: trace("weka_cc_sample36.jsonl"),
+            ..Default::default()
+        })
+        .unwrap()
     })
-    .unwrap()
 }
 
 #[test]
@@ -193,5 +197,55 @@ fn azure_real_trace() {
     assert_eq!(
         limited.sessions[49].turns[0].arrival_us.unwrap(),
         arr[49] / 10
+    );
+}
+
+#[test]
+fn weka_trunks_make_most_requests_start_in_the_global_prefix() {
+    use kvsteer_workload::token_blocks::block_key;
+    let w = weka_default();
+    let g0 = block_key("global:weka-main", 0);
+    for (i, s) in w.sessions.iter().enumerate() {
+        let starts = (0..s.turns.len())
+            .filter(|&t| keys(&w, i, t).first() == Some(&g0))
+            .count();
+        assert!(
+            2 * starts >= s.turns.len(),
+            "session {} : {starts}/{}",
+            s.id,
+            s.turns.len()
+        );
+    }
+    // trace_0010's sub-agents (Explore) share their own global prefix.
+    let s0 = &w.sessions[0];
+    assert_eq!(s0.id, "trace_0010");
+    assert_eq!(keys(&w, 0, 1)[0], block_key("global:weka-sub:Explore", 0));
+}
+
+#[test]
+fn weka_copies_are_new_users_sharing_only_the_global_prefix() {
+    let w = weka::read(&WekaParams {
+        path: trace("weka_cc_sample36.jsonl"),
+        copies: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let base = weka_default();
+    assert_eq!(w.sessions.len(), 2 * base.sessions.len());
+    assert_eq!(w.total_requests(), 2 * base.total_requests());
+    let n = base.sessions.len();
+    assert_eq!(w.sessions[n].id, format!("{}#1", w.sessions[0].id));
+    let (a, b) = (keys(&w, 0, 0), keys(&w, n, 0));
+    assert_eq!(a[..100], b[..100], "global prefix shared");
+    assert_eq!(a.len(), b.len());
+    assert_ne!(
+        a[a.len() - 1],
+        b[b.len() - 1],
+        "private part namespaced per copy"
+    );
+    assert_eq!(
+        w.note(weka::NOTE_SKIPPED),
+        500,
+        "notes describe the trace, not the copies"
     );
 }
