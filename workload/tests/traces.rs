@@ -64,8 +64,8 @@ fn weka_counts_and_skips() {
 #[test]
 fn weka_namespaces_local_ids_but_shares_the_tool_system_prefix() {
     let w = weka_default();
-    let a = keys(&w, 0, 0);
-    let b = keys(&w, 1, 0);
+    let a = keys(w, 0, 0);
+    let b = keys(w, 1, 0);
     // Both sessions' first block is local id 1, inside the shared tool+system prefix: same tokens.
     assert_eq!(a[0], b[0]);
     assert_eq!(a[..100], b[..100]);
@@ -77,9 +77,9 @@ fn weka_namespaces_local_ids_but_shares_the_tool_system_prefix() {
     // Within a session, the next turn reuses the previous turn's blocks.
     // (Session 1 has no sub-agent; session 0's turn 1 is its first sub-agent request, which shares only
     // the parent's namespace.)
-    let b1 = keys(&w, 1, 1);
+    let b1 = keys(w, 1, 1);
     assert_eq!(b1[..b.len()], b[..]);
-    let sub = keys(&w, 0, 1);
+    let sub = keys(w, 0, 1);
     assert_ne!(sub[0], a[0]);
     // With no global prefix, even block 0 differs between sessions.
     let private = weka::read(&WekaParams {
@@ -207,7 +207,7 @@ fn weka_trunks_make_most_requests_start_in_the_global_prefix() {
     let g0 = block_key("global:weka-main", 0);
     for (i, s) in w.sessions.iter().enumerate() {
         let starts = (0..s.turns.len())
-            .filter(|&t| keys(&w, i, t).first() == Some(&g0))
+            .filter(|&t| keys(w, i, t).first() == Some(&g0))
             .count();
         assert!(
             2 * starts >= s.turns.len(),
@@ -219,7 +219,7 @@ fn weka_trunks_make_most_requests_start_in_the_global_prefix() {
     // trace_0010's sub-agents (Explore) share their own global prefix.
     let s0 = &w.sessions[0];
     assert_eq!(s0.id, "trace_0010");
-    assert_eq!(keys(&w, 0, 1)[0], block_key("global:weka-sub:Explore", 0));
+    assert_eq!(keys(w, 0, 1)[0], block_key("global:weka-sub:Explore", 0));
 }
 
 #[test]
