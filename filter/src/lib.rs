@@ -1,1 +1,31 @@
-//! proxy-wasm filter (issue 4).
+//! kvsteer's proxy-wasm filter: a thin adapter between a proxy (Envoy, Istio's sidecar, nginx with
+//! ngx_wasm_module) and the routing core.
+//!
+//! Per VM (one per Envoy worker) the root context owns one [`Worker`]: the core `Router` (block index,
+//! token-load table, policy), the feed pollers and the metrics. Stream contexts borrow it to route a
+//! request and to follow its response through prefill, decode and release. The VM is single-threaded, so
+//! an `Rc<RefCell<_>>` is all the sharing needed; borrows never cross a host call that could re-enter.
+//!
+//! Nothing here may panic: a panic is a wasm trap that kills the VM and every request on it. Host calls
+//! use the SDK's `Result`-returning `hostcalls` (bytes variants, so a non-UTF-8 header cannot trip a
+//! conversion), every error has a fallback, and request and feed bytes go through the core's typed
+//! parsers.
+
+pub mod config;
+pub mod peers;
+pub mod relay;
+pub mod sse;
+pub mod worker;
+
+#[cfg(target_arch = "wasm32")]
+mod host;
+
+#[cfg(target_arch = "wasm32")]
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(host::Root::default())
+    });
+}}
+
+pub use worker::{INFERENCE_PATHS, is_inference_path};

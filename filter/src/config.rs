@@ -1,0 +1,317 @@
+//! The filter's plugin configuration (JSON, delivered in `on_configure`).
+//!
+//! Everything has a default except the replica list. Unknown fields are refused with a message that
+//! names them: a typo in a production config must not silently fall back to a default.
+
+use kvsteer_core::config::RoutingConfig;
+use serde::Deserialize;
+
+/// How the chosen replica is handed to the proxy.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputMode {
+    /// Write `IP:port` into the destination header, read by Envoy's `override_host` LB policy.
+    #[default]
+    DestinationHeader,
+    /// Write the replica's cluster name into `cluster_header` and clear the route cache, for users who
+    /// keep one Envoy cluster per replica and route with `cluster_header`.
+    ClusterHeader,
+    /// Write `IP:port` into an nginx variable with `set_property(["ngx", VAR])` (ngx_wasm_module).
+    NginxVariable,
+}
+
+/// One engine replica.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaSpec {
+    /// Name used in metrics and logs (ASCII letters, digits, `-`, `_`, `.`).
+    pub name: String,
+    /// `IP:port` written into the destination header; must be in the cluster's endpoint set.
+    pub endpoint: String,
+    /// Envoy cluster that reaches this replica's feed (a STATIC cluster; never an ORIGINAL_DST one).
+    #[serde(default)]
+    pub feed_cluster: Option<String>,
+    /// `:authority` of feed callouts; defaults to `endpoint`.
+    #[serde(default)]
+    pub feed_authority: Option<String>,
+    /// nginx mode: the feed's `IP:port`, passed to `dispatch_http_call` as the upstream.
+    #[serde(default)]
+    pub feed_address: Option<String>,
+    /// cluster_header mode: this replica's Envoy cluster.
+    #[serde(default)]
+    pub cluster: Option<String>,
+}
+
+fn d_feed_period() -> u64 {
+    200
+}
+fn d_tick() -> u64 {
+    100
+}
+fn d_feed_timeout() -> u64 {
+    1000
+}
+fn d_stale_after() -> u32 {
+    3
+}
+fn d_max_events() -> u32 {
+    kvsteer_core::feed::DEFAULT_MAX_EVENTS
+}
+fn d_session_header() -> String {
+    "x-session-id".into()
+}
+fn d_destination_header() -> String {
+    "x-gateway-destination-endpoint".into()
+}
+fn d_cluster_header() -> String {
+    "x-kvsteer-cluster".into()
+}
+fn d_nginx_variable() -> String {
+    "kvsteer_upstream".into()
+}
+fn d_prefix() -> String {
+    "kvsteer".into()
+}
+fn d_peer_ttl() -> u64 {
+    5000
+}
+fn d_feed_path_prefix() -> String {
+    String::new()
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterConfig {
+    pub replicas: Vec<ReplicaSpec>,
+    /// Policy, coefficients, block size, index cap: see the routing section of docs/configuration.md.
+    #[serde(default)]
+    pub routing: RoutingConfig,
+    /// How often each replica's feed is polled.
+    #[serde(default = "d_feed_period")]
+    pub feed_period_ms: u64,
+    /// Timer period: peer load is exchanged every tick, feeds polled when their period is due.
+    #[serde(default = "d_tick")]
+    pub tick_ms: u64,
+    #[serde(default = "d_feed_timeout")]
+    pub feed_timeout_ms: u64,
+    /// Consecutive failed polls after which a replica's cache view is treated as stale.
+    #[serde(default = "d_stale_after")]
+    pub stale_after_failures: u32,
+    #[serde(default = "d_max_events")]
+    pub feed_max_events: u32,
+    /// Prepended to the feed path, for replicas whose feed sits behind a path prefix.
+    #[serde(default = "d_feed_path_prefix")]
+    pub feed_path_prefix: String,
+    #[serde(default = "d_session_header")]
+    pub session_header: String,
+    #[serde(default = "d_destination_header")]
+    pub destination_header: String,
+    #[serde(default)]
+    pub output: OutputMode,
+    #[serde(default = "d_cluster_header")]
+    pub cluster_header: String,
+    #[serde(default = "d_nginx_variable")]
+    pub nginx_variable: String,
+    /// Prefix of shared-data keys. Istio leaves `vm_id` empty, so keys from several plugins would meet:
+    /// give each plugin its own prefix.
+    #[serde(default = "d_prefix")]
+    pub shared_key_prefix: String,
+    /// A peer worker's published load older than this is ignored (the worker is gone).
+    #[serde(default = "d_peer_ttl")]
+    pub peer_ttl_ms: u64,
+}
+
+/// A refused configuration, with a message that names the problem.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl core::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+fn valid_header(s: &str) -> bool {
+    !s.is_empty()
+        && !s.starts_with(':')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+impl FilterConfig {
+    pub fn from_json(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
+        let cfg: FilterConfig = serde_json::from_slice(bytes)
+            .map_err(|e| ConfigError(format!("plugin configuration: {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let err = |m: String| Err(ConfigError(m));
+        if self.replicas.is_empty() {
+            return err("replicas: at least one replica is required".into());
+        }
+        if self.replicas.len() > 256 {
+            return err(format!(
+                "replicas: at most 256, got {}",
+                self.replicas.len()
+            ));
+        }
+        for (i, r) in self.replicas.iter().enumerate() {
+            if !valid_name(&r.name) {
+                return err(format!(
+                    "replicas[{i}].name: {:?} must be 1-64 of [A-Za-z0-9._-]",
+                    r.name
+                ));
+            }
+            if self.replicas[..i].iter().any(|o| o.name == r.name) {
+                return err(format!("replicas[{i}].name: duplicate {:?}", r.name));
+            }
+            if r.endpoint.parse::<std::net::SocketAddr>().is_err() {
+                return err(format!(
+                    "replicas[{i}].endpoint: {:?} is not IP:port",
+                    r.endpoint
+                ));
+            }
+            match self.output {
+                OutputMode::NginxVariable => {
+                    if r.feed_address.is_none() {
+                        return err(format!(
+                            "replicas[{i}].feed_address: required in nginx_variable mode"
+                        ));
+                    }
+                }
+                _ => {
+                    if r.feed_cluster.as_deref().is_none_or(str::is_empty) {
+                        return err(format!("replicas[{i}].feed_cluster: required with Envoy"));
+                    }
+                }
+            }
+            if self.output == OutputMode::ClusterHeader && r.cluster.is_none() {
+                return err(format!(
+                    "replicas[{i}].cluster: required in cluster_header mode"
+                ));
+            }
+        }
+        for (field, value) in [
+            ("session_header", &self.session_header),
+            ("destination_header", &self.destination_header),
+            ("cluster_header", &self.cluster_header),
+        ] {
+            if !valid_header(value) {
+                return err(format!(
+                    "{field}: {value:?} must be a lowercase header name"
+                ));
+            }
+        }
+        if self.tick_ms == 0 || self.tick_ms > 60_000 {
+            return err(format!("tick_ms: must be 1..=60000, got {}", self.tick_ms));
+        }
+        if self.feed_period_ms < self.tick_ms {
+            return err(format!(
+                "feed_period_ms: must be at least tick_ms ({}), got {}",
+                self.tick_ms, self.feed_period_ms
+            ));
+        }
+        if self.feed_timeout_ms == 0 {
+            return err("feed_timeout_ms: must be positive".into());
+        }
+        if self.stale_after_failures == 0 {
+            return err("stale_after_failures: must be positive".into());
+        }
+        if !valid_name(&self.shared_key_prefix) {
+            return err(format!(
+                "shared_key_prefix: {:?} must be 1-64 of [A-Za-z0-9._-]",
+                self.shared_key_prefix
+            ));
+        }
+        if !self.feed_path_prefix.is_empty() && !self.feed_path_prefix.starts_with('/') {
+            return err("feed_path_prefix: must start with '/'".into());
+        }
+        self.routing
+            .validate()
+            .map_err(|e| ConfigError(format!("routing: {e}")))?;
+        Ok(())
+    }
+
+    /// `:authority` for a replica's feed callout.
+    pub fn feed_authority(&self, i: usize) -> &str {
+        let r = &self.replicas[i];
+        r.feed_authority.as_deref().unwrap_or(&r.endpoint)
+    }
+
+    /// The upstream argument of `dispatch_http_call` for a replica's feed.
+    pub fn feed_upstream(&self, i: usize) -> &str {
+        let r = &self.replicas[i];
+        match self.output {
+            OutputMode::NginxVariable => r.feed_address.as_deref().unwrap_or(&r.endpoint),
+            _ => r.feed_cluster.as_deref().unwrap_or(""),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"{"replicas":[
+        {"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"feed_r0"},
+        {"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"feed_r1","feed_authority":"r1.local"}]}"#;
+
+    #[test]
+    fn defaults_fill_in() {
+        let c = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
+        assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
+        assert_eq!(c.session_header, "x-session-id");
+        assert_eq!(c.output, OutputMode::DestinationHeader);
+        assert_eq!(c.feed_authority(0), "127.0.0.1:8000");
+        assert_eq!(c.feed_authority(1), "r1.local");
+        assert_eq!(c.feed_upstream(1), "feed_r1");
+    }
+
+    fn refused(json: &str) -> String {
+        FilterConfig::from_json(json.as_bytes()).unwrap_err().0
+    }
+
+    #[test]
+    fn problems_are_named() {
+        assert!(refused(r#"{"replicas":[]}"#).contains("replicas"));
+        assert!(
+            refused(r#"{"replicas":[{"name":"r0","endpoint":"nope","feed_cluster":"f"}]}"#)
+                .contains("endpoint")
+        );
+        assert!(
+            refused(r#"{"replicas":[{"name":"r 0","endpoint":"1.2.3.4:5","feed_cluster":"f"}]}"#)
+                .contains("name")
+        );
+        assert!(
+            refused(r#"{"replicas":[{"name":"r0","endpoint":"1.2.3.4:5"}]}"#)
+                .contains("feed_cluster")
+        );
+        let typo = GOOD.replacen("{\"replicas\"", "{\"polcy\":1,\"replicas\"", 1);
+        assert!(refused(&typo).contains("polcy"));
+        let bad_header = GOOD.replacen(
+            "{\"replicas\"",
+            "{\"destination_header\":\"X Bad\",\"replicas\"",
+            1,
+        );
+        assert!(refused(&bad_header).contains("destination_header"));
+        let nginx = GOOD.replacen(
+            "{\"replicas\"",
+            "{\"output\":\"nginx_variable\",\"replicas\"",
+            1,
+        );
+        assert!(refused(&nginx).contains("feed_address"));
+        assert!(refused("not json").contains("plugin configuration"));
+        let dup = r#"{"replicas":[{"name":"a","endpoint":"1.2.3.4:5","feed_cluster":"f"},
+                                 {"name":"a","endpoint":"1.2.3.4:6","feed_cluster":"g"}]}"#;
+        assert!(refused(dup).contains("duplicate"));
+    }
+}

@@ -1,0 +1,585 @@
+//! The proxy-wasm contexts: all host calls live here, all decisions in [`crate::worker`].
+
+use crate::config::{FilterConfig, OutputMode};
+use crate::peers;
+use crate::relay::SharedStore;
+use crate::sse::SseTracker;
+use crate::worker::{BodyFallback, FeedResult, Worker, is_inference_path};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::{Duration, UNIX_EPOCH};
+
+fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn log(level: LogLevel, msg: &str) {
+    let _ = hostcalls::log(level, msg);
+}
+
+fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_map_value_bytes(map, name).ok().flatten()
+}
+
+/// The proxy's shared data, for the feed lease and relay.
+struct HostStore;
+
+impl SharedStore for HostStore {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        match hostcalls::get_shared_data(key) {
+            Ok((Some(v), cas)) => Some((v, cas.unwrap_or(0))),
+            _ => None,
+        }
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+        hostcalls::set_shared_data(key, Some(value), cas).is_ok()
+    }
+}
+
+/// Metric ids, defined once per VM at configure time. A host without metrics leaves them `None`.
+#[derive(Default)]
+struct Metrics {
+    decisions: Vec<Option<u32>>,
+    feed_errors: Vec<Option<u32>>,
+    feed_stale: Vec<Option<u32>>,
+    routed: Option<u32>,
+    fallbacks: Option<u32>,
+    matched_tokens: Option<u32>,
+    prompt_tokens: Option<u32>,
+    spoofed: Option<u32>,
+    index_blocks: Option<u32>,
+    index_evictions: Option<u32>,
+    release_anomalies: Option<u32>,
+    feed_resets: Option<u32>,
+    last_evictions: u64,
+    last_anomalies: u64,
+    last_resets: u64,
+}
+
+fn define(kind: MetricType, name: &str) -> Option<u32> {
+    hostcalls::define_metric(kind, name).ok()
+}
+
+fn inc(id: Option<u32>, by: u64) {
+    if let Some(id) = id
+        && by > 0
+    {
+        let _ = hostcalls::increment_metric(id, by.min(i64::MAX as u64) as i64);
+    }
+}
+
+fn gauge(id: Option<u32>, v: u64) {
+    if let Some(id) = id {
+        let _ = hostcalls::record_metric(id, v);
+    }
+}
+
+impl Metrics {
+    fn define(cfg: &FilterConfig) -> Metrics {
+        use MetricType::{Counter, Gauge};
+        let policy = cfg.routing.policy.name();
+        let per = |kind, what: &str| -> Vec<Option<u32>> {
+            cfg.replicas
+                .iter()
+                .map(|r| define(kind, &format!("kvsteer_{what}_{}", r.name)))
+                .collect()
+        };
+        Metrics {
+            decisions: cfg
+                .replicas
+                .iter()
+                .map(|r| define(Counter, &format!("kvsteer_decisions_{policy}_{}", r.name)))
+                .collect(),
+            feed_errors: per(Counter, "feed_errors"),
+            feed_stale: per(Gauge, "feed_stale"),
+            routed: define(Counter, "kvsteer_requests_routed"),
+            fallbacks: define(Counter, "kvsteer_fallbacks"),
+            matched_tokens: define(Counter, "kvsteer_matched_tokens"),
+            prompt_tokens: define(Counter, "kvsteer_prompt_tokens"),
+            spoofed: define(Counter, "kvsteer_spoofed_headers_removed"),
+            index_blocks: define(Gauge, "kvsteer_index_blocks"),
+            index_evictions: define(Counter, "kvsteer_index_evictions"),
+            release_anomalies: define(Counter, "kvsteer_release_anomalies"),
+            feed_resets: define(Counter, "kvsteer_feed_resets"),
+            ..Metrics::default()
+        }
+    }
+}
+
+/// A configured VM: the worker's routing state plus its host-facing bits.
+struct Vm {
+    worker: Worker,
+    metrics: Metrics,
+}
+
+type Shared = Rc<RefCell<Vm>>;
+
+#[derive(Default)]
+pub struct Root {
+    vm: Option<Shared>,
+}
+
+impl Root {
+    /// Takes a unique worker number from a shared-data counter (CAS loop), so each worker publishes its
+    /// load under its own key. `None` when the host has no shared data: load then stays per worker.
+    fn claim_worker_id(prefix: &str) -> Option<u32> {
+        let key = peers::workers_key(prefix);
+        for _ in 0..32 {
+            let (value, cas) = hostcalls::get_shared_data(&key).ok()?;
+            let current = value
+                .as_deref()
+                .and_then(|v| <[u8; 4]>::try_from(v).ok())
+                .map_or(0, u32::from_le_bytes);
+            let next = current.wrapping_add(1);
+            match hostcalls::set_shared_data(&key, Some(&next.to_le_bytes()), cas) {
+                Ok(()) => return Some(current),
+                Err(Status::CasMismatch) => continue,
+                Err(_) => return None,
+            }
+        }
+        None
+    }
+
+    fn exchange_peer_load(vm: &mut Vm, now: u64) {
+        let Some(me) = vm.worker.worker_id else {
+            return;
+        };
+        let prefix = vm.worker.cfg.shared_key_prefix.clone();
+        let record = peers::encode(now, &vm.worker.router.local_load());
+        let _ = hostcalls::set_shared_data(&peers::load_key(&prefix, me), Some(&record), None);
+        let count = hostcalls::get_shared_data(&peers::workers_key(&prefix))
+            .ok()
+            .and_then(|(v, _)| v)
+            .and_then(|v| <[u8; 4]>::try_from(v.as_slice()).ok())
+            .map_or(0, u32::from_le_bytes)
+            .min(1024);
+        let replicas = vm.worker.cfg.replicas.len();
+        let ttl = vm.worker.cfg.peer_ttl_ms;
+        for peer in (0..count).filter(|&p| p != me) {
+            let record = hostcalls::get_shared_data(&peers::load_key(&prefix, peer))
+                .ok()
+                .and_then(|(v, _)| v);
+            match record.and_then(|r| peers::decode(&r, replicas)) {
+                Some((ts, totals)) if now.saturating_sub(ts) <= ttl => {
+                    vm.worker.router.set_peer_load(peer, &totals)
+                }
+                _ => vm.worker.router.clear_peer(peer),
+            }
+        }
+    }
+
+    fn poll_feeds(vm: &mut Vm, now: u64) {
+        let timeout = Duration::from_millis(vm.worker.cfg.feed_timeout_ms);
+        let store = vm.worker.worker_id.map(|_| &HostStore as &dyn SharedStore);
+        if let Some(store) = store {
+            for r in vm.worker.follow_relays(store, now) {
+                Self::report_feed(vm, &r);
+            }
+        }
+        for replica in vm.worker.check_staleness(now) {
+            let name = &vm.worker.cfg.replicas[replica].name;
+            log(
+                LogLevel::Warn,
+                &format!("kvsteer: no feed from {name} lately; routing it by load only"),
+            );
+        }
+        for (replica, path) in vm.worker.plan_polls(store, now) {
+            let upstream = vm.worker.cfg.feed_upstream(replica).to_string();
+            let authority = vm.worker.cfg.feed_authority(replica).to_string();
+            let headers = vec![
+                (":method", "GET"),
+                (":path", path.as_str()),
+                (":authority", authority.as_str()),
+                ("accept", kvsteer_core::feed::FEED_CONTENT_TYPE),
+            ];
+            match hostcalls::dispatch_http_call(&upstream, headers, None, vec![], timeout) {
+                Ok(token) => vm.worker.poll_started(replica, token, now),
+                Err(status) => {
+                    let r = vm
+                        .worker
+                        .poll_not_started(replica, &format!("{status:?}"), now);
+                    Self::report_feed(vm, &r);
+                }
+            }
+        }
+    }
+
+    fn report_feed(vm: &Vm, r: &FeedResult) {
+        match r {
+            FeedResult::Failed {
+                replica,
+                reason,
+                became_stale,
+            } => {
+                inc(vm.metrics.feed_errors.get(*replica).copied().flatten(), 1);
+                if *became_stale {
+                    let name = &vm.worker.cfg.replicas[*replica].name;
+                    log(
+                        LogLevel::Warn,
+                        &format!(
+                            "kvsteer: feed of {name} is stale ({reason}); routing it by load only"
+                        ),
+                    );
+                }
+            }
+            FeedResult::Applied { .. } | FeedResult::Unknown => {}
+        }
+    }
+
+    fn update_gauges(vm: &mut Vm) {
+        let stats = vm.worker.router.stats();
+        gauge(vm.metrics.index_blocks, stats.index_blocks);
+        let m = &mut vm.metrics;
+        inc(
+            m.index_evictions,
+            stats.index_evictions.saturating_sub(m.last_evictions),
+        );
+        m.last_evictions = stats.index_evictions;
+        inc(
+            m.release_anomalies,
+            stats.release_anomalies.saturating_sub(m.last_anomalies),
+        );
+        m.last_anomalies = stats.release_anomalies;
+        inc(
+            m.feed_resets,
+            stats.feed_resets.saturating_sub(m.last_resets),
+        );
+        m.last_resets = stats.feed_resets;
+        for (i, f) in vm.worker.feeds.iter().enumerate() {
+            gauge(m.feed_stale.get(i).copied().flatten(), f.stale as u64);
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some(vm) = &self.vm else { return };
+        let status = if num_headers == 0 {
+            None
+        } else {
+            header(MapType::HttpCallResponseHeaders, ":status")
+                .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
+        };
+        let body = if body_size > 0 {
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+        } else {
+            None
+        };
+        let mut vm = vm.borrow_mut();
+        let store = vm.worker.worker_id.map(|_| &HostStore as &dyn SharedStore);
+        let r = vm
+            .worker
+            .on_feed_response(token, status, body.as_deref(), store, now_ms());
+        Self::report_feed(&vm, &r);
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let cfg = match FilterConfig::from_json(&bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                log(
+                    LogLevel::Error,
+                    &format!("kvsteer: configuration refused: {e}"),
+                );
+                return false;
+            }
+        };
+        let worker = match Worker::new(cfg) {
+            Ok(w) => w,
+            Err(e) => {
+                log(
+                    LogLevel::Error,
+                    &format!("kvsteer: configuration refused: {e}"),
+                );
+                return false;
+            }
+        };
+        let mut worker = worker;
+        let metrics = Metrics::define(&worker.cfg);
+        worker.worker_id = Self::claim_worker_id(&worker.cfg.shared_key_prefix);
+        let tick = Duration::from_millis(worker.cfg.tick_ms);
+        log(
+            LogLevel::Info,
+            &format!(
+                "kvsteer: configured {} replicas, policy {}, worker {:?}",
+                worker.cfg.replicas.len(),
+                worker.cfg.routing.policy.name(),
+                worker.worker_id
+            ),
+        );
+        self.vm = Some(Rc::new(RefCell::new(Vm { worker, metrics })));
+        let _ = hostcalls::set_tick_period(tick);
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let Some(vm) = &self.vm else { return };
+        let now = now_ms();
+        let mut vm = vm.borrow_mut();
+        Self::exchange_peer_load(&mut vm, now);
+        Self::poll_feeds(&mut vm, now);
+        Self::update_gauges(&mut vm);
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Stream {
+            vm: self.vm.clone(),
+            id: context_id as u64,
+            ..Stream::default()
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// Where a stream is in its life, as far as the router's load table is concerned.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Phase {
+    /// Not an inference request, or not routed yet.
+    #[default]
+    Untracked,
+    /// Waiting for the whole body.
+    Buffering,
+    /// Admitted: its load is on the chosen replica.
+    Admitted,
+    /// First token seen: prefill load moved to decode.
+    Decoding,
+    /// Released: nothing more to do.
+    Released,
+}
+
+#[derive(Default)]
+pub struct Stream {
+    vm: Option<Shared>,
+    id: u64,
+    phase: Phase,
+    path: String,
+    session: Option<String>,
+    sse: Option<SseTracker>,
+}
+
+impl Stream {
+    /// Writes the decision where the proxy will read it.
+    fn write_destination(vm: &Vm, d: &kvsteer_core::router::Decision) {
+        let value = vm.worker.destination(d);
+        let cfg = &vm.worker.cfg;
+        match cfg.output {
+            OutputMode::DestinationHeader => {
+                let _ = hostcalls::set_map_value_bytes(
+                    MapType::HttpRequestHeaders,
+                    &cfg.destination_header,
+                    Some(value.as_bytes()),
+                );
+            }
+            OutputMode::ClusterHeader => {
+                let _ = hostcalls::set_map_value_bytes(
+                    MapType::HttpRequestHeaders,
+                    &cfg.cluster_header,
+                    Some(value.as_bytes()),
+                );
+                // The route was chosen before the header existed: make Envoy choose again.
+                let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+            }
+            OutputMode::NginxVariable => {
+                let _ = hostcalls::set_property(
+                    vec!["ngx", &cfg.nginx_variable],
+                    Some(value.as_bytes()),
+                );
+            }
+        }
+    }
+
+    fn record_decision(vm: &mut Vm, d: &kvsteer_core::router::Decision) {
+        let m = &vm.metrics;
+        inc(m.routed, 1);
+        inc(m.decisions.get(d.replica).copied().flatten(), 1);
+        if d.fallback.is_some() {
+            inc(m.fallbacks, 1);
+        }
+        inc(m.prompt_tokens, d.prompt_tokens);
+        inc(
+            m.matched_tokens,
+            d.matched_tokens.get(d.replica).copied().unwrap_or(0),
+        );
+    }
+
+    fn route_fallback(&mut self, why: BodyFallback, body_bytes: usize) {
+        let Some(vm) = &self.vm else { return };
+        let mut vm = vm.borrow_mut();
+        let d = vm.worker.route_fallback(self.id, why, body_bytes, now_ms());
+        Self::record_decision(&mut vm, &d);
+        Self::write_destination(&vm, &d);
+        self.phase = Phase::Admitted;
+    }
+
+    fn release(&mut self) {
+        if matches!(self.phase, Phase::Admitted | Phase::Decoding)
+            && let Some(vm) = &self.vm
+        {
+            vm.borrow_mut().worker.router.release(self.id);
+        }
+        if self.phase != Phase::Untracked {
+            self.phase = Phase::Released;
+        }
+    }
+}
+
+impl Context for Stream {
+    fn on_done(&mut self) -> bool {
+        self.release();
+        true
+    }
+}
+
+impl HttpContext for Stream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        {
+            // Clients must never choose a replica: drop any copy of the routing header they sent,
+            // on every request, routed or not.
+            let mut vm = vm.borrow_mut();
+            let cfg = &vm.worker.cfg;
+            let name = match cfg.output {
+                OutputMode::ClusterHeader => cfg.cluster_header.clone(),
+                _ => cfg.destination_header.clone(),
+            };
+            if header(MapType::HttpRequestHeaders, &name).is_some() {
+                let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &name);
+                vm.worker.spoofed_headers += 1;
+                inc(vm.metrics.spoofed, 1);
+            }
+        }
+        let method = header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
+        let path = header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        if method != b"POST" || !is_inference_path(&path) {
+            return Action::Continue;
+        }
+        self.path = String::from_utf8_lossy(&path).into_owned();
+        let session_header = vm.borrow().worker.cfg.session_header.clone();
+        self.session = header(MapType::HttpRequestHeaders, &session_header)
+            .filter(|v| !v.is_empty() && v.len() <= 512)
+            .map(|v| String::from_utf8_lossy(&v).into_owned());
+        if end_of_stream {
+            self.route_fallback(BodyFallback::Empty, 0);
+            return Action::Continue;
+        }
+        self.phase = Phase::Buffering;
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.phase != Phase::Buffering {
+            return Action::Continue;
+        }
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        let limit = vm.borrow().worker.cfg.routing.max_body_bytes;
+        if body_size > limit {
+            // Stop buffering a body we will not read; route it by load and let it flow.
+            self.route_fallback(BodyFallback::TooLarge, body_size);
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(_) => {
+                self.route_fallback(BodyFallback::HostError, body_size);
+                return Action::Continue;
+            }
+        };
+        if body.is_empty() {
+            self.route_fallback(BodyFallback::Empty, 0);
+            return Action::Continue;
+        }
+        let mut vm = vm.borrow_mut();
+        let d = vm.worker.route_body(
+            self.id,
+            &self.path,
+            &body,
+            self.session.as_deref(),
+            now_ms(),
+        );
+        Self::record_decision(&mut vm, &d);
+        Self::write_destination(&vm, &d);
+        self.phase = Phase::Admitted;
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if !matches!(self.phase, Phase::Admitted | Phase::Decoding) {
+            return Action::Continue;
+        }
+        let status = header(MapType::HttpResponseHeaders, ":status")
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
+            .unwrap_or(0);
+        if !(200..300).contains(&status) || end_of_stream {
+            // An upstream error (or an empty answer) ends the request's load now.
+            self.release();
+            return Action::Continue;
+        }
+        let is_sse = header(MapType::HttpResponseHeaders, "content-type").is_some_and(|v| {
+            v.windows(17)
+                .any(|w| w.eq_ignore_ascii_case(b"text/event-stream"))
+        });
+        if is_sse {
+            self.sse = Some(SseTracker::new());
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !matches!(self.phase, Phase::Admitted | Phase::Decoding) {
+            return Action::Continue;
+        }
+        if let (Some(tracker), Some(vm)) = (self.sse.as_mut(), self.vm.as_ref())
+            && body_size > 0
+        {
+            let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            let p = tracker.push(&chunk);
+            if p.tokens > 0 {
+                let mut vm = vm.borrow_mut();
+                if self.phase == Phase::Admitted {
+                    vm.worker.router.first_token(self.id);
+                    self.phase = Phase::Decoding;
+                }
+                vm.worker
+                    .router
+                    .decode_progress(self.id, tracker.generated());
+            }
+        }
+        if end_of_stream {
+            self.release();
+        }
+        Action::Continue
+    }
+}

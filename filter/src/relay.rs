@@ -1,0 +1,243 @@
+//! One feed poll per replica per period for the whole proxy, not one per worker.
+//!
+//! Every Envoy worker keeps its own block index (VMs share no memory), so every worker needs every feed
+//! batch, but the replicas should not be polled by every worker. A worker takes a *lease* on a replica's
+//! feed in shared data (CAS, renewed on each poll, expiring after a few periods so a dead worker is
+//! replaced), polls it, applies the answer and *relays* the raw batch into a small ring in shared data.
+//! The other workers read the ring every tick and apply what they have not seen, in order.
+//!
+//! A follower whose cursor falls out of step (it missed more batches than the ring holds, or it just
+//! started) asks for a snapshot itself: resync polls bypass the lease, because only the worker that needs
+//! the snapshot can use it. Batches that overlap what a follower already applied are trimmed to the part
+//! past its cursor, so a follower that resynced on its own rejoins the relay without another snapshot.
+//!
+//! Keys: `<prefix>:lease:<replica>` = `worker u32 | expires_ms u64`;
+//! `<prefix>:relay:<replica>` = newest relay number `u64`; `<prefix>:relay:<replica>:<n % RING>` =
+//! `n u64 | batch bytes` (the feed wire format).
+
+use kvsteer_core::feed::{FeedBatch, FeedQuery};
+
+/// Relayed batches kept per replica.
+pub const RING: u64 = 8;
+
+/// The slice of the proxy's shared-data API the relay needs (Envoy's `get/set_shared_data`).
+pub trait SharedStore {
+    /// Value and CAS token; `None` when absent or unavailable.
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)>;
+    /// Writes the value; with `cas`, only if the entry is unchanged since it was read. `false` when the
+    /// write did not happen.
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool;
+}
+
+pub fn lease_key(prefix: &str, replica: usize) -> String {
+    format!("{prefix}:lease:{replica}")
+}
+
+fn head_key(prefix: &str, replica: usize) -> String {
+    format!("{prefix}:relay:{replica}")
+}
+
+fn slot_key(prefix: &str, replica: usize, n: u64) -> String {
+    format!("{prefix}:relay:{replica}:{}", n % RING)
+}
+
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+/// Takes or renews the lease on a replica's feed; `true` when this worker may poll it now.
+pub fn try_lease(
+    store: &dyn SharedStore,
+    prefix: &str,
+    replica: usize,
+    me: u32,
+    now_ms: u64,
+    hold_ms: u64,
+) -> bool {
+    let key = lease_key(prefix, replica);
+    let current = store.get(&key);
+    let cas = match &current {
+        Some((v, cas)) => {
+            let holder = v
+                .get(0..4)
+                .and_then(|b| b.try_into().ok())
+                .map(u32::from_le_bytes);
+            let expires = u64_at(v, 4).unwrap_or(0);
+            if holder != Some(me) && expires > now_ms {
+                return false;
+            }
+            Some(*cas)
+        }
+        None => None,
+    };
+    let mut value = me.to_le_bytes().to_vec();
+    value.extend_from_slice(&now_ms.saturating_add(hold_ms).to_le_bytes());
+    // Without a CAS token (absent entry) two workers may both write; the later one wins the lease and
+    // both poll once: harmless.
+    store.set(&key, &value, cas)
+}
+
+/// Appends a batch the lease holder received to the replica's ring; returns its relay number.
+pub fn publish(store: &dyn SharedStore, prefix: &str, replica: usize, batch: &[u8]) -> u64 {
+    let hk = head_key(prefix, replica);
+    let (head, cas) = match store.get(&hk) {
+        Some((v, cas)) => (u64_at(&v, 0).unwrap_or(0), Some(cas)),
+        None => (0, None),
+    };
+    let n = head + 1;
+    let mut slot = n.to_le_bytes().to_vec();
+    slot.extend_from_slice(batch);
+    // Slot first, head second: a reader that sees the new head finds the slot already written.
+    store.set(&slot_key(prefix, replica, n), &slot, None);
+    store.set(&hk, &n.to_le_bytes(), cas);
+    n
+}
+
+/// Relayed batches a follower has not seen yet, oldest first, and the relay number to remember.
+/// Batches that fell out of the ring are skipped; the cursor check then finds the gap.
+pub fn unseen(
+    store: &dyn SharedStore,
+    prefix: &str,
+    replica: usize,
+    seen: u64,
+) -> (Vec<Vec<u8>>, u64) {
+    let Some(head) = store
+        .get(&head_key(prefix, replica))
+        .and_then(|(v, _)| u64_at(&v, 0))
+    else {
+        return (Vec::new(), seen);
+    };
+    if head <= seen {
+        return (Vec::new(), seen);
+    }
+    let from = (seen + 1).max(head.saturating_sub(RING - 1));
+    let mut out = Vec::new();
+    for n in from..=head {
+        if let Some((v, _)) = store.get(&slot_key(prefix, replica, n))
+            && u64_at(&v, 0) == Some(n)
+        {
+            out.push(v[8..].to_vec());
+        }
+    }
+    (out, head)
+}
+
+/// Cuts from an incremental batch the events a follower at `q` already applied. `None` when nothing
+/// of it is new. Snapshots and batches that do not overlap the cursor are returned unchanged (the
+/// cursor check judges them).
+pub fn trim_to_cursor(mut batch: FeedBatch, q: &FeedQuery) -> Option<FeedBatch> {
+    if batch.resync || q.epoch == 0 || batch.epoch != q.epoch {
+        return Some(batch);
+    }
+    if batch.next_seq <= q.cursor {
+        return None;
+    }
+    if batch.first_seq < q.cursor {
+        let skip = (q.cursor - batch.first_seq) as usize;
+        batch.events.drain(..skip.min(batch.events.len()));
+        batch.first_seq = q.cursor;
+    }
+    Some(batch)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use kvsteer_core::feed::{FeedEvent, ReplicaLoad, Tier};
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    /// In-memory stand-in for the proxy's shared data, with Envoy's CAS rule.
+    #[derive(Default)]
+    pub struct MemStore(pub RefCell<HashMap<String, (Vec<u8>, u32)>>);
+
+    impl SharedStore for MemStore {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            self.0.borrow().get(key).cloned()
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+            let mut m = self.0.borrow_mut();
+            let next = match (m.get(key), cas) {
+                (Some((_, c)), Some(want)) if *c != want => return false,
+                (Some((_, c)), _) => c + 1,
+                (None, _) => 1,
+            };
+            m.insert(key.to_string(), (value.to_vec(), next));
+            true
+        }
+    }
+
+    #[test]
+    fn one_holder_at_a_time_and_expiry_hands_over() {
+        let s = MemStore::default();
+        assert!(try_lease(&s, "k", 0, 1, 0, 600));
+        assert!(!try_lease(&s, "k", 0, 2, 100, 600), "held by worker 1");
+        assert!(try_lease(&s, "k", 0, 1, 200, 600), "holder renews");
+        assert!(try_lease(&s, "k", 1, 2, 200, 600), "leases are per replica");
+        assert!(!try_lease(&s, "k", 0, 2, 799, 600));
+        assert!(try_lease(&s, "k", 0, 2, 801, 600), "expired: taken over");
+        assert!(!try_lease(&s, "k", 0, 1, 900, 600));
+    }
+
+    #[test]
+    fn ring_keeps_order_and_drops_the_oldest() {
+        let s = MemStore::default();
+        for i in 0..3u8 {
+            publish(&s, "k", 0, &[i]);
+        }
+        let (b, seen) = unseen(&s, "k", 0, 0);
+        assert_eq!(b, vec![vec![0], vec![1], vec![2]]);
+        assert_eq!(seen, 3);
+        assert!(unseen(&s, "k", 0, seen).0.is_empty());
+        for i in 3..20u8 {
+            publish(&s, "k", 0, &[i]);
+        }
+        let (b, seen) = unseen(&s, "k", 0, 3);
+        assert_eq!(b.len() as u64, RING);
+        assert_eq!(b.last(), Some(&vec![19]));
+        assert_eq!(b.first(), Some(&vec![12]));
+        assert_eq!(seen, 20);
+        assert!(
+            unseen(&s, "k", 1, 0).0.is_empty(),
+            "other replica untouched"
+        );
+    }
+
+    fn batch(first: u64, n: u64) -> FeedBatch {
+        FeedBatch {
+            epoch: 9,
+            resync: false,
+            more: false,
+            first_seq: first,
+            next_seq: first + n,
+            load: ReplicaLoad::default(),
+            events: (0..n)
+                .map(|i| FeedEvent::Stored {
+                    tier: Tier::Gpu,
+                    hashes: vec![first + i],
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn trimming_skips_what_was_applied() {
+        let q = FeedQuery {
+            epoch: 9,
+            cursor: 12,
+            max_events: 10,
+        };
+        assert_eq!(trim_to_cursor(batch(5, 5), &q), None);
+        let t = trim_to_cursor(batch(10, 5), &q).unwrap();
+        assert_eq!(t.first_seq, 12);
+        assert_eq!(t.events.len(), 3);
+        assert_eq!(
+            t.encode().len(),
+            FeedBatch::decode(&t.encode()).unwrap().encode().len()
+        );
+        assert_eq!(trim_to_cursor(batch(12, 2), &q), Some(batch(12, 2)));
+        let mut snap = batch(3, 1);
+        snap.resync = true;
+        assert_eq!(trim_to_cursor(snap.clone(), &q), Some(snap));
+    }
+}

@@ -1,0 +1,441 @@
+//! One VM's routing state, free of host calls so it can be tested natively: the router, the feed
+//! pollers' state machine, and the per-request bookkeeping the stream contexts drive.
+
+use crate::config::{ConfigError, FilterConfig};
+use crate::relay::{self, SharedStore};
+use kvsteer_core::feed::FeedBatch;
+use kvsteer_core::router::{Decision, FeedOutcome, Router};
+use std::collections::HashMap;
+
+/// Request paths the filter routes; everything else passes through untouched.
+pub const INFERENCE_PATHS: [&str; 2] = ["/v1/completions", "/v1/chat/completions"];
+
+/// Whether `path` (query string allowed) is an inference request the filter routes.
+pub fn is_inference_path(path: &[u8]) -> bool {
+    let path = path.split(|&b| b == b'?').next().unwrap_or(path);
+    INFERENCE_PATHS.iter().any(|p| p.as_bytes() == path)
+}
+
+/// Why a request was routed without reading its body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyFallback {
+    /// POST without a body.
+    Empty,
+    /// Larger than the configured limit.
+    TooLarge,
+    /// The core's parser refused it.
+    Unreadable,
+    /// The host could not hand the body over.
+    HostError,
+}
+
+/// Poll state of one replica's feed.
+#[derive(Clone, Debug, Default)]
+pub struct FeedState {
+    pub in_flight: Option<u32>,
+    pub next_poll_ms: u64,
+    pub consecutive_failures: u32,
+    pub stale: bool,
+    pub polls: u64,
+    pub failures: u64,
+    /// Last time a batch for this replica was applied (polled or relayed).
+    pub last_ok_ms: Option<u64>,
+    /// This worker holds the replica's feed lease and relays what it polls.
+    pub leased: bool,
+    /// Newest relay number applied from the shared ring.
+    pub relay_seen: u64,
+    /// Batches applied from other workers' polls.
+    pub relayed: u64,
+}
+
+/// What a feed answer did, for logs and metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub enum FeedResult {
+    Applied {
+        replica: usize,
+        outcome: FeedOutcome,
+    },
+    Failed {
+        replica: usize,
+        reason: String,
+        became_stale: bool,
+    },
+    /// A response for a token this worker does not know (late after reconfiguration): ignored.
+    Unknown,
+}
+
+pub struct Worker {
+    pub cfg: FilterConfig,
+    pub router: Router,
+    pub feeds: Vec<FeedState>,
+    callouts: HashMap<u32, usize>,
+    /// Body fallbacks by reason, in [`BodyFallback`] order.
+    pub body_fallbacks: [u64; 4],
+    /// Client-supplied copies of the routing header that were removed.
+    pub spoofed_headers: u64,
+    /// This worker's number among the proxy's workers; `None` without shared data.
+    pub worker_id: Option<u32>,
+    started_ms: Option<u64>,
+}
+
+impl Worker {
+    pub fn new(cfg: FilterConfig) -> Result<Worker, ConfigError> {
+        let router = Router::new(cfg.routing.clone(), cfg.replicas.len())
+            .map_err(|e| ConfigError(format!("routing: {e}")))?;
+        let feeds = vec![FeedState::default(); cfg.replicas.len()];
+        Ok(Worker {
+            cfg,
+            router,
+            feeds,
+            callouts: HashMap::new(),
+            body_fallbacks: [0; 4],
+            spoofed_headers: 0,
+            worker_id: None,
+            started_ms: None,
+        })
+    }
+
+    /// Routes a request whose body could be read; admits it under `request_id`.
+    pub fn route_body(
+        &mut self,
+        request_id: u64,
+        path: &str,
+        body: &[u8],
+        session: Option<&str>,
+        now_ms: u64,
+    ) -> Decision {
+        if body.len() > self.cfg.routing.max_body_bytes {
+            return self.route_fallback(request_id, BodyFallback::TooLarge, body.len(), now_ms);
+        }
+        match self.router.read_request(path, body, session) {
+            Ok(req) => {
+                let d = self.router.route(&req, now_ms);
+                self.router.admit(request_id, &req, &d, now_ms);
+                d
+            }
+            Err(_) => self.route_fallback(request_id, BodyFallback::Unreadable, body.len(), now_ms),
+        }
+    }
+
+    /// Routes by load alone and tracks the request, its prompt estimated at 4 body bytes a token (the
+    /// same ratio as the approximate text identity).
+    pub fn route_fallback(
+        &mut self,
+        request_id: u64,
+        why: BodyFallback,
+        body_bytes: usize,
+        now_ms: u64,
+    ) -> Decision {
+        self.body_fallbacks[why as usize] += 1;
+        let d = self.router.route_fallback(now_ms);
+        self.router
+            .admit_unread(request_id, &d, (body_bytes / 4) as u64);
+        d
+    }
+
+    /// Replicas whose feed this worker should poll now, with the query path. With shared data, a
+    /// replica is polled only by the worker holding its lease (the others follow the relay), except
+    /// that a worker needing a snapshot polls for it itself. Marks nothing in flight until
+    /// [`Worker::poll_started`] or [`Worker::poll_not_started`] is called for each.
+    pub fn plan_polls(
+        &mut self,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> Vec<(usize, String)> {
+        self.started_ms.get_or_insert(now_ms);
+        let hold = self.cfg.feed_period_ms.saturating_mul(3);
+        let mut out = Vec::new();
+        for i in 0..self.feeds.len() {
+            let f = &self.feeds[i];
+            if f.in_flight.is_some() || f.next_poll_ms > now_ms {
+                continue;
+            }
+            let q = self.router.feed_query(i, self.cfg.feed_max_events);
+            let poll = match (store, self.worker_id) {
+                (Some(s), Some(me)) if q.epoch != 0 => {
+                    let prefix = &self.cfg.shared_key_prefix;
+                    let got = relay::try_lease(s, prefix, i, me, now_ms, hold);
+                    self.feeds[i].leased = got;
+                    got
+                }
+                _ => {
+                    self.feeds[i].leased = false;
+                    true
+                }
+            };
+            if poll {
+                out.push((i, format!("{}{}", self.cfg.feed_path_prefix, q.to_path())));
+            } else {
+                self.feeds[i].next_poll_ms = now_ms.saturating_add(self.cfg.feed_period_ms);
+            }
+        }
+        out
+    }
+
+    /// Applies the batches other workers relayed for the feeds this worker does not poll.
+    pub fn follow_relays(&mut self, store: &dyn SharedStore, now_ms: u64) -> Vec<FeedResult> {
+        let mut results = Vec::new();
+        for i in 0..self.feeds.len() {
+            if self.feeds[i].leased {
+                continue;
+            }
+            let (batches, seen) = relay::unseen(
+                store,
+                &self.cfg.shared_key_prefix,
+                i,
+                self.feeds[i].relay_seen,
+            );
+            self.feeds[i].relay_seen = seen;
+            for bytes in batches {
+                let Ok(batch) = FeedBatch::decode(&bytes) else {
+                    continue;
+                };
+                let q = self.router.feed_query(i, self.cfg.feed_max_events);
+                let Some(batch) = relay::trim_to_cursor(batch, &q) else {
+                    continue;
+                };
+                let outcome = self.router.apply_feed(i, &batch);
+                self.feeds[i].relayed += 1;
+                if outcome != FeedOutcome::Gap {
+                    self.feed_ok(i, now_ms, false);
+                }
+                results.push(FeedResult::Applied {
+                    replica: i,
+                    outcome,
+                });
+            }
+        }
+        results
+    }
+
+    /// Marks replicas stale whose feed has not been applied for `stale_after_failures + 1` periods
+    /// (a follower learns of a failing poller this way). Returns the replicas that just became stale.
+    pub fn check_staleness(&mut self, now_ms: u64) -> Vec<usize> {
+        let started = *self.started_ms.get_or_insert(now_ms);
+        let limit = self
+            .cfg
+            .feed_period_ms
+            .saturating_mul(self.cfg.stale_after_failures as u64 + 1);
+        let mut out = Vec::new();
+        for (i, f) in self.feeds.iter_mut().enumerate() {
+            let last = f.last_ok_ms.unwrap_or(started);
+            if !f.stale && now_ms.saturating_sub(last) > limit {
+                f.stale = true;
+                self.router.set_stale(i, true);
+                out.push(i);
+            }
+        }
+        out
+    }
+
+    fn feed_ok(&mut self, replica: usize, now_ms: u64, more: bool) {
+        if let Some(f) = self.feeds.get_mut(replica) {
+            f.consecutive_failures = 0;
+            f.last_ok_ms = Some(now_ms);
+            if more {
+                // More log entries wait: poll again at the next tick instead of a whole period later.
+                f.next_poll_ms = now_ms;
+            }
+            if f.stale {
+                f.stale = false;
+                self.router.set_stale(replica, false);
+            }
+        }
+    }
+
+    pub fn poll_started(&mut self, replica: usize, token: u32, now_ms: u64) {
+        if let Some(f) = self.feeds.get_mut(replica) {
+            f.in_flight = Some(token);
+            f.polls += 1;
+            f.next_poll_ms = now_ms.saturating_add(self.cfg.feed_period_ms);
+            self.callouts.insert(token, replica);
+        }
+    }
+
+    /// The host refused to dispatch (unknown cluster, no resolver...): a failure like any other.
+    pub fn poll_not_started(&mut self, replica: usize, reason: &str, now_ms: u64) -> FeedResult {
+        if let Some(f) = self.feeds.get_mut(replica) {
+            f.next_poll_ms = now_ms.saturating_add(self.cfg.feed_period_ms);
+        }
+        self.fail(replica, format!("dispatch refused: {reason}"))
+    }
+
+    /// Handles a feed callout's answer. `status` is the HTTP status (None when the call failed or timed
+    /// out, which hosts report as a response with no headers); `body` the whole body.
+    pub fn on_feed_response(
+        &mut self,
+        token: u32,
+        status: Option<u16>,
+        body: Option<&[u8]>,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> FeedResult {
+        let Some(replica) = self.callouts.remove(&token) else {
+            return FeedResult::Unknown;
+        };
+        if let Some(f) = self.feeds.get_mut(replica) {
+            f.in_flight = None;
+        }
+        match status {
+            Some(200) => {}
+            Some(s) => return self.fail(replica, format!("HTTP {s}")),
+            None => return self.fail(replica, "call failed or timed out".into()),
+        }
+        let batch = match FeedBatch::decode(body.unwrap_or_default()) {
+            Ok(b) => b,
+            Err(e) => return self.fail(replica, format!("bad payload: {e}")),
+        };
+        let outcome = self.router.apply_feed(replica, &batch);
+        self.feed_ok(replica, now_ms, batch.more);
+        if let (Some(store), Some(bytes), true) = (store, body, self.feeds[replica].leased) {
+            let n = relay::publish(store, &self.cfg.shared_key_prefix, replica, bytes);
+            // Our own batch: followers apply it, we already did.
+            self.feeds[replica].relay_seen = n;
+        }
+        FeedResult::Applied { replica, outcome }
+    }
+
+    fn fail(&mut self, replica: usize, reason: String) -> FeedResult {
+        let limit = self.cfg.stale_after_failures;
+        let Some(f) = self.feeds.get_mut(replica) else {
+            return FeedResult::Unknown;
+        };
+        f.failures += 1;
+        f.consecutive_failures = f.consecutive_failures.saturating_add(1);
+        let became_stale = !f.stale && f.consecutive_failures >= limit;
+        if became_stale {
+            f.stale = true;
+            self.router.set_stale(replica, true);
+        }
+        FeedResult::Failed {
+            replica,
+            reason,
+            became_stale,
+        }
+    }
+
+    /// The value to write for the chosen replica, per output mode.
+    pub fn destination(&self, d: &Decision) -> &str {
+        let r = &self.cfg.replicas[d.replica.min(self.cfg.replicas.len() - 1)];
+        match self.cfg.output {
+            crate::config::OutputMode::ClusterHeader => r.cluster.as_deref().unwrap_or(&r.endpoint),
+            _ => &r.endpoint,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvsteer_core::feed::{FeedEvent, ReplicaLoad, Tier};
+
+    fn worker(policy: &str) -> Worker {
+        let json = format!(
+            r#"{{"replicas":[
+                {{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}},
+                {{"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"f1"}}],
+               "routing":{{"policy":"{policy}"}}, "stale_after_failures": 2}}"#
+        );
+        Worker::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn inference_paths() {
+        assert!(is_inference_path(b"/v1/completions"));
+        assert!(is_inference_path(b"/v1/chat/completions?x=1"));
+        assert!(!is_inference_path(b"/v1/completionsX"));
+        assert!(!is_inference_path(b"/v1/models"));
+    }
+
+    #[test]
+    fn feed_applies_and_staleness_comes_and_goes() {
+        let mut w = worker("kv_load");
+        let due = w.plan_polls(None, 0);
+        assert_eq!(due.len(), 2);
+        assert!(due[0].1.starts_with("/kvsteer/feed?epoch=0"));
+        w.poll_started(0, 7, 0);
+        w.poll_started(1, 8, 0);
+        assert!(
+            w.plan_polls(None, 0).is_empty(),
+            "one poll in flight per replica"
+        );
+        let snap = FeedBatch {
+            epoch: 3,
+            resync: true,
+            more: false,
+            first_seq: 5,
+            next_seq: 5,
+            load: ReplicaLoad::default(),
+            events: vec![
+                FeedEvent::Cleared,
+                FeedEvent::Stored {
+                    tier: Tier::Gpu,
+                    hashes: vec![1, 2, 3],
+                },
+            ],
+        };
+        let r = w.on_feed_response(7, Some(200), Some(&snap.encode()), None, 10);
+        assert!(matches!(r, FeedResult::Applied { replica: 0, .. }), "{r:?}");
+        assert_eq!(w.router.stats().index_blocks, 3);
+        // Replica 1 fails twice: stale after the second.
+        let r = w.on_feed_response(8, None, None, None, 10);
+        assert!(matches!(
+            r,
+            FeedResult::Failed {
+                became_stale: false,
+                ..
+            }
+        ));
+        w.poll_started(1, 9, 300);
+        let r = w.on_feed_response(9, Some(200), Some(b"garbage"), None, 300);
+        assert!(
+            matches!(
+                r,
+                FeedResult::Failed {
+                    became_stale: true,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert!(w.feeds[1].stale);
+        w.poll_started(1, 10, 600);
+        let mut ok = snap.clone();
+        ok.events.clear();
+        w.on_feed_response(10, Some(200), Some(&ok.encode()), None, 600);
+        assert!(!w.feeds[1].stale, "recovers when the feed returns");
+        assert_eq!(
+            w.on_feed_response(999, Some(200), None, None, 0),
+            FeedResult::Unknown
+        );
+    }
+
+    #[test]
+    fn unreadable_bodies_fall_back_and_are_counted() {
+        let mut w = worker("kv_load");
+        let d = w.route_body(1, "/v1/completions", b"{not json", None, 0);
+        assert!(d.replica < 2);
+        assert_eq!(w.body_fallbacks[BodyFallback::Unreadable as usize], 1);
+        let d = w.route_body(2, "/v1/completions", &[0xff; 10], None, 0);
+        assert!(d.replica < 2);
+        assert_eq!(w.body_fallbacks[BodyFallback::Unreadable as usize], 2);
+        assert!(w.router.release(1));
+        assert!(w.router.release(2));
+    }
+
+    #[test]
+    fn session_hash_is_sticky_through_the_worker() {
+        let mut w = worker("session_hash");
+        let body = br#"{"model":"m","prompt":"hello there"}"#;
+        let a = w
+            .route_body(1, "/v1/completions", body, Some("s-1"), 0)
+            .replica;
+        for id in 2..20 {
+            assert_eq!(
+                w.route_body(id, "/v1/completions", body, Some("s-1"), 0)
+                    .replica,
+                a
+            );
+        }
+    }
+}
