@@ -17,7 +17,7 @@
 //!   over non-empty bins (`None` when there is none).
 
 use crate::driver::Issue;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
 /// Width of a decode-load bin.
@@ -48,7 +48,7 @@ pub struct Recorder {
 }
 
 /// p50 / p90 / p99 of a sample, with its size and mean.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Percentiles {
     pub count: usize,
     pub mean: f64,
@@ -96,7 +96,8 @@ pub fn coefficient_of_variation(values: &[f64]) -> Option<f64> {
 }
 
 /// The metrics of one run.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+/// Serializable both ways, so a report step can read summaries written by earlier runs.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     pub label: String,
     /// Requests finished successfully.
@@ -120,6 +121,21 @@ pub struct Summary {
     pub requests_per_replica: Vec<u64>,
     /// Events about request ids never issued (consumer bugs show up here instead of being lost).
     pub unknown_events: u64,
+}
+
+/// One request as recorded, for per-request dumps (JSON lines, CSV).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestRow {
+    pub request_id: u64,
+    pub session_id: String,
+    pub replica: Option<usize>,
+    pub issued_us: u64,
+    pub first_token_us: Option<u64>,
+    pub end_us: Option<u64>,
+    pub failed: bool,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
 }
 
 impl Recorder {
@@ -235,6 +251,32 @@ impl Recorder {
                     .map(|f| f.saturating_sub(r.issued_us) as f64 / 1e3)
             })
             .collect()
+    }
+
+    /// Every recorded request, in request-id order.
+    pub fn rows(&self) -> Vec<RequestRow> {
+        let mut names = vec![""; self.sessions.len()];
+        for (name, &i) in &self.sessions {
+            names[i] = name;
+        }
+        let mut rows: Vec<RequestRow> = self
+            .requests
+            .iter()
+            .map(|(&id, r)| RequestRow {
+                request_id: id,
+                session_id: names[r.session].to_string(),
+                replica: r.replica,
+                issued_us: r.issued_us,
+                first_token_us: r.first_token_us,
+                end_us: r.end_us,
+                failed: r.failed,
+                prompt_tokens: r.prompt_tokens,
+                cached_tokens: r.cached_tokens,
+                completion_tokens: r.completion_tokens,
+            })
+            .collect();
+        rows.sort_by_key(|r| r.request_id);
+        rows
     }
 
     pub fn summary(&self, label: &str) -> Summary {
@@ -387,5 +429,15 @@ mod tests {
         assert_eq!(s.session_e2e_s.p99, 1.0);
         assert_eq!(s.unknown_events, 1);
         assert!((s.decode_cv.unwrap() - 0.25).abs() < 1e-12);
+        let back: Summary = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
+        assert_eq!(back, s);
+        let rows = r.rows();
+        assert_eq!(
+            rows.iter().map(|r| r.request_id).collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
+        assert_eq!(rows[2].session_id, "b");
+        assert!(rows[2].failed);
+        assert_eq!(rows[0].cached_tokens, 40);
     }
 }
