@@ -15,6 +15,7 @@ pub mod abi;
 pub mod artifact;
 pub mod harness;
 pub mod host;
+mod module_cache;
 pub mod openai;
 mod wasi;
 
