@@ -202,7 +202,11 @@ fn accept(shared: Arc<Shared>, listener: TcpListener) {
         if shared.shutdown.load(Ordering::SeqCst) {
             break;
         }
-        let Ok(stream) = conn else { continue };
+        let Ok(stream) = conn else {
+            // Out of descriptors or a reset before accept: back off instead of spinning.
+            thread::sleep(Duration::from_millis(10));
+            continue;
+        };
         let n = shared.connections.fetch_add(1, Ordering::SeqCst);
         let s = shared.clone();
         let spawned = thread::Builder::new()
