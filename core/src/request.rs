@@ -224,7 +224,7 @@ struct Message {
 
 /// The fields read; everything else in the body is ignored (clients send many more).
 #[derive(Deserialize)]
-struct Body {
+struct Body<'a> {
     #[serde(default)]
     model: Option<String>,
     #[serde(default)]
@@ -233,8 +233,9 @@ struct Body {
     max_tokens: Option<u64>,
     #[serde(default)]
     max_completion_tokens: Option<u64>,
-    #[serde(default)]
-    prompt: Option<Prompt>,
+    /// Kept raw: a flat token-id array is scanned by [`scan_token_ids`], anything else goes to serde.
+    #[serde(default, borrow)]
+    prompt: Option<&'a serde_json::value::RawValue>,
     #[serde(default)]
     messages: Option<Vec<Message>>,
     /// vLLM's per-request cache salt: blocks under another salt are never shared.
@@ -270,9 +271,34 @@ pub fn read_request(
     }
     let endpoint = endpoint(path)?;
     let text = core::str::from_utf8(body).map_err(|_| RequestError::NotUtf8)?;
-    let b: Body = serde_json::from_str(text).map_err(|e| RequestError::Json(e.to_string()))?;
+    let json = |e: serde_json::Error| RequestError::Json(e.to_string());
+    // Fast path for the common large body, a top-level token-id array: scan it directly and let serde
+    // parse only the rest (with `"prompt": null`). Anything unusual takes the general path.
+    let fast = match endpoint {
+        Endpoint::Completions => split_token_prompt(text),
+        Endpoint::ChatCompletions => None,
+    };
+    let rest_text;
+    let (b, prompt): (Body, Option<Prompt>) = match fast {
+        Some((tokens, rest)) => {
+            rest_text = rest;
+            let b: Body = serde_json::from_str(&rest_text).map_err(json)?;
+            if b.prompt.is_some() {
+                return Err(RequestError::Json("duplicate field `prompt`".into()));
+            }
+            (b, Some(Prompt::Tokens(tokens)))
+        }
+        None => {
+            let b: Body = serde_json::from_str(text).map_err(json)?;
+            let p = match b.prompt {
+                Some(raw) => Some(parse_prompt(raw.get())?),
+                None => None,
+            };
+            (b, p)
+        }
+    };
     let bad_size = |_| RequestError::BadPrompt("invalid block size");
-    let (prompt_tokens, identity) = match (endpoint, b.prompt, b.messages) {
+    let (prompt_tokens, identity) = match (endpoint, prompt, b.messages) {
         (Endpoint::Completions, Some(p), _) => {
             let hasher = BlockHasher::new(block_size)
                 .map_err(bad_size)?
@@ -339,6 +365,200 @@ pub fn read_request(
         prompt_tokens,
         identity,
     })
+}
+
+/// Finds a top-level `"prompt"` whose value is a flat array of token ids. Returns the ids and the body
+/// with that array replaced by `null`, or None when the body has any other shape (an escaped key, a
+/// prompt of another kind, two prompts, structural oddities): the general parser then handles it,
+/// errors included. Only the prompt array is interpreted here; the rest is validated by serde.
+fn split_token_prompt(text: &str) -> Option<(Vec<u32>, String)> {
+    let b = text.as_bytes();
+    let ws = |i: &mut usize| {
+        while *i < b.len() && matches!(b[*i], b' ' | b'\n' | b'\r' | b'\t') {
+            *i += 1;
+        }
+    };
+    let mut i = 0;
+    ws(&mut i);
+    if b.get(i) != Some(&b'{') {
+        return None;
+    }
+    i += 1;
+    let mut found: Option<(usize, usize, Vec<u32>)> = None;
+    loop {
+        ws(&mut i);
+        if b.get(i) != Some(&b'"') {
+            return None;
+        }
+        let key_start = i + 1;
+        let key_len = b
+            .get(key_start..)?
+            .iter()
+            .position(|&c| c == b'"' || c == b'\\')?;
+        let key_end = key_start + key_len;
+        if b[key_end] != b'"' {
+            return None; // an escaped key: leave it to serde
+        }
+        i = key_end + 1;
+        ws(&mut i);
+        if b.get(i) != Some(&b':') {
+            return None;
+        }
+        i += 1;
+        ws(&mut i);
+        let start = i;
+        if &b[key_start..key_end] == b"prompt" {
+            if found.is_some() {
+                return None;
+            }
+            // One pass reads the ids and finds the end of the array.
+            let (tokens, end) = scan_token_ids_at(b, i)?;
+            i = end;
+            found = Some((start, end, tokens));
+        } else {
+            i = skip_value(b, i)?;
+        }
+        ws(&mut i);
+        match b.get(i) {
+            Some(b',') => i += 1,
+            Some(b'}') => {
+                i += 1;
+                break;
+            }
+            _ => return None,
+        }
+    }
+    ws(&mut i);
+    if i != b.len() {
+        return None;
+    }
+    let (s, e, tokens) = found?;
+    let mut rest = String::with_capacity(b.len() - (e - s) + 4);
+    rest.push_str(&text[..s]);
+    rest.push_str("null");
+    rest.push_str(&text[e..]);
+    Some((tokens, rest))
+}
+
+/// Index just past the JSON value starting at `i` (structure only: strings with escapes, nesting,
+/// scalars up to a delimiter). None at end of input.
+fn skip_value(b: &[u8], mut i: usize) -> Option<usize> {
+    let skip_string = |mut i: usize| -> Option<usize> {
+        i += 1;
+        loop {
+            match *b.get(i)? {
+                b'"' => return Some(i + 1),
+                b'\\' => i += 2,
+                _ => i += 1,
+            }
+        }
+    };
+    match *b.get(i)? {
+        b'"' => skip_string(i),
+        b'[' | b'{' => {
+            let mut depth = 0usize;
+            loop {
+                match *b.get(i)? {
+                    b'"' => {
+                        i = skip_string(i)?;
+                        continue;
+                    }
+                    b'[' | b'{' => depth += 1,
+                    b']' | b'}' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(i + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                i += 1;
+            }
+        }
+        _ => {
+            let start = i;
+            while i < b.len() && !matches!(b[i], b',' | b'}' | b']' | b' ' | b'\n' | b'\r' | b'\t')
+            {
+                i += 1;
+            }
+            (i > start).then_some(i)
+        }
+    }
+}
+
+/// The `prompt` value: the flat token-id array fast path, else serde (which also words the errors).
+fn parse_prompt(raw: &str) -> Result<Prompt, RequestError> {
+    if let Some(tokens) = scan_token_ids(raw.as_bytes()) {
+        return Ok(Prompt::Tokens(tokens));
+    }
+    serde_json::from_str(raw).map_err(|e| RequestError::Json(format!("prompt: {e}")))
+}
+
+/// Scans a JSON array of plain non-negative integers that fit in `u32` (`[1, 2,3 ]`). Returns None for
+/// anything else (signs, fractions, exponents, nesting, strings, overflow, bad syntax), leaving the
+/// general parser to accept or word the error. serde_json spends most of an 8K-token body on its
+/// general number parsing; this loop is a few instructions a byte.
+fn scan_token_ids(b: &[u8]) -> Option<Vec<u32>> {
+    let ws = |c: u8| matches!(c, b' ' | b'\n' | b'\r' | b'\t');
+    let mut i = 0;
+    while i < b.len() && ws(b[i]) {
+        i += 1;
+    }
+    let (out, mut i) = scan_token_ids_at(b, i)?;
+    while i < b.len() && ws(b[i]) {
+        i += 1;
+    }
+    (i == b.len()).then_some(out)
+}
+
+/// Reads a flat token-id array starting at `b[i] == '['`; returns the ids and the index past `]`.
+fn scan_token_ids_at(b: &[u8], mut i: usize) -> Option<(Vec<u32>, usize)> {
+    let ws = |c: u8| matches!(c, b' ' | b'\n' | b'\r' | b'\t');
+    if b.get(i) != Some(&b'[') {
+        return None;
+    }
+    i += 1;
+    // A token id is at least 2 bytes with its comma: never reserve more than the text could hold.
+    let mut out = Vec::with_capacity((b.len() - i) / 2);
+    loop {
+        while i < b.len() && ws(b[i]) {
+            i += 1;
+        }
+        if b.get(i) == Some(&b']') && out.is_empty() {
+            i += 1;
+            break;
+        }
+        let start = i;
+        let mut v: u64 = 0;
+        while let Some(&c) = b.get(i) {
+            if !c.is_ascii_digit() {
+                break;
+            }
+            v = v * 10 + (c - b'0') as u64;
+            if v > u32::MAX as u64 {
+                return None;
+            }
+            i += 1;
+        }
+        let digits = i - start;
+        // JSON forbids leading zeros ("01").
+        if digits == 0 || (digits > 1 && b[start] == b'0') {
+            return None;
+        }
+        out.push(v as u32);
+        while i < b.len() && ws(b[i]) {
+            i += 1;
+        }
+        match b.get(i) {
+            Some(b',') => i += 1,
+            Some(b']') => {
+                i += 1;
+                break;
+            }
+            _ => return None,
+        }
+    }
+    Some((out, i))
 }
 
 /// Approximate identity of the concatenation of `parts` (without building it when it is one part).
@@ -428,6 +648,39 @@ mod tests {
         };
         assert!(x.len() >= 2 && y.len() >= 2);
         assert_eq!(x[0], y[0]);
+    }
+
+    #[test]
+    fn token_scanner_agrees_with_serde_or_defers() {
+        for s in [
+            "[]",
+            "[ ]",
+            "[0]",
+            " [1,2 ,3]\n",
+            "[4294967295]",
+            "[4294967296]",
+            "[01]",
+            "[-1]",
+            "[1.0]",
+            "[1e3]",
+            "[1,]",
+            "[,1]",
+            "[1 2]",
+            "[\"a\"]",
+            "[[1]]",
+            "[1]x",
+            "",
+            "[",
+            "[1,2",
+        ] {
+            let fast = scan_token_ids(s.as_bytes());
+            let slow: Option<Vec<u32>> = serde_json::from_str(s).ok();
+            if let Some(f) = &fast {
+                assert_eq!(Some(f), slow.as_ref(), "{s:?}");
+            }
+        }
+        assert_eq!(scan_token_ids(b"[7, 8]"), Some(vec![7, 8]));
+        assert_eq!(scan_token_ids(b"[4294967296]"), None);
     }
 
     #[test]
