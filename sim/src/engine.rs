@@ -354,10 +354,11 @@ impl Engine {
         self.now_us
     }
 
-    /// Multiplies every later step's duration (a "slow GPU" fault); values below 0.01 are clamped.
+    /// Multiplies every later step's duration (a "slow GPU" fault), clamped to `0.01..=1000`; a
+    /// non-finite factor resets it to 1.
     pub fn set_slowdown(&mut self, factor: f64) {
         self.slowdown = if factor.is_finite() {
-            factor.max(0.01)
+            factor.clamp(0.01, 1000.0)
         } else {
             1.0
         };
@@ -736,7 +737,7 @@ impl Engine {
             .round()
             .max(1.0) as u64;
         self.step = Some(Step {
-            end_us: start_us + dur,
+            end_us: start_us.saturating_add(dur),
             work,
         });
     }

@@ -69,8 +69,10 @@ impl Clock {
         (self.start.elapsed().as_secs_f64() * 1e6 * self.scale) as u64
     }
 
+    /// Wall time until virtual time `t_us`, at most a second (the driver wakes and re-reads the clock).
     fn real_until(&self, now_us: u64, t_us: u64) -> Duration {
-        Duration::from_secs_f64(t_us.saturating_sub(now_us) as f64 / 1e6 / self.scale)
+        let secs = t_us.saturating_sub(now_us) as f64 / 1e6 / self.scale;
+        Duration::try_from_secs_f64(secs.min(1.0)).unwrap_or(Duration::from_secs(1))
     }
 }
 
