@@ -82,6 +82,7 @@ class Client:
         headers: dict | None = None,
         chat: bool = False,
         extra: dict | None = None,
+        ignore_eos: bool = False,
     ) -> Result:
         """POST one completion; never raises for a failed request (the error is in the result)."""
         body: dict = {"model": "sim", "max_tokens": max_tokens, "stream": stream}
@@ -91,6 +92,8 @@ class Client:
         else:
             path = "/v1/completions"
             body["prompt"] = prompt
+        if ignore_eos:
+            body["ignore_eos"] = True
         if stream:
             body["stream_options"] = {"include_usage": True}
         body.update(extra or {})
@@ -110,9 +113,12 @@ class Client:
             first = resp.read1(65536) if not resp.closed else b""
             res.ttfb_s = time.perf_counter() - t0
             chunks = [first]
-            while True:
+            while not resp.isclosed():
                 b = resp.read1(65536)
                 if not b:
+                    # read1 leaves a fully read fixed-length response open; read() marks it done
+                    # so the connection can carry the next request.
+                    chunks.append(resp.read())
                     break
                 chunks.append(b)
             res.total_s = time.perf_counter() - t0

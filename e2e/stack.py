@@ -324,7 +324,7 @@ class Stack:
             base_id = random.randint(1000, 4_000_000)
             argv = [str(envoy), "-c", str(path), "--concurrency", str(concurrency),
                     "--base-id", str(base_id), "--log-level", "warn",
-                    "--component-log-level", "wasm:info"]
+                    "--component-log-level", os.environ.get("E2E_ENVOY_LOG", "wasm:info")]
             self.envoy = self.spawn(f"envoy-{variant}-{attempt}", argv)
             try:
                 wait_http(f"http://127.0.0.1:{self.admin_port}/ready", 30, self.envoy)
@@ -407,9 +407,11 @@ class Stack:
             time.sleep(0.1)
 
     def feed_polls(self, r: Replica) -> int:
-        """How many feed requests the replica's feed cluster has completed with a 2xx."""
-        s = self.stats(f"cluster.kvsteer_feed_{r.name}.upstream_rq_2xx")
-        return s.get(f"cluster.kvsteer_feed_{r.name}.upstream_rq_2xx", 0)
+        """How many feed requests the replica's feed cluster has completed with a 2xx (Envoy counts
+        a filter's callouts under `internal.`)."""
+        prefix = f"cluster.kvsteer_feed_{r.name}."
+        s = self.stats(prefix)
+        return s.get(prefix + "upstream_rq_2xx", 0) + s.get(prefix + "internal.upstream_rq_2xx", 0)
 
     @property
     def base_url(self) -> str:
