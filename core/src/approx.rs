@@ -17,6 +17,11 @@ use crate::block::{SeqHash, TextHash};
 pub trait PrefixKey: Copy + Eq + core::hash::Hash {
     fn raw(self) -> u64;
 }
+impl PrefixKey for u64 {
+    fn raw(self) -> u64 {
+        self
+    }
+}
 impl PrefixKey for SeqHash {
     fn raw(self) -> u64 {
         self.0

@@ -16,6 +16,7 @@
 
 use hashbrown::{HashMap, HashTable};
 
+use crate::approx::PrefixKey;
 use crate::feed::Tier;
 
 /// Largest replica count the index can represent (13-bit replica field).
@@ -213,7 +214,7 @@ impl KvIndex {
 
     /// For a request's block hashes, each replica's longest run of leading blocks, split by the tier of
     /// the best copy. `out` is resized to the replica count. Matched blocks count as touched.
-    pub fn match_prefix(&mut self, keys: &[u64], out: &mut Vec<TierCounts>) {
+    pub fn match_prefix<K: PrefixKey>(&mut self, keys: &[K], out: &mut Vec<TierCounts>) {
         out.clear();
         out.resize(self.replicas, [0; 3]);
         // Look keys up a chunk at a time: the lookups in a chunk are independent, so the CPU overlaps
@@ -222,7 +223,7 @@ impl KvIndex {
         let mut found = [None::<u32>; CHUNK];
         for (c, chunk) in keys.chunks(CHUNK).enumerate() {
             for (f, &key) in found.iter_mut().zip(chunk) {
-                *f = self.find(key);
+                *f = self.find(key.raw());
             }
             for (j, f) in found[..chunk.len()].iter().enumerate() {
                 let i = c * CHUNK + j;

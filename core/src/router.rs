@@ -199,9 +199,8 @@ impl Router {
         let k = &self.cfg.kv_load;
         match &req.identity {
             PromptIdentity::Exact(hashes) => {
-                let keys: Vec<u64> = hashes.iter().map(|h| h.0).collect();
                 let mut tiers = std::mem::take(&mut self.scratch_tiers);
-                self.index.match_prefix(&keys, &mut tiers);
+                self.index.match_prefix(hashes, &mut tiers);
                 let out = tiers
                     .iter()
                     .enumerate()
