@@ -4,7 +4,8 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvsteer_core::block::BlockHasher;
+use kvsteer_core::approx::ApproxIndex;
+use kvsteer_core::block::{BlockHasher, SeqHash};
 use kvsteer_core::feed::{FeedBatch, FeedEvent, ReplicaLoad, Tier};
 use kvsteer_core::index::KvIndex;
 use kvsteer_core::rng::SplitMix64;
@@ -233,6 +234,29 @@ fn main() {
             "",
         );
     }
+
+    // Approximate index: the router's own decisions, one 512-block prompt a record.
+    let cap = 131_072 / scale;
+    let mut ax: ApproxIndex<SeqHash> = ApproxIndex::new(cap, u64::MAX);
+    let prompts: Vec<Vec<SeqHash>> = (0..cap / 512)
+        .map(|_| (0..512).map(|_| SeqHash(rng.next_u64())).collect())
+        .collect();
+    let t = Instant::now();
+    for (i, p) in prompts.iter().enumerate() {
+        ax.record(i % REPLICAS, p, i as u64);
+    }
+    let secs = t.elapsed().as_secs_f64();
+    row(
+        &format!("approx.record: {} blocks", ax.len()),
+        format!("{:.1} M blocks/s", ax.len() as f64 / secs / 1e6),
+        "",
+    );
+    row(
+        "approx heap bytes per block",
+        format!("{:.1} B", ax.heap_bytes() as f64 / ax.len() as f64),
+        "",
+    );
+    drop(ax);
 
     // Request reading: JSON parse + block hashing.
     let iters = 2_000 / scale as u32;

@@ -33,15 +33,55 @@ impl PrefixKey for TextHash {
     }
 }
 
-/// Most replicas remembered per block; the oldest is forgotten first.
-const MAX_HOLDERS: usize = 8;
+/// Most replicas remembered per block; the oldest is forgotten first. Inline, so a block costs no
+/// allocation of its own.
+const MAX_HOLDERS: usize = 4;
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default)]
 struct Entry {
-    /// (replica, last time recorded in ms), at most MAX_HOLDERS.
-    holders: Vec<(u16, u64)>,
+    replicas: [u16; MAX_HOLDERS],
+    /// Last time each holder was recorded, ms.
+    times: [u64; MAX_HOLDERS],
+    len: u8,
     /// Time of the latest record for any holder: the eviction order key.
     last_ms: u64,
+}
+
+impl Entry {
+    fn holders(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
+        (0..self.len as usize).map(|i| (self.replicas[i], self.times[i]))
+    }
+
+    fn record(&mut self, r: u16, now_ms: u64) {
+        let n = self.len as usize;
+        let i = match (0..n).find(|&i| self.replicas[i] == r) {
+            Some(i) => i,
+            None if n < MAX_HOLDERS => {
+                self.len += 1;
+                n
+            }
+            // Full: forget the holder recorded longest ago.
+            None => (0..n).min_by_key(|&i| self.times[i]).unwrap_or(0),
+        };
+        self.replicas[i] = r;
+        self.times[i] = now_ms;
+        self.last_ms = now_ms;
+    }
+
+    fn forget(&mut self, r: u16) {
+        let mut n = self.len as usize;
+        let mut i = 0;
+        while i < n {
+            if self.replicas[i] == r {
+                n -= 1;
+                self.replicas[i] = self.replicas[n];
+                self.times[i] = self.times[n];
+            } else {
+                i += 1;
+            }
+        }
+        self.len = n as u8;
+    }
 }
 
 /// Approximate prefix index over keys `K`.
@@ -76,22 +116,17 @@ impl<K: PrefixKey> ApproxIndex<K> {
         self.evictions
     }
 
+    /// Bytes of heap held, from container capacities.
+    pub fn heap_bytes(&self) -> usize {
+        self.map.capacity() * (size_of::<K>() + size_of::<Entry>() + 1)
+            + self.order.capacity() * size_of::<(K, u64)>()
+    }
+
     /// Records that the blocks `keys` were sent to `replica` at `now_ms`.
     pub fn record(&mut self, replica: usize, keys: &[K], now_ms: u64) {
         let r = replica.min(u16::MAX as usize) as u16;
         for &k in keys {
-            let e = self.map.entry(k).or_default();
-            if let Some(h) = e.holders.iter_mut().find(|h| h.0 == r) {
-                h.1 = now_ms;
-            } else {
-                if e.holders.len() >= MAX_HOLDERS
-                    && let Some(oldest) = (0..e.holders.len()).min_by_key(|&i| e.holders[i].1)
-                {
-                    e.holders.swap_remove(oldest);
-                }
-                e.holders.push((r, now_ms));
-            }
-            e.last_ms = now_ms;
+            self.map.entry(k).or_default().record(r, now_ms);
             self.order.push_back((k, now_ms));
         }
         self.enforce_cap(now_ms);
@@ -133,7 +168,7 @@ impl<K: PrefixKey> ApproxIndex<K> {
         for (i, k) in keys.iter().enumerate() {
             let Some(e) = self.map.get(k) else { break };
             let mut any = false;
-            for &(r, t) in &e.holders {
+            for (r, t) in e.holders() {
                 let r = r as usize;
                 if r < replicas && out[r] as usize == i && now_ms.saturating_sub(t) <= self.ttl_ms {
                     out[r] += 1;
@@ -148,9 +183,12 @@ impl<K: PrefixKey> ApproxIndex<K> {
 
     /// Forgets a replica everywhere (it restarted or left).
     pub fn remove_replica(&mut self, replica: usize) {
+        let Ok(r) = u16::try_from(replica) else {
+            return;
+        };
         self.map.retain(|_, e| {
-            e.holders.retain(|h| h.0 as usize != replica);
-            !e.holders.is_empty()
+            e.forget(r);
+            e.len > 0
         });
     }
 }
@@ -192,6 +230,20 @@ mod tests {
             ix.record(0, &keys(&[t % 2]), 10 + t);
         }
         assert!(ix.order.len() <= 2 * 3 + 64 + 1);
+    }
+
+    #[test]
+    fn a_full_block_forgets_its_oldest_holder() {
+        let mut ix = ApproxIndex::new(10, 1000);
+        for r in 0..5 {
+            ix.record(r, &keys(&[1]), r as u64);
+        }
+        let mut out = Vec::new();
+        ix.match_prefix(&keys(&[1]), 10, 5, &mut out);
+        assert_eq!(out, vec![0, 1, 1, 1, 1]);
+        ix.remove_replica(3);
+        ix.match_prefix(&keys(&[1]), 10, 5, &mut out);
+        assert_eq!(out, vec![0, 1, 1, 0, 1]);
     }
 
     #[test]

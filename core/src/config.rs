@@ -105,7 +105,7 @@ impl Default for PrefixAffinityParams {
         Self {
             match_threshold: 0.1,
             ttl_ms: 600_000,
-            capacity_blocks: 262_144,
+            capacity_blocks: 131_072,
         }
     }
 }
