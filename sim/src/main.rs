@@ -40,6 +40,7 @@ fn run() -> Result<(), String> {
         engine: EngineConfig::default(),
     };
     let mut replicas = 1usize;
+    let mut kv_blocks: Option<u32> = None;
     let mut prefix = "r".to_string();
     while let Some(flag) = args.next() {
         let v = args.next();
@@ -49,7 +50,7 @@ fn run() -> Result<(), String> {
             "--port" => cfg.port = parse(&flag, v)?,
             "--time-scale" => cfg.time_scale = parse(&flag, v)?,
             "--seed" => engine.seed = parse(&flag, v)?,
-            "--kv-blocks" => engine.kv_blocks = parse(&flag, v)?,
+            "--kv-blocks" => kv_blocks = Some(parse(&flag, v)?),
             "--block-size" => engine.block_size = parse(&flag, v)?,
             "--host-blocks" => engine.host_blocks = parse(&flag, v)?,
             "--max-batch-tokens" => engine.max_batch_tokens = parse(&flag, v)?,
@@ -74,6 +75,10 @@ fn run() -> Result<(), String> {
             kvsteer_core::block::MAX_BLOCK_SIZE
         ));
     }
+    // The GPU memory is fixed: without --kv-blocks, bigger blocks mean fewer of them.
+    engine.kv_blocks = kv_blocks.unwrap_or_else(|| {
+        (engine.profile.kv_blocks_16 as usize * 16 / engine.block_size).max(1) as u32
+    });
     if engine.kv_blocks == 0 {
         return Err("--kv-blocks must be at least 1".into());
     }
