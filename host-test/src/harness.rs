@@ -71,6 +71,8 @@ pub struct Replica {
     pub feed_fault: FeedFault,
     /// Feed polls answered (any outcome).
     pub polls: u64,
+    /// `(:method, :path, :authority)` of the last feed callout.
+    pub last_poll: Option<(String, String, String)>,
 }
 
 /// Harness configuration. [`HarnessConfig::small`] is sized for tests (runs in seconds).
@@ -397,6 +399,7 @@ impl Harness {
                 }),
                 feed_fault: FeedFault::Healthy,
                 polls: 0,
+                last_poll: None,
             })
             .collect();
         let next_tick_us = workers
@@ -928,6 +931,8 @@ impl Harness {
                 Some(r) => {
                     let rep = &mut self.replicas[r];
                     rep.polls += 1;
+                    let h = |n: &str| p.call.header(n).unwrap_or("").to_string();
+                    rep.last_poll = Some((h(":method"), h(":path"), h(":authority")));
                     match rep.feed_fault.clone() {
                         FeedFault::Reset => CallOutcome::Reset,
                         FeedFault::Timeout => CallOutcome::timeout(),

@@ -524,6 +524,8 @@ pub struct StreamState {
     pub local_response: Option<LocalResponse>,
     /// The filter called `proxy_close_stream`.
     pub closed: bool,
+    /// The filter called the `clear_route_cache` foreign function (Envoy re-selects the route).
+    pub route_cache_cleared: bool,
     pub callbacks: Vec<CallbackRecord>,
     /// Properties the filter set during this stream (nginx: `["ngx", VAR]` variables).
     pub properties: HashMap<Vec<String>, Vec<u8>>,
@@ -1476,7 +1478,25 @@ fn add_proxy_abi(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
     linker.func_wrap(
         ENV,
         "proxy_call_foreign_function",
-        |_: i32, _: i32, _: i32, _: i32, _: i32, _: i32| -> i32 { Status::NotFound.code() },
+        |mut c: Caller<'_, VmState>,
+         nptr: i32,
+         nlen: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32|
+         -> HostResult {
+            let name = read_or_status!(&mut c, nptr, nlen);
+            // Envoy registers `clear_route_cache` (re-run route selection after a header changed);
+            // nginx has no foreign functions.
+            if name == b"clear_route_cache" && c.data().options.mode == HostMode::Envoy {
+                if let Some(s) = c.data_mut().stream_mut() {
+                    s.route_cache_cleared = true;
+                }
+                return ok();
+            }
+            status(Status::NotFound)
+        },
     )?;
     linker.func_wrap(
         ENV,

@@ -1,0 +1,63 @@
+//! Shared setup of the integration tests: the compiled filter, loaded once per test binary.
+#![allow(dead_code)]
+
+use kvsteer_host_test::{FilterModule, Harness, HarnessConfig, filter_wasm_path};
+use std::sync::OnceLock;
+
+/// The real filter (`kvsteer_filter.wasm`). Panics with the build command when it is not built.
+pub fn module() -> &'static FilterModule {
+    static M: OnceLock<FilterModule> = OnceLock::new();
+    M.get_or_init(|| {
+        let path = filter_wasm_path().unwrap_or_else(|e| panic!("{e}"));
+        FilterModule::load(&path).unwrap_or_else(|e| panic!("{e}"))
+    })
+}
+
+/// A harness with the small config and `policy`, after its first feed polls.
+pub fn harness(policy: &str) -> Harness {
+    harness_with(HarnessConfig::small(policy))
+}
+
+/// A harness with one worker: for tests of the index itself (prefix landing, restarts, recovery).
+/// How followers share the index is tested on its own, with two workers.
+pub fn single_worker(policy: &str) -> Harness {
+    let mut cfg = HarnessConfig::small(policy);
+    cfg.workers = 1;
+    harness_with(cfg)
+}
+
+pub fn harness_with(cfg: HarnessConfig) -> Harness {
+    let mut h = Harness::new(module(), cfg).unwrap_or_else(|e| panic!("{e}"));
+    h.run_for(500_000).unwrap_or_else(|e| panic!("{e}"));
+    h
+}
+
+/// `n` pseudo-random token ids from `seed` (distinct seeds share no block).
+pub fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 100_000) as u32
+        })
+        .collect()
+}
+
+/// `prefix` followed by `n` fresh tokens.
+pub fn extend(prefix: &[u32], seed: u64, n: usize) -> Vec<u32> {
+    let mut p = prefix.to_vec();
+    p.extend(tokens(seed, n));
+    p
+}
+
+/// Asserts that no worker trapped and the host noticed no ABI misuse.
+pub fn assert_clean(h: &Harness) {
+    for w in h.workers() {
+        assert!(!w.is_dead(), "worker {} died", w.index());
+        assert!(w.notes().is_empty(), "ABI misuse: {:?}", w.notes());
+        let counts = w.log_counts();
+        assert_eq!(counts[5], 0, "critical logs: {:?}", w.logs());
+    }
+}
