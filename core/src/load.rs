@@ -21,6 +21,11 @@ pub struct LoadTotals {
     pub active_requests: u32,
 }
 
+/// Most requests tracked at once. A proxy that loses completions (a bug, or a host that never calls
+/// `on_done`) would otherwise grow the table forever; past this, new requests are routed but not
+/// tracked, and counted.
+pub const MAX_TRACKED_REQUESTS: usize = 1 << 20;
+
 /// Bytes of one encoded [`LoadTotals`].
 pub const LOAD_TOTALS_LEN: usize = 20;
 const LOAD_MAGIC: [u8; 4] = *b"KVLT";
@@ -118,6 +123,7 @@ pub struct LoadTable {
     totals: Vec<LoadTotals>,
     requests: HashMap<u64, Tracked>,
     release_anomalies: u64,
+    untracked: u64,
 }
 
 impl LoadTable {
@@ -128,6 +134,7 @@ impl LoadTable {
             totals: vec![LoadTotals::default(); replicas],
             requests: HashMap::new(),
             release_anomalies: 0,
+            untracked: 0,
         }
     }
 
@@ -140,6 +147,10 @@ impl LoadTable {
     /// Releases or progress reports for requests this table does not know.
     pub fn release_anomalies(&self) -> u64 {
         self.release_anomalies
+    }
+    /// Admissions refused because [`MAX_TRACKED_REQUESTS`] were already tracked.
+    pub fn untracked(&self) -> u64 {
+        self.untracked
     }
 
     /// Starts tracking a request routed to `replica` with `uncached_tokens` of `prompt_tokens` to
@@ -157,6 +168,9 @@ impl LoadTable {
         }
         if self.requests.contains_key(&request_id) {
             self.release(request_id);
+        } else if self.requests.len() >= MAX_TRACKED_REQUESTS {
+            self.untracked += 1;
+            return false;
         }
         let t = &mut self.totals[replica];
         let prefill = uncached_tokens.min(prompt_tokens);

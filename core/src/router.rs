@@ -75,6 +75,8 @@ pub struct RouterStats {
     pub matched_tokens: u64,
     pub release_anomalies: u64,
     pub active_requests: u64,
+    /// Admissions not tracked because the load table was full (see `load::MAX_TRACKED_REQUESTS`).
+    pub untracked_requests: u64,
     pub index_blocks: u64,
     pub index_capacity: u64,
     pub index_evictions: u64,
@@ -533,6 +535,7 @@ impl Router {
         let mut s = self.stats.clone();
         s.release_anomalies = self.load.release_anomalies();
         s.active_requests = self.load.active() as u64;
+        s.untracked_requests = self.load.untracked();
         s.index_blocks = self.index.len() as u64;
         s.index_capacity = self.index.capacity() as u64;
         s.index_evictions = self.index.evictions();
