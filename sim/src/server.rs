@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use std::io::{self, BufReader};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -690,6 +690,34 @@ fn submit(
     Ok((id, rx))
 }
 
+/// How often a non-streamed request checks that its client is still there.
+const CLIENT_CHECK: Duration = Duration::from_millis(250);
+
+/// Whether the peer closed its side (a non-streamed client that gave up waiting).
+fn client_gone(w: &TcpStream) -> bool {
+    if w.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let mut b = [0u8; 1];
+    let gone = match w.peek(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != io::ErrorKind::WouldBlock,
+    };
+    let _ = w.set_nonblocking(false);
+    gone
+}
+
+/// Aborts a request whose client left, at once (not at its next token: it may still be queued).
+fn abandon(shared: &Shared, id: u64) {
+    let mut g = shared.lock();
+    if g.subs.remove(&id).is_some() {
+        let now = shared.clock.now_us();
+        g.engine.abort(now, id);
+        shared.cv.notify_all();
+    }
+}
+
 fn aborted_error() -> ApiError {
     ApiError::new(
         503,
@@ -720,12 +748,28 @@ fn generate(shared: &Shared, req: &Request, api: Api, w: &mut TcpStream) -> io::
         Api::Chat => (format!("chatcmpl-{}-{id}", shared.name), "chat.completion"),
     };
     if p.stream {
-        return stream(shared, w, keep, api, &p, &rx, &rid, &model, created);
+        let res = stream(shared, w, keep, api, &p, &rx, &rid, &model, created);
+        if res.is_err() {
+            abandon(shared, id);
+        }
+        return res;
     }
     let mut text = String::new();
     let mut ids = Vec::new();
+    let mut last_check = Instant::now();
     let done = loop {
-        match rx.recv() {
+        if last_check.elapsed() >= CLIENT_CHECK {
+            last_check = Instant::now();
+            if client_gone(w) {
+                abandon(shared, id);
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "client left",
+                ));
+            }
+        }
+        match rx.recv_timeout(CLIENT_CHECK) {
+            Err(RecvTimeoutError::Timeout) => {}
             Ok(EngineEvent::FirstToken { token, .. } | EngineEvent::Token { token, .. }) => {
                 token_text(token, &mut text);
                 ids.push(token);
@@ -744,7 +788,9 @@ fn generate(shared: &Shared, req: &Request, api: Api, w: &mut TcpStream) -> io::
                     reason,
                 };
             }
-            Err(_) => return error_response(shared, w, &aborted_error(), false),
+            Err(RecvTimeoutError::Disconnected) => {
+                return error_response(shared, w, &aborted_error(), false);
+            }
         }
     };
     if done.reason == FinishReason::Abort {

@@ -10,11 +10,15 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 fn replica(kv_blocks: u32) -> Replica {
+    replica_at(kv_blocks, 50.0)
+}
+
+fn replica_at(kv_blocks: u32, time_scale: f64) -> Replica {
     let cfg = ReplicaConfig {
         name: "t0".into(),
         host: "127.0.0.1".into(),
         port: 0,
-        time_scale: 50.0,
+        time_scale,
         model: "sim".into(),
         engine: EngineConfig {
             kv_blocks,
@@ -395,4 +399,40 @@ fn several_replicas_start_from_one_call_and_name_themselves() {
             Some(format!("rep{i}").as_str())
         );
     }
+}
+
+#[test]
+fn a_non_streamed_client_that_gives_up_does_not_leak_its_request() {
+    // Slow enough that the request cannot finish before the server notices.
+    let rep = replica_at(2000, 2.0);
+    {
+        let mut s = TcpStream::connect(rep.addr()).unwrap();
+        let body =
+            json!({"prompt": "wait for me", "max_tokens": 3000, "ignore_eos": true}).to_string();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut c = Client::new(&rep);
+    let mut running = 1.0;
+    for _ in 0..100 {
+        let m = String::from_utf8(c.call("GET", "/metrics", "").body).unwrap();
+        running = m
+            .lines()
+            .find(|l| l.starts_with("vllm:num_requests_running{"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap();
+        if running == 0.0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(running, 0.0, "the abandoned request was aborted");
+    let m = String::from_utf8(c.call("GET", "/metrics", "").body).unwrap();
+    assert!(m.contains("finished_reason=\"abort\"} 1"), "{m}");
 }
