@@ -127,11 +127,14 @@ def rewrite(
     admin_port: int,
     wasm: str,
     plugin_overrides: dict | None = None,
+    wasm_overrides: dict | None = None,
 ) -> dict:
     """A copy of `doc` for these replicas (name, `IP:port`), ports and wasm path.
 
     Per-replica clusters (`kvsteer_feed_<name>`, `replica_<name>`) are rebuilt from the first one in
-    the file, so the committed four-replica files serve any replica count.
+    the file, so the committed four-replica files serve any replica count. `plugin_overrides` merge
+    into the filter's JSON configuration, `wasm_overrides` into Envoy's wasm PluginConfig (tests only:
+    to show what a setting is for by turning it off).
     """
     doc = copy.deepcopy(doc)
     doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -159,6 +162,7 @@ def rewrite(
 
     w = wasm_filter(doc)
     if w is not None:
+        w.update(_merge(w, wasm_overrides or {}))
         w["vm_config"]["code"]["local"]["filename"] = wasm
         pc = json.loads(w["configuration"]["value"])
         tmpl = pc["replicas"][0]

@@ -19,6 +19,7 @@ import ctypes
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -175,6 +176,8 @@ class Stack:
     """Replicas plus (optionally) one Envoy in front of them. Use as a context manager."""
 
     def __init__(self, workdir: Path | None = None, quiet: bool = True):
+        # A directory made here is removed on close unless E2E_KEEP_LOGS=1.
+        self.own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvsteer-e2e-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.procs: list[Proc] = []
@@ -230,6 +233,8 @@ class Stack:
         for p in reversed(self.procs):
             p.stop()
         self.procs.clear()
+        if self.own_workdir and os.environ.get("E2E_KEEP_LOGS") != "1":
+            shutil.rmtree(self.workdir, ignore_errors=True)
         if self in _live_stacks:
             _live_stacks.remove(self)
 
@@ -296,6 +301,7 @@ class Stack:
         concurrency: int = 2,
         plugin_overrides: dict | None = None,
         wait_feeds: bool = True,
+        wasm_overrides: dict | None = None,
     ) -> None:
         """Envoy with `envoy/<variant>.yaml`, rewritten for this stack's ports and the built wasm."""
         wasm = wasm_path()
@@ -314,6 +320,7 @@ class Stack:
             admin_port=self.admin_port,
             wasm=str(wasm),
             plugin_overrides=plugin_overrides or {},
+            wasm_overrides=wasm_overrides or {},
         )
         path = self.workdir / f"{variant}.json"
         path.write_text(json.dumps(doc, indent=1))
@@ -338,7 +345,7 @@ class Stack:
                 doc = envoy_config.rewrite(
                     cfg_doc, replicas=[(r.name, r.endpoint) for r in self.replicas],
                     listen_port=self.listen_port, admin_port=self.admin_port, wasm=str(wasm),
-                    plugin_overrides=plugin_overrides or {})
+                    plugin_overrides=plugin_overrides or {}, wasm_overrides=wasm_overrides or {})
                 path.write_text(json.dumps(doc, indent=1))
         else:
             raise StackError(f"envoy did not become ready:\n{last}")
