@@ -353,3 +353,41 @@ fn bad_replica_counts() {
     assert_eq!(r.stats().bad_replica, 1);
     assert_eq!(r.stats().release_anomalies, 1);
 }
+
+/// The herding DESIGN section 1 describes: pure overlap piles every request sharing a popular prefix
+/// onto the replica that caches it; token load spreads them once that replica's load outweighs the
+/// prefill it saves.
+#[test]
+fn kv_load_spreads_what_kv_affinity_herds() {
+    let system: Vec<u32> = (0..256).collect();
+    let run = |policy: PolicyKind| {
+        let mut r = Router::new(cfg(policy), 4).unwrap();
+        r.apply_feed(
+            0,
+            &batch(
+                1,
+                true,
+                0,
+                vec![FeedEvent::Stored {
+                    tier: Tier::Gpu,
+                    hashes: hashes(&system),
+                }],
+            ),
+        );
+        let mut per = [0u32; 4];
+        for i in 0..40u32 {
+            let mut p = system.clone();
+            p.extend((0..64).map(|k| 10_000 + i * 64 + k));
+            let req = r.read_request("/v1/completions", &body(&p), None).unwrap();
+            let d = r.route(&req, i as u64);
+            r.admit(i as u64, &req, &d, i as u64);
+            r.first_token(i as u64); // long decodes: nobody finishes during the burst
+            per[d.replica] += 1;
+        }
+        per
+    };
+    assert_eq!(run(PolicyKind::KvAffinity)[0], 40);
+    let spread = run(PolicyKind::KvLoad);
+    // Each request holds 20 decode blocks; the 16 cached blocks cannot outweigh that for long.
+    assert!(spread.iter().all(|&n| (8..=12).contains(&n)), "{spread:?}");
+}
