@@ -388,6 +388,7 @@ fn kv_load_spreads_what_kv_affinity_herds() {
     };
     assert_eq!(run(PolicyKind::KvAffinity)[0], 40);
     let spread = run(PolicyKind::KvLoad);
-    // Each request holds 20 decode blocks; the 16 cached blocks cannot outweigh that for long.
+    // Each request then holds 80 decode blocks (block size 4); the 64 cached blocks cannot outweigh
+    // that for long.
     assert!(spread.iter().all(|&n| (8..=12).contains(&n)), "{spread:?}");
 }
