@@ -268,6 +268,11 @@ impl<'a, W: Write> Chunked<'a, W> {
         self.w.flush()
     }
 
+    /// The underlying writer (to check on the peer between events).
+    pub fn stream(&self) -> &W {
+        self.w
+    }
+
     pub fn finish(self) -> io::Result<()> {
         self.w.write_all(b"0\r\n\r\n")?;
         self.w.flush()

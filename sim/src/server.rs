@@ -850,9 +850,19 @@ fn stream(
     }
     let mut piece = String::new();
     loop {
-        let ev = match rx.recv() {
+        let ev = match rx.recv_timeout(CLIENT_CHECK) {
             Ok(ev) => ev,
-            Err(_) => {
+            // Queued with nothing to send yet: make sure someone is still waiting.
+            Err(RecvTimeoutError::Timeout) => {
+                if client_gone(out.stream()) {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "client left",
+                    ));
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => {
                 out.send(&sse(
                     &json!({"error": {"message": "the request was aborted",
                     "type": "server_error", "code": 503}}),

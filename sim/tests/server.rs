@@ -436,3 +436,63 @@ fn a_non_streamed_client_that_gives_up_does_not_leak_its_request() {
     let m = String::from_utf8(c.call("GET", "/metrics", "").body).unwrap();
     assert!(m.contains("finished_reason=\"abort\"} 1"), "{m}");
 }
+
+#[test]
+fn a_queued_streaming_client_that_leaves_is_dropped_from_the_queue() {
+    let rep = Replica::start(ReplicaConfig {
+        name: "q0".into(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        time_scale: 2.0,
+        model: "sim".into(),
+        engine: EngineConfig {
+            kv_blocks: 2000,
+            max_running: 1,
+            max_model_len: 4096,
+            ..Default::default()
+        },
+    })
+    .unwrap();
+    let send = |s: &mut TcpStream| {
+        let body = json!({"prompt": "long one", "max_tokens": 3000, "ignore_eos": true,
+            "stream": true})
+        .to_string();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+    };
+    let mut holder = TcpStream::connect(rep.addr()).unwrap();
+    send(&mut holder);
+    std::thread::sleep(Duration::from_millis(50));
+    {
+        let mut leaver = TcpStream::connect(rep.addr()).unwrap();
+        send(&mut leaver);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut c = Client::new(&rep);
+    let gauge = |m: &str, name: &str| -> f64 {
+        m.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    };
+    let mut waiting = 1.0;
+    for _ in 0..100 {
+        let m = String::from_utf8(c.call("GET", "/metrics", "").body).unwrap();
+        waiting = gauge(&m, "vllm:num_requests_waiting{");
+        if waiting == 0.0 {
+            assert_eq!(gauge(&m, "vllm:num_requests_running{"), 1.0);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        waiting, 0.0,
+        "the queued request of the client that left was aborted"
+    );
+    drop(holder);
+}
