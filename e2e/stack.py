@@ -425,6 +425,23 @@ class Stack:
         return f"http://127.0.0.1:{self.listen_port}"
 
 
+def envoy_validate(doc: dict) -> tuple[bool, str]:
+    """Envoy's own check of a bootstrap (`--mode validate`): every typed config is parsed, and wasm
+    filters are loaded and configured, so the filter itself judges its plugin configuration."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(doc, f)
+        path = f.name
+    try:
+        p = subprocess.run(
+            [str(envoy_path()), "--mode", "validate", "-c", path,
+             "--base-id", str(random.randint(1000, 4_000_000)), "--log-level", "warn"],
+            capture_output=True, text=True, timeout=120, cwd=str(REPO),
+        )
+    finally:
+        os.unlink(path)
+    return p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+
+
 def wait_http(url: str, timeout_s: float, proc: Proc | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     last = ""
