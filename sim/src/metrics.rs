@@ -144,3 +144,41 @@ pub fn render(engine: &Engine, model: &str) -> String {
     );
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{EngineConfig, EngineRequest};
+
+    #[test]
+    fn histograms_are_cumulative_and_count_every_request() {
+        let mut e = Engine::new(EngineConfig::default());
+        for id in 0..3u64 {
+            let prompt = (0..(100 + id as u32 * 3000)).collect();
+            let r = EngineRequest {
+                id,
+                prompt,
+                max_tokens: 4,
+                ignore_eos: true,
+                min_tokens: 0,
+            };
+            e.submit(0, r).unwrap();
+        }
+        let mut out = Vec::new();
+        while let Some(t) = e.next_event_time() {
+            e.advance(t, &mut out);
+        }
+        let text = render(&e, "m");
+        let buckets: Vec<u64> = text
+            .lines()
+            .filter(|l| l.starts_with("vllm:time_to_first_token_seconds_bucket"))
+            .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+            .collect();
+        assert_eq!(buckets.len(), crate::engine::TTFT_BUCKETS.len() + 1);
+        assert!(buckets.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(*buckets.last().unwrap(), 3);
+        assert!(text.contains("vllm:inter_token_latency_seconds_count{model_name=\"m\"} 9"));
+        assert!(text.contains("vllm:generation_tokens_total{model_name=\"m\"} 12"));
+        assert!(text.contains("finished_reason=\"length\"} 3"));
+    }
+}
