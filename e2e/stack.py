@@ -240,15 +240,19 @@ class Stack:
 
     # -- replicas --------------------------------------------------------------------------------
 
-    def start_replicas(self, n: int, extra: list[str] | None = None, prefix: str = "r") -> None:
-        """`n` simulated replicas, each its own process (so one can be killed), named r0..r{n-1}."""
+    def start_replicas(
+        self, n: int, extra: list[str] | None = None, prefix: str = "r", first_port: int = 0
+    ) -> None:
+        """`n` simulated replicas, each its own process (so one can be killed), named r0..r{n-1},
+        on free ports, or on first_port.. first_port+n-1 when given."""
         sim = sim_path()
         if not sim.exists():
             raise StackError(
                 f"sim binary not found at {sim}: build it with "
                 "`cargo build -p kvsteer-sim --release --bin kvsteer-sim` (or set KVSTEER_SIM)"
             )
-        for i, port in enumerate(free_ports(n)):
+        ports = [first_port + i for i in range(n)] if first_port else free_ports(n)
+        for i, port in enumerate(ports):
             name = f"{prefix}{i}"
             proc = self.spawn(f"replica-{name}", self._replica_argv(sim, name, port, i, extra or []))
             self.replicas.append(Replica(name, port, proc))
@@ -299,6 +303,8 @@ class Stack:
         self,
         variant: str = "envoy",
         concurrency: int = 2,
+        listen_port: int = 0,
+        admin_port: int = 0,
         plugin_overrides: dict | None = None,
         wait_feeds: bool = True,
         wasm_overrides: dict | None = None,
@@ -311,7 +317,8 @@ class Stack:
                 f"filter not built at {wasm}: build it with "
                 "`cargo build -p kvsteer-filter --target wasm32-wasip1 --release` (or set KVSTEER_WASM)"
             )
-        self.listen_port, self.admin_port = free_ports(2)
+        fixed = bool(listen_port and admin_port)
+        self.listen_port, self.admin_port = (listen_port, admin_port) if fixed else free_ports(2)
         self.variant = variant
         doc = envoy_config.rewrite(
             cfg_doc,
@@ -339,6 +346,8 @@ class Stack:
             except StackError as e:
                 last = str(e)
                 self.envoy.stop()
+                if fixed:
+                    raise
                 # A port or base id taken by someone else between our check and Envoy's bind: retry
                 # on fresh ones.
                 self.listen_port, self.admin_port = free_ports(2)
