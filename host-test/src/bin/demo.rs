@@ -1,0 +1,340 @@
+//! The main job: replays the RL straggler workload (DESIGN section 7) through the compiled filter, once
+//! per policy, in front of four simulated replicas in virtual time, and compares the policies.
+//!
+//! `scripts/demo` builds the filter and runs this in release. Options:
+//! `--small` (the scaled-down workload, seconds), `--policies a,b,..`, `--workers N` (default 2),
+//! `--jobs N` (policies run in parallel, default: available cores), `--out DIR` (default `out/demo`).
+//! Writes `rl.md` (the table) and `rl.json` (summaries, harness counters, wall times).
+
+use kvsteer_host_test::artifact::workspace_root;
+use kvsteer_host_test::{FilterModule, Harness, HarnessConfig, HarnessStats, filter_wasm_path};
+use kvsteer_workload::report::{Progress, markdown_table};
+use kvsteer_workload::rl::{RlParams, generate};
+use kvsteer_workload::{Driver, Summary};
+use serde_json::json;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+const POLICIES: [&str; 6] = [
+    "round_robin",
+    "least_load",
+    "session_hash",
+    "prefix_affinity",
+    "kv_affinity",
+    "kv_load",
+];
+
+struct Args {
+    small: bool,
+    policies: Vec<String>,
+    workers: usize,
+    jobs: usize,
+    out: PathBuf,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        small: false,
+        policies: POLICIES.iter().map(|s| s.to_string()).collect(),
+        workers: 2,
+        jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        out: workspace_root().join("out/demo"),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        match arg.as_str() {
+            "--small" => a.small = true,
+            "--policies" => {
+                a.policies = value("--policies")?
+                    .split(',')
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect()
+            }
+            "--workers" => {
+                a.workers = value("--workers")?
+                    .parse()
+                    .map_err(|_| "--workers: not a number")?
+            }
+            "--jobs" => {
+                a.jobs = value("--jobs")?
+                    .parse()
+                    .map_err(|_| "--jobs: not a number")?
+            }
+            "--out" => a.out = PathBuf::from(value("--out")?),
+            "-h" | "--help" => {
+                return Err(
+                    "usage: demo [--small] [--policies a,b] [--workers N] [--jobs N] \
+                            [--out DIR]"
+                        .into(),
+                );
+            }
+            other => return Err(format!("unknown argument {other:?} (try --help)")),
+        }
+    }
+    if a.workers == 0 || a.jobs == 0 {
+        return Err("--workers and --jobs must be at least 1".into());
+    }
+    Ok(a)
+}
+
+struct Outcome {
+    policy: String,
+    summary: Summary,
+    stats: HarnessStats,
+    wall_s: f64,
+    virtual_s: f64,
+}
+
+fn run_policy(
+    module: &FilterModule,
+    policy: &str,
+    params: &RlParams,
+    workers: usize,
+    progress: &Mutex<Vec<(u64, u64)>>,
+    slot: usize,
+) -> Result<Outcome, String> {
+    let started = Instant::now();
+    let workload = generate(params).map_err(|e| e.to_string())?;
+    let mode = workload.default_mode;
+    let mut cfg = HarnessConfig::small(policy);
+    cfg.workers = workers;
+    cfg.engine = kvsteer_sim::EngineConfig::default();
+    cfg.routing = json!({"policy": policy, "block_size": params.block_size});
+    let mut h = Harness::new(module, cfg).map_err(|e| format!("{policy}: {e}"))?;
+    h.run_workload(Driver::new(workload, mode), |done, total| {
+        if let Ok(mut p) = progress.lock() {
+            p[slot] = (done, total);
+        }
+    })
+    .map_err(|e| format!("{policy}: {e}"))?;
+    Ok(Outcome {
+        policy: policy.to_string(),
+        summary: h.summary(policy),
+        stats: h.stats.clone(),
+        wall_s: started.elapsed().as_secs_f64(),
+        virtual_s: h.now_us() as f64 / 1e6,
+    })
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let path = match filter_wasm_path() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(1);
+        }
+    };
+    let started = Instant::now();
+    let module = match FilterModule::load_unmetered(&path) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(1);
+        }
+    };
+    let params = if args.small {
+        RlParams::small()
+    } else {
+        RlParams::default()
+    };
+    eprintln!(
+        "kvsteer demo: RL stragglers ({} steps x {} rollouts x {} turns, {} in flight), 4 replicas, \
+         {} workers, filter {} ({} KB), {} policies on {} threads",
+        params.steps,
+        params.rollouts_per_step,
+        params.turns,
+        params.concurrency,
+        args.workers,
+        path.display(),
+        module.size() / 1024,
+        args.policies.len(),
+        args.jobs
+    );
+    let n = args.policies.len();
+    let total = (params.steps * params.rollouts_per_step * params.turns * n) as u64;
+    let progress = Mutex::new(vec![(0u64, 0u64); n]);
+    let queue = Mutex::new((0..n).rev().collect::<Vec<usize>>());
+    let finished = AtomicBool::new(false);
+    let mut results: Vec<Option<Result<Outcome, String>>> = (0..n).map(|_| None).collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..args.jobs.min(n))
+            .map(|_| {
+                let (queue, progress, module, params) = (&queue, &progress, &module, &params);
+                let (policies, workers) = (&args.policies, args.workers);
+                s.spawn(move || {
+                    let mut mine = Vec::new();
+                    loop {
+                        let next = queue.lock().ok().and_then(|mut q| q.pop());
+                        let Some(i) = next else { break };
+                        mine.push((
+                            i,
+                            run_policy(module, &policies[i], params, workers, progress, i),
+                        ));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        let (progress, finished) = (&progress, &finished);
+        let bar = s.spawn(move || {
+            let mut bar = Progress::new("requests", total);
+            while !finished.load(Ordering::Relaxed) {
+                if let Ok(p) = progress.lock() {
+                    bar.set(p.iter().map(|x| x.0).sum());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            if let Ok(p) = progress.lock() {
+                bar.set(p.iter().map(|x| x.0).sum());
+            }
+            bar.finish();
+        });
+        for h in handles {
+            match h.join() {
+                Ok(mine) => {
+                    for (i, r) in mine {
+                        results[i] = Some(r);
+                    }
+                }
+                Err(_) => eprintln!("a policy thread panicked"),
+            }
+        }
+        finished.store(true, Ordering::Relaxed);
+        let _ = bar.join();
+    });
+    let mut outcomes = Vec::new();
+    let mut failed = results.iter().any(Option::is_none);
+    for r in results.into_iter().flatten() {
+        match r {
+            Ok(o) => outcomes.push(o),
+            Err(e) => {
+                eprintln!("FAILED: {e}");
+                failed = true;
+            }
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let table = comparison_table(&outcomes);
+    println!("\n{table}");
+    println!("Full metrics:\n\n{}", markdown_table(&summaries(&outcomes)));
+    println!("total wall time {wall:.1} s");
+    if let Err(e) = write_outputs(&args, &params, &outcomes, &table, wall) {
+        eprintln!("writing results: {e}");
+        failed = true;
+    }
+    if failed {
+        std::process::exit(1);
+    }
+}
+
+fn summaries(outcomes: &[Outcome]) -> Vec<Summary> {
+    outcomes.iter().map(|o| o.summary.clone()).collect()
+}
+
+/// The headline table: the numbers DESIGN section 8 asks about, one row per policy.
+fn comparison_table(outcomes: &[Outcome]) -> String {
+    let mut s = String::from(
+        "| policy | TTFT p50 / p99 ms | TPOT p50 / p99 ms | rollout p99 s | output tok/s | hit rate \
+         | decode CV | requests (failed, fallback) | wall s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for o in outcomes {
+        let m = &o.summary;
+        s.push_str(&format!(
+            "| {} | {:.0} / {:.0} | {:.1} / {:.1} | {:.1} | {:.0} | {:.1}% | {} | {} ({}, {}) | {:.1} |\n",
+            o.policy,
+            m.ttft_ms.p50,
+            m.ttft_ms.p99,
+            m.tpot_ms.p50,
+            m.tpot_ms.p99,
+            m.session_e2e_s.p99,
+            m.output_tokens_per_s,
+            m.hit_rate * 100.0,
+            m.decode_cv.map_or("-".into(), |c| format!("{c:.3}")),
+            m.requests,
+            m.failed,
+            o.stats.fallback,
+            o.wall_s,
+        ));
+    }
+    s
+}
+
+fn write_outputs(
+    args: &Args,
+    params: &RlParams,
+    outcomes: &[Outcome],
+    table: &str,
+    wall: f64,
+) -> std::io::Result<()> {
+    std::fs::create_dir_all(&args.out)?;
+    let md = format!(
+        "# RL straggler workload through kvsteer_filter.wasm\n\n\
+         {} steps x {} rollouts x {} turns, {} rollouts in flight, 4 replicas (simulated \
+         Llama-3.1-8B on H100), {} proxy workers. Virtual time; wall {:.1} s.\n\n{}\n\
+         ## All metrics\n\n{}",
+        params.steps,
+        params.rollouts_per_step,
+        params.turns,
+        params.concurrency,
+        args.workers,
+        wall,
+        table,
+        markdown_table(&summaries(outcomes))
+    );
+    std::fs::write(args.out.join("rl.md"), md)?;
+    let runs: Vec<serde_json::Value> = outcomes
+        .iter()
+        .map(|o| {
+            json!({
+                "policy": o.policy,
+                "summary": o.summary,
+                "wall_s": o.wall_s,
+                "virtual_s": o.virtual_s,
+                "harness": {
+                    "requests": o.stats.requests,
+                    "fallback": o.stats.fallback,
+                    "local_responses": o.stats.local_responses,
+                    "rejected": o.stats.rejected,
+                    "failed": o.stats.failed,
+                    "ticks": o.stats.ticks,
+                    "callouts": o.stats.callouts,
+                    "request_body_chunks": o.stats.request_body_chunks,
+                    "response_body_chunks": o.stats.response_body_chunks,
+                    "request_filter_us_mean": if o.stats.requests > 0 {
+                        o.stats.request_filter_ns as f64 / o.stats.requests as f64 / 1e3
+                    } else { 0.0 },
+                }
+            })
+        })
+        .collect();
+    let doc = json!({
+        "workload": "rl",
+        "params": {
+            "steps": params.steps, "rollouts_per_step": params.rollouts_per_step,
+            "turns": params.turns, "concurrency": params.concurrency,
+            "output_tokens": params.output_tokens,
+            "straggler_output_tokens": params.straggler_output_tokens,
+        },
+        "workers": args.workers,
+        "wall_s": wall,
+        "runs": runs,
+    });
+    std::fs::write(
+        args.out.join("rl.json"),
+        serde_json::to_string_pretty(&doc).unwrap_or_default(),
+    )?;
+    eprintln!("wrote {}/rl.md and rl.json", args.out.display());
+    Ok(())
+}
