@@ -258,6 +258,41 @@ class ReplicaKilledMidRun(unittest.TestCase):
             self.assertGreater(retries, 0, "Envoy retried the requests the dead replica lost")
 
 
+    # Known gap, reported to the filter's owner: a dead replica reports no load, so kv_load keeps
+    # choosing it (it looks idle) long after its feed failed and Envoy's health checks ejected it;
+    # every such request costs a failed connection and a retry (here a refused connection, cheap on
+    # loopback; on a network a connect timeout). Remove the decorator when the filter stops routing
+    # to replicas whose feed has gone stale: unittest then reports the unexpected success as a failure.
+    @unittest.expectedFailure
+    def test_a_dead_replica_stops_being_chosen(self):
+        with new_stack("envoy") as stack:
+            victim = stack.replicas[2]
+            stop = threading.Event()
+
+            def worker(w: int) -> None:
+                c = Client("127.0.0.1", stack.listen_port, timeout_s=60)
+                for k in range(2000):
+                    if stop.is_set():
+                        break
+                    c.complete(tokens(128, 90_000 + 1000 * w + k), max_tokens=8)
+                c.close()
+
+            threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(4)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)
+            victim.proc.kill()
+            # Long past the feed going stale (3 polls of 200 ms) and the health checks failing (2 s).
+            time.sleep(3.0)
+            before = stat_sum(stack, "cluster.replicas.upstream_cx_connect_fail")
+            time.sleep(2.0)
+            after = stat_sum(stack, "cluster.replicas.upstream_cx_connect_fail")
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+            self.assertEqual(after - before, 0, "requests still sent to the dead replica")
+
+
 class EnvoyVariants(unittest.TestCase):
     """The other configurations in envoy/ run on the same replicas: the cluster_header variant of
     kvsteer, and Envoy's own balancers the benchmark compares against."""
