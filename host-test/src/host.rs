@@ -134,7 +134,7 @@ impl ProxyOptions {
             log_level: LogLevel::Info,
             clusters: None,
             echo_logs: std::env::var_os("KVSTEER_HOST_LOG").is_some(),
-            seed: 0x6b76_7374_6565_72,
+            seed: 0x006b_7673_7465_6572,
         }
     }
 }
@@ -245,10 +245,13 @@ struct SharedQueue {
     notify: bool,
 }
 
+/// Shared data: key -> (value, CAS token).
+type SharedData = HashMap<Vec<u8>, (Vec<u8>, u32)>;
+
 /// Process-wide state: what Envoy keeps outside the VMs.
 struct Shared {
     clock_ns: AtomicU64,
-    data: Mutex<HashMap<Vec<u8>, (Vec<u8>, u32)>>,
+    data: Mutex<SharedData>,
     next_cas: AtomicU64,
     queues: Mutex<Vec<SharedQueue>>,
     metrics: Mutex<Vec<Metric>>,
@@ -1385,7 +1388,7 @@ fn add_proxy_abi(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     .options
                     .clusters
                     .as_ref()
-                    .is_none_or(|cl| cl.iter().any(|n| *n == upstream)),
+                    .is_none_or(|cl| cl.contains(&upstream)),
                 HostMode::Nginx => is_address(&upstream),
             };
             // Envoy refuses unknown clusters and calls without the three required pseudo-headers.

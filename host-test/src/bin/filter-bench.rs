@@ -1,0 +1,390 @@
+//! Per-request cost of the filter inside wasmtime: wall time of the guest calls that carry one request
+//! (`proxy_on_request_headers` + every `proxy_on_request_body` chunk, which includes parsing the body,
+//! hashing the prompt, scoring the replicas and writing the destination header), and separately the
+//! stream's end (`on_done`/`on_log`/`on_delete`, which releases its load).
+//!
+//! Setup: one worker VM (compiled without fuel metering, as a proxy runs it), `--replicas` replicas
+//! (default 16) whose feeds answer the first poll with a snapshot of `--index-blocks` random blocks in
+//! all (default 1,000,000) plus the bench prompt's own blocks on replica 3, so every decision runs
+//! against a full index and finds a real match. Bodies arrive in 16 KiB chunks, as Envoy delivers them.
+//!
+//! Requests arrive 1 ms apart in virtual time (1,000 requests/s) and the filter's ticks run between
+//! them as they would in a proxy (not timed).
+//!
+//! Usage: `filter-bench [--requests N] [--replicas R] [--index-blocks B] [--policy P]`.
+
+use kvsteer_core::block::BlockHasher;
+use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier};
+use kvsteer_host_test::openai::{completion_body, request_headers};
+use kvsteer_host_test::{
+    Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, Worker, filter_wasm_path,
+};
+use serde_json::json;
+use std::time::Instant;
+
+struct Args {
+    requests: usize,
+    replicas: usize,
+    index_blocks: usize,
+    policy: String,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        requests: 2000,
+        replicas: 16,
+        index_blocks: 1_000_000,
+        policy: "kv_load".into(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut num = |name: &str| -> Result<usize, String> {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .ok_or(format!("{name} needs a number"))
+        };
+        match arg.as_str() {
+            "--requests" => a.requests = num("--requests")?.max(1),
+            "--replicas" => a.replicas = num("--replicas")?.clamp(1, 256),
+            "--index-blocks" => a.index_blocks = num("--index-blocks")?,
+            "--policy" => a.policy = it.next().ok_or("--policy needs a value")?,
+            other => {
+                return Err(format!(
+                    "unknown argument {other:?}; usage: filter-bench [--requests N] [--replicas R] \
+                     [--index-blocks B] [--policy P]"
+                ));
+            }
+        }
+    }
+    Ok(a)
+}
+
+fn lcg(seed: &mut u64) -> u64 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    *seed >> 11
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+/// Polls and answers until every replica's snapshot is applied.
+fn seed_index(proxy: &Proxy, worker: &mut Worker, args: &Args, warm: &[u64]) -> Result<(), String> {
+    let per = args.index_blocks / args.replicas;
+    let mut rng = 0x5eed_u64;
+    let mut answered = vec![false; args.replicas];
+    let mut now_ms = 0u64;
+    for _ in 0..100 {
+        now_ms += worker.tick_period_ms().max(1) as u64;
+        proxy.set_now_ns(now_ms * 1_000_000);
+        worker.tick().map_err(|e| e.to_string())?;
+        for call in worker.take_callouts() {
+            let r: usize = call
+                .upstream
+                .strip_prefix("feed_r")
+                .and_then(|n| n.parse().ok())
+                .ok_or(format!("unexpected upstream {}", call.upstream))?;
+            let q = call
+                .header(":path")
+                .and_then(|p| p.split_once('?'))
+                .map(|(_, q)| FeedQuery::parse(q))
+                .ok_or("callout without a feed query")??;
+            let epoch = 1000 + r as u64;
+            let mut hashes: Vec<u64> = (0..per).map(|_| lcg(&mut rng)).collect();
+            if r == 3 {
+                hashes.extend_from_slice(warm);
+            }
+            let batch = if q.epoch == epoch {
+                FeedBatch {
+                    epoch,
+                    resync: false,
+                    more: false,
+                    first_seq: q.cursor,
+                    next_seq: q.cursor,
+                    load: ReplicaLoad {
+                        block_size: 16,
+                        kv_total_blocks: 1 << 20,
+                        ..Default::default()
+                    },
+                    events: Vec::new(),
+                }
+            } else {
+                answered[r] = true;
+                FeedBatch {
+                    epoch,
+                    resync: true,
+                    more: false,
+                    first_seq: 1,
+                    next_seq: 1,
+                    load: ReplicaLoad {
+                        block_size: 16,
+                        kv_total_blocks: 1 << 20,
+                        kv_used_blocks: hashes.len() as u64,
+                        ..Default::default()
+                    },
+                    events: vec![
+                        FeedEvent::Cleared,
+                        FeedEvent::Stored {
+                            tier: Tier::Gpu,
+                            hashes,
+                        },
+                    ],
+                }
+            };
+            worker
+                .answer_callout(
+                    &call,
+                    CallOutcome::ok(200, FEED_CONTENT_TYPE, batch.encode()),
+                )
+                .map_err(|e| e.to_string())?;
+        }
+        if answered.iter().all(|a| *a) {
+            return Ok(());
+        }
+    }
+    Err("the filter did not poll every replica".into())
+}
+
+struct Measured {
+    request_us: Vec<f64>,
+    end_us: Vec<f64>,
+    destinations: std::collections::BTreeMap<String, usize>,
+}
+
+/// Virtual time per request: the bench runs at this request rate, with the filter's ticks in between.
+const REQUEST_GAP_US: u64 = 1000;
+
+fn bench(
+    proxy: &Proxy,
+    worker: &mut Worker,
+    n: usize,
+    path: &str,
+    body_of: &dyn Fn(usize) -> Vec<u8>,
+) -> Result<Measured, String> {
+    let mut m = Measured {
+        request_us: Vec::with_capacity(n),
+        end_us: Vec::with_capacity(n),
+        destinations: Default::default(),
+    };
+    let mut next_tick = proxy.now_ns() / 1000;
+    for i in 0..n {
+        let now_us = proxy.now_ns() / 1000 + REQUEST_GAP_US;
+        proxy.set_now_ns(now_us * 1000);
+        if now_us >= next_tick {
+            // Ticks are not timed: they run on the proxy's timer, not on a request's path.
+            worker.tick().map_err(|e| e.to_string())?;
+            for call in worker.take_callouts() {
+                worker
+                    .answer_callout(&call, CallOutcome::timeout())
+                    .map_err(|e| e.to_string())?;
+            }
+            next_tick = now_us + worker.tick_period_ms().max(1) as u64 * 1000;
+        }
+        let body = body_of(i);
+        let session = format!("bench-{}", i % 64);
+        let headers = request_headers(path, body.len(), Some(("x-session-id", &session)), &[]);
+        let t = Instant::now();
+        let id = worker.new_stream().map_err(|e| e.to_string())?;
+        let a = worker
+            .request_headers(id, headers, body.is_empty())
+            .map_err(|e| e.to_string())?;
+        let mut last = a;
+        let mut chunks = body.chunks(16 * 1024).peekable();
+        while let Some(c) = chunks.next() {
+            if let Some(x) = worker
+                .request_body(id, c, chunks.peek().is_none())
+                .map_err(|e| e.to_string())?
+            {
+                last = x;
+            }
+        }
+        let req = t.elapsed().as_secs_f64() * 1e6;
+        if last != Action::Continue {
+            return Err(format!("request {i} was not released ({last:?})"));
+        }
+        let dest = worker
+            .stream(id)
+            .and_then(|s| s.upstream_header("x-gateway-destination-endpoint"))
+            .unwrap_or("(none)")
+            .to_string();
+        *m.destinations.entry(dest).or_insert(0) += 1;
+        let t = Instant::now();
+        worker.end_stream(id).map_err(|e| e.to_string())?;
+        m.end_us.push(t.elapsed().as_secs_f64() * 1e6);
+        m.request_us.push(req);
+    }
+    Ok(m)
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("filter-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), String> {
+    let args = parse_args()?;
+    let path = filter_wasm_path()?;
+    let t = Instant::now();
+    let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
+    let compile_ms = t.elapsed().as_secs_f64() * 1e3;
+    let replicas: Vec<_> = (0..args.replicas)
+        .map(|i| {
+            json!({"name": format!("r{i}"), "endpoint": format!("10.0.{}.{}:8000", i / 250, i % 250 + 1),
+                   "feed_cluster": format!("feed_r{i}")})
+        })
+        .collect();
+    let cfg = json!({
+        "replicas": replicas,
+        "routing": {"policy": args.policy, "block_size": 16,
+                    "index_capacity_blocks": (args.index_blocks + 100_000).max(1_000_000)},
+        "feed_period_ms": 3_600_000,
+        "tick_ms": 100,
+    });
+    let proxy = Proxy::new(&module, ProxyOptions::new(HostMode::Envoy, cfg.to_string()));
+    let mut worker = proxy.start_worker().map_err(|e| e.to_string())?;
+
+    // The 8K-token prompt: a shared 8,000-token prefix (cached on replica 3) and a varying tail.
+    let mut seed = 42u64;
+    let prefix: Vec<u32> = (0..8000)
+        .map(|_| (lcg(&mut seed) % 128_000) as u32)
+        .collect();
+    let warm: Vec<u64> = BlockHasher::new(16)
+        .map_err(|e| e.to_string())?
+        .sequence_hashes(&prefix)
+        .into_iter()
+        .map(|h| h.0)
+        .collect();
+    let t = Instant::now();
+    seed_index(&proxy, &mut worker, &args, &warm)?;
+    let seed_ms = t.elapsed().as_secs_f64() * 1e3;
+    let index_blocks = proxy.metric("kvsteer_index_blocks").map_or(0, |m| m.value);
+
+    let token_body = |i: usize| {
+        let mut p = prefix.clone();
+        let mut s = i as u64 + 1;
+        p.extend((0..192).map(|_| (lcg(&mut s) % 128_000) as u32));
+        completion_body(&p, 256)
+    };
+    let text_body = |i: usize| {
+        let mut text = String::with_capacity(32 * 1024);
+        let words = [
+            "routing ", "tokens ", "cache ", "replica ", "prefill ", "decode ",
+        ];
+        let mut s = 7u64;
+        while text.len() < 32 * 1024 - 64 {
+            text.push_str(words[(lcg(&mut s) % 6) as usize]);
+        }
+        text.push_str(&format!("question {i}"));
+        json!({"model": "m", "stream": true, "max_tokens": 256,
+               "messages": [{"role": "user", "content": text}]})
+        .to_string()
+        .into_bytes()
+    };
+    // One tick publishes the index gauges.
+    worker.tick().map_err(|e| e.to_string())?;
+    let _ = worker.take_callouts();
+    let index_blocks = proxy
+        .metric("kvsteer_index_blocks")
+        .map_or(index_blocks, |m| m.value);
+    let token_len = token_body(0).len();
+    let text_len = text_body(0).len();
+    // Warm-up (first-call costs: lazy allocations in the guest, wasmtime's lazy init).
+    bench(&proxy, &mut worker, 50, "/v1/completions", &token_body)?;
+    let tok = bench(
+        &proxy,
+        &mut worker,
+        args.requests,
+        "/v1/completions",
+        &token_body,
+    )?;
+    let txt = bench(
+        &proxy,
+        &mut worker,
+        args.requests,
+        "/v1/chat/completions",
+        &text_body,
+    )?;
+    let small_body = |i: usize| {
+        let mut p = prefix[..1024].to_vec();
+        p.push(i as u32);
+        completion_body(&p, 256)
+    };
+    let small = bench(
+        &proxy,
+        &mut worker,
+        args.requests,
+        "/v1/completions",
+        &small_body,
+    )?;
+    let empty = bench(
+        &proxy,
+        &mut worker,
+        args.requests,
+        "/v1/completions",
+        &|_| Vec::new(),
+    )?;
+
+    println!(
+        "filter: {} ({:.0} KB), compiled in {compile_ms:.0} ms; {} replicas, index seeded with {} \
+         blocks in {seed_ms:.0} ms (filter reports {index_blocks}); policy {}; {} requests each",
+        path.display(),
+        module.size() as f64 / 1024.0,
+        args.replicas,
+        args.index_blocks,
+        args.policy,
+        args.requests
+    );
+    println!();
+    println!(
+        "| request | body | headers+body+decision p50 us | p99 us | mean us | stream end p50 us | p99 us |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    for (name, len, m) in [
+        ("8,192 token ids (/v1/completions)", token_len, &tok),
+        ("32 KB text (/v1/chat/completions)", text_len, &txt),
+        (
+            "1,025 token ids (/v1/completions)",
+            small_body(0).len(),
+            &small,
+        ),
+        ("headers only, no body (fallback path)", 0, &empty),
+    ] {
+        let mut r = m.request_us.clone();
+        r.sort_by(f64::total_cmp);
+        let mut e = m.end_us.clone();
+        e.sort_by(f64::total_cmp);
+        let mean = r.iter().sum::<f64>() / r.len().max(1) as f64;
+        println!(
+            "| {name} | {:.1} KB | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            len as f64 / 1024.0,
+            percentile(&r, 50.0),
+            percentile(&r, 99.0),
+            mean,
+            percentile(&e, 50.0),
+            percentile(&e, 99.0)
+        );
+    }
+    println!();
+    println!("destinations (8K-token requests): {:?}", tok.destinations);
+    println!("destinations (text requests): {:?}", txt.destinations);
+    worker.tick().map_err(|e| e.to_string())?;
+    let metric = |n: &str| proxy.metric(n).map_or(0, |m| m.value);
+    println!(
+        "after the run: index {} blocks, {} evictions, {} release anomalies",
+        metric("kvsteer_index_blocks"),
+        metric("kvsteer_index_evictions"),
+        metric("kvsteer_release_anomalies")
+    );
+    if worker.is_dead() || !worker.notes().is_empty() {
+        return Err(format!("the filter misbehaved: {:?}", worker.notes()));
+    }
+    Ok(())
+}
