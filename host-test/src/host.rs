@@ -353,7 +353,7 @@ impl Proxy {
             .module
             .linker
             .instantiate(&mut store, &self.module.module)
-            .map_err(|e| trap_error(index, "instantiate", 0, &e, None))?;
+            .map_err(|e| HostError::Load(format!("instantiate: {e:#}")))?;
         let memory = match instance.get_export(&mut store, "memory") {
             Some(Extern::Memory(m)) => m,
             _ => return Err(HostError::Load("the module exports no memory".into())),

@@ -52,8 +52,14 @@ pub fn extend(prefix: &[u32], seed: u64, n: usize) -> Vec<u32> {
     p
 }
 
-/// Asserts that no worker trapped and the host noticed no ABI misuse.
+/// Asserts that no worker trapped, the host noticed no ABI misuse, nothing was logged at `critical`,
+/// and the filter's load accounting found no request it could not release.
 pub fn assert_clean(h: &Harness) {
+    let anomalies = h
+        .proxy()
+        .metric("kvsteer_release_anomalies")
+        .map_or(0, |m| m.value);
+    assert_eq!(anomalies, 0, "release anomalies");
     for w in h.workers() {
         assert!(!w.is_dead(), "worker {} died", w.index());
         assert!(w.notes().is_empty(), "ABI misuse: {:?}", w.notes());
