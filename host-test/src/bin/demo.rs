@@ -4,11 +4,14 @@
 //! `scripts/demo` builds the filter and runs this in release. Options:
 //! `--small` (the scaled-down workload, seconds), `--policies a,b,..`, `--workers N` (default 2),
 //! `--jobs N` (policies run in parallel, default: available cores), `--out DIR` (default `out/demo`).
-//! Writes `rl.md` (the table) and `rl.json` (summaries, harness counters, wall times).
+//! Writes `rl.md` (the table), `rl.json` (summaries, harness counters, wall times) and SVG plots:
+//! `rl_ttft_cdf.svg`, `rl_hit_vs_cv.svg`, `rl_decode_<policy>.svg`.
 
 use kvsteer_host_test::artifact::workspace_root;
 use kvsteer_host_test::{FilterModule, Harness, HarnessConfig, HarnessStats, filter_wasm_path};
-use kvsteer_workload::report::{Progress, markdown_table};
+use kvsteer_workload::report::{
+    Progress, decode_load_svg, hit_cv_scatter_svg, markdown_table, ttft_cdf_svg,
+};
 use kvsteer_workload::rl::{RlParams, generate};
 use kvsteer_workload::{Driver, Summary};
 use serde_json::json;
@@ -84,6 +87,8 @@ fn parse_args() -> Result<Args, String> {
 struct Outcome {
     policy: String,
     summary: Summary,
+    ttft_ms: Vec<f64>,
+    decode_series: Vec<(f64, Vec<f64>)>,
     stats: HarnessStats,
     wall_s: f64,
     virtual_s: f64,
@@ -114,6 +119,8 @@ fn run_policy(
     Ok(Outcome {
         policy: policy.to_string(),
         summary: h.summary(policy),
+        ttft_ms: h.recorder.ttft_ms(),
+        decode_series: h.recorder.decode_series(),
         stats: h.stats.clone(),
         wall_s: started.elapsed().as_secs_f64(),
         virtual_s: h.now_us() as f64 / 1e6,
@@ -331,10 +338,39 @@ fn write_outputs(
         "wall_s": wall,
         "runs": runs,
     });
+    let series: Vec<(&str, &[f64])> = outcomes
+        .iter()
+        .map(|o| (o.policy.as_str(), o.ttft_ms.as_slice()))
+        .collect();
+    std::fs::write(args.out.join("rl_ttft_cdf.svg"), ttft_cdf_svg(&series))?;
+    let points: Vec<(&str, f64, f64)> = outcomes
+        .iter()
+        .map(|o| {
+            (
+                o.policy.as_str(),
+                o.summary.hit_rate,
+                o.summary.decode_cv.unwrap_or(0.0),
+            )
+        })
+        .collect();
+    std::fs::write(
+        args.out.join("rl_hit_vs_cv.svg"),
+        hit_cv_scatter_svg(&points),
+    )?;
+    for o in outcomes {
+        let title = format!("{}: KV blocks of decoding requests per replica", o.policy);
+        std::fs::write(
+            args.out.join(format!("rl_decode_{}.svg", o.policy)),
+            decode_load_svg(&title, &o.decode_series),
+        )?;
+    }
     std::fs::write(
         args.out.join("rl.json"),
         serde_json::to_string_pretty(&doc).unwrap_or_default(),
     )?;
-    eprintln!("wrote {}/rl.md and rl.json", args.out.display());
+    eprintln!(
+        "wrote {}/rl.md, rl.json and rl_*.svg (TTFT CDF, hit rate vs decode CV, decode load)",
+        args.out.display()
+    );
     Ok(())
 }
