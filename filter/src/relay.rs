@@ -122,14 +122,16 @@ pub fn unseen(
     (out, head)
 }
 
-/// Cuts from an incremental batch the events a follower at `q` already applied. `None` when nothing
-/// of it is new. Snapshots and batches that do not overlap the cursor are returned unchanged (the
-/// cursor check judges them).
+/// Cuts from an incremental batch the events a follower at `q` already applied. `None` only for a batch
+/// that ends before the cursor (older than what was applied). A batch that ends exactly at the cursor
+/// comes back as an empty continuation: it has no new events, but it proves the feed is alive and
+/// carries the replica's current load, which an idle replica's followers need. Snapshots and batches
+/// that do not overlap the cursor are returned unchanged (the cursor check judges them).
 pub fn trim_to_cursor(mut batch: FeedBatch, q: &FeedQuery) -> Option<FeedBatch> {
     if batch.resync || q.epoch == 0 || batch.epoch != q.epoch {
         return Some(batch);
     }
-    if batch.next_seq <= q.cursor {
+    if batch.next_seq < q.cursor {
         return None;
     }
     if batch.first_seq < q.cursor {
@@ -228,6 +230,21 @@ pub(crate) mod tests {
             max_events: 10,
         };
         assert_eq!(trim_to_cursor(batch(5, 5), &q), None);
+        // Nothing new, but alive and carrying load: an empty continuation at the cursor.
+        let idle = trim_to_cursor(batch(12, 0), &q).unwrap();
+        assert_eq!(
+            (idle.first_seq, idle.next_seq, idle.events.len()),
+            (12, 12, 0)
+        );
+        let caught_up = trim_to_cursor(batch(7, 5), &q).unwrap();
+        assert_eq!(
+            (
+                caught_up.first_seq,
+                caught_up.next_seq,
+                caught_up.events.len()
+            ),
+            (12, 12, 0)
+        );
         let t = trim_to_cursor(batch(10, 5), &q).unwrap();
         assert_eq!(t.first_seq, 12);
         assert_eq!(t.events.len(), 3);

@@ -438,4 +438,69 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn a_follower_of_an_idle_replica_stays_fresh_and_takes_its_load() {
+        use crate::relay::tests::MemStore;
+        let store = MemStore::default();
+        let mut lead = worker("kv_load");
+        let mut follow = worker("kv_load");
+        lead.worker_id = Some(0);
+        follow.worker_id = Some(1);
+        let snap = |epoch| FeedBatch {
+            epoch,
+            resync: true,
+            more: false,
+            first_seq: 0,
+            next_seq: 0,
+            load: ReplicaLoad::default(),
+            events: vec![FeedEvent::Cleared],
+        };
+        // Both start with their own snapshots (no lease needed for a resync).
+        for (w, base) in [(&mut lead, 100), (&mut follow, 200)] {
+            let due = w.plan_polls(Some(&store), 0);
+            assert_eq!(due.len(), 2);
+            for (i, _) in due {
+                w.poll_started(i, base + i as u32, 0);
+                w.on_feed_response(
+                    base + i as u32,
+                    Some(200),
+                    Some(&snap(5).encode()),
+                    Some(&store),
+                    0,
+                );
+            }
+        }
+        // From now on only the lease holder polls; the follower reads the relay.
+        let mut t = 0;
+        for round in 1..=20u32 {
+            t += 200;
+            let polls = lead.plan_polls(Some(&store), t);
+            assert_eq!(polls.len(), 2, "round {round}: the leader polls both");
+            assert!(
+                follow.plan_polls(Some(&store), t).is_empty(),
+                "follower does not poll"
+            );
+            for (i, _) in polls {
+                let token = 1000 * round + i as u32;
+                lead.poll_started(i, token, t);
+                let mut idle = snap(5);
+                idle.resync = false;
+                idle.load.decode_blocks = round as u64;
+                idle.events.clear();
+                let r =
+                    lead.on_feed_response(token, Some(200), Some(&idle.encode()), Some(&store), t);
+                assert!(matches!(r, FeedResult::Applied { .. }), "{r:?}");
+            }
+            let got = follow.follow_relays(&store, t);
+            assert_eq!(got.len(), 2, "round {round}: one relayed batch per replica");
+            assert!(follow.check_staleness(t).is_empty(), "round {round}");
+        }
+        assert!(!follow.feeds[0].stale && !follow.feeds[1].stale);
+        assert_eq!(
+            follow.router.effective_load()[0].decode_blocks,
+            20,
+            "reported load arrives"
+        );
+    }
 }

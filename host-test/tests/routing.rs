@@ -107,16 +107,9 @@ fn kv_affinity_herds_and_kv_load_spreads() {
 /// from the relay in shared data. A request routed by a follower must match as one routed by the
 /// poller.
 ///
-/// Ignored while it fails: with two workers, worker 1 (the relay follower) sends 2 of its 6 burst
-/// requests to an idle replica with zero overlap (the leader sends all 6 of its own to the holder).
-/// Cause (filter/src/relay.rs `trim_to_cursor`): a relayed batch with nothing new is dropped whole, so
-/// the follower neither refreshes the feed's liveness (the replica turns stale after 800 ms and is
-/// routed by load only) nor the replica-reported load in it (a finished request's blocks stay in the
-/// follower's view). Returning it as an empty batch at the cursor fixes both; checked in a copy of the
-/// tree, where this test and every 2-worker variant of the routing and fault tests pass. Run with
-/// `--ignored` to check the fix.
+/// This caught a filter bug (a relayed batch with nothing new was dropped, so followers of an idle
+/// replica marked it stale and kept its old reported load); fixed in `relay::trim_to_cursor`.
 #[test]
-#[ignore = "filter bug: the relay follower intermittently routes without the relayed index"]
 fn followers_see_the_prefix_index_too() {
     let (home, per) = burst("kv_affinity", 2);
     assert_eq!(
