@@ -84,14 +84,18 @@ def free_ports(n: int) -> list[int]:
 
 
 _PR_SET_PDEATHSIG = 1
+# Resolved once here: the child between fork and exec must not load libraries (another thread of
+# this process may have held the loader's lock at the fork).
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
 
 
 def _child_setup() -> None:
     # Runs in the child between fork and exec: die with the supervisor.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 @dataclass
