@@ -43,8 +43,11 @@ struct Entry {
     /// Last time each holder was recorded, ms.
     times: [u64; MAX_HOLDERS],
     len: u8,
-    /// Time of the latest record for any holder: the eviction order key.
+    /// Time of the latest record for any holder: what expiry is judged by.
     last_ms: u64,
+    /// Stamp of the latest record: the queue record carrying it is the live one. A counter, not the
+    /// time, so records made within the same millisecond still supersede each other.
+    stamp: u64,
 }
 
 impl Entry {
@@ -52,7 +55,7 @@ impl Entry {
         (0..self.len as usize).map(|i| (self.replicas[i], self.times[i]))
     }
 
-    fn record(&mut self, r: u16, now_ms: u64) {
+    fn record(&mut self, r: u16, now_ms: u64, stamp: u64) {
         let n = self.len as usize;
         let i = match (0..n).find(|&i| self.replicas[i] == r) {
             Some(i) => i,
@@ -66,6 +69,7 @@ impl Entry {
         self.replicas[i] = r;
         self.times[i] = now_ms;
         self.last_ms = now_ms;
+        self.stamp = stamp;
     }
 
     fn forget(&mut self, r: u16) {
@@ -88,8 +92,9 @@ impl Entry {
 #[derive(Clone, Debug)]
 pub struct ApproxIndex<K: PrefixKey> {
     map: HashMap<K, Entry>,
-    /// Keys in record order with the record time; stale duplicates are skipped on eviction.
+    /// Keys in record order with their record stamp; superseded records are skipped on eviction.
     order: VecDeque<(K, u64)>,
+    next_stamp: u64,
     capacity: usize,
     ttl_ms: u64,
     evictions: u64,
@@ -100,6 +105,7 @@ impl<K: PrefixKey> ApproxIndex<K> {
         Self {
             map: HashMap::new(),
             order: VecDeque::new(),
+            next_stamp: 0,
             capacity: capacity_blocks.max(1),
             ttl_ms,
             evictions: 0,
@@ -126,22 +132,28 @@ impl<K: PrefixKey> ApproxIndex<K> {
     pub fn record(&mut self, replica: usize, keys: &[K], now_ms: u64) {
         let r = replica.min(u16::MAX as usize) as u16;
         for &k in keys {
-            self.map.entry(k).or_default().record(r, now_ms);
-            self.order.push_back((k, now_ms));
+            self.next_stamp += 1;
+            let stamp = self.next_stamp;
+            self.map.entry(k).or_default().record(r, now_ms, stamp);
+            self.order.push_back((k, stamp));
         }
         self.enforce_cap(now_ms);
     }
 
     fn enforce_cap(&mut self, now_ms: u64) {
         // Drop expired and over-cap blocks from the old end; skip queue records superseded by a later
-        // record of the same key (their time no longer matches the entry's).
-        while let Some(&(k, t)) = self.order.front() {
-            let current = self.map.get(&k).map(|e| e.last_ms);
-            if current != Some(t) {
+        // record of the same key (their stamp no longer matches the entry's).
+        while let Some(&(k, stamp)) = self.order.front() {
+            let Some(last_ms) = self
+                .map
+                .get(&k)
+                .filter(|e| e.stamp == stamp)
+                .map(|e| e.last_ms)
+            else {
                 self.order.pop_front();
                 continue;
-            }
-            let expired = now_ms.saturating_sub(t) > self.ttl_ms;
+            };
+            let expired = now_ms.saturating_sub(last_ms) > self.ttl_ms;
             if self.map.len() > self.capacity || expired {
                 self.map.remove(&k);
                 self.order.pop_front();
@@ -157,7 +169,7 @@ impl<K: PrefixKey> ApproxIndex<K> {
         if self.order.len() > 2 * self.capacity + 64 {
             let map = &self.map;
             self.order
-                .retain(|(k, t)| map.get(k).is_some_and(|e| e.last_ms == *t));
+                .retain(|(k, stamp)| map.get(k).is_some_and(|e| e.stamp == *stamp));
         }
     }
 
@@ -230,6 +242,23 @@ mod tests {
             ix.record(0, &keys(&[t % 2]), 10 + t);
         }
         assert!(ix.order.len() <= 2 * 3 + 64 + 1);
+    }
+
+    #[test]
+    fn rerecording_within_one_millisecond_keeps_the_queue_bounded() {
+        // A burst of requests sharing a prefix in the same millisecond (a frozen clock) must not let
+        // the queue of superseded records grow until compaction runs on every record.
+        let mut ix = ApproxIndex::new(64, 1_000_000);
+        let prefix: Vec<u64> = (0..32).collect();
+        for _ in 0..5_000 {
+            ix.record(1, &keys(&prefix), 7);
+        }
+        assert_eq!(ix.len(), 32);
+        assert!(
+            ix.order.len() <= 32 + 1,
+            "queue holds {} records",
+            ix.order.len()
+        );
     }
 
     #[test]
