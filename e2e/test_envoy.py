@@ -7,6 +7,7 @@ disturb the others) and stops exactly those processes afterwards.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -40,8 +41,8 @@ def new_stack(variant: str = "envoy", plugin_overrides: dict | None = None) -> S
     return s
 
 
-def send(stack: Stack, prompt: list[int], fresh: bool = True, **kw) -> Result:
-    """One request through Envoy; a fresh connection by default, so requests spread over workers."""
+def send(stack: Stack, prompt: list[int], **kw) -> Result:
+    """One request through Envoy on a fresh connection, so requests spread over Envoy's workers."""
     c = Client("127.0.0.1", stack.listen_port)
     try:
         return c.complete(prompt, **kw)
@@ -184,10 +185,15 @@ class KvsteerBehindEnvoy(unittest.TestCase):
         finally:
             for r in self.stack.replicas:
                 self.set_fault(r.endpoint, {"feed_outage": False})
+        # And when the feeds come back, routing by cache comes back.
+        time.sleep(2 * FEED_SETTLE_S)
+        again, holder = self.seed_prefix(42_000)
+        time.sleep(FEED_SETTLE_S)
+        res = send(self.stack, again + tokens(16, 42_500))
+        self.assertEqual(replica_of(self.stack, res), holder, res)
+        self.assertGreaterEqual(res.cached_tokens, 1024, res)
 
     def set_fault(self, endpoint: str, fault: dict) -> None:
-        import json
-
         host, _, port = endpoint.rpartition(":")
         c = Client(host, int(port))
         status, _, body = c.request("POST", "/admin/fault", json.dumps(fault).encode(),
