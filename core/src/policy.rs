@@ -35,13 +35,21 @@ impl HashRing {
 
     /// The replica owning `key`, or None for an empty ring.
     pub fn lookup(&self, key: &[u8]) -> Option<usize> {
+        self.lookup_where(key, |_| true)
+    }
+
+    /// The first replica accepted by `ok` clockwise from `key`'s point: when a replica is skipped,
+    /// only the keys it owned move, each to the next accepted replica on the ring.
+    pub fn lookup_where(&self, key: &[u8], ok: impl Fn(usize) -> bool) -> Option<usize> {
         if self.points.is_empty() {
             return None;
         }
         let h = xxh3_64_with_seed(key, RING_SEED);
-        let i = self.points.partition_point(|p| p.0 < h);
-        let (_, r) = self.points[if i == self.points.len() { 0 } else { i }];
-        Some(r as usize)
+        let start = self.points.partition_point(|p| p.0 < h);
+        let n = self.points.len();
+        (0..n)
+            .map(|i| self.points[(start + i) % n].1 as usize)
+            .find(|&r| ok(r))
     }
 }
 

@@ -43,6 +43,9 @@ pub struct Decision {
     pub matched_tokens: Vec<u64>,
     /// Per replica where the policy scores (lower is better); empty otherwise.
     pub costs: Vec<f64>,
+    /// A second choice for the proxy's retry (Envoy's override_host takes a list): the cheapest other
+    /// replica that is up, or the next one up when the policy does not score. None with one replica.
+    pub backup: Option<usize>,
 }
 
 /// What applying a feed batch did.
@@ -104,6 +107,9 @@ pub struct Router {
     peers: HashMap<u32, Vec<LoadTotals>>,
     reported: Vec<Option<ReplicaLoad>>,
     stale: Vec<bool>,
+    /// Replicas believed unreachable (their feed cannot even be connected to): avoided by every
+    /// policy while any other replica is up.
+    down: Vec<bool>,
     cursors: Vec<FeedCursor>,
     ring: HashRing,
     rr_next: usize,
@@ -131,6 +137,7 @@ impl Router {
             peers: HashMap::new(),
             reported: vec![None; replicas],
             stale: vec![false; replicas],
+            down: vec![false; replicas],
             cursors: vec![FeedCursor::default(); replicas],
             ring: HashRing::new(0..replicas, cfg.session_hash.virtual_nodes),
             rr_next: 0,
@@ -254,20 +261,32 @@ impl Router {
         let mut costs = Vec::new();
         let replica = match policy {
             PolicyKind::RoundRobin => {
-                let r = self.rr_next % self.replicas;
+                let mut r = self.rr_next % self.replicas;
+                for _ in 0..self.replicas {
+                    if !self.is_avoided(r) {
+                        break;
+                    }
+                    r = (r + 1) % self.replicas;
+                }
                 self.rr_next = (r + 1) % self.replicas;
                 r
             }
             PolicyKind::LeastLoad => {
                 costs = self.least_load_costs(&eff, request_blocks);
-                argmin_random_tie(&costs, &mut self.rng).unwrap_or(0)
+                self.pick_lowest(&costs)
             }
             PolicyKind::SessionHash => match req.session_key.as_deref() {
-                Some(key) => self.ring.lookup(key.as_bytes()).unwrap_or(0),
+                Some(key) => {
+                    let down = &self.down;
+                    let all_down = down.iter().all(|&d| d);
+                    self.ring
+                        .lookup_where(key.as_bytes(), |r| all_down || !down[r])
+                        .unwrap_or(0)
+                }
                 None => {
                     fallback = Some(FallbackReason::NoSessionKey);
                     costs = self.least_load_costs(&eff, request_blocks);
-                    argmin_random_tie(&costs, &mut self.rng).unwrap_or(0)
+                    self.pick_lowest(&costs)
                 }
             },
             PolicyKind::PrefixAffinity => {
@@ -283,6 +302,11 @@ impl Router {
                     }
                 }
                 let blocks = req.identity.blocks();
+                for (r, b) in m.iter_mut().enumerate() {
+                    if self.is_avoided(r) {
+                        *b = 0;
+                    }
+                }
                 let best = m.iter().copied().max().unwrap_or(0);
                 let rate = if blocks == 0 {
                     0.0
@@ -297,10 +321,10 @@ impl Router {
                         .zip(&m)
                         .map(|(&c, &b)| if b == best { c } else { f64::INFINITY })
                         .collect();
-                    argmin_random_tie(&masked, &mut self.rng).unwrap_or(0)
+                    self.pick_lowest(&masked)
                 } else {
                     fallback = Some(FallbackReason::BelowMatchThreshold);
-                    argmin_random_tie(&load_costs, &mut self.rng).unwrap_or(0)
+                    self.pick_lowest(&load_costs)
                 };
                 self.scratch_approx = m;
                 costs = load_costs;
@@ -308,7 +332,7 @@ impl Router {
             }
             PolicyKind::KvAffinity => {
                 let neg: Vec<f64> = overlap.iter().map(|o| -o).collect();
-                argmin_random_tie(&neg, &mut self.rng).unwrap_or(0)
+                self.pick_lowest(&neg)
             }
             PolicyKind::KvLoad => {
                 let k = &self.cfg.kv_load;
@@ -326,9 +350,17 @@ impl Router {
                     .collect();
                 let t = k.temperature;
                 if t > 0.0 {
-                    softmax_sample(&costs, t, &mut self.rng).unwrap_or(0)
+                    let masked = self.masked(&costs);
+                    let finite: Vec<usize> = (0..masked.len())
+                        .filter(|&r| masked[r].is_finite())
+                        .collect();
+                    let sub: Vec<f64> = finite.iter().map(|&r| masked[r]).collect();
+                    match softmax_sample(&sub, t, &mut self.rng) {
+                        Some(i) => finite[i],
+                        None => self.pick_lowest(&costs),
+                    }
                 } else {
-                    argmin_random_tie(&costs, &mut self.rng).unwrap_or(0)
+                    self.pick_lowest(&costs)
                 }
             }
         };
@@ -342,6 +374,7 @@ impl Router {
             req.prompt_tokens,
             matched_tokens[replica],
         );
+        let backup = self.backup_for(replica, &costs);
         Decision {
             replica,
             policy,
@@ -349,6 +382,38 @@ impl Router {
             prompt_tokens: req.prompt_tokens,
             matched_tokens,
             costs,
+            backup,
+        }
+    }
+
+    /// Avoided: down while some other replica is up.
+    fn is_avoided(&self, r: usize) -> bool {
+        self.down.get(r).copied().unwrap_or(false) && !self.down.iter().all(|&d| d)
+    }
+
+    /// Costs with avoided replicas priced out.
+    fn masked(&self, costs: &[f64]) -> Vec<f64> {
+        costs
+            .iter()
+            .enumerate()
+            .map(|(r, &c)| if self.is_avoided(r) { f64::INFINITY } else { c })
+            .collect()
+    }
+
+    /// The lowest cost among replicas not avoided, ties broken at random.
+    fn pick_lowest(&mut self, costs: &[f64]) -> usize {
+        let masked = self.masked(costs);
+        argmin_random_tie(&masked, &mut self.rng).unwrap_or(0)
+    }
+
+    fn backup_for(&self, chosen: usize, costs: &[f64]) -> Option<usize> {
+        let candidates = (0..self.replicas).filter(|&r| r != chosen && !self.is_avoided(r));
+        if costs.len() == self.replicas {
+            candidates.min_by(|&a, &b| costs[a].total_cmp(&costs[b]))
+        } else {
+            (1..self.replicas)
+                .map(|i| (chosen + i) % self.replicas)
+                .find(|&r| !self.is_avoided(r))
         }
     }
 
@@ -376,7 +441,8 @@ impl Router {
     pub fn route_fallback(&mut self, _now_ms: u64) -> Decision {
         let eff = self.effective_load();
         let costs = self.least_load_costs(&eff, 0.0);
-        let replica = argmin_random_tie(&costs, &mut self.rng).unwrap_or(0);
+        let replica = self.pick_lowest(&costs);
+        let backup = self.backup_for(replica, &costs);
         self.count_decision(replica, Some(FallbackReason::BodyUnreadable), 0, 0);
         Decision {
             replica,
@@ -385,6 +451,7 @@ impl Router {
             prompt_tokens: 0,
             matched_tokens: Vec::new(),
             costs,
+            backup,
         }
     }
 
@@ -513,6 +580,20 @@ impl Router {
 
     pub fn is_stale(&self, replica: usize) -> bool {
         self.stale.get(replica).copied().unwrap_or(false)
+    }
+
+    /// Marks a replica unreachable (or reachable again). Every policy avoids a down replica while any
+    /// other is up (`session_hash` moves only the down replica's sessions, to the next point on the
+    /// ring); with all replicas down, routing carries on as if none were.
+    pub fn set_down(&mut self, replica: usize, down: bool) {
+        match self.down.get_mut(replica) {
+            Some(d) => *d = down,
+            None => self.stats.bad_replica += 1,
+        }
+    }
+
+    pub fn is_down(&self, replica: usize) -> bool {
+        self.down.get(replica).copied().unwrap_or(false)
     }
 
     /// This router's tracked totals per replica (what a worker publishes to its peers).

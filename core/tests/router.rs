@@ -392,3 +392,86 @@ fn kv_load_spreads_what_kv_affinity_herds() {
     // that for long.
     assert!(spread.iter().all(|&n| (8..=12).contains(&n)), "{spread:?}");
 }
+
+#[test]
+fn down_replicas_are_avoided_by_every_policy_until_all_are_down() {
+    let tokens: Vec<u32> = (0..64).collect();
+    for policy in [
+        PolicyKind::RoundRobin,
+        PolicyKind::LeastLoad,
+        PolicyKind::SessionHash,
+        PolicyKind::PrefixAffinity,
+        PolicyKind::KvAffinity,
+        PolicyKind::KvLoad,
+    ] {
+        let mut r = Router::new(cfg(policy), 3).unwrap();
+        // Replica 1 holds the prefix (kv policies would love it) and was sent it before (prefix
+        // affinity would too); then it goes down.
+        r.apply_feed(
+            1,
+            &batch(
+                7,
+                true,
+                0,
+                vec![FeedEvent::Stored {
+                    tier: Tier::Gpu,
+                    hashes: hashes(&tokens),
+                }],
+            ),
+        );
+        let req = r
+            .read_request("/v1/completions", &body(&tokens), Some("s"))
+            .unwrap();
+        let d = r.route(&req, 0);
+        r.admit(1, &req, &d, 0);
+        r.release(1);
+        r.set_down(1, true);
+        for i in 0..30u64 {
+            let key = format!("session-{i}");
+            let req = r
+                .read_request("/v1/completions", &body(&tokens), Some(&key))
+                .unwrap();
+            let d = r.route(&req, 1);
+            assert_ne!(d.replica, 1, "{policy:?} chose a down replica");
+            assert_ne!(d.backup, Some(1), "{policy:?} offered a down backup");
+            assert!(d.backup.is_some_and(|b| b != d.replica), "{policy:?}");
+            assert_ne!(r.route_fallback(1).replica, 1, "{policy:?} fallback");
+        }
+        // Everyone down: route anyway rather than fail.
+        r.set_down(0, true);
+        r.set_down(2, true);
+        let d = r.route(&req, 2);
+        assert!(d.replica < 3);
+        r.set_down(1, false);
+        assert!(!r.is_down(1));
+    }
+}
+
+#[test]
+fn session_hash_moves_only_the_down_replicas_sessions() {
+    let mut r = Router::new(cfg(PolicyKind::SessionHash), 4).unwrap();
+    let tokens: Vec<u32> = (0..8).collect();
+    let route = |r: &mut Router, key: &str| {
+        let req = r
+            .read_request("/v1/completions", &body(&tokens), Some(key))
+            .unwrap();
+        r.route(&req, 0).replica
+    };
+    let keys: Vec<String> = (0..400).map(|i| format!("user-{i}")).collect();
+    let before: Vec<usize> = keys.iter().map(|k| route(&mut r, k)).collect();
+    r.set_down(2, true);
+    let after: Vec<usize> = keys.iter().map(|k| route(&mut r, k)).collect();
+    let mut moved = 0;
+    for (b, a) in before.iter().zip(&after) {
+        if *b == 2 {
+            assert_ne!(*a, 2);
+            moved += 1;
+        } else {
+            assert_eq!(a, b, "a session of an up replica moved");
+        }
+    }
+    assert!(moved > 40, "replica 2 owned {moved} of 400 sessions");
+    r.set_down(2, false);
+    let back: Vec<usize> = keys.iter().map(|k| route(&mut r, k)).collect();
+    assert_eq!(back, before, "sessions return when the replica is back");
+}

@@ -119,6 +119,14 @@ pub struct FilterConfig {
     /// A peer worker's published load older than this is ignored (the worker is gone).
     #[serde(default = "d_peer_ttl")]
     pub peer_ttl_ms: u64,
+    /// Destination-header mode: append the router's second choice (`IP:port,IP:port`) so Envoy's
+    /// override_host policy retries there.
+    #[serde(default = "d_true")]
+    pub retry_backup: bool,
+}
+
+fn d_true() -> bool {
+    true
 }
 
 /// A refused configuration, with a message that names the problem.

@@ -48,6 +48,7 @@ struct Metrics {
     decisions: Vec<Option<u32>>,
     feed_errors: Vec<Option<u32>>,
     feed_stale: Vec<Option<u32>>,
+    down: Vec<Option<u32>>,
     routed: Option<u32>,
     fallbacks: Option<u32>,
     matched_tokens: Option<u32>,
@@ -98,6 +99,7 @@ impl Metrics {
                 .collect(),
             feed_errors: per(Counter, "feed_errors"),
             feed_stale: per(Gauge, "feed_stale"),
+            down: per(Gauge, "down"),
             routed: define(Counter, "kvsteer_requests_routed"),
             fallbacks: define(Counter, "kvsteer_fallbacks"),
             matched_tokens: define(Counter, "kvsteer_matched_tokens"),
@@ -181,6 +183,7 @@ impl Root {
             for r in vm.worker.follow_relays(store, now) {
                 Self::report_feed(vm, &r);
             }
+            vm.worker.follow_health(store);
         }
         for replica in vm.worker.check_staleness(now) {
             let name = &vm.worker.cfg.replicas[replica].name;
@@ -216,10 +219,17 @@ impl Root {
                 replica,
                 reason,
                 became_stale,
+                became_down,
             } => {
                 inc(vm.metrics.feed_errors.get(*replica).copied().flatten(), 1);
+                let name = &vm.worker.cfg.replicas[*replica].name;
+                if *became_down {
+                    log(
+                        LogLevel::Warn,
+                        &format!("kvsteer: {name} is unreachable ({reason}); avoiding it"),
+                    );
+                }
                 if *became_stale {
-                    let name = &vm.worker.cfg.replicas[*replica].name;
                     log(
                         LogLevel::Warn,
                         &format!(
@@ -253,6 +263,7 @@ impl Root {
         m.last_resets = stats.feed_resets;
         for (i, f) in vm.worker.feeds.iter().enumerate() {
             gauge(m.feed_stale.get(i).copied().flatten(), f.stale as u64);
+            gauge(m.down.get(i).copied().flatten(), f.down as u64);
         }
     }
 }

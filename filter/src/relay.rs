@@ -122,6 +122,33 @@ pub fn unseen(
     (out, head)
 }
 
+fn health_key(prefix: &str, replica: usize) -> String {
+    format!("{prefix}:down:{replica}")
+}
+
+/// The lease holder's verdict on whether a replica is reachable: `down u8 | at_ms u64`.
+pub fn publish_health(
+    store: &dyn SharedStore,
+    prefix: &str,
+    replica: usize,
+    down: bool,
+    now_ms: u64,
+) {
+    let mut v = vec![down as u8];
+    v.extend_from_slice(&now_ms.to_le_bytes());
+    store.set(&health_key(prefix, replica), &v, None);
+}
+
+/// The last published verdict, if any.
+pub fn health(store: &dyn SharedStore, prefix: &str, replica: usize) -> Option<bool> {
+    let (v, _) = store.get(&health_key(prefix, replica))?;
+    match v.first()? {
+        0 => Some(false),
+        1 => Some(true),
+        _ => None,
+    }
+}
+
 /// Cuts from an incremental batch the events a follower at `q` already applied. `None` only for a batch
 /// that ends before the cursor (older than what was applied). A batch that ends exactly at the cursor
 /// comes back as an empty continuation: it has no new events, but it proves the feed is alive and

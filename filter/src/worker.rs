@@ -1,7 +1,7 @@
 //! One VM's routing state, free of host calls so it can be tested natively: the router, the feed
 //! pollers' state machine, and the per-request bookkeeping the stream contexts drive.
 
-use crate::config::{ConfigError, FilterConfig};
+use crate::config::{ConfigError, FilterConfig, OutputMode};
 use crate::relay::{self, SharedStore};
 use kvsteer_core::feed::FeedBatch;
 use kvsteer_core::router::{Decision, FeedOutcome, Router};
@@ -46,6 +46,11 @@ pub struct FeedState {
     pub relay_seen: u64,
     /// Batches applied from other workers' polls.
     pub relayed: u64,
+    /// Polls in a row that could not reach the replica at all (connection failure or timeout, as
+    /// opposed to an HTTP error from a live server).
+    pub consecutive_unreachable: u32,
+    /// Believed down: policies avoid it while another replica is up.
+    pub down: bool,
 }
 
 /// What a feed answer did, for logs and metrics.
@@ -59,6 +64,7 @@ pub enum FeedResult {
         replica: usize,
         reason: String,
         became_stale: bool,
+        became_down: bool,
     },
     /// A response for a token this worker does not know (late after reconfiguration): ignored.
     Unknown,
@@ -279,7 +285,10 @@ impl Worker {
         match status {
             Some(200) => {}
             Some(s) => return self.fail(replica, format!("HTTP {s}")),
-            None => return self.fail(replica, "call failed or timed out".into()),
+            None => {
+                let r = self.fail(replica, "call failed or timed out".into());
+                return self.unreachable(replica, r, store, now_ms);
+            }
         }
         let batch = match FeedBatch::decode(body.unwrap_or_default()) {
             Ok(b) => b,
@@ -287,12 +296,75 @@ impl Worker {
         };
         let outcome = self.router.apply_feed(replica, &batch);
         self.feed_ok(replica, now_ms, batch.more);
+        self.set_down(replica, false, store, now_ms);
         if let (Some(store), Some(bytes), true) = (store, body, self.feeds[replica].leased) {
             let n = relay::publish(store, &self.cfg.shared_key_prefix, replica, bytes);
             // Our own batch: followers apply it, we already did.
             self.feeds[replica].relay_seen = n;
         }
         FeedResult::Applied { replica, outcome }
+    }
+
+    /// A poll that could not reach the replica: after `stale_after_failures` in a row it is down, and
+    /// the lease holder tells the other workers through shared data.
+    fn unreachable(
+        &mut self,
+        replica: usize,
+        mut result: FeedResult,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> FeedResult {
+        let limit = self.cfg.stale_after_failures;
+        let Some(f) = self.feeds.get_mut(replica) else {
+            return result;
+        };
+        f.consecutive_unreachable = f.consecutive_unreachable.saturating_add(1);
+        if f.consecutive_unreachable >= limit && !f.down {
+            self.set_down(replica, true, store, now_ms);
+            if let FeedResult::Failed { became_down, .. } = &mut result {
+                *became_down = true;
+            }
+        }
+        result
+    }
+
+    fn set_down(
+        &mut self,
+        replica: usize,
+        down: bool,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) {
+        let Some(f) = self.feeds.get_mut(replica) else {
+            return;
+        };
+        if !down {
+            f.consecutive_unreachable = 0;
+        }
+        let changed = f.down != down;
+        f.down = down;
+        let leased = f.leased;
+        if changed {
+            self.router.set_down(replica, down);
+        }
+        if let (Some(store), true) = (store, leased) {
+            relay::publish_health(store, &self.cfg.shared_key_prefix, replica, down, now_ms);
+        }
+    }
+
+    /// Takes the lease holders' word on which replicas are down, for the feeds this worker follows.
+    pub fn follow_health(&mut self, store: &dyn SharedStore) {
+        for i in 0..self.feeds.len() {
+            if self.feeds[i].leased {
+                continue;
+            }
+            if let Some(down) = relay::health(store, &self.cfg.shared_key_prefix, i)
+                && down != self.feeds[i].down
+            {
+                self.feeds[i].down = down;
+                self.router.set_down(i, down);
+            }
+        }
     }
 
     fn fail(&mut self, replica: usize, reason: String) -> FeedResult {
@@ -311,15 +383,24 @@ impl Worker {
             replica,
             reason,
             became_stale,
+            became_down: false,
         }
     }
 
-    /// The value to write for the chosen replica, per output mode.
-    pub fn destination(&self, d: &Decision) -> &str {
-        let r = &self.cfg.replicas[d.replica.min(self.cfg.replicas.len() - 1)];
+    /// The value to write for the chosen replica, per output mode. With the destination header and
+    /// `retry_backup`, the router's second choice follows after a comma: Envoy's override_host policy
+    /// tries the listed hosts in order on retries, so a request whose replica just died is retried on
+    /// the next best one rather than wherever the fallback policy lands.
+    pub fn destination(&self, d: &Decision) -> String {
+        let last = self.cfg.replicas.len() - 1;
+        let r = &self.cfg.replicas[d.replica.min(last)];
         match self.cfg.output {
-            crate::config::OutputMode::ClusterHeader => r.cluster.as_deref().unwrap_or(&r.endpoint),
-            _ => &r.endpoint,
+            OutputMode::ClusterHeader => r.cluster.clone().unwrap_or_else(|| r.endpoint.clone()),
+            OutputMode::NginxVariable => r.endpoint.clone(),
+            OutputMode::DestinationHeader => match d.backup.filter(|_| self.cfg.retry_backup) {
+                Some(b) => format!("{},{}", r.endpoint, self.cfg.replicas[b.min(last)].endpoint),
+                None => r.endpoint.clone(),
+            },
         }
     }
 }
@@ -502,5 +583,91 @@ mod tests {
             20,
             "reported load arrives"
         );
+    }
+
+    #[test]
+    fn unreachable_replicas_go_down_http_errors_only_stale() {
+        use crate::relay::tests::MemStore;
+        let store = MemStore::default();
+        let mut w = worker("kv_load");
+        let mut follower = worker("kv_load");
+        w.worker_id = Some(0);
+        follower.worker_id = Some(1);
+        // Make worker 0 the lease holder of both feeds.
+        for f in &mut w.feeds {
+            f.leased = true;
+        }
+        let mut token = 0;
+        let mut poll = |w: &mut Worker, replica: usize, status: Option<u16>, t: u64| {
+            token += 1;
+            w.poll_started(replica, token, t);
+            w.on_feed_response(token, status, None, Some(&store), t)
+        };
+        // Replica 1 answers HTTP 503 (feed outage on a live server): stale, never down.
+        for t in 0..4 {
+            poll(&mut w, 1, Some(503), t * 200);
+        }
+        assert!(w.feeds[1].stale && !w.feeds[1].down);
+        // Replica 0 cannot be reached: down after two (stale_after_failures) in a row.
+        let r = poll(&mut w, 0, None, 0);
+        assert!(matches!(
+            r,
+            FeedResult::Failed {
+                became_down: false,
+                ..
+            }
+        ));
+        let r = poll(&mut w, 0, None, 200);
+        assert!(
+            matches!(
+                r,
+                FeedResult::Failed {
+                    became_down: true,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert!(w.router.is_down(0));
+        for id in 0..20 {
+            let d = w.route_body(id, "/v1/completions", br#"{"prompt":[1,2,3]}"#, None, 300);
+            assert_eq!(d.replica, 1, "the down replica is avoided");
+            assert_eq!(
+                w.destination(&d),
+                "127.0.0.1:8001",
+                "no down backup offered"
+            );
+        }
+        // The follower learns it from shared data.
+        follower.follow_health(&store);
+        assert!(follower.router.is_down(0) && !follower.router.is_down(1));
+        // Back: one good answer brings it up, for both.
+        let mut snap = FeedBatch {
+            epoch: 1,
+            resync: true,
+            more: false,
+            first_seq: 0,
+            next_seq: 0,
+            load: ReplicaLoad::default(),
+            events: vec![FeedEvent::Cleared],
+        };
+        snap.events.clear();
+        w.poll_started(0, 99, 400);
+        w.on_feed_response(99, Some(200), Some(&snap.encode()), Some(&store), 400);
+        assert!(!w.router.is_down(0));
+        follower.follow_health(&store);
+        assert!(!follower.router.is_down(0));
+    }
+
+    #[test]
+    fn the_destination_header_lists_a_backup_for_retries() {
+        let mut w = worker("kv_load");
+        let d = w.route_body(1, "/v1/completions", br#"{"prompt":[1,2,3]}"#, None, 0);
+        let v = w.destination(&d);
+        let parts: Vec<&str> = v.split(',').collect();
+        assert_eq!(parts.len(), 2, "{v}");
+        assert_ne!(parts[0], parts[1]);
+        w.cfg.retry_backup = false;
+        assert!(!w.destination(&d).contains(','));
     }
 }
