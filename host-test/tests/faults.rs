@@ -23,7 +23,10 @@ fn assert_routed_safely(h: &Harness, id: u64) {
     if let Some(d) = r.upstream_header("x-gateway-destination-endpoint") {
         // The filter writes its choice and a backup for retries: every entry must be a replica.
         for entry in d.split(',') {
-            assert_ne!(entry, SPOOF, "the client's destination reached the upstream");
+            assert_ne!(
+                entry, SPOOF,
+                "the client's destination reached the upstream"
+            );
             assert!(
                 h.replica_of_endpoint(entry).is_some(),
                 "unknown destination {entry} in {d}"
@@ -268,7 +271,11 @@ fn an_unreachable_replica_is_avoided_by_both_workers_until_it_answers_again() {
     h.run_until_idle(IDLE).unwrap();
     for id in &ids {
         let r = h.record(*id).unwrap();
-        assert_ne!(r.replica, Some(home), "sent to the unreachable replica: {r:?}");
+        assert_ne!(
+            r.replica,
+            Some(home),
+            "sent to the unreachable replica: {r:?}"
+        );
         assert_routed_safely(&h, *id);
     }
     // Meanwhile another replica took the prefix too, so after recovery the two tie on overlap: the
