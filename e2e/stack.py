@@ -185,6 +185,8 @@ class Stack:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvsteer-e2e-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.procs: list[Proc] = []
+        # Every process ever started here, also those stopped early (their logs are still read).
+        self.procs_seen: list[Proc] = []
         self.replicas: list[Replica] = []
         self.envoy: Proc | None = None
         self.listen_port = 0
@@ -220,6 +222,7 @@ class Stack:
         f.close()
         proc = Proc(what, popen, log)
         self.procs.append(proc)
+        self.procs_seen.append(proc)
 
         def pump() -> None:
             # Copy stdout to the log too, keeping lines for readiness checks.
@@ -367,6 +370,22 @@ class Stack:
             self.wait_feeds()
         self.say(f"envoy ({variant}): listen 127.0.0.1:{self.listen_port}, "
                  f"admin 127.0.0.1:{self.admin_port}")
+
+    def vm_failures(self) -> list[str]:
+        """Lines of every Envoy log this stack wrote that tell of a wasm VM failing: a Rust panic
+        (logged by the SDK's panic hook), a trap, or anything at critical level. FAIL_OPEN keeps such
+        a failure invisible to clients, so the tests look for it here."""
+        bad = []
+        for p in self.procs_seen:
+            if not p.what.startswith("envoy"):
+                continue
+            try:
+                text = p.log.read_text(errors="replace")
+            except OSError:
+                continue
+            bad.extend(line for line in text.splitlines()
+                       if "[critical]" in line or "panicked" in line or "Uncaught" in line)
+        return bad
 
     def admin(self, path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as r:

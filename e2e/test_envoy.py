@@ -75,7 +75,10 @@ class KvsteerBehindEnvoy(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls) -> None:
+        failures = cls.stack.vm_failures()
         cls.stack.close()
+        if failures:
+            raise AssertionError("the filter's VM failed:\n" + "\n".join(failures[:10]))
 
     def seed_prefix(self, seed: int, n: int = 1024) -> tuple[list[int], str]:
         """Sends a fresh prefix once; returns it and the replica that now caches it."""
@@ -239,6 +242,7 @@ class BusyReplicaAvoided(unittest.TestCase):
                     self.assertTrue(res.ok, res)
                     landed.append(replica_of(stack, res))
                 self.assertNotIn(busy.name, landed, landed)
+                self.assertEqual(stack.vm_failures(), [])
             finally:
                 stack.close()  # ends the loaders' streams
 
@@ -288,6 +292,7 @@ class ReplicaKilledMidRun(unittest.TestCase):
             after = [r for r in results[before_kill:] if r.ok]
             self.assertGreater(len(after), 10, "traffic kept flowing after the kill")
             self.assertGreater(retries, 0, "Envoy retried the requests the dead replica lost")
+            self.assertEqual(stack.vm_failures(), [])
 
 
     # Known gap, reported to the filter's owner: a dead replica reports no load, so kv_load keeps
@@ -342,7 +347,10 @@ class EnvoyVariants(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls) -> None:
+        failures = cls.stack.vm_failures()
         cls.stack.close()
+        if failures:
+            raise AssertionError("the filter's VM failed:\n" + "\n".join(failures[:10]))
 
     def with_envoy(self, variant: str, **kw) -> None:
         if self.stack.envoy is not None:
