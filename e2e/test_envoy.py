@@ -105,11 +105,9 @@ class KvsteerBehindEnvoy(unittest.TestCase):
 
     # A replica whose cache has not changed for a while must still count as holding its blocks. The
     # worker that polls a feed relays every batch, including empty ones that only carry the replica's
-    # load; the other workers must take those as proof of a live feed. (Filter at 85ac16e:
-    # relay::trim_to_cursor drops an empty batch that sits exactly at the follower's cursor, so after
-    # (stale_after_failures + 1) feed periods, 800 ms, followers mark the feed stale and route on load
-    # alone; measured 20 misses in 108 follow-ups after a 2 s pause. Keeping batches whose next_seq
-    # equals the cursor, as empty continuations, fixes it.)
+    # load; the other workers must take those as proof of a live feed. (Before 785d5e6 they skipped
+    # them, marked the feed stale after 800 ms and routed on load alone: 20 misses in 108 follow-ups
+    # after a 2 s pause.)
     def test_the_cache_view_survives_an_idle_gap(self):
         prefix, holder = self.seed_prefix(15_000)
         for k in range(6):
