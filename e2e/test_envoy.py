@@ -293,15 +293,10 @@ class ReplicaKilledMidRun(unittest.TestCase):
             self.assertEqual(stack.vm_failures(), [])
 
 
-    # Known gap, reported to the filter's owner: a dead replica reports no load, so kv_load keeps
-    # choosing it (it looks idle) long after Envoy's health checks ejected it; every such request costs
-    # a failed connection and a retry (here a refused connection, cheap on loopback; on a network a
-    # connect timeout). The filter marks a replica down when a feed poll completes without a status,
-    # but Envoy answers a callout to a host that refuses connections with a 503 local reply
-    # ("upstream connect error or disconnect/reset before headers"), so it never does (docs/envoy.md,
-    # known limits). Remove the decorator once fixed: unittest reports the unexpected success as a
-    # failure.
-    @unittest.expectedFailure
+    # A dead replica reports no load, so a load-aware policy would keep choosing it (it looks idle).
+    # Envoy answers the filter's feed callout to a host that refuses connections with its own 503
+    # ("upstream connect error ..."); the filter reads that as unreachable and, after
+    # stale_after_failures polls, avoids the replica (filter/src/worker.rs, proxy_could_not_connect).
     def test_a_dead_replica_stops_being_chosen(self):
         with new_stack("envoy") as stack:
             victim = stack.replicas[2]

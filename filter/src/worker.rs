@@ -16,6 +16,20 @@ pub fn is_inference_path(path: &[u8]) -> bool {
     INFERENCE_PATHS.iter().any(|p| p.as_bytes() == path)
 }
 
+/// Whether a callout's answer is the proxy saying it could not reach the replica, rather than the
+/// replica answering. Envoy 1.40 reports a refused or reset connection to a `dispatch_http_call` as
+/// its own 503 (`upstream connect error or disconnect/reset before headers ...`), a cluster without a
+/// healthy host as 503 `no healthy upstream`, and an upstream timeout as 504 `upstream request
+/// timeout`; a live replica's own errors never start with these phrases.
+pub fn proxy_could_not_connect(status: u16, body: Option<&[u8]>) -> bool {
+    const MARKERS: [&[u8]; 3] = [
+        b"upstream connect error",
+        b"no healthy upstream",
+        b"upstream request timeout",
+    ];
+    matches!(status, 503 | 504) && body.is_some_and(|b| MARKERS.iter().any(|m| b.starts_with(m)))
+}
+
 /// Why a request was routed without reading its body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BodyFallback {
@@ -284,6 +298,13 @@ impl Worker {
         }
         match status {
             Some(200) => {}
+            Some(s) if proxy_could_not_connect(s, body) => {
+                let r = self.fail(
+                    replica,
+                    format!("HTTP {s} from the proxy: replica unreachable"),
+                );
+                return self.unreachable(replica, r, store, now_ms);
+            }
             Some(s) => return self.fail(replica, format!("HTTP {s}")),
             None => {
                 let r = self.fail(replica, "call failed or timed out".into());
@@ -669,5 +690,30 @@ mod tests {
         assert_ne!(parts[0], parts[1]);
         w.cfg.retry_backup = false;
         assert!(!w.destination(&d).contains(','));
+    }
+
+    #[test]
+    fn envoy_local_replies_for_unreachable_hosts_mean_down() {
+        let envoy_503 = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
+        assert!(proxy_could_not_connect(503, Some(envoy_503)));
+        assert!(proxy_could_not_connect(503, Some(b"no healthy upstream")));
+        assert!(proxy_could_not_connect(
+            504,
+            Some(b"upstream request timeout")
+        ));
+        // The replica's own feed outage: stale, not down.
+        assert!(!proxy_could_not_connect(
+            503,
+            Some(br#"{"error":{"message":"feed outage"}}"#)
+        ));
+        assert!(!proxy_could_not_connect(500, Some(envoy_503)));
+        assert!(!proxy_could_not_connect(503, None));
+
+        let mut w = worker("kv_load");
+        for t in 0..2 {
+            w.poll_started(0, 50 + t, t as u64 * 200);
+            w.on_feed_response(50 + t, Some(503), Some(envoy_503), None, t as u64 * 200);
+        }
+        assert!(w.router.is_down(0) && w.feeds[0].down);
     }
 }
