@@ -1,0 +1,1 @@
+//! The routing core as a component (issue 8).

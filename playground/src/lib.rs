@@ -1,0 +1,1 @@
+//! Browser playground (issue 8).

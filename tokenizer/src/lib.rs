@@ -1,0 +1,1 @@
+//! Engine-exact tokenization (issue 7).
