@@ -16,5 +16,5 @@ pub mod router;
 
 pub use config::{ConfigError, PolicyKind, RoutingConfig};
 pub use load::LoadTotals;
-pub use request::{PromptIdentity, RequestError, RouteRequest};
+pub use request::{ChatTurn, PromptIdentity, PromptTokenizer, RequestError, RouteRequest};
 pub use router::{Decision, FallbackReason, FeedOutcome, Router, RouterStats};

@@ -3,7 +3,9 @@
 //! truncated, non-UTF-8 or oversized is a typed [`RequestError`], never a panic.
 //!
 //! Prompt identity: token-id prompts get the exact (Dynamo) identity and can be matched against the
-//! engines' KV feed; text prompts get the approximate text identity until a tokenizer lands. For
+//! engines' KV feed. Text prompts get the exact identity too when a [`PromptTokenizer`] is given (the
+//! `kvsteer-tokenizer` crate renders the chat template and tokenizes as the engine does); without one,
+//! or when it declines a prompt, they get the approximate text identity. For
 //! `/v1/completions` with a batch of prompts, the identity is the first prompt's and the token count is
 //! the sum over all of them. For `/v1/chat/completions` the text is each message's role and text parts,
 //! framed so that the same conversation prefix gives the same chunks; non-text parts are skipped.
@@ -220,6 +222,30 @@ struct Message {
     role: Option<String>,
     #[serde(default)]
     content: Option<Content>,
+    /// Only its presence matters: a tokenizer cannot render tool calls it does not read.
+    #[serde(default)]
+    tool_calls: Option<serde::de::IgnoredAny>,
+}
+
+/// One chat message as a [`PromptTokenizer`] sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatTurn<'a> {
+    pub role: Option<&'a str>,
+    /// The text (a string content is one part; text parts of a list in order).
+    pub parts: Vec<&'a str>,
+    /// The content had parts that are not text (images, audio): the engine's tokens for them are unknown.
+    pub non_text: bool,
+    /// The message carries `tool_calls`.
+    pub tool_calls: bool,
+}
+
+/// Turns text prompts into the engine's token ids. Returning None means "cannot do it exactly": the
+/// request then gets the approximate identity (the implementation counts why).
+pub trait PromptTokenizer {
+    /// A `/v1/completions` text prompt.
+    fn tokenize_text(&mut self, text: &str) -> Option<Vec<u32>>;
+    /// A `/v1/chat/completions` conversation, chat template included.
+    fn tokenize_chat(&mut self, turns: &[ChatTurn<'_>]) -> Option<Vec<u32>>;
 }
 
 /// The fields read; everything else in the body is ignored (clients send many more).
@@ -263,6 +289,18 @@ pub fn read_request(
     block_size: usize,
     max_body_bytes: usize,
 ) -> Result<RouteRequest, RequestError> {
+    read_request_with(path, body, session_key, block_size, max_body_bytes, None)
+}
+
+/// [`read_request`] with a tokenizer for text prompts.
+pub fn read_request_with(
+    path: &str,
+    body: &[u8],
+    session_key: Option<&str>,
+    block_size: usize,
+    max_body_bytes: usize,
+    mut tokenizer: Option<&mut dyn PromptTokenizer>,
+) -> Result<RouteRequest, RequestError> {
     if body.len() > max_body_bytes {
         return Err(RequestError::TooLarge {
             len: body.len(),
@@ -304,12 +342,34 @@ pub fn read_request(
                 .map_err(bad_size)?
                 .namespaced(None, b.cache_salt.as_deref());
             let texter = TextHasher::new(block_size).map_err(bad_size)?;
+            let mut exact_text = |s: &str| {
+                tokenizer
+                    .as_deref_mut()
+                    .and_then(|t| t.tokenize_text(s))
+                    .map(|ids| (ids.len() as u64, hasher.sequence_hashes(&ids)))
+            };
             match p {
-                Prompt::Text(s) => text_identity(&texter, &[s.as_str()]),
+                Prompt::Text(s) => match exact_text(&s) {
+                    Some((n, h)) => (n, PromptIdentity::Exact(h)),
+                    None => text_identity(&texter, &[s.as_str()]),
+                },
                 Prompt::Texts(v) => {
                     let first = v
                         .first()
                         .ok_or(RequestError::BadPrompt("empty prompt list"))?;
+                    if let Some((n, h)) = exact_text(first) {
+                        // The batch's size is the first prompt's exact count plus the rest estimated.
+                        let rest: usize = v[1..].iter().map(|s| s.chars().count()).sum();
+                        return Ok(finish(
+                            endpoint,
+                            b.model,
+                            b.stream,
+                            b.max_completion_tokens.or(b.max_tokens),
+                            session_key,
+                            n + TextHasher::approx_tokens(rest) as u64,
+                            PromptIdentity::Exact(h),
+                        ));
+                    }
                     let (_, id) = text_identity(&texter, &[first.as_str()]);
                     let chars: usize = v.iter().map(|s| s.chars().count()).sum();
                     (TextHasher::approx_tokens(chars) as u64, id)
@@ -330,41 +390,107 @@ pub fn read_request(
                 }
             }
         }
-        (Endpoint::ChatCompletions, _, Some(msgs)) => {
-            let texter = TextHasher::new(block_size).map_err(bad_size)?;
-            let mut parts: Vec<&str> = Vec::with_capacity(msgs.len() * 4);
-            for m in &msgs {
-                parts.push("<|");
-                parts.push(m.role.as_deref().unwrap_or(""));
-                parts.push("|>");
-                match &m.content {
-                    Some(Content::Text(s)) => parts.push(s),
-                    Some(Content::Parts(ps)) => {
-                        for p in ps {
-                            if p.kind.as_deref().is_none_or(|k| k == "text")
-                                && let Some(t) = &p.text
-                            {
-                                parts.push(t);
-                            }
-                        }
-                    }
-                    None => {}
+        (Endpoint::ChatCompletions, _, Some(msgs)) if tokenizer.is_some() => {
+            let turns: Vec<ChatTurn> = msgs.iter().map(chat_turn).collect();
+            let exact = tokenizer.and_then(|t| t.tokenize_chat(&turns));
+            match exact {
+                Some(ids) => {
+                    let hasher = BlockHasher::new(block_size)
+                        .map_err(bad_size)?
+                        .namespaced(None, b.cache_salt.as_deref());
+                    (
+                        ids.len() as u64,
+                        PromptIdentity::Exact(hasher.sequence_hashes(&ids)),
+                    )
                 }
-                parts.push("\n");
+                None => chat_text_identity(block_size, &msgs)?,
             }
-            text_identity(&texter, &parts)
         }
+        (Endpoint::ChatCompletions, _, Some(msgs)) => chat_text_identity(block_size, &msgs)?,
         _ => return Err(RequestError::MissingPrompt),
     };
-    Ok(RouteRequest {
+    Ok(finish(
         endpoint,
-        model: b.model,
-        stream: b.stream.unwrap_or(false),
-        output_hint: b.max_completion_tokens.or(b.max_tokens),
+        b.model,
+        b.stream,
+        b.max_completion_tokens.or(b.max_tokens),
+        session_key,
+        prompt_tokens,
+        identity,
+    ))
+}
+
+fn finish(
+    endpoint: Endpoint,
+    model: Option<String>,
+    stream: Option<bool>,
+    output_hint: Option<u64>,
+    session_key: Option<&str>,
+    prompt_tokens: u64,
+    identity: PromptIdentity,
+) -> RouteRequest {
+    RouteRequest {
+        endpoint,
+        model,
+        stream: stream.unwrap_or(false),
+        output_hint,
         session_key: session_key.map(str::to_string),
         prompt_tokens,
         identity,
-    })
+    }
+}
+
+fn chat_turn(m: &Message) -> ChatTurn<'_> {
+    let mut parts = Vec::new();
+    let mut non_text = false;
+    match &m.content {
+        Some(Content::Text(s)) => parts.push(s.as_str()),
+        Some(Content::Parts(ps)) => {
+            for p in ps {
+                match (p.kind.as_deref(), &p.text) {
+                    (None | Some("text"), Some(t)) => parts.push(t.as_str()),
+                    _ => non_text = true,
+                }
+            }
+        }
+        None => {}
+    }
+    ChatTurn {
+        role: m.role.as_deref(),
+        parts,
+        non_text,
+        tool_calls: m.tool_calls.is_some(),
+    }
+}
+
+/// The approximate identity of a conversation: each message's role and text parts, framed.
+fn chat_text_identity(
+    block_size: usize,
+    msgs: &[Message],
+) -> Result<(u64, PromptIdentity), RequestError> {
+    let texter =
+        TextHasher::new(block_size).map_err(|_| RequestError::BadPrompt("invalid block size"))?;
+    let mut parts: Vec<&str> = Vec::with_capacity(msgs.len() * 4);
+    for m in msgs {
+        parts.push("<|");
+        parts.push(m.role.as_deref().unwrap_or(""));
+        parts.push("|>");
+        match &m.content {
+            Some(Content::Text(s)) => parts.push(s),
+            Some(Content::Parts(ps)) => {
+                for p in ps {
+                    if p.kind.as_deref().is_none_or(|k| k == "text")
+                        && let Some(t) = &p.text
+                    {
+                        parts.push(t);
+                    }
+                }
+            }
+            None => {}
+        }
+        parts.push("\n");
+    }
+    Ok(text_identity(&texter, &parts))
 }
 
 /// Finds a top-level `"prompt"` whose value is a flat array of token ids. Returns the ids and the body

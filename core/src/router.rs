@@ -16,7 +16,9 @@ use crate::feed::{CursorVerdict, FeedBatch, FeedCursor, FeedEvent, FeedQuery, Re
 use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
 use crate::load::{LoadTable, LoadTotals};
 use crate::policy::{HashRing, argmin_random_tie, softmax_sample};
-use crate::request::{PromptIdentity, RequestError, RouteRequest, read_request};
+use crate::request::{
+    PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request, read_request_with,
+};
 use crate::rng::SplitMix64;
 
 /// Why a decision did not come from the configured policy's first choice.
@@ -174,6 +176,24 @@ impl Router {
             session_key,
             self.cfg.block_size,
             self.cfg.max_body_bytes,
+        )
+    }
+
+    /// [`Router::read_request`] with a tokenizer for text prompts (exact identity when it can).
+    pub fn read_request_with(
+        &self,
+        path: &str,
+        body: &[u8],
+        session_key: Option<&str>,
+        tokenizer: Option<&mut dyn PromptTokenizer>,
+    ) -> Result<RouteRequest, RequestError> {
+        read_request_with(
+            path,
+            body,
+            session_key,
+            self.cfg.block_size,
+            self.cfg.max_body_bytes,
+            tokenizer,
         )
     }
 
