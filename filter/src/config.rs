@@ -123,6 +123,10 @@ pub struct FilterConfig {
     /// override_host policy retries there.
     #[serde(default = "d_true")]
     pub retry_backup: bool,
+    /// Tokenize text prompts as the engine does (chat template + BPE) for the exact KV identity.
+    /// Absent: text prompts keep the approximate identity (see docs/tokenizer.md).
+    #[serde(default)]
+    pub tokenizer: Option<kvsteer_tokenizer::TokenizerConfig>,
 }
 
 fn d_true() -> bool {

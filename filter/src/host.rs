@@ -61,6 +61,52 @@ struct Metrics {
     last_evictions: u64,
     last_anomalies: u64,
     last_resets: u64,
+    tokenizer: Option<TokenizerMetrics>,
+}
+
+/// Tokenizer counters (defined only when a tokenizer is configured).
+#[derive(Default)]
+struct TokenizerMetrics {
+    exact: Option<u32>,
+    fallbacks: Vec<Option<u32>>,
+    cache_hits: Option<u32>,
+    cache_misses: Option<u32>,
+    cache_tokens: Option<u32>,
+    last: kvsteer_tokenizer::TokenizerStats,
+}
+
+impl TokenizerMetrics {
+    fn define() -> TokenizerMetrics {
+        use MetricType::{Counter, Gauge};
+        TokenizerMetrics {
+            exact: define(Counter, "kvsteer_tokenizer_exact"),
+            fallbacks: kvsteer_tokenizer::FallbackReason::ALL
+                .iter()
+                .map(|r| define(Counter, &format!("kvsteer_tokenizer_fallback_{}", r.name())))
+                .collect(),
+            cache_hits: define(Counter, "kvsteer_tokenizer_cache_hits"),
+            cache_misses: define(Counter, "kvsteer_tokenizer_cache_misses"),
+            cache_tokens: define(Gauge, "kvsteer_tokenizer_cache_tokens"),
+            last: Default::default(),
+        }
+    }
+
+    fn update(&mut self, now: kvsteer_tokenizer::TokenizerStats) {
+        inc(self.exact, now.exact.saturating_sub(self.last.exact));
+        for (i, id) in self.fallbacks.iter().enumerate() {
+            inc(*id, now.fallbacks[i].saturating_sub(self.last.fallbacks[i]));
+        }
+        inc(
+            self.cache_hits,
+            now.cache_hits.saturating_sub(self.last.cache_hits),
+        );
+        inc(
+            self.cache_misses,
+            now.cache_misses.saturating_sub(self.last.cache_misses),
+        );
+        gauge(self.cache_tokens, now.cache_tokens);
+        self.last = now;
+    }
 }
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
@@ -109,6 +155,7 @@ impl Metrics {
             index_evictions: define(Counter, "kvsteer_index_evictions"),
             release_anomalies: define(Counter, "kvsteer_release_anomalies"),
             feed_resets: define(Counter, "kvsteer_feed_resets"),
+            tokenizer: cfg.tokenizer.as_ref().map(|_| TokenizerMetrics::define()),
             ..Metrics::default()
         }
     }
@@ -261,6 +308,9 @@ impl Root {
             stats.feed_resets.saturating_sub(m.last_resets),
         );
         m.last_resets = stats.feed_resets;
+        if let (Some(tm), Some(t)) = (m.tokenizer.as_mut(), vm.worker.tokenizer.as_ref()) {
+            tm.update(t.stats());
+        }
         for (i, f) in vm.worker.feeds.iter().enumerate() {
             gauge(m.feed_stale.get(i).copied().flatten(), f.stale as u64);
             gauge(m.down.get(i).copied().flatten(), f.down as u64);

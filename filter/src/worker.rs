@@ -4,7 +4,9 @@
 use crate::config::{ConfigError, FilterConfig, OutputMode};
 use crate::relay::{self, SharedStore};
 use kvsteer_core::feed::FeedBatch;
+use kvsteer_core::request::PromptTokenizer;
 use kvsteer_core::router::{Decision, FeedOutcome, Router};
+use kvsteer_tokenizer::TextTokenizer;
 use std::collections::HashMap;
 
 /// Request paths the filter routes; everything else passes through untouched.
@@ -96,6 +98,8 @@ pub struct Worker {
     /// This worker's number among the proxy's workers; `None` without shared data.
     pub worker_id: Option<u32>,
     started_ms: Option<u64>,
+    /// Text-prompt tokenizer, when configured.
+    pub tokenizer: Option<TextTokenizer>,
 }
 
 impl Worker {
@@ -103,7 +107,14 @@ impl Worker {
         let router = Router::new(cfg.routing.clone(), cfg.replicas.len())
             .map_err(|e| ConfigError(format!("routing: {e}")))?;
         let feeds = vec![FeedState::default(); cfg.replicas.len()];
+        let tokenizer = match &cfg.tokenizer {
+            Some(t) => {
+                Some(TextTokenizer::new(t).map_err(|e| ConfigError(format!("tokenizer.{e}")))?)
+            }
+            None => None,
+        };
         Ok(Worker {
+            tokenizer,
             cfg,
             router,
             feeds,
@@ -127,7 +138,11 @@ impl Worker {
         if body.len() > self.cfg.routing.max_body_bytes {
             return self.route_fallback(request_id, BodyFallback::TooLarge, body.len(), now_ms);
         }
-        match self.router.read_request(path, body, session) {
+        let tok = self
+            .tokenizer
+            .as_mut()
+            .map(|t| t as &mut dyn PromptTokenizer);
+        match self.router.read_request_with(path, body, session, tok) {
             Ok(req) => {
                 let d = self.router.route(&req, now_ms);
                 self.router.admit(request_id, &req, &d, now_ms);
@@ -523,6 +538,35 @@ mod tests {
         assert_eq!(w.body_fallbacks[BodyFallback::Unreadable as usize], 2);
         assert!(w.router.release(1));
         assert!(w.router.release(2));
+    }
+
+    #[test]
+    fn a_configured_tokenizer_gives_chat_prompts_exact_token_counts() {
+        let json = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}],
+            "tokenizer":{"vocabulary":"o200k_harmony","chat_template":"kvsteer_sim"}}"#;
+        let mut w = Worker::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
+        let body = br#"{"messages":[{"role":"user","content":"hello world"}]}"#;
+        let d = w.route_body(1, "/v1/chat/completions", body, None, 0);
+        // <|start|> user \n hello world <|end|> \n <|start|> assistant \n
+        assert_eq!(d.prompt_tokens, 10);
+        let t = w.tokenizer.as_ref().unwrap().stats();
+        assert_eq!(t.exact, 1);
+        let d = w.route_body(
+            2,
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"x"}]}"#,
+            None,
+            0,
+        );
+        assert!(d.fallback.is_none());
+        assert_eq!(w.tokenizer.as_ref().unwrap().stats().fallbacks[1], 1);
+        // Without the section nothing changes: no tokenizer.
+        assert!(worker("kv_load").tokenizer.is_none());
+        let bad = json.replace("kvsteer_sim", "nope");
+        let e = Worker::new(FilterConfig::from_json(bad.as_bytes()).unwrap()).err();
+        assert!(e.unwrap().0.contains("tokenizer.chat_template"));
+        let typo = json.replace("\"vocabulary\"", "\"vocab\"");
+        assert!(FilterConfig::from_json(typo.as_bytes()).is_err());
     }
 
     #[test]
