@@ -4,6 +4,7 @@
 //! kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] [--seed S]
 //!     [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192]
 //!     [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]
+//!     [--tokenizer stand_in|o200k_harmony|o200k_base]
 //! ```
 //! Replica i listens on port P+i and is named `<prefix><i>`; one line `ready <name> <host>:<port>` is
 //! printed per replica once it listens. The process runs until killed.
@@ -16,7 +17,8 @@ use std::process::ExitCode;
 
 const USAGE: &str = "usage: kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] \
 [--seed S] [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192] \
-[--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]";
+[--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r] \
+[--tokenizer stand_in|o200k_harmony|o200k_base]";
 
 fn parse<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String> {
     let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
@@ -63,6 +65,11 @@ fn run() -> Result<(), String> {
             }
             "--model" => cfg.model = parse(&flag, v)?,
             "--name-prefix" => prefix = parse(&flag, v)?,
+            "--tokenizer" => {
+                let kind: kvsteer_sim::tokenize::TokenizerKind =
+                    v.ok_or("--tokenizer needs a value")?.parse()?;
+                kvsteer_sim::tokenize::select(kind)?;
+            }
             _ => return Err(format!("unknown flag {flag:?}\n{USAGE}")),
         }
     }
