@@ -1,0 +1,114 @@
+"""End-to-end: exact routing for chat prompts through a real Envoy (issue 7).
+
+The replicas run the real o200k_harmony BPE (`kvsteer-sim --tokenizer o200k_harmony`) and the filter
+is configured with the same vocabulary and the `kvsteer_sim` chat template (the simulator's chat
+framing), so both compute the same token ids and KV block hashes. A multi-turn chat must land, turn
+after turn, on the replica holding its prefix, and that replica must report the earlier turns' blocks
+as cached (`usage.prompt_tokens_details.cached_tokens`), which the approximate identity cannot promise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import unittest
+
+from client import Client, REPLICA_HEADER
+from stack import Stack
+from test_envoy import FEED_SETTLE_S, PEER_SETTLE_S, REPLICAS, TIME_SCALE, stat_sum
+
+TOKENIZER = {"vocabulary": "o200k_harmony", "chat_template": "kvsteer_sim"}
+WORDS = ("routing tokens cache replica prefill decode block hash session agent tool result "
+         "context window engine").split()
+
+
+def prose(seed: int, words: int) -> str:
+    x = seed * 2654435761 % 2**32 or 1
+    out = [f"[{seed}]"]
+    for _ in range(words):
+        x = (x * 1103515245 + 12345) % 2**31
+        out.append(WORDS[x % len(WORDS)])
+    return " ".join(out)
+
+
+def chat(stack: Stack, messages: list[dict], max_tokens: int = 8) -> dict:
+    """One chat completion on a fresh connection; returns the JSON answer plus the replica."""
+    c = Client("127.0.0.1", stack.listen_port)
+    try:
+        body = json.dumps({"model": "sim", "max_tokens": max_tokens, "messages": messages}).encode()
+        status, headers, data = c.request(
+            "POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    finally:
+        c.close()
+    if status != 200:
+        raise AssertionError(f"status {status}: {data[:300]!r}")
+    doc = json.loads(data)
+    doc["_replica"] = headers.get(REPLICA_HEADER, "")
+    return doc
+
+
+def cached(doc: dict) -> int:
+    return ((doc.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+class ExactChatRouting(unittest.TestCase):
+    stack: Stack
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.stack = Stack()
+        try:
+            cls.stack.start_replicas(
+                REPLICAS, extra=["--time-scale", TIME_SCALE, "--tokenizer", "o200k_harmony"])
+            cls.stack.start_envoy("envoy", concurrency=2,
+                                  plugin_overrides={"tokenizer": TOKENIZER})
+        except BaseException:
+            cls.stack.close()
+            raise
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        failures = cls.stack.vm_failures()
+        cls.stack.close()
+        if failures:
+            raise AssertionError(f"Envoy logged VM failures: {failures}")
+
+    def test_a_multi_turn_chat_stays_on_its_prefix_and_is_served_from_cache(self) -> None:
+        for convo in range(3):
+            messages = [{"role": "system", "content": prose(1000 + convo, 1500)}]
+            home = None
+            for turn in range(4):
+                messages.append({"role": "user", "content": prose(100 * convo + turn, 120)})
+                doc = chat(self.stack, messages)
+                replica = doc["_replica"]
+                prompt = doc["usage"]["prompt_tokens"]
+                if turn == 0:
+                    home = replica
+                    self.assertGreater(prompt, 1500, doc["usage"])
+                else:
+                    self.assertEqual(replica, home, f"conversation {convo} turn {turn}: {doc['usage']}")
+                    # Everything before this turn's new messages was cached on that replica: at
+                    # least the previous prompt, less its last partial block.
+                    self.assertGreaterEqual(cached(doc), previous - 16,
+                                            f"conversation {convo} turn {turn}: {doc['usage']}")
+                previous = prompt
+                answer = doc["choices"][0]["message"]["content"]
+                messages.append({"role": "assistant", "content": answer})
+                time.sleep(FEED_SETTLE_S + PEER_SETTLE_S)
+        self.assertGreater(stat_sum(self.stack, "kvsteer_tokenizer_exact"), 0)
+        self.assertGreater(stat_sum(self.stack, "kvsteer_tokenizer_cache_hits"), 0)
+
+    def test_unknown_roles_fall_back_and_are_counted(self) -> None:
+        before = stat_sum(self.stack, "kvsteer_tokenizer_fallback_unknown_role")
+        doc = chat(self.stack, [{"role": "wizard", "content": prose(7, 50)}])
+        self.assertTrue(doc["_replica"])
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            if stat_sum(self.stack, "kvsteer_tokenizer_fallback_unknown_role") > before:
+                break
+            time.sleep(0.2)
+        self.assertGreater(stat_sum(self.stack, "kvsteer_tokenizer_fallback_unknown_role"), before)
+
+
+if __name__ == "__main__":
+    unittest.main()
