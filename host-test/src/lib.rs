@@ -13,6 +13,7 @@
 
 pub mod abi;
 pub mod artifact;
+pub mod bench;
 pub mod harness;
 pub mod host;
 mod module_cache;

@@ -8,12 +8,13 @@
 //! `rl_ttft_cdf.svg`, `rl_hit_vs_cv.svg`, `rl_decode_<policy>.svg`.
 
 use kvsteer_host_test::artifact::workspace_root;
-use kvsteer_host_test::{FilterModule, Harness, HarnessConfig, HarnessStats, filter_wasm_path};
+use kvsteer_host_test::bench::run::{Outcome, replay};
+use kvsteer_host_test::{FilterModule, filter_wasm_path};
 use kvsteer_workload::report::{
     Progress, decode_load_svg, hit_cv_scatter_svg, markdown_table, ttft_cdf_svg,
 };
 use kvsteer_workload::rl::{RlParams, generate};
-use kvsteer_workload::{Driver, Summary};
+use kvsteer_workload::Summary;
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -84,16 +85,7 @@ fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
-struct Outcome {
-    policy: String,
-    summary: Summary,
-    ttft_ms: Vec<f64>,
-    decode_series: Vec<(f64, Vec<f64>)>,
-    stats: HarnessStats,
-    wall_s: f64,
-    virtual_s: f64,
-}
-
+/// One policy's replay, through the same code path as the bench (`kvsteer_host_test::bench::run`).
 fn run_policy(
     module: &FilterModule,
     policy: &str,
@@ -102,28 +94,12 @@ fn run_policy(
     progress: &Mutex<Vec<(u64, u64)>>,
     slot: usize,
 ) -> Result<Outcome, String> {
-    let started = Instant::now();
     let workload = generate(params).map_err(|e| e.to_string())?;
     let mode = workload.default_mode;
-    let mut cfg = HarnessConfig::small(policy);
-    cfg.workers = workers;
-    cfg.engine = kvsteer_sim::EngineConfig::default();
-    cfg.routing = json!({"policy": policy, "block_size": params.block_size});
-    let mut h = Harness::new(module, cfg).map_err(|e| format!("{policy}: {e}"))?;
-    h.run_workload(Driver::new(workload, mode), |done, total| {
+    replay(module, workload, mode, policy, params.seed, workers, |done, total| {
         if let Ok(mut p) = progress.lock() {
             p[slot] = (done, total);
         }
-    })
-    .map_err(|e| format!("{policy}: {e}"))?;
-    Ok(Outcome {
-        policy: policy.to_string(),
-        summary: h.summary(policy),
-        ttft_ms: h.recorder.ttft_ms(),
-        decode_series: h.recorder.decode_series(),
-        stats: h.stats.clone(),
-        wall_s: started.elapsed().as_secs_f64(),
-        virtual_s: h.now_us() as f64 / 1e6,
     })
 }
 
@@ -309,20 +285,7 @@ fn write_outputs(
                 "summary": o.summary,
                 "wall_s": o.wall_s,
                 "virtual_s": o.virtual_s,
-                "harness": {
-                    "requests": o.stats.requests,
-                    "fallback": o.stats.fallback,
-                    "local_responses": o.stats.local_responses,
-                    "rejected": o.stats.rejected,
-                    "failed": o.stats.failed,
-                    "ticks": o.stats.ticks,
-                    "callouts": o.stats.callouts,
-                    "request_body_chunks": o.stats.request_body_chunks,
-                    "response_body_chunks": o.stats.response_body_chunks,
-                    "request_filter_us_mean": if o.stats.requests > 0 {
-                        o.stats.request_filter_ns as f64 / o.stats.requests as f64 / 1e3
-                    } else { 0.0 },
-                }
+                "harness": o.harness_json(),
             })
         })
         .collect();

@@ -1,0 +1,11 @@
+//! The benchmark behind docs/results.md (`scripts/bench`, binary `bench`): every filter policy on every
+//! workload of DESIGN section 7, through the compiled filter in the wasmtime harness, in virtual time,
+//! on identical simulated replicas, over several seeds.
+//!
+//! - [`scenario`]: the matrix (which workloads at which sizes) and the engine for a block size.
+//! - [`run`]: one replay (also what the demo runs).
+//! - [`report`]: tables over seeds, the published claims checked, plots.
+
+pub mod report;
+pub mod run;
+pub mod scenario;

@@ -1,0 +1,380 @@
+//! The benchmark report: per-scenario tables over seeds (median with min-max), the published claims
+//! checked against the measurements, plots, and the machine-readable results.
+//!
+//! Everything here is computed from the runs; the hand-written analysis lives in
+//! `results/notes.md` and is included verbatim, so regenerating never loses it (its figures may go
+//! stale, which is why the claim checks are recomputed on every run).
+
+use super::run::Outcome;
+use super::scenario::Scenario;
+use kvsteer_workload::Summary;
+use kvsteer_workload::report::{decode_load_svg, hit_cv_scatter_svg, ttft_cdf_svg};
+use std::fmt::Write as _;
+
+/// Every run of one (scenario, policy) pair, one per seed.
+pub struct Cell<'a> {
+    pub policy: &'a str,
+    pub runs: Vec<&'a Outcome>,
+}
+
+/// The runs of one scenario, grouped by policy in the order policies were given.
+pub struct ScenarioRuns<'a> {
+    pub scenario: &'a Scenario,
+    pub cells: Vec<Cell<'a>>,
+}
+
+impl<'a> ScenarioRuns<'a> {
+    pub fn group(scenario: &'a Scenario, policies: &'a [String], runs: &'a [Outcome]) -> Self {
+        let cells = policies
+            .iter()
+            .map(|p| Cell {
+                policy: p.as_str(),
+                runs: runs.iter().filter(|o| &o.policy == p).collect(),
+            })
+            .filter(|c| !c.runs.is_empty())
+            .collect();
+        ScenarioRuns { scenario, cells }
+    }
+
+    pub fn cell(&self, policy: &str) -> Option<&Cell<'a>> {
+        self.cells.iter().find(|c| c.policy == policy)
+    }
+}
+
+/// Minimum, median (lower middle for an even count) and maximum over seeds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Spread {
+    pub min: f64,
+    pub median: f64,
+    pub max: f64,
+}
+
+impl Cell<'_> {
+    pub fn spread(&self, f: impl Fn(&Summary) -> f64) -> Spread {
+        let mut v: Vec<f64> = self.runs.iter().map(|o| f(&o.summary)).collect();
+        v.sort_by(f64::total_cmp);
+        if v.is_empty() {
+            return Spread {
+                min: f64::NAN,
+                median: f64::NAN,
+                max: f64::NAN,
+            };
+        }
+        Spread {
+            min: v[0],
+            median: v[(v.len() - 1) / 2],
+            max: v[v.len() - 1],
+        }
+    }
+
+    pub fn median(&self, f: impl Fn(&Summary) -> f64) -> f64 {
+        self.spread(f).median
+    }
+}
+
+/// `median (min-max)`, or just the median when every seed agrees at this precision.
+fn show(s: Spread, decimals: usize) -> String {
+    let m = format!("{:.*}", decimals, s.median);
+    let lo = format!("{:.*}", decimals, s.min);
+    let hi = format!("{:.*}", decimals, s.max);
+    if lo == hi {
+        m
+    } else {
+        format!("{m} ({lo}-{hi})")
+    }
+}
+
+fn cv(s: &Summary) -> f64 {
+    s.decode_cv.unwrap_or(f64::NAN)
+}
+
+/// The per-scenario table: one row per policy, medians over seeds, ranges on the headline columns.
+pub fn scenario_table(sr: &ScenarioRuns) -> String {
+    let rl = sr.scenario.group == "rl";
+    let session_col = if rl { "rollout p99 s" } else { "session p99 s" };
+    let mut s = format!(
+        "| policy | TTFT p50 / p90 ms | TTFT p99 ms | TPOT p50 / p90 ms | TPOT p99 ms | e2e p50 / p99 s \
+         | {session_col} | output tok/s | hit rate % | decode CV | failed |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for c in &sr.cells {
+        let _ = writeln!(
+            s,
+            "| {} | {:.0} / {:.0} | {} | {:.1} / {:.1} | {} | {:.1} / {:.1} | {} | {} | {} | {} | {} |",
+            c.policy,
+            c.median(|m| m.ttft_ms.p50),
+            c.median(|m| m.ttft_ms.p90),
+            show(c.spread(|m| m.ttft_ms.p99), 0),
+            c.median(|m| m.tpot_ms.p50),
+            c.median(|m| m.tpot_ms.p90),
+            show(c.spread(|m| m.tpot_ms.p99), 1),
+            c.median(|m| m.e2e_ms.p50) / 1e3,
+            c.median(|m| m.e2e_ms.p99) / 1e3,
+            show(c.spread(|m| m.session_e2e_s.p99), 1),
+            show(c.spread(|m| m.output_tokens_per_s), 0),
+            show(c.spread(|m| m.hit_rate * 100.0), 1),
+            show(c.spread(cv), 3),
+            c.runs.iter().map(|o| o.summary.failed).max().unwrap_or(0),
+        );
+    }
+    s
+}
+
+/// Better-or-worse verdict text.
+fn mark(ok: bool) -> &'static str {
+    if ok { "yes" } else { "**no**" }
+}
+
+/// The published claims, checked on the medians. Returns markdown.
+pub fn claims(all: &[ScenarioRuns]) -> String {
+    let mut s = String::new();
+    if let Some(rl) = all.iter().find(|r| r.scenario.group == "rl") {
+        let _ = writeln!(s, "### RL stragglers (`{}`)\n", rl.scenario.id);
+        let best = rl
+            .cells
+            .iter()
+            .map(|c| (c.policy, c.median(|m| m.session_e2e_s.p99)))
+            .min_by(|a, b| a.1.total_cmp(&b.1));
+        if let (Some((bp, bv)), Some(kv), Some(sh)) =
+            (best, rl.cell("kv_load"), rl.cell("session_hash"))
+        {
+            let kv_p99 = kv.median(|m| m.session_e2e_s.p99);
+            let (kv_hit, sh_hit) = (kv.median(|m| m.hit_rate), sh.median(|m| m.hit_rate));
+            let _ = writeln!(
+                s,
+                "| claim | measured (median over seeds) | holds |\n|---|---|---|\n\
+                 | `kv_load` has the best p99 rollout latency | kv_load {kv_p99:.1} s; best is {bp} {bv:.1} s | {} |\n\
+                 | ... despite a lower hit rate than `session_hash` | kv_load {:.1}% vs session_hash {:.1}% | {} |\n",
+                mark(bp == "kv_load"),
+                kv_hit * 100.0,
+                sh_hit * 100.0,
+                mark(kv_hit < sh_hit),
+            );
+            let kv_max = kv.spread(|m| m.session_e2e_s.p99).max;
+            let others_min = rl
+                .cells
+                .iter()
+                .filter(|c| c.policy != "kv_load")
+                .map(|c| c.spread(|m| m.session_e2e_s.p99).min)
+                .fold(f64::INFINITY, f64::min);
+            let _ = writeln!(
+                s,
+                "Over every seed: kv_load's worst rollout p99 is {kv_max:.1} s, the best any other \
+                 policy reached on any seed is {others_min:.1} s ({}).\n",
+                if kv_max < others_min {
+                    "kv_load wins on every seed"
+                } else {
+                    "the ranges overlap"
+                }
+            );
+        }
+    }
+    let weka: Vec<&ScenarioRuns> = all.iter().filter(|r| r.scenario.group == "weka").collect();
+    if !weka.is_empty() {
+        let _ = writeln!(
+            s,
+            "### Coding-agent traces: `kv_load` against `session_hash` by concurrency\n\n\
+             Ratios are kv_load / session_hash (medians over seeds); below 1 is better for latency, \
+             above 1 for throughput.\n\n\
+             | sessions in flight | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | output tok/s | hit rate kv_load / session_hash | decode CV kv_load / session_hash | kv_load better on TTFT, TPOT and tok/s |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        );
+        for r in weka {
+            let (Some(kv), Some(sh)) = (r.cell("kv_load"), r.cell("session_hash")) else {
+                continue;
+            };
+            let ratio = |f: &dyn Fn(&Summary) -> f64| kv.median(f) / sh.median(f);
+            let (t50, t99) = (ratio(&|m| m.ttft_ms.p50), ratio(&|m| m.ttft_ms.p99));
+            let (p50, p99) = (ratio(&|m| m.tpot_ms.p50), ratio(&|m| m.tpot_ms.p99));
+            let tput = ratio(&|m| m.output_tokens_per_s);
+            let level = r.scenario.id.trim_start_matches("weka-c");
+            let _ = writeln!(
+                s,
+                "| {level} | {t50:.2} | {t99:.2} | {p50:.2} | {p99:.2} | {tput:.2} | {:.1}% / {:.1}% | {:.3} / {:.3} | {} |",
+                kv.median(|m| m.hit_rate) * 100.0,
+                sh.median(|m| m.hit_rate) * 100.0,
+                kv.median(cv),
+                sh.median(cv),
+                mark(t50 < 1.0 && p50 < 1.0 && tput > 1.0),
+            );
+        }
+        s.push('\n');
+    }
+    let control: Vec<&ScenarioRuns> = all
+        .iter()
+        .filter(|r| r.scenario.group == "azure")
+        .collect();
+    for r in control {
+        let _ = writeln!(
+            s,
+            "### No-reuse control (`{}`): cache-aware must not lose to load-only\n\n\
+             | policy | TTFT p99 ms | e2e p99 s | output tok/s | vs best load-only (least_load, round_robin) on TTFT p99 |\n\
+             |---|---:|---:|---:|---|",
+            r.scenario.id
+        );
+        let load_only = ["least_load", "round_robin"];
+        let best_lo = r
+            .cells
+            .iter()
+            .filter(|c| load_only.contains(&c.policy))
+            .map(|c| c.median(|m| m.ttft_ms.p99))
+            .fold(f64::INFINITY, f64::min);
+        for c in r.cells.iter() {
+            let t = c.median(|m| m.ttft_ms.p99);
+            let verdict = if load_only.contains(&c.policy) {
+                "(load-only)".to_string()
+            } else if !best_lo.is_finite() {
+                "-".to_string()
+            } else {
+                format!("{:+.1}%", (t / best_lo - 1.0) * 100.0)
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {:.0} | {:.1} | {:.0} | {} |",
+                c.policy,
+                t,
+                c.median(|m| m.e2e_ms.p99) / 1e3,
+                c.median(|m| m.output_tokens_per_s),
+                verdict
+            );
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// Averages consecutive bins so a plot has at most `max_points` points (hour-long runs have 7,200
+/// half-second bins; drawn raw, one SVG would be megabytes).
+pub fn downsample(series: &[(f64, Vec<f64>)], max_points: usize) -> Vec<(f64, Vec<f64>)> {
+    let k = series.len().div_ceil(max_points.max(1)).max(1);
+    series
+        .chunks(k)
+        .map(|ch| {
+            let width = ch.iter().map(|x| x.1.len()).max().unwrap_or(0);
+            let mut sums = vec![0.0; width];
+            for (_, v) in ch {
+                for (i, x) in v.iter().enumerate() {
+                    sums[i] += x;
+                }
+            }
+            let n = ch.len() as f64;
+            (ch[0].0, sums.into_iter().map(|x| x / n).collect())
+        })
+        .collect()
+}
+
+/// The plots of one scenario: TTFT CDF (seeds pooled), and for chosen policies the first seed's
+/// per-replica decode load. Returns (file name, SVG text) pairs.
+pub fn scenario_plots(sr: &ScenarioRuns, decode_policies: &[&str]) -> Vec<(String, String)> {
+    let id = &sr.scenario.id;
+    let pooled: Vec<(&str, Vec<f64>)> = sr
+        .cells
+        .iter()
+        .map(|c| {
+            let v: Vec<f64> = c.runs.iter().flat_map(|o| o.ttft_ms.iter().copied()).collect();
+            (c.policy, v)
+        })
+        .collect();
+    let series: Vec<(&str, &[f64])> = pooled.iter().map(|(p, v)| (*p, v.as_slice())).collect();
+    let mut out = vec![(format!("{id}_ttft_cdf.svg"), ttft_cdf_svg(&series))];
+    for c in &sr.cells {
+        if !decode_policies.contains(&c.policy) {
+            continue;
+        }
+        if let Some(o) = c.runs.iter().min_by_key(|o| o.seed) {
+            let title = format!(
+                "{id}, {}: KV blocks of decoding requests per replica (seed {})",
+                c.policy, o.seed
+            );
+            out.push((
+                format!("{id}_decode_{}.svg", c.policy),
+                decode_load_svg(&title, &downsample(&o.decode_series, 600)),
+            ));
+        }
+    }
+    out
+}
+
+/// Hit rate against decode-block CV: one point per (scenario, policy) given, medians over seeds.
+pub fn hit_cv_plot(all: &[&ScenarioRuns], policies: &[&str], label_scenario: bool) -> String {
+    let mut labels = Vec::new();
+    let mut vals = Vec::new();
+    for r in all {
+        for c in &r.cells {
+            if !policies.contains(&c.policy) {
+                continue;
+            }
+            labels.push(if label_scenario {
+                format!("{} {}", c.policy, r.scenario.id)
+            } else {
+                c.policy.to_string()
+            });
+            vals.push((c.median(|m| m.hit_rate), c.median(cv)));
+        }
+    }
+    let points: Vec<(&str, f64, f64)> = labels
+        .iter()
+        .zip(&vals)
+        .map(|(l, (h, c))| (l.as_str(), *h, *c))
+        .collect();
+    hit_cv_scatter_svg(&points)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HarnessStats;
+
+    fn outcome(policy: &str, seed: u64, ttft_p99: f64) -> Outcome {
+        let mut summary = Summary::default();
+        summary.ttft_ms.p99 = ttft_p99;
+        summary.hit_rate = 0.5;
+        Outcome {
+            policy: policy.into(),
+            seed,
+            summary,
+            ttft_ms: vec![1.0, 2.0],
+            decode_series: vec![(0.0, vec![1.0, 3.0]), (0.5, vec![3.0, 5.0])],
+            stats: HarnessStats::default(),
+            wall_s: 0.0,
+            virtual_s: 1.0,
+        }
+    }
+
+    #[test]
+    fn spread_is_min_median_max_over_seeds() {
+        let runs = [
+            outcome("a", 0, 30.0),
+            outcome("a", 1, 10.0),
+            outcome("a", 2, 20.0),
+        ];
+        let cell = Cell {
+            policy: "a",
+            runs: runs.iter().collect(),
+        };
+        let s = cell.spread(|m| m.ttft_ms.p99);
+        assert_eq!((s.min, s.median, s.max), (10.0, 20.0, 30.0));
+        assert_eq!(show(s, 0), "20 (10-30)");
+        assert_eq!(
+            show(
+                Spread {
+                    min: 1.0,
+                    median: 1.0,
+                    max: 1.0
+                },
+                1
+            ),
+            "1.0"
+        );
+    }
+
+    #[test]
+    fn downsampling_averages_and_bounds_the_points() {
+        let series: Vec<(f64, Vec<f64>)> = (0..1000).map(|i| (i as f64, vec![i as f64])).collect();
+        let d = downsample(&series, 100);
+        assert_eq!(d.len(), 100);
+        assert_eq!(d[0].0, 0.0);
+        assert!((d[0].1[0] - 4.5).abs() < 1e-9);
+        assert_eq!(downsample(&[], 10).len(), 0);
+    }
+}

@@ -1,0 +1,292 @@
+//! The benchmark matrix: which workloads, at which sizes, replayed how.
+//!
+//! A [`Scenario`] names one workload configuration (RL stragglers, the coding-agent trace at one
+//! concurrency, Mooncake at one replay speed, Azure); the bench runs every policy on it for every seed.
+//! Sizes come in three [`Scale`]s so the same code serves the published run, a try-out and the CI smoke
+//! check.
+
+use kvsteer_sim::EngineConfig;
+use kvsteer_workload::azure::{self, AzureParams};
+use kvsteer_workload::mooncake::{self, MooncakeParams};
+use kvsteer_workload::rl::{self, RlParams};
+use kvsteer_workload::token_blocks::{block_key, sub_key, tokens};
+use kvsteer_workload::weka::{self, WekaParams};
+use kvsteer_workload::{Mode, Prompt, Workload};
+use std::path::Path;
+
+/// How much of the matrix to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scale {
+    /// The report: every workload at its published size, several seeds.
+    Full,
+    /// Every workload, cut down, one seed: minutes.
+    Quick,
+    /// Tiny slices of every workload, one seed: seconds (the CI check).
+    Smoke,
+}
+
+impl Scale {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scale::Full => "full",
+            Scale::Quick => "quick",
+            Scale::Smoke => "smoke",
+        }
+    }
+}
+
+/// Where a scenario's requests come from.
+#[derive(Clone, Debug)]
+pub enum Source {
+    Rl(RlParams),
+    /// The Envoy slice: an RL workload with every prompt written out ([`flatten`]), so the harness
+    /// and the Envoy run replay exactly the same requests.
+    Slice(RlParams),
+    Weka {
+        concurrency: usize,
+        copies: usize,
+        max_sessions: Option<usize>,
+    },
+    Mooncake {
+        speed: f64,
+        max_requests: Option<usize>,
+    },
+    Azure {
+        speed: f64,
+        max_rows: Option<usize>,
+    },
+}
+
+/// One workload configuration of the matrix.
+#[derive(Clone, Debug)]
+pub struct Scenario {
+    /// Short id used in file names and JSON (`rl`, `weka-c16`, `mooncake-x1`, ...).
+    pub id: String,
+    /// The report section it belongs to (`rl`, `weka`, `mooncake`, `azure`).
+    pub group: &'static str,
+    pub source: Source,
+}
+
+impl Scenario {
+    /// Builds the workload for one seed, and how to drive it.
+    ///
+    /// The seed reaches the RL generator (it changes every token, not the structure). Trace workloads
+    /// have a fixed structure; their seed only reaches the engines and the router's tie-breaks (see
+    /// [`crate::bench::run`]).
+    pub fn build(&self, traces: &Path, seed: u64) -> Result<(Workload, Mode), String> {
+        let err = |e: kvsteer_workload::WorkloadError| format!("{}: {e}", self.id);
+        let w = match &self.source {
+            Source::Rl(p) => rl::generate(&RlParams { seed, ..p.clone() }).map_err(err)?,
+            Source::Slice(p) => flatten(&rl::generate(&RlParams { seed, ..p.clone() }).map_err(err)?),
+            Source::Weka {
+                concurrency,
+                copies,
+                max_sessions,
+            } => weka::read(&WekaParams {
+                path: traces.join("weka_cc_sample36.jsonl"),
+                concurrency: *concurrency,
+                copies: *copies,
+                max_sessions: *max_sessions,
+                ..Default::default()
+            })
+            .map_err(err)?,
+            Source::Mooncake {
+                speed,
+                max_requests,
+            } => mooncake::read(&MooncakeParams {
+                path: traces.join("mooncake_synthetic_trace.jsonl"),
+                speed: *speed,
+                max_requests: *max_requests,
+                ..Default::default()
+            })
+            .map_err(err)?,
+            Source::Azure { speed, max_rows } => azure::read(&AzureParams {
+                path: traces.join("azure_llm_inference_conv_2023.csv"),
+                speed: *speed,
+                max_rows: *max_rows,
+                ..Default::default()
+            })
+            .map_err(err)?,
+        };
+        let mode = w.default_mode;
+        Ok((w, mode))
+    }
+
+    /// The simulated replica for a workload laid out in `block_size`-token blocks: the default
+    /// Llama-3.1-8B on one H100, with the same KV memory cut into blocks of that size (so a 64-token
+    /// block holds 4 of vLLM's default 16-token blocks and the cache holds the same number of tokens).
+    /// The context limit is the model's 128K plus [`OUTPUT_ALLOWANCE`]: the coding-agent reader caps
+    /// prompts at 128K, and a kept prompt near the cap plus its output would otherwise be refused by
+    /// the engine under every policy alike (2 requests of the first 4 sessions were).
+    pub fn engine(block_size: u32, seed: u64) -> EngineConfig {
+        let base = EngineConfig::default();
+        let bs = block_size.max(1);
+        EngineConfig {
+            max_model_len: base.max_model_len + OUTPUT_ALLOWANCE,
+            block_size: bs as usize,
+            kv_blocks: (base.profile.kv_blocks_16 as u64 * 16 / bs as u64).max(1) as u32,
+            seed,
+            ..base
+        }
+    }
+}
+
+/// Writes every prompt out in full. An `Append` turn is the previous prompt, the previous output and
+/// its own tokens; the previous output is the engine's, which a client outside the harness (the
+/// Envoy slice's Python client) cannot know in advance, so a deterministic stand-in takes its place
+/// (per session and turn). The engine never caches a stand-in, so a turn can hit its previous
+/// prompt but not the previous output: the same for every policy and in both runs.
+pub fn flatten(w: &Workload) -> Workload {
+    let mut out = w.clone();
+    for (si, s) in out.sessions.iter_mut().enumerate() {
+        let mut prev: Vec<u32> = Vec::new();
+        for (ti, t) in s.turns.iter_mut().enumerate() {
+            let full = match &t.prompt {
+                Prompt::Append(add) => {
+                    let mut p = prev.clone();
+                    p.extend_from_slice(add);
+                    p
+                }
+                Prompt::Full(p) => p.clone(),
+                Prompt::Blocks(b) => b.tokens(),
+            };
+            let standin = sub_key(block_key("bench:standin-output", si as u64), &[ti as u64]);
+            prev = full.clone();
+            prev.extend(tokens(standin, t.output_tokens as usize));
+            t.prompt = Prompt::Full(full);
+        }
+    }
+    out.name = format!("{}-flat", w.name);
+    out
+}
+
+/// The Envoy slice: the RL structure (shared system and step prefixes, two stragglers a step) at a
+/// size Envoy replays in about a minute per configuration with time-scaled replicas.
+pub fn slice_params() -> RlParams {
+    RlParams {
+        steps: 2,
+        turns: 4,
+        ..RlParams::default()
+    }
+}
+
+/// Tokens of output allowed beyond the 128K prompt cap.
+pub const OUTPUT_ALLOWANCE: u32 = 32_768;
+
+/// The coding-agent trace's concurrency levels (DESIGN section 7).
+pub const WEKA_LEVELS: [usize; 5] = [8, 16, 24, 32, 40];
+
+/// Every scenario of a scale, in report order.
+pub fn matrix(scale: Scale) -> Vec<Scenario> {
+    let mut v = Vec::new();
+    let rl = match scale {
+        Scale::Full | Scale::Quick => RlParams::default(),
+        Scale::Smoke => RlParams::small(),
+    };
+    v.push(Scenario {
+        id: "rl".into(),
+        group: "rl",
+        source: Source::Rl(rl),
+    });
+    // Two copies of every session at every level: only 28 sessions survive the 128K cap, so levels 32
+    // and 40 would otherwise be the same run; with copies the workload (56 sessions, 3,222 requests)
+    // is the same at every level and only the concurrency changes.
+    let (levels, copies, max_sessions): (&[usize], usize, Option<usize>) = match scale {
+        Scale::Full => (&WEKA_LEVELS, 2, None),
+        Scale::Quick => (&[8, 16], 1, Some(16)),
+        Scale::Smoke => (&[1], 1, Some(1)),
+    };
+    for &c in levels {
+        v.push(Scenario {
+            id: format!("weka-c{c}"),
+            group: "weka",
+            source: Source::Weka {
+                concurrency: c,
+                copies,
+                max_sessions,
+            },
+        });
+    }
+    let (mc_rows, az_rows) = match scale {
+        Scale::Full => (None, None),
+        Scale::Quick => (Some(600), Some(2000)),
+        Scale::Smoke => (Some(60), Some(150)),
+    };
+    for speed in [1.0, 2.0] {
+        v.push(Scenario {
+            id: format!("mooncake-x{speed}"),
+            group: "mooncake",
+            source: Source::Mooncake {
+                speed,
+                max_requests: mc_rows,
+            },
+        });
+    }
+    v.push(Scenario {
+        id: "slice-rl".into(),
+        group: "slice",
+        source: Source::Slice(match scale {
+            Scale::Smoke => RlParams::small(),
+            _ => slice_params(),
+        }),
+    });
+    v.push(Scenario {
+        id: "azure".into(),
+        group: "azure",
+        source: Source::Azure {
+            speed: 1.0,
+            max_rows: az_rows,
+        },
+    });
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engines_keep_the_same_kv_memory_at_every_block_size() {
+        let e16 = Scenario::engine(16, 1);
+        let e64 = Scenario::engine(64, 1);
+        let e512 = Scenario::engine(512, 1);
+        assert_eq!(e16.kv_blocks as u64 * 16, e64.kv_blocks as u64 * 64);
+        assert_eq!(e16.kv_blocks as u64 * 16, e512.kv_blocks as u64 * 512);
+        assert_eq!(e64.block_size, 64);
+    }
+
+    #[test]
+    fn flattened_prompts_extend_the_previous_prompt_and_output() {
+        let w = rl::generate(&RlParams::small()).unwrap();
+        let f = flatten(&w);
+        assert_eq!(f.total_requests(), w.total_requests());
+        for s in &f.sessions {
+            for pair in s.turns.windows(2) {
+                let (Prompt::Full(a), Prompt::Full(b)) = (&pair[0].prompt, &pair[1].prompt) else {
+                    panic!("not flattened");
+                };
+                assert!(b.starts_with(a));
+                assert!(b.len() > a.len() + pair[0].output_tokens as usize);
+            }
+        }
+        let (a, b) = (&f.sessions[0].turns[0].prompt, &f.sessions[1].turns[0].prompt);
+        let (Prompt::Full(a), Prompt::Full(b)) = (a, b) else {
+            panic!("not flattened")
+        };
+        assert_eq!(a[..256], b[..256], "the shared system prompt survives");
+    }
+
+    #[test]
+    fn ids_are_unique_and_every_group_is_present() {
+        for scale in [Scale::Full, Scale::Quick, Scale::Smoke] {
+            let m = matrix(scale);
+            let mut ids: Vec<&str> = m.iter().map(|s| s.id.as_str()).collect();
+            ids.sort();
+            ids.dedup();
+            assert_eq!(ids.len(), m.len());
+            for g in ["rl", "weka", "mooncake", "azure", "slice"] {
+                assert!(m.iter().any(|s| s.group == g), "{g} missing at {scale:?}");
+            }
+        }
+    }
+}

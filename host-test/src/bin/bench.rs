@@ -1,0 +1,710 @@
+//! The benchmark behind docs/results.md: every filter policy on the RL straggler workload, the
+//! coding-agent traces at 8..40 sessions in flight, Mooncake at its arrival times (and twice as fast)
+//! and the Azure no-reuse control, through `kvsteer_filter.wasm` in the wasmtime harness, on four
+//! identical simulated replicas in virtual time, over several seeds.
+//!
+//! `scripts/bench` builds everything and runs this. Options:
+//! `--quick` (cut-down workloads, one seed: minutes), `--smoke` (tiny slices, seconds; checks that the
+//! outputs are well-formed and exits non-zero if not), `--seeds N` (default 3; 1 with --quick/--smoke),
+//! `--policies a,b`, `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure),
+//! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
+//! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
+//! `--traces DIR` (default `../shared/traces`).
+//! Writes `DIR/results.md`, `DIR/results/harness.json` (configuration, seeds, commit, every run's
+//! summary) and the SVG plots under `DIR/results/`.
+
+use kvsteer_host_test::artifact::workspace_root;
+use kvsteer_host_test::bench::report::{
+    ScenarioRuns, claims, hit_cv_plot, scenario_plots, scenario_table,
+};
+use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay};
+use kvsteer_host_test::bench::scenario::{Scale, Scenario, Source, matrix};
+use kvsteer_host_test::{FilterModule, filter_wasm_path};
+use kvsteer_workload::report::Progress;
+use kvsteer_workload::{Mode, Summary, Workload};
+use serde_json::{Value, json};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+const POLICIES: [&str; 6] = [
+    "round_robin",
+    "least_load",
+    "session_hash",
+    "prefix_affinity",
+    "kv_affinity",
+    "kv_load",
+];
+
+struct Args {
+    scale: Scale,
+    seeds: Option<u64>,
+    policies: Vec<String>,
+    only: Vec<String>,
+    jobs: usize,
+    workers: usize,
+    out: Option<PathBuf>,
+    traces: PathBuf,
+    export_slice: Option<PathBuf>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        scale: Scale::Full,
+        seeds: None,
+        policies: POLICIES.iter().map(|s| s.to_string()).collect(),
+        only: Vec::new(),
+        jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        workers: 2,
+        out: None,
+        traces: workspace_root().join(kvsteer_workload::catalog::DEFAULT_TRACES),
+        export_slice: None,
+    };
+    let list = |s: String| -> Vec<String> {
+        s.split(',')
+            .map(|x| x.trim().to_string())
+            .filter(|x| !x.is_empty())
+            .collect()
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        let number = |name: &str, v: String| -> Result<u64, String> {
+            v.parse().map_err(|_| format!("{name}: not a number: {v:?}"))
+        };
+        match arg.as_str() {
+            "--quick" => a.scale = Scale::Quick,
+            "--smoke" => a.scale = Scale::Smoke,
+            "--seeds" => a.seeds = Some(number("--seeds", value("--seeds")?)?),
+            "--policies" => a.policies = list(value("--policies")?),
+            "--only" => a.only = list(value("--only")?),
+            "--jobs" => a.jobs = number("--jobs", value("--jobs")?)? as usize,
+            "--workers" => a.workers = number("--workers", value("--workers")?)? as usize,
+            "--out" => a.out = Some(PathBuf::from(value("--out")?)),
+            "--traces" => a.traces = PathBuf::from(value("--traces")?),
+            "--export-slice" => a.export_slice = Some(PathBuf::from(value("--export-slice")?)),
+            "-h" | "--help" => {
+                return Err("usage: bench [--quick | --smoke] [--seeds N] [--policies a,b] \
+                            [--only id|group,..] [--jobs N] [--workers N] [--out DIR] \
+                            [--traces DIR] [--export-slice FILE]"
+                    .into());
+            }
+            other => return Err(format!("unknown argument {other:?} (try --help)")),
+        }
+    }
+    if a.workers == 0 || a.jobs == 0 || a.seeds == Some(0) || a.policies.is_empty() {
+        return Err("--workers, --jobs and --seeds must be at least 1, --policies non-empty".into());
+    }
+    Ok(a)
+}
+
+/// One replay to do.
+struct Job {
+    scenario: usize,
+    /// Index into the built workloads.
+    workload: usize,
+    policy: String,
+    seed: u64,
+    requests: u64,
+    weight: u64,
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let r = match &args.export_slice {
+        Some(file) => export_slice(&args, file),
+        None => run(&args),
+    };
+    if let Err(e) = r {
+        eprintln!("bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let started = Instant::now();
+    let scale = args.scale;
+    let seeds = args
+        .seeds
+        .unwrap_or(if scale == Scale::Full { 3 } else { 1 });
+    let scenarios: Vec<Scenario> = matrix(scale)
+        .into_iter()
+        .filter(|s| {
+            args.only.is_empty() || args.only.iter().any(|o| *o == s.id || *o == s.group)
+        })
+        .collect();
+    if scenarios.is_empty() {
+        return Err(format!("--only {:?} matches no scenario", args.only));
+    }
+    let out = args.out.clone().unwrap_or_else(|| match scale {
+        Scale::Full => workspace_root().join("docs"),
+        _ => workspace_root().join(format!("out/bench-{}", scale.name())),
+    });
+    let path = filter_wasm_path().map_err(|e| e.to_string())?;
+    let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
+
+    // Workloads: traces have a fixed structure (built once, cloned per replay); RL is built per seed.
+    eprintln!("== building {} workloads", scenarios.len());
+    let mut workloads: Vec<(Workload, Mode)> = Vec::new();
+    let mut first_workload = Vec::new();
+    let mut jobs = Vec::new();
+    for (si, sc) in scenarios.iter().enumerate() {
+        first_workload.push(workloads.len());
+        let per_seed = matches!(sc.source, Source::Rl(_) | Source::Slice(_));
+        for seed in 0..seeds {
+            if seed == 0 || per_seed {
+                workloads.push(sc.build(&args.traces, seed)?);
+            }
+            let wi = workloads.len() - 1;
+            let w = &workloads[wi].0;
+            let st = w.stats();
+            for p in &args.policies {
+                jobs.push(Job {
+                    scenario: si,
+                    workload: wi,
+                    policy: p.clone(),
+                    seed,
+                    requests: st.requests as u64,
+                    weight: st.fixed_prompt_tokens / 1000 + st.requests as u64 * 20,
+                });
+            }
+        }
+    }
+    // Heaviest first, so the last replays to finish are short ones.
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(jobs[i].weight));
+    let total: u64 = jobs.iter().map(|j| j.requests).sum();
+    eprintln!(
+        "kvsteer bench ({}): {} scenarios x {} policies x {} seeds = {} replays, {} requests, \
+         4 replicas, {} workers, filter {} ({} KB), {} threads",
+        scale.name(),
+        scenarios.len(),
+        args.policies.len(),
+        seeds,
+        jobs.len(),
+        total,
+        args.workers,
+        path.display(),
+        module.size() / 1024,
+        args.jobs
+    );
+
+    let progress = Mutex::new(vec![0u64; jobs.len()]);
+    let queue = Mutex::new(order.into_iter().rev().collect::<Vec<usize>>());
+    let finished = AtomicBool::new(false);
+    let results: Mutex<Vec<(usize, Result<Outcome, String>)>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..args.jobs.min(jobs.len()) {
+            let (queue, progress, results) = (&queue, &progress, &results);
+            let (module, jobs, workloads, workers) = (&module, &jobs, &workloads, args.workers);
+            s.spawn(move || {
+                loop {
+                    let next = queue.lock().ok().and_then(|mut q| q.pop());
+                    let Some(i) = next else { break };
+                    let j = &jobs[i];
+                    let (w, mode) = workloads[j.workload].clone();
+                    let r = replay(module, w, mode, &j.policy, j.seed, workers, |done, _| {
+                        if let Ok(mut p) = progress.lock() {
+                            p[i] = done;
+                        }
+                    });
+                    if let Ok(mut res) = results.lock() {
+                        res.push((i, r));
+                    }
+                }
+            });
+        }
+        let (progress, finished) = (&progress, &finished);
+        let bar = s.spawn(move || {
+            let mut bar = Progress::new("requests", total);
+            while !finished.load(Ordering::Relaxed) {
+                if let Ok(p) = progress.lock() {
+                    bar.set(p.iter().sum());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            if let Ok(p) = progress.lock() {
+                bar.set(p.iter().sum());
+            }
+            bar.finish();
+        });
+        // The replay threads are joined when the scope ends; stop the bar once they are done.
+        while queue.lock().map(|q| !q.is_empty()).unwrap_or(false)
+            || results.lock().map(|r| r.len() < jobs.len()).unwrap_or(false)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        finished.store(true, Ordering::Relaxed);
+        let _ = bar.join();
+    });
+    let wall = started.elapsed().as_secs_f64();
+    let mut per_scenario: Vec<Vec<Outcome>> = scenarios.iter().map(|_| Vec::new()).collect();
+    let mut failures = Vec::new();
+    for (i, r) in results.into_inner().unwrap_or_default() {
+        match r {
+            Ok(o) => per_scenario[jobs[i].scenario].push(o),
+            Err(e) => failures.push(format!(
+                "{} seed {}: {e}",
+                scenarios[jobs[i].scenario].id, jobs[i].seed
+            )),
+        }
+    }
+    for f in &failures {
+        eprintln!("FAILED: {f}");
+    }
+    for v in per_scenario.iter_mut() {
+        v.sort_by(|a, b| a.seed.cmp(&b.seed));
+    }
+    let grouped: Vec<ScenarioRuns> = scenarios
+        .iter()
+        .zip(&per_scenario)
+        .map(|(sc, runs)| ScenarioRuns::group(sc, &args.policies, runs))
+        .collect();
+    for g in &grouped {
+        println!("\n## {}\n\n{}", g.scenario.id, scenario_table(g));
+    }
+    println!("{}", claims(&grouped));
+    println!("total wall time {wall:.1} s");
+    let meta = RunMeta {
+        scale,
+        seeds,
+        workers: args.workers,
+        wall_s: wall,
+        filter: &path,
+        filter_bytes: module.size(),
+    };
+    write_outputs(
+        &out,
+        &meta,
+        &workloads,
+        &first_workload,
+        &grouped,
+        &args.policies,
+    )?;
+    eprintln!(
+        "wrote {}/results.md and {}/results/ (harness.json, SVG plots)",
+        out.display(),
+        out.display()
+    );
+    if scale == Scale::Smoke {
+        check_outputs(&out, scenarios.len() * args.policies.len() * seeds as usize)?;
+        eprintln!("smoke check passed: every replay finished, outputs well-formed");
+    }
+    if !failures.is_empty() {
+        return Err(format!("{} replays failed", failures.len()));
+    }
+    Ok(())
+}
+
+/// Writes the slice scenario (seed 0) for the Envoy run: every request written out, as JSON
+/// `{name, block_size, concurrency, sessions: [{id, turns: [{prompt, max_tokens, think_us}]}]}`.
+fn export_slice(args: &Args, file: &Path) -> Result<(), String> {
+    let sc = matrix(args.scale)
+        .into_iter()
+        .find(|s| s.group == "slice")
+        .ok_or("no slice scenario")?;
+    let (w, mode) = sc.build(&args.traces, 0)?;
+    let concurrency = match mode {
+        Mode::Closed { concurrency } => concurrency,
+        Mode::Open => 0,
+    };
+    let sessions: Vec<Value> = w
+        .sessions
+        .iter()
+        .map(|s| {
+            let turns: Vec<Value> = s
+                .turns
+                .iter()
+                .map(|t| {
+                    let prompt = match &t.prompt {
+                        kvsteer_workload::Prompt::Full(p) => p.clone(),
+                        kvsteer_workload::Prompt::Blocks(b) => b.tokens(),
+                        kvsteer_workload::Prompt::Append(_) => Vec::new(),
+                    };
+                    json!({"prompt": prompt, "max_tokens": t.output_tokens, "think_us": t.think_us})
+                })
+                .collect();
+            json!({"id": s.id, "turns": turns})
+        })
+        .collect();
+    let doc = json!({
+        "scenario": sc.id, "name": w.name, "params": w.params, "block_size": w.block_size,
+        "concurrency": concurrency, "sessions": sessions,
+    });
+    std::fs::write(file, serde_json::to_string(&doc).map_err(|e| e.to_string())?)
+        .map_err(|e| format!("{}: {e}", file.display()))?;
+    eprintln!(
+        "wrote {} ({} sessions, {} requests, {} in flight)",
+        file.display(),
+        w.sessions.len(),
+        w.total_requests(),
+        concurrency
+    );
+    Ok(())
+}
+
+struct RunMeta<'a> {
+    scale: Scale,
+    seeds: u64,
+    workers: usize,
+    wall_s: f64,
+    filter: &'a Path,
+    filter_bytes: usize,
+}
+
+fn command_output(cmd: &str, args: &[&str]) -> Option<String> {
+    let o = std::process::Command::new(cmd)
+        .args(args)
+        .current_dir(workspace_root())
+        .output()
+        .ok()?;
+    o.status
+        .success()
+        .then(|| String::from_utf8_lossy(&o.stdout).trim().to_string())
+}
+
+/// The commit the results come from, with `-dirty` when tracked files differ from it.
+fn commit() -> String {
+    let head = command_output("git", &["rev-parse", "--short=12", "HEAD"]);
+    let dirty = command_output("git", &["status", "--porcelain", "--untracked-files=no"])
+        .is_some_and(|s| !s.is_empty());
+    match head {
+        Some(h) if dirty => format!("{h}-dirty"),
+        Some(h) => h,
+        None => "unknown".into(),
+    }
+}
+
+fn mode_json(m: Mode) -> Value {
+    match m {
+        Mode::Closed { concurrency } => json!({"closed": {"concurrency": concurrency}}),
+        Mode::Open => json!("open"),
+    }
+}
+
+fn write_outputs(
+    out: &Path,
+    meta: &RunMeta,
+    workloads: &[(Workload, Mode)],
+    first_workload: &[usize],
+    grouped: &[ScenarioRuns],
+    policies: &[String],
+) -> Result<(), String> {
+    let dir = out.join("results");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let write = |name: &str, text: &str| -> Result<(), String> {
+        let p = dir.join(name);
+        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))
+    };
+    let commit = commit();
+    let date = command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]).unwrap_or_default();
+
+    // Machine-readable results.
+    let scen_json: Vec<Value> = grouped
+        .iter()
+        .zip(first_workload)
+        .map(|(g, wi)| {
+            let sc = g.scenario;
+            json!({"id": sc.id, "group": sc.group, "source": format!("{:?}", sc.source),
+                   "workload": wi})
+        })
+        .collect();
+    let workloads_json: Vec<Value> = workloads
+        .iter()
+        .map(|(w, m)| {
+            let st = w.stats();
+            json!({
+                "name": w.name, "params": w.params, "block_size": w.block_size,
+                "mode": mode_json(*m), "sessions": st.sessions, "requests": st.requests,
+                "notes": w.notes,
+            })
+        })
+        .collect();
+    let runs_json: Vec<Value> = grouped
+        .iter()
+        .flat_map(|g| {
+            g.cells.iter().flat_map(move |c| {
+                c.runs.iter().map(move |o| {
+                    json!({
+                        "scenario": g.scenario.id, "policy": o.policy, "seed": o.seed,
+                        "router_seed": ROUTER_SEED.wrapping_add(o.seed),
+                        "summary": o.summary, "harness": o.harness_json(),
+                        "wall_s": o.wall_s, "virtual_s": o.virtual_s,
+                    })
+                })
+            })
+        })
+        .collect();
+    let engine = Scenario::engine(16, 0);
+    let doc = json!({
+        "generated": date,
+        "commit": commit,
+        "scale": meta.scale.name(),
+        "seeds": meta.seeds,
+        "policies": policies,
+        "replicas": 4,
+        "proxy_workers": meta.workers,
+        "engine": {
+            "profile": engine.profile.name, "kv_tokens": engine.kv_blocks as u64 * 16,
+            "max_batch_tokens": engine.max_batch_tokens, "max_running": engine.max_running,
+            "max_model_len": engine.max_model_len,
+        },
+        "filter": {"path": meta.filter.display().to_string(), "bytes": meta.filter_bytes},
+        "wall_s": meta.wall_s,
+        "scenarios": scen_json,
+        "workloads": workloads_json,
+        "runs": runs_json,
+    });
+    write(
+        "harness.json",
+        &serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?,
+    )?;
+
+    // Plots.
+    for g in grouped {
+        let decode: &[&str] = match g.scenario.group {
+            "rl" => &POLICIES,
+            "weka" => &["session_hash", "kv_load"],
+            _ => &[],
+        };
+        for (name, svg) in scenario_plots(g, decode) {
+            write(&name, &svg)?;
+        }
+    }
+    let rl: Vec<&ScenarioRuns> = grouped.iter().filter(|g| g.scenario.group == "rl").collect();
+    if !rl.is_empty() {
+        write("rl_hit_vs_cv.svg", &hit_cv_plot(&rl, &POLICIES, false))?;
+    }
+    let weka: Vec<&ScenarioRuns> = grouped
+        .iter()
+        .filter(|g| g.scenario.group == "weka")
+        .collect();
+    if !weka.is_empty() {
+        write(
+            "weka_hit_vs_cv.svg",
+            &hit_cv_plot(&weka, &["session_hash", "kv_load"], true),
+        )?;
+    }
+
+    // The report.
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "# Results: routing quality by policy, workload and concurrency\n\n\
+         Generated by `scripts/bench{}` on {date} from commit `{commit}` ({} seeds, wall time \
+         {:.0} s). Do not edit by hand: the analysis is in `docs/results/notes.md` and is \
+         included below; every figure comes from `docs/results/harness.json`.\n",
+        match meta.scale {
+            Scale::Full => "",
+            Scale::Quick => " --quick",
+            Scale::Smoke => " --smoke",
+        },
+        meta.seeds,
+        meta.wall_s
+    );
+    md.push_str(HOW_TO_READ);
+    let _ = writeln!(
+        md,
+        "## Setup\n\n4 identical simulated replicas ({}, {} KV tokens each, at most {} batched tokens \
+         a step), {} proxy worker VMs running `kvsteer_filter.wasm` ({} KB) in the wasmtime \
+         harness, virtual time. The engines' KV block size and the filter's `routing.block_size` \
+         follow each workload (16 for RL and Azure, 64 for the coding-agent trace, 512 for \
+         Mooncake); the KV memory is the same at every block size. Seed `s` sets the engines' seeds, \
+         the router's tie-break seed (`routing.seed` = default + s) and, for RL, every token; the \
+         traces' structure does not depend on it.\n",
+        engine.profile.name,
+        engine.kv_blocks as u64 * 16,
+        engine.max_batch_tokens,
+        meta.workers,
+        meta.filter_bytes / 1024
+    );
+    md.push_str("| scenario | workload | requests | sessions | driven | notes |\n|---|---|---:|---:|---|---|\n");
+    for (g, &wi) in grouped.iter().zip(first_workload) {
+        let (w, m) = &workloads[wi];
+        let st = w.stats();
+        let notes: Vec<String> = w.notes.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+        let _ = writeln!(
+            md,
+            "| `{}` | {} ({}) | {} | {} | {} | {} |",
+            g.scenario.id,
+            w.name,
+            w.params
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            st.requests,
+            st.sessions,
+            match m {
+                Mode::Closed { concurrency } => format!("closed loop, {concurrency} in flight"),
+                Mode::Open => "open loop, trace arrival times".into(),
+            },
+            notes.join("; ")
+        );
+    }
+    md.push_str("\n## The published claims, checked\n\n");
+    md.push_str(&claims(grouped));
+    let notes_path = dir.join("notes.md");
+    if let Ok(notes) = std::fs::read_to_string(&notes_path) {
+        md.push_str("## Analysis\n\n");
+        md.push_str(&notes);
+        md.push('\n');
+    }
+    for (group, title) in [
+        ("rl", "RL rollouts with stragglers"),
+        ("weka", "Coding-agent traces (weka_cc_sample36)"),
+        ("mooncake", "Mooncake"),
+        ("azure", "Azure conversations (no-reuse control)"),
+        ("slice", "The Envoy slice, in the harness"),
+    ] {
+        let gs: Vec<&ScenarioRuns> = grouped.iter().filter(|g| g.scenario.group == group).collect();
+        if gs.is_empty() {
+            continue;
+        }
+        let _ = writeln!(md, "## {title}\n");
+        for g in &gs {
+            let _ = writeln!(
+                md,
+                "### `{}`\n\n{}\n![TTFT CDF, {}](results/{}_ttft_cdf.svg)\n",
+                g.scenario.id,
+                scenario_table(g),
+                g.scenario.id,
+                g.scenario.id
+            );
+        }
+        match group {
+            "rl" => {
+                md.push_str(
+                    "Hit rate against decode-block CV, and each policy's per-replica decode load \
+                     (seed 0): herding shows as one replica far above the others, straggler \
+                     collisions as two 8,192-token tails on the same replica.\n\n\
+                     ![hit rate vs CV](results/rl_hit_vs_cv.svg)\n\n",
+                );
+                for p in POLICIES {
+                    if gs.iter().any(|g| g.cell(p).is_some()) {
+                        let _ = writeln!(md, "![decode load, {p}](results/rl_decode_{p}.svg)");
+                    }
+                }
+                md.push('\n');
+            }
+            "weka" => {
+                md.push_str(
+                    "Hit rate against decode-block CV across concurrency (kv_load and \
+                     session_hash, medians over seeds):\n\n\
+                     ![hit rate vs CV across concurrency](results/weka_hit_vs_cv.svg)\n\n",
+                );
+                if let Some(last) = gs.last() {
+                    for p in ["session_hash", "kv_load"] {
+                        if last.cell(p).is_some() {
+                            let _ = writeln!(
+                                md,
+                                "![decode load, {p}, {id}](results/{id}_decode_{p}.svg)",
+                                id = last.scenario.id
+                            );
+                        }
+                    }
+                }
+                md.push('\n');
+            }
+            _ => {}
+        }
+    }
+    if let Ok(envoy) = std::fs::read_to_string(dir.join("envoy.md")) {
+        md.push_str(&envoy);
+        md.push('\n');
+    }
+    std::fs::write(out.join("results.md"), md)
+        .map_err(|e| format!("{}: {e}", out.join("results.md").display()))
+}
+
+const HOW_TO_READ: &str = "## How to read this\n\n\
+- Each table is one workload configuration; each row one routing policy of the filter. Cells are \
+  the **median over seeds**; where seeds disagree at the shown precision, `(min-max)` follows.\n\
+- **TTFT** is time to first token, **TPOT** time per output token after the first, **e2e** a \
+  request's end-to-end time, **rollout / session p99** the 99th percentile of a whole session \
+  (RL: a rollout's 10 turns, the RL headline). **output tok/s** is all generated tokens over the \
+  run's span. **hit rate** is engine-reported cached prompt tokens over prompt tokens. **decode \
+  CV** is the spread of KV blocks held by decoding requests across replicas (0: perfectly even; \
+  DESIGN section 7). Lower is better except tok/s and hit rate.\n\
+- A high hit rate is not the goal: a policy can hit the cache every time by sending everything to \
+  one replica. The claims below are about trading hit rate for even decode load.\n\
+- Everything runs in virtual time: the engines are a model of vLLM on an H100 \
+  (`docs/simulator.md`), the filter is the real `.wasm`. Absolute figures are the model's; the \
+  comparison between policies is the point.\n\
+- Commands: `scripts/bench` (this report; about 25 min on 2 cores), `scripts/bench --quick` \
+  (minutes, writes `out/bench-quick/`), `scripts/bench --smoke` (seconds, the CI check), \
+  `scripts/bench-envoy` (the Envoy slice alone).\n\n";
+
+/// The smoke check: the JSON parses, has every replay with requests and no failures, every summary is
+/// well-formed, the report has a table per scenario and the plots are SVG.
+fn check_outputs(out: &Path, expected_runs: usize) -> Result<(), String> {
+    let dir = out.join("results");
+    let text = std::fs::read_to_string(dir.join("harness.json")).map_err(|e| e.to_string())?;
+    let doc: Value = serde_json::from_str(&text).map_err(|e| format!("harness.json: {e}"))?;
+    let runs = doc["runs"].as_array().ok_or("harness.json: no runs")?;
+    if runs.len() != expected_runs {
+        return Err(format!(
+            "harness.json has {} runs, expected {expected_runs}",
+            runs.len()
+        ));
+    }
+    if doc["commit"].as_str().is_none_or(str::is_empty) {
+        return Err("harness.json: no commit".into());
+    }
+    for r in runs {
+        let s: Summary = serde_json::from_value(r["summary"].clone())
+            .map_err(|e| format!("a run's summary does not parse: {e}"))?;
+        let what = format!("{} {} seed {}", r["scenario"], r["policy"], r["seed"]);
+        if s.requests == 0 || s.failed > 0 || s.open > 0 {
+            return Err(format!(
+                "{what}: {} finished, {} failed, {} open",
+                s.requests, s.failed, s.open
+            ));
+        }
+        if !(0.0..=1.0).contains(&s.hit_rate)
+            || !(s.ttft_ms.p50 > 0.0 && s.ttft_ms.p50 <= s.ttft_ms.p99)
+            || s.output_tokens_per_s <= 0.0
+        {
+            return Err(format!("{what}: implausible summary {s:?}"));
+        }
+    }
+    let md = std::fs::read_to_string(out.join("results.md")).map_err(|e| e.to_string())?;
+    let tables = md.matches("| policy | TTFT p50 / p90 ms").count();
+    let scenarios = doc["scenarios"].as_array().map_or(0, Vec::len);
+    if tables != scenarios || scenarios == 0 {
+        return Err(format!(
+            "results.md has {tables} tables for {scenarios} scenarios"
+        ));
+    }
+    let mut svgs = 0;
+    for e in std::fs::read_dir(&dir).map_err(|e| e.to_string())? {
+        let p = e.map_err(|e| e.to_string())?.path();
+        if p.extension().is_some_and(|x| x == "svg") {
+            let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
+            if !(t.starts_with("<svg") && t.trim_end().ends_with("</svg>")) {
+                return Err(format!("{} is not a complete SVG", p.display()));
+            }
+            svgs += 1;
+        }
+    }
+    for l in md.lines().filter(|l| l.starts_with("![")) {
+        let Some(target) = l.split("](").nth(1).and_then(|t| t.strip_suffix(')')) else {
+            continue;
+        };
+        if !out.join(target).is_file() {
+            return Err(format!("results.md links a missing plot {target}"));
+        }
+    }
+    if svgs < scenarios {
+        return Err(format!("{svgs} SVG plots for {scenarios} scenarios"));
+    }
+    Ok(())
+}
