@@ -34,9 +34,37 @@ fn lcg(seed: &mut u64) -> u64 {
 }
 
 const WORDS: [&str; 32] = [
-    "the", "router", "sends", "each", "request", "to", "a", "replica", "that", "already", "holds",
-    "its", "prefix,", "and", "balances", "decode", "load;", "tokens", "are", "hashed", "into",
-    "blocks", "of", "sixteen.", "When", "cache", "misses", "happen,", "prefill", "costs", "more",
+    "the",
+    "router",
+    "sends",
+    "each",
+    "request",
+    "to",
+    "a",
+    "replica",
+    "that",
+    "already",
+    "holds",
+    "its",
+    "prefix,",
+    "and",
+    "balances",
+    "decode",
+    "load;",
+    "tokens",
+    "are",
+    "hashed",
+    "into",
+    "blocks",
+    "of",
+    "sixteen.",
+    "When",
+    "cache",
+    "misses",
+    "happen,",
+    "prefill",
+    "costs",
+    "more",
     "(see 2.1)\n",
 ];
 
@@ -56,7 +84,9 @@ fn conversation(seed: u64, turns: usize, words: usize) -> Vec<Value> {
     let mut m = vec![json!({"role": "system", "content": prose(seed * 1000, words)})];
     for t in 0..turns {
         m.push(json!({"role": "user", "content": prose(seed * 1000 + 2 * t as u64 + 1, words)}));
-        m.push(json!({"role": "assistant", "content": prose(seed * 1000 + 2 * t as u64 + 2, words)}));
+        m.push(
+            json!({"role": "assistant", "content": prose(seed * 1000 + 2 * t as u64 + 2, words)}),
+        );
     }
     m.push(json!({"role": "user", "content": prose(seed * 1000 + 999, 150)}));
     m
@@ -77,8 +107,10 @@ struct Vm {
 
 fn start(module: &FilterModule, tokenizer: Option<Value>) -> Result<Vm, String> {
     let replicas: Vec<_> = (0..4)
-        .map(|i| json!({"name": format!("r{i}"), "endpoint": format!("10.0.0.{}:8000", i + 1),
-                        "feed_cluster": format!("feed_r{i}")}))
+        .map(|i| {
+            json!({"name": format!("r{i}"), "endpoint": format!("10.0.0.{}:8000", i + 1),
+                        "feed_cluster": format!("feed_r{i}")})
+        })
         .collect();
     let mut cfg = json!({
         "replicas": replicas,
@@ -164,7 +196,11 @@ fn run() -> Result<(), String> {
                     .ok_or("--reps needs a number")?
             }
             "--vocabulary" => vocabulary = args.next().ok_or("--vocabulary needs a value")?,
-            _ => return Err(format!("unknown argument {a:?}; usage: tokenizer-bench [--reps N] [--vocabulary V]")),
+            _ => {
+                return Err(format!(
+                    "unknown argument {a:?}; usage: tokenizer-bench [--reps N] [--vocabulary V]"
+                ));
+            }
         }
     }
     let reps = reps.max(1);
@@ -183,8 +219,11 @@ fn run() -> Result<(), String> {
     println!();
     println!("| worker VM | start (on_vm_start + on_configure) ms | resident memory growth MB |");
     println!("|---|---:|---:|");
-    let plain = start(&module, None)?;
-    println!("| no tokenizer | {:.1} | {:.1} |", plain.start_ms, plain.rss_mb);
+    let mut plain = start(&module, None)?;
+    println!(
+        "| no tokenizer | {:.1} | {:.1} |",
+        plain.start_ms, plain.rss_mb
+    );
     let mut vms = Vec::new();
     for i in 0..2 {
         let vm = start(&module, Some(tok_cfg.clone()))?;
@@ -198,7 +237,6 @@ fn run() -> Result<(), String> {
     }
     let mut tok = vms.pop().ok_or("no vm")?;
     drop(vms);
-    let mut plain = plain;
 
     // Words per message so that 8K, 32K, 128K tokens take 8, 32, 128 messages of ~1K tokens: calibrate.
     let probe = body(&conversation(1, 0, 1000));
@@ -214,7 +252,11 @@ fn run() -> Result<(), String> {
     let mut seed = 100u64;
     for (label, target) in [("8K", 8_192usize), ("32K", 32_768), ("128K", 131_072)] {
         let turns = (target / 1000).saturating_sub(1) / 2;
-        let n = if target > 100_000 { reps.div_ceil(2) } else { reps };
+        let n = if target > 100_000 {
+            reps.div_ceil(2)
+        } else {
+            reps
+        };
         let (mut first, mut follow, mut plain_first, mut plain_follow) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut tokens1, mut tokens2, mut kb1, mut kb2) = (0, 0, 0.0, 0.0);
@@ -260,7 +302,10 @@ fn run() -> Result<(), String> {
         m("kvsteer_tokenizer_fallback_template"),
         m("kvsteer_tokenizer_fallback_too_large"),
     );
-    println!("resident set of this process now: {:.0} MB", rss_kb() as f64 / 1024.0);
+    println!(
+        "resident set of this process now: {:.0} MB",
+        rss_kb() as f64 / 1024.0
+    );
     if tok.worker.is_dead() || !tok.worker.notes().is_empty() {
         return Err(format!("the filter misbehaved: {:?}", tok.worker.notes()));
     }
