@@ -200,10 +200,7 @@ pub fn claims(all: &[ScenarioRuns]) -> String {
         }
         s.push('\n');
     }
-    let control: Vec<&ScenarioRuns> = all
-        .iter()
-        .filter(|r| r.scenario.group == "azure")
-        .collect();
+    let control: Vec<&ScenarioRuns> = all.iter().filter(|r| r.scenario.group == "azure").collect();
     for r in control {
         let _ = writeln!(
             s,
@@ -271,7 +268,11 @@ pub fn scenario_plots(sr: &ScenarioRuns, decode_policies: &[&str]) -> Vec<(Strin
         .cells
         .iter()
         .map(|c| {
-            let v: Vec<f64> = c.runs.iter().flat_map(|o| o.ttft_ms.iter().copied()).collect();
+            let v: Vec<f64> = c
+                .runs
+                .iter()
+                .flat_map(|o| o.ttft_ms.iter().copied())
+                .collect();
             (c.policy, v)
         })
         .collect();

@@ -55,7 +55,8 @@ pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> Harne
     let mut cfg = HarnessConfig::small(policy);
     cfg.workers = workers;
     cfg.engine = super::scenario::Scenario::engine(block_size, seed);
-    cfg.routing = json!({"policy": policy, "block_size": block_size, "seed": ROUTER_SEED.wrapping_add(seed)});
+    cfg.routing =
+        json!({"policy": policy, "block_size": block_size, "seed": ROUTER_SEED.wrapping_add(seed)});
     cfg
 }
 

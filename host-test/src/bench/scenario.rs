@@ -77,7 +77,9 @@ impl Scenario {
         let err = |e: kvsteer_workload::WorkloadError| format!("{}: {e}", self.id);
         let w = match &self.source {
             Source::Rl(p) => rl::generate(&RlParams { seed, ..p.clone() }).map_err(err)?,
-            Source::Slice(p) => flatten(&rl::generate(&RlParams { seed, ..p.clone() }).map_err(err)?),
+            Source::Slice(p) => {
+                flatten(&rl::generate(&RlParams { seed, ..p.clone() }).map_err(err)?)
+            }
             Source::Weka {
                 concurrency,
                 copies,
@@ -269,7 +271,10 @@ mod tests {
                 assert!(b.len() > a.len() + pair[0].output_tokens as usize);
             }
         }
-        let (a, b) = (&f.sessions[0].turns[0].prompt, &f.sessions[1].turns[0].prompt);
+        let (a, b) = (
+            &f.sessions[0].turns[0].prompt,
+            &f.sessions[1].turns[0].prompt,
+        );
         let (Prompt::Full(a), Prompt::Full(b)) = (a, b) else {
             panic!("not flattened")
         };

@@ -72,7 +72,8 @@ fn parse_args() -> Result<Args, String> {
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
         let number = |name: &str, v: String| -> Result<u64, String> {
-            v.parse().map_err(|_| format!("{name}: not a number: {v:?}"))
+            v.parse()
+                .map_err(|_| format!("{name}: not a number: {v:?}"))
         };
         match arg.as_str() {
             "--quick" => a.scale = Scale::Quick,
@@ -86,16 +87,20 @@ fn parse_args() -> Result<Args, String> {
             "--traces" => a.traces = PathBuf::from(value("--traces")?),
             "--export-slice" => a.export_slice = Some(PathBuf::from(value("--export-slice")?)),
             "-h" | "--help" => {
-                return Err("usage: bench [--quick | --smoke] [--seeds N] [--policies a,b] \
+                return Err(
+                    "usage: bench [--quick | --smoke] [--seeds N] [--policies a,b] \
                             [--only id|group,..] [--jobs N] [--workers N] [--out DIR] \
                             [--traces DIR] [--export-slice FILE]"
-                    .into());
+                        .into(),
+                );
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
         }
     }
     if a.workers == 0 || a.jobs == 0 || a.seeds == Some(0) || a.policies.is_empty() {
-        return Err("--workers, --jobs and --seeds must be at least 1, --policies non-empty".into());
+        return Err(
+            "--workers, --jobs and --seeds must be at least 1, --policies non-empty".into(),
+        );
     }
     Ok(a)
 }
@@ -137,9 +142,7 @@ fn run(args: &Args) -> Result<(), String> {
         .unwrap_or(if scale == Scale::Full { 3 } else { 1 });
     let scenarios: Vec<Scenario> = matrix(scale)
         .into_iter()
-        .filter(|s| {
-            args.only.is_empty() || args.only.iter().any(|o| *o == s.id || *o == s.group)
-        })
+        .filter(|s| args.only.is_empty() || args.only.iter().any(|o| *o == s.id || *o == s.group))
         .collect();
     if scenarios.is_empty() {
         return Err(format!("--only {:?} matches no scenario", args.only));
@@ -238,7 +241,10 @@ fn run(args: &Args) -> Result<(), String> {
         });
         // The replay threads are joined when the scope ends; stop the bar once they are done.
         while queue.lock().map(|q| !q.is_empty()).unwrap_or(false)
-            || results.lock().map(|r| r.len() < jobs.len()).unwrap_or(false)
+            || results
+                .lock()
+                .map(|r| r.len() < jobs.len())
+                .unwrap_or(false)
         {
             std::thread::sleep(std::time::Duration::from_millis(200));
         }
@@ -339,8 +345,11 @@ fn export_slice(args: &Args, file: &Path) -> Result<(), String> {
         "scenario": sc.id, "name": w.name, "params": w.params, "block_size": w.block_size,
         "concurrency": concurrency, "sessions": sessions,
     });
-    std::fs::write(file, serde_json::to_string(&doc).map_err(|e| e.to_string())?)
-        .map_err(|e| format!("{}: {e}", file.display()))?;
+    std::fs::write(
+        file,
+        serde_json::to_string(&doc).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| format!("{}: {e}", file.display()))?;
     eprintln!(
         "wrote {} ({} sessions, {} requests, {} in flight)",
         file.display(),
@@ -479,7 +488,10 @@ fn write_outputs(
             write(&name, &svg)?;
         }
     }
-    let rl: Vec<&ScenarioRuns> = grouped.iter().filter(|g| g.scenario.group == "rl").collect();
+    let rl: Vec<&ScenarioRuns> = grouped
+        .iter()
+        .filter(|g| g.scenario.group == "rl")
+        .collect();
     if !rl.is_empty() {
         write("rl_hit_vs_cv.svg", &hit_cv_plot(&rl, &POLICIES, false))?;
     }
@@ -565,7 +577,10 @@ fn write_outputs(
         ("azure", "Azure conversations (no-reuse control)"),
         ("slice", "The Envoy slice, in the harness"),
     ] {
-        let gs: Vec<&ScenarioRuns> = grouped.iter().filter(|g| g.scenario.group == group).collect();
+        let gs: Vec<&ScenarioRuns> = grouped
+            .iter()
+            .filter(|g| g.scenario.group == group)
+            .collect();
         if gs.is_empty() {
             continue;
         }

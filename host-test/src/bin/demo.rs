@@ -10,11 +10,11 @@
 use kvsteer_host_test::artifact::workspace_root;
 use kvsteer_host_test::bench::run::{Outcome, replay};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
+use kvsteer_workload::Summary;
 use kvsteer_workload::report::{
     Progress, decode_load_svg, hit_cv_scatter_svg, markdown_table, ttft_cdf_svg,
 };
 use kvsteer_workload::rl::{RlParams, generate};
-use kvsteer_workload::Summary;
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -96,11 +96,19 @@ fn run_policy(
 ) -> Result<Outcome, String> {
     let workload = generate(params).map_err(|e| e.to_string())?;
     let mode = workload.default_mode;
-    replay(module, workload, mode, policy, params.seed, workers, |done, total| {
-        if let Ok(mut p) = progress.lock() {
-            p[slot] = (done, total);
-        }
-    })
+    replay(
+        module,
+        workload,
+        mode,
+        policy,
+        params.seed,
+        workers,
+        |done, total| {
+            if let Ok(mut p) = progress.lock() {
+                p[slot] = (done, total);
+            }
+        },
+    )
 }
 
 fn main() {
