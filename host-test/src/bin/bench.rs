@@ -267,7 +267,7 @@ fn run(args: &Args) -> Result<(), String> {
         eprintln!("FAILED: {f}");
     }
     for v in per_scenario.iter_mut() {
-        v.sort_by(|a, b| a.seed.cmp(&b.seed));
+        v.sort_by_key(|o| o.seed);
     }
     let grouped: Vec<ScenarioRuns> = scenarios
         .iter()
@@ -685,10 +685,11 @@ fn check_outputs(out: &Path, expected_runs: usize) -> Result<(), String> {
                 s.requests, s.failed, s.open
             ));
         }
-        if !(0.0..=1.0).contains(&s.hit_rate)
-            || !(s.ttft_ms.p50 > 0.0 && s.ttft_ms.p50 <= s.ttft_ms.p99)
-            || s.output_tokens_per_s <= 0.0
-        {
+        let plausible = (0.0..=1.0).contains(&s.hit_rate)
+            && s.ttft_ms.p50 > 0.0
+            && s.ttft_ms.p50 <= s.ttft_ms.p99
+            && s.output_tokens_per_s > 0.0;
+        if !plausible {
             return Err(format!("{what}: implausible summary {s:?}"));
         }
     }
