@@ -409,9 +409,13 @@ fn write_outputs(
 ) -> Result<(), String> {
     let dir = out.join("results");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // Paths under the workspace are written relative to it, so the report does not carry the
+    // machine's checkout location.
+    let root = format!("{}/", workspace_root().display());
+    let relative = |text: &str| text.replace(&root, "");
     let write = |name: &str, text: &str| -> Result<(), String> {
         let p = dir.join(name);
-        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))
+        std::fs::write(&p, relative(text)).map_err(|e| format!("{}: {e}", p.display()))
     };
     let commit = commit();
     let date = command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]).unwrap_or_default();
@@ -636,7 +640,7 @@ fn write_outputs(
         md.push_str(&envoy);
         md.push('\n');
     }
-    std::fs::write(out.join("results.md"), md)
+    std::fs::write(out.join("results.md"), relative(&md))
         .map_err(|e| format!("{}: {e}", out.join("results.md").display()))
 }
 
