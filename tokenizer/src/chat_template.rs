@@ -1,24 +1,56 @@
 //! Chat templates: a conversation rendered to the exact text the engine tokenizes, with a
 //! Jinja-compatible engine (minijinja) configured as Hugging Face's `apply_chat_template` configures
-//! Jinja2 (`trim_blocks`, `lstrip_blocks`, no autoescape) and given the same variables (`messages`,
-//! `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`).
+//! Jinja2 and given the same variables, so a model's own template renders here as it does in the
+//! engine.
+//!
+//! What transformers sets up (source: transformers `utils/chat_template_utils.py`,
+//! `_compile_jinja_template` and `render_jinja_template`), and what is done here:
+//! - Jinja2 `trim_blocks`, `lstrip_blocks`, no autoescape, `keep_trailing_newline` off (Jinja2's
+//!   default: one trailing newline of the template source is dropped), the `loopcontrols` extension:
+//!   the same minijinja settings.
+//! - Python string, dict and list methods (`.strip()`, `.startswith()`, `.split()`, `.items()`,
+//!   `.get()` ...) work because Jinja2 calls the real Python objects: here minijinja-contrib's
+//!   `pycompat` callback implements them.
+//! - `raise_exception(msg)`: a render error (the request falls back).
+//! - `tojson`: Python's `json.dumps` (see [`crate::python_json`]), not Jinja2's HTML-safe filter.
+//! - `strftime_now(fmt)`: the engine formats its wall clock; here the configured `current_date`
+//!   ([`CalendarDate`]), never the router's clock, and an error when none is configured, so a
+//!   template that stamps the date falls back (counted) instead of rendering a date the engine may not.
+//! - Variables: `messages`, `add_generation_prompt = true`, `bos_token`, `eos_token` (configured,
+//!   empty by default), `tools = none` and `documents = none` (vLLM passes both, `None` when the
+//!   request has none); `custom_tools`, `tools_in_user_message`, `date_string` stay undefined, as they
+//!   are when the engine gets no `chat_template_kwargs`, so templates take their own defaults. Also
+//!   `current_date` (`YYYY-MM-DD` or none) and `reasoning_effort` for the built-in harmony template
+//!   (gpt-oss's own template reads `reasoning_effort` too).
 //!
 //! Built in:
-//! - `harmony`: gpt-oss's format (`<|start|>ROLE<|message|>TEXT<|end|>`): the system header the model
-//!   card's template emits, a `system`/`developer` message as the developer instructions, user turns,
-//!   assistant turns in the `final` channel, then `<|start|>assistant`. Not covered (they make the
-//!   request fall back): tools, tool calls, tool results, reasoning content. The real template stamps
-//!   the current date into the system header; here it is the `current_date` setting (none by default),
-//!   which must be set to match an engine that stamps it.
-//! - `kvsteer_sim`: the simulator's fixed framing (`<|start|>ROLE\nTEXT<|end|>\n` ... `<|start|>assistant\n`),
-//!   so the test fleet's engines and the filter agree.
-//! - any other template as Jinja text (a model's `chat_template`). Templates that call Python string
-//!   methods (`.strip()`) or functions minijinja does not have fail to render: the request falls back.
+//! - `harmony`: gpt-oss's format, following the model's `chat_template.jinja` for the covered cases
+//!   (see [`HARMONY`]). Not covered (the request falls back): tools, tool calls, tool results.
+//! - `kvsteer_sim`: the simulator's fixed framing (`<|start|>ROLE\nTEXT<|end|>\n` ...
+//!   `<|start|>assistant\n`), so the test fleet's engines and the filter agree.
+//! - any other template as Jinja text (a model's `chat_template`).
 
-use minijinja::{Environment, Error, ErrorKind, context};
+pub use crate::calendar_date::CalendarDate;
+use minijinja::{Environment, Error, ErrorKind, Value, context};
 use serde::Serialize;
 
-/// The gpt-oss (harmony) template, without tools.
+/// The gpt-oss (harmony) template, without tools. Checked against gpt-oss's `chat_template.jinja`
+/// (Hugging Face `openai/gpt-oss-120b`, as vendored in llama.cpp `models/templates/`) and openai/harmony's
+/// renderer (`src/encoding.rs`, system and developer content):
+/// - System header: identity line, `Knowledge cutoff: 2024-06`, `Current date: ...` (the model card's
+///   template always stamps `strftime_now("%Y-%m-%d")`; openai/harmony prints the line only when a
+///   conversation start date is set: with no `current_date` this renders harmony's form), a blank
+///   line, `Reasoning: EFFORT`, a blank line, the valid-channels line.
+/// - Only a first `system` or `developer` message becomes the developer message (`# Instructions`,
+///   a blank line, the text, a blank line, as the model card's template writes it), and only when its
+///   text is not empty; later `system`/`developer` messages are dropped, as that template drops them.
+/// - Assistant turns render their `content` in the `final` channel closed by `<|end|>`; reasoning of
+///   earlier turns is never rendered for inference (the template drops it unless the turn made a tool
+///   call, and tool calls fall back before rendering). `<|return|>` closes only a last assistant
+///   message rendered without a generation prompt (training); requests always get the generation
+///   prompt, so never here. Assistant content holding `<|channel|>analysis<|message|>` or
+///   `<|channel|>final<|message|>` is refused, as the template refuses it.
+/// - A `tool` message is refused (the template needs a preceding tool call, which is not covered).
 pub const HARMONY: &str = concat!(
     "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n",
     "Knowledge cutoff: 2024-06\n",
@@ -26,14 +58,20 @@ pub const HARMONY: &str = concat!(
     // trim_blocks eats a newline right after a block tag: emit it as an expression.
     "{{ '\\n' }}Reasoning: {{ reasoning_effort }}\n\n",
     "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>",
-    "{% for m in messages %}",
-    "{% if m.role == 'system' or m.role == 'developer' %}",
-    "<|start|>developer<|message|># Instructions\n\n{{ m.content }}\n\n<|end|>",
+    "{% if messages and messages[0].role in ['system', 'developer'] %}",
+    "{% set developer = messages[0].content %}{% set turns = messages[1:] %}",
+    "{% else %}{% set developer = '' %}{% set turns = messages %}{% endif %}",
+    "{% if developer %}<|start|>developer<|message|># Instructions\n\n{{ developer }}\n\n<|end|>{% endif %}",
+    "{% for m in turns %}",
+    "{% if m.role == 'assistant' %}",
+    "{% if '<|channel|>analysis<|message|>' in m.content or '<|channel|>final<|message|>' in m.content %}",
+    "{{ raise_exception('harmony: channel tags in assistant content') }}",
+    "{% endif %}",
+    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>",
     "{% elif m.role == 'user' %}",
     "<|start|>user<|message|>{{ m.content }}<|end|>",
-    "{% elif m.role == 'assistant' %}",
-    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>",
-    "{% else %}{{ raise_exception('harmony: unsupported role ' ~ m.role) }}",
+    "{% elif m.role == 'tool' %}",
+    "{{ raise_exception('harmony: a tool message needs the tool call before it (not covered)') }}",
     "{% endif %}",
     "{% endfor %}",
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}",
@@ -60,13 +98,35 @@ pub struct RenderMessage<'a> {
     pub content: String,
 }
 
+/// The values a template sees besides the conversation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TemplateSettings {
+    /// What `strftime_now` formats and harmony's `Current date:` prints; none: `strftime_now` is an
+    /// error and harmony prints no date line.
+    pub current_date: Option<CalendarDate>,
+    /// `reasoning_effort` (harmony's `Reasoning:` line).
+    pub reasoning_effort: String,
+    pub bos_token: String,
+    pub eos_token: String,
+}
+
+impl Default for TemplateSettings {
+    fn default() -> Self {
+        TemplateSettings {
+            current_date: None,
+            reasoning_effort: "medium".into(),
+            bos_token: String::new(),
+            eos_token: String::new(),
+        }
+    }
+}
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
     pub join: PartJoin,
     pub name: String,
-    current_date: Option<String>,
-    reasoning_effort: String,
+    settings: TemplateSettings,
 }
 
 fn raise_exception(msg: String) -> Result<String, Error> {
@@ -78,8 +138,7 @@ impl ChatTemplate {
     pub fn new(
         name: &str,
         jinja: Option<&str>,
-        current_date: Option<String>,
-        reasoning_effort: String,
+        settings: TemplateSettings,
     ) -> Result<ChatTemplate, String> {
         let (source, join) = match (name, jinja) {
             (_, Some(src)) => (src.to_string(), PartJoin::Newline),
@@ -94,29 +153,45 @@ impl ChatTemplate {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.set_keep_trailing_newline(true);
+        env.set_keep_trailing_newline(false);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", crate::python_json::tojson);
+        let today = settings.current_date;
+        env.add_function("strftime_now", move |fmt: &str| -> Result<String, Error> {
+            let Some(date) = today else {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    "strftime_now: no tokenizer.current_date configured (the engine formats its own \
+                     clock; configure the date it uses)",
+                ));
+            };
+            date.strftime(fmt)
+                .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.0))
+        });
         env.add_template_owned("chat", source)
             .map_err(|e| format!("chat template does not compile: {e}"))?;
         Ok(ChatTemplate {
             env,
             join,
             name: name.to_string(),
-            current_date,
-            reasoning_effort,
+            settings,
         })
     }
 
     /// Renders a conversation with the generation prompt appended.
     pub fn render(&self, messages: &[RenderMessage<'_>]) -> Result<String, String> {
         let t = self.env.get_template("chat").map_err(|e| e.to_string())?;
+        let s = &self.settings;
         t.render(context! {
             messages => messages,
             add_generation_prompt => true,
-            bos_token => "",
-            eos_token => "",
-            current_date => self.current_date,
-            reasoning_effort => self.reasoning_effort,
+            bos_token => s.bos_token,
+            eos_token => s.eos_token,
+            tools => Value::from(()),
+            documents => Value::from(()),
+            current_date => s.current_date.map(|d| d.to_string()),
+            reasoning_effort => s.reasoning_effort,
         })
         .map_err(|e| e.to_string())
     }
@@ -135,9 +210,21 @@ mod tests {
             .collect()
     }
 
+    fn settings(date: Option<&str>, effort: &str) -> TemplateSettings {
+        TemplateSettings {
+            current_date: date.map(|d| CalendarDate::parse(d).unwrap()),
+            reasoning_effort: effort.into(),
+            ..TemplateSettings::default()
+        }
+    }
+
+    fn jinja(src: &str, date: Option<&str>) -> ChatTemplate {
+        ChatTemplate::new("mine", Some(src), settings(date, "medium")).unwrap()
+    }
+
     #[test]
     fn sim_framing_matches_the_simulator() {
-        let t = ChatTemplate::new("kvsteer_sim", None, None, "medium".into()).unwrap();
+        let t = ChatTemplate::new("kvsteer_sim", None, TemplateSettings::default()).unwrap();
         let out = t
             .render(&msgs(&[("system", "Be brief."), ("user", "Hi\nthere")]))
             .unwrap();
@@ -147,9 +234,15 @@ mod tests {
         );
     }
 
+    const HEADER: &str = concat!(
+        "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n",
+        "Knowledge cutoff: 2024-06\n\nReasoning: medium\n\n",
+        "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>",
+    );
+
     #[test]
     fn harmony_renders_gpt_oss_format() {
-        let t = ChatTemplate::new("harmony", None, None, "medium".into()).unwrap();
+        let t = ChatTemplate::new("harmony", None, TemplateSettings::default()).unwrap();
         let out = t
             .render(&msgs(&[
                 ("system", "Be brief."),
@@ -158,49 +251,187 @@ mod tests {
                 ("user", "Bye"),
             ]))
             .unwrap();
-        let expect = concat!(
-            "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n",
-            "Knowledge cutoff: 2024-06\n\nReasoning: medium\n\n",
-            "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>",
+        let expect = [
+            HEADER,
             "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>",
             "<|start|>user<|message|>Hi<|end|>",
             "<|start|>assistant<|channel|>final<|message|>Hello!<|end|>",
             "<|start|>user<|message|>Bye<|end|>",
-            "<|start|>assistant"
-        );
+            "<|start|>assistant",
+        ]
+        .concat();
         assert_eq!(out, expect);
-        let dated = ChatTemplate::new("harmony", None, Some("2026-11-29".into()), "high".into())
+        let dated = ChatTemplate::new("harmony", None, settings(Some("2026-11-29"), "high"))
             .unwrap()
             .render(&msgs(&[("user", "Hi")]))
             .unwrap();
-        assert!(
-            dated.contains(
-                "Knowledge cutoff: 2024-06\nCurrent date: 2026-11-29\n\nReasoning: high\n"
+        assert_eq!(
+            dated,
+            concat!(
+                "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n",
+                "Knowledge cutoff: 2024-06\nCurrent date: 2026-11-29\n\nReasoning: high\n\n",
+                "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>",
+                "<|start|>user<|message|>Hi<|end|><|start|>assistant"
             )
         );
+    }
+
+    #[test]
+    fn harmony_follows_the_model_templates_message_rules() {
+        let t = ChatTemplate::new("harmony", None, TemplateSettings::default()).unwrap();
+        // A developer message first is the instructions; a later system or developer message is
+        // dropped, as gpt-oss's template drops it.
+        let out = t
+            .render(&msgs(&[
+                ("developer", "Rules."),
+                ("user", "a"),
+                ("system", "late"),
+                ("developer", "later"),
+                ("assistant", "b"),
+            ]))
+            .unwrap();
+        assert_eq!(
+            out,
+            [
+                HEADER,
+                "<|start|>developer<|message|># Instructions\n\nRules.\n\n<|end|>",
+                "<|start|>user<|message|>a<|end|>",
+                "<|start|>assistant<|channel|>final<|message|>b<|end|>",
+                "<|start|>assistant",
+            ]
+            .concat()
+        );
+        // An empty first system message renders no developer message.
+        let out = t.render(&msgs(&[("system", ""), ("user", "a")])).unwrap();
+        assert_eq!(
+            out,
+            [HEADER, "<|start|>user<|message|>a<|end|><|start|>assistant"].concat()
+        );
+        // No messages at all: the header and the generation prompt.
+        assert_eq!(
+            t.render(&[]).unwrap(),
+            [HEADER, "<|start|>assistant"].concat()
+        );
+        // Refused, as the model's template refuses them.
         assert!(t.render(&msgs(&[("tool", "42")])).is_err());
+        for bad in [
+            "x<|channel|>analysis<|message|>y",
+            "<|channel|>final<|message|>y",
+        ] {
+            let e = t
+                .render(&msgs(&[("user", "q"), ("assistant", bad)]))
+                .unwrap_err();
+            assert!(e.contains("channel tags"), "{e}");
+        }
+        // The same tags from a user are just text.
+        assert!(
+            t.render(&msgs(&[("user", "<|channel|>final<|message|>")]))
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn python_methods_render_as_in_jinja2() {
+        // Booleans print as Python prints them (minijinja does this itself); dict items come in the
+        // message's key order (role, then content), as a Python dict keeps insertion order.
+        let t = jinja(
+            concat!(
+                "{% for m in messages %}",
+                "{{ m['content'].strip() }}|{{ m.content.lstrip() }}|{{ m.content.rstrip('x ') }}|",
+                "{{ m.role.startswith('us') }}{{ m.role.endswith(('er', 'zz')) }}|",
+                "{{ m.content.split() | join(',') }}|{{ m.content.split('a', 1) | length }}|",
+                "{{ m.role.title() }}|{{ m.role.upper() }}|{{ m.content.replace('a', 'A') }}|",
+                "{% for k, v in m.items() %}{{ k }}={{ v | length }};{% endfor %}|",
+                "{{ m.get('name', 'anon') }}|{{ m.keys() | list | length }}",
+                "{% endfor %}"
+            ),
+            None,
+        );
+        assert_eq!(
+            t.render(&msgs(&[("user", "  a b a  x")])).unwrap(),
+            "a b a  x|a b a  x|  a b a|TrueTrue|a,b,a,x|2|User|USER|  A b A  x|role=4;content=10;|anon|2"
+        );
+    }
+
+    #[test]
+    fn strftime_now_formats_the_configured_date_only() {
+        let src = "{{ strftime_now('%d %b %Y') }}";
+        assert_eq!(
+            jinja(src, Some("2024-07-06")).render(&[]).unwrap(),
+            "06 Jul 2024"
+        );
+        // No configured date: an error naming the setting, never the router's own clock.
+        let e = jinja(src, None).render(&[]).unwrap_err();
+        assert!(e.contains("current_date"), "{e}");
+        // Time of day is not known: refused, not invented.
+        assert!(
+            jinja("{{ strftime_now('%H:%M') }}", Some("2024-07-06"))
+                .render(&[])
+                .is_err()
+        );
+        // Templates that test for the function find it.
+        assert_eq!(
+            jinja("{{ strftime_now is defined }}", None)
+                .render(&[])
+                .unwrap(),
+            "True"
+        );
+    }
+
+    #[test]
+    fn variables_are_those_the_engine_passes() {
+        let t = jinja(
+            concat!(
+                "{{ tools is none }} {{ documents is none }} {{ tools is defined }} ",
+                "{{ custom_tools is defined }} {{ tools_in_user_message is defined }} ",
+                "{{ date_string is defined }} [{{ bos_token }}] [{{ eos_token }}] {{ add_generation_prompt }}"
+            ),
+            None,
+        );
+        assert_eq!(
+            t.render(&[]).unwrap(),
+            "True True True False False False [] [] True"
+        );
+        let t = ChatTemplate::new(
+            "mine",
+            Some("{{ bos_token }}x{{ eos_token }}"),
+            TemplateSettings {
+                bos_token: "<s>".into(),
+                eos_token: "</s>".into(),
+                ..TemplateSettings::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(t.render(&[]).unwrap(), "<s>x</s>");
+    }
+
+    #[test]
+    fn one_trailing_newline_of_the_source_is_dropped_as_jinja2_drops_it() {
+        assert_eq!(jinja("a\n", None).render(&[]).unwrap(), "a");
+        assert_eq!(jinja("a\n\n", None).render(&[]).unwrap(), "a\n");
     }
 
     #[test]
     fn custom_templates_and_their_failures() {
-        let t = ChatTemplate::new(
-            "mine",
-            Some("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"),
+        let t = jinja(
+            "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}",
             None,
-            "medium".into(),
-        )
-        .unwrap();
+        );
         assert_eq!(t.render(&msgs(&[("user", "x")])).unwrap(), "[user]x");
-        assert!(ChatTemplate::new("bad", Some("{% for %}"), None, "m".into()).is_err());
-        assert!(ChatTemplate::new("nope", None, None, "m".into()).is_err());
-        // Python string methods are not there: a render error, not a panic.
-        let py = ChatTemplate::new(
-            "py",
-            Some("{{ messages[0].content.strip() }}"),
-            None,
-            "m".into(),
-        )
-        .unwrap();
-        assert!(py.render(&msgs(&[("user", " x ")])).is_err());
+        let s = TemplateSettings::default;
+        assert!(ChatTemplate::new("bad", Some("{% for %}"), s()).is_err());
+        assert!(ChatTemplate::new("nope", None, s()).is_err());
+        // Methods neither Python nor pycompat has, unknown functions, raise_exception: render errors.
+        for src in [
+            "{{ messages[0].content.frobnicate() }}",
+            "{{ no_such_function() }}",
+            "{{ raise_exception('no') }}",
+            "{{ messages[0].content.strip(1, 2, 3) }}",
+        ] {
+            assert!(
+                jinja(src, None).render(&msgs(&[("user", " x ")])).is_err(),
+                "{src}"
+            );
+        }
     }
 }

@@ -7,11 +7,14 @@
 //! calls, a template that fails, an enormous prompt) returns None, counted by [`FallbackReason`], and
 //! the request keeps the approximate identity.
 
+pub mod calendar_date;
 pub mod chat_template;
+pub mod python_json;
 pub mod segment_cache;
 pub mod vocabulary;
 
-use chat_template::{ChatTemplate, PartJoin, RenderMessage};
+use calendar_date::CalendarDate;
+use chat_template::{ChatTemplate, PartJoin, RenderMessage, TemplateSettings};
 use kvsteer_core::request::{ChatTurn, PromptTokenizer};
 use segment_cache::SegmentCache;
 use serde::Deserialize;
@@ -43,12 +46,20 @@ pub struct TokenizerConfig {
     /// A model's own chat template (Jinja text), used instead of a built-in one.
     #[serde(default)]
     pub chat_template_jinja: Option<String>,
-    /// `harmony`: the date the engine stamps into the system header (`YYYY-MM-DD`), if it does.
+    /// The engine's "today" (`YYYY-MM-DD`): harmony's `Current date:` line and what templates'
+    /// `strftime_now` formats. None: harmony prints no date line and `strftime_now` fails to render
+    /// (the request falls back), because the router will not guess the engine's clock.
     #[serde(default)]
     pub current_date: Option<String>,
     /// `harmony`: the reasoning effort in the system header.
     #[serde(default = "d_effort")]
     pub reasoning_effort: String,
+    /// `bos_token` as the engine's tokenizer config gives it to the template (empty by default).
+    #[serde(default)]
+    pub bos_token: String,
+    /// `eos_token` likewise.
+    #[serde(default)]
+    pub eos_token: String,
     /// Bound of the per-segment cache, in token ids (4 bytes each). 0 disables it.
     #[serde(default = "d_cache_tokens")]
     pub cache_tokens: usize,
@@ -70,6 +81,8 @@ fn serde_json_default() -> TokenizerConfig {
         chat_template_jinja: None,
         current_date: None,
         reasoning_effort: d_effort(),
+        bos_token: String::new(),
+        eos_token: String::new(),
         cache_tokens: d_cache_tokens(),
         max_prompt_bytes: d_max_prompt_bytes(),
     }
@@ -149,11 +162,20 @@ impl TextTokenizer {
     /// Loads the vocabulary (parsed once per process, tens of milliseconds natively) and compiles the
     /// template. The error names the offending field.
     pub fn new(cfg: &TokenizerConfig) -> Result<TextTokenizer, String> {
+        let current_date = match &cfg.current_date {
+            Some(d) => Some(CalendarDate::parse(d).map_err(|e| format!("current_date: {e}"))?),
+            None => None,
+        };
+        let settings = TemplateSettings {
+            current_date,
+            reasoning_effort: cfg.reasoning_effort.clone(),
+            bos_token: cfg.bos_token.clone(),
+            eos_token: cfg.eos_token.clone(),
+        };
         let template = ChatTemplate::new(
             &cfg.chat_template,
             cfg.chat_template_jinja.as_deref(),
-            cfg.current_date.clone(),
-            cfg.reasoning_effort.clone(),
+            settings,
         )
         .map_err(|e| format!("chat_template: {e}"))?;
         Ok(TextTokenizer {

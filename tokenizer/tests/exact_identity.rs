@@ -185,17 +185,26 @@ fn bad_input_falls_back_with_a_counted_reason() {
 
 #[test]
 fn a_failing_custom_template_falls_back() {
-    let mut t = TextTokenizer::new(&TokenizerConfig {
-        chat_template: "custom".into(),
-        chat_template_jinja: Some("{{ messages[0].content.strip() }}".into()),
-        ..TokenizerConfig::default()
-    })
-    .unwrap();
+    let custom = |src: &str| {
+        TextTokenizer::new(&TokenizerConfig {
+            chat_template: "custom".into(),
+            chat_template_jinja: Some(src.into()),
+            ..TokenizerConfig::default()
+        })
+        .unwrap()
+    };
+    // A method neither Python's str nor pycompat has: a render error, counted.
+    let mut t = custom("{{ messages[0].content.frobnicate() }}");
     let r = read(&mut t, "/v1/chat/completions", &chat(&[("user", " hi ")]));
     assert!(matches!(r.identity, PromptIdentity::Approximate(_)));
     let s = t.stats();
     assert_eq!(s.fallbacks[FallbackReason::Template as usize], 1);
     assert!(s.last_error.is_some());
+    // Python's `.strip()` renders (it used to fail): "hi" is one token.
+    let mut t = custom("{{ messages[0].content.strip() }}");
+    let r = read(&mut t, "/v1/chat/completions", &chat(&[("user", " hi ")]));
+    assert!(matches!(r.identity, PromptIdentity::Exact(_)));
+    assert_eq!(r.prompt_tokens, 1);
 }
 
 #[test]
