@@ -61,10 +61,12 @@ struct Metrics {
     last_evictions: u64,
     last_anomalies: u64,
     last_resets: u64,
+    #[cfg(feature = "tokenizer")]
     tokenizer: Option<TokenizerMetrics>,
 }
 
 /// Tokenizer counters (defined only when a tokenizer is configured).
+#[cfg(feature = "tokenizer")]
 #[derive(Default)]
 struct TokenizerMetrics {
     exact: Option<u32>,
@@ -75,6 +77,7 @@ struct TokenizerMetrics {
     last: kvsteer_tokenizer::TokenizerStats,
 }
 
+#[cfg(feature = "tokenizer")]
 impl TokenizerMetrics {
     fn define() -> TokenizerMetrics {
         use MetricType::{Counter, Gauge};
@@ -155,6 +158,7 @@ impl Metrics {
             index_evictions: define(Counter, "kvsteer_index_evictions"),
             release_anomalies: define(Counter, "kvsteer_release_anomalies"),
             feed_resets: define(Counter, "kvsteer_feed_resets"),
+            #[cfg(feature = "tokenizer")]
             tokenizer: cfg.tokenizer.as_ref().map(|_| TokenizerMetrics::define()),
             ..Metrics::default()
         }
@@ -308,6 +312,7 @@ impl Root {
             stats.feed_resets.saturating_sub(m.last_resets),
         );
         m.last_resets = stats.feed_resets;
+        #[cfg(feature = "tokenizer")]
         if let (Some(tm), Some(t)) = (m.tokenizer.as_mut(), vm.worker.tokenizer.as_ref()) {
             tm.update(t.stats());
         }

@@ -6,6 +6,7 @@ use crate::relay::{self, SharedStore};
 use kvsteer_core::feed::FeedBatch;
 use kvsteer_core::request::PromptTokenizer;
 use kvsteer_core::router::{Decision, FeedOutcome, Router};
+#[cfg(feature = "tokenizer")]
 use kvsteer_tokenizer::TextTokenizer;
 use std::collections::HashMap;
 
@@ -98,7 +99,8 @@ pub struct Worker {
     /// This worker's number among the proxy's workers; `None` without shared data.
     pub worker_id: Option<u32>,
     started_ms: Option<u64>,
-    /// Text-prompt tokenizer, when configured.
+    /// Text-prompt tokenizer, when configured (full build only).
+    #[cfg(feature = "tokenizer")]
     pub tokenizer: Option<TextTokenizer>,
 }
 
@@ -107,6 +109,7 @@ impl Worker {
         let router = Router::new(cfg.routing.clone(), cfg.replicas.len())
             .map_err(|e| ConfigError(format!("routing: {e}")))?;
         let feeds = vec![FeedState::default(); cfg.replicas.len()];
+        #[cfg(feature = "tokenizer")]
         let tokenizer = match &cfg.tokenizer {
             Some(t) => {
                 Some(TextTokenizer::new(t).map_err(|e| ConfigError(format!("tokenizer.{e}")))?)
@@ -114,6 +117,7 @@ impl Worker {
             None => None,
         };
         Ok(Worker {
+            #[cfg(feature = "tokenizer")]
             tokenizer,
             cfg,
             router,
@@ -138,10 +142,14 @@ impl Worker {
         if body.len() > self.cfg.routing.max_body_bytes {
             return self.route_fallback(request_id, BodyFallback::TooLarge, body.len(), now_ms);
         }
+        #[cfg(feature = "tokenizer")]
         let tok = self
             .tokenizer
             .as_mut()
             .map(|t| t as &mut dyn PromptTokenizer);
+        // Lean build: text prompts keep the approximate identity (a tokenizer section was refused).
+        #[cfg(not(feature = "tokenizer"))]
+        let tok: Option<&mut dyn PromptTokenizer> = None;
         match self.router.read_request_with(path, body, session, tok) {
             Ok(req) => {
                 let d = self.router.route(&req, now_ms);
@@ -540,6 +548,7 @@ mod tests {
         assert!(w.router.release(2));
     }
 
+    #[cfg(feature = "tokenizer")]
     #[test]
     fn a_configured_tokenizer_gives_chat_prompts_exact_token_counts() {
         let json = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}],
