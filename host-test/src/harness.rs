@@ -393,10 +393,7 @@ impl Harness {
                 endpoint,
                 feed_cluster,
                 cluster,
-                engine: Engine::new(EngineConfig {
-                    seed: cfg.engine.seed.wrapping_add(i as u64 * 7919 + 1),
-                    ..cfg.engine.clone()
-                }),
+                engine: Engine::new(cfg.engine.for_replica(i)),
                 feed_fault: FeedFault::Healthy,
                 polls: 0,
                 last_poll: None,

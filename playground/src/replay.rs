@@ -212,12 +212,7 @@ pub fn run(req: &ReplayRequest, trace: &str) -> Result<ReplayResult, String> {
     };
     engine_cfg.kv_blocks = ((kv16 as u64 * 16) / block_size as u64).max(1) as u32;
     let mut engines: Vec<Engine> = (0..req.replicas)
-        .map(|r| {
-            Engine::new(EngineConfig {
-                seed: req.seed.wrapping_add(r as u64),
-                ..engine_cfg.clone()
-            })
-        })
+        .map(|r| Engine::new(engine_cfg.for_replica(r)))
         .collect();
 
     let name = workload.name.clone();

@@ -66,6 +66,19 @@ impl Default for EngineConfig {
     }
 }
 
+impl EngineConfig {
+    /// Replica `i` of a fleet built from this template: the same engine with its own seed, so the
+    /// replicas are identical in configuration but do not sample the same output ids. The wasmtime
+    /// harness and the browser playground both build their fleets with this rule, so the same seed
+    /// gives the same fleet in both.
+    pub fn for_replica(&self, i: usize) -> EngineConfig {
+        EngineConfig {
+            seed: self.seed.wrapping_add(i as u64 * 7919 + 1),
+            ..self.clone()
+        }
+    }
+}
+
 /// One request as the engine sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineRequest {
