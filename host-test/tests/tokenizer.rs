@@ -266,3 +266,96 @@ fn bad_chat_input_never_traps_and_is_counted() {
     // Special-token look-alikes and whitespace runs are tokenized, not refused.
     assert_eq!(metric(&p, "kvsteer_tokenizer_exact"), 2);
 }
+
+/// A model's own template in the style of Llama 3.x (written for this test): Python string methods,
+/// `strftime_now`, `tojson` and the `tools`/`date_string` checks, all evaluated inside the `.wasm`.
+const LLAMA_STYLE: &str = r#"{{- bos_token }}
+{%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if tools is not none %}{{- "Environment: ipython\n" }}{%- endif %}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'].strip() }}{%- endif %}
+{{- "<|eot_id|>" }}
+{%- for m in messages if m.role != 'system' %}
+    {{- "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + m.content | trim + "<|eot_id|>" }}
+    {%- if loop.last and m.content.endswith('?') %}{{- {"q": m.content.title()} | tojson }}{%- endif %}
+{%- endfor %}
+{{- "<|start_header_id|>assistant<|end_header_id|>\n\n" }}
+"#;
+
+#[test]
+fn model_templates_with_python_methods_and_strftime_now_render_inside_the_wasm() {
+    let convo = [
+        ("system", " Be brief. ".to_string()),
+        ("user", "  what is a kv cache?".to_string()),
+    ];
+    let rendered = concat!(
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n",
+        "Today Date: 26 Jul 2024\n\nBe brief.<|eot_id|>",
+        "<|start_header_id|>user<|end_header_id|>\n\nwhat is a kv cache?<|eot_id|>",
+        "{\"q\": \"  What Is A Kv Cache?\"}",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    );
+    let cfg = json!({"chat_template": "llama_style", "chat_template_jinja": LLAMA_STYLE,
+                     "current_date": "2024-07-26", "bos_token": "<|begin_of_text|>"});
+    let (p, mut w) = start(Some(cfg.clone()));
+    feed(&p, &mut w, &[]);
+    let before = metric(&p, "kvsteer_prompt_tokens");
+    route(&mut w, &body(&convo));
+    w.tick().unwrap();
+    assert_eq!(metric(&p, "kvsteer_tokenizer_exact"), 1);
+    assert_eq!(
+        metric(&p, "kvsteer_prompt_tokens") - before,
+        engine_tokens(rendered).len() as i64,
+        "the filter tokenizes exactly the hand-derived rendering"
+    );
+    assert!(!w.is_dead() && w.notes().is_empty(), "{:?}", w.notes());
+
+    // No configured date: strftime_now refuses, the request falls back (counted), nothing traps.
+    let mut no_date = cfg;
+    no_date["current_date"] = Value::Null;
+    let (p, mut w) = start(Some(no_date));
+    feed(&p, &mut w, &[]);
+    assert!(route(&mut w, &body(&convo)).starts_with("10.0.0."));
+    w.tick().unwrap();
+    assert_eq!(metric(&p, "kvsteer_tokenizer_exact"), 0);
+    assert_eq!(metric(&p, "kvsteer_tokenizer_fallback_template"), 1);
+    assert!(!w.is_dead() && w.notes().is_empty(), "{:?}", w.notes());
+}
+
+/// Where the lean build (`--no-default-features`, no vocabulary) is, when the test script built it.
+const LEAN_WASM_ENV: &str = "KVSTEER_FILTER_LEAN_WASM";
+
+#[test]
+fn the_lean_build_refuses_a_tokenizer_section_at_configure_time() {
+    let Some(path) = std::env::var_os(LEAN_WASM_ENV) else {
+        eprintln!(
+            "skipped: set {LEAN_WASM_ENV} to a build of `cargo build -p kvsteer-filter --target \
+             wasm32-wasip1 --release --no-default-features`"
+        );
+        return;
+    };
+    let lean = FilterModule::load(std::path::Path::new(&path)).unwrap_or_else(|e| panic!("{e}"));
+    // No vocabulary inside: a tenth of the full build's size.
+    assert!(lean.size() < 1 << 20, "{} bytes", lean.size());
+    let cfg = |tokenizer: Option<Value>| {
+        let mut c = json!({"replicas": [{"name": "r0", "endpoint": "10.0.0.1:8000",
+                                          "feed_cluster": "feed_r0"}]});
+        if let Some(t) = tokenizer {
+            c["tokenizer"] = t;
+        }
+        Proxy::new(&lean, ProxyOptions::new(HostMode::Envoy, c.to_string()))
+    };
+    match cfg(Some(json!({"chat_template": "harmony"}))).start_worker() {
+        Err(kvsteer_host_test::HostError::Refused { callback, .. }) => {
+            assert_eq!(callback, "proxy_on_configure")
+        }
+        Err(e) => panic!("expected a refusal, got {e}"),
+        Ok(_) => panic!("the lean build accepted a tokenizer section"),
+    }
+    // Without the section it configures and routes a text prompt (approximate identity).
+    let mut w = cfg(None).start_worker().unwrap();
+    let b = body(&[("user", "hello".to_string())]);
+    assert_eq!(route(&mut w, &b), "10.0.0.1:8000");
+    assert!(!w.is_dead());
+}
