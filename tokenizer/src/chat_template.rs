@@ -26,6 +26,8 @@
 //! Built in:
 //! - `harmony`: gpt-oss's format, following the model's `chat_template.jinja` for the covered cases
 //!   (see [`HARMONY`]). Not covered (the request falls back): tools, tool calls, tool results.
+//! - `harmony_vllm`: gpt-oss as vLLM renders chat completions, with openai-harmony rather than the
+//!   Jinja template (see [`HARMONY_VLLM`]).
 //! - `kvsteer_sim`: the simulator's fixed framing (`<|start|>ROLE\nTEXT<|end|>\n` ...
 //!   `<|start|>assistant\n`), so the test fleet's engines and the filter agree.
 //! - any other template as Jinja text (a model's `chat_template`).
@@ -33,6 +35,25 @@
 pub use crate::calendar_date::CalendarDate;
 use minijinja::{Environment, Error, ErrorKind, Value, context};
 use serde::Serialize;
+
+/// The harmony system header (as both gpt-oss's template and openai-harmony write it, the date line
+/// only when `current_date` is set), then `developer` = the text of a first system/developer message
+/// and `turns` = the rest.
+macro_rules! harmony_system_and_instructions {
+    () => {
+        concat!(
+            "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n",
+            "Knowledge cutoff: 2024-06\n",
+            "{% if current_date %}Current date: {{ current_date }}\n{% endif %}",
+            // trim_blocks eats a newline right after a block tag: emit it as an expression.
+            "{{ '\\n' }}Reasoning: {{ reasoning_effort }}\n\n",
+            "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>",
+            "{% if messages and messages[0].role in ['system', 'developer'] %}",
+            "{% set developer = messages[0].content %}{% set turns = messages[1:] %}",
+            "{% else %}{% set developer = '' %}{% set turns = messages %}{% endif %}",
+        )
+    };
+}
 
 /// The gpt-oss (harmony) template, without tools. Checked against gpt-oss's `chat_template.jinja`
 /// (Hugging Face `openai/gpt-oss-120b`, as vendored in llama.cpp `models/templates/`) and openai/harmony's
@@ -52,15 +73,7 @@ use serde::Serialize;
 ///   `<|channel|>final<|message|>` is refused, as the template refuses it.
 /// - A `tool` message is refused (the template needs a preceding tool call, which is not covered).
 pub const HARMONY: &str = concat!(
-    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n",
-    "Knowledge cutoff: 2024-06\n",
-    "{% if current_date %}Current date: {{ current_date }}\n{% endif %}",
-    // trim_blocks eats a newline right after a block tag: emit it as an expression.
-    "{{ '\\n' }}Reasoning: {{ reasoning_effort }}\n\n",
-    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>",
-    "{% if messages and messages[0].role in ['system', 'developer'] %}",
-    "{% set developer = messages[0].content %}{% set turns = messages[1:] %}",
-    "{% else %}{% set developer = '' %}{% set turns = messages %}{% endif %}",
+    harmony_system_and_instructions!(),
     "{% if developer %}<|start|>developer<|message|># Instructions\n\n{{ developer }}\n\n<|end|>{% endif %}",
     "{% for m in turns %}",
     "{% if m.role == 'assistant' %}",
@@ -72,6 +85,37 @@ pub const HARMONY: &str = concat!(
     "<|start|>user<|message|>{{ m.content }}<|end|>",
     "{% elif m.role == 'tool' %}",
     "{{ raise_exception('harmony: a tool message needs the tool call before it (not covered)') }}",
+    "{% endif %}",
+    "{% endfor %}",
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}",
+);
+
+/// gpt-oss as vLLM serves chat completions: vLLM does not use the model's Jinja template for gpt-oss
+/// but builds openai-harmony messages and renders them with the openai-harmony library (vLLM
+/// `vllm/entrypoints/openai/parser/harmony_utils.py`: `get_system_message`,
+/// `extract_instructions_from_messages`, `build_harmony_preamble`,
+/// `parse_chat_input_to_harmony_message`; read, not run against a vLLM here). Differences from
+/// [`HARMONY`]:
+/// - vLLM always stamps a date (`datetime.now()`, or `VLLM_SYSTEM_START_DATE` where that exists), so
+///   `current_date` is required (the configuration is refused without it).
+/// - The first system/developer message is the developer instructions as openai-harmony renders them:
+///   `# Instructions`, a blank line, the text, no trailing blank line (checked against openai-harmony
+///   0.0.8 by `tokenizer/scripts/harmony_reference.py`).
+/// - Later system and developer messages are rendered as their own role with the raw text; an
+///   assistant message with empty content is dropped; text parts are concatenated.
+///
+/// Not covered: a per-request `reasoning_effort` (the request's field is not read; the configured one
+/// is used), tools, tool calls, tool results (refused), and vLLM versions that open the analysis
+/// channel in the generation prompt or drop `commentary` from the channels line without tools.
+pub const HARMONY_VLLM: &str = concat!(
+    harmony_system_and_instructions!(),
+    "{% if developer %}<|start|>developer<|message|># Instructions\n\n{{ developer }}<|end|>{% endif %}",
+    "{% for m in turns %}",
+    "{% if m.role == 'assistant' %}",
+    "{% if m.content %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% endif %}",
+    "{% elif m.role == 'tool' %}",
+    "{{ raise_exception('harmony_vllm: a tool message needs the tool call before it (not covered)') }}",
+    "{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>",
     "{% endif %}",
     "{% endfor %}",
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}",
@@ -143,10 +187,18 @@ impl ChatTemplate {
         let (source, join) = match (name, jinja) {
             (_, Some(src)) => (src.to_string(), PartJoin::Newline),
             ("harmony", None) => (HARMONY.to_string(), PartJoin::Newline),
+            ("harmony_vllm", None) if settings.current_date.is_none() => {
+                return Err(
+                    "harmony_vllm needs current_date: vLLM stamps its date into every \
+                            prompt (pin it on the engine with VLLM_SYSTEM_START_DATE)"
+                        .into(),
+                );
+            }
+            ("harmony_vllm", None) => (HARMONY_VLLM.to_string(), PartJoin::Concat),
             ("kvsteer_sim", None) => (KVSTEER_SIM.to_string(), PartJoin::Concat),
             (other, None) => {
                 return Err(format!(
-                    "unknown chat template {other:?} (built in: harmony, kvsteer_sim; or give chat_template_jinja)"
+                    "unknown chat template {other:?} (built in: harmony, harmony_vllm, kvsteer_sim; or give chat_template_jinja)"
                 ));
             }
         };
@@ -328,6 +380,47 @@ mod tests {
             t.render(&msgs(&[("user", "<|channel|>final<|message|>")]))
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn harmony_vllm_renders_as_openai_harmony_does() {
+        // Expected text: openai-harmony 0.0.8 rendering the messages vLLM builds for this request
+        // (tokenizer/scripts/harmony_reference.py prints it).
+        let t = ChatTemplate::new("harmony_vllm", None, settings(Some("2026-11-29"), "medium"))
+            .unwrap();
+        assert_eq!(t.join, PartJoin::Concat);
+        let out = t
+            .render(&msgs(&[
+                ("system", "Be brief."),
+                ("user", "Hi"),
+                ("system", "late"),
+                ("developer", "later"),
+                ("assistant", ""),
+                ("assistant", "Hello!"),
+                ("user", "Bye"),
+            ]))
+            .unwrap();
+        assert_eq!(
+            out,
+            concat!(
+                "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n",
+                "Knowledge cutoff: 2024-06\nCurrent date: 2026-11-29\n\nReasoning: medium\n\n",
+                "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>",
+                "<|start|>developer<|message|># Instructions\n\nBe brief.<|end|>",
+                "<|start|>user<|message|>Hi<|end|>",
+                "<|start|>system<|message|>late<|end|>",
+                "<|start|>developer<|message|>later<|end|>",
+                "<|start|>assistant<|channel|>final<|message|>Hello!<|end|>",
+                "<|start|>user<|message|>Bye<|end|>",
+                "<|start|>assistant",
+            )
+        );
+        assert!(t.render(&msgs(&[("tool", "42")])).is_err());
+        // vLLM always stamps a date: without one the configuration is refused.
+        let e = ChatTemplate::new("harmony_vllm", None, TemplateSettings::default())
+            .err()
+            .unwrap();
+        assert!(e.contains("current_date"), "{e}");
     }
 
     #[test]

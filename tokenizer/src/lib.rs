@@ -40,7 +40,8 @@ pub struct TokenizerConfig {
     /// `o200k_harmony` (gpt-oss, the default) or `o200k_base`.
     #[serde(default)]
     pub vocabulary: Vocabulary,
-    /// Built-in template: `harmony` (default) or `kvsteer_sim`; ignored when `chat_template_jinja` is set.
+    /// Built-in template: `harmony` (default: gpt-oss's own template), `harmony_vllm` (gpt-oss as vLLM
+    /// renders it; needs `current_date`) or `kvsteer_sim`; ignored when `chat_template_jinja` is set.
     #[serde(default = "d_template")]
     pub chat_template: String,
     /// A model's own chat template (Jinja text), used instead of a built-in one.
