@@ -70,65 +70,49 @@ fn close(what: &str, page: f64, harness: f64, rel: f64) {
     );
 }
 
-#[test]
-fn round_robin_makes_the_same_decisions() {
-    let (page, h) = both("round_robin");
+/// What every policy must reproduce: the same requests served, none failed in one and not the other,
+/// the same prompt tokens; then hit rate, TTFT p50 and throughput within `hit`, `ttft`, `rate`.
+fn agree(page: &ReplayResult, h: &Summary, hit: f64, ttft: f64, rate: f64) {
     assert_eq!(page.requests, h.requests);
     assert_eq!(page.failed, h.failed);
     assert_eq!(page.prompt_tokens, h.prompt_tokens);
+    close("hit rate", page.hit_rate, h.hit_rate, hit);
+    close("TTFT p50", page.ttft_ms.p50, h.ttft_ms.p50, ttft);
+    let (p, q) = (page.output_tokens_per_s, h.output_tokens_per_s);
+    close("output tok/s", p, q, rate);
+    eprintln!(
+        "{}: playground hit {:.3} ttft p50 {:.1} tok/s {p:.0} per replica {:?}; \
+         harness hit {:.3} ttft p50 {:.1} tok/s {q:.0} per replica {:?}",
+        page.policy,
+        page.hit_rate,
+        page.ttft_ms.p50,
+        page.requests_per_replica,
+        h.hit_rate,
+        h.ttft_ms.p50,
+        h.requests_per_replica
+    );
+}
+
+#[test]
+fn round_robin_makes_the_same_decisions() {
+    let (page, h) = both("round_robin");
+    agree(&page, &h, 0.01, 0.05, 0.01);
     // Round robin does not read load or cache: the same order of arrivals gives the same counts.
     assert_eq!(page.requests_per_replica, h.requests_per_replica);
-    close("hit rate", page.hit_rate, h.hit_rate, 0.05);
-    close("TTFT p50", page.ttft_ms.p50, h.ttft_ms.p50, 0.25);
-    close(
-        "output tok/s",
-        page.output_tokens_per_s,
-        h.output_tokens_per_s,
-        0.05,
-    );
 }
 
 #[test]
 fn session_hash_pins_the_same_sessions() {
     let (page, h) = both("session_hash");
-    assert_eq!(page.requests, h.requests);
-    assert_eq!(page.failed, h.failed);
+    agree(&page, &h, 0.01, 0.05, 0.01);
     // The ring depends only on the session key and the replica list: the same replica per session.
     assert_eq!(page.requests_per_replica, h.requests_per_replica);
-    close("hit rate", page.hit_rate, h.hit_rate, 0.05);
-    close(
-        "output tok/s",
-        page.output_tokens_per_s,
-        h.output_tokens_per_s,
-        0.05,
-    );
 }
 
 #[test]
 fn kv_load_agrees_within_bounds() {
-    let (page, h) = both("kv_load");
-    assert_eq!(page.requests, h.requests);
-    assert_eq!(page.failed, h.failed);
-    assert_eq!(page.prompt_tokens, h.prompt_tokens);
     // Load-aware choices see the load through different timing (callouts, chunked progress), so
     // individual decisions may differ; the aggregate must not.
-    close("hit rate", page.hit_rate, h.hit_rate, 0.10);
-    close("TTFT p50", page.ttft_ms.p50, h.ttft_ms.p50, 0.35);
-    close(
-        "output tok/s",
-        page.output_tokens_per_s,
-        h.output_tokens_per_s,
-        0.10,
-    );
-    eprintln!(
-        "kv_load: playground hit {:.3} ttft p50 {:.1} tok/s {:.0} per replica {:?}; harness hit {:.3} ttft p50 {:.1} tok/s {:.0} per replica {:?}",
-        page.hit_rate,
-        page.ttft_ms.p50,
-        page.output_tokens_per_s,
-        page.requests_per_replica,
-        h.hit_rate,
-        h.ttft_ms.p50,
-        h.output_tokens_per_s,
-        h.requests_per_replica
-    );
+    let (page, h) = both("kv_load");
+    agree(&page, &h, 0.10, 0.35, 0.10);
 }
