@@ -18,8 +18,9 @@
 //!   template that stamps the date falls back (counted) instead of rendering a date the engine may not.
 //! - Variables: `messages`, `add_generation_prompt = true`, `bos_token`, `eos_token` (configured,
 //!   empty by default), `tools = none` and `documents = none` (transformers' `render_jinja_template`
-//!   always passes both, `None` when the request has none); `custom_tools`, `tools_in_user_message`, `date_string` stay undefined, as they
-//!   are when the engine gets no `chat_template_kwargs`, so templates take their own defaults. Also
+//!   always passes both, `None` when the request has none); `custom_tools`,
+//!   `tools_in_user_message`, `date_string` stay undefined, as they are when the engine gets no
+//!   `chat_template_kwargs`, so templates take their own defaults. Also
 //!   `current_date` (`YYYY-MM-DD` or none) and `reasoning_effort` for the built-in harmony template
 //!   (gpt-oss's own template reads `reasoning_effort` too).
 //!
