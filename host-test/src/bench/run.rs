@@ -51,13 +51,47 @@ impl Outcome {
 /// The harness configuration of a replay: `policy` with the workload's block size in the filter, and
 /// engines of the same block size (`crate::bench::scenario::Scenario::engine`), seeded with `seed`;
 /// the router's tie-break generator gets [`ROUTER_SEED`] plus `seed` (seed 0 is the filter's default).
+///
+/// `policy` is a policy name or a variant of one, `NAME@KEY=VALUE@...`: each `KEY=VALUE` sets a
+/// number in the policy's own section, e.g. `kv_load@overlap_credit=2` (see [`routing`]).
 pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> HarnessConfig {
     let mut cfg = HarnessConfig::small(policy);
     cfg.workers = workers;
     cfg.engine = super::scenario::Scenario::engine(block_size, seed);
-    cfg.routing =
-        json!({"policy": policy, "block_size": block_size, "seed": ROUTER_SEED.wrapping_add(seed)});
+    // A spec that does not parse goes to the filter as it is: the filter refuses the unknown policy
+    // name at configure time and the replay reports that error.
+    cfg.routing = routing(policy).unwrap_or_else(|_| json!({"policy": policy}));
+    cfg.routing["block_size"] = block_size.into();
+    cfg.routing["seed"] = ROUTER_SEED.wrapping_add(seed).into();
     cfg
+}
+
+/// The filter's `routing` section for a policy spec: `kv_load` gives `{"policy": "kv_load"}`;
+/// `kv_load@overlap_credit=2@active_request_weight=32` gives
+/// `{"policy": "kv_load", "kv_load": {"overlap_credit": 2.0, "active_request_weight": 32.0}}`.
+/// Variants let the bench measure how a result depends on a policy's coefficients (the report's
+/// sensitivity runs) without a configuration file per variant.
+pub fn routing(spec: &str) -> Result<Value, String> {
+    let mut parts = spec.split('@');
+    let name = parts.next().unwrap_or_default();
+    if name.is_empty() {
+        return Err(format!("policy spec {spec:?}: no policy name"));
+    }
+    let mut section = serde_json::Map::new();
+    for kv in parts {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| format!("policy spec {spec:?}: {kv:?} is not KEY=VALUE"))?;
+        let v: f64 = v
+            .parse()
+            .map_err(|_| format!("policy spec {spec:?}: {k} = {v:?} is not a number"))?;
+        section.insert(k.to_string(), json!(v));
+    }
+    let mut r = json!({ "policy": name });
+    if !section.is_empty() {
+        r[name] = Value::Object(section);
+    }
+    Ok(r)
 }
 
 /// Replays `workload` driven by `mode` through the filter under `policy`; `progress(done, total)` is
@@ -86,4 +120,26 @@ pub fn replay(
         wall_s: started.elapsed().as_secs_f64(),
         virtual_s: h.now_us() as f64 / 1e6,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_specs_become_routing_sections() {
+        assert_eq!(routing("kv_load").unwrap(), json!({"policy": "kv_load"}));
+        assert_eq!(
+            routing("kv_load@overlap_credit=2@active_request_weight=32").unwrap(),
+            json!({"policy": "kv_load",
+                   "kv_load": {"overlap_credit": 2.0, "active_request_weight": 32.0}})
+        );
+        assert!(routing("kv_load@overlap_credit").is_err());
+        assert!(routing("kv_load@overlap_credit=lots").is_err());
+        assert!(routing("@x=1").is_err());
+        let cfg = config("kv_load@prefill_scale=4", 64, 2, 1);
+        assert_eq!(cfg.routing["kv_load"]["prefill_scale"], json!(4.0));
+        assert_eq!(cfg.routing["block_size"], json!(64));
+        assert_eq!(cfg.routing["seed"], json!(ROUTER_SEED + 2));
+    }
 }

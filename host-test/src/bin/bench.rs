@@ -6,7 +6,8 @@
 //! `scripts/bench` builds everything and runs this. Options:
 //! `--quick` (cut-down workloads, one seed: minutes), `--smoke` (tiny slices, seconds; checks that the
 //! outputs are well-formed and exits non-zero if not), `--seeds N` (default 3; 1 with --quick/--smoke),
-//! `--policies a,b`, `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure),
+//! `--policies a,b` (names, or variants `kv_load@overlap_credit=2@...` setting numbers in the policy's
+//! own section), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
 //! `--traces DIR` (default `../shared/traces`).
@@ -96,6 +97,9 @@ fn parse_args() -> Result<Args, String> {
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
         }
+    }
+    for p in &a.policies {
+        kvsteer_host_test::bench::run::routing(p)?;
     }
     if a.workers == 0 || a.jobs == 0 || a.seeds == Some(0) || a.policies.is_empty() {
         return Err(
