@@ -662,8 +662,9 @@ const HOW_TO_READ: &str = "## How to read this\n\n\
 - Everything runs in virtual time: the engines are a model of vLLM on an H100 \
   (`docs/simulator.md`), the filter is the real `.wasm`. Absolute figures are the model's; the \
   comparison between policies is the point.\n\
-- Commands: `scripts/bench` (the full matrix: 3 seeds, every trace whole; not yet timed end to \
-  end, estimated 30-60 min on 2 idle cores), `scripts/bench --quick` \
+- Commands: `scripts/bench` (everything: the Envoy slice 3 times per configuration, this full \
+  matrix with 3 seeds and every trace whole, then the sensitivity runs in `docs/sensitivity/`; \
+  about 45 minutes on 2 cores, of which the matrix is about 25), `scripts/bench --quick` \
   (minutes, writes `out/bench-quick/`), `scripts/bench --smoke` (seconds, the CI check), \
   `scripts/bench-envoy` (the Envoy slice alone).\n\n";
 
