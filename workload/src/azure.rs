@@ -3,14 +3,13 @@
 //! gain from the cache. Each row is a single-turn session (`az-<row>`) whose prompt is entirely
 //! request-unique tokens. Arrivals count from the earliest timestamp, divided by `speed`.
 
-use crate::driver::Mode;
 use crate::error::{WorkloadError, read_file};
-use crate::session::{BlockPrompt, Prompt, Session, Turn, Workload};
+use crate::session::{BlockPrompt, Session, Workload};
 use crate::token_blocks::block_key;
 use std::path::PathBuf;
 
 pub const DEFAULT_PATH: &str = "../shared/traces/azure_llm_inference_conv_2023.csv";
-pub const NOTE_SKIPPED: &str = "requests over the prompt cap skipped";
+pub use crate::session::NOTE_SKIPPED;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct AzureParams {
@@ -128,48 +127,40 @@ pub fn parse(text: &str, p: &AzureParams) -> Result<Workload, WorkloadError> {
             skipped += 1;
             continue;
         }
-        rows.push((
-            ln,
-            ts,
-            ctx as u32,
-            gen_.clamp(1, u64::from(u32::MAX)) as u32,
-        ));
+        rows.push((ln, ts, ctx as u32, gen_));
     }
     let t0 = rows.iter().map(|r| r.1).min().unwrap_or(0);
     let sessions = rows
         .into_iter()
-        .map(|(ln, ts, ctx, out)| Session {
-            id: format!("az-{ln}"),
-            turns: vec![Turn {
-                prompt: Prompt::Blocks(BlockPrompt {
-                    keys: vec![],
-                    block_size: p.block_size,
-                    len: ctx,
-                    pad_key: block_key("azure-pad", ln as u64),
-                }),
-                output_tokens: out,
-                think_us: 0,
-                arrival_us: Some(((ts - t0) as f64 / p.speed) as u64),
-            }],
+        .map(|(ln, ts, ctx, out)| {
+            let prompt = BlockPrompt {
+                keys: vec![],
+                block_size: p.block_size,
+                len: ctx,
+                pad_key: block_key("azure-pad", ln as u64),
+            };
+            let arrival_us = ((ts - t0) as f64 / p.speed) as u64;
+            Session::single_request(format!("az-{ln}"), prompt, out, arrival_us)
         })
         .collect();
-    Ok(Workload {
-        name: "azure".into(),
-        params: vec![
-            ("path".into(), p.path.display().to_string()),
-            ("speed".into(), p.speed.to_string()),
-            ("max_rows".into(), format!("{:?}", p.max_rows)),
-        ],
-        block_size: p.block_size,
-        default_mode: Mode::Open,
+    let params = vec![
+        ("path".into(), p.path.display().to_string()),
+        ("speed".into(), p.speed.to_string()),
+        ("max_rows".into(), format!("{:?}", p.max_rows)),
+    ];
+    Ok(Workload::open_trace(
+        "azure",
+        params,
+        p.block_size,
         sessions,
-        notes: vec![(NOTE_SKIPPED.into(), skipped)],
-    })
+        skipped,
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::session::Prompt;
 
     #[test]
     fn timestamps_parse_to_microseconds() {

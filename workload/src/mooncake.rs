@@ -4,16 +4,15 @@
 //! equal token prefixes across requests, exactly the sharing the trace recorded; the prompt is those
 //! blocks cut to `input_length` (the last block may be partial) and padded with request-unique tokens.
 
-use crate::driver::Mode;
 use crate::error::{WorkloadError, read_file};
-use crate::session::{BlockPrompt, Prompt, Session, Turn, Workload};
+use crate::session::{BlockPrompt, Session, Workload};
 use crate::token_blocks::block_key;
 use serde::Deserialize;
 use std::path::PathBuf;
 
 pub const DEFAULT_PATH: &str = "../shared/traces/mooncake_synthetic_trace.jsonl";
 pub const BLOCK_SIZE: u32 = 512;
-pub const NOTE_SKIPPED: &str = "requests over the prompt cap skipped";
+pub use crate::session::NOTE_SKIPPED;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct MooncakeParams {
@@ -83,38 +82,33 @@ pub fn parse(text: &str, p: &MooncakeParams) -> Result<Workload, WorkloadError> 
             .map(|&h| block_key("global:mooncake", h))
             .collect();
         let arrival_us = (r.timestamp as f64 * 1000.0 / p.speed) as u64;
-        sessions.push(Session {
-            id: format!("mc-{}", ln),
-            turns: vec![Turn {
-                prompt: Prompt::Blocks(BlockPrompt {
-                    keys,
-                    block_size: BLOCK_SIZE,
-                    len: r.input_length as u32,
-                    pad_key: block_key("mooncake-pad", ln as u64),
-                }),
-                output_tokens: r.output_length.clamp(1, u64::from(u32::MAX)) as u32,
-                think_us: 0,
-                arrival_us: Some(arrival_us),
-            }],
-        });
+        let prompt = BlockPrompt {
+            keys,
+            block_size: BLOCK_SIZE,
+            len: r.input_length as u32,
+            pad_key: block_key("mooncake-pad", ln as u64),
+        };
+        sessions.push(Session::single_request(
+            format!("mc-{ln}"),
+            prompt,
+            r.output_length,
+            arrival_us,
+        ));
     }
-    Ok(Workload {
-        name: "mooncake".into(),
-        params: vec![
-            ("path".into(), p.path.display().to_string()),
-            ("speed".into(), p.speed.to_string()),
-            ("max_prompt_tokens".into(), p.max_prompt_tokens.to_string()),
-        ],
-        block_size: BLOCK_SIZE,
-        default_mode: Mode::Open,
-        sessions,
-        notes: vec![(NOTE_SKIPPED.into(), skipped)],
-    })
+    let params = vec![
+        ("path".into(), p.path.display().to_string()),
+        ("speed".into(), p.speed.to_string()),
+        ("max_prompt_tokens".into(), p.max_prompt_tokens.to_string()),
+    ];
+    Ok(Workload::open_trace(
+        "mooncake", params, BLOCK_SIZE, sessions, skipped,
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::session::Prompt;
 
     #[test]
     fn rows_share_blocks_and_scale_time() {

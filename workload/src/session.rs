@@ -87,6 +87,31 @@ pub struct Session {
     pub turns: Vec<Turn>,
 }
 
+impl Session {
+    /// A request that arrives on its own at `arrival_us`, as its own session: how the open-loop traces
+    /// without conversations (Mooncake, Azure) are replayed, so the driver treats them like any other
+    /// workload. `output_tokens` is clamped to at least 1 (the engine must produce a first token).
+    pub fn single_request(
+        id: String,
+        prompt: BlockPrompt,
+        output_tokens: u64,
+        arrival_us: u64,
+    ) -> Session {
+        Session {
+            id,
+            turns: vec![Turn {
+                prompt: Prompt::Blocks(prompt),
+                output_tokens: output_tokens.clamp(1, u64::from(u32::MAX)) as u32,
+                think_us: 0,
+                arrival_us: Some(arrival_us),
+            }],
+        }
+    }
+}
+
+/// The note a trace reader files for requests it skipped because their prompt exceeds its cap.
+pub const NOTE_SKIPPED: &str = "requests over the prompt cap skipped";
+
 /// A named set of sessions, with the block size it intends and the parameters it was built with.
 #[derive(Clone, Debug)]
 pub struct Workload {
@@ -113,6 +138,25 @@ pub struct WorkloadStats {
 }
 
 impl Workload {
+    /// An open-loop trace replay: one [`Session::single_request`] per row, driven at the rows'
+    /// arrival times, with the count of skipped over-long rows filed under [`NOTE_SKIPPED`].
+    pub fn open_trace(
+        name: &str,
+        params: Vec<(String, String)>,
+        block_size: u32,
+        sessions: Vec<Session>,
+        skipped: u64,
+    ) -> Workload {
+        Workload {
+            name: name.into(),
+            params,
+            block_size,
+            default_mode: Mode::Open,
+            sessions,
+            notes: vec![(NOTE_SKIPPED.into(), skipped)],
+        }
+    }
+
     pub fn total_requests(&self) -> usize {
         self.sessions.iter().map(|s| s.turns.len()).sum()
     }

@@ -119,7 +119,7 @@ struct RawRequest {
 }
 
 /// Notes recorded by the reader.
-pub const NOTE_SKIPPED: &str = "requests over the prompt cap skipped";
+pub use crate::session::NOTE_SKIPPED;
 pub const NOTE_TRUNCATED: &str = "requests over the prompt cap truncated";
 pub const NOTE_DROPPED_SESSIONS: &str = "sessions dropped (no request left)";
 pub const NOTE_SUBAGENT_REQUESTS: &str = "sub-agent requests flattened into their parent";
