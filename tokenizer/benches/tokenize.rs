@@ -4,56 +4,9 @@
 //! the vocabulary load. Run: `cargo bench -p kvsteer-tokenizer`.
 
 use kvsteer_core::request::{ChatTurn, PromptTokenizer};
+use kvsteer_tokenizer::sample::{conversation, follow_up, prose};
 use kvsteer_tokenizer::{Bpe, TextTokenizer, TokenizerConfig, Vocabulary};
 use std::time::Instant;
-
-const WORDS: [&str; 32] = [
-    "the",
-    "router",
-    "sends",
-    "each",
-    "request",
-    "to",
-    "a",
-    "replica",
-    "that",
-    "already",
-    "holds",
-    "its",
-    "prefix,",
-    "and",
-    "balances",
-    "decode",
-    "load;",
-    "tokens",
-    "are",
-    "hashed",
-    "into",
-    "blocks",
-    "of",
-    "sixteen.",
-    "When",
-    "cache",
-    "misses",
-    "happen,",
-    "prefill",
-    "costs",
-    "more",
-    "(see 2.1)\n",
-];
-
-fn prose(seed: u64, words: usize) -> String {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = format!("[{seed}] ");
-    for _ in 0..words {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        out.push_str(WORDS[((s >> 33) % WORDS.len() as u64) as usize]);
-        out.push(' ');
-    }
-    out
-}
 
 fn turns<'a>(msgs: &'a [(&'static str, String)]) -> Vec<ChatTurn<'a>> {
     msgs.iter()
@@ -86,17 +39,11 @@ fn main() {
         let (mut first, mut follow, mut n1, mut n2) = (Vec::new(), Vec::new(), 0, 0);
         for _ in 0..5 {
             seed += 1;
-            let mut msgs = vec![("system", prose(seed * 1000, words))];
-            for t in 0..(target / 1000).saturating_sub(1) / 2 {
-                msgs.push(("user", prose(seed * 1000 + 2 * t as u64 + 1, words)));
-                msgs.push(("assistant", prose(seed * 1000 + 2 * t as u64 + 2, words)));
-            }
-            msgs.push(("user", prose(seed * 1000 + 999, 150)));
+            let mut msgs = conversation(seed, (target / 1000).saturating_sub(1) / 2, words);
             let t = Instant::now();
             n1 = tok.tokenize_chat(&turns(&msgs)).unwrap().len();
             first.push(t.elapsed().as_secs_f64() * 1e3);
-            msgs.push(("assistant", prose(seed * 7919, 200)));
-            msgs.push(("user", prose(seed * 7919 + 1, 150)));
+            msgs.extend(follow_up(seed));
             let t = Instant::now();
             n2 = tok.tokenize_chat(&turns(&msgs)).unwrap().len();
             follow.push(t.elapsed().as_secs_f64() * 1e3);

@@ -10,6 +10,7 @@
 pub mod calendar_date;
 pub mod chat_template;
 pub mod python_json;
+pub mod sample;
 pub mod segment_cache;
 pub mod vocabulary;
 
