@@ -12,7 +12,7 @@
 //! (mistral-common's v3 tokenizer). Every expected string below is derived by hand from the template.
 
 use kvsteer_core::ChatTurn;
-use kvsteer_core::request::{PromptIdentity, read_request_with};
+use kvsteer_core::request::{PromptIdentity, RouteRequest, read_request_with};
 use kvsteer_tokenizer::{FallbackReason, TextTokenizer, TokenizerConfig};
 
 const LLAMA3_STYLE: &str = r#"{{- bos_token }}
@@ -134,6 +134,20 @@ fn turns<'a>(msgs: &[(&'a str, &'a str)]) -> Vec<ChatTurn<'a>> {
         .collect()
 }
 
+/// A chat completions body through the core's request reader with `t` as its tokenizer (16-token
+/// blocks), as the filter reads it.
+fn read_chat(t: &mut TextTokenizer, body: &str) -> RouteRequest {
+    read_request_with(
+        "/v1/chat/completions",
+        body.as_bytes(),
+        None,
+        16,
+        1 << 20,
+        Some(t),
+    )
+    .unwrap()
+}
+
 fn render(t: &TextTokenizer, msgs: &[(&str, &str)]) -> Result<String, String> {
     t.render_chat(&turns(msgs)).map_err(|(why, e)| {
         assert_eq!(why, FallbackReason::Template);
@@ -190,15 +204,7 @@ fn llama3_style_without_a_date_falls_back_instead_of_guessing() {
     assert!(e.contains("current_date"), "{e}");
     // Through the request reader: approximate identity, counted as a template fallback.
     let body = r#"{"messages":[{"role":"user","content":"x"}]}"#;
-    let r = read_request_with(
-        "/v1/chat/completions",
-        body.as_bytes(),
-        None,
-        16,
-        1 << 20,
-        Some(&mut t),
-    )
-    .unwrap();
+    let r = read_chat(&mut t, body);
     assert!(matches!(r.identity, PromptIdentity::Approximate(_)));
     assert_eq!(t.stats().fallbacks[FallbackReason::Template as usize], 1);
 }
@@ -278,15 +284,7 @@ fn model_templates_get_the_exact_identity_through_the_reader() {
         {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]},
     ]})
     .to_string();
-    let r = read_request_with(
-        "/v1/chat/completions",
-        body.as_bytes(),
-        None,
-        16,
-        1 << 20,
-        Some(&mut t),
-    )
-    .unwrap();
+    let r = read_chat(&mut t, &body);
     // Text parts are joined with a newline (vLLM's rule for string-content templates).
     let rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\npart one\npart two<|im_end|>\n<|im_start|>assistant\n";
     let expect = tiktoken_rs::o200k_harmony_singleton().encode_with_special_tokens(rendered);
