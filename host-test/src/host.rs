@@ -22,7 +22,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use wasmtime::{
-    Caller, Config, Engine, Extern, Instance, Linker, Memory, Module, Store, TypedFunc,
+    Caller, Config, Engine, Extern, Instance, Linker, Memory, Module, Store, TypedFunc, WasmParams,
 };
 
 /// Wall-clock base of the virtual clock (2026-01-01T00:00:00Z): the filter sees plausible timestamps.
@@ -1636,6 +1636,12 @@ fn release_request(s: &mut StreamState) {
     s.upstream_body.extend_from_slice(&buffered);
 }
 
+/// Lets the response body buffered so far go downstream.
+fn release_response(s: &mut StreamState) {
+    let buffered = std::mem::take(&mut s.response_buffer);
+    s.downstream_body.extend_from_slice(&buffered);
+}
+
 type F1 = TypedFunc<i32, ()>;
 type F1r = TypedFunc<i32, i32>;
 type F2 = TypedFunc<(i32, i32), ()>;
@@ -1895,6 +1901,30 @@ impl Worker {
         }
     }
 
+    /// Runs one HTTP stream callback the way Envoy does, so the six `proxy_on_request_*` /
+    /// `proxy_on_response_*` methods differ only in how they stage the stream and which export they
+    /// name: the answer becomes an [`Action`] (a filter without the export gets Continue, as in
+    /// Envoy), every answer is recorded on the stream, and on Continue `on_continue` lets the
+    /// buffered bytes through (`None` for callbacks that buffer nothing).
+    fn stream_callback<P: WasmParams>(
+        &mut self,
+        id: u32,
+        callback: &'static str,
+        func: Option<TypedFunc<P, i32>>,
+        params: P,
+        on_continue: Option<fn(&mut StreamState)>,
+    ) -> Result<Action, HostError> {
+        let action = match func {
+            Some(f) => Action::from_raw(self.call(callback, id, |s| f.call(s, params))?),
+            None => Action::Continue,
+        };
+        self.record(id, callback, action);
+        if let (Action::Continue, Some(release)) = (action, on_continue) {
+            release(self.stream_mut(id)?);
+        }
+        Ok(action)
+    }
+
     /// Request headers arrive (`proxy_on_request_headers`). Returns what the filter answered.
     pub fn request_headers(
         &mut self,
@@ -1911,17 +1941,14 @@ impl Worker {
                 .collect();
             s.request_done = end_of_stream;
         }
-        let action = match self.exports.on_request_headers.clone() {
-            Some(f) => Action::from_raw(self.call("proxy_on_request_headers", id, |s| {
-                f.call(s, (id as i32, n as i32, end_of_stream as i32))
-            })?),
-            None => Action::Continue,
-        };
-        self.record(id, "proxy_on_request_headers", action);
-        if action == Action::Continue {
-            release_request(self.stream_mut(id)?);
-        }
-        Ok(action)
+        let f = self.exports.on_request_headers.clone();
+        self.stream_callback(
+            id,
+            "proxy_on_request_headers",
+            f,
+            (id as i32, n as i32, end_of_stream as i32),
+            Some(release_request),
+        )
     }
 
     /// A request body chunk arrives. Envoy calls `proxy_on_request_body` per chunk, with the size of
@@ -1944,17 +1971,15 @@ impl Worker {
         if nginx && !end_of_stream {
             return Ok(None);
         }
-        let action = match self.exports.on_request_body.clone() {
-            Some(f) => Action::from_raw(self.call("proxy_on_request_body", id, |s| {
-                f.call(s, (id as i32, size as i32, end_of_stream as i32))
-            })?),
-            None => Action::Continue,
-        };
-        self.record(id, "proxy_on_request_body", action);
-        if action == Action::Continue {
-            release_request(self.stream_mut(id)?);
-        }
-        Ok(Some(action))
+        let f = self.exports.on_request_body.clone();
+        self.stream_callback(
+            id,
+            "proxy_on_request_body",
+            f,
+            (id as i32, size as i32, end_of_stream as i32),
+            Some(release_request),
+        )
+        .map(Some)
     }
 
     /// Request trailers arrive (the end of the request).
@@ -1965,17 +1990,14 @@ impl Worker {
             s.request_trailers = Some(trailers);
             s.request_done = true;
         }
-        let action = match self.exports.on_request_trailers.clone() {
-            Some(f) => Action::from_raw(self.call("proxy_on_request_trailers", id, |s| {
-                f.call(s, (id as i32, n as i32))
-            })?),
-            None => Action::Continue,
-        };
-        self.record(id, "proxy_on_request_trailers", action);
-        if action == Action::Continue {
-            release_request(self.stream_mut(id)?);
-        }
-        Ok(action)
+        let f = self.exports.on_request_trailers.clone();
+        self.stream_callback(
+            id,
+            "proxy_on_request_trailers",
+            f,
+            (id as i32, n as i32),
+            Some(release_request),
+        )
     }
 
     /// Response headers arrive from the upstream.
@@ -1992,14 +2014,14 @@ impl Worker {
                 .map(|(k, v)| (k.to_ascii_lowercase(), v))
                 .collect(),
         );
-        let action = match self.exports.on_response_headers.clone() {
-            Some(f) => Action::from_raw(self.call("proxy_on_response_headers", id, |s| {
-                f.call(s, (id as i32, n as i32, end_of_stream as i32))
-            })?),
-            None => Action::Continue,
-        };
-        self.record(id, "proxy_on_response_headers", action);
-        Ok(action)
+        let f = self.exports.on_response_headers.clone();
+        self.stream_callback(
+            id,
+            "proxy_on_response_headers",
+            f,
+            (id as i32, n as i32, end_of_stream as i32),
+            None,
+        )
     }
 
     /// A response body chunk arrives; on Continue the buffered bytes go downstream.
@@ -2014,33 +2036,28 @@ impl Worker {
             s.response_buffer.extend_from_slice(chunk);
             s.response_buffer.len()
         };
-        let action = match self.exports.on_response_body.clone() {
-            Some(f) => Action::from_raw(self.call("proxy_on_response_body", id, |s| {
-                f.call(s, (id as i32, size as i32, end_of_stream as i32))
-            })?),
-            None => Action::Continue,
-        };
-        self.record(id, "proxy_on_response_body", action);
-        if action == Action::Continue {
-            let s = self.stream_mut(id)?;
-            let buffered = std::mem::take(&mut s.response_buffer);
-            s.downstream_body.extend_from_slice(&buffered);
-        }
-        Ok(action)
+        let f = self.exports.on_response_body.clone();
+        self.stream_callback(
+            id,
+            "proxy_on_response_body",
+            f,
+            (id as i32, size as i32, end_of_stream as i32),
+            Some(release_response),
+        )
     }
 
     /// Response trailers arrive (the end of the response).
     pub fn response_trailers(&mut self, id: u32, trailers: Pairs) -> Result<Action, HostError> {
         let n = trailers.len();
         self.stream_mut(id)?.response_trailers = Some(trailers);
-        let action = match self.exports.on_response_trailers.clone() {
-            Some(f) => Action::from_raw(self.call("proxy_on_response_trailers", id, |s| {
-                f.call(s, (id as i32, n as i32))
-            })?),
-            None => Action::Continue,
-        };
-        self.record(id, "proxy_on_response_trailers", action);
-        Ok(action)
+        let f = self.exports.on_response_trailers.clone();
+        self.stream_callback(
+            id,
+            "proxy_on_response_trailers",
+            f,
+            (id as i32, n as i32),
+            None,
+        )
     }
 
     /// Ends a stream as Envoy does: `proxy_on_done`, `proxy_on_log`, `proxy_on_delete`. Returns the
