@@ -6,6 +6,7 @@
 //! - [`run`]: one replay (also what the demo runs).
 //! - [`report`]: tables over seeds, the published claims checked, plots.
 
+pub mod args;
 pub mod report;
 pub mod run;
 pub mod scenario;

@@ -15,6 +15,9 @@
 //! summary) and the SVG plots under `DIR/results/`.
 
 use kvsteer_host_test::artifact::workspace_root;
+use kvsteer_host_test::bench::args::{
+    ArgReader, POLICIES, default_policies, or_usage_exit, unknown,
+};
 use kvsteer_host_test::bench::report::{
     ScenarioRuns, claims, hit_cv_plot, scenario_plots, scenario_table,
 };
@@ -29,15 +32,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
-
-const POLICIES: [&str; 6] = [
-    "round_robin",
-    "least_load",
-    "session_hash",
-    "prefix_affinity",
-    "kv_affinity",
-    "kv_load",
-];
 
 struct Args {
     scale: Scale,
@@ -55,7 +49,7 @@ fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         scale: Scale::Full,
         seeds: None,
-        policies: POLICIES.iter().map(|s| s.to_string()).collect(),
+        policies: default_policies(),
         only: Vec::new(),
         jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
         workers: 2,
@@ -63,30 +57,19 @@ fn parse_args() -> Result<Args, String> {
         traces: workspace_root().join(kvsteer_workload::catalog::DEFAULT_TRACES),
         export_slice: None,
     };
-    let list = |s: String| -> Vec<String> {
-        s.split(',')
-            .map(|x| x.trim().to_string())
-            .filter(|x| !x.is_empty())
-            .collect()
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
-        let number = |name: &str, v: String| -> Result<u64, String> {
-            v.parse()
-                .map_err(|_| format!("{name}: not a number: {v:?}"))
-        };
+    let mut args = ArgReader::from_env();
+    while let Some(arg) = args.next_flag() {
         match arg.as_str() {
             "--quick" => a.scale = Scale::Quick,
             "--smoke" => a.scale = Scale::Smoke,
-            "--seeds" => a.seeds = Some(number("--seeds", value("--seeds")?)?),
-            "--policies" => a.policies = list(value("--policies")?),
-            "--only" => a.only = list(value("--only")?),
-            "--jobs" => a.jobs = number("--jobs", value("--jobs")?)? as usize,
-            "--workers" => a.workers = number("--workers", value("--workers")?)? as usize,
-            "--out" => a.out = Some(PathBuf::from(value("--out")?)),
-            "--traces" => a.traces = PathBuf::from(value("--traces")?),
-            "--export-slice" => a.export_slice = Some(PathBuf::from(value("--export-slice")?)),
+            "--seeds" => a.seeds = Some(args.number("--seeds")?),
+            "--policies" => a.policies = args.list("--policies")?,
+            "--only" => a.only = args.list("--only")?,
+            "--jobs" => a.jobs = args.number("--jobs")? as usize,
+            "--workers" => a.workers = args.number("--workers")? as usize,
+            "--out" => a.out = Some(PathBuf::from(args.value("--out")?)),
+            "--traces" => a.traces = PathBuf::from(args.value("--traces")?),
+            "--export-slice" => a.export_slice = Some(PathBuf::from(args.value("--export-slice")?)),
             "-h" | "--help" => {
                 return Err(
                     "usage: bench [--quick | --smoke] [--seeds N] [--policies a,b] \
@@ -95,7 +78,7 @@ fn parse_args() -> Result<Args, String> {
                         .into(),
                 );
             }
-            other => return Err(format!("unknown argument {other:?} (try --help)")),
+            other => return Err(unknown(other)),
         }
     }
     for p in &a.policies {
@@ -121,13 +104,7 @@ struct Job {
 }
 
 fn main() {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            std::process::exit(2);
-        }
-    };
+    let args = or_usage_exit(parse_args());
     let r = match &args.export_slice {
         Some(file) => export_slice(&args, file),
         None => run(&args),

@@ -8,6 +8,7 @@
 //! `rl_ttft_cdf.svg`, `rl_hit_vs_cv.svg`, `rl_decode_<policy>.svg`.
 
 use kvsteer_host_test::artifact::workspace_root;
+use kvsteer_host_test::bench::args::{ArgReader, default_policies, or_usage_exit, unknown};
 use kvsteer_host_test::bench::run::{Outcome, replay};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
 use kvsteer_workload::Summary;
@@ -21,15 +22,6 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-const POLICIES: [&str; 6] = [
-    "round_robin",
-    "least_load",
-    "session_hash",
-    "prefix_affinity",
-    "kv_affinity",
-    "kv_load",
-];
-
 struct Args {
     small: bool,
     policies: Vec<String>,
@@ -41,34 +33,30 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         small: false,
-        policies: POLICIES.iter().map(|s| s.to_string()).collect(),
+        policies: default_policies(),
         workers: 2,
         jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
         out: workspace_root().join("out/demo"),
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+    let mut args = ArgReader::from_env();
+    while let Some(arg) = args.next_flag() {
         match arg.as_str() {
             "--small" => a.small = true,
-            "--policies" => {
-                a.policies = value("--policies")?
-                    .split(',')
-                    .map(|s| s.trim().to_string())
-                    .filter(|s| !s.is_empty())
-                    .collect()
-            }
+            "--policies" => a.policies = args.list("--policies")?,
+            // demo's messages stay as they were: the flag alone, not the value given.
             "--workers" => {
-                a.workers = value("--workers")?
+                a.workers = args
+                    .value("--workers")?
                     .parse()
                     .map_err(|_| "--workers: not a number")?
             }
             "--jobs" => {
-                a.jobs = value("--jobs")?
+                a.jobs = args
+                    .value("--jobs")?
                     .parse()
                     .map_err(|_| "--jobs: not a number")?
             }
-            "--out" => a.out = PathBuf::from(value("--out")?),
+            "--out" => a.out = PathBuf::from(args.value("--out")?),
             "-h" | "--help" => {
                 return Err(
                     "usage: demo [--small] [--policies a,b] [--workers N] [--jobs N] \
@@ -76,7 +64,7 @@ fn parse_args() -> Result<Args, String> {
                         .into(),
                 );
             }
-            other => return Err(format!("unknown argument {other:?} (try --help)")),
+            other => return Err(unknown(other)),
         }
     }
     if a.workers == 0 || a.jobs == 0 {
@@ -112,13 +100,7 @@ fn run_policy(
 }
 
 fn main() {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            std::process::exit(2);
-        }
-    };
+    let args = or_usage_exit(parse_args());
     let path = match filter_wasm_path() {
         Ok(p) => p,
         Err(e) => {

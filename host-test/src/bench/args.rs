@@ -1,0 +1,166 @@
+//! Command-line reading shared by the `bench` and `demo` binaries, so both spell their flags, lists
+//! and error messages one way (and a fix to one reaches the other). Deliberately tiny: two binaries
+//! with a dozen flags between them do not earn a parser dependency on a 2-core build.
+
+/// The routing policies both binaries compare (and run when `--policies` is not given), in table
+/// order.
+pub const POLICIES: [&str; 6] = [
+    "round_robin",
+    "least_load",
+    "session_hash",
+    "prefix_affinity",
+    "kv_affinity",
+    "kv_load",
+];
+
+/// [`POLICIES`] as owned names, the default for an `Args` field.
+pub fn default_policies() -> Vec<String> {
+    POLICIES.iter().map(|s| s.to_string()).collect()
+}
+
+/// Walks the arguments flag by flag; a flag that takes a value pulls it with [`ArgReader::value`]
+/// (or the typed forms), so a missing value is an error naming the flag rather than a panic.
+pub struct ArgReader<I> {
+    args: I,
+}
+
+impl ArgReader<std::iter::Skip<std::env::Args>> {
+    /// The process's arguments, without the program name.
+    pub fn from_env() -> Self {
+        ArgReader::new(std::env::args().skip(1))
+    }
+}
+
+impl<I: Iterator<Item = String>> ArgReader<I> {
+    pub fn new(args: I) -> Self {
+        ArgReader { args }
+    }
+
+    /// The next flag, or `None` when the arguments are used up.
+    pub fn next_flag(&mut self) -> Option<String> {
+        self.args.next()
+    }
+
+    /// The value after `flag`.
+    pub fn value(&mut self, flag: &str) -> Result<String, String> {
+        self.args.next().ok_or(format!("{flag} needs a value"))
+    }
+
+    /// The value after `flag` as a whole number; the error quotes what was given.
+    pub fn number(&mut self, flag: &str) -> Result<u64, String> {
+        let v = self.value(flag)?;
+        v.parse()
+            .map_err(|_| format!("{flag}: not a number: {v:?}"))
+    }
+
+    /// The value after `flag` as a comma-separated list (see [`split_list`]).
+    pub fn list(&mut self, flag: &str) -> Result<Vec<String>, String> {
+        Ok(split_list(&self.value(flag)?))
+    }
+}
+
+/// Splits `a, b,,c` into `["a", "b", "c"]`: items trimmed, empty ones dropped, so a trailing comma
+/// or a space after one is harmless.
+pub fn split_list(s: &str) -> Vec<String> {
+    s.split(',')
+        .map(|x| x.trim().to_string())
+        .filter(|x| !x.is_empty())
+        .collect()
+}
+
+/// The parsed arguments, or (for a bad argument or `--help`) the message on stderr and exit status
+/// 2, the usage-error status both binaries use so scripts can tell it from a failed run (1).
+pub fn or_usage_exit<T>(parsed: Result<T, String>) -> T {
+    parsed.unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2)
+    })
+}
+
+/// The error for an argument neither binary knows.
+pub fn unknown(arg: &str) -> String {
+    format!("unknown argument {arg:?} (try --help)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reader(args: &[&str]) -> ArgReader<std::vec::IntoIter<String>> {
+        ArgReader::new(
+            args.iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .into_iter(),
+        )
+    }
+
+    #[test]
+    fn flags_and_values_come_in_order() {
+        let mut r = reader(&["--seeds", "7", "--policies", " a, b,,c ", "--out", "x"]);
+        assert_eq!(r.next_flag().as_deref(), Some("--seeds"));
+        assert_eq!(r.number("--seeds"), Ok(7));
+        assert_eq!(r.next_flag().as_deref(), Some("--policies"));
+        assert_eq!(
+            r.list("--policies"),
+            Ok(vec!["a".into(), "b".into(), "c".into()])
+        );
+        assert_eq!(r.next_flag().as_deref(), Some("--out"));
+        assert_eq!(r.value("--out").as_deref(), Ok("x"));
+        assert_eq!(r.next_flag(), None);
+    }
+
+    #[test]
+    fn missing_value_names_the_flag() {
+        let mut r = reader(&["--jobs"]);
+        r.next_flag();
+        assert_eq!(r.value("--jobs"), Err("--jobs needs a value".to_string()));
+        let mut r = reader(&["--only"]);
+        r.next_flag();
+        assert_eq!(r.list("--only"), Err("--only needs a value".to_string()));
+        let mut r = reader(&["--seeds"]);
+        r.next_flag();
+        assert_eq!(
+            r.number("--seeds"),
+            Err("--seeds needs a value".to_string())
+        );
+    }
+
+    #[test]
+    fn bad_number_quotes_the_value() {
+        for bad in ["", "-1", "3.5", "x", "99999999999999999999"] {
+            let mut r = reader(&[bad]);
+            assert_eq!(
+                r.number("--workers"),
+                Err(format!("--workers: not a number: {bad:?}")),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn list_of_only_commas_is_empty() {
+        assert!(split_list(" , ,").is_empty());
+        assert!(split_list("").is_empty());
+        assert_eq!(
+            split_list("kv_load@overlap_credit=2"),
+            vec!["kv_load@overlap_credit=2"]
+        );
+    }
+
+    #[test]
+    fn default_policies_match_the_table_order() {
+        let p = default_policies();
+        assert_eq!(p.len(), POLICIES.len());
+        assert_eq!(p.first().map(String::as_str), Some("round_robin"));
+        assert_eq!(p.last().map(String::as_str), Some("kv_load"));
+    }
+
+    #[test]
+    fn unknown_argument_points_at_help() {
+        assert_eq!(
+            unknown("--nope"),
+            "unknown argument \"--nope\" (try --help)"
+        );
+    }
+}
