@@ -16,6 +16,7 @@ use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
     Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, Worker, filter_wasm_path,
 };
+use kvsteer_tokenizer::sample;
 use serde_json::{Value, json};
 use std::time::Instant;
 
@@ -26,70 +27,12 @@ fn rss_kb() -> u64 {
         .map_or(0, |pages| pages * 4)
 }
 
-fn lcg(seed: &mut u64) -> u64 {
-    *seed = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    *seed >> 11
-}
-
-const WORDS: [&str; 32] = [
-    "the",
-    "router",
-    "sends",
-    "each",
-    "request",
-    "to",
-    "a",
-    "replica",
-    "that",
-    "already",
-    "holds",
-    "its",
-    "prefix,",
-    "and",
-    "balances",
-    "decode",
-    "load;",
-    "tokens",
-    "are",
-    "hashed",
-    "into",
-    "blocks",
-    "of",
-    "sixteen.",
-    "When",
-    "cache",
-    "misses",
-    "happen,",
-    "prefill",
-    "costs",
-    "more",
-    "(see 2.1)\n",
-];
-
-/// A message of about `words` words, distinct per seed.
-fn prose(seed: u64, words: usize) -> String {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = format!("[{seed}] ");
-    for _ in 0..words {
-        out.push_str(WORDS[(lcg(&mut s) % WORDS.len() as u64) as usize]);
-        out.push(' ');
-    }
-    out
-}
-
-/// A conversation: a system prompt, then `turns` user/assistant pairs, ending on a user message.
+/// The benchmark conversation ([`kvsteer_tokenizer::sample::conversation`]) as chat messages.
 fn conversation(seed: u64, turns: usize, words: usize) -> Vec<Value> {
-    let mut m = vec![json!({"role": "system", "content": prose(seed * 1000, words)})];
-    for t in 0..turns {
-        m.push(json!({"role": "user", "content": prose(seed * 1000 + 2 * t as u64 + 1, words)}));
-        m.push(
-            json!({"role": "assistant", "content": prose(seed * 1000 + 2 * t as u64 + 2, words)}),
-        );
-    }
-    m.push(json!({"role": "user", "content": prose(seed * 1000 + 999, 150)}));
-    m
+    sample::conversation(seed, turns, words)
+        .into_iter()
+        .map(|(role, content)| json!({"role": role, "content": content}))
+        .collect()
 }
 
 fn body(messages: &[Value]) -> Vec<u8> {
@@ -267,8 +210,9 @@ fn run() -> Result<(), String> {
             let (us, n1) = request(&mut tok, &b1)?;
             first.push(us / 1e3);
             plain_first.push(request(&mut plain, &b1)?.0 / 1e3);
-            convo.push(json!({"role": "assistant", "content": prose(seed * 7919, 200)}));
-            convo.push(json!({"role": "user", "content": prose(seed * 7919 + 1, 150)}));
+            for (role, content) in sample::follow_up(seed) {
+                convo.push(json!({"role": role, "content": content}));
+            }
             let b2 = body(&convo);
             let (us, n2) = request(&mut tok, &b2)?;
             follow.push(us / 1e3);
