@@ -5,6 +5,7 @@
 //! - [`scenario`]: the matrix (which workloads at which sizes) and the engine for a block size.
 //! - [`run`]: one replay (also what the demo runs).
 //! - [`report`]: tables over seeds, the published claims checked, plots.
+//! - [`args`]: the command-line reading the `bench` and `demo` binaries share.
 
 pub mod args;
 pub mod report;

@@ -74,8 +74,18 @@ pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> Harne
 pub fn routing(spec: &str) -> Result<Value, String> {
     let mut parts = spec.split('@');
     let name = parts.next().unwrap_or_default();
-    if name.is_empty() {
-        return Err(format!("policy spec {spec:?}: no policy name"));
+    if !kvsteer_core::PolicyKind::ALL
+        .iter()
+        .any(|k| k.name() == name)
+    {
+        let known: Vec<&str> = kvsteer_core::PolicyKind::ALL
+            .iter()
+            .map(|k| k.name())
+            .collect();
+        return Err(format!(
+            "policy spec {spec:?}: unknown policy {name:?} (known: {})",
+            known.join(", ")
+        ));
     }
     let mut section = serde_json::Map::new();
     for kv in parts {
@@ -137,6 +147,8 @@ mod tests {
         assert!(routing("kv_load@overlap_credit").is_err());
         assert!(routing("kv_load@overlap_credit=lots").is_err());
         assert!(routing("@x=1").is_err());
+        assert!(routing("nope").is_err());
+        assert!(routing("kv_lod@overlap_credit=2").is_err());
         let cfg = config("kv_load@prefill_scale=4", 64, 2, 1);
         assert_eq!(cfg.routing["kv_load"]["prefill_scale"], json!(4.0));
         assert_eq!(cfg.routing["block_size"], json!(64));

@@ -268,6 +268,13 @@ fn run(args: &Args) -> Result<(), String> {
         filter: &path,
         filter_bytes: module.size(),
     };
+    if failures.len() == jobs.len() {
+        // Nothing to report: do not overwrite a committed report with empty tables.
+        return Err(format!(
+            "every replay failed ({}); nothing written",
+            failures.len()
+        ));
+    }
     write_outputs(
         &out,
         &meta,
