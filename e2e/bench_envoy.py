@@ -274,14 +274,16 @@ def report(results: dict, harness: dict | None, args, slice_doc: dict) -> str:
                 ("hit rate", lambda s: s["hit_rate"], lambda s: s["hit_rate"], False),
                 ("decode CV", lambda s: s["decode_cv"] or 0.0, lambda s: s["decode_cv"] or 0.0, True),
             ]
+            # Run i of kv_load against run i of session_hash (the repeats interleave, so run i of
+            # each saw the same patch of the machine).
+            per_run = results.get("runs", {})
+            pairs = list(zip(per_run.get(pols[0], []), per_run.get(pols[1], [])))
             clear = agree = 0
             for name, fh, fe, low in checks:
                 hv = {p: fh(runs[p]) for p in pols}
                 ev = {p: fe(results["configs"][p]) for p in pols}
                 h, e = rank(hv, low)[0], rank(ev, low)[0]
                 hg, eg = gap(hv), gap(ev)
-                per_run = results.get("runs", {})
-                pairs = list(zip(per_run.get(pols[0], []), per_run.get(pols[1], [])))
                 wins = sum(rank({pols[0]: fe(a), pols[1]: fe(b)}, low)[0] == h for a, b in pairs)
                 runs_cell = f"{wins}/{len(pairs)}" if pairs else "-"
                 if hg < TIE:
