@@ -1,11 +1,11 @@
-"""The Envoy slice of the benchmark (GitHub issue 6): the same requests the harness replays as
-`slice-rl`, through a real Envoy in front of 4 time-scaled simulated replicas, for the filter's
+"""The Envoy slice of the benchmark report (docs/results.md): the same requests the harness replays
+as `slice-rl`, through a real Envoy in front of 4 time-scaled simulated replicas, for the filter's
 `kv_load` and `session_hash` and Envoy's own `round_robin`, `least_request` and `ring_hash` (on the
 session header). Each configuration gets fresh replicas (cold caches) and a fresh Envoy.
 
-Run by scripts/bench-envoy (which installs Envoy and builds the binaries); see its header for options.
-Writes <out>/envoy.json (configuration, commit, every request) and <out>/envoy.md (the table and the
-ranking check against the harness), which `bench` includes in docs/results.md.
+Run by scripts/bench-envoy-slice (which installs Envoy and builds the binaries); see its header for
+options. Writes <out>/envoy.json (configuration, commit, every request) and <out>/envoy.md (the table
+and the ranking check against the harness), which `bench` includes in docs/results.md.
 
 Times: the client measures wall time; the replicas run `time_scale` times faster than the engine
 model, so wall times are multiplied by `time_scale` to read as engine time, comparable with the
@@ -210,7 +210,7 @@ def report(results: dict, harness: dict | None, args, slice_doc: dict) -> str:
     md = ["## Through real Envoy: the slice\n"]
     n = sum(len(s["turns"]) for s in slice_doc["sessions"])
     md.append(
-        f"`scripts/bench-envoy`: the `{slice_doc['scenario']}` workload ({len(slice_doc['sessions'])} "
+        f"`scripts/bench-envoy-slice`: the `{slice_doc['scenario']}` workload ({len(slice_doc['sessions'])} "
         f"rollouts, {n} requests, {slice_doc['concurrency']} in flight; the harness replays the very "
         f"same requests) through Envoy 1.40 (`--concurrency 2`) in front of 4 `kvsteer-sim serve` "
         f"replicas at `--time-scale {args.time_scale:g}`, fresh replicas and Envoy per configuration. "
