@@ -7,6 +7,7 @@ pub mod approx;
 pub mod block;
 pub mod config;
 pub mod feed;
+pub mod feed_log;
 pub mod index;
 pub mod load;
 pub mod policy;
