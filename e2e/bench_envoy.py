@@ -52,8 +52,8 @@ def pct(xs: list[float], p: float) -> float:
 
 class Sampler(threading.Thread):
     """Reads every replica's `kvsteer_sim:decode_blocks` gauge every `period_s` (wall) for the
-    decode-block CV, DESIGN section 7's definition: population std / mean across replicas per
-    sample, averaged over samples whose mean is not 0."""
+    decode-block CV, as docs/design.md section 7 defines it: population std / mean across replicas
+    per sample, averaged over samples whose mean is not 0."""
 
     def __init__(self, endpoints: list[str], period_s: float):
         super().__init__(daemon=True)

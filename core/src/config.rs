@@ -40,7 +40,8 @@ impl PolicyKind {
     }
 }
 
-/// Coefficients of the `kv_load` cost (DESIGN section 1; defaults are NVIDIA Dynamo's KV router's).
+/// Coefficients of the `kv_load` cost (docs/design.md section 2.1; defaults are NVIDIA Dynamo's KV
+/// router's).
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KvLoadParams {

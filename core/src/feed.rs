@@ -1,4 +1,5 @@
-//! The replica feed: what a replica tells the router on each poll (DESIGN section 5).
+//! The replica feed: what a replica tells the router on each poll (docs/design.md section 5; the
+//! wire format is specified in docs/feed.md).
 //!
 //! The router polls `GET /kvsteer/feed?epoch=E&cursor=C&max_events=N` on every replica. The answer is a
 //! compact little-endian binary batch ("KVSF" version 1): block identities travel as 8-byte sequence

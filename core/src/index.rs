@@ -1,4 +1,5 @@
-//! The KV block index: which replica holds which block, on which tier (DESIGN sections 1 and 4).
+//! The KV block index: which replica holds which block, on which tier (docs/design.md sections 2
+//! and 4).
 //!
 //! Layout, chosen for a few tens of bytes per block and no allocation per block:
 //! - a slab of 24-byte [`Slot`]s: the sequence hash, up to four holders inline, a "referenced" bit;

@@ -557,7 +557,7 @@ impl Engine {
         }
     }
 
-    /// KV blocks held by decoding sequences (DESIGN section 7's decode-block CV metric).
+    /// KV blocks held by decoding sequences (the decode-block CV, docs/design.md section 7).
     pub fn decode_blocks(&self) -> u64 {
         self.load().decode_blocks
     }

@@ -1,4 +1,5 @@
-//! kvsteer-sim: a simulated vLLM-like engine replica (issue 3, DESIGN sections 5 and 6).
+//! kvsteer-sim: a simulated vLLM-like engine replica (docs/simulator.md; docs/design.md sections 5
+//! and 6).
 //!
 //! The [`engine`] model runs in virtual time for the local harness (fast and deterministic for a seed)
 //! and behind the OpenAI-compatible [`server`] in real, optionally scaled, time. It shares block

@@ -1,5 +1,6 @@
-//! Routing-quality measurement (DESIGN section 7): the consumer reports each request's life and samples
-//! of per-replica decode load; [`Recorder::summary`] reduces them to the published metrics.
+//! Routing-quality measurement (docs/design.md section 7): the consumer reports each request's life
+//! and samples of per-replica decode load; [`Recorder::summary`] reduces them to the published
+//! metrics.
 //!
 //! Definitions (also in `docs/workloads.md`):
 //! - **TTFT** = first token time - issue time; **TPOT** = (finish - first token) / (completion tokens - 1),

@@ -1,9 +1,9 @@
-//! Cost of exact tokenization inside the filter, in wasmtime (issue 7): how big the `.wasm` is, how
-//! long a worker VM takes to start with and without a tokenizer configured (the o200k vocabulary is
-//! parsed in `on_configure`), how much memory a worker then holds, and the per-request filter path for
-//! chat conversations of about 8K, 32K and 128K tokens, first turn (every message new) and follow-up
-//! turn (the same conversation plus an assistant reply and a new user message: only those two are
-//! tokenized, the rest comes from the per-message cache).
+//! Cost of exact tokenization inside the filter, in wasmtime (docs/tokenizer.md): how big the
+//! `.wasm` is, how long a worker VM takes to start with and without a tokenizer configured (the
+//! o200k vocabulary is parsed in `on_configure`), how much memory a worker then holds, and the
+//! per-request filter path for chat conversations of about 8K, 32K and 128K tokens, first turn
+//! (every message new) and follow-up turn (the same conversation plus an assistant reply and a new
+//! user message: only those two are tokenized, the rest comes from the per-message cache).
 //!
 //! The timed span is the guest calls carrying one request (`proxy_on_request_headers` and every
 //! `proxy_on_request_body` chunk of 16 KiB): body parse, template render, tokenize, hash, score.
