@@ -8,7 +8,11 @@ use crate::session::{BlockPrompt, Session, Workload};
 use crate::token_blocks::block_key;
 use std::path::PathBuf;
 
-pub const DEFAULT_PATH: &str = "../shared/traces/azure_llm_inference_conv_2023.csv";
+/// File name of the vendored trace in `traces/` (see `traces/README.md`).
+pub const FILE: &str = "azure_llm_inference_conv_2023.csv.xz";
+
+/// Default location of the trace, relative to the repository root.
+pub const DEFAULT_PATH: &str = "traces/azure_llm_inference_conv_2023.csv.xz";
 pub use crate::session::NOTE_SKIPPED;
 
 #[derive(Clone, Debug, PartialEq)]

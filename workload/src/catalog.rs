@@ -12,7 +12,7 @@ use std::path::Path;
 pub const NAMES: [&str; 5] = ["rl", "rl-small", "weka", "mooncake", "azure"];
 
 /// Default trace directory, relative to the repository root.
-pub const DEFAULT_TRACES: &str = "../shared/traces";
+pub const DEFAULT_TRACES: &str = "traces";
 
 /// Builds a workload by name with default parameters; trace files are read from `traces_dir`.
 pub fn build(name: &str, traces_dir: &Path) -> Result<Workload, WorkloadError> {
@@ -20,15 +20,15 @@ pub fn build(name: &str, traces_dir: &Path) -> Result<Workload, WorkloadError> {
         "rl" => rl::generate(&RlParams::default()),
         "rl-small" => rl::generate(&RlParams::small()),
         "weka" => weka::read(&WekaParams {
-            path: traces_dir.join("weka_cc_sample36.jsonl"),
+            path: traces_dir.join(weka::FILE),
             ..Default::default()
         }),
         "mooncake" => mooncake::read(&MooncakeParams {
-            path: traces_dir.join("mooncake_synthetic_trace.jsonl"),
+            path: traces_dir.join(mooncake::FILE),
             ..Default::default()
         }),
         "azure" => azure::read(&AzureParams {
-            path: traces_dir.join("azure_llm_inference_conv_2023.csv"),
+            path: traces_dir.join(azure::FILE),
             ..Default::default()
         }),
         other => Err(WorkloadError::Param(format!(

@@ -10,7 +10,11 @@ use crate::token_blocks::block_key;
 use serde::Deserialize;
 use std::path::PathBuf;
 
-pub const DEFAULT_PATH: &str = "../shared/traces/mooncake_synthetic_trace.jsonl";
+/// File name of the vendored trace in `traces/` (see `traces/README.md`).
+pub const FILE: &str = "mooncake_synthetic_trace.jsonl.xz";
+
+/// Default location of the trace, relative to the repository root.
+pub const DEFAULT_PATH: &str = "traces/mooncake_synthetic_trace.jsonl.xz";
 pub const BLOCK_SIZE: u32 = 512;
 pub use crate::session::NOTE_SKIPPED;
 

@@ -1,5 +1,5 @@
 //! Reader for the coding-agent trace `weka_cc_sample36.jsonl` (real Claude Code sessions, one JSON
-//! session per line; see `shared/traces/README.md`).
+//! session per line; see `traces/README.md`).
 //!
 //! Choices (all documented in `docs/workloads.md`):
 //! - **Namespaces.** `hash_ids` are local to a session: id `x` of session `S` becomes the block key
@@ -57,8 +57,11 @@ pub struct WekaParams {
     pub copies: usize,
 }
 
+/// File name of the vendored trace in `traces/` (see `traces/README.md`).
+pub const FILE: &str = "weka_cc_sample36.jsonl.xz";
+
 /// Default location of the trace, relative to the repository root.
-pub const DEFAULT_PATH: &str = "../shared/traces/weka_cc_sample36.jsonl";
+pub const DEFAULT_PATH: &str = "traces/weka_cc_sample36.jsonl.xz";
 
 impl Default for WekaParams {
     fn default() -> Self {

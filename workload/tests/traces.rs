@@ -1,4 +1,5 @@
-//! Readers on the real trace files (located relative to this crate: `../../shared/traces`).
+//! Readers on the real trace files vendored in the repository (`traces/`, xz-compressed), located
+//! relative to this crate.
 
 use kvsteer_workload::azure::{self, AzureParams};
 use kvsteer_workload::mooncake::{self, MooncakeParams};
@@ -9,8 +10,41 @@ use std::path::PathBuf;
 
 fn trace(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/traces")
-        .join(name)
+        .join("../traces")
+        .join(format!("{name}.xz"))
+}
+
+/// The vendored files are the upstream bytes: their SHA-256 after decompression is the one
+/// `traces/README.md` gives, so a damaged or replaced trace fails here instead of quietly moving
+/// every benchmark figure.
+#[test]
+fn vendored_traces_match_their_published_checksums() {
+    use sha2::{Digest, Sha256};
+    let readme = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../traces/README.md"),
+    )
+    .unwrap();
+    for name in [
+        "weka_cc_sample36.jsonl",
+        "mooncake_synthetic_trace.jsonl",
+        "azure_llm_inference_conv_2023.csv",
+    ] {
+        let compressed = std::fs::read(trace(name)).unwrap();
+        let mut text = Vec::new();
+        lzma_rs::xz_decompress(&mut compressed.as_slice(), &mut text).unwrap();
+        let digest: String = Sha256::digest(&text)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let row = readme
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{name}` |")))
+            .unwrap_or_else(|| panic!("traces/README.md has no checksum row for {name}"));
+        assert!(
+            row.contains(&format!("`{digest}`")),
+            "{name}: decompressed SHA-256 {digest} is not the one in traces/README.md: {row}"
+        );
+    }
 }
 
 fn keys(w: &Workload, s: usize, t: usize) -> &[u64] {

@@ -85,7 +85,7 @@ impl Scenario {
                 copies,
                 max_sessions,
             } => weka::read(&WekaParams {
-                path: traces.join("weka_cc_sample36.jsonl"),
+                path: traces.join(weka::FILE),
                 concurrency: *concurrency,
                 copies: *copies,
                 max_sessions: *max_sessions,
@@ -96,14 +96,14 @@ impl Scenario {
                 speed,
                 max_requests,
             } => mooncake::read(&MooncakeParams {
-                path: traces.join("mooncake_synthetic_trace.jsonl"),
+                path: traces.join(mooncake::FILE),
                 speed: *speed,
                 max_requests: *max_requests,
                 ..Default::default()
             })
             .map_err(err)?,
             Source::Azure { speed, max_rows } => azure::read(&AzureParams {
-                path: traces.join("azure_llm_inference_conv_2023.csv"),
+                path: traces.join(azure::FILE),
                 speed: *speed,
                 max_rows: *max_rows,
                 ..Default::default()

@@ -10,7 +10,7 @@
 //! own section), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
-//! `--traces DIR` (default `../shared/traces`).
+//! `--traces DIR` (default `traces`).
 //! Writes `DIR/results.md`, `DIR/results/harness.json` (configuration, seeds, commit, every run's
 //! summary) and the SVG plots under `DIR/results/`.
 

@@ -3,7 +3,7 @@
 //!
 //! Usage (from the repository root): `cargo run --release -p kvsteer-workload --bin workload-stats --
 //! [--traces DIR] [rl|rl-small|weka|mooncake|azure ...]` (default: all; DIR defaults to
-//! `../shared/traces`).
+//! `traces`).
 //!
 //! The infinite cache is replayed serially in workload order: every issued prompt's full blocks are
 //! looked up (longest cached run of leading blocks counts as hit tokens), then the prompt and its output
