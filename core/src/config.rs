@@ -28,7 +28,7 @@ impl PolicyKind {
         PolicyKind::KvLoad,
     ];
 
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             PolicyKind::RoundRobin => "round_robin",
             PolicyKind::LeastLoad => "least_load",

@@ -2,16 +2,19 @@
 //! and error messages one way (and a fix to one reaches the other). Deliberately tiny: two binaries
 //! with a dozen flags between them do not earn a parser dependency on a 2-core build.
 
+use kvsteer_core::PolicyKind;
+
 /// The routing policies both binaries compare (and run when `--policies` is not given), in table
-/// order.
-pub const POLICIES: [&str; 6] = [
-    "round_robin",
-    "least_load",
-    "session_hash",
-    "prefix_affinity",
-    "kv_affinity",
-    "kv_load",
-];
+/// order: the names of [`PolicyKind::ALL`], the core's list, so a policy added there is compared here.
+pub const POLICIES: [&str; PolicyKind::ALL.len()] = {
+    let mut names = [""; PolicyKind::ALL.len()];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = PolicyKind::ALL[i].name();
+        i += 1;
+    }
+    names
+};
 
 /// [`POLICIES`] as owned names, the default for an `Args` field.
 pub fn default_policies() -> Vec<String> {
@@ -154,6 +157,8 @@ mod tests {
         assert_eq!(p.len(), POLICIES.len());
         assert_eq!(p.first().map(String::as_str), Some("round_robin"));
         assert_eq!(p.last().map(String::as_str), Some("kv_load"));
+        let core: Vec<&str> = PolicyKind::ALL.iter().map(|k| k.name()).collect();
+        assert_eq!(POLICIES.to_vec(), core);
     }
 
     #[test]
