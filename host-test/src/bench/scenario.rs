@@ -175,7 +175,7 @@ pub fn slice_params() -> RlParams {
 /// Tokens of output allowed beyond the 128K prompt cap.
 pub const OUTPUT_ALLOWANCE: u32 = 32_768;
 
-/// The coding-agent trace's concurrency levels (DESIGN section 7).
+/// The coding-agent trace's concurrency levels (docs/design.md section 7).
 pub const WEKA_LEVELS: [usize; 5] = [8, 16, 24, 32, 40];
 
 /// Every scenario of a scale, in report order.

@@ -640,7 +640,7 @@ const HOW_TO_READ: &str = "## How to read this\n\n\
   (RL: a rollout's 10 turns, the RL headline). **output tok/s** is all generated tokens over the \
   run's span. **hit rate** is engine-reported cached prompt tokens over prompt tokens. **decode \
   CV** is the spread of KV blocks held by decoding requests across replicas (0: perfectly even; \
-  DESIGN section 7). Lower is better except tok/s and hit rate.\n\
+  docs/design.md section 7). Lower is better except tok/s and hit rate.\n\
 - A high hit rate is not the goal: a policy can hit the cache every time by sending everything to \
   one replica. The claims below are about trading hit rate for even decode load.\n\
 - Everything runs in virtual time: the engines are a model of vLLM on an H100 \
@@ -650,7 +650,9 @@ const HOW_TO_READ: &str = "## How to read this\n\n\
   matrix with 3 seeds and every trace whole, then the sensitivity runs in `docs/sensitivity/`; \
   about 45 minutes on 2 cores, of which the matrix is about 25), `scripts/bench --quick` \
   (minutes, writes `out/bench-quick/`), `scripts/bench --smoke` (seconds, the CI check), \
-  `scripts/bench-envoy` (the Envoy slice alone).\n\n";
+  `scripts/bench-envoy-slice` (the Envoy slice alone). `--only` and `--policies` run part of the \
+  matrix and skip the Envoy slice and the sensitivity runs unless `--envoy` / `--sensitivity` ask \
+  for them; `scripts/bench` lists what it runs and skips, and why, before and after.\n\n";
 
 /// The smoke check: the JSON parses, has every replay with requests and no failures, every summary is
 /// well-formed, the report has a table per scenario and the plots are SVG.
