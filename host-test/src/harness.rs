@@ -17,7 +17,7 @@
 use crate::abi::Action;
 use crate::host::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, Proxy, ProxyOptions, StreamState,
-    Worker,
+    WorkerVm,
 };
 use crate::openai::{SseWriter, completion_body, error_response, request_headers, sse_headers};
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FEED_PATH, FeedQuery};
@@ -343,7 +343,7 @@ const DIRECT_ID_BASE: u64 = 1 << 62;
 pub struct Harness {
     cfg: HarnessConfig,
     proxy: Proxy,
-    workers: Vec<Worker>,
+    workers: Vec<WorkerVm>,
     pub replicas: Vec<Replica>,
     now_us: u64,
     next_tick_us: Vec<u64>,
@@ -437,11 +437,11 @@ impl Harness {
         &self.proxy
     }
 
-    pub fn worker(&self, i: usize) -> &Worker {
+    pub fn worker(&self, i: usize) -> &WorkerVm {
         &self.workers[i]
     }
 
-    pub fn workers(&self) -> &[Worker] {
+    pub fn workers(&self) -> &[WorkerVm] {
         &self.workers
     }
 

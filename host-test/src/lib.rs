@@ -1,7 +1,8 @@
 //! kvsteer-host-test: runs the compiled kvsteer filter (`kvsteer_filter.wasm`) the way a proxy would.
 //!
-//! - [`host`]: a proxy-wasm ABI 0.2.1 host on wasmtime ([`FilterModule`], [`Proxy`], [`Worker`]), in
-//!   Envoy or nginx (ngx_wasm_module) mode, with a virtual clock and process-wide shared data.
+//! - [`host`]: a proxy-wasm ABI 0.2.1 host on wasmtime ([`FilterModule`], [`Proxy`], [`WorkerVm`]:
+//!   one worker's VM), in Envoy or nginx (ngx_wasm_module) mode, with a virtual clock and
+//!   process-wide shared data.
 //! - [`abi`]: the ABI's status codes, enums and header-pair format.
 //! - [`harness`]: the filter in front of simulated replicas in virtual time ([`Harness`]): requests as
 //!   streams, feed callouts answered by the engines, faults, and workload replay.
@@ -28,5 +29,5 @@ pub use harness::{
 };
 pub use host::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, LocalResponse, Proxy, ProxyOptions,
-    StreamState, Worker, header_value, pairs,
+    StreamState, WorkerVm, header_value, pairs,
 };

@@ -22,7 +22,7 @@ use kvsteer_core::rng::SplitMix64;
 use kvsteer_host_test::artifact::workspace_root;
 use kvsteer_host_test::host::CLOCK_BASE_NS;
 use kvsteer_host_test::openai::{SseWriter, completion_body, request_headers, sse_headers};
-use kvsteer_host_test::{CallOutcome, HostMode, Proxy, ProxyOptions, Worker, pairs};
+use kvsteer_host_test::{CallOutcome, HostMode, Proxy, ProxyOptions, WorkerVm, pairs};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -312,7 +312,7 @@ fn same_decisions(routing: Value, rounds: usize, seed: u64) -> (usize, BTreeSet<
         module(),
         ProxyOptions::new(HostMode::Envoy, plugin_config(&routing)),
     );
-    let mut w: Worker = proxy.start_worker().expect("worker");
+    let mut w: WorkerVm = proxy.start_worker().expect("worker");
     let mut rng = SplitMix64::new(seed);
     let hasher = BlockHasher::new(BLOCK).unwrap();
     let mut feeds: Vec<ScriptedFeed> = (0..REPLICAS)

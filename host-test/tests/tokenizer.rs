@@ -9,7 +9,7 @@ use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, ReplicaLoad, Tier};
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
-    Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, Worker, filter_wasm_path,
+    Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, WorkerVm, filter_wasm_path,
 };
 use kvsteer_sim::tokenize::{TokenizerKind, select, tokenize};
 use serde_json::{Value, json};
@@ -66,7 +66,7 @@ fn prose(seed: u64, words: usize) -> String {
     s
 }
 
-fn start(tokenizer: Option<Value>) -> (Proxy, Worker) {
+fn start(tokenizer: Option<Value>) -> (Proxy, WorkerVm) {
     let replicas: Vec<_> = (0..REPLICAS)
         .map(|i| {
             json!({"name": format!("r{i}"), "endpoint": format!("10.0.0.{}:8000", i + 1),
@@ -87,7 +87,7 @@ fn start(tokenizer: Option<Value>) -> (Proxy, Worker) {
 }
 
 /// Answers the first polls with snapshots: `held` blocks on [`HOLDER`], nothing elsewhere.
-fn feed(proxy: &Proxy, w: &mut Worker, held: &[u64]) {
+fn feed(proxy: &Proxy, w: &mut WorkerVm, held: &[u64]) {
     let mut answered = [false; REPLICAS];
     let mut now_ms = 0;
     for _ in 0..50 {
@@ -142,7 +142,7 @@ fn feed(proxy: &Proxy, w: &mut Worker, held: &[u64]) {
 }
 
 /// Sends a chat body; returns the destination header's first endpoint.
-fn route(w: &mut Worker, body: &[u8]) -> String {
+fn route(w: &mut WorkerVm, body: &[u8]) -> String {
     let headers = request_headers("/v1/chat/completions", body.len(), None, &[]);
     let id = w.new_stream().unwrap();
     let mut last = w.request_headers(id, headers, false).unwrap();

@@ -117,7 +117,7 @@ fn module(configure_ok: bool, import: Option<&str>) -> Vec<u8> {
     m
 }
 
-fn worker(configure_ok: bool) -> Result<kvsteer_host_test::Worker, HostError> {
+fn worker(configure_ok: bool) -> Result<kvsteer_host_test::WorkerVm, HostError> {
     let m = FilterModule::from_bytes(&module(configure_ok, None), true)?;
     Proxy::new(&m, ProxyOptions::new(HostMode::Envoy, "{}")).start_worker()
 }

@@ -17,7 +17,7 @@ use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier};
 use kvsteer_host_test::openai::{completion_body, request_headers};
 use kvsteer_host_test::{
-    Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, Worker, filter_wasm_path,
+    Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, WorkerVm, filter_wasm_path,
 };
 use serde_json::json;
 use std::time::Instant;
@@ -75,7 +75,12 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 /// Polls and answers until every replica's snapshot is applied.
-fn seed_index(proxy: &Proxy, worker: &mut Worker, args: &Args, warm: &[u64]) -> Result<(), String> {
+fn seed_index(
+    proxy: &Proxy,
+    worker: &mut WorkerVm,
+    args: &Args,
+    warm: &[u64],
+) -> Result<(), String> {
     let per = args.index_blocks / args.replicas;
     let mut rng = 0x5eed_u64;
     let mut answered = vec![false; args.replicas];
@@ -162,7 +167,7 @@ const REQUEST_GAP_US: u64 = 1000;
 
 fn bench(
     proxy: &Proxy,
-    worker: &mut Worker,
+    worker: &mut WorkerVm,
     n: usize,
     path: &str,
     body_of: &dyn Fn(usize) -> Vec<u8>,

@@ -14,7 +14,7 @@
 
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
-    Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, Worker, filter_wasm_path,
+    Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, WorkerVm, filter_wasm_path,
 };
 use kvsteer_tokenizer::sample;
 use serde_json::{Value, json};
@@ -43,7 +43,7 @@ fn body(messages: &[Value]) -> Vec<u8> {
 
 struct Vm {
     proxy: Proxy,
-    worker: Worker,
+    worker: WorkerVm,
     start_ms: f64,
     rss_mb: f64,
 }

@@ -1,7 +1,7 @@
 //! HTTP callouts: `proxy_http_call` (requires `:method`, `:path` and `:authority` and, in Envoy mode,
-//! a known cluster; in nginx mode an address) records a [`Callout`] with a token; the harness answers it
-//! later with a [`CallOutcome`] through [`super::Worker::answer_callout`]. `proxy_get_status` reports
-//! the last callout failure.
+//! a known cluster; in nginx mode an address) records a [`Callout`] with a token; the harness answers
+//! it later with a [`CallOutcome`] through [`super::WorkerVm::answer_callout`]. `proxy_get_status`
+//! reports the last callout failure.
 
 use super::headers::header_value;
 use super::memory::{HostResult, guest_write, ok, read_or_status, return_bytes, status};

@@ -2,10 +2,10 @@
 //!
 //! Shape, as in Envoy: one compiled [`FilterModule`]; a [`Proxy`] (one plugin configuration, one
 //! process: shared data, shared queues, metrics and the virtual clock are process-wide); any number of
-//! [`Worker`]s started from it, each its own VM (store + instance) with its own root context, as Envoy
-//! runs one VM per worker thread. Host calls answer with the status codes Envoy answers (checked against
-//! proxy-wasm-cpp-host and Envoy's `Context`), because the Rust SDK panics on any status it does not
-//! expect: a host that answered more leniently would hide real traps.
+//! [`WorkerVm`]s started from it, each its own VM (store + instance) with its own root context, as
+//! Envoy runs one VM per worker thread. Host calls answer with the status codes Envoy answers (checked
+//! against proxy-wasm-cpp-host and Envoy's `Context`), because the Rust SDK panics on any status it
+//! does not expect: a host that answered more leniently would hide real traps.
 //!
 //! Every guest call runs under a fuel budget, so an infinite loop is reported like a trap instead of
 //! hanging the test. Any trap (a Rust panic is an `unreachable` trap after the SDK's panic hook logged
@@ -51,7 +51,7 @@ pub use log_time::LogLine;
 pub(crate) use memory::{guest_read, guest_write};
 pub use metrics::Metric;
 pub use streams::{CallbackRecord, LocalResponse, StreamState};
-pub use worker_vm::Worker;
+pub use worker_vm::WorkerVm;
 
 use crate::abi::LogLevel;
 use http_call::CallResponseView;
@@ -336,7 +336,7 @@ impl Proxy {
 
     /// Starts a worker VM the way Envoy does: instantiate, `_initialize`, create the root context,
     /// `proxy_on_vm_start`, `proxy_on_configure` with the plugin configuration.
-    pub fn start_worker(&self) -> Result<Worker, HostError> {
+    pub fn start_worker(&self) -> Result<WorkerVm, HostError> {
         let index = self.next_worker.fetch_add(1, Ordering::Relaxed) as usize;
         let state = VmState {
             shared: Some(self.shared.clone()),
@@ -360,7 +360,7 @@ impl Proxy {
             done_called: false,
             status: (0, Vec::new()),
         };
-        Worker::start(&self.module, state)
+        WorkerVm::start(&self.module, state)
     }
 }
 

@@ -2,7 +2,7 @@
 //! follows Envoy's CAS rule (a non-zero CAS that differs from the entry's is `CasMismatch`; a missing
 //! entry is `NotFound`; every write gets a fresh non-zero CAS) and is copied on every read. Queues:
 //! register, resolve, enqueue, dequeue (`Empty` when there is nothing); `proxy_on_queue_ready` is
-//! delivered by [`super::Worker::deliver_queue_ready`].
+//! delivered by [`super::WorkerVm::deliver_queue_ready`].
 
 use super::memory::{HostResult, guest_write, ok, read_or_status, return_bytes, status};
 use super::{ENV, VmState, lock};

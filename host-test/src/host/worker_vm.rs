@@ -1,5 +1,6 @@
-//! One worker VM ([`Worker`]): the filter's exports the host calls, the VM's lifecycle as Envoy runs
-//! it (start, ticks, streams, callouts, queues, shutdown), and traps turned into [`HostError`]s.
+//! One worker VM ([`WorkerVm`]): the filter's exports the host calls, the VM's lifecycle as Envoy
+//! runs it (start, ticks, streams, callouts, queues, shutdown), and traps turned into
+//! [`HostError`]s.
 
 use super::http_call::{CallOutcome, CallResponseView, Callout};
 use super::log_time::LogLine;
@@ -80,7 +81,7 @@ fn trap_error(
 }
 
 /// One worker: a VM with its root context, like one Envoy worker thread's copy of the plugin.
-pub struct Worker {
+pub struct WorkerVm {
     store: Store<VmState>,
     exports: Exports,
     index: usize,
@@ -91,11 +92,11 @@ pub struct Worker {
     vm_config_len: usize,
 }
 
-impl Worker {
+impl WorkerVm {
     /// Instantiates the module on `state` (a fresh worker's host state) and starts it the way Envoy
     /// does: `_initialize`, create the root context, `proxy_on_vm_start`, `proxy_on_configure` with
     /// the plugin configuration.
-    pub(super) fn start(module: &FilterModule, state: VmState) -> Result<Worker, HostError> {
+    pub(super) fn start(module: &FilterModule, state: VmState) -> Result<WorkerVm, HostError> {
         let index = state.worker;
         let plugin_config_len = state.options.plugin_config.len();
         let vm_config_len = state.options.vm_config.len();
@@ -118,7 +119,7 @@ impl Worker {
         store.data_mut().memory = Some(memory);
         store.data_mut().allocator = Some(allocator);
         let exports = Exports::find(&instance, &mut store);
-        let mut worker = Worker {
+        let mut worker = WorkerVm {
             store,
             exports,
             index,
@@ -212,7 +213,7 @@ impl Worker {
     }
 
     /// Callouts dispatched and not yet answered; the harness answers them with
-    /// [`Worker::answer_callout`].
+    /// [`WorkerVm::answer_callout`].
     pub fn take_callouts(&mut self) -> Vec<Callout> {
         std::mem::take(&mut self.store.data_mut().callouts)
     }
