@@ -1,0 +1,3 @@
+pub mod encode;
+pub mod state;
+pub mod wire;
