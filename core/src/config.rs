@@ -45,10 +45,18 @@ impl PolicyKind {
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KvLoadParams {
+    /// A named set of the fields below, from a published router (see [`KvLoadPreset`]); fields given
+    /// next to it in the same section override the preset's values.
+    pub preset: Option<KvLoadPreset>,
     /// Weight of prefill blocks against decode blocks.
     pub prefill_scale: f64,
     /// `c`: how much a cached block discounts the request's prefill blocks.
     pub overlap_credit: f64,
+    /// `d`: the overlap credit decays on a replica whose queued prefill exceeds the least-loaded
+    /// candidate's: `credit = c / (1 + d * excess_prefill_blocks / request_blocks)`. 0 (Dynamo's
+    /// default) keeps the full credit; Ray's "balanced" preset uses 1, so a busy cache holder stops
+    /// attracting every request of its prefix.
+    pub overlap_credit_decay: f64,
     /// `w`: cost per active request.
     pub active_request_weight: f64,
     /// 0: argmin with seeded random tie-break; > 0: softmax sampling.
@@ -57,20 +65,95 @@ pub struct KvLoadParams {
     pub host_tier_credit: f64,
     /// Credit of a block held only on disk.
     pub disk_tier_credit: f64,
-    /// Weight decode blocks by `1 - generated/expected` when the request gives `max_tokens`.
+    /// Weight a request's own decode blocks by `1 - generated/expected` when it gives
+    /// `max_completion_tokens` or `max_tokens` (Ray's decode progress).
     pub use_output_hint: bool,
+    /// Book a request's prompt blocks as decode load from admission (Dynamo) rather than from its
+    /// first token.
+    pub prompt_blocks_at_admission: bool,
+    /// Count a prefix block active on a replica once however many requests share it, and charge a
+    /// request only the blocks not already active there (Dynamo's `router_assume_kv_reuse`).
+    pub assume_kv_reuse: bool,
+    /// How the load a replica reports in its feed combines with this router's own bookings.
+    pub reported_load: ReportedLoad,
+}
+
+/// Named `kv_load` settings from routers users would otherwise pick (docs/configuration.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvLoadPreset {
+    /// NVIDIA Dynamo 1.6's KV router defaults: c 1, d 0, prefill scale 1, w 0, argmin, prompt blocks
+    /// from admission, shared blocks once, scored on the router's own bookings.
+    Dynamo,
+    /// Ray Serve LLM's "balanced" coding-agent preset: c 0.5, d 1, prefill scale 1, w 32 blocks,
+    /// argmin, decode progress on.
+    RayBalanced,
+    /// Ray Serve LLM's "KV-biased" preset: c 2, d 0, prefill scale 1, w 0, decode progress on.
+    RayKvBiased,
+}
+
+impl KvLoadPreset {
+    /// The preset's fields, as the JSON they stand for.
+    pub fn fields(self) -> serde_json::Value {
+        use serde_json::json;
+        let common = json!({
+            "prefill_scale": 1.0,
+            "temperature": 0.0,
+            "prompt_blocks_at_admission": true,
+            "assume_kv_reuse": true,
+            "reported_load": "ignore",
+        });
+        let own = match self {
+            KvLoadPreset::Dynamo => json!({
+                "overlap_credit": 1.0, "overlap_credit_decay": 0.0,
+                "active_request_weight": 0.0, "use_output_hint": false,
+            }),
+            KvLoadPreset::RayBalanced => json!({
+                "overlap_credit": 0.5, "overlap_credit_decay": 1.0,
+                "active_request_weight": 32.0, "use_output_hint": true,
+            }),
+            KvLoadPreset::RayKvBiased => json!({
+                "overlap_credit": 2.0, "overlap_credit_decay": 0.0,
+                "active_request_weight": 0.0, "use_output_hint": true,
+            }),
+        };
+        let mut out = common;
+        if let (Some(o), Some(add)) = (out.as_object_mut(), own.as_object()) {
+            o.extend(add.clone());
+        }
+        out
+    }
+}
+
+/// How a replica's reported load (the feed's `load`) meets the router's own bookings.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReportedLoad {
+    /// Field by field, the larger of the two: the report sees traffic from other proxies, the
+    /// bookings are fresher. A report that counts queued prompts whole (cached part included) then
+    /// charges the cache holder for tokens it will not compute.
+    #[default]
+    Max,
+    /// Score on the router's own bookings only, as Dynamo and Ray do (right when this proxy, with its
+    /// worker VMs, sees all the traffic).
+    Ignore,
 }
 
 impl Default for KvLoadParams {
     fn default() -> Self {
         Self {
+            preset: None,
             prefill_scale: 1.0,
             overlap_credit: 1.0,
+            overlap_credit_decay: 0.0,
             active_request_weight: 0.0,
             temperature: 0.0,
             host_tier_credit: 0.75,
             disk_tier_credit: 0.25,
             use_output_hint: false,
+            prompt_blocks_at_admission: true,
+            assume_kv_reuse: true,
+            reported_load: ReportedLoad::Max,
         }
     }
 }
@@ -173,8 +256,10 @@ pub const MAX_VIRTUAL_NODES: usize = 10_000;
 impl RoutingConfig {
     /// Parses and validates. An empty document (`{}`) is the default configuration.
     pub fn from_json(s: &str) -> Result<Self, ConfigError> {
-        let de = &mut serde_json::Deserializer::from_str(s);
-        let cfg: RoutingConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+        let mut doc: serde_json::Value =
+            serde_json::from_str(s).map_err(|e| err(".", e.to_string()))?;
+        Self::apply_preset(&mut doc)?;
+        let cfg: RoutingConfig = serde_path_to_error::deserialize(doc).map_err(|e| {
             // serde_path_to_error's path includes an unknown field's own name.
             let field = e.path().to_string();
             let msg = e.into_inner().to_string();
@@ -182,6 +267,24 @@ impl RoutingConfig {
         })?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Fills `kv_load` with its preset's fields, under the fields the section gives itself.
+    fn apply_preset(doc: &mut serde_json::Value) -> Result<(), ConfigError> {
+        let Some(section) = doc.get_mut("kv_load").and_then(|k| k.as_object_mut()) else {
+            return Ok(());
+        };
+        let Some(name) = section.get("preset").filter(|p| !p.is_null()) else {
+            return Ok(());
+        };
+        let preset: KvLoadPreset = serde_json::from_value(name.clone())
+            .map_err(|e| err("kv_load.preset", e.to_string()))?;
+        if let Some(fields) = preset.fields().as_object() {
+            for (k, v) in fields {
+                section.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+        Ok(())
     }
 
     /// Checks ranges that types alone do not.
@@ -205,6 +308,7 @@ impl RoutingConfig {
         };
         nonneg("kv_load.prefill_scale", k.prefill_scale)?;
         nonneg("kv_load.overlap_credit", k.overlap_credit)?;
+        nonneg("kv_load.overlap_credit_decay", k.overlap_credit_decay)?;
         nonneg("kv_load.active_request_weight", k.active_request_weight)?;
         nonneg("kv_load.temperature", k.temperature)?;
         for (name, v) in [
@@ -239,6 +343,40 @@ impl RoutingConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn presets_fill_the_section_and_explicit_fields_win() {
+        let c = RoutingConfig::from_json(r#"{"kv_load":{"preset":"ray_balanced"}}"#).unwrap();
+        let k = &c.kv_load;
+        assert_eq!(k.preset, Some(KvLoadPreset::RayBalanced));
+        assert_eq!(
+            (
+                k.overlap_credit,
+                k.overlap_credit_decay,
+                k.active_request_weight
+            ),
+            (0.5, 1.0, 32.0)
+        );
+        assert!(k.use_output_hint && k.assume_kv_reuse && k.prompt_blocks_at_admission);
+        assert_eq!(k.reported_load, ReportedLoad::Ignore);
+        let c = RoutingConfig::from_json(
+            r#"{"kv_load":{"preset":"ray_kv_biased","overlap_credit":3,"use_output_hint":false}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.kv_load.overlap_credit, 3.0);
+        assert!(!c.kv_load.use_output_hint);
+        assert_eq!(c.kv_load.overlap_credit_decay, 0.0);
+        let d = RoutingConfig::from_json(r#"{"kv_load":{"preset":"dynamo"}}"#).unwrap();
+        assert_eq!(d.kv_load.overlap_credit, 1.0);
+        assert_eq!(d.kv_load.reported_load, ReportedLoad::Ignore);
+        let e = RoutingConfig::from_json(r#"{"kv_load":{"preset":"sglang"}}"#).unwrap_err();
+        assert_eq!(e.field, "kv_load.preset", "{e}");
+        let e = RoutingConfig::from_json(r#"{"kv_load":{"reported_load":"min"}}"#).unwrap_err();
+        assert_eq!(e.field, "kv_load.reported_load", "{e}");
+        let e = RoutingConfig::from_json(r#"{"kv_load":{"overlap_credit_decay":-1}}"#).unwrap_err();
+        assert_eq!(e.field, "kv_load.overlap_credit_decay", "{e}");
+        assert_eq!(RoutingConfig::from_json("{").unwrap_err().field, ".");
+    }
 
     #[test]
     fn empty_is_default_and_fields_parse() {

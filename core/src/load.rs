@@ -1,15 +1,18 @@
-//! The token-load table (DESIGN section 1): the work each replica still has to do, tracked through
-//! every request's life as this router sees it.
+//! The token-load table (docs/design.md section 2): the work each replica still has to do, tracked
+//! through every request's life as this router sees it.
 //!
-//! Transitions:
-//! - **admit**: the prompt tokens the chosen replica does not already cache become prefill load;
-//! - **first token**: that prefill load is done; the request now holds its prompt's KV blocks, read at
-//!   every decode step, so they become decode load;
+//! Transitions (with the default [`Accounting`], Dynamo's):
+//! - **admit**: the prompt tokens the chosen replica does not already cache become prefill load, and
+//!   the prompt's KV blocks become decode load at once (a prefix block already booked on that replica
+//!   by another active request is not counted again);
+//! - **first token**: that prefill load is done (with `prompt_blocks_at_admission` off, the prompt's
+//!   blocks are booked only now);
 //! - **decode progress**: one more block at each block boundary of the output; with an output-length
-//!   hint (and `use_output_hint`) the request's decode blocks are weighted by `1 - generated/expected`,
+//!   hint (and `use_output_hint`) the request's own blocks are weighted by `1 - generated/expected`,
 //!   so a request about to finish weighs little;
-//! - **complete or abort** (`release`): everything the request contributes is removed. Releasing an
-//!   unknown request (double release, or one admitted by another worker) does nothing and is counted.
+//! - **complete or abort** (`release`): everything the request contributes is removed, shared blocks
+//!   when their last holder goes. Releasing an unknown request (double release, or one admitted by
+//!   another worker) does nothing and is counted.
 
 use hashbrown::HashMap;
 
@@ -102,6 +105,34 @@ impl LoadTotals {
     }
 }
 
+/// How the table books a request's blocks. The defaults follow NVIDIA Dynamo's KV router (1.6): a
+/// request's prompt blocks count from the moment it is admitted (its KV is allocated as its prefill
+/// starts, and a prefill-phase request occupies the batch too), and a prefix block active on a replica
+/// counts once however many requests share it (`router_assume_kv_reuse`: the engine's prefix cache
+/// holds one copy). kvsteer's earlier accounting (prompt blocks from the first token, every request's
+/// prompt counted whole) stays available for comparison (docs/configuration.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Accounting {
+    /// Charge a request's prompt blocks as decode load from admission rather than from its first token.
+    pub prompt_blocks_at_admission: bool,
+    /// Count a prompt block once per replica however many active requests share it.
+    pub assume_kv_reuse: bool,
+    /// Weight a request's own blocks by `1 - generated/expected` when it gives an output-length hint
+    /// (Ray Serve LLM's decode progress): a request about to finish weighs little. With
+    /// `assume_kv_reuse` only its exclusive blocks (not the shared prefix) are weighted.
+    pub use_output_hint: bool,
+}
+
+impl Default for Accounting {
+    fn default() -> Self {
+        Accounting {
+            prompt_blocks_at_admission: true,
+            assume_kv_reuse: true,
+            use_output_hint: false,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Tracked {
     replica: usize,
@@ -109,9 +140,16 @@ struct Tracked {
     prefill_tokens: u64,
     /// Blocks of the whole prompt (cached or not): read at every decode step.
     prompt_blocks: u64,
+    /// With `assume_kv_reuse`: the prompt's full-block hashes, counted in the replica's shared set
+    /// once `prompt_charged`. Empty otherwise.
+    shared: Vec<u64>,
     expected_output: Option<u64>,
+    /// The prompt's blocks are booked as decode load (from admission or from the first token).
+    prompt_charged: bool,
     decoding: bool,
-    /// Decode blocks currently charged to the replica for this request.
+    /// Output tokens generated so far.
+    generated: u64,
+    /// Blocks charged to the replica for this request alone (beyond the shared set).
     charged_blocks: u64,
 }
 
@@ -119,19 +157,24 @@ struct Tracked {
 #[derive(Clone, Debug)]
 pub struct LoadTable {
     block_size: u64,
-    use_output_hint: bool,
+    accounting: Accounting,
     totals: Vec<LoadTotals>,
+    /// Per replica, with `assume_kv_reuse`: prompt block hash -> active requests holding it. The set
+    /// is closed under prefixes (a sequence hash names its whole prefix, and every request books all
+    /// its leading blocks), which lets [`LoadTable::active_prefix`] binary-search it.
+    active_blocks: Vec<HashMap<u64, u32>>,
     requests: HashMap<u64, Tracked>,
     release_anomalies: u64,
     untracked: u64,
 }
 
 impl LoadTable {
-    pub fn new(replicas: usize, block_size: usize, use_output_hint: bool) -> Self {
+    pub fn new(replicas: usize, block_size: usize, accounting: Accounting) -> Self {
         Self {
             block_size: block_size.max(1) as u64,
-            use_output_hint,
+            accounting,
             totals: vec![LoadTotals::default(); replicas],
+            active_blocks: vec![HashMap::new(); replicas],
             requests: HashMap::new(),
             release_anomalies: 0,
             untracked: 0,
@@ -153,8 +196,22 @@ impl LoadTable {
         self.untracked
     }
 
+    /// How many leading blocks of `blocks` are already booked on `replica` by active requests (0
+    /// without `assume_kv_reuse`): routing the request there adds only the rest to its decode load.
+    pub fn active_prefix(&self, replica: usize, blocks: &[u64]) -> usize {
+        let Some(set) = self.active_blocks.get(replica) else {
+            return 0;
+        };
+        if set.is_empty() {
+            return 0;
+        }
+        // Prefix-closed set: the predicate "block i is active" is true then false along the request.
+        blocks.partition_point(|h| set.contains_key(h))
+    }
+
     /// Starts tracking a request routed to `replica` with `uncached_tokens` of `prompt_tokens` to
-    /// prefill. Re-admitting a known id first releases the old one. Returns false for a bad replica.
+    /// prefill; `blocks` are its full-block hashes (used with `assume_kv_reuse`). Re-admitting a known
+    /// id first releases the old one. Returns false for a bad replica.
     pub fn admit(
         &mut self,
         request_id: u64,
@@ -162,6 +219,7 @@ impl LoadTable {
         prompt_tokens: u64,
         uncached_tokens: u64,
         expected_output: Option<u64>,
+        blocks: &[u64],
     ) -> bool {
         if replica >= self.totals.len() {
             return false;
@@ -176,34 +234,76 @@ impl LoadTable {
         let prefill = uncached_tokens.min(prompt_tokens);
         t.prefill_tokens = t.prefill_tokens.saturating_add(prefill);
         t.active_requests = t.active_requests.saturating_add(1);
-        self.requests.insert(
-            request_id,
-            Tracked {
-                replica,
-                prefill_tokens: prefill,
-                prompt_blocks: prompt_tokens.div_ceil(self.block_size),
-                expected_output: expected_output.filter(|&e| e > 0),
-                decoding: false,
-                charged_blocks: 0,
-            },
-        );
+        let prompt_blocks = prompt_tokens.div_ceil(self.block_size);
+        let shared = if self.accounting.assume_kv_reuse {
+            // An approximate (text) identity may count more chunks than token blocks: never book more
+            // shared blocks than the prompt has.
+            blocks[..blocks.len().min(prompt_blocks as usize)].to_vec()
+        } else {
+            Vec::new()
+        };
+        let mut r = Tracked {
+            replica,
+            prefill_tokens: prefill,
+            prompt_blocks,
+            shared,
+            expected_output: expected_output.filter(|&e| e > 0),
+            prompt_charged: false,
+            decoding: false,
+            generated: 0,
+            charged_blocks: 0,
+        };
+        if self.accounting.prompt_blocks_at_admission {
+            self.charge_prompt(&mut r);
+        }
+        self.requests.insert(request_id, r);
         true
+    }
+
+    /// Books the request's prompt blocks on its replica: the shared ones through the replica's set
+    /// (each counted once), the rest as its own.
+    fn charge_prompt(&mut self, r: &mut Tracked) {
+        if r.prompt_charged {
+            return;
+        }
+        r.prompt_charged = true;
+        let set = &mut self.active_blocks[r.replica];
+        let t = &mut self.totals[r.replica];
+        for h in &r.shared {
+            let n = set.entry(*h).or_insert(0);
+            if *n == 0 {
+                t.decode_blocks = t.decode_blocks.saturating_add(1);
+            }
+            *n += 1;
+        }
+        Self::recharge(t, r, self.block_size, self.accounting.use_output_hint);
     }
 
     /// The first output token arrived: prefill load becomes decode load.
     pub fn first_token(&mut self, request_id: u64) {
-        let Some(r) = self.requests.get_mut(&request_id) else {
-            self.release_anomalies += 1;
+        match self.requests.get(&request_id) {
+            None => {
+                self.release_anomalies += 1;
+                return;
+            }
+            Some(r) if r.decoding => return,
+            Some(_) => {}
+        }
+        // Taken out while its prompt is booked (that borrows the table), put back below.
+        let Some(mut r) = self.requests.remove(&request_id) else {
             return;
         };
-        if r.decoding {
-            return;
+        {
+            r.decoding = true;
+            r.generated = r.generated.max(1);
+            let t = &mut self.totals[r.replica];
+            t.prefill_tokens = t.prefill_tokens.saturating_sub(r.prefill_tokens);
+            r.prefill_tokens = 0;
+            self.charge_prompt(&mut r);
+            let t = &mut self.totals[r.replica];
+            Self::recharge(t, &mut r, self.block_size, self.accounting.use_output_hint);
         }
-        r.decoding = true;
-        let t = &mut self.totals[r.replica];
-        t.prefill_tokens = t.prefill_tokens.saturating_sub(r.prefill_tokens);
-        r.prefill_tokens = 0;
-        Self::recharge(t, r, self.block_size, self.use_output_hint, 1);
+        self.requests.insert(request_id, r);
     }
 
     /// `generated` output tokens so far (cumulative). Implies the first token.
@@ -214,16 +314,23 @@ impl LoadTable {
         }
         self.first_token(request_id);
         if let Some(r) = self.requests.get_mut(&request_id) {
+            r.generated = generated;
             let t = &mut self.totals[r.replica];
-            Self::recharge(t, r, self.block_size, self.use_output_hint, generated);
+            Self::recharge(t, r, self.block_size, self.accounting.use_output_hint);
         }
     }
 
-    fn recharge(t: &mut LoadTotals, r: &mut Tracked, bs: u64, hint: bool, generated: u64) {
-        let blocks = r.prompt_blocks + generated / bs;
+    /// Re-books the request's own blocks: the prompt blocks not in the shared set (all of them without
+    /// `assume_kv_reuse`) plus one block per `block_size` generated tokens, weighted by the output
+    /// hint when enabled. Nothing before the prompt is charged.
+    fn recharge(t: &mut LoadTotals, r: &mut Tracked, bs: u64, hint: bool) {
+        if !r.prompt_charged {
+            return;
+        }
+        let blocks = r.prompt_blocks - r.shared.len() as u64 + r.generated / bs;
         let charged = match (hint, r.expected_output) {
             (true, Some(expected)) => {
-                let w = 1.0 - (generated as f64 / expected as f64).min(1.0);
+                let w = 1.0 - (r.generated as f64 / expected as f64).min(1.0);
                 (blocks as f64 * w).ceil() as u64
             }
             _ => blocks,
@@ -246,6 +353,18 @@ impl LoadTable {
         t.prefill_tokens = t.prefill_tokens.saturating_sub(r.prefill_tokens);
         t.decode_blocks = t.decode_blocks.saturating_sub(r.charged_blocks);
         t.active_requests = t.active_requests.saturating_sub(1);
+        if r.prompt_charged {
+            let set = &mut self.active_blocks[r.replica];
+            for h in &r.shared {
+                if let Some(n) = set.get_mut(h) {
+                    *n -= 1;
+                    if *n == 0 {
+                        set.remove(h);
+                        t.decode_blocks = t.decode_blocks.saturating_sub(1);
+                    }
+                }
+            }
+        }
         true
     }
 
@@ -265,10 +384,17 @@ impl LoadTable {
 mod tests {
     use super::*;
 
+    /// kvsteer's earlier accounting: prompt blocks from the first token, no sharing.
+    const FIRST_TOKEN: Accounting = Accounting {
+        prompt_blocks_at_admission: false,
+        assume_kv_reuse: false,
+        use_output_hint: false,
+    };
+
     #[test]
     fn life_cycle_moves_load_and_releases_all() {
-        let mut t = LoadTable::new(2, 16, false);
-        assert!(t.admit(1, 1, 100, 60, None));
+        let mut t = LoadTable::new(2, 16, FIRST_TOKEN);
+        assert!(t.admit(1, 1, 100, 60, None, &[]));
         assert_eq!(
             t.totals()[1],
             LoadTotals {
@@ -290,13 +416,20 @@ mod tests {
         assert_eq!(t.totals()[1], LoadTotals::default());
         assert!(!t.release(1), "double release is harmless");
         assert_eq!(t.release_anomalies(), 1);
-        assert!(!t.admit(2, 5, 10, 10, None), "bad replica");
+        assert!(!t.admit(2, 5, 10, 10, None, &[]), "bad replica");
     }
 
     #[test]
     fn output_hint_weights_decode_blocks() {
-        let mut t = LoadTable::new(1, 16, true);
-        t.admit(1, 0, 160, 160, Some(160));
+        let mut t = LoadTable::new(
+            1,
+            16,
+            Accounting {
+                use_output_hint: true,
+                ..FIRST_TOKEN
+            },
+        );
+        t.admit(1, 0, 160, 160, Some(160), &[]);
         t.first_token(1);
         assert_eq!(t.totals()[0].decode_blocks, 10);
         t.decode_progress(1, 80); // 15 blocks, half done
@@ -309,14 +442,72 @@ mod tests {
 
     #[test]
     fn release_before_first_token_removes_prefill() {
-        let mut t = LoadTable::new(1, 16, false);
-        t.admit(1, 0, 100, 100, None);
-        t.admit(2, 0, 50, 20, None);
+        let mut t = LoadTable::new(1, 16, FIRST_TOKEN);
+        t.admit(1, 0, 100, 100, None, &[]);
+        t.admit(2, 0, 50, 20, None, &[]);
         t.release(1);
         assert_eq!(t.totals()[0].prefill_tokens, 20);
         assert_eq!(t.totals()[0].active_requests, 1);
         t.decode_progress(9, 3);
         assert_eq!(t.release_anomalies(), 1);
+    }
+
+    #[test]
+    fn dynamo_accounting_books_at_admission_and_counts_shared_blocks_once() {
+        let mut t = LoadTable::new(2, 16, Accounting::default());
+        // 100 tokens: 6 full blocks (hashed) + a partial one.
+        let a = [1, 2, 3, 4, 5, 6];
+        assert!(t.admit(1, 0, 100, 100, None, &a));
+        assert_eq!(t.totals()[0].decode_blocks, 7, "booked from admission");
+        assert_eq!(t.totals()[0].prefill_tokens, 100);
+        // A second request sharing the first 4 blocks adds only its own 2 + partial.
+        let b = [1, 2, 3, 4, 9, 10];
+        assert_eq!(t.active_prefix(0, &b), 4);
+        assert_eq!(t.active_prefix(1, &b), 0, "other replica");
+        t.admit(2, 0, 100, 36, None, &b);
+        assert_eq!(t.totals()[0].decode_blocks, 7 + 3);
+        t.first_token(1);
+        assert_eq!(t.totals()[0].prefill_tokens, 36);
+        assert_eq!(
+            t.totals()[0].decode_blocks,
+            10,
+            "first token changes no blocks"
+        );
+        t.decode_progress(1, 32);
+        assert_eq!(t.totals()[0].decode_blocks, 12);
+        // Releasing the first keeps the shared prefix booked for the second.
+        t.release(1);
+        assert_eq!(t.totals()[0].decode_blocks, 7);
+        assert_eq!(t.active_prefix(0, &a), 4);
+        t.release(2);
+        assert_eq!(t.totals()[0], LoadTotals::default());
+        assert_eq!(t.active_prefix(0, &a), 0);
+    }
+
+    #[test]
+    fn shared_blocks_are_capped_by_the_prompt_and_hint_weights_only_own_blocks() {
+        let mut t = LoadTable::new(
+            1,
+            16,
+            Accounting {
+                use_output_hint: true,
+                ..Accounting::default()
+            },
+        );
+        // More identity chunks than token blocks (a text identity): at most 2 shared blocks booked.
+        t.admit(1, 0, 32, 32, Some(32), &[7, 8, 9, 10]);
+        assert_eq!(t.totals()[0].decode_blocks, 2);
+        // Half-way through its output: 2 shared + ceil(1 own block * 0.5).
+        t.decode_progress(1, 16);
+        assert_eq!(t.totals()[0].decode_blocks, 3);
+        t.decode_progress(1, 32);
+        assert_eq!(
+            t.totals()[0].decode_blocks,
+            2,
+            "own blocks weigh 0 when done"
+        );
+        t.release(1);
+        assert_eq!(t.totals()[0], LoadTotals::default());
     }
 
     #[test]

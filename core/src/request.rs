@@ -37,6 +37,15 @@ impl PromptIdentity {
             PromptIdentity::Approximate(v) => v.len(),
         }
     }
+
+    /// The block hashes as plain integers, for the token-load table's per-replica set of active
+    /// blocks (which only needs equality within one identity kind).
+    pub fn keys(&self) -> Vec<u64> {
+        match self {
+            PromptIdentity::Exact(v) => v.iter().map(|h| h.0).collect(),
+            PromptIdentity::Approximate(v) => v.iter().map(|h| h.0).collect(),
+        }
+    }
 }
 
 /// What the router needs from one request.

@@ -11,10 +11,10 @@ use hashbrown::HashMap;
 
 use crate::approx::ApproxIndex;
 use crate::block::{SeqHash, TextHash};
-use crate::config::{ConfigError, PolicyKind, RoutingConfig};
+use crate::config::{ConfigError, PolicyKind, ReportedLoad, RoutingConfig};
 use crate::feed::{CursorVerdict, FeedBatch, FeedCursor, FeedEvent, FeedQuery, ReplicaLoad};
 use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
-use crate::load::{LoadTable, LoadTotals};
+use crate::load::{Accounting, LoadTable, LoadTotals};
 use crate::policy::{HashRing, argmin_random_tie, softmax_sample};
 use crate::request::{
     PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request, read_request_with,
@@ -135,7 +135,15 @@ impl Router {
             index: KvIndex::new(cfg.index_capacity_blocks, replicas, cfg.seed ^ 0xA5A5_5A5A),
             approx_seq: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
             approx_text: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
-            load: LoadTable::new(replicas, cfg.block_size, cfg.kv_load.use_output_hint),
+            load: LoadTable::new(
+                replicas,
+                cfg.block_size,
+                Accounting {
+                    prompt_blocks_at_admission: cfg.kv_load.prompt_blocks_at_admission,
+                    assume_kv_reuse: cfg.kv_load.assume_kv_reuse,
+                    use_output_hint: cfg.kv_load.use_output_hint,
+                },
+            ),
             peers: HashMap::new(),
             reported: vec![None; replicas],
             stale: vec![false; replicas],
@@ -200,6 +208,9 @@ impl Router {
     /// Effective load per replica (see the module docs).
     pub fn effective_load(&self) -> Vec<LoadTotals> {
         let mut eff = self.load.combined(self.peers.values().map(Vec::as_slice));
+        if self.cfg.kv_load.reported_load == ReportedLoad::Ignore {
+            return eff;
+        }
         for (r, e) in eff.iter_mut().enumerate() {
             if self.stale[r] {
                 continue;
@@ -264,6 +275,54 @@ impl Router {
             .map(|e| {
                 k.prefill_scale * (e.prefill_tokens as f64 / bs + request_blocks)
                     + e.decode_blocks as f64
+                    + k.active_request_weight * e.active_requests as f64
+            })
+            .collect()
+    }
+
+    /// The `kv_load` cost per replica (docs/design.md section 2):
+    /// `prefill_scale * max(queued prefill + request blocks - credit * overlap, 0) + decode blocks
+    /// (+ the request's blocks not already active there, with assume_kv_reuse) + w * active requests`,
+    /// the credit `c`, decayed by `d` on replicas whose queued prefill exceeds the least-loaded
+    /// candidate's.
+    fn kv_load_costs(
+        &self,
+        req: &RouteRequest,
+        eff: &[LoadTotals],
+        overlap: &[f64],
+        request_blocks: f64,
+    ) -> Vec<f64> {
+        let k = &self.cfg.kv_load;
+        let bs = self.cfg.block_size as f64;
+        let queued: Vec<f64> = eff.iter().map(|e| e.prefill_tokens as f64 / bs).collect();
+        let least_queued = (0..queued.len())
+            .filter(|&r| !self.is_avoided(r))
+            .map(|r| queued[r])
+            .fold(f64::INFINITY, f64::min);
+        let keys = if k.assume_kv_reuse {
+            req.identity.keys()
+        } else {
+            Vec::new()
+        };
+        eff.iter()
+            .zip(overlap)
+            .enumerate()
+            .map(|(r, (e, &o))| {
+                let excess = (queued[r] - least_queued).max(0.0);
+                let credit = if k.overlap_credit_decay > 0.0 && request_blocks > 0.0 {
+                    k.overlap_credit / (1.0 + k.overlap_credit_decay * excess / request_blocks)
+                } else {
+                    k.overlap_credit
+                };
+                let prefill = (queued[r] + request_blocks - credit * o).max(0.0);
+                let new_active = if k.assume_kv_reuse {
+                    (request_blocks - self.load.active_prefix(r, &keys) as f64).max(0.0)
+                } else {
+                    0.0
+                };
+                k.prefill_scale * prefill
+                    + e.decode_blocks as f64
+                    + new_active
                     + k.active_request_weight * e.active_requests as f64
             })
             .collect()
@@ -355,20 +414,8 @@ impl Router {
                 self.pick_lowest(&neg)
             }
             PolicyKind::KvLoad => {
-                let k = &self.cfg.kv_load;
-                costs = eff
-                    .iter()
-                    .zip(&overlap)
-                    .map(|(e, &o)| {
-                        let prefill = (e.prefill_tokens as f64 / bs + request_blocks
-                            - k.overlap_credit * o)
-                            .max(0.0);
-                        k.prefill_scale * prefill
-                            + e.decode_blocks as f64
-                            + k.active_request_weight * e.active_requests as f64
-                    })
-                    .collect();
-                let t = k.temperature;
+                costs = self.kv_load_costs(req, &eff, &overlap, request_blocks);
+                let t = self.cfg.kv_load.temperature;
                 if t > 0.0 {
                     let masked = self.masked(&costs);
                     let finite: Vec<usize> = (0..masked.len())
@@ -491,6 +538,7 @@ impl Router {
             req.prompt_tokens,
             uncached,
             req.output_hint,
+            &req.identity.keys(),
         );
         match &req.identity {
             PromptIdentity::Exact(h) => self.approx_seq.record(d.replica, h, now_ms),
@@ -511,6 +559,7 @@ impl Router {
             estimated_prompt_tokens,
             estimated_prompt_tokens,
             None,
+            &[],
         );
     }
 

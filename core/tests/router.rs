@@ -70,8 +70,10 @@ fn kv_load_prefers_the_replica_holding_the_prefix_until_it_is_loaded() {
     let d = r.route(&req, 0);
     assert_eq!(d.replica, 2);
     assert_eq!(d.matched_tokens, vec![0, 0, 64]);
-    assert_eq!(d.costs[2], 0.0);
-    assert_eq!(d.costs[0], 16.0);
+    // Cost = prefill blocks left + the decode blocks the request would add (16 blocks of 4 tokens,
+    // none already active anywhere): the holder saves the 16 prefill blocks.
+    assert_eq!(d.costs[2], 16.0);
+    assert_eq!(d.costs[0], 32.0);
     // Load replica 2 with decode work heavier than the prefill saved: the request goes elsewhere.
     let big: Vec<u32> = (1000..1200).collect();
     let big_req = r
@@ -82,6 +84,11 @@ fn kv_load_prefers_the_replica_holding_the_prefix_until_it_is_loaded() {
         ..r.route(&big_req, 0)
     };
     r.admit(1, &big_req, &forced, 0);
+    assert_eq!(
+        r.local_load()[2].decode_blocks,
+        50,
+        "prompt blocks booked from admission"
+    );
     r.first_token(1);
     assert_eq!(r.local_load()[2].decode_blocks, 50);
     let d2 = r.route(&req, 0);
@@ -141,11 +148,12 @@ fn host_tier_counts_with_credit_and_stale_replicas_count_nothing() {
         .unwrap();
     let d = r.route(&req, 0);
     assert_eq!(d.matched_tokens[0], 16, "8 host blocks at credit 0.5");
-    assert_eq!(d.costs, vec![4.0, 8.0]);
+    // Prefill left (4 or 8 blocks) + the request's 8 blocks of decode load.
+    assert_eq!(d.costs, vec![12.0, 16.0]);
     r.set_stale(0, true);
     let d = r.route(&req, 0);
     assert_eq!(d.matched_tokens[0], 0);
-    assert_eq!(d.costs, vec![8.0, 8.0]);
+    assert_eq!(d.costs, vec![16.0, 16.0]);
 }
 
 #[test]
@@ -360,8 +368,11 @@ fn bad_replica_counts() {
 #[test]
 fn kv_load_spreads_what_kv_affinity_herds() {
     let system: Vec<u32> = (0..256).collect();
-    let run = |policy: PolicyKind| {
-        let mut r = Router::new(cfg(policy), 4).unwrap();
+    let run = |policy: PolicyKind, dynamo_accounting: bool| {
+        let mut c = cfg(policy);
+        c.kv_load.prompt_blocks_at_admission = dynamo_accounting;
+        c.kv_load.assume_kv_reuse = dynamo_accounting;
+        let mut r = Router::new(c, 4).unwrap();
         r.apply_feed(
             0,
             &batch(
@@ -386,11 +397,16 @@ fn kv_load_spreads_what_kv_affinity_herds() {
         }
         per
     };
-    assert_eq!(run(PolicyKind::KvAffinity)[0], 40);
-    let spread = run(PolicyKind::KvLoad);
+    assert_eq!(run(PolicyKind::KvAffinity, true)[0], 40);
     // Each request then holds 80 decode blocks (block size 4); the 64 cached blocks cannot outweigh
     // that for long.
+    let spread = run(PolicyKind::KvLoad, false);
     assert!(spread.iter().all(|&n| (8..=12).contains(&n)), "{spread:?}");
+    // Counting the shared 64-block system prompt once per replica (the default), a request adds only
+    // its own 16 blocks where the prompt is already active: the holder gets a little more, and every
+    // replica, once it holds the prompt too, is as cheap. Still no herd.
+    let spread = run(PolicyKind::KvLoad, true);
+    assert!(spread.iter().all(|&n| (7..=13).contains(&n)), "{spread:?}");
 }
 
 #[test]

@@ -53,7 +53,8 @@ impl Outcome {
 /// the router's tie-break generator gets [`ROUTER_SEED`] plus `seed` (seed 0 is the filter's default).
 ///
 /// `policy` is a policy name or a variant of one, `NAME@KEY=VALUE@...`: each `KEY=VALUE` sets a
-/// number in the policy's own section, e.g. `kv_load@overlap_credit=2` (see [`routing`]).
+/// field in the policy's own section, e.g. `kv_load@overlap_credit=2` or `kv_load@preset=dynamo`
+/// (see [`routing`]).
 pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> HarnessConfig {
     let mut cfg = HarnessConfig::small(policy);
     cfg.workers = workers;
@@ -68,7 +69,9 @@ pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> Harne
 
 /// The filter's `routing` section for a policy spec: `kv_load` gives `{"policy": "kv_load"}`;
 /// `kv_load@overlap_credit=2@active_request_weight=32` gives
-/// `{"policy": "kv_load", "kv_load": {"overlap_credit": 2.0, "active_request_weight": 32.0}}`.
+/// `{"policy": "kv_load", "kv_load": {"overlap_credit": 2.0, "active_request_weight": 32.0}}`;
+/// values that are not numbers are booleans (`assume_kv_reuse=false`) or names
+/// (`preset=ray_balanced`, `reported_load=ignore`).
 /// Variants let the bench measure how a result depends on a policy's coefficients (the report's
 /// sensitivity runs) without a configuration file per variant.
 pub fn routing(spec: &str) -> Result<Value, String> {
@@ -92,15 +95,23 @@ pub fn routing(spec: &str) -> Result<Value, String> {
         let (k, v) = kv
             .split_once('=')
             .ok_or_else(|| format!("policy spec {spec:?}: {kv:?} is not KEY=VALUE"))?;
-        let v: f64 = v
-            .parse()
-            .map_err(|_| format!("policy spec {spec:?}: {k} = {v:?} is not a number"))?;
-        section.insert(k.to_string(), json!(v));
+        // A number, a boolean, or a name (a preset, an enum value); the filter checks the field.
+        let v = match (v.parse::<f64>(), v) {
+            (Ok(n), _) => json!(n),
+            (Err(_), "true") => json!(true),
+            (Err(_), "false") => json!(false),
+            (Err(_), name) if !name.is_empty() => json!(name),
+            _ => return Err(format!("policy spec {spec:?}: {k} has no value")),
+        };
+        section.insert(k.to_string(), v);
     }
     let mut r = json!({ "policy": name });
     if !section.is_empty() {
         r[name] = Value::Object(section);
     }
+    // Refuse a variant the filter would refuse, before anything runs, naming the field.
+    kvsteer_core::RoutingConfig::from_json(&r.to_string())
+        .map_err(|e| format!("policy spec {spec:?}: {e}"))?;
     Ok(r)
 }
 
@@ -146,6 +157,14 @@ mod tests {
         );
         assert!(routing("kv_load@overlap_credit").is_err());
         assert!(routing("kv_load@overlap_credit=lots").is_err());
+        assert_eq!(
+            routing("kv_load@preset=ray_balanced@assume_kv_reuse=false").unwrap(),
+            json!({"policy": "kv_load",
+                   "kv_load": {"preset": "ray_balanced", "assume_kv_reuse": false}})
+        );
+        let e = routing("kv_load@preset=sglang").unwrap_err();
+        assert!(e.contains("kv_load.preset"), "{e}");
+        assert!(routing("kv_load@reported_load=").is_err());
         assert!(routing("@x=1").is_err());
         assert!(routing("nope").is_err());
         assert!(routing("kv_lod@overlap_credit=2").is_err());
