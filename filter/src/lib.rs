@@ -1,10 +1,12 @@
-//! kvsteer's proxy-wasm filter: a thin adapter between a proxy (Envoy, Istio's sidecar, nginx with
-//! ngx_wasm_module) and the routing core.
+//! kvsteer's proxy-wasm filter: sits in a proxy (Envoy, Istio's sidecar, nginx with ngx_wasm_module)
+//! and routes each inference request with the routing core.
 //!
-//! Per VM (one per Envoy worker) the root context owns one [`Worker`]: the core `Router` (block index,
-//! token-load table, policy), the feed pollers and the metrics. Stream contexts borrow it to route a
-//! request and to follow its response through prefill, decode and release. The VM is single-threaded, so
-//! an `Rc<RefCell<_>>` is all the sharing needed; borrows never cross a host call that could re-enter.
+//! Per VM (one per Envoy worker) the root context (`contexts`, the guest side of the proxy-wasm ABI)
+//! owns one [`RouterState`]: the core `Router` (block index, token-load table, policy), the feed
+//! pollers, the lease and relay, and the load shared with other workers, all free of host calls so they
+//! are tested natively. Stream contexts borrow it to route a request and to follow its response
+//! through prefill, decode and release. The VM is single-threaded, so an `Rc<RefCell<_>>` is all the
+//! sharing needed; borrows never cross a host call that could re-enter.
 //!
 //! Nothing here may panic: a panic is a wasm trap that kills the VM and every request on it. Host calls
 //! use the SDK's `Result`-returning `hostcalls` (bytes variants, so a non-UTF-8 header cannot trip a
@@ -14,18 +16,18 @@
 pub mod config;
 pub mod peers;
 pub mod relay;
+pub mod router_state;
 pub mod sse;
-pub mod worker;
 
 #[cfg(target_arch = "wasm32")]
-mod host;
+mod contexts;
 
 #[cfg(target_arch = "wasm32")]
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
-        Box::new(host::Root::default())
+        Box::new(contexts::Root::default())
     });
 }}
 
-pub use worker::{INFERENCE_PATHS, is_inference_path};
+pub use router_state::{INFERENCE_PATHS, RouterState, is_inference_path};

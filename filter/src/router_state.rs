@@ -87,7 +87,7 @@ pub enum FeedResult {
     Unknown,
 }
 
-pub struct Worker {
+pub struct RouterState {
     pub cfg: FilterConfig,
     pub router: Router,
     pub feeds: Vec<FeedState>,
@@ -104,8 +104,8 @@ pub struct Worker {
     pub tokenizer: Option<TextTokenizer>,
 }
 
-impl Worker {
-    pub fn new(cfg: FilterConfig) -> Result<Worker, ConfigError> {
+impl RouterState {
+    pub fn new(cfg: FilterConfig) -> Result<RouterState, ConfigError> {
         let router = Router::new(cfg.routing.clone(), cfg.replicas.len())
             .map_err(|e| ConfigError(format!("routing: {e}")))?;
         let feeds = vec![FeedState::default(); cfg.replicas.len()];
@@ -116,7 +116,7 @@ impl Worker {
             }
             None => None,
         };
-        Ok(Worker {
+        Ok(RouterState {
             #[cfg(feature = "tokenizer")]
             tokenizer,
             cfg,
@@ -179,7 +179,7 @@ impl Worker {
     /// Replicas whose feed this worker should poll now, with the query path. With shared data, a
     /// replica is polled only by the worker holding its lease (the others follow the relay), except
     /// that a worker needing a snapshot polls for it itself. Marks nothing in flight until
-    /// [`Worker::poll_started`] or [`Worker::poll_not_started`] is called for each.
+    /// [`RouterState::poll_started`] or [`RouterState::poll_not_started`] is called for each.
     pub fn plan_polls(
         &mut self,
         store: Option<&dyn SharedStore>,
@@ -454,14 +454,14 @@ mod tests {
     use super::*;
     use kvsteer_core::feed::{FeedEvent, ReplicaLoad, Tier};
 
-    fn worker(policy: &str) -> Worker {
+    fn worker(policy: &str) -> RouterState {
         let json = format!(
             r#"{{"replicas":[
                 {{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}},
                 {{"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"f1"}}],
                "routing":{{"policy":"{policy}"}}, "stale_after_failures": 2}}"#
         );
-        Worker::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+        RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
     }
 
     #[test]
@@ -553,7 +553,7 @@ mod tests {
     fn a_configured_tokenizer_gives_chat_prompts_exact_token_counts() {
         let json = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}],
             "tokenizer":{"vocabulary":"o200k_harmony","chat_template":"kvsteer_sim"}}"#;
-        let mut w = Worker::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
+        let mut w = RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
         let body = br#"{"messages":[{"role":"user","content":"hello world"}]}"#;
         let d = w.route_body(1, "/v1/chat/completions", body, None, 0);
         // <|start|> user \n hello world <|end|> \n <|start|> assistant \n
@@ -572,7 +572,7 @@ mod tests {
         // Without the section nothing changes: no tokenizer.
         assert!(worker("kv_load").tokenizer.is_none());
         let bad = json.replace("kvsteer_sim", "nope");
-        let e = Worker::new(FilterConfig::from_json(bad.as_bytes()).unwrap()).err();
+        let e = RouterState::new(FilterConfig::from_json(bad.as_bytes()).unwrap()).err();
         assert!(e.unwrap().0.contains("tokenizer.chat_template"));
         let typo = json.replace("\"vocabulary\"", "\"vocab\"");
         assert!(FilterConfig::from_json(typo.as_bytes()).is_err());
@@ -672,7 +672,7 @@ mod tests {
             f.leased = true;
         }
         let mut token = 0;
-        let mut poll = |w: &mut Worker, replica: usize, status: Option<u16>, t: u64| {
+        let mut poll = |w: &mut RouterState, replica: usize, status: Option<u16>, t: u64| {
             token += 1;
             w.poll_started(replica, token, t);
             w.on_feed_response(token, status, None, Some(&store), t)

@@ -1,10 +1,10 @@
-//! The proxy-wasm contexts: all host calls live here, all decisions in [`crate::worker`].
+//! The proxy-wasm contexts: all host calls live here, all decisions in [`crate::router_state`].
 
 use crate::config::{FilterConfig, OutputMode};
 use crate::peers;
 use crate::relay::SharedStore;
+use crate::router_state::{BodyFallback, FeedResult, RouterState, is_inference_path};
 use crate::sse::SseTracker;
-use crate::worker::{BodyFallback, FeedResult, Worker, is_inference_path};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
@@ -167,7 +167,7 @@ impl Metrics {
 
 /// A configured VM: the worker's routing state plus its host-facing bits.
 struct Vm {
-    worker: Worker,
+    state: RouterState,
     metrics: Metrics,
 }
 
@@ -200,11 +200,11 @@ impl Root {
     }
 
     fn exchange_peer_load(vm: &mut Vm, now: u64) {
-        let Some(me) = vm.worker.worker_id else {
+        let Some(me) = vm.state.worker_id else {
             return;
         };
-        let prefix = vm.worker.cfg.shared_key_prefix.clone();
-        let record = peers::encode(now, &vm.worker.router.local_load());
+        let prefix = vm.state.cfg.shared_key_prefix.clone();
+        let record = peers::encode(now, &vm.state.router.local_load());
         let _ = hostcalls::set_shared_data(&peers::load_key(&prefix, me), Some(&record), None);
         let count = hostcalls::get_shared_data(&peers::workers_key(&prefix))
             .ok()
@@ -212,40 +212,40 @@ impl Root {
             .and_then(|v| <[u8; 4]>::try_from(v.as_slice()).ok())
             .map_or(0, u32::from_le_bytes)
             .min(1024);
-        let replicas = vm.worker.cfg.replicas.len();
-        let ttl = vm.worker.cfg.peer_ttl_ms;
+        let replicas = vm.state.cfg.replicas.len();
+        let ttl = vm.state.cfg.peer_ttl_ms;
         for peer in (0..count).filter(|&p| p != me) {
             let record = hostcalls::get_shared_data(&peers::load_key(&prefix, peer))
                 .ok()
                 .and_then(|(v, _)| v);
             match record.and_then(|r| peers::decode(&r, replicas)) {
                 Some((ts, totals)) if now.saturating_sub(ts) <= ttl => {
-                    vm.worker.router.set_peer_load(peer, &totals)
+                    vm.state.router.set_peer_load(peer, &totals)
                 }
-                _ => vm.worker.router.clear_peer(peer),
+                _ => vm.state.router.clear_peer(peer),
             }
         }
     }
 
     fn poll_feeds(vm: &mut Vm, now: u64) {
-        let timeout = Duration::from_millis(vm.worker.cfg.feed_timeout_ms);
-        let store = vm.worker.worker_id.map(|_| &HostStore as &dyn SharedStore);
+        let timeout = Duration::from_millis(vm.state.cfg.feed_timeout_ms);
+        let store = vm.state.worker_id.map(|_| &HostStore as &dyn SharedStore);
         if let Some(store) = store {
-            for r in vm.worker.follow_relays(store, now) {
+            for r in vm.state.follow_relays(store, now) {
                 Self::report_feed(vm, &r);
             }
-            vm.worker.follow_health(store);
+            vm.state.follow_health(store);
         }
-        for replica in vm.worker.check_staleness(now) {
-            let name = &vm.worker.cfg.replicas[replica].name;
+        for replica in vm.state.check_staleness(now) {
+            let name = &vm.state.cfg.replicas[replica].name;
             log(
                 LogLevel::Warn,
                 &format!("kvsteer: no feed from {name} lately; routing it by load only"),
             );
         }
-        for (replica, path) in vm.worker.plan_polls(store, now) {
-            let upstream = vm.worker.cfg.feed_upstream(replica).to_string();
-            let authority = vm.worker.cfg.feed_authority(replica).to_string();
+        for (replica, path) in vm.state.plan_polls(store, now) {
+            let upstream = vm.state.cfg.feed_upstream(replica).to_string();
+            let authority = vm.state.cfg.feed_authority(replica).to_string();
             let headers = vec![
                 (":method", "GET"),
                 (":path", path.as_str()),
@@ -253,10 +253,10 @@ impl Root {
                 ("accept", kvsteer_core::feed::FEED_CONTENT_TYPE),
             ];
             match hostcalls::dispatch_http_call(&upstream, headers, None, vec![], timeout) {
-                Ok(token) => vm.worker.poll_started(replica, token, now),
+                Ok(token) => vm.state.poll_started(replica, token, now),
                 Err(status) => {
                     let r = vm
-                        .worker
+                        .state
                         .poll_not_started(replica, &format!("{status:?}"), now);
                     Self::report_feed(vm, &r);
                 }
@@ -273,7 +273,7 @@ impl Root {
                 became_down,
             } => {
                 inc(vm.metrics.feed_errors.get(*replica).copied().flatten(), 1);
-                let name = &vm.worker.cfg.replicas[*replica].name;
+                let name = &vm.state.cfg.replicas[*replica].name;
                 if *became_down {
                     log(
                         LogLevel::Warn,
@@ -294,7 +294,7 @@ impl Root {
     }
 
     fn update_gauges(vm: &mut Vm) {
-        let stats = vm.worker.router.stats();
+        let stats = vm.state.router.stats();
         gauge(vm.metrics.index_blocks, stats.index_blocks);
         let m = &mut vm.metrics;
         inc(
@@ -313,10 +313,10 @@ impl Root {
         );
         m.last_resets = stats.feed_resets;
         #[cfg(feature = "tokenizer")]
-        if let (Some(tm), Some(t)) = (m.tokenizer.as_mut(), vm.worker.tokenizer.as_ref()) {
+        if let (Some(tm), Some(t)) = (m.tokenizer.as_mut(), vm.state.tokenizer.as_ref()) {
             tm.update(t.stats());
         }
-        for (i, f) in vm.worker.feeds.iter().enumerate() {
+        for (i, f) in vm.state.feeds.iter().enumerate() {
             gauge(m.feed_stale.get(i).copied().flatten(), f.stale as u64);
             gauge(m.down.get(i).copied().flatten(), f.down as u64);
         }
@@ -346,9 +346,9 @@ impl Context for Root {
             None
         };
         let mut vm = vm.borrow_mut();
-        let store = vm.worker.worker_id.map(|_| &HostStore as &dyn SharedStore);
+        let store = vm.state.worker_id.map(|_| &HostStore as &dyn SharedStore);
         let r = vm
-            .worker
+            .state
             .on_feed_response(token, status, body.as_deref(), store, now_ms());
         Self::report_feed(&vm, &r);
     }
@@ -370,7 +370,7 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let worker = match Worker::new(cfg) {
+        let state = match RouterState::new(cfg) {
             Ok(w) => w,
             Err(e) => {
                 log(
@@ -380,20 +380,20 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let mut worker = worker;
-        let metrics = Metrics::define(&worker.cfg);
-        worker.worker_id = Self::claim_worker_id(&worker.cfg.shared_key_prefix);
-        let tick = Duration::from_millis(worker.cfg.tick_ms);
+        let mut state = state;
+        let metrics = Metrics::define(&state.cfg);
+        state.worker_id = Self::claim_worker_id(&state.cfg.shared_key_prefix);
+        let tick = Duration::from_millis(state.cfg.tick_ms);
         log(
             LogLevel::Info,
             &format!(
                 "kvsteer: configured {} replicas, policy {}, worker {:?}",
-                worker.cfg.replicas.len(),
-                worker.cfg.routing.policy.name(),
-                worker.worker_id
+                state.cfg.replicas.len(),
+                state.cfg.routing.policy.name(),
+                state.worker_id
             ),
         );
-        self.vm = Some(Rc::new(RefCell::new(Vm { worker, metrics })));
+        self.vm = Some(Rc::new(RefCell::new(Vm { state, metrics })));
         let _ = hostcalls::set_tick_period(tick);
         true
     }
@@ -449,8 +449,8 @@ pub struct Stream {
 impl Stream {
     /// Writes the decision where the proxy will read it.
     fn write_destination(vm: &Vm, d: &kvsteer_core::router::Decision) {
-        let value = vm.worker.destination(d);
-        let cfg = &vm.worker.cfg;
+        let value = vm.state.destination(d);
+        let cfg = &vm.state.cfg;
         match cfg.output {
             OutputMode::DestinationHeader => {
                 let _ = hostcalls::set_map_value_bytes(
@@ -494,7 +494,7 @@ impl Stream {
     fn route_fallback(&mut self, why: BodyFallback, body_bytes: usize) {
         let Some(vm) = &self.vm else { return };
         let mut vm = vm.borrow_mut();
-        let d = vm.worker.route_fallback(self.id, why, body_bytes, now_ms());
+        let d = vm.state.route_fallback(self.id, why, body_bytes, now_ms());
         Self::record_decision(&mut vm, &d);
         Self::write_destination(&vm, &d);
         self.phase = Phase::Admitted;
@@ -504,7 +504,7 @@ impl Stream {
         if matches!(self.phase, Phase::Admitted | Phase::Decoding)
             && let Some(vm) = &self.vm
         {
-            vm.borrow_mut().worker.router.release(self.id);
+            vm.borrow_mut().state.router.release(self.id);
         }
         if self.phase != Phase::Untracked {
             self.phase = Phase::Released;
@@ -528,14 +528,14 @@ impl HttpContext for Stream {
             // Clients must never choose a replica: drop any copy of the routing header they sent,
             // on every request, routed or not.
             let mut vm = vm.borrow_mut();
-            let cfg = &vm.worker.cfg;
+            let cfg = &vm.state.cfg;
             let name = match cfg.output {
                 OutputMode::ClusterHeader => cfg.cluster_header.clone(),
                 _ => cfg.destination_header.clone(),
             };
             if header(MapType::HttpRequestHeaders, &name).is_some() {
                 let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &name);
-                vm.worker.spoofed_headers += 1;
+                vm.state.spoofed_headers += 1;
                 inc(vm.metrics.spoofed, 1);
             }
         }
@@ -545,7 +545,7 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         self.path = String::from_utf8_lossy(&path).into_owned();
-        let session_header = vm.borrow().worker.cfg.session_header.clone();
+        let session_header = vm.borrow().state.cfg.session_header.clone();
         self.session = header(MapType::HttpRequestHeaders, &session_header)
             .filter(|v| !v.is_empty() && v.len() <= 512)
             .map(|v| String::from_utf8_lossy(&v).into_owned());
@@ -564,7 +564,7 @@ impl HttpContext for Stream {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        let limit = vm.borrow().worker.cfg.routing.max_body_bytes;
+        let limit = vm.borrow().state.cfg.routing.max_body_bytes;
         if body_size > limit {
             // Stop buffering a body we will not read; route it by load and let it flow.
             self.route_fallback(BodyFallback::TooLarge, body_size);
@@ -585,7 +585,7 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         let mut vm = vm.borrow_mut();
-        let d = vm.worker.route_body(
+        let d = vm.state.route_body(
             self.id,
             &self.path,
             &body,
@@ -635,10 +635,10 @@ impl HttpContext for Stream {
             if p.tokens > 0 {
                 let mut vm = vm.borrow_mut();
                 if self.phase == Phase::Admitted {
-                    vm.worker.router.first_token(self.id);
+                    vm.state.router.first_token(self.id);
                     self.phase = Phase::Decoding;
                 }
-                vm.worker
+                vm.state
                     .router
                     .decode_progress(self.id, tracker.generated());
             }
