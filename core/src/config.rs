@@ -43,7 +43,7 @@ impl PolicyKind {
 /// Coefficients of the `kv_load` cost (docs/design.md section 2.1; defaults are NVIDIA Dynamo's KV
 /// router's).
 #[derive(Clone, Debug, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(from = "KvLoadSection")]
 pub struct KvLoadParams {
     /// A named set of the fields below, from a published router (see [`KvLoadPreset`]); fields given
     /// next to it in the same section override the preset's values.
@@ -93,35 +93,84 @@ pub enum KvLoadPreset {
 }
 
 impl KvLoadPreset {
-    /// The preset's fields, as the JSON they stand for.
-    pub fn fields(self) -> serde_json::Value {
-        use serde_json::json;
-        let common = json!({
-            "prefill_scale": 1.0,
-            "temperature": 0.0,
-            "prompt_blocks_at_admission": true,
-            "assume_kv_reuse": true,
-            "reported_load": "ignore",
-        });
-        let own = match self {
-            KvLoadPreset::Dynamo => json!({
-                "overlap_credit": 1.0, "overlap_credit_decay": 0.0,
-                "active_request_weight": 0.0, "use_output_hint": false,
-            }),
-            KvLoadPreset::RayBalanced => json!({
-                "overlap_credit": 0.5, "overlap_credit_decay": 1.0,
-                "active_request_weight": 32.0, "use_output_hint": true,
-            }),
-            KvLoadPreset::RayKvBiased => json!({
-                "overlap_credit": 2.0, "overlap_credit_decay": 0.0,
-                "active_request_weight": 0.0, "use_output_hint": true,
-            }),
+    /// The preset's values for every field.
+    pub fn params(self) -> KvLoadParams {
+        let common = KvLoadParams {
+            preset: Some(self),
+            prefill_scale: 1.0,
+            temperature: 0.0,
+            prompt_blocks_at_admission: true,
+            assume_kv_reuse: true,
+            reported_load: ReportedLoad::Ignore,
+            ..KvLoadParams::default()
         };
-        let mut out = common;
-        if let (Some(o), Some(add)) = (out.as_object_mut(), own.as_object()) {
-            o.extend(add.clone());
+        match self {
+            KvLoadPreset::Dynamo => KvLoadParams {
+                overlap_credit: 1.0,
+                overlap_credit_decay: 0.0,
+                active_request_weight: 0.0,
+                use_output_hint: false,
+                ..common
+            },
+            KvLoadPreset::RayBalanced => KvLoadParams {
+                overlap_credit: 0.5,
+                overlap_credit_decay: 1.0,
+                active_request_weight: 32.0,
+                use_output_hint: true,
+                ..common
+            },
+            KvLoadPreset::RayKvBiased => KvLoadParams {
+                overlap_credit: 2.0,
+                overlap_credit_decay: 0.0,
+                active_request_weight: 0.0,
+                use_output_hint: true,
+                ..common
+            },
         }
-        out
+    }
+}
+
+/// The `kv_load` section as written: every field optional, so a field given next to a preset
+/// overrides it and the rest come from the preset (or the defaults). Deserializing through it keeps
+/// serde's field paths in errors, wherever the section is embedded (the filter's configuration too).
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct KvLoadSection {
+    preset: Option<KvLoadPreset>,
+    prefill_scale: Option<f64>,
+    overlap_credit: Option<f64>,
+    overlap_credit_decay: Option<f64>,
+    active_request_weight: Option<f64>,
+    temperature: Option<f64>,
+    host_tier_credit: Option<f64>,
+    disk_tier_credit: Option<f64>,
+    use_output_hint: Option<bool>,
+    prompt_blocks_at_admission: Option<bool>,
+    assume_kv_reuse: Option<bool>,
+    reported_load: Option<ReportedLoad>,
+}
+
+impl From<KvLoadSection> for KvLoadParams {
+    fn from(s: KvLoadSection) -> Self {
+        let base = s.preset.map(KvLoadPreset::params).unwrap_or_default();
+        KvLoadParams {
+            preset: s.preset,
+            prefill_scale: s.prefill_scale.unwrap_or(base.prefill_scale),
+            overlap_credit: s.overlap_credit.unwrap_or(base.overlap_credit),
+            overlap_credit_decay: s.overlap_credit_decay.unwrap_or(base.overlap_credit_decay),
+            active_request_weight: s
+                .active_request_weight
+                .unwrap_or(base.active_request_weight),
+            temperature: s.temperature.unwrap_or(base.temperature),
+            host_tier_credit: s.host_tier_credit.unwrap_or(base.host_tier_credit),
+            disk_tier_credit: s.disk_tier_credit.unwrap_or(base.disk_tier_credit),
+            use_output_hint: s.use_output_hint.unwrap_or(base.use_output_hint),
+            prompt_blocks_at_admission: s
+                .prompt_blocks_at_admission
+                .unwrap_or(base.prompt_blocks_at_admission),
+            assume_kv_reuse: s.assume_kv_reuse.unwrap_or(base.assume_kv_reuse),
+            reported_load: s.reported_load.unwrap_or(base.reported_load),
+        }
     }
 }
 
@@ -256,10 +305,8 @@ pub const MAX_VIRTUAL_NODES: usize = 10_000;
 impl RoutingConfig {
     /// Parses and validates. An empty document (`{}`) is the default configuration.
     pub fn from_json(s: &str) -> Result<Self, ConfigError> {
-        let mut doc: serde_json::Value =
-            serde_json::from_str(s).map_err(|e| err(".", e.to_string()))?;
-        Self::apply_preset(&mut doc)?;
-        let cfg: RoutingConfig = serde_path_to_error::deserialize(doc).map_err(|e| {
+        let de = &mut serde_json::Deserializer::from_str(s);
+        let cfg: RoutingConfig = serde_path_to_error::deserialize(de).map_err(|e| {
             // serde_path_to_error's path includes an unknown field's own name.
             let field = e.path().to_string();
             let msg = e.into_inner().to_string();
@@ -267,24 +314,6 @@ impl RoutingConfig {
         })?;
         cfg.validate()?;
         Ok(cfg)
-    }
-
-    /// Fills `kv_load` with its preset's fields, under the fields the section gives itself.
-    fn apply_preset(doc: &mut serde_json::Value) -> Result<(), ConfigError> {
-        let Some(section) = doc.get_mut("kv_load").and_then(|k| k.as_object_mut()) else {
-            return Ok(());
-        };
-        let Some(name) = section.get("preset").filter(|p| !p.is_null()) else {
-            return Ok(());
-        };
-        let preset: KvLoadPreset = serde_json::from_value(name.clone())
-            .map_err(|e| err("kv_load.preset", e.to_string()))?;
-        if let Some(fields) = preset.fields().as_object() {
-            for (k, v) in fields {
-                section.entry(k.clone()).or_insert_with(|| v.clone());
-            }
-        }
-        Ok(())
     }
 
     /// Checks ranges that types alone do not.
@@ -375,7 +404,6 @@ mod tests {
         assert_eq!(e.field, "kv_load.reported_load", "{e}");
         let e = RoutingConfig::from_json(r#"{"kv_load":{"overlap_credit_decay":-1}}"#).unwrap_err();
         assert_eq!(e.field, "kv_load.overlap_credit_decay", "{e}");
-        assert_eq!(RoutingConfig::from_json("{").unwrap_err().field, ".");
     }
 
     #[test]
