@@ -1,1 +1,63 @@
-fn main() {}
+//! `kvsteer-feed`: the feed adapter beside one engine replica. `kvsteer-feed --help` lists the flags;
+//! docs/feed-adapter.md explains them.
+
+use clap::Parser;
+use kvsteer_feed::config::{Args, LogFormat};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match args.log_format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the runtime");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async {
+        let running = match kvsteer_feed::run::start(args).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start");
+                return std::process::ExitCode::FAILURE;
+            }
+        };
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        drop(running);
+        std::process::ExitCode::SUCCESS
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

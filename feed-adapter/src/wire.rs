@@ -336,6 +336,9 @@ struct FieldError(&'static str);
 
 type F<T> = Result<T, FieldOr>;
 
+/// Reads field `i` (named, in the map form) of an event.
+type FieldFn<'f, 'a> = dyn FnMut(&mut Reader<'a>, Option<&'a [u8]>, usize) -> F<()> + 'f;
+
 /// Inside an event, either the field was unusable (the event is malformed but the payload can still be
 /// walked) or the payload itself is broken.
 enum FieldOr {
@@ -665,7 +668,7 @@ impl<'a> Reader<'a> {
         &mut self,
         n: usize,
         map_form: bool,
-        on_field: &mut dyn FnMut(&mut Self, Option<&'a [u8]>, usize) -> F<()>,
+        on_field: &mut FieldFn<'_, 'a>,
     ) -> R<Option<&'static str>> {
         let mut err: Option<&'static str> = None;
         for i in 0..n {
