@@ -528,29 +528,33 @@ impl Engine {
         self.log.publish();
     }
 
-    /// Load as the replica reports it in the feed.
+    /// Load as the replica reports it in the feed (field meanings: docs/feed.md). Prefill tokens are
+    /// the prompt tokens the engine will really compute: what running sequences have left, plus each
+    /// waiting request's prompt minus the prefix it would find cached (GPU or host tier) if scheduled
+    /// now. Counting a waiting prompt whole would charge the replica that holds a session's cache
+    /// for tokens it will never compute, exactly when queues form.
     pub fn load(&self) -> ReplicaLoad {
         let mut prefill = 0u64;
-        let mut decode_blocks = 0u64;
         for &s in &self.running {
             if let Some(seq) = &self.slots[s as usize] {
-                if seq.decoding() {
-                    decode_blocks += seq.blocks.len() as u64;
-                } else {
+                if !seq.decoding() {
                     prefill += (seq.tokens.len() - seq.computed) as u64;
                 }
             }
         }
+        let bs = self.cfg.block_size as u64;
         for &s in &self.waiting {
             if let Some(seq) = &self.slots[s as usize] {
-                prefill += seq.tokens.len() as u64;
+                let hit = self.kv.lookup(&seq.hashes, seq.hashes.len());
+                let cached = (hit.gpu_blocks + hit.host_blocks) as u64 * bs;
+                prefill += (seq.tokens.len() as u64).saturating_sub(cached);
             }
         }
         ReplicaLoad {
             running: self.running.len() as u32,
             waiting: self.waiting.len() as u32,
             prefill_tokens: prefill,
-            decode_blocks,
+            decode_blocks: self.decode_blocks(),
             kv_used_blocks: self.kv.used_blocks() as u64,
             kv_total_blocks: self.kv.total_blocks() as u64,
             block_size: self.cfg.block_size as u32,
@@ -559,7 +563,12 @@ impl Engine {
 
     /// KV blocks held by decoding sequences (the decode-block CV, docs/design.md section 7).
     pub fn decode_blocks(&self) -> u64 {
-        self.load().decode_blocks
+        self.running
+            .iter()
+            .filter_map(|&s| self.slots[s as usize].as_ref())
+            .filter(|seq| seq.decoding())
+            .map(|seq| seq.blocks.len() as u64)
+            .sum()
     }
 
     /// Fraction of GPU blocks referenced by running sequences (vLLM's `kv_cache_usage_perc`).

@@ -373,3 +373,30 @@ fn host_tier_brings_evicted_blocks_back_cheaper() {
     );
     assert!(first_token_time(&ev, 3) - t < cold / 2);
 }
+
+#[test]
+fn reported_prefill_counts_only_what_a_waiting_request_will_compute() {
+    let mut e = Engine::new(EngineConfig {
+        max_running: 1,
+        ..Default::default()
+    });
+    // Cache a 640-token prompt (40 blocks of 16).
+    let p = prompt(1, 640);
+    e.submit(0, req(1, p.clone(), 1)).unwrap();
+    drain(&mut e);
+    // One long request takes the only running slot; the next turn of the first prompt waits.
+    e.submit(e.now_us(), req(2, prompt(2, 32), 1000)).unwrap();
+    let mut out = Vec::new();
+    let t = e.next_event_time().unwrap();
+    e.advance(t, &mut out);
+    let mut next = p.clone();
+    next.extend(prompt(3, 100));
+    e.submit(e.now_us(), req(3, next, 1)).unwrap();
+    let load = e.load();
+    assert_eq!((load.running, load.waiting), (1, 1));
+    // Request 2 has its prompt computed; request 3 will compute its 100 new tokens only.
+    assert_eq!(load.prefill_tokens, 100, "{load:?}");
+    // Without the cached prefix the whole prompt counts.
+    e.submit(e.now_us(), req(4, prompt(4, 300), 1)).unwrap();
+    assert_eq!(e.load().prefill_tokens, 100 + 300);
+}
