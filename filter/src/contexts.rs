@@ -1,13 +1,14 @@
 //! The proxy-wasm contexts: all host calls live here, all decisions in [`crate::router_state`].
 
-use crate::config::{FilterConfig, OutputMode};
-use crate::peers;
-use crate::relay::SharedStore;
-use crate::router_state::{BodyFallback, FeedResult, RouterState, is_inference_path};
+use crate::config::FilterConfig;
+use crate::router_state::{
+    BodyFallback, DecisionOutput, FeedPoll, FeedResult, RouterState, is_inference_path,
+};
 use crate::sse::SseTracker;
+use crate::store::SharedStore;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
@@ -27,7 +28,7 @@ fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
     hostcalls::get_map_value_bytes(map, name).ok().flatten()
 }
 
-/// The proxy's shared data, for the feed lease and relay.
+/// The proxy's shared data, for the feed lease and relay, worker numbers and shared load.
 struct HostStore;
 
 impl SharedStore for HostStore {
@@ -179,57 +180,9 @@ pub struct Root {
 }
 
 impl Root {
-    /// Takes a unique worker number from a shared-data counter (CAS loop), so each worker publishes its
-    /// load under its own key. `None` when the host has no shared data: load then stays per worker.
-    fn claim_worker_id(prefix: &str) -> Option<u32> {
-        let key = peers::workers_key(prefix);
-        for _ in 0..32 {
-            let (value, cas) = hostcalls::get_shared_data(&key).ok()?;
-            let current = value
-                .as_deref()
-                .and_then(|v| <[u8; 4]>::try_from(v).ok())
-                .map_or(0, u32::from_le_bytes);
-            let next = current.wrapping_add(1);
-            match hostcalls::set_shared_data(&key, Some(&next.to_le_bytes()), cas) {
-                Ok(()) => return Some(current),
-                Err(Status::CasMismatch) => continue,
-                Err(_) => return None,
-            }
-        }
-        None
-    }
-
-    fn exchange_peer_load(vm: &mut Vm, now: u64) {
-        let Some(me) = vm.state.worker_id else {
-            return;
-        };
-        let prefix = vm.state.cfg.shared_key_prefix.clone();
-        let record = peers::encode(now, &vm.state.router.local_load());
-        let _ = hostcalls::set_shared_data(&peers::load_key(&prefix, me), Some(&record), None);
-        let count = hostcalls::get_shared_data(&peers::workers_key(&prefix))
-            .ok()
-            .and_then(|(v, _)| v)
-            .and_then(|v| <[u8; 4]>::try_from(v.as_slice()).ok())
-            .map_or(0, u32::from_le_bytes)
-            .min(1024);
-        let replicas = vm.state.cfg.replicas.len();
-        let ttl = vm.state.cfg.peer_ttl_ms;
-        for peer in (0..count).filter(|&p| p != me) {
-            let record = hostcalls::get_shared_data(&peers::load_key(&prefix, peer))
-                .ok()
-                .and_then(|(v, _)| v);
-            match record.and_then(|r| peers::decode(&r, replicas)) {
-                Some((ts, totals)) if now.saturating_sub(ts) <= ttl => {
-                    vm.state.router.set_peer_load(peer, &totals)
-                }
-                _ => vm.state.router.clear_peer(peer),
-            }
-        }
-    }
-
     fn poll_feeds(vm: &mut Vm, now: u64) {
-        let timeout = Duration::from_millis(vm.state.cfg.feed_timeout_ms);
-        let store = vm.state.worker_id.map(|_| &HostStore as &dyn SharedStore);
+        let timeout = Duration::from_millis(vm.state.config().feed_timeout_ms);
+        let store = vm.state.shared(&HostStore);
         if let Some(store) = store {
             for r in vm.state.follow_relays(store, now) {
                 Self::report_feed(vm, &r);
@@ -237,15 +190,19 @@ impl Root {
             vm.state.follow_health(store);
         }
         for replica in vm.state.check_staleness(now) {
-            let name = &vm.state.cfg.replicas[replica].name;
+            let name = vm.state.replica_name(replica);
             log(
                 LogLevel::Warn,
                 &format!("kvsteer: no feed from {name} lately; routing it by load only"),
             );
         }
-        for (replica, path) in vm.state.plan_polls(store, now) {
-            let upstream = vm.state.cfg.feed_upstream(replica).to_string();
-            let authority = vm.state.cfg.feed_authority(replica).to_string();
+        for poll in vm.state.plan_polls(store, now) {
+            let FeedPoll {
+                replica,
+                upstream,
+                authority,
+                path,
+            } = poll;
             let headers = vec![
                 (":method", "GET"),
                 (":path", path.as_str()),
@@ -273,7 +230,7 @@ impl Root {
                 became_down,
             } => {
                 inc(vm.metrics.feed_errors.get(*replica).copied().flatten(), 1);
-                let name = &vm.state.cfg.replicas[*replica].name;
+                let name = vm.state.replica_name(*replica);
                 if *became_down {
                     log(
                         LogLevel::Warn,
@@ -294,7 +251,7 @@ impl Root {
     }
 
     fn update_gauges(vm: &mut Vm) {
-        let stats = vm.state.router.stats();
+        let stats = vm.state.stats();
         gauge(vm.metrics.index_blocks, stats.index_blocks);
         let m = &mut vm.metrics;
         inc(
@@ -313,12 +270,15 @@ impl Root {
         );
         m.last_resets = stats.feed_resets;
         #[cfg(feature = "tokenizer")]
-        if let (Some(tm), Some(t)) = (m.tokenizer.as_mut(), vm.state.tokenizer.as_ref()) {
-            tm.update(t.stats());
+        if let (Some(tm), Some(t)) = (m.tokenizer.as_mut(), vm.state.tokenizer_stats()) {
+            tm.update(t);
         }
-        for (i, f) in vm.state.feeds.iter().enumerate() {
-            gauge(m.feed_stale.get(i).copied().flatten(), f.stale as u64);
-            gauge(m.down.get(i).copied().flatten(), f.down as u64);
+        for i in 0..vm.state.replicas() {
+            gauge(
+                m.feed_stale.get(i).copied().flatten(),
+                vm.state.is_stale(i) as u64,
+            );
+            gauge(m.down.get(i).copied().flatten(), vm.state.is_down(i) as u64);
         }
     }
 }
@@ -346,7 +306,7 @@ impl Context for Root {
             None
         };
         let mut vm = vm.borrow_mut();
-        let store = vm.state.worker_id.map(|_| &HostStore as &dyn SharedStore);
+        let store = vm.state.shared(&HostStore);
         let r = vm
             .state
             .on_feed_response(token, status, body.as_deref(), store, now_ms());
@@ -370,8 +330,8 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let state = match RouterState::new(cfg) {
-            Ok(w) => w,
+        let mut state = match RouterState::new(cfg) {
+            Ok(s) => s,
             Err(e) => {
                 log(
                     LogLevel::Error,
@@ -380,17 +340,16 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let mut state = state;
-        let metrics = Metrics::define(&state.cfg);
-        state.worker_id = Self::claim_worker_id(&state.cfg.shared_key_prefix);
-        let tick = Duration::from_millis(state.cfg.tick_ms);
+        let metrics = Metrics::define(state.config());
+        state.claim_worker_id(&HostStore);
+        let tick = Duration::from_millis(state.config().tick_ms);
         log(
             LogLevel::Info,
             &format!(
                 "kvsteer: configured {} replicas, policy {}, worker {:?}",
-                state.cfg.replicas.len(),
-                state.cfg.routing.policy.name(),
-                state.worker_id
+                state.replicas(),
+                state.config().routing.policy.name(),
+                state.worker_id()
             ),
         );
         self.vm = Some(Rc::new(RefCell::new(Vm { state, metrics })));
@@ -402,7 +361,7 @@ impl RootContext for Root {
         let Some(vm) = &self.vm else { return };
         let now = now_ms();
         let mut vm = vm.borrow_mut();
-        Self::exchange_peer_load(&mut vm, now);
+        vm.state.share_load(&HostStore, now);
         Self::poll_feeds(&mut vm, now);
         Self::update_gauges(&mut vm);
     }
@@ -449,30 +408,24 @@ pub struct Stream {
 impl Stream {
     /// Writes the decision where the proxy will read it.
     fn write_destination(vm: &Vm, d: &kvsteer_core::router::Decision) {
-        let value = vm.state.destination(d);
-        let cfg = &vm.state.cfg;
-        match cfg.output {
-            OutputMode::DestinationHeader => {
+        match vm.state.decision_output(d) {
+            DecisionOutput::Header {
+                name,
+                value,
+                clear_route_cache,
+            } => {
                 let _ = hostcalls::set_map_value_bytes(
                     MapType::HttpRequestHeaders,
-                    &cfg.destination_header,
+                    name,
                     Some(value.as_bytes()),
                 );
+                if clear_route_cache {
+                    // The route was chosen before the header existed: make Envoy choose again.
+                    let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+                }
             }
-            OutputMode::ClusterHeader => {
-                let _ = hostcalls::set_map_value_bytes(
-                    MapType::HttpRequestHeaders,
-                    &cfg.cluster_header,
-                    Some(value.as_bytes()),
-                );
-                // The route was chosen before the header existed: make Envoy choose again.
-                let _ = hostcalls::call_foreign_function("clear_route_cache", None);
-            }
-            OutputMode::NginxVariable => {
-                let _ = hostcalls::set_property(
-                    vec!["ngx", &cfg.nginx_variable],
-                    Some(value.as_bytes()),
-                );
+            DecisionOutput::NginxVariable { name, value } => {
+                let _ = hostcalls::set_property(vec!["ngx", name], Some(value.as_bytes()));
             }
         }
     }
@@ -504,7 +457,7 @@ impl Stream {
         if matches!(self.phase, Phase::Admitted | Phase::Decoding)
             && let Some(vm) = &self.vm
         {
-            vm.borrow_mut().state.router.release(self.id);
+            vm.borrow_mut().state.release(self.id);
         }
         if self.phase != Phase::Untracked {
             self.phase = Phase::Released;
@@ -528,14 +481,10 @@ impl HttpContext for Stream {
             // Clients must never choose a replica: drop any copy of the routing header they sent,
             // on every request, routed or not.
             let mut vm = vm.borrow_mut();
-            let cfg = &vm.state.cfg;
-            let name = match cfg.output {
-                OutputMode::ClusterHeader => cfg.cluster_header.clone(),
-                _ => cfg.destination_header.clone(),
-            };
+            let name = vm.state.routing_header().to_string();
             if header(MapType::HttpRequestHeaders, &name).is_some() {
                 let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &name);
-                vm.state.spoofed_headers += 1;
+                vm.state.spoofed_header_removed();
                 inc(vm.metrics.spoofed, 1);
             }
         }
@@ -545,7 +494,7 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         self.path = String::from_utf8_lossy(&path).into_owned();
-        let session_header = vm.borrow().state.cfg.session_header.clone();
+        let session_header = vm.borrow().state.session_header().to_string();
         self.session = header(MapType::HttpRequestHeaders, &session_header)
             .filter(|v| !v.is_empty() && v.len() <= 512)
             .map(|v| String::from_utf8_lossy(&v).into_owned());
@@ -564,7 +513,7 @@ impl HttpContext for Stream {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        let limit = vm.borrow().state.cfg.routing.max_body_bytes;
+        let limit = vm.borrow().state.max_body_bytes();
         if body_size > limit {
             // Stop buffering a body we will not read; route it by load and let it flow.
             self.route_fallback(BodyFallback::TooLarge, body_size);
@@ -635,12 +584,10 @@ impl HttpContext for Stream {
             if p.tokens > 0 {
                 let mut vm = vm.borrow_mut();
                 if self.phase == Phase::Admitted {
-                    vm.state.router.first_token(self.id);
+                    vm.state.first_token(self.id);
                     self.phase = Phase::Decoding;
                 }
-                vm.state
-                    .router
-                    .decode_progress(self.id, tracker.generated());
+                vm.state.decode_progress(self.id, tracker.generated());
             }
         }
         if end_of_stream {

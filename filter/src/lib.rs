@@ -18,6 +18,7 @@ pub mod peers;
 pub mod relay;
 pub mod router_state;
 pub mod sse;
+pub mod store;
 
 #[cfg(target_arch = "wasm32")]
 mod contexts;

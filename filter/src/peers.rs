@@ -8,8 +8,13 @@
 //! safe, not wrong: the replica's own reported load (feed) and the next tick correct it, and a stale peer
 //! view can only misjudge by the load admitted within one tick.
 //!
+//! Every worker first takes a number from a shared counter ([`claim_worker_id`]); each tick it
+//! [`publish`]es its own record and reads the others' ([`worker_count`], [`read_fresh`]). All of it goes
+//! through a [`SharedStore`], so it is tested natively.
+//!
 //! Record layout: `published_ms u64` (little-endian), then the core's `LoadTotals::encode_all` bytes.
 
+use crate::store::SharedStore;
 use kvsteer_core::load::LoadTotals;
 
 pub fn encode(published_ms: u64, totals: &[LoadTotals]) -> Vec<u8> {
@@ -36,9 +41,62 @@ pub fn workers_key(prefix: &str) -> String {
     format!("{prefix}:workers")
 }
 
+/// Workers that claimed a number so far (the counter), at most 1024.
+pub fn worker_count(store: &dyn SharedStore, prefix: &str) -> u32 {
+    store
+        .get(&workers_key(prefix))
+        .and_then(|(v, _)| <[u8; 4]>::try_from(v.as_slice()).ok())
+        .map_or(0, u32::from_le_bytes)
+        .min(1024)
+}
+
+/// Takes a unique worker number from the shared counter (CAS loop, 32 tries), so each worker publishes
+/// its load under its own key. `None` when every try lost the race or the store refuses writes: load
+/// then stays per worker.
+pub fn claim_worker_id(store: &dyn SharedStore, prefix: &str) -> Option<u32> {
+    let key = workers_key(prefix);
+    for _ in 0..32 {
+        let (current, cas) = match store.get(&key) {
+            Some((v, cas)) => (
+                <[u8; 4]>::try_from(v.as_slice()).map_or(0, u32::from_le_bytes),
+                Some(cas),
+            ),
+            None => (0, None),
+        };
+        let next = current.wrapping_add(1);
+        if store.set(&key, &next.to_le_bytes(), cas) {
+            return Some(current);
+        }
+    }
+    None
+}
+
+/// Publishes worker `me`'s in-flight totals, stamped `now_ms`.
+pub fn publish(store: &dyn SharedStore, prefix: &str, me: u32, now_ms: u64, totals: &[LoadTotals]) {
+    store.set(&load_key(prefix, me), &encode(now_ms, totals), None);
+}
+
+/// Worker `peer`'s totals, if its record is readable, for `replicas` replicas, and at most `ttl_ms`
+/// old; `None` otherwise (a worker that went away, or one on another configuration).
+pub fn read_fresh(
+    store: &dyn SharedStore,
+    prefix: &str,
+    peer: u32,
+    replicas: usize,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Option<Vec<LoadTotals>> {
+    let (record, _) = store.get(&load_key(prefix, peer))?;
+    match decode(&record, replicas) {
+        Some((ts, totals)) if now_ms.saturating_sub(ts) <= ttl_ms => Some(totals),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::tests::MemStore;
 
     #[test]
     fn round_trip_and_refusals() {
@@ -60,5 +118,72 @@ mod tests {
         for cut in 0..b.len() {
             assert_eq!(decode(&b[..cut], 2), None);
         }
+    }
+
+    fn totals(prefill: u64) -> Vec<LoadTotals> {
+        vec![
+            LoadTotals {
+                prefill_tokens: prefill,
+                decode_blocks: 2,
+                active_requests: 1,
+            },
+            LoadTotals::default(),
+        ]
+    }
+
+    #[test]
+    fn workers_claim_distinct_numbers_and_read_each_others_fresh_records() {
+        let s = MemStore::default();
+        assert_eq!(worker_count(&s, "k"), 0);
+        assert_eq!(claim_worker_id(&s, "k"), Some(0));
+        assert_eq!(claim_worker_id(&s, "k"), Some(1));
+        assert_eq!(claim_worker_id(&s, "other"), Some(0), "per prefix");
+        assert_eq!(worker_count(&s, "k"), 2);
+        publish(&s, "k", 0, 1_000, &totals(7));
+        assert_eq!(read_fresh(&s, "k", 0, 2, 1_500, 500), Some(totals(7)));
+        assert_eq!(read_fresh(&s, "k", 0, 2, 1_501, 500), None, "too old");
+        assert_eq!(
+            read_fresh(&s, "k", 0, 3, 1_000, 500),
+            None,
+            "other replica count"
+        );
+        assert_eq!(
+            read_fresh(&s, "k", 1, 2, 1_000, 500),
+            None,
+            "never published"
+        );
+    }
+
+    /// A store whose conditional writes lose the race a few times, as under concurrent workers.
+    struct Contended {
+        inner: MemStore,
+        losses: std::cell::Cell<u32>,
+    }
+
+    impl SharedStore for Contended {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+            if cas.is_some() && self.losses.get() > 0 {
+                self.losses.set(self.losses.get() - 1);
+                return false;
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn claiming_retries_a_lost_race_and_gives_up_after_32() {
+        let s = Contended {
+            inner: MemStore::default(),
+            losses: std::cell::Cell::new(0),
+        };
+        assert_eq!(claim_worker_id(&s, "k"), Some(0), "first write has no CAS");
+        s.losses.set(5);
+        assert_eq!(claim_worker_id(&s, "k"), Some(1), "lost 5 times, then won");
+        s.losses.set(32);
+        assert_eq!(claim_worker_id(&s, "k"), None);
+        assert_eq!(worker_count(&s, "k"), 2);
     }
 }

@@ -15,19 +15,11 @@
 //! `<prefix>:relay:<replica>` = newest relay number `u64`; `<prefix>:relay:<replica>:<n % RING>` =
 //! `n u64 | batch bytes` (the feed wire format).
 
+use crate::store::SharedStore;
 use kvsteer_core::feed::{FeedBatch, FeedQuery};
 
 /// Relayed batches kept per replica.
 pub const RING: u64 = 8;
-
-/// The slice of the proxy's shared-data API the relay needs (Envoy's `get/set_shared_data`).
-pub trait SharedStore {
-    /// Value and CAS token; `None` when absent or unavailable.
-    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)>;
-    /// Writes the value; with `cas`, only if the entry is unchanged since it was read. `false` when the
-    /// write did not happen.
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool;
-}
 
 pub fn lease_key(prefix: &str, replica: usize) -> String {
     format!("{prefix}:lease:{replica}")
@@ -170,31 +162,10 @@ pub fn trim_to_cursor(mut batch: FeedBatch, q: &FeedQuery) -> Option<FeedBatch> 
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
+    use crate::store::tests::MemStore;
     use kvsteer_core::feed::{FeedEvent, ReplicaLoad, Tier};
-    use std::cell::RefCell;
-    use std::collections::HashMap;
-
-    /// In-memory stand-in for the proxy's shared data, with Envoy's CAS rule.
-    #[derive(Default)]
-    pub struct MemStore(pub RefCell<HashMap<String, (Vec<u8>, u32)>>);
-
-    impl SharedStore for MemStore {
-        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-            self.0.borrow().get(key).cloned()
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
-            let mut m = self.0.borrow_mut();
-            let next = match (m.get(key), cas) {
-                (Some((_, c)), Some(want)) if *c != want => return false,
-                (Some((_, c)), _) => c + 1,
-                (None, _) => 1,
-            };
-            m.insert(key.to_string(), (value.to_vec(), next));
-            true
-        }
-    }
 
     #[test]
     fn one_holder_at_a_time_and_expiry_hands_over() {

@@ -1,11 +1,15 @@
-//! One VM's routing state, free of host calls so it can be tested natively: the router, the feed
-//! pollers' state machine, and the per-request bookkeeping the stream contexts drive.
+//! One VM's routing state ([`RouterState`]), free of host calls so it can be tested natively: the
+//! router, the feed pollers' state machine (with the lease and relay), the load shared with the other
+//! workers, and the per-request bookkeeping the stream contexts drive. The proxy-wasm contexts call its
+//! methods, one per thing that happened or is to be done, and only move bytes to and from the host.
 
 use crate::config::{ConfigError, FilterConfig, OutputMode};
-use crate::relay::{self, SharedStore};
+use crate::peers;
+use crate::relay;
+use crate::store::SharedStore;
 use kvsteer_core::feed::FeedBatch;
 use kvsteer_core::request::PromptTokenizer;
-use kvsteer_core::router::{Decision, FeedOutcome, Router};
+use kvsteer_core::router::{Decision, FeedOutcome, Router, RouterStats};
 #[cfg(feature = "tokenizer")]
 use kvsteer_tokenizer::TextTokenizer;
 use std::collections::HashMap;
@@ -46,13 +50,13 @@ pub enum BodyFallback {
     HostError,
 }
 
-/// Poll state of one replica's feed.
+/// Poll state of one replica's feed. Whether the replica is stale or down is not kept here: the
+/// router holds it ([`RouterState::is_stale`], [`RouterState::is_down`]), the one place routing reads.
 #[derive(Clone, Debug, Default)]
 pub struct FeedState {
     pub in_flight: Option<u32>,
     pub next_poll_ms: u64,
     pub consecutive_failures: u32,
-    pub stale: bool,
     pub polls: u64,
     pub failures: u64,
     /// Last time a batch for this replica was applied (polled or relayed).
@@ -66,8 +70,30 @@ pub struct FeedState {
     /// Polls in a row that could not reach the replica at all (connection failure or timeout, as
     /// opposed to an HTTP error from a live server).
     pub consecutive_unreachable: u32,
-    /// Believed down: policies avoid it while another replica is up.
-    pub down: bool,
+}
+
+/// A feed poll to dispatch now: `GET path` to `upstream` (cluster or address) with `:authority`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FeedPoll {
+    pub replica: usize,
+    pub upstream: String,
+    pub authority: String,
+    pub path: String,
+}
+
+/// Where a routing decision is written for the proxy to read it, and what.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DecisionOutput<'a> {
+    /// A request header (the destination or the cluster header). With the cluster header the route
+    /// was chosen before the header existed, so Envoy must be told to choose again
+    /// (`clear_route_cache`).
+    Header {
+        name: &'a str,
+        value: String,
+        clear_route_cache: bool,
+    },
+    /// nginx: the variable `["ngx", name]`.
+    NginxVariable { name: &'a str, value: String },
 }
 
 /// What a feed answer did, for logs and metrics.
@@ -87,21 +113,23 @@ pub enum FeedResult {
     Unknown,
 }
 
+/// One VM's (one proxy worker's) routing state: its configuration, the core `Router`, the feed
+/// pollers and the per-request bookkeeping.
 pub struct RouterState {
-    pub cfg: FilterConfig,
-    pub router: Router,
-    pub feeds: Vec<FeedState>,
+    cfg: FilterConfig,
+    router: Router,
+    feeds: Vec<FeedState>,
     callouts: HashMap<u32, usize>,
     /// Body fallbacks by reason, in [`BodyFallback`] order.
-    pub body_fallbacks: [u64; 4],
+    body_fallbacks: [u64; 4],
     /// Client-supplied copies of the routing header that were removed.
-    pub spoofed_headers: u64,
+    spoofed_headers: u64,
     /// This worker's number among the proxy's workers; `None` without shared data.
-    pub worker_id: Option<u32>,
+    worker_id: Option<u32>,
     started_ms: Option<u64>,
     /// Text-prompt tokenizer, when configured (full build only).
     #[cfg(feature = "tokenizer")]
-    pub tokenizer: Option<TextTokenizer>,
+    tokenizer: Option<TextTokenizer>,
 }
 
 impl RouterState {
@@ -128,6 +156,108 @@ impl RouterState {
             worker_id: None,
             started_ms: None,
         })
+    }
+
+    /// The plugin configuration (read-only).
+    pub fn config(&self) -> &FilterConfig {
+        &self.cfg
+    }
+
+    /// Number of replicas.
+    pub fn replicas(&self) -> usize {
+        self.cfg.replicas.len()
+    }
+
+    /// A replica's name, for logs (`?` for an unknown index).
+    pub fn replica_name(&self, replica: usize) -> &str {
+        self.cfg
+            .replicas
+            .get(replica)
+            .map_or("?", |r| r.name.as_str())
+    }
+
+    /// The router's counters and sizes.
+    pub fn stats(&self) -> RouterStats {
+        self.router.stats()
+    }
+
+    /// Body fallbacks so far, by reason in [`BodyFallback`] order.
+    pub fn body_fallbacks(&self) -> [u64; 4] {
+        self.body_fallbacks
+    }
+
+    /// The text-prompt tokenizer's counters, when one is configured.
+    #[cfg(feature = "tokenizer")]
+    pub fn tokenizer_stats(&self) -> Option<kvsteer_tokenizer::TokenizerStats> {
+        self.tokenizer.as_ref().map(|t| t.stats())
+    }
+
+    // --- Workers: numbers and shared load ---
+
+    /// This worker's number among the proxy's workers; `None` until claimed, or without shared data.
+    pub fn worker_id(&self) -> Option<u32> {
+        self.worker_id
+    }
+
+    /// Claims this worker's number from the shared counter ([`peers::claim_worker_id`]).
+    pub fn claim_worker_id(&mut self, store: &dyn SharedStore) -> Option<u32> {
+        self.worker_id = peers::claim_worker_id(store, &self.cfg.shared_key_prefix);
+        self.worker_id
+    }
+
+    /// The shared store, for the operations that need one, once this worker has a number: without one
+    /// (no shared data) feeds are polled and load is kept per worker.
+    pub fn shared<'a>(&self, store: &'a dyn SharedStore) -> Option<&'a dyn SharedStore> {
+        self.worker_id.map(|_| store)
+    }
+
+    /// Publishes this worker's in-flight load and takes in the other workers' (records older than
+    /// `peer_ttl_ms` are dropped): the exchange each tick makes. Nothing without a worker number.
+    pub fn share_load(&mut self, store: &dyn SharedStore, now_ms: u64) {
+        let Some(me) = self.worker_id else {
+            return;
+        };
+        let prefix = &self.cfg.shared_key_prefix;
+        peers::publish(store, prefix, me, now_ms, &self.router.local_load());
+        let count = peers::worker_count(store, prefix);
+        let replicas = self.cfg.replicas.len();
+        for peer in (0..count).filter(|&p| p != me) {
+            match peers::read_fresh(store, prefix, peer, replicas, now_ms, self.cfg.peer_ttl_ms) {
+                Some(totals) => self.router.set_peer_load(peer, &totals),
+                None => self.router.clear_peer(peer),
+            }
+        }
+    }
+
+    // --- Requests ---
+
+    /// The header that carries the routing decision (destination or cluster header): clients must
+    /// never send it.
+    pub fn routing_header(&self) -> &str {
+        match self.cfg.output {
+            OutputMode::ClusterHeader => &self.cfg.cluster_header,
+            _ => &self.cfg.destination_header,
+        }
+    }
+
+    /// A client's copy of the routing header was removed.
+    pub fn spoofed_header_removed(&mut self) {
+        self.spoofed_headers += 1;
+    }
+
+    /// Client copies of the routing header removed so far.
+    pub fn spoofed_headers(&self) -> u64 {
+        self.spoofed_headers
+    }
+
+    /// The header naming a request's session (`session_hash`).
+    pub fn session_header(&self) -> &str {
+        &self.cfg.session_header
+    }
+
+    /// Bodies over this many bytes are not read (routed by load alone).
+    pub fn max_body_bytes(&self) -> usize {
+        self.cfg.routing.max_body_bytes
     }
 
     /// Routes a request whose body could be read; admits it under `request_id`.
@@ -176,15 +306,44 @@ impl RouterState {
         d
     }
 
+    /// The request's first token arrived: its prefill load becomes decode load.
+    pub fn first_token(&mut self, request_id: u64) {
+        self.router.first_token(request_id);
+    }
+
+    /// The request has generated this many tokens so far.
+    pub fn decode_progress(&mut self, request_id: u64, generated_tokens: u64) {
+        self.router.decode_progress(request_id, generated_tokens);
+    }
+
+    /// The request ended (finished, failed or aborted): its load is released. `false` for a request
+    /// not tracked (counted as a release anomaly).
+    pub fn release(&mut self, request_id: u64) -> bool {
+        self.router.release(request_id)
+    }
+
+    // --- Feeds ---
+
+    /// A replica's poll state.
+    pub fn feed(&self, replica: usize) -> Option<&FeedState> {
+        self.feeds.get(replica)
+    }
+
+    /// Whether the replica's feed is stale: its index and reported load are not trusted.
+    pub fn is_stale(&self, replica: usize) -> bool {
+        self.router.is_stale(replica)
+    }
+
+    /// Whether the replica is believed down: policies avoid it while another replica is up.
+    pub fn is_down(&self, replica: usize) -> bool {
+        self.router.is_down(replica)
+    }
+
     /// Replicas whose feed this worker should poll now, with the query path. With shared data, a
     /// replica is polled only by the worker holding its lease (the others follow the relay), except
     /// that a worker needing a snapshot polls for it itself. Marks nothing in flight until
     /// [`RouterState::poll_started`] or [`RouterState::poll_not_started`] is called for each.
-    pub fn plan_polls(
-        &mut self,
-        store: Option<&dyn SharedStore>,
-        now_ms: u64,
-    ) -> Vec<(usize, String)> {
+    pub fn plan_polls(&mut self, store: Option<&dyn SharedStore>, now_ms: u64) -> Vec<FeedPoll> {
         self.started_ms.get_or_insert(now_ms);
         let hold = self.cfg.feed_period_ms.saturating_mul(3);
         let mut out = Vec::new();
@@ -207,7 +366,12 @@ impl RouterState {
                 }
             };
             if poll {
-                out.push((i, format!("{}{}", self.cfg.feed_path_prefix, q.to_path())));
+                out.push(FeedPoll {
+                    replica: i,
+                    upstream: self.cfg.feed_upstream(i).to_string(),
+                    authority: self.cfg.feed_authority(i).to_string(),
+                    path: format!("{}{}", self.cfg.feed_path_prefix, q.to_path()),
+                });
             } else {
                 self.feeds[i].next_poll_ms = now_ms.saturating_add(self.cfg.feed_period_ms);
             }
@@ -260,10 +424,9 @@ impl RouterState {
             .feed_period_ms
             .saturating_mul(self.cfg.stale_after_failures as u64 + 1);
         let mut out = Vec::new();
-        for (i, f) in self.feeds.iter_mut().enumerate() {
+        for (i, f) in self.feeds.iter().enumerate() {
             let last = f.last_ok_ms.unwrap_or(started);
-            if !f.stale && now_ms.saturating_sub(last) > limit {
-                f.stale = true;
+            if !self.router.is_stale(i) && now_ms.saturating_sub(last) > limit {
                 self.router.set_stale(i, true);
                 out.push(i);
             }
@@ -279,10 +442,7 @@ impl RouterState {
                 // More log entries wait: poll again at the next tick instead of a whole period later.
                 f.next_poll_ms = now_ms;
             }
-            if f.stale {
-                f.stale = false;
-                self.router.set_stale(replica, false);
-            }
+            self.router.set_stale(replica, false);
         }
     }
 
@@ -363,7 +523,7 @@ impl RouterState {
             return result;
         };
         f.consecutive_unreachable = f.consecutive_unreachable.saturating_add(1);
-        if f.consecutive_unreachable >= limit && !f.down {
+        if f.consecutive_unreachable >= limit && !self.router.is_down(replica) {
             self.set_down(replica, true, store, now_ms);
             if let FeedResult::Failed { became_down, .. } = &mut result {
                 *became_down = true;
@@ -385,12 +545,8 @@ impl RouterState {
         if !down {
             f.consecutive_unreachable = 0;
         }
-        let changed = f.down != down;
-        f.down = down;
         let leased = f.leased;
-        if changed {
-            self.router.set_down(replica, down);
-        }
+        self.router.set_down(replica, down);
         if let (Some(store), true) = (store, leased) {
             relay::publish_health(store, &self.cfg.shared_key_prefix, replica, down, now_ms);
         }
@@ -402,10 +558,7 @@ impl RouterState {
             if self.feeds[i].leased {
                 continue;
             }
-            if let Some(down) = relay::health(store, &self.cfg.shared_key_prefix, i)
-                && down != self.feeds[i].down
-            {
-                self.feeds[i].down = down;
+            if let Some(down) = relay::health(store, &self.cfg.shared_key_prefix, i) {
                 self.router.set_down(i, down);
             }
         }
@@ -418,9 +571,8 @@ impl RouterState {
         };
         f.failures += 1;
         f.consecutive_failures = f.consecutive_failures.saturating_add(1);
-        let became_stale = !f.stale && f.consecutive_failures >= limit;
+        let became_stale = !self.router.is_stale(replica) && f.consecutive_failures >= limit;
         if became_stale {
-            f.stale = true;
             self.router.set_stale(replica, true);
         }
         FeedResult::Failed {
@@ -444,6 +596,27 @@ impl RouterState {
             OutputMode::DestinationHeader => match d.backup.filter(|_| self.cfg.retry_backup) {
                 Some(b) => format!("{},{}", r.endpoint, self.cfg.replicas[b.min(last)].endpoint),
                 None => r.endpoint.clone(),
+            },
+        }
+    }
+
+    /// Where and what to write for a decision, per output mode.
+    pub fn decision_output(&self, d: &Decision) -> DecisionOutput<'_> {
+        let value = self.destination(d);
+        match self.cfg.output {
+            OutputMode::DestinationHeader => DecisionOutput::Header {
+                name: &self.cfg.destination_header,
+                value,
+                clear_route_cache: false,
+            },
+            OutputMode::ClusterHeader => DecisionOutput::Header {
+                name: &self.cfg.cluster_header,
+                value,
+                clear_route_cache: true,
+            },
+            OutputMode::NginxVariable => DecisionOutput::NginxVariable {
+                name: &self.cfg.nginx_variable,
+                value,
             },
         }
     }
@@ -477,7 +650,11 @@ mod tests {
         let mut w = worker("kv_load");
         let due = w.plan_polls(None, 0);
         assert_eq!(due.len(), 2);
-        assert!(due[0].1.starts_with("/kvsteer/feed?epoch=0"));
+        assert!(due[0].path.starts_with("/kvsteer/feed?epoch=0"));
+        assert_eq!(
+            (due[1].upstream.as_str(), due[1].authority.as_str()),
+            ("f1", "127.0.0.1:8001")
+        );
         w.poll_started(0, 7, 0);
         w.poll_started(1, 8, 0);
         assert!(
@@ -501,7 +678,7 @@ mod tests {
         };
         let r = w.on_feed_response(7, Some(200), Some(&snap.encode()), None, 10);
         assert!(matches!(r, FeedResult::Applied { replica: 0, .. }), "{r:?}");
-        assert_eq!(w.router.stats().index_blocks, 3);
+        assert_eq!(w.stats().index_blocks, 3);
         // Replica 1 fails twice: stale after the second.
         let r = w.on_feed_response(8, None, None, None, 10);
         assert!(matches!(
@@ -523,12 +700,12 @@ mod tests {
             ),
             "{r:?}"
         );
-        assert!(w.feeds[1].stale);
+        assert!(w.is_stale(1) && w.router.is_stale(1));
         w.poll_started(1, 10, 600);
         let mut ok = snap.clone();
         ok.events.clear();
         w.on_feed_response(10, Some(200), Some(&ok.encode()), None, 600);
-        assert!(!w.feeds[1].stale, "recovers when the feed returns");
+        assert!(!w.is_stale(1), "recovers when the feed returns");
         assert_eq!(
             w.on_feed_response(999, Some(200), None, None, 0),
             FeedResult::Unknown
@@ -540,12 +717,12 @@ mod tests {
         let mut w = worker("kv_load");
         let d = w.route_body(1, "/v1/completions", b"{not json", None, 0);
         assert!(d.replica < 2);
-        assert_eq!(w.body_fallbacks[BodyFallback::Unreadable as usize], 1);
+        assert_eq!(w.body_fallbacks()[BodyFallback::Unreadable as usize], 1);
         let d = w.route_body(2, "/v1/completions", &[0xff; 10], None, 0);
         assert!(d.replica < 2);
-        assert_eq!(w.body_fallbacks[BodyFallback::Unreadable as usize], 2);
-        assert!(w.router.release(1));
-        assert!(w.router.release(2));
+        assert_eq!(w.body_fallbacks()[BodyFallback::Unreadable as usize], 2);
+        assert!(w.release(1));
+        assert!(w.release(2));
     }
 
     #[cfg(feature = "tokenizer")]
@@ -596,7 +773,7 @@ mod tests {
 
     #[test]
     fn a_follower_of_an_idle_replica_stays_fresh_and_takes_its_load() {
-        use crate::relay::tests::MemStore;
+        use crate::store::tests::MemStore;
         let store = MemStore::default();
         let mut lead = worker("kv_load");
         let mut follow = worker("kv_load");
@@ -615,7 +792,8 @@ mod tests {
         for (w, base) in [(&mut lead, 100), (&mut follow, 200)] {
             let due = w.plan_polls(Some(&store), 0);
             assert_eq!(due.len(), 2);
-            for (i, _) in due {
+            for p in due {
+                let i = p.replica;
                 w.poll_started(i, base + i as u32, 0);
                 w.on_feed_response(
                     base + i as u32,
@@ -636,7 +814,8 @@ mod tests {
                 follow.plan_polls(Some(&store), t).is_empty(),
                 "follower does not poll"
             );
-            for (i, _) in polls {
+            for p in polls {
+                let i = p.replica;
                 let token = 1000 * round + i as u32;
                 lead.poll_started(i, token, t);
                 let mut idle = snap(5);
@@ -651,7 +830,7 @@ mod tests {
             assert_eq!(got.len(), 2, "round {round}: one relayed batch per replica");
             assert!(follow.check_staleness(t).is_empty(), "round {round}");
         }
-        assert!(!follow.feeds[0].stale && !follow.feeds[1].stale);
+        assert!(!follow.is_stale(0) && !follow.is_stale(1));
         assert_eq!(
             follow.router.effective_load()[0].decode_blocks,
             20,
@@ -661,7 +840,7 @@ mod tests {
 
     #[test]
     fn unreachable_replicas_go_down_http_errors_only_stale() {
-        use crate::relay::tests::MemStore;
+        use crate::store::tests::MemStore;
         let store = MemStore::default();
         let mut w = worker("kv_load");
         let mut follower = worker("kv_load");
@@ -681,7 +860,7 @@ mod tests {
         for t in 0..4 {
             poll(&mut w, 1, Some(503), t * 200);
         }
-        assert!(w.feeds[1].stale && !w.feeds[1].down);
+        assert!(w.is_stale(1) && !w.is_down(1));
         // Replica 0 cannot be reached: down after two (stale_after_failures) in a row.
         let r = poll(&mut w, 0, None, 0);
         assert!(matches!(
@@ -767,6 +946,39 @@ mod tests {
             w.poll_started(0, 50 + t, t as u64 * 200);
             w.on_feed_response(50 + t, Some(503), Some(envoy_503), None, t as u64 * 200);
         }
-        assert!(w.router.is_down(0) && w.feeds[0].down);
+        assert!(w.is_down(0));
+    }
+
+    #[test]
+    fn workers_share_their_load_through_the_store_and_forget_silent_ones() {
+        use crate::store::tests::MemStore;
+        let store = MemStore::default();
+        let (mut a, mut b) = (worker("least_load"), worker("least_load"));
+        let mut lone = worker("least_load");
+        lone.share_load(&store, 0);
+        assert!(
+            store.0.borrow().is_empty(),
+            "nothing shared without a worker number"
+        );
+        assert_eq!(a.claim_worker_id(&store), Some(0));
+        assert_eq!(b.claim_worker_id(&store), Some(1));
+        assert!(a.shared(&store).is_some() && lone.shared(&store).is_none());
+        let body = br#"{"prompt":[1,2,3,4,5,6,7,8]}"#;
+        let d = a.route_body(1, "/v1/completions", body, None, 0);
+        a.share_load(&store, 0);
+        b.share_load(&store, 0);
+        let seen = b.router.effective_load()[d.replica];
+        assert_eq!(seen, a.router.local_load()[d.replica], "b sees a's request");
+        assert_eq!(seen.active_requests, 1);
+        // b's own admission lands elsewhere: least_load counts a's request.
+        assert_ne!(
+            b.route_body(2, "/v1/completions", body, None, 0).replica,
+            d.replica
+        );
+        // a goes quiet: past peer_ttl_ms its record is dropped.
+        let ttl = b.config().peer_ttl_ms;
+        b.share_load(&store, ttl + 1);
+        assert_eq!(b.router.effective_load()[d.replica].active_requests, 0);
+        assert!(a.release(1));
     }
 }
