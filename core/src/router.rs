@@ -15,22 +15,15 @@ use crate::config::{ConfigError, PolicyKind, ReportedLoad, RoutingConfig};
 use crate::feed::{CursorVerdict, FeedBatch, FeedCursor, FeedEvent, FeedQuery, ReplicaLoad};
 use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
 use crate::load::{Accounting, LoadTable, LoadTotals};
-use crate::policy::{HashRing, argmin_random_tie, softmax_sample};
+pub use crate::policy::FallbackReason;
+use crate::policy::{
+    Choice, HashRing, Input, kv_affinity, kv_load, least_load, pick_lowest, prefix_affinity,
+    round_robin, session_hash,
+};
 use crate::request::{
     PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request, read_request_with,
 };
 use crate::rng::SplitMix64;
-
-/// Why a decision did not come from the configured policy's first choice.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum FallbackReason {
-    /// `session_hash` without a session key: least load.
-    NoSessionKey,
-    /// `prefix_affinity` with too small a match: least load.
-    BelowMatchThreshold,
-    /// The body could not be read: least load.
-    BodyUnreadable,
-}
 
 /// A routing decision.
 #[derive(Clone, Debug, PartialEq)]
@@ -268,66 +261,6 @@ impl Router {
         }
     }
 
-    fn least_load_costs(&self, eff: &[LoadTotals], request_blocks: f64) -> Vec<f64> {
-        let k = &self.cfg.kv_load;
-        let bs = self.cfg.block_size as f64;
-        eff.iter()
-            .map(|e| {
-                k.prefill_scale * (e.prefill_tokens as f64 / bs + request_blocks)
-                    + e.decode_blocks as f64
-                    + k.active_request_weight * e.active_requests as f64
-            })
-            .collect()
-    }
-
-    /// The `kv_load` cost per replica (docs/design.md section 2):
-    /// `prefill_scale * max(queued prefill + request blocks - credit * overlap, 0) + decode blocks
-    /// (+ the request's blocks not already active there, with assume_kv_reuse) + w * active requests`,
-    /// the credit `c`, decayed by `d` on replicas whose queued prefill exceeds the least-loaded
-    /// candidate's.
-    fn kv_load_costs(
-        &self,
-        req: &RouteRequest,
-        eff: &[LoadTotals],
-        overlap: &[f64],
-        request_blocks: f64,
-    ) -> Vec<f64> {
-        let k = &self.cfg.kv_load;
-        let bs = self.cfg.block_size as f64;
-        let queued: Vec<f64> = eff.iter().map(|e| e.prefill_tokens as f64 / bs).collect();
-        let least_queued = (0..queued.len())
-            .filter(|&r| !self.is_avoided(r))
-            .map(|r| queued[r])
-            .fold(f64::INFINITY, f64::min);
-        let keys = if k.assume_kv_reuse {
-            req.identity.keys()
-        } else {
-            Vec::new()
-        };
-        eff.iter()
-            .zip(overlap)
-            .enumerate()
-            .map(|(r, (e, &o))| {
-                let excess = (queued[r] - least_queued).max(0.0);
-                let credit = if k.overlap_credit_decay > 0.0 && request_blocks > 0.0 {
-                    k.overlap_credit / (1.0 + k.overlap_credit_decay * excess / request_blocks)
-                } else {
-                    k.overlap_credit
-                };
-                let prefill = (queued[r] + request_blocks - credit * o).max(0.0);
-                let new_active = if k.assume_kv_reuse {
-                    (request_blocks - self.load.active_prefix(r, &keys) as f64).max(0.0)
-                } else {
-                    0.0
-                };
-                k.prefill_scale * prefill
-                    + e.decode_blocks as f64
-                    + new_active
-                    + k.active_request_weight * e.active_requests as f64
-            })
-            .collect()
-    }
-
     /// Chooses a replica for a request. Does not admit it: call [`Router::admit`] once the request is
     /// really sent there.
     pub fn route(&mut self, req: &RouteRequest, now_ms: u64) -> Decision {
@@ -335,102 +268,59 @@ impl Router {
         let request_blocks = (req.prompt_tokens as f64 / bs).ceil();
         let overlap = self.overlap_blocks(req, now_ms);
         let eff = self.effective_load();
+        let avoided = self.avoided();
         let policy = self.cfg.policy;
-        let mut fallback = None;
-        let mut costs = Vec::new();
-        let replica = match policy {
-            PolicyKind::RoundRobin => {
-                let mut r = self.rr_next % self.replicas;
-                for _ in 0..self.replicas {
-                    if !self.is_avoided(r) {
-                        break;
-                    }
-                    r = (r + 1) % self.replicas;
+        let active_prefix: Vec<f64> =
+            if policy == PolicyKind::KvLoad && self.cfg.kv_load.assume_kv_reuse {
+                let keys = req.identity.keys();
+                (0..self.replicas)
+                    .map(|r| self.load.active_prefix(r, &keys) as f64)
+                    .collect()
+            } else {
+                Vec::new()
+            };
+        let mut affinity = std::mem::take(&mut self.scratch_approx);
+        affinity.clear();
+        if policy == PolicyKind::PrefixAffinity {
+            match &req.identity {
+                PromptIdentity::Exact(h) => {
+                    self.approx_seq
+                        .match_prefix(h, now_ms, self.replicas, &mut affinity)
                 }
-                self.rr_next = (r + 1) % self.replicas;
-                r
-            }
-            PolicyKind::LeastLoad => {
-                costs = self.least_load_costs(&eff, request_blocks);
-                self.pick_lowest(&costs)
-            }
-            PolicyKind::SessionHash => match req.session_key.as_deref() {
-                Some(key) => {
-                    let down = &self.down;
-                    let all_down = down.iter().all(|&d| d);
-                    self.ring
-                        .lookup_where(key.as_bytes(), |r| all_down || !down[r])
-                        .unwrap_or(0)
-                }
-                None => {
-                    fallback = Some(FallbackReason::NoSessionKey);
-                    costs = self.least_load_costs(&eff, request_blocks);
-                    self.pick_lowest(&costs)
-                }
-            },
-            PolicyKind::PrefixAffinity => {
-                let mut m = std::mem::take(&mut self.scratch_approx);
-                match &req.identity {
-                    PromptIdentity::Exact(h) => {
-                        self.approx_seq
-                            .match_prefix(h, now_ms, self.replicas, &mut m)
-                    }
-                    PromptIdentity::Approximate(h) => {
-                        self.approx_text
-                            .match_prefix(h, now_ms, self.replicas, &mut m)
-                    }
-                }
-                let blocks = req.identity.blocks();
-                for (r, b) in m.iter_mut().enumerate() {
-                    if self.is_avoided(r) {
-                        *b = 0;
-                    }
-                }
-                let best = m.iter().copied().max().unwrap_or(0);
-                let rate = if blocks == 0 {
-                    0.0
-                } else {
-                    best as f64 / blocks as f64
-                };
-                let load_costs = self.least_load_costs(&eff, request_blocks);
-                let r = if best > 0 && rate >= self.cfg.prefix_affinity.match_threshold {
-                    // Among the replicas with the best match, the least loaded.
-                    let masked: Vec<f64> = load_costs
-                        .iter()
-                        .zip(&m)
-                        .map(|(&c, &b)| if b == best { c } else { f64::INFINITY })
-                        .collect();
-                    self.pick_lowest(&masked)
-                } else {
-                    fallback = Some(FallbackReason::BelowMatchThreshold);
-                    self.pick_lowest(&load_costs)
-                };
-                self.scratch_approx = m;
-                costs = load_costs;
-                r
-            }
-            PolicyKind::KvAffinity => {
-                let neg: Vec<f64> = overlap.iter().map(|o| -o).collect();
-                self.pick_lowest(&neg)
-            }
-            PolicyKind::KvLoad => {
-                costs = self.kv_load_costs(req, &eff, &overlap, request_blocks);
-                let t = self.cfg.kv_load.temperature;
-                if t > 0.0 {
-                    let masked = self.masked(&costs);
-                    let finite: Vec<usize> = (0..masked.len())
-                        .filter(|&r| masked[r].is_finite())
-                        .collect();
-                    let sub: Vec<f64> = finite.iter().map(|&r| masked[r]).collect();
-                    match softmax_sample(&sub, t, &mut self.rng) {
-                        Some(i) => finite[i],
-                        None => self.pick_lowest(&costs),
-                    }
-                } else {
-                    self.pick_lowest(&costs)
+                PromptIdentity::Approximate(h) => {
+                    self.approx_text
+                        .match_prefix(h, now_ms, self.replicas, &mut affinity)
                 }
             }
+        }
+        let input = Input {
+            request_blocks,
+            block_size: bs,
+            load: &eff,
+            overlap: &overlap,
+            active_prefix: &active_prefix,
+            affinity: &affinity,
+            identity_blocks: req.identity.blocks(),
+            session_key: req.session_key.as_deref(),
+            avoided: &avoided,
         };
+        let k = &self.cfg.kv_load;
+        let rng = &mut self.rng;
+        let Choice {
+            replica,
+            costs,
+            fallback,
+        } = match policy {
+            PolicyKind::RoundRobin => round_robin::choose(&input, &mut self.rr_next),
+            PolicyKind::LeastLoad => least_load::choose(&input, k, rng),
+            PolicyKind::SessionHash => session_hash::choose(&input, &self.ring, k, rng),
+            PolicyKind::PrefixAffinity => {
+                prefix_affinity::choose(&input, self.cfg.prefix_affinity.match_threshold, k, rng)
+            }
+            PolicyKind::KvAffinity => kv_affinity::choose(&input, rng),
+            PolicyKind::KvLoad => kv_load::choose(&input, k, rng),
+        };
+        self.scratch_approx = affinity;
         let matched_tokens: Vec<u64> = overlap
             .iter()
             .map(|&o| ((o * bs) as u64).min(req.prompt_tokens))
@@ -458,19 +348,9 @@ impl Router {
         self.down.get(r).copied().unwrap_or(false) && !self.down.iter().all(|&d| d)
     }
 
-    /// Costs with avoided replicas priced out.
-    fn masked(&self, costs: &[f64]) -> Vec<f64> {
-        costs
-            .iter()
-            .enumerate()
-            .map(|(r, &c)| if self.is_avoided(r) { f64::INFINITY } else { c })
-            .collect()
-    }
-
-    /// The lowest cost among replicas not avoided, ties broken at random.
-    fn pick_lowest(&mut self, costs: &[f64]) -> usize {
-        let masked = self.masked(costs);
-        argmin_random_tie(&masked, &mut self.rng).unwrap_or(0)
+    /// [`Router::is_avoided`] for every replica, as the policies take it.
+    fn avoided(&self) -> Vec<bool> {
+        (0..self.replicas).map(|r| self.is_avoided(r)).collect()
     }
 
     fn backup_for(&self, chosen: usize, costs: &[f64]) -> Option<usize> {
@@ -507,8 +387,8 @@ impl Router {
     /// A load-only choice for a request whose body could not be read (too large, not JSON, ...).
     pub fn route_fallback(&mut self, _now_ms: u64) -> Decision {
         let eff = self.effective_load();
-        let costs = self.least_load_costs(&eff, 0.0);
-        let replica = self.pick_lowest(&costs);
+        let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.kv_load);
+        let replica = pick_lowest(&costs, &self.avoided(), &mut self.rng);
         let backup = self.backup_for(replica, &costs);
         self.count_decision(replica, Some(FallbackReason::BodyUnreadable), 0, 0);
         Decision {

@@ -1,0 +1,34 @@
+//! `least_load`: the lowest load cost, cache ignored. Also the fallback of `session_hash` without a
+//! session key, of `prefix_affinity` below its match threshold, and of requests whose body cannot be
+//! read.
+
+use super::{Choice, Input, pick_lowest};
+use crate::config::KvLoadParams;
+use crate::load::LoadTotals;
+use crate::rng::SplitMix64;
+
+/// `prefill_scale * (queued prefill blocks + request blocks) + decode blocks + w * active requests`,
+/// per replica, with `kv_load`'s coefficients.
+pub fn costs(
+    load: &[LoadTotals],
+    block_size: f64,
+    request_blocks: f64,
+    k: &KvLoadParams,
+) -> Vec<f64> {
+    load.iter()
+        .map(|e| {
+            k.prefill_scale * (e.prefill_tokens as f64 / block_size + request_blocks)
+                + e.decode_blocks as f64
+                + k.active_request_weight * e.active_requests as f64
+        })
+        .collect()
+}
+
+pub fn choose(input: &Input, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
+    let costs = costs(input.load, input.block_size, input.request_blocks, k);
+    Choice {
+        replica: pick_lowest(&costs, input.avoided, rng),
+        costs,
+        fallback: None,
+    }
+}

@@ -1,0 +1,49 @@
+//! `round_robin`: the next replica that is not avoided, in turn. The baseline every load-aware policy
+//! must beat on tail latency.
+
+use super::{Choice, Input};
+
+/// Chooses the replica at `next` (or the first not avoided after it) and moves `next` past it.
+pub fn choose(input: &Input, next: &mut usize) -> Choice {
+    let n = input.load.len().max(1);
+    let avoided = |r: usize| input.avoided.get(r).copied().unwrap_or(false);
+    let mut r = *next % n;
+    for _ in 0..n {
+        if !avoided(r) {
+            break;
+        }
+        r = (r + 1) % n;
+    }
+    *next = (r + 1) % n;
+    Choice {
+        replica: r,
+        costs: Vec::new(),
+        fallback: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::LoadTotals;
+
+    #[test]
+    fn cycles_and_skips_avoided_replicas() {
+        let load = [LoadTotals::default(); 3];
+        let avoided = [false, true, false];
+        let input = Input {
+            request_blocks: 1.0,
+            block_size: 16.0,
+            load: &load,
+            overlap: &[0.0; 3],
+            active_prefix: &[],
+            affinity: &[],
+            identity_blocks: 1,
+            session_key: None,
+            avoided: &avoided,
+        };
+        let mut next = 0;
+        let picks: Vec<usize> = (0..4).map(|_| choose(&input, &mut next).replica).collect();
+        assert_eq!(picks, vec![0, 2, 0, 2]);
+    }
+}
