@@ -175,25 +175,29 @@ impl From<KvLoadSection> for KvLoadParams {
 }
 
 /// How a replica's reported load (the feed's `load`) meets the router's own bookings.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ReportedLoad {
     /// Field by field, the larger of the two: the report sees traffic from other proxies, the
     /// bookings are fresher. A report that counts queued prompts whole (cached part included) then
     /// charges the cache holder for tokens it will not compute.
-    #[default]
     Max,
     /// Score on the router's own bookings only, as Dynamo and Ray do (right when this proxy, with its
-    /// worker VMs, sees all the traffic).
+    /// worker VMs, sees all the traffic). The default.
     Ignore,
 }
 
 impl Default for KvLoadParams {
     fn default() -> Self {
+        // kvsteer's defaults: Dynamo's accounting and formula with a heavier prefill term and a
+        // doubled overlap credit, scored on the router's own bookings. A move re-prefills a whole
+        // context (up to ~100K tokens on coding agents, with attention growing with its length),
+        // which block counts alone undervalue against decode blocks; measured in docs/results.md
+        // (kv_load against the dynamo preset, which is this with prefill_scale 1 and credit 1).
         Self {
             preset: None,
-            prefill_scale: 1.0,
-            overlap_credit: 1.0,
+            prefill_scale: 8.0,
+            overlap_credit: 2.0,
             overlap_credit_decay: 0.0,
             active_request_weight: 0.0,
             temperature: 0.0,
@@ -202,7 +206,7 @@ impl Default for KvLoadParams {
             use_output_hint: false,
             prompt_blocks_at_admission: true,
             assume_kv_reuse: true,
-            reported_load: ReportedLoad::Max,
+            reported_load: ReportedLoad::Ignore,
         }
     }
 }
@@ -420,7 +424,7 @@ mod tests {
         assert_eq!(c.policy, PolicyKind::SessionHash);
         assert_eq!(c.block_size, 64);
         assert_eq!(c.kv_load.temperature, 0.5);
-        assert_eq!(c.kv_load.overlap_credit, 1.0);
+        assert_eq!(c.kv_load.overlap_credit, 2.0, "the default kept");
         assert_eq!(c.session_hash.virtual_nodes, 50);
     }
 

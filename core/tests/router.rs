@@ -1,13 +1,22 @@
 //! The Router as the filter drives it: read, route, admit, token events, release, feed.
 
 use kvsteer_core::block::BlockHasher;
+use kvsteer_core::config::{KvLoadParams, ReportedLoad};
 use kvsteer_core::feed::{FeedBatch, FeedEvent, ReplicaLoad, Tier};
 use kvsteer_core::{FallbackReason, FeedOutcome, LoadTotals, PolicyKind, Router, RoutingConfig};
 
+/// Dynamo's coefficients (prefill scale 1, credit 1), so the costs below are easy to follow, and the
+/// replicas' reports combined by max, so the tests of that path have something to combine.
 fn cfg(policy: PolicyKind) -> RoutingConfig {
     RoutingConfig {
         policy,
         block_size: 4,
+        kv_load: KvLoadParams {
+            prefill_scale: 1.0,
+            overlap_credit: 1.0,
+            reported_load: ReportedLoad::Max,
+            ..KvLoadParams::default()
+        },
         ..RoutingConfig::default()
     }
 }

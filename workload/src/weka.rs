@@ -46,7 +46,7 @@ pub struct WekaParams {
     pub shared_prefix_fraction: f64,
     pub think_scale: f64,
     pub max_think_s: f64,
-    /// Sessions in flight (closed loop); DESIGN uses 8, 16, 24, 32, 40.
+    /// Sessions in flight (closed loop); the benchmark uses 8, 16, 24, 32, 40 (docs/design.md section 7).
     pub concurrency: usize,
     /// Read only the first N sessions.
     pub max_sessions: Option<usize>,

@@ -78,6 +78,7 @@ pub fn choose(input: &Input, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::KvLoadPreset;
     use crate::load::LoadTotals;
 
     fn input<'a>(load: &'a [LoadTotals], overlap: &'a [f64], active: &'a [f64]) -> Input<'a> {
@@ -106,7 +107,7 @@ mod tests {
         ];
         let k = KvLoadParams {
             assume_kv_reuse: false,
-            ..KvLoadParams::default()
+            ..KvLoadPreset::Dynamo.params()
         };
         let full = costs(&input(&load, &[10.0, 0.0], &[]), &k);
         assert_eq!(full, vec![20.0, 10.0]);
@@ -128,7 +129,7 @@ mod tests {
     #[test]
     fn blocks_already_active_are_not_charged_again() {
         let load = [LoadTotals::default(); 2];
-        let k = KvLoadParams::default();
+        let k = KvLoadPreset::Dynamo.params();
         let c = costs(&input(&load, &[0.0, 0.0], &[6.0, 0.0]), &k);
         assert_eq!(c, vec![10.0 + 4.0, 10.0 + 10.0]);
     }

@@ -21,6 +21,23 @@ pub fn default_policies() -> Vec<String> {
     POLICIES.iter().map(|s| s.to_string()).collect()
 }
 
+/// `kv_load` as the routers users would otherwise pick set it (the presets of docs/configuration.md):
+/// the report measures kvsteer's default against each.
+pub const PRESET_VARIANTS: [&str; 3] = [
+    "kv_load@preset=dynamo",
+    "kv_load@preset=ray_balanced",
+    "kv_load@preset=ray_kv_biased",
+];
+
+/// What the benchmark compares when `--policies` is not given: every policy, then the presets.
+pub fn bench_policies() -> Vec<String> {
+    POLICIES
+        .iter()
+        .chain(&PRESET_VARIANTS)
+        .map(|s| s.to_string())
+        .collect()
+}
+
 /// Walks the arguments flag by flag; a flag that takes a value pulls it with [`ArgReader::value`]
 /// (or the typed forms), so a missing value is an error naming the flag rather than a panic.
 pub struct ArgReader<I> {
@@ -149,6 +166,16 @@ mod tests {
             split_list("kv_load@overlap_credit=2"),
             vec!["kv_load@overlap_credit=2"]
         );
+    }
+
+    #[test]
+    fn bench_policies_are_the_policies_then_valid_presets() {
+        let p = bench_policies();
+        assert_eq!(p[..POLICIES.len()], default_policies()[..]);
+        assert_eq!(p[POLICIES.len()..], PRESET_VARIANTS.map(String::from)[..]);
+        for v in PRESET_VARIANTS {
+            crate::bench::run::routing(v).unwrap();
+        }
     }
 
     #[test]

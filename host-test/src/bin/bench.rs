@@ -15,9 +15,7 @@
 //! summary) and the SVG plots under `DIR/results/`.
 
 use kvsteer_host_test::artifact::workspace_root;
-use kvsteer_host_test::bench::args::{
-    ArgReader, POLICIES, default_policies, or_usage_exit, unknown,
-};
+use kvsteer_host_test::bench::args::{ArgReader, POLICIES, bench_policies, or_usage_exit, unknown};
 use kvsteer_host_test::bench::report::{
     ScenarioRuns, claims, hit_cv_plot, scenario_plots, scenario_table,
 };
@@ -49,7 +47,7 @@ fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         scale: Scale::Full,
         seeds: None,
-        policies: default_policies(),
+        policies: bench_policies(),
         only: Vec::new(),
         jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
         workers: 2,
