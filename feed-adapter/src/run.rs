@@ -240,6 +240,7 @@ fn apply(sh: &Shared, seq: u64, payload: &[u8]) {
     if let Err(e) = st.apply_payload(payload, entropy()) {
         warn!(seq, error = %e, epoch = st.epoch(), "engine payload refused; view reset");
     }
+    st.set_applied_seq(seq);
 }
 
 async fn on_message(sh: &Shared, replay: Option<&Replay>, topic: &str, frames: Vec<Bytes>) {
@@ -495,11 +496,14 @@ async fn own_metrics(State(sh): State<Arc<Shared>>) -> Response {
 async fn health(State(sh): State<Arc<Shared>>) -> Response {
     let st = lock(&sh.state);
     let body = format!(
-        "{{\"epoch\":{},\"blocks\":{},\"block_size\":{},\"expected_seq\":{},\"engine_stale\":{}}}\n",
+        "{{\"epoch\":{},\"blocks\":{},\"block_size\":{},\"expected_seq\":{},\"applied_seq\":{},\"engine_stale\":{}}}\n",
         st.epoch(),
         st.blocks(),
         st.block_size().unwrap_or(0),
         st.expected_seq()
+            .map(|s| s.to_string())
+            .unwrap_or_else(|| "null".into()),
+        st.applied_seq()
             .map(|s| s.to_string())
             .unwrap_or_else(|| "null".into()),
         sh.engine_stale()

@@ -229,6 +229,8 @@ pub struct AdapterState {
     tier_counts: [usize; 3],
     log: FeedLog,
     expected_seq: Option<u64>,
+    /// Sequence number of the last payload applied.
+    applied_seq: Option<u64>,
     load: EngineLoad,
     stats: Stats,
     scratch: Vec<SeqHash>,
@@ -272,6 +274,7 @@ impl AdapterState {
             tier_counts: [0; 3],
             log,
             expected_seq: None,
+            applied_seq: None,
             load: EngineLoad::default(),
             stats: Stats::default(),
             scratch: Vec::new(),
@@ -310,6 +313,13 @@ impl AdapterState {
     }
     pub fn expected_seq(&self) -> Option<u64> {
         self.expected_seq
+    }
+    /// Sequence number of the last engine payload applied (replayed ones included).
+    pub fn applied_seq(&self) -> Option<u64> {
+        self.applied_seq
+    }
+    pub fn set_applied_seq(&mut self, seq: u64) {
+        self.applied_seq = Some(seq);
     }
     pub fn engine_load(&self) -> &EngineLoad {
         &self.load
@@ -694,17 +704,12 @@ impl AdapterState {
             (Some(u), t) if t > 0 && u.is_finite() => (u.clamp(0.0, 1.0) * t as f64).round() as u64,
             _ => 0,
         };
-        let gpu_cached = self.tier_counts[Tier::Gpu as usize] as u64;
-        let mut used = referenced.max(gpu_cached);
-        if total > 0 {
-            used = used.min(total);
-        }
         ReplicaLoad {
             running: self.load.running.min(u32::MAX as u64) as u32,
             waiting: self.load.waiting.min(u32::MAX as u64) as u32,
             prefill_tokens: 0,
             decode_blocks: referenced,
-            kv_used_blocks: used,
+            kv_used_blocks: referenced,
             kv_total_blocks: total,
             block_size: self.block_size.unwrap_or(0) as u32,
         }
