@@ -99,16 +99,14 @@ impl GuestRouter for Routing {
         let req = router
             .read_request(&request.path, &request.body, request.session_key.as_deref())
             .map_err(request_error)?;
-        let d = router.route(&req, now_ms);
-        router.admit(request_id, &req, &d, now_ms);
-        Ok(decision(&d))
+        Ok(decision(&router.route_and_admit(request_id, &req, now_ms)))
     }
 
     fn route_unread(&self, request_id: u64, body_bytes: u64, now_ms: u64) -> Decision {
         let mut router = self.inner.borrow_mut();
-        let d = router.route_fallback(now_ms);
-        router.admit_unread(request_id, &d, body_bytes / 4);
-        decision(&d)
+        // The WIT interface carries the size as u64; a body beyond usize cannot have been buffered.
+        let bytes = usize::try_from(body_bytes).unwrap_or(usize::MAX);
+        decision(&router.route_unread(request_id, bytes, now_ms))
     }
 
     fn first_token(&self, request_id: u64) {

@@ -384,6 +384,47 @@ impl Router {
         }
     }
 
+    /// Routes a read request and admits it under `request_id`: "route then admit" in one step, as the
+    /// filter, the component and the playground all do it (a decision that is not admitted leaves the
+    /// load table blind to the request).
+    pub fn route_and_admit(
+        &mut self,
+        request_id: u64,
+        req: &RouteRequest,
+        now_ms: u64,
+    ) -> Decision {
+        let d = self.route(req, now_ms);
+        self.admit(request_id, req, &d, now_ms);
+        d
+    }
+
+    /// Routes a request whose body was not read (absent, too large, refused by the host) by load
+    /// alone, and admits it with its prompt estimated at 4 body bytes a token (the ratio of the
+    /// approximate text identity).
+    pub fn route_unread(&mut self, request_id: u64, body_bytes: usize, now_ms: u64) -> Decision {
+        let d = self.route_fallback(now_ms);
+        self.admit_unread(request_id, &d, (body_bytes / 4) as u64);
+        d
+    }
+
+    /// Reads a body and routes it, admitting it under `request_id`; a body the parser refuses (too
+    /// large, not JSON, no prompt, ...) is routed by [`Router::route_unread`] instead, and the error
+    /// comes back beside the decision so the caller can count it. Never fails to decide.
+    pub fn route_body(
+        &mut self,
+        request_id: u64,
+        path: &str,
+        body: &[u8],
+        session_key: Option<&str>,
+        tokenizer: Option<&mut dyn PromptTokenizer>,
+        now_ms: u64,
+    ) -> (Decision, Option<RequestError>) {
+        match self.read_request_with(path, body, session_key, tokenizer) {
+            Ok(req) => (self.route_and_admit(request_id, &req, now_ms), None),
+            Err(e) => (self.route_unread(request_id, body.len(), now_ms), Some(e)),
+        }
+    }
+
     /// A load-only choice for a request whose body could not be read (too large, not JSON, ...).
     pub fn route_fallback(&mut self, _now_ms: u64) -> Decision {
         let eff = self.effective_load();

@@ -280,14 +280,13 @@ impl RouterState {
         // Lean build: text prompts keep the approximate identity (a tokenizer section was refused).
         #[cfg(not(feature = "tokenizer"))]
         let tok: Option<&mut dyn PromptTokenizer> = None;
-        match self.router.read_request_with(path, body, session, tok) {
-            Ok(req) => {
-                let d = self.router.route(&req, now_ms);
-                self.router.admit(request_id, &req, &d, now_ms);
-                d
-            }
-            Err(_) => self.route_fallback(request_id, BodyFallback::Unreadable, body.len(), now_ms),
+        let (d, unread) = self
+            .router
+            .route_body(request_id, path, body, session, tok, now_ms);
+        if unread.is_some() {
+            self.body_fallbacks[BodyFallback::Unreadable as usize] += 1;
         }
+        d
     }
 
     /// Routes by load alone and tracks the request, its prompt estimated at 4 body bytes a token (the
@@ -300,10 +299,7 @@ impl RouterState {
         now_ms: u64,
     ) -> Decision {
         self.body_fallbacks[why as usize] += 1;
-        let d = self.router.route_fallback(now_ms);
-        self.router
-            .admit_unread(request_id, &d, (body_bytes / 4) as u64);
-        d
+        self.router.route_unread(request_id, body_bytes, now_ms)
     }
 
     /// The request's first token arrived: its prefill load becomes decode load.
@@ -628,11 +624,16 @@ mod tests {
     use kvsteer_core::feed::{FeedEvent, ReplicaLoad, Tier};
 
     fn worker(policy: &str) -> RouterState {
+        worker_routing(&format!(r#"{{"policy":"{policy}"}}"#))
+    }
+
+    /// Two replicas with the given `routing` section.
+    fn worker_routing(routing: &str) -> RouterState {
         let json = format!(
             r#"{{"replicas":[
                 {{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}},
                 {{"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"f1"}}],
-               "routing":{{"policy":"{policy}"}}, "stale_after_failures": 2}}"#
+               "routing":{routing}, "stale_after_failures": 2}}"#
         );
         RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
     }
@@ -775,8 +776,10 @@ mod tests {
     fn a_follower_of_an_idle_replica_stays_fresh_and_takes_its_load() {
         use crate::store::tests::MemStore;
         let store = MemStore::default();
-        let mut lead = worker("kv_load");
-        let mut follow = worker("kv_load");
+        // Reports combined by max, so the relayed load shows in what the policies see.
+        let routing = r#"{"policy":"kv_load","kv_load":{"reported_load":"max"}}"#;
+        let mut lead = worker_routing(routing);
+        let mut follow = worker_routing(routing);
         lead.worker_id = Some(0);
         follow.worker_id = Some(1);
         let snap = |epoch| FeedBatch {

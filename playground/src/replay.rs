@@ -283,8 +283,7 @@ pub fn run(req: &ReplayRequest, trace: &str) -> Result<ReplayResult, String> {
                 identity: PromptIdentity::Exact(hashes),
             };
             let now_ms = now / 1000;
-            let d = router.route(&route_req, now_ms);
-            router.admit(issue.request_id, &route_req, &d, now_ms);
+            let d = router.route_and_admit(issue.request_id, &route_req, now_ms);
             recorder.routed(issue.request_id, d.replica);
             let submitted = engines[d.replica].submit(
                 now,

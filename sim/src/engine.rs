@@ -536,10 +536,10 @@ impl Engine {
     pub fn load(&self) -> ReplicaLoad {
         let mut prefill = 0u64;
         for &s in &self.running {
-            if let Some(seq) = &self.slots[s as usize] {
-                if !seq.decoding() {
-                    prefill += (seq.tokens.len() - seq.computed) as u64;
-                }
+            if let Some(seq) = &self.slots[s as usize]
+                && !seq.decoding()
+            {
+                prefill += (seq.tokens.len() - seq.computed) as u64;
             }
         }
         let bs = self.cfg.block_size as u64;
