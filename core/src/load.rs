@@ -199,14 +199,30 @@ impl LoadTable {
     /// How many leading blocks of `blocks` are already booked on `replica` by active requests (0
     /// without `assume_kv_reuse`): routing the request there adds only the rest to its decode load.
     pub fn active_prefix(&self, replica: usize, blocks: &[u64]) -> usize {
+        self.active_prefix_by(replica, blocks.len(), |i| blocks[i])
+    }
+
+    /// [`LoadTable::active_prefix`] for a request of `n` blocks whose `i`-th hash is `key(i)`, so the
+    /// routing path need not copy the hashes.
+    pub fn active_prefix_by(&self, replica: usize, n: usize, key: impl Fn(usize) -> u64) -> usize {
         let Some(set) = self.active_blocks.get(replica) else {
             return 0;
         };
         if set.is_empty() {
             return 0;
         }
-        // Prefix-closed set: the predicate "block i is active" is true then false along the request.
-        blocks.partition_point(|h| set.contains_key(h))
+        // Prefix-closed set: "block i is active" is true then false along the request, so the first
+        // inactive block is found by binary search.
+        let (mut lo, mut hi) = (0, n);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if set.contains_key(&key(mid)) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
     }
 
     /// Starts tracking a request routed to `replica` with `uncached_tokens` of `prompt_tokens` to

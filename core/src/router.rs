@@ -272,9 +272,9 @@ impl Router {
         let policy = self.cfg.policy;
         let active_prefix: Vec<f64> =
             if policy == PolicyKind::KvLoad && self.cfg.kv_load.assume_kv_reuse {
-                let keys = req.identity.keys();
+                let (n, id) = (req.identity.blocks(), &req.identity);
                 (0..self.replicas)
-                    .map(|r| self.load.active_prefix(r, &keys) as f64)
+                    .map(|r| self.load.active_prefix_by(r, n, |i| id.key(i)) as f64)
                     .collect()
             } else {
                 Vec::new()
