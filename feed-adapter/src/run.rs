@@ -337,6 +337,9 @@ fn apply_replayed(sh: &Shared, batches: &[(u64, Bytes)]) {
 /// Asks the engine's ROUTER for batches `from..to`: sends the start as 8 big-endian bytes, reads
 /// `(seq, payload)` replies until the end marker (sequence -1). Returns the batches in `from..to`, in
 /// order and without holes (stops at the first hole).
+///
+/// A reply is `[empty delimiter,] [topic,] seq, payload`: vLLM 0.32 sends the topic (its end marker
+/// an empty one), SGLang and older vLLM releases do not.
 async fn fetch_replay(r: &Replay, from: u64, to: u64) -> Result<Vec<(u64, Bytes)>, String> {
     let work = async {
         let mut d = DealerSocket::new();
@@ -349,7 +352,11 @@ async fn fetch_replay(r: &Replay, from: u64, to: u64) -> Result<Vec<(u64, Bytes)
         let mut out: Vec<(u64, Bytes)> = Vec::new();
         loop {
             let mut frames = d.recv().await.map_err(|e| format!("recv: {e}"))?.into_vec();
-            if frames.len() == 3 && frames[0].is_empty() {
+            if frames.len() == 4 && frames[0].is_empty() {
+                frames.remove(0);
+            }
+            if frames.len() == 3 {
+                // The delimiter (no topic), or the topic.
                 frames.remove(0);
             }
             if frames.len() != 2 {

@@ -277,8 +277,13 @@ async fn a_gap_without_replay_resets_the_epoch_and_is_counted() {
 /// Batches an engine keeps for replay: (sequence number, payload).
 type Recorded = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
 
-/// Serves vLLM's replay protocol from a list of recorded batches.
-async fn replay_server(recorded: Recorded) -> (String, tokio::task::JoinHandle<()>) {
+/// Serves vLLM's replay protocol from a list of recorded batches. Replies carry the topic frame
+/// (`delimiter, topic, seq, payload`; the end marker's topic is empty) as vLLM 0.32 sends them, or
+/// not (`delimiter, seq, payload`) as SGLang and older vLLM releases do.
+async fn replay_server(
+    recorded: Recorded,
+    topic: Option<&'static str>,
+) -> (String, tokio::task::JoinHandle<()>) {
     let mut router = RouterSocket::new();
     let ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
     let task = tokio::spawn(async move {
@@ -292,6 +297,9 @@ async fn replay_server(recorded: Recorded) -> (String, tokio::task::JoinHandle<(
                 if *seq >= start {
                     let mut m = ZmqMessage::from(id.clone());
                     m.push_back(Bytes::new());
+                    if let Some(t) = topic {
+                        m.push_back(Bytes::from_static(t.as_bytes()));
+                    }
                     m.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
                     m.push_back(Bytes::from(payload.clone()));
                     router.send(m).await.unwrap();
@@ -299,6 +307,9 @@ async fn replay_server(recorded: Recorded) -> (String, tokio::task::JoinHandle<(
             }
             let mut end = ZmqMessage::from(id.clone());
             end.push_back(Bytes::new());
+            if topic.is_some() {
+                end.push_back(Bytes::new());
+            }
             end.push_back(Bytes::copy_from_slice(&(-1i64).to_be_bytes()));
             end.push_back(Bytes::new());
             router.send(end).await.unwrap();
@@ -309,9 +320,20 @@ async fn replay_server(recorded: Recorded) -> (String, tokio::task::JoinHandle<(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_is_filled_from_the_replay_endpoint() {
+    gap_filled_by_replay(None).await;
+}
+
+/// vLLM 0.32's replies carry the topic (the adapter once refused them: "replay reply with 4
+/// frames", found by e2e/test_real_vllm.py).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_filled_from_replies_that_carry_the_topic() {
+    gap_filled_by_replay(Some("kv-events")).await;
+}
+
+async fn gap_filled_by_replay(topic: Option<&'static str>) {
     let toks: Vec<u32> = (500..564).collect(); // 4 blocks
     let recorded = Arc::new(Mutex::new(Vec::new()));
-    let (ep, _task) = replay_server(recorded.clone()).await;
+    let (ep, _task) = replay_server(recorded.clone(), topic).await;
     let (r, mut e) = adapter(&["--replay-endpoint", &ep]).await;
     let snap = poll(&r, FeedQuery::resync(100)).await;
     // The engine's buffer holds the two batches the adapter misses.
