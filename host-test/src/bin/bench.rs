@@ -10,7 +10,8 @@
 //! own section), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
-//! `--traces DIR` (default `traces`).
+//! `--traces DIR` (default `traces`), `--notes-only` (put `DIR/results/notes.md`, the analysis
+//! written after looking at a run, into the existing `DIR/results.md`; runs nothing).
 //! Writes `DIR/results.md`, `DIR/results/harness.json` (configuration, seeds, commit, every run's
 //! summary) and the SVG plots under `DIR/results/`.
 
@@ -41,6 +42,7 @@ struct Args {
     out: Option<PathBuf>,
     traces: PathBuf,
     export_slice: Option<PathBuf>,
+    notes_only: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -54,6 +56,7 @@ fn parse_args() -> Result<Args, String> {
         out: None,
         traces: workspace_root().join(kvsteer_workload::catalog::DEFAULT_TRACES),
         export_slice: None,
+        notes_only: false,
     };
     let mut args = ArgReader::from_env();
     while let Some(arg) = args.next_flag() {
@@ -68,11 +71,12 @@ fn parse_args() -> Result<Args, String> {
             "--out" => a.out = Some(PathBuf::from(args.value("--out")?)),
             "--traces" => a.traces = PathBuf::from(args.value("--traces")?),
             "--export-slice" => a.export_slice = Some(PathBuf::from(args.value("--export-slice")?)),
+            "--notes-only" => a.notes_only = true,
             "-h" | "--help" => {
                 return Err(
                     "usage: bench [--quick | --smoke] [--seeds N] [--policies a,b] \
                             [--only id|group,..] [--jobs N] [--workers N] [--out DIR] \
-                            [--traces DIR] [--export-slice FILE]"
+                            [--traces DIR] [--export-slice FILE] [--notes-only]"
                         .into(),
                 );
             }
@@ -105,12 +109,54 @@ fn main() {
     let args = or_usage_exit(parse_args());
     let r = match &args.export_slice {
         Some(file) => export_slice(&args, file),
+        None if args.notes_only => refresh_notes(&args),
         None => run(&args),
     };
     if let Err(e) = r {
         eprintln!("bench: {e}");
         std::process::exit(1);
     }
+}
+
+/// Where a run writes: `--out`, else `docs/` at full scale, else `out/bench-<scale>/`.
+fn out_dir(args: &Args) -> PathBuf {
+    args.out.clone().unwrap_or_else(|| match args.scale {
+        Scale::Full => workspace_root().join("docs"),
+        _ => workspace_root().join(format!("out/bench-{}", args.scale.name())),
+    })
+}
+
+/// `--notes-only`: puts the current `results/notes.md` (the hand-written analysis, which is written
+/// after looking at a run) into the existing `results.md` in place of the analysis it was generated
+/// with, exactly where a run puts it; nothing is replayed and no figure changes.
+fn refresh_notes(args: &Args) -> Result<(), String> {
+    let out = out_dir(args);
+    let report = out.join("results.md");
+    let notes_path = out.join("results").join("notes.md");
+    let md = std::fs::read_to_string(&report).map_err(|e| format!("{}: {e}", report.display()))?;
+    let notes = std::fs::read_to_string(&notes_path)
+        .map_err(|e| format!("{}: {e}", notes_path.display()))?;
+    let md = splice_notes(&md, &notes)
+        .ok_or_else(|| format!("{}: no analysis section to replace", report.display()))?;
+    std::fs::write(&report, md).map_err(|e| format!("{}: {e}", report.display()))?;
+    eprintln!("put {} into {}", notes_path.display(), report.display());
+    Ok(())
+}
+
+/// `md` with its `## Analysis` section's body replaced by `notes` (the body runs to the next `## `
+/// heading; notes use `###` and below). None when there is no such section.
+fn splice_notes(md: &str, notes: &str) -> Option<String> {
+    const HEAD: &str = "## Analysis\n\n";
+    let start = md.find(HEAD)? + HEAD.len();
+    let end = md[start..]
+        .find("\n## ")
+        .map_or(md.len(), |i| start + i + 1);
+    let mut out = String::with_capacity(md.len() + notes.len());
+    out.push_str(&md[..start]);
+    out.push_str(notes);
+    out.push('\n');
+    out.push_str(&md[end..]);
+    Some(out)
 }
 
 fn run(args: &Args) -> Result<(), String> {
@@ -126,10 +172,7 @@ fn run(args: &Args) -> Result<(), String> {
     if scenarios.is_empty() {
         return Err(format!("--only {:?} matches no scenario", args.only));
     }
-    let out = args.out.clone().unwrap_or_else(|| match scale {
-        Scale::Full => workspace_root().join("docs"),
-        _ => workspace_root().join(format!("out/bench-{}", scale.name())),
-    });
+    let out = out_dir(args);
     let path = filter_wasm_path().map_err(|e| e.to_string())?;
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
 
@@ -717,4 +760,25 @@ fn check_outputs(out: &Path, expected_runs: usize) -> Result<(), String> {
         return Err(format!("{svgs} SVG plots for {scenarios} scenarios"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::splice_notes;
+
+    #[test]
+    fn notes_replace_only_the_analysis_body() {
+        let md = "# R\n\n## Claims\n\nc\n## Analysis\n\nold\n### x\nold too\n\n## RL\n\ntable\n";
+        let out = splice_notes(md, "new\n### y\n").unwrap();
+        assert_eq!(
+            out,
+            "# R\n\n## Claims\n\nc\n## Analysis\n\nnew\n### y\n\n## RL\n\ntable\n"
+        );
+        assert_eq!(splice_notes("# no analysis\n", "n"), None);
+        // At the end of the report.
+        assert_eq!(
+            splice_notes("## Analysis\n\nold\n", "new\n").unwrap(),
+            "## Analysis\n\nnew\n\n"
+        );
+    }
 }
