@@ -500,3 +500,23 @@ fn session_hash_moves_only_the_down_replicas_sessions() {
     let back: Vec<usize> = keys.iter().map(|k| route(&mut r, k)).collect();
     assert_eq!(back, before, "sessions return when the replica is back");
 }
+
+#[test]
+fn output_hint_weights_a_requests_own_blocks_through_the_router() {
+    let run = |hint: bool| {
+        let mut c = cfg(PolicyKind::KvLoad);
+        c.kv_load.use_output_hint = hint;
+        let mut r = Router::new(c, 2).unwrap();
+        let prompt: Vec<u32> = (0..64).collect();
+        // max_tokens 8 in `body`: the output hint.
+        let req = r.read_request("/v1/completions", &body(&prompt), None).unwrap();
+        assert_eq!(req.output_hint, Some(8));
+        let d = r.route_and_admit(1, &req, 0);
+        r.decode_progress(1, 8);
+        r.local_load()[d.replica].decode_blocks
+    };
+    // 16 prompt blocks shared (booked once) + 2 own output blocks; done generating, the own blocks
+    // weigh nothing with the hint.
+    assert_eq!(run(false), 18);
+    assert_eq!(run(true), 16);
+}
