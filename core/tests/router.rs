@@ -509,7 +509,9 @@ fn output_hint_weights_a_requests_own_blocks_through_the_router() {
         let mut r = Router::new(c, 2).unwrap();
         let prompt: Vec<u32> = (0..64).collect();
         // max_tokens 8 in `body`: the output hint.
-        let req = r.read_request("/v1/completions", &body(&prompt), None).unwrap();
+        let req = r
+            .read_request("/v1/completions", &body(&prompt), None)
+            .unwrap();
         assert_eq!(req.output_hint, Some(8));
         let d = r.route_and_admit(1, &req, 0);
         r.decode_progress(1, 8);
