@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -102,6 +103,22 @@ def wait_until(what: str, pred, timeout_s: float, every_s: float = 0.1):
         time.sleep(every_s)
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
 @dataclass
 class Engine:
     """One vLLM engine and the adapter beside it."""
@@ -142,6 +159,60 @@ class RealStack(Stack):
         super().__init__(quiet=False)
         self.engines: list[Engine] = []
         self.cache_root = self.workdir / "vllm-cache"
+
+    def close(self) -> None:
+        self.stop_engines(self.engines)
+        super().close()
+
+    def stop_engines(self, engines: list[Engine], kill: bool = False) -> None:
+        """Stops (SIGTERM, or SIGKILL with `kill`) the engines' process groups together, SIGKILLs
+        what is left of them after 8 s, and unlinks the POSIX shared memory their processes had
+        mapped: vLLM leaves `/dev/shm/psm_*` segments behind even on SIGTERM (its resource tracker
+        goes down with the group), and an API server may exit before its engine core, which is then
+        orphaned."""
+        groups: list[int] = []
+        procs: list[Proc] = []
+        segments: set[str] = set()
+        for e in engines:
+            p = e.engine
+            if p is None:
+                continue
+            e.engine = None
+            if p in self.procs:
+                self.procs.remove(p)
+            group = p.popen.pid
+            groups.append(group)
+            procs.append(p)
+            for pid in group_members(group):
+                try:
+                    with open(f"/proc/{pid}/maps") as f:
+                        segments.update(line.split()[-1] for line in f
+                                        if "/dev/shm/psm_" in line)
+                except (OSError, IndexError):
+                    continue
+            try:
+                os.killpg(group, signal.SIGKILL if kill else signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + (2 if kill else 8)
+        while any(group_members(g) for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for g in groups:
+            if group_members(g):
+                try:
+                    os.killpg(g, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        while any(group_members(g) for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in procs:
+            p.popen.poll()  # reap
+        for seg in segments:
+            try:
+                os.unlink(seg)
+            except OSError:
+                pass
 
     def spawn_env(self, what: str, argv: list[str], env: dict[str, str]) -> Proc:
         """Stack.spawn with these variables added to the environment (through env(1), which execs:
@@ -558,9 +629,7 @@ class RealVllm(unittest.TestCase):
         # stream that has started cannot be retried by any proxy.
         threads = self.run_load(5, results, stop, streams=False)
         time.sleep(1.5)
-        assert e.engine is not None
-        e.engine.kill()
-        self.stack.procs.remove(e.engine)
+        self.stack.stop_engines([e], kill=True)
         for t in threads:
             t.join(timeout=60)
         failed = [r for r in results if not r.ok]
