@@ -205,10 +205,14 @@ class KvsteerBehindEnvoy(unittest.TestCase):
 
 class BusyReplicaAvoided(unittest.TestCase):
     """Under kv_load a replica already loaded with decode work is avoided, even by a request whose
-    prefix it caches, because the prefill saved there is smaller than the load it carries."""
+    prefix it caches, because the prefill saved there is smaller than the load it carries. The load
+    comes from traffic this proxy never saw (another router's), so the filter learns it only from the
+    replica's own report in the feed: `reported_load: max`, the setting for fleets with several
+    independent proxies (the default, `ignore`, scores on this proxy's own bookings)."""
 
     def test_busy_replica_is_avoided(self):
-        with new_stack("envoy") as stack:
+        max_reports = {"routing": {"kv_load": {"reported_load": "max"}}}
+        with new_stack("envoy", plugin_overrides=max_reports) as stack:
             busy = stack.replicas[0]
             prefix = tokens(256, 60_000)
             # Cache the prefix on `busy` only, by asking it directly.
