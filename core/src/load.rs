@@ -226,8 +226,8 @@ impl LoadTable {
     }
 
     /// Starts tracking a request routed to `replica` with `uncached_tokens` of `prompt_tokens` to
-    /// prefill; `blocks` are its full-block hashes (used with `assume_kv_reuse`). Re-admitting a known
-    /// id first releases the old one. Returns false for a bad replica.
+    /// prefill; `blocks` are its full-block hashes, read (and kept) only with `assume_kv_reuse`.
+    /// Re-admitting a known id first releases the old one. Returns false for a bad replica.
     pub fn admit(
         &mut self,
         request_id: u64,
@@ -235,7 +235,7 @@ impl LoadTable {
         prompt_tokens: u64,
         uncached_tokens: u64,
         expected_output: Option<u64>,
-        blocks: &[u64],
+        blocks: impl IntoIterator<Item = u64>,
     ) -> bool {
         if replica >= self.totals.len() {
             return false;
@@ -254,7 +254,7 @@ impl LoadTable {
         let shared = if self.accounting.assume_kv_reuse {
             // An approximate (text) identity may count more chunks than token blocks: never book more
             // shared blocks than the prompt has.
-            blocks[..blocks.len().min(prompt_blocks as usize)].to_vec()
+            blocks.into_iter().take(prompt_blocks as usize).collect()
         } else {
             Vec::new()
         };
@@ -270,21 +270,21 @@ impl LoadTable {
             charged_blocks: 0,
         };
         if self.accounting.prompt_blocks_at_admission {
-            self.charge_prompt(&mut r);
+            let t = &mut self.totals[replica];
+            Self::book_prompt(&mut self.active_blocks[replica], t, &mut r);
+            Self::recharge(t, &mut r, self.block_size, self.accounting.use_output_hint);
         }
         self.requests.insert(request_id, r);
         true
     }
 
-    /// Books the request's prompt blocks on its replica: the shared ones through the replica's set
-    /// (each counted once), the rest as its own.
-    fn charge_prompt(&mut self, r: &mut Tracked) {
+    /// Books the request's shared prompt blocks on its replica through the replica's set (each
+    /// counted once), once; its own blocks are booked by [`LoadTable::recharge`].
+    fn book_prompt(set: &mut HashMap<u64, u32>, t: &mut LoadTotals, r: &mut Tracked) {
         if r.prompt_charged {
             return;
         }
         r.prompt_charged = true;
-        let set = &mut self.active_blocks[r.replica];
-        let t = &mut self.totals[r.replica];
         for h in &r.shared {
             let n = set.entry(*h).or_insert(0);
             if *n == 0 {
@@ -292,48 +292,39 @@ impl LoadTable {
             }
             *n += 1;
         }
-        Self::recharge(t, r, self.block_size, self.accounting.use_output_hint);
     }
 
     /// The first output token arrived: prefill load becomes decode load.
     pub fn first_token(&mut self, request_id: u64) {
-        match self.requests.get(&request_id) {
-            None => {
-                self.release_anomalies += 1;
-                return;
-            }
-            Some(r) if r.decoding => return,
-            Some(_) => {}
-        }
-        // Taken out while its prompt is booked (that borrows the table), put back below.
-        let Some(mut r) = self.requests.remove(&request_id) else {
-            return;
-        };
-        {
-            r.decoding = true;
-            r.generated = r.generated.max(1);
-            let t = &mut self.totals[r.replica];
-            t.prefill_tokens = t.prefill_tokens.saturating_sub(r.prefill_tokens);
-            r.prefill_tokens = 0;
-            self.charge_prompt(&mut r);
-            let t = &mut self.totals[r.replica];
-            Self::recharge(t, &mut r, self.block_size, self.accounting.use_output_hint);
-        }
-        self.requests.insert(request_id, r);
+        self.progress(request_id, None);
     }
 
     /// `generated` output tokens so far (cumulative). Implies the first token.
     pub fn decode_progress(&mut self, request_id: u64, generated: u64) {
-        if !self.requests.contains_key(&request_id) {
+        self.progress(request_id, Some(generated));
+    }
+
+    /// One lookup per stream event: the first call turns the request's prefill load into decode load
+    /// (booking its prompt if that waited for the first token); `generated` moves its own blocks.
+    fn progress(&mut self, request_id: u64, generated: Option<u64>) {
+        let Some(r) = self.requests.get_mut(&request_id) else {
             self.release_anomalies += 1;
             return;
+        };
+        let t = &mut self.totals[r.replica];
+        if !r.decoding {
+            r.decoding = true;
+            r.generated = r.generated.max(1);
+            t.prefill_tokens = t.prefill_tokens.saturating_sub(r.prefill_tokens);
+            r.prefill_tokens = 0;
+            Self::book_prompt(&mut self.active_blocks[r.replica], t, r);
+        } else if generated.is_none() {
+            return;
         }
-        self.first_token(request_id);
-        if let Some(r) = self.requests.get_mut(&request_id) {
-            r.generated = generated;
-            let t = &mut self.totals[r.replica];
-            Self::recharge(t, r, self.block_size, self.accounting.use_output_hint);
+        if let Some(g) = generated {
+            r.generated = g;
         }
+        Self::recharge(t, r, self.block_size, self.accounting.use_output_hint);
     }
 
     /// Re-books the request's own blocks: the prompt blocks not in the shared set (all of them without
@@ -410,7 +401,7 @@ mod tests {
     #[test]
     fn life_cycle_moves_load_and_releases_all() {
         let mut t = LoadTable::new(2, 16, FIRST_TOKEN);
-        assert!(t.admit(1, 1, 100, 60, None, &[]));
+        assert!(t.admit(1, 1, 100, 60, None, []));
         assert_eq!(
             t.totals()[1],
             LoadTotals {
@@ -432,7 +423,7 @@ mod tests {
         assert_eq!(t.totals()[1], LoadTotals::default());
         assert!(!t.release(1), "double release is harmless");
         assert_eq!(t.release_anomalies(), 1);
-        assert!(!t.admit(2, 5, 10, 10, None, &[]), "bad replica");
+        assert!(!t.admit(2, 5, 10, 10, None, []), "bad replica");
     }
 
     #[test]
@@ -445,7 +436,7 @@ mod tests {
                 ..FIRST_TOKEN
             },
         );
-        t.admit(1, 0, 160, 160, Some(160), &[]);
+        t.admit(1, 0, 160, 160, Some(160), []);
         t.first_token(1);
         assert_eq!(t.totals()[0].decode_blocks, 10);
         t.decode_progress(1, 80); // 15 blocks, half done
@@ -459,8 +450,8 @@ mod tests {
     #[test]
     fn release_before_first_token_removes_prefill() {
         let mut t = LoadTable::new(1, 16, FIRST_TOKEN);
-        t.admit(1, 0, 100, 100, None, &[]);
-        t.admit(2, 0, 50, 20, None, &[]);
+        t.admit(1, 0, 100, 100, None, []);
+        t.admit(2, 0, 50, 20, None, []);
         t.release(1);
         assert_eq!(t.totals()[0].prefill_tokens, 20);
         assert_eq!(t.totals()[0].active_requests, 1);
@@ -473,14 +464,14 @@ mod tests {
         let mut t = LoadTable::new(2, 16, Accounting::default());
         // 100 tokens: 6 full blocks (hashed) + a partial one.
         let a = [1, 2, 3, 4, 5, 6];
-        assert!(t.admit(1, 0, 100, 100, None, &a));
+        assert!(t.admit(1, 0, 100, 100, None, a));
         assert_eq!(t.totals()[0].decode_blocks, 7, "booked from admission");
         assert_eq!(t.totals()[0].prefill_tokens, 100);
         // A second request sharing the first 4 blocks adds only its own 2 + partial.
         let b = [1, 2, 3, 4, 9, 10];
         assert_eq!(t.active_prefix(0, &b), 4);
         assert_eq!(t.active_prefix(1, &b), 0, "other replica");
-        t.admit(2, 0, 100, 36, None, &b);
+        t.admit(2, 0, 100, 36, None, b);
         assert_eq!(t.totals()[0].decode_blocks, 7 + 3);
         t.first_token(1);
         assert_eq!(t.totals()[0].prefill_tokens, 36);
@@ -511,7 +502,7 @@ mod tests {
             },
         );
         // More identity chunks than token blocks (a text identity): at most 2 shared blocks booked.
-        t.admit(1, 0, 32, 32, Some(32), &[7, 8, 9, 10]);
+        t.admit(1, 0, 32, 32, Some(32), [7, 8, 9, 10]);
         assert_eq!(t.totals()[0].decode_blocks, 2);
         // Half-way through its output: 2 shared + ceil(1 own block * 0.5).
         t.decode_progress(1, 16);

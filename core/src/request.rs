@@ -38,14 +38,9 @@ impl PromptIdentity {
         }
     }
 
-    /// The block hashes as plain integers, for the token-load table's per-replica set of active
-    /// blocks (which only needs equality within one identity kind).
-    pub fn keys(&self) -> Vec<u64> {
-        (0..self.blocks()).map(|i| self.key(i)).collect()
-    }
-
-    /// The `i`-th block hash as a plain integer; 0 past the end (callers stay below `blocks()`; the
-    /// routing path must not panic).
+    /// The `i`-th block hash as a plain integer, for the token-load table's per-replica set of active
+    /// blocks (which only needs equality within one identity kind); 0 past the end (callers stay below
+    /// `blocks()`; the routing path must not panic).
     pub fn key(&self, i: usize) -> u64 {
         match self {
             PromptIdentity::Exact(v) => v.get(i).map_or(0, |h| h.0),

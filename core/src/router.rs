@@ -459,7 +459,7 @@ impl Router {
             req.prompt_tokens,
             uncached,
             req.output_hint,
-            &req.identity.keys(),
+            (0..req.identity.blocks()).map(|i| req.identity.key(i)),
         );
         match &req.identity {
             PromptIdentity::Exact(h) => self.approx_seq.record(d.replica, h, now_ms),
@@ -480,7 +480,7 @@ impl Router {
             estimated_prompt_tokens,
             estimated_prompt_tokens,
             None,
-            &[],
+            [],
         );
     }
 

@@ -54,7 +54,7 @@ proptest! {
         for e in &evs {
             match *e {
                 Ev::Admit(id, r, p, u, h, (fam, n)) => {
-                    if t.admit(id, r, p, u, h, &blocks(fam, n)) {
+                    if t.admit(id, r, p, u, h, blocks(fam, n)) {
                         let booked = n.min(p.div_ceil(16) as usize);
                         live.insert(id, (r, fam, booked));
                     }
