@@ -91,7 +91,8 @@ pub struct HarnessConfig {
     /// More top-level filter configuration fields (merged over the generated ones).
     pub filter_extra: serde_json::Map<String, Value>,
     pub session_header: String,
-    /// Tokens coalesced into one SSE event / body chunk (the first token always goes alone).
+    /// Tokens handed to the filter in one body chunk, one SSE event each as engines send them (the
+    /// first token always goes alone). Batching only saves harness calls; the filter counts every token.
     pub chunk_tokens: usize,
     /// Request bodies are pushed in chunks of this many bytes (Envoy reads 16 KiB slices).
     pub body_chunk_bytes: usize,
@@ -993,9 +994,8 @@ impl Harness {
             return Ok(());
         }
         let start = f.output.len() - f.unsent;
-        let text = kvsteer_sim::tokenize::detokenize(&f.output[start..]);
         f.unsent = 0;
-        let chunk = f.sse.tokens(&text);
+        let chunk = f.sse.tokens(&f.output[start..]);
         let (w, stream) = (f.worker, f.stream);
         let action = self.workers[w].response_body(stream, &chunk, false)?;
         self.stats.response_body_chunks += 1;
@@ -1055,9 +1055,8 @@ impl Harness {
                 }
                 let mut f = f;
                 let start = f.output.len() - f.unsent;
-                let text = kvsteer_sim::tokenize::detokenize(&f.output[start..]);
                 let chunk = f.sse.finish(
-                    &text,
+                    &f.output[start..],
                     reason.as_str(),
                     *prompt_tokens,
                     *completion_tokens,

@@ -116,16 +116,36 @@ impl SseWriter {
         }
     }
 
+    /// One `data:` event, as vLLM writes a streamed completion chunk. Written by hand rather than through
+    /// a JSON tree: the harness writes one per generated token, millions in a replay.
     fn event(&self, text: &str, finish: Option<&str>, out: &mut Vec<u8>) {
-        let v = serde_json::json!({
-            "id": self.id, "object": "text_completion", "created": self.created, "model": MODEL,
-            "choices": [{"index": 0, "text": text, "logprobs": null,
-                         "finish_reason": finish, "stop_reason": null}],
-            "usage": null
-        });
-        out.extend_from_slice(b"data: ");
-        out.extend_from_slice(v.to_string().as_bytes());
-        out.extend_from_slice(b"\n\n");
+        use std::io::Write as _;
+        let text = serde_json::to_string(text).expect("a string always serialises");
+        let finish = finish.map_or_else(|| "null".to_string(), |f| format!("\"{f}\""));
+        // Writing into a Vec cannot fail.
+        let _ = write!(
+            out,
+            "data: {{\"id\":\"{}\",\"object\":\"text_completion\",\"created\":{},\"model\":\"{MODEL}\",\
+             \"choices\":[{{\"index\":0,\"text\":{text},\"logprobs\":null,\"finish_reason\":{finish},\
+             \"stop_reason\":null}}],\"usage\":null}}\n\n",
+            self.id, self.created
+        );
+    }
+
+    /// One event per token, as engines stream them (vLLM and SGLang send one `data:` event per generated
+    /// token); the last one carries `finish` when given. No token at all still gets one event when
+    /// `finish` is given, with empty text, as vLLM sends for a stop without new text.
+    fn token_events(&self, ids: &[u32], finish: Option<&str>, out: &mut Vec<u8>) {
+        let mut text = String::new();
+        for (i, &id) in ids.iter().enumerate() {
+            text.clear();
+            kvsteer_sim::tokenize::token_text(id, &mut text);
+            let last = i + 1 == ids.len();
+            self.event(&text, if last { finish } else { None }, out);
+        }
+        if ids.is_empty() && finish.is_some() {
+            self.event("", finish, out);
+        }
     }
 
     fn emit(&mut self, mut bytes: Vec<u8>, last: bool) -> Vec<u8> {
@@ -142,24 +162,26 @@ impl SseWriter {
         chunk
     }
 
-    /// A body chunk carrying the text of some generated tokens.
-    pub fn tokens(&mut self, text: &str) -> Vec<u8> {
-        let mut b = Vec::with_capacity(text.len() + 220);
-        self.event(text, None, &mut b);
+    /// A body chunk carrying some generated tokens, one event each: a proxy hands the filter several
+    /// events in one chunk when the upstream sends them faster than the filter reads.
+    pub fn tokens(&mut self, ids: &[u32]) -> Vec<u8> {
+        let mut b = Vec::with_capacity(ids.len() * 200);
+        self.token_events(ids, None, &mut b);
         self.emit(b, false)
     }
 
-    /// The last body chunk: remaining text with the finish reason, the usage event, `[DONE]`.
+    /// The last body chunk: the remaining tokens (the last with the finish reason), the usage event,
+    /// `[DONE]`.
     pub fn finish(
         &mut self,
-        text: &str,
+        ids: &[u32],
         reason: &str,
         prompt_tokens: u32,
         completion_tokens: u32,
         cached_tokens: u32,
     ) -> Vec<u8> {
-        let mut b = Vec::with_capacity(text.len() + 600);
-        self.event(text, Some(reason), &mut b);
+        let mut b = Vec::with_capacity(ids.len() * 200 + 600);
+        self.token_events(ids, Some(reason), &mut b);
         let usage = serde_json::json!({
             "id": self.id, "object": "text_completion", "created": self.created, "model": MODEL,
             "choices": [],
@@ -193,24 +215,27 @@ mod tests {
         let mut w = SseWriter::new(5, 0, 2);
         let mut all = Vec::new();
         let mut split = false;
-        for i in 0..5 {
-            let c = w.tokens(&format!(" tok{i}"));
+        for i in 0..5u32 {
+            let c = w.tokens(&[2 * i + 300, 2 * i + 301]);
             split |= !c.ends_with(b"\n\n");
             all.extend(c);
         }
-        all.extend(w.finish(" end", "length", 10, 6, 4));
+        all.extend(w.finish(&[400], "length", 10, 11, 4));
         assert!(split, "some chunk must end inside an event");
         let text = String::from_utf8(all).unwrap();
         let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
-        assert_eq!(events.len(), 8);
-        assert_eq!(events[7], "data: [DONE]");
+        // One event per token (11), the usage event, [DONE].
+        assert_eq!(events.len(), 13);
+        assert_eq!(events[12], "data: [DONE]");
         let usage: serde_json::Value =
-            serde_json::from_str(events[6].strip_prefix("data: ").unwrap()).unwrap();
+            serde_json::from_str(events[11].strip_prefix("data: ").unwrap()).unwrap();
         assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 4);
-        for e in &events[..6] {
+        for (i, e) in events[..11].iter().enumerate() {
             let v: serde_json::Value =
                 serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap();
             assert_eq!(v["object"], "text_completion");
+            let finish = &v["choices"][0]["finish_reason"];
+            assert_eq!(finish.as_str(), (i == 10).then_some("length"), "event {i}");
         }
     }
 }

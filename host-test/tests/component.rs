@@ -509,10 +509,7 @@ fn same_decisions(routing: Value, rounds: usize, seed: u64) -> (usize, BTreeSet<
                 f.headers_sent = true;
             }
             let n = 1 + rng.below(6) as u64;
-            let mut chunk = Vec::new();
-            for _ in 0..n {
-                chunk.extend(f.sse.tokens("tok"));
-            }
+            let chunk = f.sse.tokens(&vec![500; n as usize]);
             let first = f.generated == 0;
             f.generated += n;
             w.response_body(f.stream, &chunk, false)
@@ -522,7 +519,7 @@ fn same_decisions(routing: Value, rounds: usize, seed: u64) -> (usize, BTreeSet<
             }
             comp.decode_progress(id, f.generated);
             if f.generated >= f.length {
-                let end = f.sse.finish("", "length", 100, f.generated as u32, 0);
+                let end = f.sse.finish(&[], "length", 100, f.generated as u32, 0);
                 w.response_body(f.stream, &end, true).expect("last chunk");
                 w.end_stream(f.stream).expect("end");
                 assert!(comp.done(id), "{label}: request {id} was tracked");
