@@ -278,6 +278,8 @@ pub struct RequestRecord {
     pub first_token_us: Option<u64>,
     pub finished_us: Option<u64>,
     pub failed: bool,
+    /// Prompt tokens the engine reported (0 until the request finishes).
+    pub prompt_tokens: u32,
     pub cached_tokens: u32,
     pub completion_tokens: u32,
     /// Request headers as the upstream saw them.
@@ -1073,6 +1075,7 @@ impl Harness {
                 let st = self.workers[w].end_stream(stream)?;
                 if let Some(r) = self.records.get_mut(&id) {
                     r.finished_us = Some(*t_us);
+                    r.prompt_tokens = *prompt_tokens;
                     r.cached_tokens = *cached_tokens;
                     r.completion_tokens = *completion_tokens;
                     r.downstream_bytes = st.downstream_body.len();
