@@ -57,6 +57,21 @@ pub struct KvLoadParams {
     /// default) keeps the full credit; Ray's "balanced" preset uses 1, so a busy cache holder stops
     /// attracting every request of its prefix.
     pub overlap_credit_decay: f64,
+    /// `q`: weight of the prefill already queued on a replica against the request's own uncached
+    /// blocks. 1 (Dynamo's and Ray's formula) prices a block waited for like a block computed; below
+    /// 1, a move must save more than the prefill it adds, because the queue ahead is work the fleet
+    /// does anyway while a move adds work (and evicts another session's cache to hold it).
+    pub queue_weight: f64,
+    /// Price prefill in decode time (kvsteer's cost, docs/design.md section 2): the prefill term is
+    /// scaled by `(1 + context / attention_context_tokens) * 256 / expected_output`, so a block of
+    /// prefill weighs more for a long context (attention grows with it) and less for a request that
+    /// will decode for long (it pays every decode block beside it at every step). `prefill_scale` is
+    /// then the weight for a short request expecting 256 output tokens. Off in the presets.
+    pub time_cost: bool,
+    /// With `time_cost`: the context length at which a prefill token's attention costs as much as its
+    /// linear layers (about 25,000 for Llama-3.1-8B: 4 x 32 layers x 4,096 FLOP per context token
+    /// against 2 x 8B per token; larger for wider models).
+    pub attention_context_tokens: f64,
     /// `w`: cost per active request.
     pub active_request_weight: f64,
     /// 0: argmin with seeded random tie-break; > 0: softmax sampling.
@@ -102,6 +117,9 @@ impl KvLoadPreset {
             prompt_blocks_at_admission: true,
             assume_kv_reuse: true,
             reported_load: ReportedLoad::Ignore,
+            // Their formula: queued and own prefill blocks alike, no time cost.
+            queue_weight: 1.0,
+            time_cost: false,
             ..KvLoadParams::default()
         };
         match self {
@@ -140,6 +158,9 @@ struct KvLoadSection {
     prefill_scale: Option<f64>,
     overlap_credit: Option<f64>,
     overlap_credit_decay: Option<f64>,
+    queue_weight: Option<f64>,
+    time_cost: Option<bool>,
+    attention_context_tokens: Option<f64>,
     active_request_weight: Option<f64>,
     temperature: Option<f64>,
     host_tier_credit: Option<f64>,
@@ -158,6 +179,11 @@ impl From<KvLoadSection> for KvLoadParams {
             prefill_scale: s.prefill_scale.unwrap_or(base.prefill_scale),
             overlap_credit: s.overlap_credit.unwrap_or(base.overlap_credit),
             overlap_credit_decay: s.overlap_credit_decay.unwrap_or(base.overlap_credit_decay),
+            queue_weight: s.queue_weight.unwrap_or(base.queue_weight),
+            time_cost: s.time_cost.unwrap_or(base.time_cost),
+            attention_context_tokens: s
+                .attention_context_tokens
+                .unwrap_or(base.attention_context_tokens),
             active_request_weight: s
                 .active_request_weight
                 .unwrap_or(base.active_request_weight),
@@ -189,16 +215,22 @@ pub enum ReportedLoad {
 
 impl Default for KvLoadParams {
     fn default() -> Self {
-        // kvsteer's defaults: Dynamo's accounting and formula with a heavier prefill term and a
-        // doubled overlap credit, scored on the router's own bookings. A move re-prefills a whole
-        // context (up to ~100K tokens on coding agents, with attention growing with its length),
-        // which block counts alone undervalue against decode blocks; measured in docs/results.md
-        // (kv_load against the dynamo preset, which is this with prefill_scale 1 and credit 1).
+        // kvsteer's defaults: Dynamo's accounting, scored on the router's own bookings, with prefill
+        // priced in decode time (`time_cost`): a move re-prefills a whole context (up to ~100K tokens
+        // on coding agents, with attention growing with its length), which block counts alone
+        // undervalue against decode blocks, while a request that decodes for long (RL stragglers)
+        // gains most from a lightly loaded replica. The queue already on a replica weighs a quarter
+        // of the request's own uncached blocks: the fleet computes that queue wherever this request
+        // goes, but a move adds its prefill and evicts another session's cache to hold it. Measured
+        // in docs/results.md (the ablation table walks from the dynamo preset to these).
         Self {
             preset: None,
-            prefill_scale: 8.0,
-            overlap_credit: 2.0,
+            prefill_scale: 16.0,
+            overlap_credit: 1.0,
             overlap_credit_decay: 0.0,
+            queue_weight: 0.25,
+            time_cost: true,
+            attention_context_tokens: 25_000.0,
             active_request_weight: 0.0,
             temperature: 0.0,
             host_tier_credit: 0.75,
@@ -342,6 +374,16 @@ impl RoutingConfig {
         nonneg("kv_load.prefill_scale", k.prefill_scale)?;
         nonneg("kv_load.overlap_credit", k.overlap_credit)?;
         nonneg("kv_load.overlap_credit_decay", k.overlap_credit_decay)?;
+        nonneg("kv_load.queue_weight", k.queue_weight)?;
+        if !(k.attention_context_tokens.is_finite() && k.attention_context_tokens >= 1.0) {
+            return Err(err(
+                "kv_load.attention_context_tokens",
+                format!(
+                    "must be a finite number >= 1, got {}",
+                    k.attention_context_tokens
+                ),
+            ));
+        }
         nonneg("kv_load.active_request_weight", k.active_request_weight)?;
         nonneg("kv_load.temperature", k.temperature)?;
         for (name, v) in [
@@ -424,7 +466,8 @@ mod tests {
         assert_eq!(c.policy, PolicyKind::SessionHash);
         assert_eq!(c.block_size, 64);
         assert_eq!(c.kv_load.temperature, 0.5);
-        assert_eq!(c.kv_load.overlap_credit, 2.0, "the default kept");
+        assert_eq!(c.kv_load.queue_weight, 0.25, "the default kept");
+        assert!(c.kv_load.time_cost, "the default kept");
         assert_eq!(c.session_hash.virtual_nodes, 50);
     }
 

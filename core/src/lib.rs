@@ -10,6 +10,7 @@ pub mod feed;
 pub mod feed_log;
 pub mod index;
 pub mod load;
+pub mod output;
 pub mod policy;
 pub mod request;
 pub mod rng;

@@ -351,6 +351,11 @@ impl LoadTable {
 
     /// Completion or abort: removes everything the request contributes. False (and counted) when the
     /// request is unknown.
+    /// Output tokens a tracked request has generated so far.
+    pub fn generated(&self, request_id: u64) -> Option<u64> {
+        self.requests.get(&request_id).map(|r| r.generated)
+    }
+
     pub fn release(&mut self, request_id: u64) -> bool {
         let Some(r) = self.requests.remove(&request_id) else {
             self.release_anomalies += 1;

@@ -15,6 +15,7 @@ use crate::config::{ConfigError, PolicyKind, ReportedLoad, RoutingConfig};
 use crate::feed::{CursorVerdict, FeedBatch, FeedCursor, FeedEvent, FeedQuery, ReplicaLoad};
 use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
 use crate::load::{Accounting, LoadTable, LoadTotals};
+use crate::output::OutputEstimate;
 pub use crate::policy::FallbackReason;
 use crate::policy::{
     Choice, HashRing, Input, kv_affinity, kv_load, least_load, pick_lowest, prefix_affinity,
@@ -99,6 +100,8 @@ pub struct Router {
     approx_seq: ApproxIndex<SeqHash>,
     approx_text: ApproxIndex<TextHash>,
     load: LoadTable,
+    /// Output tokens per request, learned from this router's own releases.
+    outputs: OutputEstimate,
     peers: HashMap<u32, Vec<LoadTotals>>,
     reported: Vec<Option<ReplicaLoad>>,
     stale: Vec<bool>,
@@ -137,6 +140,7 @@ impl Router {
                     use_output_hint: cfg.kv_load.use_output_hint,
                 },
             ),
+            outputs: OutputEstimate::new(),
             peers: HashMap::new(),
             reported: vec![None; replicas],
             stale: vec![false; replicas],
@@ -303,6 +307,7 @@ impl Router {
             identity_blocks: req.identity.blocks(),
             session_key: req.session_key.as_deref(),
             avoided: &avoided,
+            expected_output_tokens: self.outputs.expected(),
         };
         let k = &self.cfg.kv_load;
         let rng = &mut self.rng;
@@ -493,8 +498,16 @@ impl Router {
         self.load.decode_progress(request_id, generated_tokens);
     }
 
+    /// Output tokens the next request is expected to generate, learned from released requests.
+    pub fn expected_output_tokens(&self) -> f64 {
+        self.outputs.expected()
+    }
+
     /// Completion or abort. False (and counted) for an unknown or already released request.
     pub fn release(&mut self, request_id: u64) -> bool {
+        if let Some(g) = self.load.generated(request_id) {
+            self.outputs.observe(g);
+        }
         self.load.release(request_id)
     }
 

@@ -14,6 +14,9 @@ fn cfg(policy: PolicyKind) -> RoutingConfig {
         kv_load: KvLoadParams {
             prefill_scale: 1.0,
             overlap_credit: 1.0,
+            // The plain block formula, so costs below can be counted by hand.
+            queue_weight: 1.0,
+            time_cost: false,
             reported_load: ReportedLoad::Max,
             ..KvLoadParams::default()
         },
@@ -521,4 +524,30 @@ fn output_hint_weights_a_requests_own_blocks_through_the_router() {
     // weigh nothing with the hint.
     assert_eq!(run(false), 18);
     assert_eq!(run(true), 16);
+}
+
+#[test]
+fn released_requests_teach_the_expected_output() {
+    let mut r = Router::new(cfg(PolicyKind::KvLoad), 2).unwrap();
+    assert_eq!(
+        r.expected_output_tokens(),
+        kvsteer_core::output::PRIOR_TOKENS
+    );
+    let prompt: Vec<u32> = (0..32).collect();
+    let req = r
+        .read_request("/v1/completions", &body(&prompt), None)
+        .unwrap();
+    for (id, out) in [(1, 1000), (2, 3000)] {
+        let d = r.route(&req, 0);
+        r.admit(id, &req, &d, 0);
+        r.first_token(id);
+        r.decode_progress(id, out);
+        assert!(r.release(id));
+    }
+    assert_eq!(r.expected_output_tokens(), 2000.0);
+    // A request released before its first token teaches nothing.
+    let d = r.route(&req, 0);
+    r.admit(3, &req, &d, 0);
+    assert!(r.release(3));
+    assert_eq!(r.expected_output_tokens(), 2000.0);
 }

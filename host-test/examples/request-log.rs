@@ -19,7 +19,10 @@ fn main() -> Result<(), String> {
     let (Some(id), Some(policy)) = (args.first(), args.get(1)) else {
         return Err("usage: request-log SCENARIO POLICY [SEED]".into());
     };
-    let seed: u64 = args.get(2).map_or(Ok(0), |s| s.parse()).map_err(|e| format!("seed: {e}"))?;
+    let seed: u64 = args
+        .get(2)
+        .map_or(Ok(0), |s| s.parse())
+        .map_err(|e| format!("seed: {e}"))?;
     let sc = matrix(Scale::Full)
         .into_iter()
         .find(|s| s.id == *id)
@@ -41,7 +44,9 @@ fn main() -> Result<(), String> {
             continue;
         };
         let session = r.upstream_header(&header).unwrap_or("-").to_string();
-        let moved = last.insert(session.clone(), replica).is_some_and(|p| p != replica);
+        let moved = last
+            .insert(session.clone(), replica)
+            .is_some_and(|p| p != replica);
         println!(
             "{}\t{}\t{:.3}\t{}\t{}\t{}\t{:.1}\t{}",
             r.id,

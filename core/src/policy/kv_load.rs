@@ -1,9 +1,12 @@
 //! `kv_load`, the default: token load with KV overlap as an input (docs/design.md section 2). Per
 //! replica:
 //!
-//! `prefill_scale * max(queued prefill blocks + request blocks - credit * overlap, 0)
+//! `weight * max(q * queued prefill blocks + request blocks - credit * overlap, 0)
 //!  + decode blocks + new active blocks + w * active requests`
 //!
+//! where `weight` is `prefill_scale`, or with `time_cost` (the default) `prefill_scale` scaled by what a
+//! prefill block costs against a decode block for this request ([`prefill_weight`]), and `q` discounts
+//! the prefill already queued on the replica against the request's own uncached blocks;
 //! where `credit = c / (1 + d * excess / request_blocks)` decays the overlap credit `c` on a replica
 //! whose queued prefill exceeds the least-loaded candidate's by `excess` blocks (`d` = 0 keeps it
 //! whole), and *new active blocks* are the request's blocks not already active there (with
@@ -26,6 +29,7 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
         .map(|r| queued[r])
         .fold(f64::INFINITY, f64::min);
     let request_blocks = input.request_blocks;
+    let prefill_scale = prefill_weight(input, k);
     input
         .load
         .iter()
@@ -38,19 +42,38 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
             } else {
                 k.overlap_credit
             };
-            let prefill = (queued[r] + request_blocks - credit * o).max(0.0);
+            let prefill = (k.queue_weight * queued[r] + request_blocks - credit * o).max(0.0);
             let new_active = if k.assume_kv_reuse {
                 let active = input.active_prefix.get(r).copied().unwrap_or(0.0);
                 (request_blocks - active).max(0.0)
             } else {
                 0.0
             };
-            k.prefill_scale * prefill
+            prefill_scale * prefill
                 + e.decode_blocks as f64
                 + new_active
                 + k.active_request_weight * e.active_requests as f64
         })
         .collect()
+}
+
+/// Output tokens at which the time cost's prefill weight equals `prefill_scale` (for a short context).
+pub const REFERENCE_OUTPUT_TOKENS: f64 = 256.0;
+
+/// The weight of a prefill block against a decode block for this request: `prefill_scale`, or with
+/// `time_cost` the ratio of what each costs in engine time. A prefill token costs its linear layers
+/// plus attention over its context (`1 + context / attention_context_tokens` in units of the linear
+/// part); a decode block beside the request costs its KV read at every step the request decodes, so
+/// for `expected_output` steps. Expected outputs below 16 tokens count as 16, so a one-token request
+/// does not make prefill infinitely dear.
+pub fn prefill_weight(input: &Input, k: &KvLoadParams) -> f64 {
+    if !k.time_cost {
+        return k.prefill_scale;
+    }
+    let context = input.request_blocks * input.block_size;
+    let attention = 1.0 + context / k.attention_context_tokens;
+    let output = input.expected_output_tokens.max(16.0);
+    k.prefill_scale * attention * REFERENCE_OUTPUT_TOKENS / output
 }
 
 pub fn choose(input: &Input, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
@@ -92,6 +115,7 @@ mod tests {
             identity_blocks: 10,
             session_key: None,
             avoided: &[false, false],
+            expected_output_tokens: 256.0,
         }
     }
 
@@ -132,5 +156,63 @@ mod tests {
         let k = KvLoadPreset::Dynamo.params();
         let c = costs(&input(&load, &[0.0, 0.0], &[6.0, 0.0]), &k);
         assert_eq!(c, vec![10.0 + 4.0, 10.0 + 10.0]);
+    }
+
+    #[test]
+    fn time_cost_weighs_prefill_by_context_and_expected_output() {
+        let load = [LoadTotals::default(); 2];
+        let k = KvLoadParams::default();
+        assert!(k.time_cost);
+        let mut i = input(&load, &[0.0, 0.0], &[]);
+        // 10 blocks of 16 tokens, 256 expected output tokens: about prefill_scale.
+        let short = prefill_weight(&i, &k);
+        assert!((short - k.prefill_scale * (1.0 + 160.0 / 25_000.0)).abs() < 1e-9);
+        // A 100K-token context: attention makes each prefill block 5x dearer.
+        i.request_blocks = 100_000.0 / 16.0;
+        let long = prefill_weight(&i, &k);
+        assert!((long / k.prefill_scale - 5.0).abs() < 1e-9, "{long}");
+        // Expecting 8x the output: decode blocks matter 8x more, so prefill weighs 8x less.
+        i.expected_output_tokens = 2048.0;
+        assert!((prefill_weight(&i, &k) * 8.0 - long).abs() < 1e-9);
+        // Tiny expected outputs are floored at 16 tokens.
+        i.expected_output_tokens = 0.0;
+        assert!(prefill_weight(&i, &k).is_finite());
+        let off = KvLoadParams {
+            time_cost: false,
+            ..k.clone()
+        };
+        assert_eq!(prefill_weight(&i, &off), off.prefill_scale);
+    }
+
+    #[test]
+    fn queue_weight_makes_a_move_save_more_than_it_adds() {
+        // Replica 0 holds 8 of the 10 blocks with 4 blocks queued; replica 1 holds nothing, queue 0.
+        let load = [
+            LoadTotals {
+                prefill_tokens: 4 * 16,
+                ..Default::default()
+            },
+            LoadTotals::default(),
+        ];
+        let base = KvLoadParams {
+            time_cost: false,
+            assume_kv_reuse: false,
+            prefill_scale: 1.0,
+            ..KvLoadParams::default()
+        };
+        let even = KvLoadParams {
+            queue_weight: 1.0,
+            ..base.clone()
+        };
+        // Whole queue: 4 + 2 = 6 on the holder against 10 elsewhere.
+        assert_eq!(
+            costs(&input(&load, &[8.0, 0.0], &[]), &even),
+            vec![6.0, 10.0]
+        );
+        // A quarter: 1 + 2 = 3.
+        assert_eq!(
+            costs(&input(&load, &[8.0, 0.0], &[]), &base),
+            vec![3.0, 10.0]
+        );
     }
 }

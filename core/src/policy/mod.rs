@@ -62,6 +62,8 @@ pub struct Input<'a> {
     pub session_key: Option<&'a str>,
     /// Replicas to avoid (down while another is up).
     pub avoided: &'a [bool],
+    /// Output tokens the request is expected to generate ([`crate::output::OutputEstimate`]).
+    pub expected_output_tokens: f64,
 }
 
 /// A policy's decision.

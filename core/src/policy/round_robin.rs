@@ -41,6 +41,7 @@ mod tests {
             identity_blocks: 1,
             session_key: None,
             avoided: &avoided,
+            expected_output_tokens: 256.0,
         };
         let mut next = 0;
         let picks: Vec<usize> = (0..4).map(|_| choose(&input, &mut next).replica).collect();
