@@ -463,6 +463,11 @@ impl FeedFrame {
         })
     }
 
+    /// The payload as received.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
     /// The batch's header fields (epoch, flags, sequence numbers, load); its `events` are empty.
     pub fn header(&self) -> &FeedBatch {
         &self.header

@@ -329,7 +329,7 @@ impl Context for Root {
                 None
             };
             vm.state
-                .on_feed_response(token, status, body.as_deref(), store, now_ms())
+                .on_feed_answer(token, status, body, store, now_ms())
         };
         Self::report_feed(&vm, &r);
     }

@@ -619,13 +619,25 @@ impl RouterState {
         )
     }
 
-    /// Handles a feed callout's answer. `status` is the HTTP status (None when the call failed or timed
-    /// out, which hosts report as a response with no headers); `body` the whole body.
+    /// Handles a feed callout's answer. `status` is the HTTP status (None when the call failed,
+    /// which hosts report as a response with no headers); `body` the whole body.
     pub fn on_feed_response(
         &mut self,
         token: u32,
         status: Option<u16>,
         body: Option<&[u8]>,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> FeedResult {
+        self.on_feed_answer(token, status, body.map(<[u8]>::to_vec), store, now_ms)
+    }
+
+    /// [`RouterState::on_feed_response`] taking the body the host handed over, without copying it.
+    pub fn on_feed_answer(
+        &mut self,
+        token: u32,
+        status: Option<u16>,
+        body: Option<Vec<u8>>,
         store: Option<&dyn SharedStore>,
         now_ms: u64,
     ) -> FeedResult {
@@ -637,7 +649,7 @@ impl RouterState {
         }
         match status {
             Some(200) => {}
-            Some(s) if proxy_could_not_connect(s, body) => {
+            Some(s) if proxy_could_not_connect(s, body.as_deref()) => {
                 let r = self.fail(
                     replica,
                     FeedFailure::Unreachable,
@@ -645,7 +657,7 @@ impl RouterState {
                 );
                 return self.unreachable(replica, r, store, now_ms);
             }
-            Some(s) if proxy_timed_out(s, body) => {
+            Some(s) if proxy_timed_out(s, body.as_deref()) => {
                 self.feeds[replica].timeouts += 1;
                 return self.fail(
                     replica,
@@ -667,19 +679,19 @@ impl RouterState {
             }
         }
         let body = body.unwrap_or_default();
-        if body.len() > self.cfg.feed_max_bytes {
+        let body_len = body.len();
+        if body_len > self.cfg.feed_max_bytes {
             return self.oversized(
                 replica,
                 format!(
-                    "{} bytes, over feed_max_bytes {}",
-                    body.len(),
+                    "{body_len} bytes, over feed_max_bytes {}",
                     self.cfg.feed_max_bytes
                 ),
                 store,
                 now_ms,
             );
         }
-        let frame = match FeedFrame::parse(body.to_vec()) {
+        let frame = match FeedFrame::parse(body) {
             Ok(f) => f,
             Err(e) => {
                 return self.fail(replica, FeedFailure::Malformed, format!("bad payload: {e}"));
@@ -698,15 +710,15 @@ impl RouterState {
             );
         }
         let more = frame.header().more;
+        if let (Some(store), true) = (store, self.feeds[replica].leased) {
+            let n = relay::publish(store, &self.cfg.shared_key_prefix, replica, frame.bytes());
+            // Our own batch: followers apply it, we apply it below.
+            self.feeds[replica].relay_seen = n;
+        }
         self.refill(now_ms);
         let outcome = self.accept_frame(replica, frame);
         self.feed_ok(replica, now_ms, more);
         self.set_down(replica, false, store, now_ms);
-        if let (Some(store), true) = (store, self.feeds[replica].leased) {
-            let n = relay::publish(store, &self.cfg.shared_key_prefix, replica, body);
-            // Our own batch: followers apply it, we already did.
-            self.feeds[replica].relay_seen = n;
-        }
         FeedResult::Applied { replica, outcome }
     }
 
