@@ -2,7 +2,7 @@
 //! filter does across ticks) leaves the router exactly where `apply_feed` of the whole batch does.
 
 use kvsteer_core::config::RoutingConfig;
-use kvsteer_core::feed::{FeedBatch, FeedEvent, FeedFrame, ReplicaLoad, Tier};
+use kvsteer_core::feed::{EventKind, FeedBatch, FeedEvent, FeedFrame, ReplicaLoad, Tier};
 use kvsteer_core::router::{FeedOutcome, Router};
 use proptest::prelude::*;
 
@@ -48,7 +48,7 @@ fn sliced(router: &mut Router, replica: usize, batch: &FeedBatch, slice: usize) 
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(40))]
+    #![proptest_config(ProptestConfig::with_cases(300))]
 
     #[test]
     fn slices_apply_like_the_whole_batch(blocks in 0u64..300, slice in 0usize..64) {
@@ -66,5 +66,48 @@ proptest! {
         prop_assert_eq!(whole.index().replica_blocks(1), parts.index().replica_blocks(1));
         prop_assert_eq!(whole.feed_query(1, 10), parts.feed_query(1, 10));
         prop_assert_eq!(whole.stats().feed_events, parts.stats().feed_events);
+    }
+
+    /// Any mutation or truncation of a valid payload: the frame refuses exactly what `decode`
+    /// refuses, with the same error, never panics, and reads back what `decode` reads, in any
+    /// slice size.
+    #[test]
+    fn frames_agree_with_decode_on_hostile_bytes(
+        blocks in 0u64..40,
+        pos in 0usize..500,
+        byte in any::<u8>(),
+        cut in 0usize..600,
+        slice in 0usize..9,
+    ) {
+        let mut b = snapshot(blocks).encode();
+        if pos < b.len() {
+            b[pos] = byte;
+        }
+        b.truncate(cut.max(80));
+        let decoded = FeedBatch::decode(&b);
+        match FeedFrame::parse(b.clone()) {
+            Err(e) => prop_assert_eq!(Err(e), decoded),
+            Ok(mut frame) => {
+                let whole = decoded.unwrap();
+                let mut out = Vec::new();
+                let mut hashes = Vec::new();
+                while let Some(s) = frame.next_slice(slice, &mut out) {
+                    prop_assert!(out.len() <= slice.max(1));
+                    if s.starts_event {
+                        hashes.push((s.kind, s.tier, Vec::new()));
+                    }
+                    hashes.last_mut().unwrap().2.extend_from_slice(&out);
+                }
+                let read: Vec<FeedEvent> = hashes
+                    .into_iter()
+                    .map(|(kind, tier, h)| match kind {
+                        EventKind::Stored => FeedEvent::Stored { tier, hashes: h },
+                        EventKind::Removed => FeedEvent::Removed { tier, hashes: h },
+                        EventKind::Cleared => FeedEvent::Cleared,
+                    })
+                    .collect();
+                prop_assert_eq!(read, whole.events);
+            }
+        }
     }
 }
