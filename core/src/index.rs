@@ -11,7 +11,15 @@
 //!
 //! The hard cap counts distinct blocks. Eviction is *least recently touched* approximated by CLOCK
 //! (second chance): storing or matching a block sets its referenced bit, and the eviction hand clears
-//! bits until it finds an unreferenced block. An exact LRU list would cost three random writes per
+//! bits until it finds an unreferenced block.
+//!
+//! The cap is shared fairly: each replica's *share* is `capacity / replicas` (at least 1). A replica may
+//! hold more than its share while the index has room, but once the index is full a store makes room
+//! from the replica storing if it is at or over its share, else from the replica furthest over its
+//! share; that replica's own least recently touched copy goes (each replica has its own CLOCK hand). So
+//! a replica that floods the index evicts only its own blocks, and a replica within its share never
+//! loses a block to another's stores. A block held by several replicas counts toward each holder's
+//! share and stays while anyone holds it. An exact LRU list would cost three random writes per
 //! matched block on the routing path (a 512-block prompt would pay ~1,500 cache misses); CLOCK pays one
 //! write to a line the lookup already loaded.
 
@@ -91,6 +99,8 @@ pub struct KvIndex {
     replicas: usize,
     per_replica: Vec<u64>,
     hand: usize,
+    /// Each replica's CLOCK hand for evicting its own copies (fair shares).
+    hands: Vec<usize>,
     live: usize,
     evictions: u64,
     secret: u64,
@@ -110,6 +120,7 @@ impl KvIndex {
             replicas,
             per_replica: vec![0; replicas],
             hand: 0,
+            hands: vec![0; replicas],
             live: 0,
             evictions: 0,
             secret,
@@ -131,6 +142,10 @@ impl KvIndex {
     /// Blocks evicted by the cap since creation.
     pub fn evictions(&self) -> u64 {
         self.evictions
+    }
+    /// A replica's fair share of the cap: `capacity / replicas`, at least 1 (see the module docs).
+    pub fn share(&self) -> usize {
+        (self.capacity / self.replicas).max(1)
     }
     /// Blocks a replica holds on any tier.
     pub fn replica_blocks(&self, replica: usize) -> u64 {
@@ -178,7 +193,7 @@ impl KvIndex {
         for &key in keys {
             let slot = match self.find(key) {
                 Some(s) => s,
-                None => self.insert(key),
+                None => self.insert(key, replica),
             };
             self.slots[slot as usize].referenced = true;
             self.add_holder(slot, replica, bit);
@@ -261,9 +276,9 @@ impl KvIndex {
         })
     }
 
-    fn insert(&mut self, key: u64) -> u32 {
+    fn insert(&mut self, key: u64, for_replica: usize) -> u32 {
         if self.live >= self.capacity {
-            self.evict_one();
+            self.make_room(for_replica);
         }
         let slot = match self.free.pop() {
             Some(s) => {
@@ -286,6 +301,71 @@ impl KvIndex {
         });
         self.live += 1;
         slot
+    }
+
+    /// Frees one slot for a block `storing` is about to add (see the module docs on fair shares).
+    fn make_room(&mut self, storing: usize) {
+        // Dropping a copy frees a slot only when nobody else holds the block, so this may drop several;
+        // each drop undoes one earlier store (amortized O(1) a store). The global hand is left for the
+        // degenerate case where nobody is over a share (more replicas than blocks of cap).
+        let share = self.share() as u64;
+        while self.live >= self.capacity {
+            let victim = if self.per_replica[storing] >= share {
+                Some(storing)
+            } else {
+                self.most_over_share(share)
+            };
+            match victim {
+                Some(v) if self.evict_from(v) => {}
+                _ => {
+                    self.evict_one();
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The replica holding the most blocks past its share, if any is past it.
+    fn most_over_share(&self, share: u64) -> Option<usize> {
+        let (r, &n) = self
+            .per_replica
+            .iter()
+            .enumerate()
+            .max_by_key(|&(_, &n)| n)?;
+        (n > share).then_some(r)
+    }
+
+    fn slot_held_by(&self, slot: usize, replica: usize) -> bool {
+        self.holders(slot as u32)
+            .iter()
+            .any(|&h| holder_replica(h) == replica)
+    }
+
+    /// Drops `replica`'s copy of its least recently touched block (CLOCK with the replica's own hand);
+    /// the block goes when nobody else holds it. False when the replica holds nothing.
+    fn evict_from(&mut self, replica: usize) -> bool {
+        let n = self.slots.len();
+        if n == 0 || self.per_replica[replica] == 0 {
+            return false;
+        }
+        let mut hand = self.hands[replica] % n;
+        for _ in 0..=2 * n {
+            let s = hand;
+            hand = if hand + 1 >= n { 0 } else { hand + 1 };
+            if self.slots[s].len == 0 || !self.slot_held_by(s, replica) {
+                continue;
+            }
+            if self.slots[s].referenced {
+                self.slots[s].referenced = false;
+                continue;
+            }
+            self.hands[replica] = hand;
+            self.drop_holder(s as u32, replica, 0b111);
+            self.evictions += 1;
+            return true;
+        }
+        self.hands[replica] = hand;
+        false
     }
 
     fn evict_one(&mut self) {
@@ -534,6 +614,66 @@ mod tests {
         assert!(ix.holds(0, Tier::Gpu, 2), "touched block survives");
         assert!(!ix.holds(0, Tier::Gpu, 3), "untouched block goes");
         ix.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_flood_from_one_replica_evicts_only_its_own_blocks() {
+        let mut ix = KvIndex::new(1000, 4, 5);
+        assert_eq!(ix.share(), 250);
+        let kept: Vec<Vec<u64>> = (1..4u64)
+            .map(|r| (0..200).map(|i| r << 32 | i).collect())
+            .collect();
+        for (r, keys) in kept.iter().enumerate() {
+            ix.store(r + 1, Tier::Gpu, keys);
+        }
+        // Replica 0 reports a million blocks: it may use the room left, then evicts its own.
+        let flood: Vec<u64> = (0..1_000_000u64).map(|i| 9 << 40 | i).collect();
+        for chunk in flood.chunks(4096) {
+            ix.store(0, Tier::Gpu, chunk);
+        }
+        assert_eq!(ix.len(), 1000);
+        assert_eq!(ix.replica_blocks(0), 400, "the room the others left");
+        for (r, keys) in kept.iter().enumerate() {
+            assert_eq!(ix.replica_blocks(r + 1), 200);
+            let mut out = Vec::new();
+            ix.match_prefix(keys, &mut out);
+            assert_eq!(out[r + 1], [200, 0, 0], "replica {} lost blocks", r + 1);
+        }
+        // Its newest blocks are the ones it keeps.
+        assert!(ix.holds(0, Tier::Gpu, *flood.last().unwrap()));
+        assert!(!ix.holds(0, Tier::Gpu, flood[0]));
+        // A replica under its share that stores more takes the room back from the one over it.
+        let more: Vec<u64> = (200..300).map(|i| 1 << 32 | i).collect();
+        ix.store(1, Tier::Gpu, &more);
+        assert_eq!(ix.replica_blocks(1), 250, "up to its share, and no further");
+        assert_eq!(ix.replica_blocks(0), 350);
+        assert_eq!(ix.replica_blocks(2), 200);
+        assert_eq!(ix.len(), 1000);
+        ix.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn shared_blocks_count_for_each_holder_and_stay_while_held() {
+        let mut ix = KvIndex::new(10, 2, 0);
+        assert_eq!(ix.share(), 5);
+        ix.store(0, Tier::Gpu, &[1, 2, 3, 4, 5]);
+        ix.store(1, Tier::Gpu, &[1, 2, 3, 4, 5]);
+        // Replica 1 floods: its copies of the shared blocks may go, the blocks stay for replica 0.
+        ix.store(1, Tier::Gpu, &(100..200).collect::<Vec<u64>>());
+        for k in 1..=5 {
+            assert!(ix.holds(0, Tier::Gpu, k), "block {k}");
+        }
+        assert_eq!(ix.replica_blocks(0), 5);
+        assert!(ix.len() <= 10);
+        ix.check_invariants().unwrap();
+        // More replicas than blocks of cap: shares are one block, the cap still holds.
+        let mut tiny = KvIndex::new(2, 4, 0);
+        for r in 0..4 {
+            tiny.store(r, Tier::Gpu, &[r as u64 * 10, r as u64 * 10 + 1]);
+        }
+        assert_eq!(tiny.share(), 1);
+        assert!(tiny.len() <= 2);
+        tiny.check_invariants().unwrap();
     }
 
     #[test]

@@ -12,7 +12,9 @@ use hashbrown::HashMap;
 use crate::approx::ApproxIndex;
 use crate::block::{SeqHash, TextHash};
 use crate::config::{ConfigError, PolicyKind, ReportedLoad, RoutingConfig};
-use crate::feed::{CursorVerdict, FeedBatch, FeedCursor, FeedEvent, FeedQuery, ReplicaLoad};
+use crate::feed::{
+    CursorVerdict, EventKind, FeedBatch, FeedCursor, FeedEvent, FeedQuery, FeedSlice, ReplicaLoad,
+};
 use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
 use crate::load::{Accounting, LoadTable, LoadTotals};
 use crate::output::OutputEstimate;
@@ -521,6 +523,24 @@ impl Router {
 
     /// Applies one decoded feed batch from `replica`.
     pub fn apply_feed(&mut self, replica: usize, batch: &FeedBatch) -> FeedOutcome {
+        match self.accept_feed(replica, batch) {
+            FeedOutcome::Applied { .. } => FeedOutcome::Applied {
+                events: self.apply_events(replica, &batch.events),
+            },
+            FeedOutcome::Reset { epoch, .. } => FeedOutcome::Reset {
+                events: self.apply_events(replica, &batch.events),
+                epoch,
+            },
+            other => other,
+        }
+    }
+
+    /// The first half of [`Router::apply_feed`], for a batch applied in slices: takes the batch's
+    /// load, judges its position against the replica's cursor and, for a snapshot, drops what the
+    /// replica held. Ignores `batch.events`; unless the outcome is a gap or a bad replica, the caller
+    /// then applies the events in order with [`Router::apply_feed_slice`]. The outcomes' event counts
+    /// are 0.
+    pub fn accept_feed(&mut self, replica: usize, batch: &FeedBatch) -> FeedOutcome {
         if replica >= self.replicas {
             self.stats.bad_replica += 1;
             return FeedOutcome::BadReplica;
@@ -544,16 +564,38 @@ impl Router {
                     self.approx_text.remove_replica(replica);
                 }
                 self.stats.feed_resets += 1;
-                let events = self.apply_events(replica, &batch.events);
                 FeedOutcome::Reset {
-                    events,
+                    events: 0,
                     epoch: batch.epoch,
                 }
             }
-            CursorVerdict::Apply => FeedOutcome::Applied {
-                events: self.apply_events(replica, &batch.events),
-            },
+            CursorVerdict::Apply => FeedOutcome::Applied { events: 0 },
         }
+    }
+
+    /// Applies one slice of a feed event (part of a `stored` or `removed` event's hashes, or a whole
+    /// `cleared`) of a batch accepted by [`Router::accept_feed`]; events are counted in
+    /// `stats().feed_events` by their first slice.
+    pub fn apply_feed_slice(&mut self, replica: usize, slice: FeedSlice, hashes: &[u64]) {
+        if replica >= self.replicas {
+            self.stats.bad_replica += 1;
+            return;
+        }
+        let FeedSlice {
+            kind,
+            tier,
+            starts_event,
+        } = slice;
+        match kind {
+            EventKind::Stored => {
+                self.index.store(replica, tier, hashes);
+            }
+            EventKind::Removed => {
+                self.index.remove(replica, tier, hashes);
+            }
+            EventKind::Cleared => self.index.remove_replica(replica),
+        }
+        self.stats.feed_events += starts_event as u64;
     }
 
     fn apply_events(&mut self, replica: usize, events: &[FeedEvent]) -> usize {

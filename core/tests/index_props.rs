@@ -127,4 +127,36 @@ proptest! {
         }
         prop_assert!(inserted_before_full <= cap as u64);
     }
+
+    /// Fair shares: a replica that stays within its share of the cap never loses a block, whatever
+    /// the other replicas store, remove or match (they may share its keys).
+    #[test]
+    fn a_replica_within_its_share_keeps_its_blocks(
+        cap in 8usize..60,
+        own in prop::collection::vec(0u64..200, 0..30),
+        ops in prop::collection::vec(op(), 0..150),
+    ) {
+        let mut ix = KvIndex::new(cap, 5, 4);
+        let share = ix.share();
+        let own: Vec<u64> = own.into_iter().map(|k| k + 1000).take(share).collect();
+        ix.store(0, Tier::Gpu, &own);
+        for o in &ops {
+            match o {
+                Op::Store(r, t, k) if *r != 0 => {
+                    // Widen the others' key space so the index fills; keep some keys in common.
+                    let k: Vec<u64> = k.iter().map(|&x| if x % 5 == 0 { 1000 + x } else { x * 7 + *r as u64 * 1_000_000 }).collect();
+                    ix.store(*r, tier(*t), &k);
+                }
+                Op::Remove(r, t, k) if *r != 0 => { ix.remove(*r, tier(*t), k); }
+                Op::Reset(r) if *r != 0 => ix.remove_replica(*r),
+                Op::Match(k) => { let mut out = Vec::new(); ix.match_prefix(k, &mut out); }
+                _ => {}
+            }
+            prop_assert!(ix.len() <= cap);
+            for &key in &own {
+                prop_assert!(ix.holds(0, Tier::Gpu, key), "lost {} (cap {}, share {})", key, cap, share);
+            }
+        }
+        ix.check_invariants().map_err(TestCaseError::fail)?;
+    }
 }

@@ -57,6 +57,12 @@ fn d_stale_after() -> u32 {
 fn d_max_events() -> u32 {
     kvsteer_core::feed::DEFAULT_MAX_EVENTS
 }
+fn d_feed_max_bytes() -> usize {
+    8 << 20
+}
+fn d_feed_apply_blocks() -> u32 {
+    8192
+}
 fn d_session_header() -> String {
     "x-session-id".into()
 }
@@ -97,8 +103,17 @@ pub struct FilterConfig {
     /// Consecutive failed polls after which a replica's cache view is treated as stale.
     #[serde(default = "d_stale_after")]
     pub stale_after_failures: u32,
+    /// Events asked per poll; an answer with more is refused (counted as oversized).
     #[serde(default = "d_max_events")]
     pub feed_max_events: u32,
+    /// Feed answers with a body over this many bytes are refused unread (counted as oversized): the
+    /// feed goes stale, the replica is not marked down.
+    #[serde(default = "d_feed_max_bytes")]
+    pub feed_max_bytes: usize,
+    /// Block hashes (and events) this worker applies to its index per tick, all replicas together;
+    /// a larger batch is applied in slices over the next ticks.
+    #[serde(default = "d_feed_apply_blocks")]
+    pub feed_apply_blocks_per_tick: u32,
     /// Prepended to the feed path, for replicas whose feed sits behind a path prefix.
     #[serde(default = "d_feed_path_prefix")]
     pub feed_path_prefix: String,
@@ -244,6 +259,19 @@ impl FilterConfig {
         if self.feed_timeout_ms == 0 {
             return err("feed_timeout_ms: must be positive".into());
         }
+        if self.feed_max_events == 0 {
+            return err("feed_max_events: must be positive".into());
+        }
+        if !(kvsteer_core::feed::HEADER_LEN..=1 << 30).contains(&self.feed_max_bytes) {
+            return err(format!(
+                "feed_max_bytes: must be {}..=1073741824, got {}",
+                kvsteer_core::feed::HEADER_LEN,
+                self.feed_max_bytes
+            ));
+        }
+        if self.feed_apply_blocks_per_tick == 0 {
+            return err("feed_apply_blocks_per_tick: must be positive".into());
+        }
         if self.stale_after_failures == 0 {
             return err("stale_after_failures: must be positive".into());
         }
@@ -304,6 +332,8 @@ mod tests {
         assert_eq!(c.feed_authority(0), "127.0.0.1:8000");
         assert_eq!(c.feed_authority(1), "r1.local");
         assert_eq!(c.feed_upstream(1), "feed_r1");
+        assert_eq!(c.feed_max_bytes, 8 << 20);
+        assert_eq!(c.feed_apply_blocks_per_tick, 8192);
     }
 
     fn refused(json: &str) -> String {
@@ -343,6 +373,19 @@ mod tests {
         let dup = r#"{"replicas":[{"name":"a","endpoint":"1.2.3.4:5","feed_cluster":"f"},
                                  {"name":"a","endpoint":"1.2.3.4:6","feed_cluster":"g"}]}"#;
         assert!(refused(dup).contains("duplicate"));
+        for (field, bad) in [
+            ("feed_max_bytes", "10"),
+            ("feed_max_bytes", "2000000000"),
+            ("feed_apply_blocks_per_tick", "0"),
+            ("feed_max_events", "0"),
+        ] {
+            let json = GOOD.replacen(
+                "{\"replicas\"",
+                &format!("{{\"{field}\":{bad},\"replicas\""),
+                1,
+            );
+            assert!(refused(&json).starts_with(field), "{field} = {bad}");
+        }
     }
 
     const WITH_TOKENIZER: &str = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000",

@@ -2,7 +2,7 @@
 
 use crate::config::FilterConfig;
 use crate::router_state::{
-    BodyFallback, DecisionOutput, FeedPoll, FeedResult, RouterState, is_inference_path,
+    BodyFallback, DecisionOutput, FeedFailure, FeedPoll, FeedResult, RouterState, is_inference_path,
 };
 use crate::sse::SseTracker;
 use crate::store::SharedStore;
@@ -48,7 +48,10 @@ impl SharedStore for HostStore {
 struct Metrics {
     decisions: Vec<Option<u32>>,
     feed_errors: Vec<Option<u32>>,
+    feed_timeouts: Vec<Option<u32>>,
+    feed_oversized: Vec<Option<u32>>,
     feed_stale: Vec<Option<u32>>,
+    feed_pending_blocks: Option<u32>,
     down: Vec<Option<u32>>,
     routed: Option<u32>,
     fallbacks: Option<u32>,
@@ -148,7 +151,10 @@ impl Metrics {
                 .map(|r| define(Counter, &format!("kvsteer_decisions_{policy}_{}", r.name)))
                 .collect(),
             feed_errors: per(Counter, "feed_errors"),
+            feed_timeouts: per(Counter, "feed_timeouts"),
+            feed_oversized: per(Counter, "feed_oversized"),
             feed_stale: per(Gauge, "feed_stale"),
+            feed_pending_blocks: define(Gauge, "kvsteer_feed_pending_blocks"),
             down: per(Gauge, "down"),
             routed: define(Counter, "kvsteer_requests_routed"),
             fallbacks: define(Counter, "kvsteer_fallbacks"),
@@ -225,11 +231,20 @@ impl Root {
         match r {
             FeedResult::Failed {
                 replica,
+                cause,
                 reason,
                 became_stale,
                 became_down,
             } => {
-                inc(vm.metrics.feed_errors.get(*replica).copied().flatten(), 1);
+                let m = &vm.metrics;
+                inc(m.feed_errors.get(*replica).copied().flatten(), 1);
+                match cause {
+                    FeedFailure::Slow => inc(m.feed_timeouts.get(*replica).copied().flatten(), 1),
+                    FeedFailure::Oversized => {
+                        inc(m.feed_oversized.get(*replica).copied().flatten(), 1)
+                    }
+                    _ => {}
+                }
                 let name = vm.state.replica_name(*replica);
                 if *became_down {
                     log(
@@ -253,6 +268,7 @@ impl Root {
     fn update_gauges(vm: &mut Vm) {
         let stats = vm.state.stats();
         gauge(vm.metrics.index_blocks, stats.index_blocks);
+        gauge(vm.metrics.feed_pending_blocks, vm.state.pending_blocks());
         let m = &mut vm.metrics;
         inc(
             m.index_evictions,
@@ -298,18 +314,23 @@ impl Context for Root {
             header(MapType::HttpCallResponseHeaders, ":status")
                 .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
         };
-        let body = if body_size > 0 {
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                .ok()
-                .flatten()
-        } else {
-            None
-        };
         let mut vm = vm.borrow_mut();
         let store = vm.state.shared(&HostStore);
-        let r = vm
-            .state
-            .on_feed_response(token, status, body.as_deref(), store, now_ms());
+        let r = if body_size > vm.state.config().feed_max_bytes {
+            // Refused before it is copied into the VM, let alone parsed.
+            vm.state
+                .on_feed_response_oversized(token, status, body_size, store, now_ms())
+        } else {
+            let body = if body_size > 0 {
+                hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                    .ok()
+                    .flatten()
+            } else {
+                None
+            };
+            vm.state
+                .on_feed_answer(token, status, body, store, now_ms())
+        };
         Self::report_feed(&vm, &r);
     }
 }
@@ -362,6 +383,8 @@ impl RootContext for Root {
         let now = now_ms();
         let mut vm = vm.borrow_mut();
         vm.state.share_load(&HostStore, now);
+        // This tick's feed budget, spent first on batches earlier ticks left half applied.
+        vm.state.start_tick(now);
         Self::poll_feeds(&mut vm, now);
         Self::update_gauges(&mut vm);
     }

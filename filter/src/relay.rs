@@ -16,7 +16,6 @@
 //! `n u64 | batch bytes` (the feed wire format).
 
 use crate::store::SharedStore;
-use kvsteer_core::feed::{FeedBatch, FeedQuery};
 
 /// Relayed batches kept per replica.
 pub const RING: u64 = 8;
@@ -91,27 +90,44 @@ pub fn unseen(
     store: &dyn SharedStore,
     prefix: &str,
     replica: usize,
-    seen: u64,
+    mut seen: u64,
 ) -> (Vec<Vec<u8>>, u64) {
+    let mut out = Vec::new();
+    while let (Some(b), n) = next_unseen(store, prefix, replica, seen) {
+        out.push(b);
+        seen = n;
+    }
+    let (_, seen) = next_unseen(store, prefix, replica, seen);
+    (out, seen)
+}
+
+/// The oldest relayed batch a follower has not seen, with the relay number to remember: a follower
+/// still applying an earlier batch reads the next one only when it is done. Batches that fell out of
+/// the ring are skipped (the cursor check then finds the gap); with none left, the newest number.
+pub fn next_unseen(
+    store: &dyn SharedStore,
+    prefix: &str,
+    replica: usize,
+    seen: u64,
+) -> (Option<Vec<u8>>, u64) {
     let Some(head) = store
         .get(&head_key(prefix, replica))
         .and_then(|(v, _)| u64_at(&v, 0))
     else {
-        return (Vec::new(), seen);
+        return (None, seen);
     };
     if head <= seen {
-        return (Vec::new(), seen);
+        return (None, seen);
     }
     let from = (seen + 1).max(head.saturating_sub(RING - 1));
-    let mut out = Vec::new();
     for n in from..=head {
         if let Some((v, _)) = store.get(&slot_key(prefix, replica, n))
             && u64_at(&v, 0) == Some(n)
         {
-            out.push(v[8..].to_vec());
+            return (Some(v[8..].to_vec()), n);
         }
     }
-    (out, head)
+    (None, head)
 }
 
 fn health_key(prefix: &str, replica: usize) -> String {
@@ -141,31 +157,10 @@ pub fn health(store: &dyn SharedStore, prefix: &str, replica: usize) -> Option<b
     }
 }
 
-/// Cuts from an incremental batch the events a follower at `q` already applied. `None` only for a batch
-/// that ends before the cursor (older than what was applied). A batch that ends exactly at the cursor
-/// comes back as an empty continuation: it has no new events, but it proves the feed is alive and
-/// carries the replica's current load, which an idle replica's followers need. Snapshots and batches
-/// that do not overlap the cursor are returned unchanged (the cursor check judges them).
-pub fn trim_to_cursor(mut batch: FeedBatch, q: &FeedQuery) -> Option<FeedBatch> {
-    if batch.resync || q.epoch == 0 || batch.epoch != q.epoch {
-        return Some(batch);
-    }
-    if batch.next_seq < q.cursor {
-        return None;
-    }
-    if batch.first_seq < q.cursor {
-        let skip = (q.cursor - batch.first_seq) as usize;
-        batch.events.drain(..skip.min(batch.events.len()));
-        batch.first_seq = q.cursor;
-    }
-    Some(batch)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::store::tests::MemStore;
-    use kvsteer_core::feed::{FeedEvent, ReplicaLoad, Tier};
 
     #[test]
     fn one_holder_at_a_time_and_expiry_hands_over() {
@@ -201,58 +196,5 @@ mod tests {
             unseen(&s, "k", 1, 0).0.is_empty(),
             "other replica untouched"
         );
-    }
-
-    fn batch(first: u64, n: u64) -> FeedBatch {
-        FeedBatch {
-            epoch: 9,
-            resync: false,
-            more: false,
-            first_seq: first,
-            next_seq: first + n,
-            load: ReplicaLoad::default(),
-            events: (0..n)
-                .map(|i| FeedEvent::Stored {
-                    tier: Tier::Gpu,
-                    hashes: vec![first + i],
-                })
-                .collect(),
-        }
-    }
-
-    #[test]
-    fn trimming_skips_what_was_applied() {
-        let q = FeedQuery {
-            epoch: 9,
-            cursor: 12,
-            max_events: 10,
-        };
-        assert_eq!(trim_to_cursor(batch(5, 5), &q), None);
-        // Nothing new, but alive and carrying load: an empty continuation at the cursor.
-        let idle = trim_to_cursor(batch(12, 0), &q).unwrap();
-        assert_eq!(
-            (idle.first_seq, idle.next_seq, idle.events.len()),
-            (12, 12, 0)
-        );
-        let caught_up = trim_to_cursor(batch(7, 5), &q).unwrap();
-        assert_eq!(
-            (
-                caught_up.first_seq,
-                caught_up.next_seq,
-                caught_up.events.len()
-            ),
-            (12, 12, 0)
-        );
-        let t = trim_to_cursor(batch(10, 5), &q).unwrap();
-        assert_eq!(t.first_seq, 12);
-        assert_eq!(t.events.len(), 3);
-        assert_eq!(
-            t.encode().len(),
-            FeedBatch::decode(&t.encode()).unwrap().encode().len()
-        );
-        assert_eq!(trim_to_cursor(batch(12, 2), &q), Some(batch(12, 2)));
-        let mut snap = batch(3, 1);
-        snap.resync = true;
-        assert_eq!(trim_to_cursor(snap.clone(), &q), Some(snap));
     }
 }

@@ -7,7 +7,7 @@ use crate::config::{ConfigError, FilterConfig, OutputMode};
 use crate::peers;
 use crate::relay;
 use crate::store::SharedStore;
-use kvsteer_core::feed::FeedBatch;
+use kvsteer_core::feed::FeedFrame;
 use kvsteer_core::request::PromptTokenizer;
 use kvsteer_core::router::{Decision, FeedOutcome, Router, RouterStats};
 #[cfg(feature = "tokenizer")]
@@ -25,16 +25,39 @@ pub fn is_inference_path(path: &[u8]) -> bool {
 
 /// Whether a callout's answer is the proxy saying it could not reach the replica, rather than the
 /// replica answering. Envoy 1.40 reports a refused or reset connection to a `dispatch_http_call` as
-/// its own 503 (`upstream connect error or disconnect/reset before headers ...`), a cluster without a
-/// healthy host as 503 `no healthy upstream`, and an upstream timeout as 504 `upstream request
-/// timeout`; a live replica's own errors never start with these phrases.
+/// its own 503 (`upstream connect error or disconnect/reset before headers ...`, which covers a
+/// connect timeout too) and a cluster without a healthy host as 503 `no healthy upstream`; a live
+/// replica's own errors never start with these phrases. A feed that answers too slowly is not this
+/// ([`proxy_timed_out`]).
 pub fn proxy_could_not_connect(status: u16, body: Option<&[u8]>) -> bool {
-    const MARKERS: [&[u8]; 3] = [
-        b"upstream connect error",
-        b"no healthy upstream",
-        b"upstream request timeout",
-    ];
-    matches!(status, 503 | 504) && body.is_some_and(|b| MARKERS.iter().any(|m| b.starts_with(m)))
+    const MARKERS: [&[u8]; 2] = [b"upstream connect error", b"no healthy upstream"];
+    status == 503 && body.is_some_and(|b| MARKERS.iter().any(|m| b.starts_with(m)))
+}
+
+/// Whether a callout's answer is the proxy saying the replica did not answer within the callout's
+/// timeout (Envoy: its own 504 `upstream request timeout`). The replica was reached: its feed is slow,
+/// which makes the feed stale but does not mark the replica down.
+pub fn proxy_timed_out(status: u16, body: Option<&[u8]>) -> bool {
+    status == 504 && body.is_some_and(|b| b.starts_with(b"upstream request timeout"))
+}
+
+/// Why a feed poll failed. Only [`FeedFailure::Unreachable`] counts toward marking a replica down;
+/// every kind counts toward making its feed stale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FeedFailure {
+    /// The connection was refused or reset (or the proxy had no healthy host for it).
+    Unreachable,
+    /// No answer within `feed_timeout_ms`.
+    Slow,
+    /// The answer was over `feed_max_bytes`, or held more events than `feed_max_events`: refused
+    /// unread.
+    Oversized,
+    /// The replica answered with an HTTP error.
+    Http(u16),
+    /// The answer was not a feed batch.
+    Malformed,
+    /// The proxy refused to dispatch the callout.
+    NotDispatched,
 }
 
 /// Why a request was routed without reading its body.
@@ -67,9 +90,18 @@ pub struct FeedState {
     pub relay_seen: u64,
     /// Batches applied from other workers' polls.
     pub relayed: u64,
-    /// Polls in a row that could not reach the replica at all (connection failure or timeout, as
-    /// opposed to an HTTP error from a live server).
+    /// Polls in a row that could not reach the replica at all (connection refused or reset, as
+    /// opposed to a slow or oversized answer or an HTTP error from a live server).
     pub consecutive_unreachable: u32,
+    /// Polls that timed out (slow feed).
+    pub timeouts: u64,
+    /// Answers refused for their size.
+    pub oversized: u64,
+    /// A batch accepted but not yet wholly applied (applied in slices, `feed_apply_blocks_per_tick`
+    /// per tick): this replica is not polled, nor its relay read, until it is done.
+    pub pending: Option<FeedFrame>,
+    /// Batches that took more than one slice.
+    pub deferred: u64,
 }
 
 /// A feed poll to dispatch now: `GET path` to `upstream` (cluster or address) with `:authority`.
@@ -105,6 +137,7 @@ pub enum FeedResult {
     },
     Failed {
         replica: usize,
+        cause: FeedFailure,
         reason: String,
         became_stale: bool,
         became_down: bool,
@@ -127,6 +160,11 @@ pub struct RouterState {
     /// This worker's number among the proxy's workers; `None` without shared data.
     worker_id: Option<u32>,
     started_ms: Option<u64>,
+    /// Feed work (block hashes and events) this worker may still do in this tick.
+    budget_left: u64,
+    /// When this tick's budget was granted (`None`: never).
+    budget_from_ms: Option<u64>,
+    scratch: Vec<u64>,
     /// Text-prompt tokenizer, when configured (full build only).
     #[cfg(feature = "tokenizer")]
     tokenizer: Option<TextTokenizer>,
@@ -155,6 +193,9 @@ impl RouterState {
             spoofed_headers: 0,
             worker_id: None,
             started_ms: None,
+            budget_left: 0,
+            budget_from_ms: None,
+            scratch: Vec::new(),
         })
     }
 
@@ -345,7 +386,7 @@ impl RouterState {
         let mut out = Vec::new();
         for i in 0..self.feeds.len() {
             let f = &self.feeds[i];
-            if f.in_flight.is_some() || f.next_poll_ms > now_ms {
+            if f.in_flight.is_some() || f.pending.is_some() || f.next_poll_ms > now_ms {
                 continue;
             }
             let q = self.router.feed_query(i, self.cfg.feed_max_events);
@@ -375,29 +416,42 @@ impl RouterState {
         out
     }
 
-    /// Applies the batches other workers relayed for the feeds this worker does not poll.
+    /// Applies the batches other workers relayed for the feeds this worker does not poll, oldest
+    /// first, within this tick's feed budget: a batch that does not fit is finished over the next
+    /// ticks, and the relays after it wait until it is.
     pub fn follow_relays(&mut self, store: &dyn SharedStore, now_ms: u64) -> Vec<FeedResult> {
         let mut results = Vec::new();
         for i in 0..self.feeds.len() {
             if self.feeds[i].leased {
                 continue;
             }
-            let (batches, seen) = relay::unseen(
-                store,
-                &self.cfg.shared_key_prefix,
-                i,
-                self.feeds[i].relay_seen,
-            );
-            self.feeds[i].relay_seen = seen;
-            for bytes in batches {
-                let Ok(batch) = FeedBatch::decode(&bytes) else {
+            while self.feeds[i].pending.is_none() {
+                let (bytes, seen) = relay::next_unseen(
+                    store,
+                    &self.cfg.shared_key_prefix,
+                    i,
+                    self.feeds[i].relay_seen,
+                );
+                self.feeds[i].relay_seen = seen;
+                let Some(bytes) = bytes else {
+                    break;
+                };
+                // The holder relays only what it accepted; the same limits keep a follower safe.
+                if bytes.len() > self.cfg.feed_max_bytes {
+                    continue;
+                }
+                let Ok(mut frame) = FeedFrame::parse(bytes) else {
                     continue;
                 };
+                if frame.events() > self.cfg.feed_max_events {
+                    continue;
+                }
                 let q = self.router.feed_query(i, self.cfg.feed_max_events);
-                let Some(batch) = relay::trim_to_cursor(batch, &q) else {
+                if !frame.trim_to_cursor(&q) {
                     continue;
-                };
-                let outcome = self.router.apply_feed(i, &batch);
+                }
+                self.refill(now_ms);
+                let outcome = self.accept_frame(i, frame);
                 self.feeds[i].relayed += 1;
                 if outcome != FeedOutcome::Gap {
                     self.feed_ok(i, now_ms, false);
@@ -411,6 +465,104 @@ impl RouterState {
         results
     }
 
+    /// Grants a new tick's feed budget when a tick period has passed since the last grant (answers
+    /// arrive between ticks; [`RouterState::start_tick`] grants one on every tick).
+    fn refill(&mut self, now_ms: u64) {
+        let due = self
+            .budget_from_ms
+            .is_none_or(|from| now_ms >= from.saturating_add(self.cfg.tick_ms));
+        if due {
+            self.grant(now_ms);
+        }
+    }
+
+    fn grant(&mut self, now_ms: u64) {
+        self.budget_left = self.cfg.feed_apply_blocks_per_tick as u64;
+        self.budget_from_ms = Some(now_ms);
+    }
+
+    /// Starts a tick's feed budget (`feed_apply_blocks_per_tick`) and spends it on the batches still
+    /// being applied: first an even split among them, then what is left in replica order.
+    pub fn start_tick(&mut self, now_ms: u64) {
+        self.grant(now_ms);
+        let waiting: Vec<usize> = (0..self.feeds.len())
+            .filter(|&i| self.feeds[i].pending.is_some())
+            .collect();
+        if waiting.is_empty() {
+            return;
+        }
+        let fair = (self.budget_left / waiting.len() as u64).max(1);
+        for &i in &waiting {
+            self.drain(i, fair);
+        }
+        for &i in &waiting {
+            self.drain(i, u64::MAX);
+        }
+    }
+
+    /// Whether the index holds `key` for `replica` on the GPU tier (tests).
+    #[cfg(test)]
+    fn index_holds(&self, replica: usize, key: u64) -> bool {
+        self.router
+            .index()
+            .holds(replica, kvsteer_core::feed::Tier::Gpu, key)
+    }
+
+    /// Block hashes accepted and not yet applied, all replicas together.
+    pub fn pending_blocks(&self) -> u64 {
+        self.feeds
+            .iter()
+            .filter_map(|f| f.pending.as_ref())
+            .map(FeedFrame::hashes_left)
+            .sum()
+    }
+
+    /// Accepts a checked batch (cursor, reset for a snapshot) and applies what this tick's budget
+    /// allows; the rest stays pending. The outcome counts the batch's events.
+    fn accept_frame(&mut self, replica: usize, frame: FeedFrame) -> FeedOutcome {
+        let events = frame.events() as usize;
+        let outcome = match self.router.accept_feed(replica, frame.header()) {
+            FeedOutcome::Applied { .. } => FeedOutcome::Applied { events },
+            FeedOutcome::Reset { epoch, .. } => FeedOutcome::Reset { events, epoch },
+            other => return other,
+        };
+        if !frame.is_done() {
+            self.feeds[replica].pending = Some(frame);
+            self.drain(replica, u64::MAX);
+            if self.feeds[replica].pending.is_some() {
+                self.feeds[replica].deferred += 1;
+            }
+        }
+        outcome
+    }
+
+    /// Applies up to `allowance` units (a block hash or an event each) of a replica's pending batch,
+    /// within what is left of the tick's budget.
+    fn drain(&mut self, replica: usize, allowance: u64) {
+        let allow = allowance.min(self.budget_left);
+        if allow == 0 {
+            return;
+        }
+        let Some(mut frame) = self.feeds.get_mut(replica).and_then(|f| f.pending.take()) else {
+            return;
+        };
+        let mut out = std::mem::take(&mut self.scratch);
+        let mut used = 0u64;
+        while used < allow {
+            let room = usize::try_from(allow - used).unwrap_or(usize::MAX);
+            let Some(slice) = frame.next_slice(room, &mut out) else {
+                break;
+            };
+            self.router.apply_feed_slice(replica, slice, &out);
+            used += (out.len() as u64).max(1);
+        }
+        self.scratch = out;
+        self.budget_left = self.budget_left.saturating_sub(used);
+        if !frame.is_done() {
+            self.feeds[replica].pending = Some(frame);
+        }
+    }
+
     /// Marks replicas stale whose feed has not been applied for `stale_after_failures + 1` periods
     /// (a follower learns of a failing poller this way). Returns the replicas that just became stale.
     pub fn check_staleness(&mut self, now_ms: u64) -> Vec<usize> {
@@ -422,7 +574,11 @@ impl RouterState {
         let mut out = Vec::new();
         for (i, f) in self.feeds.iter().enumerate() {
             let last = f.last_ok_ms.unwrap_or(started);
-            if !self.router.is_stale(i) && now_ms.saturating_sub(last) > limit {
+            // A replica whose batch is still being applied has not gone quiet: this worker is busy.
+            if f.pending.is_none()
+                && !self.router.is_stale(i)
+                && now_ms.saturating_sub(last) > limit
+            {
                 self.router.set_stale(i, true);
                 out.push(i);
             }
@@ -456,16 +612,32 @@ impl RouterState {
         if let Some(f) = self.feeds.get_mut(replica) {
             f.next_poll_ms = now_ms.saturating_add(self.cfg.feed_period_ms);
         }
-        self.fail(replica, format!("dispatch refused: {reason}"))
+        self.fail(
+            replica,
+            FeedFailure::NotDispatched,
+            format!("dispatch refused: {reason}"),
+        )
     }
 
-    /// Handles a feed callout's answer. `status` is the HTTP status (None when the call failed or timed
-    /// out, which hosts report as a response with no headers); `body` the whole body.
+    /// Handles a feed callout's answer. `status` is the HTTP status (None when the call failed,
+    /// which hosts report as a response with no headers); `body` the whole body.
     pub fn on_feed_response(
         &mut self,
         token: u32,
         status: Option<u16>,
         body: Option<&[u8]>,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> FeedResult {
+        self.on_feed_answer(token, status, body.map(<[u8]>::to_vec), store, now_ms)
+    }
+
+    /// [`RouterState::on_feed_response`] taking the body the host handed over, without copying it.
+    pub fn on_feed_answer(
+        &mut self,
+        token: u32,
+        status: Option<u16>,
+        body: Option<Vec<u8>>,
         store: Option<&dyn SharedStore>,
         now_ms: u64,
     ) -> FeedResult {
@@ -477,32 +649,123 @@ impl RouterState {
         }
         match status {
             Some(200) => {}
-            Some(s) if proxy_could_not_connect(s, body) => {
+            Some(s) if proxy_could_not_connect(s, body.as_deref()) => {
                 let r = self.fail(
                     replica,
+                    FeedFailure::Unreachable,
                     format!("HTTP {s} from the proxy: replica unreachable"),
                 );
                 return self.unreachable(replica, r, store, now_ms);
             }
-            Some(s) => return self.fail(replica, format!("HTTP {s}")),
+            Some(s) if proxy_timed_out(s, body.as_deref()) => {
+                self.feeds[replica].timeouts += 1;
+                return self.fail(
+                    replica,
+                    FeedFailure::Slow,
+                    format!(
+                        "no answer within {} ms: slow feed",
+                        self.cfg.feed_timeout_ms
+                    ),
+                );
+            }
+            Some(s) => return self.fail(replica, FeedFailure::Http(s), format!("HTTP {s}")),
             None => {
-                let r = self.fail(replica, "call failed or timed out".into());
+                let r = self.fail(
+                    replica,
+                    FeedFailure::Unreachable,
+                    "connection refused or reset".into(),
+                );
                 return self.unreachable(replica, r, store, now_ms);
             }
         }
-        let batch = match FeedBatch::decode(body.unwrap_or_default()) {
-            Ok(b) => b,
-            Err(e) => return self.fail(replica, format!("bad payload: {e}")),
+        let body = body.unwrap_or_default();
+        let body_len = body.len();
+        if body_len > self.cfg.feed_max_bytes {
+            return self.oversized(
+                replica,
+                format!(
+                    "{body_len} bytes, over feed_max_bytes {}",
+                    self.cfg.feed_max_bytes
+                ),
+                store,
+                now_ms,
+            );
+        }
+        let frame = match FeedFrame::parse(body) {
+            Ok(f) => f,
+            Err(e) => {
+                return self.fail(replica, FeedFailure::Malformed, format!("bad payload: {e}"));
+            }
         };
-        let outcome = self.router.apply_feed(replica, &batch);
-        self.feed_ok(replica, now_ms, batch.more);
-        self.set_down(replica, false, store, now_ms);
-        if let (Some(store), Some(bytes), true) = (store, body, self.feeds[replica].leased) {
-            let n = relay::publish(store, &self.cfg.shared_key_prefix, replica, bytes);
-            // Our own batch: followers apply it, we already did.
+        if frame.events() > self.cfg.feed_max_events {
+            return self.oversized(
+                replica,
+                format!(
+                    "{} events, over feed_max_events {}",
+                    frame.events(),
+                    self.cfg.feed_max_events
+                ),
+                store,
+                now_ms,
+            );
+        }
+        let more = frame.header().more;
+        if let (Some(store), true) = (store, self.feeds[replica].leased) {
+            let n = relay::publish(store, &self.cfg.shared_key_prefix, replica, frame.bytes());
+            // Our own batch: followers apply it, we apply it below.
             self.feeds[replica].relay_seen = n;
         }
+        self.refill(now_ms);
+        let outcome = self.accept_frame(replica, frame);
+        self.feed_ok(replica, now_ms, more);
+        self.set_down(replica, false, store, now_ms);
         FeedResult::Applied { replica, outcome }
+    }
+
+    /// A feed answer whose body is over `feed_max_bytes`, refused before it is read (the proxy
+    /// reports the body's size first). An answer that is not a 200 is judged by its status alone.
+    pub fn on_feed_response_oversized(
+        &mut self,
+        token: u32,
+        status: Option<u16>,
+        body_len: usize,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> FeedResult {
+        if status != Some(200) {
+            return self.on_feed_response(token, status, None, store, now_ms);
+        }
+        let Some(replica) = self.callouts.remove(&token) else {
+            return FeedResult::Unknown;
+        };
+        if let Some(f) = self.feeds.get_mut(replica) {
+            f.in_flight = None;
+        }
+        self.oversized(
+            replica,
+            format!(
+                "{body_len} bytes, over feed_max_bytes {}",
+                self.cfg.feed_max_bytes
+            ),
+            store,
+            now_ms,
+        )
+    }
+
+    /// An answer refused for its size: the replica answered, so it is up, but its feed is not
+    /// applied (stale after `stale_after_failures` in a row).
+    fn oversized(
+        &mut self,
+        replica: usize,
+        reason: String,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> FeedResult {
+        if let Some(f) = self.feeds.get_mut(replica) {
+            f.oversized += 1;
+        }
+        self.set_down(replica, false, store, now_ms);
+        self.fail(replica, FeedFailure::Oversized, reason)
     }
 
     /// A poll that could not reach the replica: after `stale_after_failures` in a row it is down, and
@@ -560,7 +823,7 @@ impl RouterState {
         }
     }
 
-    fn fail(&mut self, replica: usize, reason: String) -> FeedResult {
+    fn fail(&mut self, replica: usize, cause: FeedFailure, reason: String) -> FeedResult {
         let limit = self.cfg.stale_after_failures;
         let Some(f) = self.feeds.get_mut(replica) else {
             return FeedResult::Unknown;
@@ -573,6 +836,7 @@ impl RouterState {
         }
         FeedResult::Failed {
             replica,
+            cause,
             reason,
             became_stale,
             became_down: false,
@@ -621,7 +885,7 @@ impl RouterState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvsteer_core::feed::{FeedEvent, ReplicaLoad, Tier};
+    use kvsteer_core::feed::{FeedBatch, FeedEvent, ReplicaLoad, Tier};
 
     fn worker(policy: &str) -> RouterState {
         worker_routing(&format!(r#"{{"policy":"{policy}"}}"#))
@@ -932,10 +1196,17 @@ mod tests {
         let envoy_503 = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
         assert!(proxy_could_not_connect(503, Some(envoy_503)));
         assert!(proxy_could_not_connect(503, Some(b"no healthy upstream")));
-        assert!(proxy_could_not_connect(
+        // A timeout is a slow feed, not an unreachable replica.
+        assert!(!proxy_could_not_connect(
             504,
             Some(b"upstream request timeout")
         ));
+        assert!(proxy_timed_out(504, Some(b"upstream request timeout")));
+        assert!(!proxy_timed_out(
+            504,
+            Some(b"gateway timeout from the replica")
+        ));
+        assert!(!proxy_timed_out(503, Some(envoy_503)));
         // The replica's own feed outage: stale, not down.
         assert!(!proxy_could_not_connect(
             503,
@@ -983,5 +1254,245 @@ mod tests {
         b.share_load(&store, ttl + 1);
         assert_eq!(b.router.effective_load()[d.replica].active_requests, 0);
         assert!(a.release(1));
+    }
+
+    /// Two replicas, `stale_after_failures` 2, the given extra top-level fields.
+    fn worker_with(extra: &str) -> RouterState {
+        let json = format!(
+            r#"{{"replicas":[
+                {{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}},
+                {{"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"f1"}}],
+               "stale_after_failures": 2 {extra}}}"#
+        );
+        RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+    }
+
+    fn snapshot(epoch: u64, keys: std::ops::Range<u64>) -> FeedBatch {
+        FeedBatch {
+            epoch,
+            resync: true,
+            more: false,
+            first_seq: 0,
+            next_seq: 0,
+            load: ReplicaLoad::default(),
+            events: vec![
+                FeedEvent::Cleared,
+                FeedEvent::Stored {
+                    tier: Tier::Gpu,
+                    hashes: keys.collect(),
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn slow_and_oversized_feeds_go_stale_but_never_down() {
+        let mut w = worker_with(r#", "feed_max_bytes": 1000, "feed_max_events": 4"#);
+        let timeout = b"upstream request timeout".as_slice();
+        let mut token = 0;
+        let mut poll = |w: &mut RouterState, replica: usize, status, body: Option<&[u8]>, t| {
+            token += 1;
+            w.poll_started(replica, token, t);
+            w.on_feed_response(token, status, body, None, t)
+        };
+        // r0 times out, again and again: stale after two, never down.
+        for n in 0..6u64 {
+            let r = poll(&mut w, 0, Some(504), Some(timeout), n * 200);
+            assert!(
+                matches!(
+                    r,
+                    FeedResult::Failed {
+                        cause: FeedFailure::Slow,
+                        became_down: false,
+                        ..
+                    }
+                ),
+                "{r:?}"
+            );
+        }
+        assert!(w.is_stale(0) && !w.is_down(0));
+        assert_eq!(w.feed(0).unwrap().timeouts, 6);
+        // r1 answers 200 with a valid snapshot over the byte cap, then one with too many events.
+        let big = snapshot(3, 0..200).encode();
+        assert!(big.len() > 1000);
+        let r = poll(&mut w, 1, Some(200), Some(&big), 0);
+        assert!(
+            matches!(
+                r,
+                FeedResult::Failed {
+                    cause: FeedFailure::Oversized,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        let mut many = snapshot(3, 0..1);
+        many.events = vec![FeedEvent::Cleared; 5];
+        let r = poll(&mut w, 1, Some(200), Some(&many.encode()), 200);
+        assert!(
+            matches!(
+                r,
+                FeedResult::Failed {
+                    cause: FeedFailure::Oversized,
+                    became_stale: true,
+                    became_down: false,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert_eq!(w.stats().index_blocks, 0, "nothing of either was applied");
+        assert_eq!(w.feed(1).unwrap().oversized, 2);
+        // The proxy reports the size first: refused unread, same verdict.
+        w.poll_started(1, 900, 400);
+        let r = w.on_feed_response_oversized(900, Some(200), 50 << 20, None, 400);
+        assert!(matches!(
+            r,
+            FeedResult::Failed {
+                cause: FeedFailure::Oversized,
+                became_down: false,
+                ..
+            }
+        ));
+        assert_eq!(w.feed(1).unwrap().oversized, 3);
+        assert!(w.feed(1).unwrap().in_flight.is_none());
+        // Both still get traffic (by load): neither is avoided.
+        let mut seen = [false; 2];
+        for id in 0..20 {
+            let d = w.route_body(id, "/v1/completions", br#"{"prompt":[1,2,3]}"#, None, 500);
+            seen[d.replica] = true;
+        }
+        assert_eq!(seen, [true, true]);
+        // A reset connection, on the other hand, is unreachable: down after two.
+        for n in 0..2u64 {
+            poll(&mut w, 0, None, None, 1000 + n * 200);
+        }
+        assert!(w.is_down(0));
+        // And a timeout after that neither adds to nor clears it.
+        poll(&mut w, 0, Some(504), Some(timeout), 1400);
+        assert!(w.is_down(0));
+    }
+
+    #[test]
+    fn a_large_snapshot_is_applied_in_slices_across_ticks() {
+        let mut w = worker_with(r#", "feed_apply_blocks_per_tick": 1000"#);
+        w.start_tick(0);
+        for p in w.plan_polls(None, 0) {
+            w.poll_started(p.replica, 10 + p.replica as u32, 0);
+        }
+        // r0: 10,000 blocks. At most 1,000 units (hashes or events) per tick.
+        let big = snapshot(1, 0..10_000).encode();
+        let r = w.on_feed_response(10, Some(200), Some(&big), None, 0);
+        assert!(
+            matches!(
+                r,
+                FeedResult::Applied {
+                    outcome: FeedOutcome::Reset { events: 2, .. },
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert_eq!(
+            w.stats().index_blocks,
+            999,
+            "the cleared event and 999 hashes"
+        );
+        assert_eq!(w.pending_blocks(), 9001);
+        // r1's small batch arrives in the same tick: the budget is spent, it waits for the next.
+        let small = snapshot(1, 50_000..50_010).encode();
+        w.on_feed_response(11, Some(200), Some(&small), None, 10);
+        assert_eq!(w.pending_blocks(), 9011);
+        assert!(!w.index_holds(1, 50_000));
+        // Neither is polled while its batch is pending; neither goes stale.
+        let mut ticks = 0;
+        let mut t = 0;
+        while w.pending_blocks() > 0 {
+            t += 100;
+            let before = w.stats().index_blocks;
+            w.start_tick(t);
+            ticks += 1;
+            assert!(w.stats().index_blocks - before <= 1000, "tick {ticks}");
+            if ticks == 1 {
+                assert!(w.index_holds(1, 50_009), "the even split serves r1 at once");
+            }
+            let polls = w.plan_polls(None, t);
+            assert!(
+                w.pending_blocks() == 0 || polls.iter().all(|p| p.replica != 0),
+                "no poll of a replica still applying"
+            );
+            // r1 is not polled again here, so it may go quiet; r0 is busy, not quiet.
+            w.check_staleness(t);
+            assert!(w.pending_blocks() == 0 || !w.is_stale(0), "tick {ticks}");
+            assert!(ticks < 20);
+        }
+        assert_eq!(ticks, 10);
+        assert_eq!(w.stats().index_blocks, 10_010);
+        assert!(w.index_holds(0, 9_999));
+        assert_eq!(w.feed(0).unwrap().deferred, 1);
+        assert!(
+            w.plan_polls(None, t).iter().any(|p| p.replica == 0),
+            "polled again once done"
+        );
+    }
+
+    #[test]
+    fn a_follower_applies_relayed_batches_in_slices_and_in_order() {
+        use crate::store::tests::MemStore;
+        let store = MemStore::default();
+        let extra = r#", "feed_apply_blocks_per_tick": 500"#;
+        let (mut lead, mut follow) = (worker_with(extra), worker_with(extra));
+        lead.worker_id = Some(0);
+        follow.worker_id = Some(1);
+        // Both take their own snapshot of an empty r0, then the leader holds the lease.
+        for (w, token) in [(&mut lead, 1), (&mut follow, 2)] {
+            w.start_tick(0);
+            w.poll_started(0, token, 0);
+            w.on_feed_response(
+                token,
+                Some(200),
+                Some(&snapshot(4, 0..0).encode()),
+                Some(&store),
+                0,
+            );
+        }
+        lead.feeds[0].leased = true;
+        // Two incremental batches relayed: 2,000 hashes, then 10.
+        let inc = |first: u64, keys: std::ops::Range<u64>| FeedBatch {
+            epoch: 4,
+            resync: false,
+            more: false,
+            first_seq: first,
+            next_seq: first + 1,
+            load: ReplicaLoad::default(),
+            events: vec![FeedEvent::Stored {
+                tier: Tier::Gpu,
+                hashes: keys.collect(),
+            }],
+        };
+        lead.start_tick(0);
+        for (token, b) in [(3, inc(0, 0..2000)), (4, inc(1, 9000..9010))] {
+            lead.poll_started(0, token, 0);
+            lead.on_feed_response(token, Some(200), Some(&b.encode()), Some(&store), 0);
+            // The leader needs several ticks too; its next poll waits for them.
+            while lead.pending_blocks() > 0 {
+                lead.start_tick(0);
+            }
+        }
+        assert_eq!(lead.stats().index_blocks, 2010);
+        let mut ticks = 0;
+        while !follow.index_holds(0, 9009) {
+            follow.start_tick(100 * ticks);
+            follow.follow_relays(&store, 100 * ticks);
+            ticks += 1;
+            assert!(follow.stats().index_blocks <= 500 * ticks);
+            assert!(ticks < 10);
+        }
+        assert_eq!(
+            ticks, 5,
+            "2,000 hashes at 500 a tick, then the second batch"
+        );
+        assert_eq!(follow.stats().index_blocks, 2010);
+        assert_eq!(follow.stats().feed_gaps, 0, "applied in order, no resync");
     }
 }

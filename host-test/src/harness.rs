@@ -20,7 +20,9 @@ use crate::host::{
     WorkerVm,
 };
 use crate::openai::{SseWriter, completion_body, error_response, request_headers, sse_headers};
-use kvsteer_core::feed::{FEED_CONTENT_TYPE, FEED_PATH, FeedQuery};
+use kvsteer_core::feed::{
+    FEED_CONTENT_TYPE, FEED_PATH, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier,
+};
 use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest, FinishReason};
 use kvsteer_workload::{Driver, Recorder, Summary};
 use serde_json::{Value, json};
@@ -58,6 +60,17 @@ pub enum FeedFault {
     Status(u16),
     /// Answers 200 with these bytes (a corrupt or hostile feed).
     Garbage(Vec<u8>),
+    /// Answers every poll with a valid snapshot (`RESYNC`, the engine's epoch) of `blocks` made-up
+    /// GPU blocks, `8 * blocks` bytes of hashes: a replica flooding the router.
+    Snapshot { blocks: u64 },
+    /// Answers normally, `delay_us` after the poll; past the callout's timeout the proxy answers its
+    /// 504 `upstream request timeout` at the timeout instead (as [`FeedFault::Timeout`]).
+    Slow { delay_us: u64 },
+}
+
+/// The made-up block hashes of a [`FeedFault::Snapshot`] from replica `replica`: `0..blocks` of them.
+pub fn flood_hash(replica: usize, i: u64) -> u64 {
+    0xF100_D000_0000_0000 | (replica as u64) << 40 | i
 }
 
 /// One simulated replica.
@@ -327,6 +340,10 @@ struct PendingCall {
 /// Counters of what the harness did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HarnessStats {
+    /// Wall time of the longest single `proxy_on_tick` or callout answer (`proxy_on_http_call_response`)
+    /// in any worker: the longest the filter held a worker thread for feed work (benchmarks read it;
+    /// tests never time anything).
+    pub max_feed_call_ns: u64,
     pub requests: u64,
     pub fallback: u64,
     pub local_responses: u64,
@@ -845,7 +862,10 @@ impl Harness {
         for w in 0..self.workers.len() {
             let period = self.workers[w].tick_period_ms() as u64 * 1000;
             if period > 0 && self.next_tick_us[w] <= now {
+                let started = std::time::Instant::now();
                 self.workers[w].tick()?;
+                let ns = started.elapsed().as_nanos() as u64;
+                self.stats.max_feed_call_ns = self.stats.max_feed_call_ns.max(ns);
                 self.stats.ticks += 1;
                 self.next_tick_us[w] = now + period;
             }
@@ -900,6 +920,15 @@ impl Harness {
                         due = self.now_us + call.timeout_ms as u64 * 1000;
                         outcome = Some(CallOutcome::timeout());
                     }
+                    Some(FeedFault::Slow { delay_us }) => {
+                        let timeout_us = call.timeout_ms as u64 * 1000;
+                        if *delay_us >= timeout_us {
+                            due = self.now_us + timeout_us;
+                            outcome = Some(CallOutcome::timeout());
+                        } else {
+                            due = self.now_us + delay_us;
+                        }
+                    }
                     Some(_) => {}
                 }
                 self.calls.push(PendingCall {
@@ -940,7 +969,27 @@ impl Harness {
                             CallOutcome::ok(s, "text/plain", b"feed unavailable".to_vec())
                         }
                         FeedFault::Garbage(bytes) => CallOutcome::ok(200, FEED_CONTENT_TYPE, bytes),
-                        FeedFault::Healthy => feed_answer(&mut rep.engine, &p.call),
+                        FeedFault::Snapshot { blocks } => {
+                            let snap = FeedBatch {
+                                epoch: rep.engine.epoch(),
+                                resync: true,
+                                more: false,
+                                first_seq: 0,
+                                next_seq: 0,
+                                load: ReplicaLoad::default(),
+                                events: vec![
+                                    FeedEvent::Cleared,
+                                    FeedEvent::Stored {
+                                        tier: Tier::Gpu,
+                                        hashes: (0..blocks).map(|i| flood_hash(r, i)).collect(),
+                                    },
+                                ],
+                            };
+                            CallOutcome::ok(200, FEED_CONTENT_TYPE, snap.encode())
+                        }
+                        FeedFault::Healthy | FeedFault::Slow { .. } => {
+                            feed_answer(&mut rep.engine, &p.call)
+                        }
                     }
                 }
             },
@@ -948,7 +997,10 @@ impl Harness {
         if self.workers[p.worker].is_dead() {
             return Ok(());
         }
+        let started = std::time::Instant::now();
         self.workers[p.worker].answer_callout(&p.call, outcome)?;
+        let ns = started.elapsed().as_nanos() as u64;
+        self.stats.max_feed_call_ns = self.stats.max_feed_call_ns.max(ns);
         Ok(())
     }
 

@@ -123,7 +123,8 @@ fn kv_affinity_herds_and_kv_load_spreads() {
 /// poller.
 ///
 /// This caught a filter bug (a relayed batch with nothing new was dropped, so followers of an idle
-/// replica marked it stale and kept its old reported load); fixed in `relay::trim_to_cursor`.
+/// replica marked it stale and kept its old reported load); fixed by trimming relayed batches to the
+/// cursor (`FeedFrame::trim_to_cursor`).
 #[test]
 fn followers_see_the_prefix_index_too() {
     let (home, per) = burst("kv_affinity", 2, Value::Null, 32);
