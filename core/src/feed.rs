@@ -161,6 +161,26 @@ impl core::fmt::Display for FeedError {
 }
 
 impl FeedBatch {
+    /// A resync snapshot: everything the replica held is cleared, then `gpu_hashes` are held on the
+    /// GPU tier (no load report, cursor 0).
+    pub fn snapshot(epoch: u64, gpu_hashes: Vec<u64>) -> FeedBatch {
+        FeedBatch {
+            epoch,
+            resync: true,
+            more: false,
+            first_seq: 0,
+            next_seq: 0,
+            load: ReplicaLoad::default(),
+            events: vec![
+                FeedEvent::Cleared,
+                FeedEvent::Stored {
+                    tier: Tier::Gpu,
+                    hashes: gpu_hashes,
+                },
+            ],
+        }
+    }
+
     /// Encodes the batch in the version 1 wire format.
     pub fn encode(&self) -> Vec<u8> {
         let hashes: usize = self

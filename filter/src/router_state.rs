@@ -1268,21 +1268,7 @@ mod tests {
     }
 
     fn snapshot(epoch: u64, keys: std::ops::Range<u64>) -> FeedBatch {
-        FeedBatch {
-            epoch,
-            resync: true,
-            more: false,
-            first_seq: 0,
-            next_seq: 0,
-            load: ReplicaLoad::default(),
-            events: vec![
-                FeedEvent::Cleared,
-                FeedEvent::Stored {
-                    tier: Tier::Gpu,
-                    hashes: keys.collect(),
-                },
-            ],
-        }
+        FeedBatch::snapshot(epoch, keys.collect())
     }
 
     #[test]

@@ -20,9 +20,7 @@ use crate::host::{
     WorkerVm,
 };
 use crate::openai::{SseWriter, completion_body, error_response, request_headers, sse_headers};
-use kvsteer_core::feed::{
-    FEED_CONTENT_TYPE, FEED_PATH, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier,
-};
+use kvsteer_core::feed::{FEED_CONTENT_TYPE, FEED_PATH, FeedBatch, FeedQuery};
 use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest, FinishReason};
 use kvsteer_workload::{Driver, Recorder, Summary};
 use serde_json::{Value, json};
@@ -970,21 +968,10 @@ impl Harness {
                         }
                         FeedFault::Garbage(bytes) => CallOutcome::ok(200, FEED_CONTENT_TYPE, bytes),
                         FeedFault::Snapshot { blocks } => {
-                            let snap = FeedBatch {
-                                epoch: rep.engine.epoch(),
-                                resync: true,
-                                more: false,
-                                first_seq: 0,
-                                next_seq: 0,
-                                load: ReplicaLoad::default(),
-                                events: vec![
-                                    FeedEvent::Cleared,
-                                    FeedEvent::Stored {
-                                        tier: Tier::Gpu,
-                                        hashes: (0..blocks).map(|i| flood_hash(r, i)).collect(),
-                                    },
-                                ],
-                            };
+                            let snap = FeedBatch::snapshot(
+                                rep.engine.epoch(),
+                                (0..blocks).map(|i| flood_hash(r, i)).collect(),
+                            );
                             CallOutcome::ok(200, FEED_CONTENT_TYPE, snap.encode())
                         }
                         FeedFault::Healthy | FeedFault::Slow { .. } => {
