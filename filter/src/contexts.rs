@@ -476,6 +476,39 @@ impl Stream {
         self.phase = Phase::Admitted;
     }
 
+    /// Reads the whole buffered request body (at most `max` bytes asked for), routes the request by
+    /// it and admits it; every way the body cannot be read is routed by load instead.
+    fn route_buffered(&mut self, max: usize) {
+        let Some(vm) = self.vm.clone() else { return };
+        let limit = vm.borrow().state.max_body_bytes();
+        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, max) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(_) => {
+                self.route_fallback(BodyFallback::HostError, max.min(limit));
+                return;
+            }
+        };
+        if body.is_empty() {
+            self.route_fallback(BodyFallback::Empty, 0);
+            return;
+        }
+        if body.len() > limit {
+            self.route_fallback(BodyFallback::TooLarge, body.len());
+            return;
+        }
+        let mut vm = vm.borrow_mut();
+        let d = vm.state.route_body(
+            self.id,
+            &self.path,
+            &body,
+            self.session.as_deref(),
+            now_ms(),
+        );
+        Self::record_decision(&mut vm, &d);
+        Self::write_destination(&vm, &d);
+        self.phase = Phase::Admitted;
+    }
+
     fn release(&mut self) {
         if matches!(self.phase, Phase::Admitted | Phase::Decoding)
             && let Some(vm) = &self.vm
@@ -543,33 +576,28 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         if !end_of_stream {
+            // The rest of the body, or trailers (HTTP/2, gRPC-style clients), end the request.
             return Action::Pause;
         }
-        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
-            Ok(b) => b.unwrap_or_default(),
-            Err(_) => {
-                self.route_fallback(BodyFallback::HostError, body_size);
-                return Action::Continue;
-            }
-        };
-        if body.is_empty() {
-            self.route_fallback(BodyFallback::Empty, 0);
-            return Action::Continue;
-        }
-        let mut vm = vm.borrow_mut();
-        let d = vm.state.route_body(
-            self.id,
-            &self.path,
-            &body,
-            self.session.as_deref(),
-            now_ms(),
-        );
-        Self::record_decision(&mut vm, &d);
-        Self::write_destination(&vm, &d);
-        self.phase = Phase::Admitted;
+        self.route_buffered(body_size);
         Action::Continue
     }
 
+    /// A request that ends with trailers: end of stream arrives here, not on the body, and the whole
+    /// body is buffered (Envoy hands the buffered body to `get_buffer` during this callback). Routed
+    /// exactly as if the last body chunk had carried end of stream.
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.phase != Phase::Buffering {
+            return Action::Continue;
+        }
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        // Ask for one byte past the limit: a body over it is routed by load without being copied.
+        let limit = vm.borrow().state.max_body_bytes();
+        self.route_buffered(limit.saturating_add(1));
+        Action::Continue
+    }
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if !matches!(self.phase, Phase::Admitted | Phase::Decoding) {
             return Action::Continue;

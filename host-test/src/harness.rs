@@ -243,6 +243,9 @@ pub struct RequestSpec {
     pub raw_body: Option<Vec<u8>>,
     /// Path (default `/v1/completions`).
     pub path: Option<String>,
+    /// End the request with these trailers (HTTP/2): end of stream then arrives on
+    /// `proxy_on_request_trailers`, not on the last body chunk.
+    pub trailers: Option<Vec<(String, String)>>,
 }
 
 impl RequestSpec {
@@ -266,6 +269,14 @@ impl RequestSpec {
 
     pub fn header(mut self, k: &str, v: &str) -> Self {
         self.headers.push((k.to_string(), v.to_string()));
+        self
+    }
+
+    /// Ends the request with a trailer (HTTP/2 request trailers).
+    pub fn trailer(mut self, k: &str, v: &str) -> Self {
+        self.trailers
+            .get_or_insert_with(Vec::new)
+            .push((k.to_string(), v.to_string()));
         self
     }
 }
@@ -585,15 +596,23 @@ impl Harness {
         let started = std::time::Instant::now();
         let worker = &mut self.workers[w];
         let stream = worker.new_stream()?;
-        worker.request_headers(stream, headers, body.is_empty())?;
+        let trailers = spec.trailers.as_ref();
+        worker.request_headers(stream, headers, body.is_empty() && trailers.is_none())?;
         if !body.is_empty() {
             let n = self.cfg.body_chunk_bytes.max(1);
             let mut chunks = body.chunks(n).peekable();
             while let Some(c) = chunks.next() {
-                let last = chunks.peek().is_none();
+                let last = chunks.peek().is_none() && trailers.is_none();
                 worker.request_body(stream, c, last)?;
                 self.stats.request_body_chunks += 1;
             }
+        }
+        if let Some(t) = trailers {
+            let pairs = t
+                .iter()
+                .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+                .collect();
+            worker.request_trailers(stream, pairs)?;
         }
         self.stats.request_filter_ns += started.elapsed().as_nanos() as u64;
         self.after_request_phase(id, w, stream, spec, from_driver)
