@@ -8,6 +8,7 @@ use crate::peers;
 use crate::relay;
 use crate::store::SharedStore;
 use kvsteer_core::feed::FeedFrame;
+use kvsteer_core::health::{Health, Outcome};
 use kvsteer_core::request::PromptTokenizer;
 use kvsteer_core::router::{Decision, FeedOutcome, Router, RouterStats};
 #[cfg(feature = "tokenizer")]
@@ -260,14 +261,21 @@ impl RouterState {
         };
         let prefix = &self.cfg.shared_key_prefix;
         peers::publish(store, prefix, me, now_ms, &self.router.local_load());
+        peers::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
         let count = peers::worker_count(store, prefix);
         let replicas = self.cfg.replicas.len();
+        let ttl = self.cfg.peer_ttl_ms;
         for peer in (0..count).filter(|&p| p != me) {
-            match peers::read_fresh(store, prefix, peer, replicas, now_ms, self.cfg.peer_ttl_ms) {
+            match peers::read_fresh(store, prefix, peer, replicas, now_ms, ttl) {
                 Some(totals) => self.router.set_peer_load(peer, &totals),
                 None => self.router.clear_peer(peer),
             }
+            match peers::read_health_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+                Some((at, counts)) => self.router.set_peer_health(peer, at, &counts),
+                None => self.router.clear_peer_health(peer),
+            }
         }
+        self.router.refresh_health(now_ms);
     }
 
     // --- Requests ---
@@ -357,6 +365,44 @@ impl RouterState {
     /// not tracked (counted as a release anomaly).
     pub fn release(&mut self, request_id: u64) -> bool {
         self.router.release(request_id)
+    }
+
+    /// How a routed request ended, for the replicas' health (`kvsteer_core::health`). `chosen`: the
+    /// replica the filter chose; `served_by`: the upstream address the proxy reports for the answer
+    /// (Envoy's `upstream.address`), if any. An answer from another replica means the proxy retried
+    /// there, so the first choice's attempt failed: both are recorded.
+    pub fn request_outcome(
+        &mut self,
+        chosen: usize,
+        served_by: Option<&[u8]>,
+        outcome: Outcome,
+        now_ms: u64,
+    ) {
+        let served = served_by
+            .and_then(|a| std::str::from_utf8(a).ok())
+            .and_then(|a| self.replica_of_address(a.trim()));
+        match served {
+            Some(s) if s != chosen => {
+                self.router.record_outcome(chosen, Outcome::Failure, now_ms);
+                self.router.record_outcome(s, outcome, now_ms);
+            }
+            _ => self.router.record_outcome(chosen, outcome, now_ms),
+        }
+    }
+
+    /// The replica whose `endpoint` is `address` (`IP:port`).
+    pub fn replica_of_address(&self, address: &str) -> Option<usize> {
+        self.cfg.replicas.iter().position(|r| r.endpoint == address)
+    }
+
+    /// Whether `replica` is ejected for failing requests.
+    pub fn is_ejected(&self, replica: usize) -> bool {
+        self.router.is_ejected(replica)
+    }
+
+    /// Health as learned from completions.
+    pub fn health(&self) -> &Health {
+        self.router.health()
     }
 
     // --- Feeds ---

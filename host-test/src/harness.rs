@@ -68,6 +68,21 @@ pub enum FeedFault {
     Slow { delay_us: u64 },
 }
 
+/// What a replica does with a completion request sent to it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ResponseFault {
+    /// Runs it on the engine.
+    #[default]
+    Healthy,
+    /// Fails it at once with this HTTP status and a vLLM-style error object (a replica failing
+    /// fast: a broken engine behind a live HTTP server).
+    Status(u16),
+    /// Answers 200 with an SSE stream holding only an engine error event
+    /// (`data: {"error": {...}}`, then `[DONE]`), as vLLM does when generation fails after the
+    /// headers went out.
+    StreamError,
+}
+
 /// The made-up block hashes of a [`FeedFault::Snapshot`] from replica `replica`: `0..blocks` of them.
 pub fn flood_hash(replica: usize, i: u64) -> u64 {
     0xF100_D000_0000_0000 | (replica as u64) << 40 | i
@@ -82,6 +97,9 @@ pub struct Replica {
     pub cluster: String,
     pub engine: Engine,
     pub feed_fault: FeedFault,
+    pub response_fault: ResponseFault,
+    /// Completion requests failed by `response_fault`.
+    pub faulted: u64,
     /// Feed polls answered (any outcome).
     pub polls: u64,
     /// `(:method, :path, :authority)` of the last feed callout.
@@ -426,6 +444,8 @@ impl Harness {
                 cluster,
                 engine: Engine::new(cfg.engine.for_replica(i)),
                 feed_fault: FeedFault::Healthy,
+                response_fault: ResponseFault::Healthy,
+                faulted: 0,
                 polls: 0,
                 last_poll: None,
             })
@@ -500,6 +520,11 @@ impl Harness {
 
     pub fn set_feed_fault(&mut self, replica: usize, fault: FeedFault) {
         self.replicas[replica].feed_fault = fault;
+    }
+
+    /// What `replica` does with the completion requests sent to it from now on.
+    pub fn set_response_fault(&mut self, replica: usize, fault: ResponseFault) {
+        self.replicas[replica].response_fault = fault;
     }
 
     /// Restarts a replica's engine: requests in flight there fail, its cache is empty, and its feed
@@ -684,6 +709,9 @@ impl Harness {
                 .unwrap_or_default();
         }
         self.recorder.routed(id, replica);
+        if self.replicas[replica].response_fault != ResponseFault::Healthy {
+            return self.answer_with_fault(id, w, stream, replica, from_driver);
+        }
         let req = EngineRequest {
             id,
             prompt: spec.prompt.clone(),
@@ -730,6 +758,41 @@ impl Harness {
                 self.fail_request(id, from_driver);
             }
         }
+        Ok(())
+    }
+
+    /// Fails a request the way the replica's [`ResponseFault`] says, at once.
+    fn answer_with_fault(
+        &mut self,
+        id: u64,
+        w: usize,
+        stream: u32,
+        replica: usize,
+        from_driver: bool,
+    ) -> Result<(), HarnessError> {
+        self.replicas[replica].faulted += 1;
+        let worker = &mut self.workers[w];
+        match self.replicas[replica].response_fault {
+            ResponseFault::Healthy => unreachable!("only faults are answered here"),
+            ResponseFault::Status(code) => {
+                let (headers, body) = crate::openai::engine_error_response(code, "engine failed");
+                worker.response_headers(stream, headers, false)?;
+                worker.response_body(stream, &body, true)?;
+            }
+            ResponseFault::StreamError => {
+                worker.response_headers(stream, sse_headers(), false)?;
+                worker.response_body(
+                    stream,
+                    &crate::openai::sse_error_event("engine failed"),
+                    false,
+                )?;
+                worker.response_body(stream, b"data: [DONE]\n\n", true)?;
+            }
+        }
+        let st = worker.end_stream(stream)?;
+        let rec = self.records.get_mut(&id).expect("record inserted at send");
+        rec.downstream_bytes = st.downstream_body.len();
+        self.fail_request(id, from_driver);
         Ok(())
     }
 
