@@ -9,14 +9,16 @@
 //! worker VMs publish through shared data, like load. Their ratio is the replica's recent error rate.
 //!
 //! - A replica is **ejected** when its decayed failures reach `min_failures` and its error rate
-//!   reaches `eject_error_rate`. Every policy then avoids it, as it avoids a replica that is down,
-//!   while some other replica is usable (neither down nor ejected).
+//!   reaches `eject_error_rate`, or when `consecutive_failures` requests in a row on it failed (this
+//!   worker's own; a replica that starts failing after a long healthy run has many recent successes
+//!   that hold its rate down for a while). Every policy then avoids it, as it avoids a replica that is
+//!   down, while some other replica is usable (neither down nor ejected).
 //! - An ejected replica gets one **probe** request every `probe_interval_ms` (per worker VM): the
 //!   request is sent there whatever the policy would have chosen, with the policy's choice as the
 //!   retry backup, so Envoy's `retry_on: 5xx` re-sends it elsewhere if the probe fails. A replica that
 //!   fails every request thus gets `workers / probe_interval` requests a second.
-//! - It is **restored** when its error rate falls to `restore_error_rate`: probes that succeed add
-//!   successes while the old failures decay. Decay alone never restores it (both counts decay alike,
+//! - It is **restored** when its error rate is at most `restore_error_rate` and a request on it has
+//!   succeeded since it was ejected: probes that succeed add successes while the old failures decay. Decay alone never restores it (both counts decay alike,
 //!   so the rate is unchanged without new outcomes), nor does a peer's record expiring: only
 //!   successes do.
 //!
@@ -42,6 +44,9 @@ pub struct HealthParams {
     /// Decayed failures needed before a replica can be ejected (one failed request is not a trend).
     /// The default, 2.5, takes three failures within about a second (two never reach it).
     pub min_failures: f64,
+    /// Requests in a row on a replica that failed (this worker's) that eject it whatever its rate;
+    /// 0: never.
+    pub consecutive_failures: u32,
     /// How often an ejected replica gets a probe request (per worker VM).
     pub probe_interval_ms: u64,
 }
@@ -54,6 +59,7 @@ impl Default for HealthParams {
             eject_error_rate: 0.5,
             restore_error_rate: 0.2,
             min_failures: 2.5,
+            consecutive_failures: 3,
             probe_interval_ms: 1_000,
         }
     }
@@ -200,6 +206,10 @@ pub struct Health {
     /// Per peer worker: its published counts and when it published them.
     peers: Vec<(u32, Vec<Stamped>)>,
     ejected: Vec<bool>,
+    /// This worker's requests in a row that failed, per replica.
+    consecutive: Vec<u32>,
+    /// A request succeeded on the replica since it was ejected (needed to restore it).
+    succeeded_since_ejection: Vec<bool>,
     /// When each replica last got a probe (or was ejected).
     last_probe_ms: Vec<u64>,
     ejections: Vec<u64>,
@@ -214,6 +224,8 @@ impl Health {
             own: vec![Stamped::default(); replicas],
             peers: Vec::new(),
             ejected: vec![false; replicas],
+            consecutive: vec![0; replicas],
+            succeeded_since_ejection: vec![false; replicas],
             last_probe_ms: vec![0; replicas],
             ejections: vec![0; replicas],
             probes: vec![0; replicas],
@@ -237,10 +249,15 @@ impl Health {
         };
         let mut c = s.at(now_ms, hl);
         match outcome {
-            Outcome::Success => c.ok = (c.ok + 1.0).min(MAX_COUNT),
+            Outcome::Success => {
+                c.ok = (c.ok + 1.0).min(MAX_COUNT);
+                self.consecutive[replica] = 0;
+                self.succeeded_since_ejection[replica] = true;
+            }
             Outcome::Failure => {
                 c.err = (c.err + 1.0).min(MAX_COUNT);
                 self.failures[replica] += 1;
+                self.consecutive[replica] = self.consecutive[replica].saturating_add(1);
             }
         }
         *s = Stamped {
@@ -314,13 +331,17 @@ impl Health {
         let c = self.counts(r, now_ms);
         let rate = c.error_rate();
         if !self.ejected[r] {
-            if c.err >= self.params.min_failures && rate >= self.params.eject_error_rate {
+            let by_rate = c.err >= self.params.min_failures && rate >= self.params.eject_error_rate;
+            let n = self.params.consecutive_failures;
+            let in_a_row = n > 0 && self.consecutive[r] >= n;
+            if by_rate || in_a_row {
                 self.ejected[r] = true;
                 self.ejections[r] += 1;
+                self.succeeded_since_ejection[r] = false;
                 // The first probe waits a full interval.
                 self.last_probe_ms[r] = now_ms;
             }
-        } else if c.ok > 0.0 && rate <= self.params.restore_error_rate {
+        } else if self.succeeded_since_ejection[r] && rate <= self.params.restore_error_rate {
             // Only successes restore: without outcomes both counts decay alike (and, after long
             // enough, to nothing), which is no news about the replica.
             self.ejected[r] = false;
@@ -449,6 +470,60 @@ mod tests {
         assert!(!h.is_ejected(0) && !h.is_ejected(2));
         assert_eq!(h.ejections(), &[0, 1, 0]);
         assert_eq!(h.failures(), &[0, 3, 0]);
+    }
+
+    #[test]
+    fn failures_in_a_row_eject_a_replica_that_was_healthy_for_long() {
+        let mut h = health(2);
+        // 30 s of successes at 20 a second: about 58 decayed successes.
+        let mut t = 0;
+        while t < 30_000 {
+            h.record(0, Outcome::Success, t);
+            t += 50;
+        }
+        h.record(0, Outcome::Failure, t);
+        h.record(0, Outcome::Failure, t + 50);
+        assert!(!h.is_ejected(0));
+        h.record(0, Outcome::Failure, t + 100);
+        assert!(h.is_ejected(0), "three in a row");
+        assert!(h.error_rate(0, t + 100) < 0.1, "while its rate is low");
+        // Decay alone does not restore it; its first successful probe does (the rate is low).
+        h.refresh(t + 60_000);
+        assert!(h.is_ejected(0));
+        h.record(0, Outcome::Success, t + 60_000);
+        assert!(!h.is_ejected(0));
+        // A success in between resets the run.
+        let mut h = Health::new(
+            HealthParams {
+                min_failures: 100.0,
+                ..Default::default()
+            },
+            1,
+        );
+        for (i, o) in [
+            Outcome::Failure,
+            Outcome::Failure,
+            Outcome::Success,
+            Outcome::Failure,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            h.record(0, o, i as u64);
+        }
+        assert!(!h.is_ejected(0));
+        let mut off = Health::new(
+            HealthParams {
+                consecutive_failures: 0,
+                min_failures: 100.0,
+                ..Default::default()
+            },
+            1,
+        );
+        for t in 0..50 {
+            off.record(0, Outcome::Failure, t);
+        }
+        assert!(!off.is_ejected(0), "0 turns the rule off");
     }
 
     #[test]

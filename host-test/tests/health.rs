@@ -76,13 +76,30 @@ fn check(policy: &str, fault: ResponseFault) {
     let early = share(&per_s, FAIL_FROM_S, FAIL_FROM_S + 1);
     let failing = share(&per_s, FAIL_FROM_S + 1, FAIL_UNTIL_S);
     let after = share(&per_s, FAIL_UNTIL_S + 20, FAIL_UNTIL_S + 30);
+    // Seconds from the failures starting until every later failing second is under 5%, and from
+    // recovery to the first second over 10%.
+    let shed = (FAIL_FROM_S..FAIL_UNTIL_S)
+        .find(|&s| (s..FAIL_UNTIL_S).all(|t| share(&per_s, t, t + 1) < 0.05))
+        .map(|s| s + 1 - FAIL_FROM_S);
+    let back = (FAIL_UNTIL_S..END_S)
+        .find(|&s| share(&per_s, s, s + 1) > 0.10)
+        .map(|s| s + 1 - FAIL_UNTIL_S);
     eprintln!(
         "{label}: share of the failing replica: before {before:.3}, first second {early:.3}, \
-         1-30 s in {failing:.3}, 20-30 s after recovery {after:.3}; per second {:?}",
+         1-30 s in {failing:.3}, 20-30 s after recovery {after:.3}; under 5% within {shed:?} s, \
+         back within {back:?} s; per second (per mille) {:?}",
         per_s
             .iter()
             .map(|&(n, b)| b * 1000 / n.max(1))
             .collect::<Vec<_>>()
+    );
+    assert!(
+        shed.is_some_and(|s| s <= 10),
+        "{label}: shed within {shed:?} s"
+    );
+    assert!(
+        back.is_some_and(|s| s <= 30),
+        "{label}: back within {back:?} s"
     );
     assert!(
         before > 0.10,
