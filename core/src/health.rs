@@ -1,4 +1,4 @@
-//! Replica health learned from completions (docs/design.md section 2.5): a replica whose requests
+//! Replica health learned from completions (docs/design.md section 2.4): a replica whose requests
 //! fail loses its share of traffic within a few failures, and gets it back once it answers again.
 //!
 //! The filter reports how each request it routed ended ([`Outcome`]): a success (a 2xx answer that

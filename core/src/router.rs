@@ -671,7 +671,7 @@ impl Router {
         self.down.get(replica).copied().unwrap_or(false)
     }
 
-    /// Records how a request on `replica` ended (docs/design.md section 2.5): failures eject a
+    /// Records how a request on `replica` ended (docs/design.md section 2.4): failures eject a
     /// replica from every policy's choices until probes succeed again. Out of range: counted.
     pub fn record_outcome(&mut self, replica: usize, outcome: Outcome, now_ms: u64) {
         if replica >= self.replicas {
