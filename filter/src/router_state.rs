@@ -949,6 +949,56 @@ mod tests {
     }
 
     #[test]
+    fn outcomes_are_attributed_through_the_upstream_address() {
+        let mut w = worker("round_robin");
+        // Envoy answered from r1 although the filter chose r0: r0's attempt failed and was retried.
+        for t in 0..3 {
+            w.request_outcome(0, Some(b"127.0.0.1:8001"), Outcome::Success, t);
+        }
+        assert!(w.is_ejected(0), "three failed attempts in a row");
+        assert!(!w.is_ejected(1));
+        assert_eq!(w.health().failures(), &[3, 0]);
+        // No address (nginx, a local reply) or one outside the fleet: the choice itself.
+        let mut w = worker("round_robin");
+        w.request_outcome(1, None, Outcome::Failure, 0);
+        w.request_outcome(1, Some(b"10.9.9.9:1"), Outcome::Failure, 1);
+        w.request_outcome(1, Some(&[0xff, 0xfe]), Outcome::Failure, 2);
+        assert!(w.is_ejected(1) && !w.is_ejected(0));
+        // The same address as the choice: its own outcome, a success.
+        w.request_outcome(0, Some(b" 127.0.0.1:8000 "), Outcome::Success, 3);
+        assert_eq!(w.health().failures(), &[0, 3]);
+        assert!(!w.is_ejected(0));
+        // Out of range: ignored, never a panic.
+        w.request_outcome(7, Some(b"127.0.0.1:8000"), Outcome::Failure, 4);
+    }
+
+    #[test]
+    fn health_is_shared_between_workers() {
+        let store = crate::store::tests::MemStore::default();
+        let mut a = worker("least_load");
+        let mut b = worker("least_load");
+        a.claim_worker_id(&store);
+        b.claim_worker_id(&store);
+        for t in 0..3 {
+            a.request_outcome(1, None, Outcome::Failure, t);
+        }
+        assert!(a.is_ejected(1) && !b.is_ejected(1));
+        a.share_load(&store, 10);
+        b.share_load(&store, 10);
+        assert!(b.is_ejected(1), "b learns it from a's record");
+        let body = br#"{"prompt":[1,2,3,4,5,6,7,8]}"#;
+        for id in 0..20 {
+            let d = b.route_body(id, "/v1/completions", body, None, 20);
+            assert_eq!(d.replica, 0, "only r0 is usable (no probe due yet)");
+            b.release(id);
+        }
+        // A second later b's probe goes to r1, with r0 as its backup.
+        let d = b.route_body(99, "/v1/completions", body, None, 1_020);
+        assert!(d.probe && d.replica == 1 && d.backup == Some(0), "{d:?}");
+        assert_eq!(b.destination(&d), "127.0.0.1:8001,127.0.0.1:8000");
+    }
+
+    #[test]
     fn inference_paths() {
         assert!(is_inference_path(b"/v1/completions"));
         assert!(is_inference_path(b"/v1/chat/completions?x=1"));
