@@ -13,12 +13,14 @@
 //!   worker's own; a replica that starts failing after a long healthy run has many recent successes
 //!   that hold its rate down for a while). Every policy then avoids it, as it avoids a replica that is
 //!   down, while some other replica is usable (neither down nor ejected).
-//! - An ejected replica gets one **probe** request every `probe_interval_ms` (per worker VM): the
-//!   request is sent there whatever the policy would have chosen, with the policy's choice as the
-//!   retry backup, so Envoy's `retry_on: 5xx` re-sends it elsewhere if the probe fails. A replica that
-//!   fails every request thus gets `workers / probe_interval` requests a second.
+//! - An ejected replica gets one **probe** request every `probe_interval_ms`: the request is sent there
+//!   whatever the policy would have chosen, with the policy's choice as the retry backup, so Envoy's
+//!   `retry_on: 5xx` re-sends it elsewhere if the probe fails. The filter claims each probe in shared
+//!   data ([`Health::probe_due`], [`Health::probed_elsewhere`]), so that is one probe per interval for
+//!   the whole proxy however many worker VMs it runs (one per worker without shared data).
 //! - It is **restored** when its error rate is at most `restore_error_rate` and a request on it has
-//!   succeeded since it was ejected: probes that succeed add successes while the old failures decay. Decay alone never restores it (both counts decay alike,
+//!   succeeded since it was ejected (on any worker: the combined successes grew since then): probes
+//!   that succeed add successes while the old failures decay. Decay alone never restores it (both counts decay alike,
 //!   so the rate is unchanged without new outcomes), nor does a peer's record expiring: only
 //!   successes do.
 //!
@@ -47,7 +49,8 @@ pub struct HealthParams {
     /// Requests in a row on a replica that failed (this worker's) that eject it whatever its rate;
     /// 0: never.
     pub consecutive_failures: u32,
-    /// How often an ejected replica gets a probe request (per worker VM).
+    /// How often an ejected replica gets a probe request (for the whole proxy: the filter claims
+    /// each probe in shared data; per worker VM without it).
     pub probe_interval_ms: u64,
 }
 
@@ -208,8 +211,9 @@ pub struct Health {
     ejected: Vec<bool>,
     /// This worker's requests in a row that failed, per replica.
     consecutive: Vec<u32>,
-    /// A request succeeded on the replica since it was ejected (needed to restore it).
-    succeeded_since_ejection: Vec<bool>,
+    /// Combined successes (own and peers') when the replica was ejected, and when: restoring it
+    /// needs a success since (a count above this, decayed to now), whichever worker saw it.
+    ok_at_ejection: Vec<Stamped>,
     /// When each replica last got a probe (or was ejected).
     last_probe_ms: Vec<u64>,
     ejections: Vec<u64>,
@@ -225,7 +229,7 @@ impl Health {
             peers: Vec::new(),
             ejected: vec![false; replicas],
             consecutive: vec![0; replicas],
-            succeeded_since_ejection: vec![false; replicas],
+            ok_at_ejection: vec![Stamped::default(); replicas],
             last_probe_ms: vec![0; replicas],
             ejections: vec![0; replicas],
             probes: vec![0; replicas],
@@ -252,7 +256,6 @@ impl Health {
             Outcome::Success => {
                 c.ok = (c.ok + 1.0).min(MAX_COUNT);
                 self.consecutive[replica] = 0;
-                self.succeeded_since_ejection[replica] = true;
             }
             Outcome::Failure => {
                 c.err = (c.err + 1.0).min(MAX_COUNT);
@@ -337,11 +340,24 @@ impl Health {
             if by_rate || in_a_row {
                 self.ejected[r] = true;
                 self.ejections[r] += 1;
-                self.succeeded_since_ejection[r] = false;
+                self.ok_at_ejection[r] = Stamped {
+                    counts: c,
+                    at_ms: now_ms,
+                };
+                // The run did its work; a new one counts from here (else a worker that sees no
+                // request on the replica while it is ejected would eject it again the moment it
+                // is restored).
+                self.consecutive[r] = 0;
                 // The first probe waits a full interval.
                 self.last_probe_ms[r] = now_ms;
             }
-        } else if self.succeeded_since_ejection[r] && rate <= self.params.restore_error_rate {
+        } else if c.ok
+            > self.ok_at_ejection[r]
+                .at(now_ms, self.params.half_life_ms)
+                .ok
+                + 0.5
+            && rate <= self.params.restore_error_rate
+        {
             // Only successes restore: without outcomes both counts decay alike (and, after long
             // enough, to nothing), which is no news about the replica.
             self.ejected[r] = false;
@@ -353,16 +369,29 @@ impl Health {
     }
 
     /// The ejected replica (among those `eligible`) whose probe is due at `now_ms`, the longest
-    /// waiting first; marks it probed. `None` when no probe is due.
-    pub fn take_probe(&mut self, now_ms: u64, eligible: impl Fn(usize) -> bool) -> Option<usize> {
+    /// waiting first; `None` when no probe is due. Does not take it ([`Health::take_probe`]).
+    pub fn probe_due(&self, now_ms: u64, eligible: impl Fn(usize) -> bool) -> Option<usize> {
         let interval = self.params.probe_interval_ms;
-        let r = (0..self.own.len())
+        (0..self.own.len())
             .filter(|&r| self.ejected[r] && eligible(r))
             .filter(|&r| now_ms.saturating_sub(self.last_probe_ms[r]) >= interval)
-            .min_by_key(|&r| self.last_probe_ms[r])?;
+            .min_by_key(|&r| self.last_probe_ms[r])
+    }
+
+    /// [`Health::probe_due`], marking it probed.
+    pub fn take_probe(&mut self, now_ms: u64, eligible: impl Fn(usize) -> bool) -> Option<usize> {
+        let r = self.probe_due(now_ms, eligible)?;
         self.last_probe_ms[r] = now_ms;
         self.probes[r] += 1;
         Some(r)
+    }
+
+    /// Another worker probed `replica` at `at_ms` (the proxy-wide probe claim in shared data): this
+    /// one waits a full interval from then.
+    pub fn probed_elsewhere(&mut self, replica: usize, at_ms: u64) {
+        if let Some(t) = self.last_probe_ms.get_mut(replica) {
+            *t = (*t).max(at_ms);
+        }
     }
 
     /// Times each replica was ejected.
@@ -492,6 +521,25 @@ mod tests {
         assert!(h.is_ejected(0));
         h.record(0, Outcome::Success, t + 60_000);
         assert!(!h.is_ejected(0));
+        // Restored by a peer's successes while this worker sent it nothing: its old run of
+        // failures does not eject it again.
+        let mut p = health(2);
+        for t in 0..3 {
+            p.record(1, Outcome::Failure, t);
+        }
+        assert!(p.is_ejected(1));
+        p.set_peer(
+            5,
+            6_000,
+            &[HealthCounts::default(), HealthCounts { ok: 20.0, err: 0.0 }],
+        );
+        p.refresh(6_000);
+        assert!(!p.is_ejected(1));
+        p.refresh(6_001);
+        assert!(
+            !p.is_ejected(1),
+            "not re-ejected by the run that ejected it"
+        );
         // A success in between resets the run.
         let mut h = Health::new(
             HealthParams {
@@ -643,6 +691,32 @@ mod tests {
         assert_eq!(a.counts(1, 0), HealthCounts::default());
         assert!(a.counts(0, 0).ok <= MAX_COUNT && a.counts(0, 0).err >= 0.0);
         a.set_peer(3, 0, &[HealthCounts::default(); 5]);
+    }
+
+    #[test]
+    fn a_probe_another_worker_sent_restores_this_one_and_delays_its_own() {
+        let mut a = health(2);
+        let mut b = health(2);
+        for t in 0..3 {
+            a.record(1, Outcome::Failure, t);
+            b.record(1, Outcome::Failure, t);
+        }
+        assert!(a.is_ejected(1) && b.is_ejected(1));
+        // b's probe is due a second later; a claimed it in shared data at 1,000: b waits.
+        assert_eq!(b.probe_due(1_002, |_| true), Some(1));
+        b.probed_elsewhere(1, 1_000);
+        assert_eq!(b.probe_due(1_500, |_| true), None);
+        assert_eq!(b.probe_due(2_000, |_| true), Some(1));
+        // a's probe succeeded; b never probed but hears of it through a's record.
+        for t in 1..=8 {
+            a.record(1, Outcome::Success, t * 1_000);
+        }
+        assert!(!a.is_ejected(1));
+        b.refresh(8_000);
+        assert!(b.is_ejected(1), "before it hears of them");
+        b.set_peer(0, 8_000, &a.local(8_000));
+        b.refresh(8_000);
+        assert!(!b.is_ejected(1), "restored on a's successes");
     }
 
     #[test]

@@ -686,6 +686,21 @@ impl Router {
         self.health.is_ejected(replica)
     }
 
+    /// The ejected replica whose probe is due at `now_ms` (not down), without taking it: the
+    /// filter claims it in shared data first, so that one worker sends it, then routes (which takes
+    /// it) or reports [`Router::probed_elsewhere`].
+    pub fn probe_due(&mut self, now_ms: u64) -> Option<usize> {
+        self.health.refresh(now_ms);
+        let down = &self.down;
+        self.health
+            .probe_due(now_ms, |r| !down.get(r).copied().unwrap_or(true))
+    }
+
+    /// Another worker sent `replica`'s probe at `at_ms`: this one waits a full interval from then.
+    pub fn probed_elsewhere(&mut self, replica: usize, at_ms: u64) {
+        self.health.probed_elsewhere(replica, at_ms);
+    }
+
     /// Re-judges every replica's health at `now_ms` (routing does it too).
     pub fn refresh_health(&mut self, now_ms: u64) {
         self.health.refresh(now_ms);

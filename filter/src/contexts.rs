@@ -532,13 +532,12 @@ impl Stream {
             return;
         }
         let mut vm = vm.borrow_mut();
-        let d = vm.state.route_body(
-            self.id,
-            &self.path,
-            &body,
-            self.session.as_deref(),
-            now_ms(),
-        );
+        let now = now_ms();
+        let store = vm.state.shared(&HostStore);
+        vm.state.claim_probe(store, now);
+        let d = vm
+            .state
+            .route_body(self.id, &self.path, &body, self.session.as_deref(), now);
         Self::record_decision(&mut vm, &d);
         Self::write_destination(&vm, &d);
         self.replica = Some(d.replica);

@@ -81,6 +81,40 @@ pub fn read_health_fresh(
     decode_health(&record, replicas).filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
 }
 
+/// Shared-data key of the time of `replica`'s last health probe, proxy-wide.
+pub fn probe_key(prefix: &str, replica: usize) -> String {
+    format!("{prefix}:probe:{replica}")
+}
+
+/// Claims `replica`'s health probe for this worker, so the whole proxy sends one per `interval_ms`
+/// however many workers it runs: `Ok` when the last probe (any worker's) is at least `interval_ms`
+/// old and this worker's conditional write of `now_ms` won; otherwise `Err` with when the probe was
+/// last sent (`now_ms` for a race lost just now).
+pub fn claim_probe(
+    store: &dyn SharedStore,
+    prefix: &str,
+    replica: usize,
+    now_ms: u64,
+    interval_ms: u64,
+) -> Result<(), u64> {
+    let key = probe_key(prefix, replica);
+    let (last, cas) = match store.get(&key) {
+        Some((v, cas)) => (
+            <[u8; 8]>::try_from(v.as_slice()).map_or(0, u64::from_le_bytes),
+            Some(cas),
+        ),
+        None => (0, None),
+    };
+    if now_ms.saturating_sub(last) < interval_ms {
+        return Err(last);
+    }
+    if store.set(&key, &now_ms.to_le_bytes(), cas) {
+        Ok(())
+    } else {
+        Err(now_ms)
+    }
+}
+
 /// Shared-data key of the worker-id counter.
 pub fn workers_key(prefix: &str) -> String {
     format!("{prefix}:workers")
@@ -220,6 +254,22 @@ mod tests {
         b[14] = 0xff;
         b[15] = 0xff;
         assert_eq!(decode_health(&b, 2), None);
+    }
+
+    #[test]
+    fn one_probe_per_interval_for_the_whole_proxy() {
+        let s = MemStore::default();
+        assert_eq!(claim_probe(&s, "k", 2, 5_000, 1_000), Ok(()));
+        assert_eq!(
+            claim_probe(&s, "k", 2, 5_400, 1_000),
+            Err(5_000),
+            "another worker"
+        );
+        assert_eq!(claim_probe(&s, "k", 3, 5_400, 1_000), Ok(()), "per replica");
+        assert_eq!(claim_probe(&s, "k", 2, 6_000, 1_000), Ok(()));
+        // Garbage in the record reads as never probed.
+        s.set(&probe_key("k", 4), b"xyz", None);
+        assert_eq!(claim_probe(&s, "k", 4, 10_000, 1_000), Ok(()));
     }
 
     /// A store whose conditional writes lose the race a few times, as under concurrent workers.

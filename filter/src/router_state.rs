@@ -390,6 +390,23 @@ impl RouterState {
         }
     }
 
+    /// Before routing a request: when an ejected replica's health probe is due, claims it for the
+    /// whole proxy in shared data, so one worker sends it per `health.probe_interval_ms` however
+    /// many there are; a worker that loses waits a full interval from the winner's probe. Without
+    /// shared data (`store` None) each worker probes on its own.
+    pub fn claim_probe(&mut self, store: Option<&dyn SharedStore>, now_ms: u64) {
+        let Some(store) = store else { return };
+        let Some(r) = self.router.probe_due(now_ms) else {
+            return;
+        };
+        let interval = self.cfg.routing.health.probe_interval_ms;
+        if let Err(last) =
+            peers::claim_probe(store, &self.cfg.shared_key_prefix, r, now_ms, interval)
+        {
+            self.router.probed_elsewhere(r, last);
+        }
+    }
+
     /// The replica whose `endpoint` is `address` (`IP:port`).
     pub fn replica_of_address(&self, address: &str) -> Option<usize> {
         self.cfg.replicas.iter().position(|r| r.endpoint == address)
@@ -992,10 +1009,25 @@ mod tests {
             assert_eq!(d.replica, 0, "only r0 is usable (no probe due yet)");
             b.release(id);
         }
-        // A second later b's probe goes to r1, with r0 as its backup.
+        // A second later b claims the probe for the proxy and sends it to r1, with r0 as its
+        // backup; a, a moment later, finds it claimed and routes as usual.
+        b.claim_probe(b.shared(&store), 1_020);
         let d = b.route_body(99, "/v1/completions", body, None, 1_020);
         assert!(d.probe && d.replica == 1 && d.backup == Some(0), "{d:?}");
         assert_eq!(b.destination(&d), "127.0.0.1:8001,127.0.0.1:8000");
+        a.claim_probe(a.shared(&store), 1_030);
+        let d = a.route_body(100, "/v1/completions", body, None, 1_030);
+        assert!(!d.probe && d.replica == 0, "{d:?}");
+        a.claim_probe(a.shared(&store), 2_019);
+        assert!(
+            !a.route_body(101, "/v1/completions", body, None, 2_019)
+                .probe
+        );
+        a.claim_probe(a.shared(&store), 2_020);
+        assert!(
+            a.route_body(102, "/v1/completions", body, None, 2_020)
+                .probe
+        );
     }
 
     #[test]
