@@ -146,10 +146,10 @@ class FailingReplica(unittest.TestCase):
         self.assertLess(mid_share, 0.05)
         self.assertTrue(late and all(s < 0.08 for s in late), report)
         # Whatever the request rate: from the 3rd failing second on, only probes go there, one a
-        # second per worker (2 workers), so at most a few decisions a second.
+        # second for the whole proxy (claimed in shared data), so about one decision a second.
         for (t0, a), (t1, b) in zip(samples[2:recovered_from - 1], samples[3:recovered_from]):
             per_s = (b.get(BAD, 0) - a.get(BAD, 0)) / max(t1 - t0, 0.5)
-            self.assertLessEqual(per_s, 6, f"{per_s:.1f} decisions a second at {t1:.1f} s: {report}")
+            self.assertLessEqual(per_s, 3, f"{per_s:.1f} decisions a second at {t1:.1f} s: {report}")
         self.assertIsNotNone(back_after, f"not back within {RECOVERY_LIMIT_S} s: {report}")
         # The retries hid the failures from clients.
         self.assertGreater(retries, 0)

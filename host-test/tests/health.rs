@@ -106,7 +106,7 @@ fn check(policy: &str, fault: ResponseFault) {
         "{label}: healthy, it had its share: {before:.3}"
     );
     // Within the first second of failing it is already ejected; from then on only probes (one a
-    // second per worker: 2 of 50 requests) go there.
+    // second for the whole proxy, claimed in shared data: 1 of 50 requests) go there.
     assert!(
         failing < 0.05,
         "{label}: {failing:.3} of requests 1-30 s in"
