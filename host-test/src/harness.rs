@@ -133,6 +133,11 @@ pub struct HarnessConfig {
     pub callout_latency_us: u64,
     /// Decode-load sampling period.
     pub sample_us: u64,
+    /// Envoy with the destination header: a request its replica fails at once with a 5xx
+    /// ([`ResponseFault::Status`]) is retried on the second entry of the destination list, as the
+    /// shipped envoy.yaml does (`retry_on: 5xx`), and Envoy's `upstream.address` then names that
+    /// replica. Off: the 5xx reaches the client.
+    pub retry_5xx: bool,
 }
 
 impl HarnessConfig {
@@ -158,6 +163,7 @@ impl HarnessConfig {
             split_every: 3,
             callout_latency_us: 500,
             sample_us: 500_000,
+            retry_5xx: true,
         }
     }
 
@@ -309,8 +315,12 @@ pub struct RequestRecord {
     pub released: bool,
     /// The destination the filter chose, as written (header value or nginx variable).
     pub destination: Option<String>,
-    /// The replica that served it (chosen by the filter, or by fallback).
+    /// The replica that served it (chosen by the filter, or by fallback; after a retry, the one
+    /// retried on).
     pub replica: Option<usize>,
+    /// The filter's choice, when it failed the request at once and the proxy retried elsewhere
+    /// ([`HarnessConfig::retry_5xx`]).
+    pub retried_from: Option<usize>,
     /// Released without a usable destination: the proxy's own balancing picked the replica.
     pub fallback: bool,
     /// The filter answered locally with this status.
@@ -374,6 +384,8 @@ pub struct HarnessStats {
     /// tests never time anything).
     pub max_feed_call_ns: u64,
     pub requests: u64,
+    /// Requests retried on the filter's second choice ([`HarnessConfig::retry_5xx`]).
+    pub retries: u64,
     pub fallback: u64,
     pub local_responses: u64,
     pub rejected: u64,
@@ -678,7 +690,7 @@ impl Harness {
         }
         let (destination, replica) = self.destination(&st);
         let fallback = replica.is_none();
-        let replica = match replica {
+        let mut replica = match replica {
             Some(r) => r,
             None => {
                 self.stats.fallback += 1;
@@ -687,11 +699,38 @@ impl Harness {
                 r
             }
         };
+        // Envoy's retry_on 5xx: a replica failing the request at once sends it to the next listed
+        // host (override_host), if that one is not failing too.
+        let mut retried_from = None;
+        if self.cfg.retry_5xx
+            && self.cfg.mode == HostMode::Envoy
+            && self.cfg.output == Output::DestinationHeader
+            && matches!(self.replicas[replica].response_fault, ResponseFault::Status(c) if c >= 500)
+            && let Some(b) = destination
+                .as_deref()
+                .and_then(|d| d.split(',').nth(1))
+                .and_then(|e| self.replica_of_endpoint(e.trim()))
+            && self.replicas[b].response_fault == ResponseFault::Healthy
+        {
+            self.replicas[replica].faulted += 1;
+            self.stats.retries += 1;
+            retried_from = Some(replica);
+            replica = b;
+        }
+        if self.cfg.mode == HostMode::Envoy {
+            let endpoint = self.replicas[replica].endpoint.clone();
+            self.workers[w].set_stream_property(
+                stream,
+                &["upstream", "address"],
+                endpoint.as_bytes(),
+            )?;
+        }
         {
             let rec = self.records.get_mut(&id).expect("record inserted at send");
             rec.released = true;
             rec.destination = destination;
             rec.replica = Some(replica);
+            rec.retried_from = retried_from;
             rec.fallback = fallback;
             rec.upstream_headers = st
                 .upstream_headers

@@ -16,13 +16,17 @@ const FAIL_FROM_S: u64 = 2;
 const FAIL_UNTIL_S: u64 = 32;
 const END_S: u64 = 64;
 
-/// Per second: (requests sent, of which to the bad replica).
+/// Per second: (requests sent, of which the filter sent to the bad replica). `retry`: Envoy retries
+/// a 5xx on the filter's second choice (the shipped envoy.yaml); off, the 5xx reaches the client and
+/// the filter sees it on its own choice (as without retries, or in nginx).
 fn run(
     policy: &str,
     fault: ResponseFault,
     health: Option<serde_json::Value>,
+    retry: bool,
 ) -> (Harness, Vec<(u32, u32)>) {
     let mut cfg = HarnessConfig::small(policy);
+    cfg.retry_5xx = retry;
     let mut routing = json!({"policy": policy, "block_size": 16});
     if let Some(h) = health {
         routing["health"] = h;
@@ -53,7 +57,8 @@ fn run(
         let r = h.record(id).unwrap();
         assert!(r.released && !r.fallback, "{r:?}");
         per_s[sec].0 += 1;
-        per_s[sec].1 += (r.replica == Some(BAD)) as u32;
+        // The filter's choice: the replica a retry left, else the one that served.
+        per_s[sec].1 += (r.retried_from.or(r.replica) == Some(BAD)) as u32;
     }
     (h, per_s)
 }
@@ -69,9 +74,9 @@ fn metric(h: &Harness, name: &str) -> i64 {
     h.proxy().metric(name).map_or(0, |m| m.value)
 }
 
-fn check(policy: &str, fault: ResponseFault) {
-    let (h, per_s) = run(policy, fault.clone(), None);
-    let label = format!("{policy} {fault:?}");
+fn check(policy: &str, fault: ResponseFault, retry: bool) {
+    let (h, per_s) = run(policy, fault.clone(), None, retry);
+    let label = format!("{policy} {fault:?} retry_5xx {retry}");
     let before = share(&per_s, 0, FAIL_FROM_S);
     let early = share(&per_s, FAIL_FROM_S, FAIL_FROM_S + 1);
     let failing = share(&per_s, FAIL_FROM_S + 1, FAIL_UNTIL_S);
@@ -118,6 +123,19 @@ fn check(policy: &str, fault: ResponseFault) {
     // Back within 30 s of recovering.
     assert!(after > 0.10, "{label}: 20-30 s after recovery: {after:.3}");
     assert!(h.replicas[BAD].faulted > 0);
+    let failed = h.records().filter(|r| r.failed).count();
+    eprintln!(
+        "{label}: {failed} requests failed at the client, {} retried",
+        h.stats.retries
+    );
+    if retry && matches!(fault, ResponseFault::Status(_)) {
+        // Every failed attempt was retried on the filter's second choice: the filter learned of it
+        // from the upstream address alone.
+        assert_eq!(failed, 0, "{label}");
+        assert_eq!(h.stats.retries, h.replicas[BAD].faulted, "{label}");
+    } else {
+        assert_eq!(failed as u64, h.replicas[BAD].faulted, "{label}");
+    }
     assert!(metric(&h, "kvsteer_upstream_failures_r1") > 0);
     assert!(
         metric(&h, "kvsteer_health_probes_r1") >= 20,
@@ -130,17 +148,22 @@ fn check(policy: &str, fault: ResponseFault) {
 
 #[test]
 fn kv_load_sheds_a_replica_failing_with_5xx_and_takes_it_back() {
-    check("kv_load", ResponseFault::Status(500));
+    check("kv_load", ResponseFault::Status(500), true);
+}
+
+#[test]
+fn kv_load_sheds_a_replica_failing_with_5xx_without_retries() {
+    check("kv_load", ResponseFault::Status(500), false);
 }
 
 #[test]
 fn round_robin_sheds_a_replica_failing_inside_200_streams_and_takes_it_back() {
-    check("round_robin", ResponseFault::StreamError);
+    check("round_robin", ResponseFault::StreamError, true);
 }
 
 #[test]
 fn session_hash_sheds_a_replica_failing_with_503() {
-    check("session_hash", ResponseFault::Status(503));
+    check("session_hash", ResponseFault::Status(503), true);
 }
 
 #[test]
@@ -150,6 +173,7 @@ fn without_health_the_failing_replica_keeps_its_share() {
         "round_robin",
         ResponseFault::Status(500),
         Some(json!({"enabled": false})),
+        true,
     );
     let failing = share(&per_s, FAIL_FROM_S + 1, FAIL_UNTIL_S);
     assert!(failing > 0.2, "{failing:.3}");
