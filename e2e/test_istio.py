@@ -111,6 +111,24 @@ class Manifests(unittest.TestCase):
         self.assertEqual(lb["typed_config"]["override_host_sources"],
                          [{"header": plugin_json()["destination_header"]}])
 
+    def test_retries_and_outlier_detection_match_envoy_yaml(self):
+        vs = find("VirtualService", "vllm")
+        (route,) = vs["spec"]["http"]
+        retry_on = route["retries"]["retryOn"].split(",")
+        doc = envoy_config.load("envoy")
+        (envoy_route,) = envoy_config.routes(doc)
+        self.assertEqual(sorted(retry_on),
+                         sorted(envoy_route["route"]["retry_policy"]["retry_on"].split(",")))
+        self.assertIn("5xx", retry_on)
+        self.assertEqual(route["retries"]["attempts"],
+                         envoy_route["route"]["retry_policy"]["num_retries"])
+        od = find("DestinationRule", "vllm")["spec"]["trafficPolicy"]["outlierDetection"]
+        envoy_od = envoy_config.clusters(doc)["replicas"]["outlier_detection"]
+        self.assertEqual(od["consecutive5xxErrors"], envoy_od["consecutive_5xx"])
+        self.assertEqual(od["baseEjectionTime"], envoy_od["base_ejection_time"])
+        self.assertEqual(od["interval"], envoy_od["interval"])
+        self.assertEqual(od["maxEjectionPercent"], envoy_od["max_ejection_percent"])
+
     def test_filter_is_declared_with_the_flags_a_wasmplugin_cannot_set(self):
         w = wasm_config()
         self.assertIs(w["allow_on_headers_stop_iteration"], True)

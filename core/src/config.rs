@@ -4,6 +4,7 @@
 use serde::Deserialize;
 
 use crate::block::MAX_BLOCK_SIZE;
+use crate::health::HealthParams;
 
 /// Which policy scores replicas.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
@@ -293,6 +294,8 @@ pub struct RoutingConfig {
     pub kv_load: KvLoadParams,
     pub session_hash: SessionHashParams,
     pub prefix_affinity: PrefixAffinityParams,
+    /// Replica health learned from completions (`crate::health`).
+    pub health: HealthParams,
     /// Request bodies larger than this are refused by the parser (the request is then routed by load).
     pub max_body_bytes: usize,
 }
@@ -307,6 +310,7 @@ impl Default for RoutingConfig {
             kv_load: KvLoadParams::default(),
             session_hash: SessionHashParams::default(),
             prefix_affinity: PrefixAffinityParams::default(),
+            health: HealthParams::default(),
             max_body_bytes: 4 << 20,
         }
     }
@@ -363,6 +367,7 @@ impl RoutingConfig {
         if self.index_capacity_blocks == 0 || self.index_capacity_blocks > u32::MAX as usize {
             return Err(err("index_capacity_blocks", "must be 1..=4294967295"));
         }
+        self.health.validate()?;
         let k = &self.kv_load;
         let nonneg = |name: &str, v: f64| {
             if v.is_finite() && v >= 0.0 {

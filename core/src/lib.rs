@@ -8,6 +8,7 @@ pub mod block;
 pub mod config;
 pub mod feed;
 pub mod feed_log;
+pub mod health;
 pub mod index;
 pub mod load;
 pub mod output;

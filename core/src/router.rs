@@ -15,6 +15,7 @@ use crate::config::{ConfigError, PolicyKind, ReportedLoad, RoutingConfig};
 use crate::feed::{
     CursorVerdict, EventKind, FeedBatch, FeedCursor, FeedEvent, FeedQuery, FeedSlice, ReplicaLoad,
 };
+use crate::health::{Health, HealthCounts, Outcome};
 use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
 use crate::load::{Accounting, LoadTable, LoadTotals};
 use crate::output::OutputEstimate;
@@ -44,6 +45,9 @@ pub struct Decision {
     /// A second choice for the proxy's retry (Envoy's override_host takes a list): the cheapest other
     /// replica that is up, or the next one up when the policy does not score. None with one replica.
     pub backup: Option<usize>,
+    /// The request is a health probe: `replica` is ejected for failing (`crate::health`) and gets
+    /// this request whatever the policy chose; the policy's choice is the backup.
+    pub probe: bool,
 }
 
 /// What applying a feed batch did.
@@ -110,6 +114,8 @@ pub struct Router {
     /// Replicas believed unreachable (their feed cannot even be connected to): avoided by every
     /// policy while any other replica is up.
     down: Vec<bool>,
+    /// Health learned from completions: replicas ejected for failing.
+    health: Health,
     cursors: Vec<FeedCursor>,
     ring: HashRing,
     rr_next: usize,
@@ -147,6 +153,7 @@ impl Router {
             reported: vec![None; replicas],
             stale: vec![false; replicas],
             down: vec![false; replicas],
+            health: Health::new(cfg.health.clone(), replicas),
             cursors: vec![FeedCursor::default(); replicas],
             ring: HashRing::new(0..replicas, cfg.session_hash.virtual_nodes),
             rr_next: 0,
@@ -274,6 +281,7 @@ impl Router {
         let request_blocks = (req.prompt_tokens as f64 / bs).ceil();
         let overlap = self.overlap_blocks(req, now_ms);
         let eff = self.effective_load();
+        self.health.refresh(now_ms);
         let avoided = self.avoided();
         let policy = self.cfg.policy;
         let active_prefix: Vec<f64> =
@@ -328,6 +336,16 @@ impl Router {
             PolicyKind::KvLoad => kv_load::choose(&input, k, rng),
         };
         self.scratch_approx = affinity;
+        // An ejected replica's probe, when one is due, takes this request; the policy's choice
+        // becomes its backup (Envoy retries a failed probe there).
+        let down = &self.down;
+        let probe = self
+            .health
+            .take_probe(now_ms, |r| !down.get(r).copied().unwrap_or(true));
+        let (replica, probe_backup) = match probe {
+            Some(p) if p != replica => (p, Some(replica)),
+            _ => (replica, None),
+        };
         let matched_tokens: Vec<u64> = overlap
             .iter()
             .map(|&o| ((o * bs) as u64).min(req.prompt_tokens))
@@ -338,7 +356,7 @@ impl Router {
             req.prompt_tokens,
             matched_tokens[replica],
         );
-        let backup = self.backup_for(replica, &costs);
+        let backup = probe_backup.or_else(|| self.backup_for(replica, &costs));
         Decision {
             replica,
             policy,
@@ -347,27 +365,37 @@ impl Router {
             matched_tokens,
             costs,
             backup,
+            probe: probe.is_some(),
         }
     }
 
-    /// Avoided: down while some other replica is up.
-    fn is_avoided(&self, r: usize) -> bool {
-        self.down.get(r).copied().unwrap_or(false) && !self.down.iter().all(|&d| d)
+    /// Usable: neither down nor ejected for failing.
+    fn is_usable(&self, r: usize) -> bool {
+        !self.down.get(r).copied().unwrap_or(true) && !self.health.is_ejected(r)
     }
 
-    /// [`Router::is_avoided`] for every replica, as the policies take it.
+    /// The replicas to avoid, as the policies take them: those not usable while some replica is;
+    /// with none usable, those down while some replica is up (an ejected replica beats a dead one);
+    /// with all down, none.
     fn avoided(&self) -> Vec<bool> {
-        (0..self.replicas).map(|r| self.is_avoided(r)).collect()
+        if (0..self.replicas).any(|r| self.is_usable(r)) {
+            (0..self.replicas).map(|r| !self.is_usable(r)).collect()
+        } else if self.down.iter().all(|&d| d) {
+            vec![false; self.replicas]
+        } else {
+            self.down.clone()
+        }
     }
 
     fn backup_for(&self, chosen: usize, costs: &[f64]) -> Option<usize> {
-        let candidates = (0..self.replicas).filter(|&r| r != chosen && !self.is_avoided(r));
+        let avoided = self.avoided();
+        let candidates = (0..self.replicas).filter(|&r| r != chosen && !avoided[r]);
         if costs.len() == self.replicas {
             candidates.min_by(|&a, &b| costs[a].total_cmp(&costs[b]))
         } else {
             (1..self.replicas)
                 .map(|i| (chosen + i) % self.replicas)
-                .find(|&r| !self.is_avoided(r))
+                .find(|&r| !avoided[r])
         }
     }
 
@@ -433,8 +461,9 @@ impl Router {
     }
 
     /// A load-only choice for a request whose body could not be read (too large, not JSON, ...).
-    pub fn route_fallback(&mut self, _now_ms: u64) -> Decision {
+    pub fn route_fallback(&mut self, now_ms: u64) -> Decision {
         let eff = self.effective_load();
+        self.health.refresh(now_ms);
         let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.kv_load);
         let replica = pick_lowest(&costs, &self.avoided(), &mut self.rng);
         let backup = self.backup_for(replica, &costs);
@@ -447,6 +476,7 @@ impl Router {
             matched_tokens: Vec::new(),
             costs,
             backup,
+            probe: false,
         }
     }
 
@@ -639,6 +669,60 @@ impl Router {
 
     pub fn is_down(&self, replica: usize) -> bool {
         self.down.get(replica).copied().unwrap_or(false)
+    }
+
+    /// Records how a request on `replica` ended (docs/design.md section 2.4): failures eject a
+    /// replica from every policy's choices until probes succeed again. Out of range: counted.
+    pub fn record_outcome(&mut self, replica: usize, outcome: Outcome, now_ms: u64) {
+        if replica >= self.replicas {
+            self.stats.bad_replica += 1;
+            return;
+        }
+        self.health.record(replica, outcome, now_ms);
+    }
+
+    /// Whether `replica` is ejected for failing requests.
+    pub fn is_ejected(&self, replica: usize) -> bool {
+        self.health.is_ejected(replica)
+    }
+
+    /// The ejected replica whose probe is due at `now_ms` (not down), without taking it: the
+    /// filter claims it in shared data first, so that one worker sends it, then routes (which takes
+    /// it) or reports [`Router::probed_elsewhere`].
+    pub fn probe_due(&mut self, now_ms: u64) -> Option<usize> {
+        self.health.refresh(now_ms);
+        let down = &self.down;
+        self.health
+            .probe_due(now_ms, |r| !down.get(r).copied().unwrap_or(true))
+    }
+
+    /// Another worker sent `replica`'s probe at `at_ms`: this one waits a full interval from then.
+    pub fn probed_elsewhere(&mut self, replica: usize, at_ms: u64) {
+        self.health.probed_elsewhere(replica, at_ms);
+    }
+
+    /// Re-judges every replica's health at `now_ms` (routing does it too).
+    pub fn refresh_health(&mut self, now_ms: u64) {
+        self.health.refresh(now_ms);
+    }
+
+    /// Health as learned from completions (counts, probes, ejections).
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// This router's own outcome counts per replica as of `now_ms` (what a worker publishes).
+    pub fn local_health(&self, now_ms: u64) -> Vec<HealthCounts> {
+        self.health.local(now_ms)
+    }
+
+    /// Replaces a peer worker's outcome counts, published at `published_ms`.
+    pub fn set_peer_health(&mut self, peer: u32, published_ms: u64, counts: &[HealthCounts]) {
+        self.health.set_peer(peer, published_ms, counts);
+    }
+
+    pub fn clear_peer_health(&mut self, peer: u32) {
+        self.health.clear_peer(peer);
     }
 
     /// This router's tracked totals per replica (what a worker publishes to its peers).

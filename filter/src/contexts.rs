@@ -6,6 +6,7 @@ use crate::router_state::{
 };
 use crate::sse::SseTracker;
 use crate::store::SharedStore;
+use kvsteer_core::health::Outcome;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -53,6 +54,11 @@ struct Metrics {
     feed_stale: Vec<Option<u32>>,
     feed_pending_blocks: Option<u32>,
     down: Vec<Option<u32>>,
+    upstream_failures: Vec<Option<u32>>,
+    ejected: Vec<Option<u32>>,
+    health_probes: Vec<Option<u32>>,
+    last_failures: Vec<u64>,
+    last_probes: Vec<u64>,
     routed: Option<u32>,
     fallbacks: Option<u32>,
     matched_tokens: Option<u32>,
@@ -156,6 +162,11 @@ impl Metrics {
             feed_stale: per(Gauge, "feed_stale"),
             feed_pending_blocks: define(Gauge, "kvsteer_feed_pending_blocks"),
             down: per(Gauge, "down"),
+            upstream_failures: per(Counter, "upstream_failures"),
+            ejected: per(Gauge, "ejected"),
+            health_probes: per(Counter, "health_probes"),
+            last_failures: vec![0; cfg.replicas.len()],
+            last_probes: vec![0; cfg.replicas.len()],
             routed: define(Counter, "kvsteer_requests_routed"),
             fallbacks: define(Counter, "kvsteer_fallbacks"),
             matched_tokens: define(Counter, "kvsteer_matched_tokens"),
@@ -295,6 +306,25 @@ impl Root {
                 vm.state.is_stale(i) as u64,
             );
             gauge(m.down.get(i).copied().flatten(), vm.state.is_down(i) as u64);
+            gauge(
+                m.ejected.get(i).copied().flatten(),
+                vm.state.is_ejected(i) as u64,
+            );
+        }
+        let health = vm.state.health();
+        for (i, (&f, &p)) in health.failures().iter().zip(health.probes()).enumerate() {
+            if let (Some(lf), Some(lp)) = (m.last_failures.get_mut(i), m.last_probes.get_mut(i)) {
+                inc(
+                    m.upstream_failures.get(i).copied().flatten(),
+                    f.saturating_sub(*lf),
+                );
+                inc(
+                    m.health_probes.get(i).copied().flatten(),
+                    p.saturating_sub(*lp),
+                );
+                *lf = f;
+                *lp = p;
+            }
         }
     }
 }
@@ -426,6 +456,10 @@ pub struct Stream {
     path: String,
     session: Option<String>,
     sse: Option<SseTracker>,
+    /// The replica the filter chose for this request.
+    replica: Option<usize>,
+    /// The request's outcome was reported for its replica's health (at most once).
+    outcome_reported: bool,
 }
 
 impl Stream {
@@ -473,7 +507,59 @@ impl Stream {
         let d = vm.state.route_fallback(self.id, why, body_bytes, now_ms());
         Self::record_decision(&mut vm, &d);
         Self::write_destination(&vm, &d);
+        self.replica = Some(d.replica);
         self.phase = Phase::Admitted;
+    }
+
+    /// Reads the whole buffered request body (at most `max` bytes asked for), routes the request by
+    /// it and admits it; every way the body cannot be read is routed by load instead.
+    fn route_buffered(&mut self, max: usize) {
+        let Some(vm) = self.vm.clone() else { return };
+        let limit = vm.borrow().state.max_body_bytes();
+        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, max) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(_) => {
+                self.route_fallback(BodyFallback::HostError, max.min(limit));
+                return;
+            }
+        };
+        if body.is_empty() {
+            self.route_fallback(BodyFallback::Empty, 0);
+            return;
+        }
+        if body.len() > limit {
+            self.route_fallback(BodyFallback::TooLarge, body.len());
+            return;
+        }
+        let mut vm = vm.borrow_mut();
+        let now = now_ms();
+        let store = vm.state.shared(&HostStore);
+        vm.state.claim_probe(store, now);
+        let d = vm
+            .state
+            .route_body(self.id, &self.path, &body, self.session.as_deref(), now);
+        Self::record_decision(&mut vm, &d);
+        Self::write_destination(&vm, &d);
+        self.replica = Some(d.replica);
+        self.phase = Phase::Admitted;
+    }
+
+    /// Reports how the request ended for its replica's health, once: the replica the proxy says
+    /// answered (`upstream.address`, Envoy) tells a retry elsewhere from the first choice's answer.
+    fn report_outcome(&mut self, outcome: Outcome) {
+        if self.outcome_reported {
+            return;
+        }
+        let (Some(replica), Some(vm)) = (self.replica, self.vm.as_ref()) else {
+            return;
+        };
+        self.outcome_reported = true;
+        let served = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten();
+        vm.borrow_mut()
+            .state
+            .request_outcome(replica, served.as_deref(), outcome, now_ms());
     }
 
     fn release(&mut self) {
@@ -543,33 +629,28 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         if !end_of_stream {
+            // The rest of the body, or trailers (HTTP/2, gRPC-style clients), end the request.
             return Action::Pause;
         }
-        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
-            Ok(b) => b.unwrap_or_default(),
-            Err(_) => {
-                self.route_fallback(BodyFallback::HostError, body_size);
-                return Action::Continue;
-            }
-        };
-        if body.is_empty() {
-            self.route_fallback(BodyFallback::Empty, 0);
-            return Action::Continue;
-        }
-        let mut vm = vm.borrow_mut();
-        let d = vm.state.route_body(
-            self.id,
-            &self.path,
-            &body,
-            self.session.as_deref(),
-            now_ms(),
-        );
-        Self::record_decision(&mut vm, &d);
-        Self::write_destination(&vm, &d);
-        self.phase = Phase::Admitted;
+        self.route_buffered(body_size);
         Action::Continue
     }
 
+    /// A request that ends with trailers: end of stream arrives here, not on the body, and the whole
+    /// body is buffered (Envoy hands the buffered body to `get_buffer` during this callback). Routed
+    /// exactly as if the last body chunk had carried end of stream.
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.phase != Phase::Buffering {
+            return Action::Continue;
+        }
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        // Ask for one byte past the limit: a body over it is routed by load without being copied.
+        let limit = vm.borrow().state.max_body_bytes();
+        self.route_buffered(limit.saturating_add(1));
+        Action::Continue
+    }
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if !matches!(self.phase, Phase::Admitted | Phase::Decoding) {
             return Action::Continue;
@@ -577,7 +658,14 @@ impl HttpContext for Stream {
         let status = header(MapType::HttpResponseHeaders, ":status")
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
             .unwrap_or(0);
+        if status >= 500 {
+            // The replica (or the proxy on its behalf: refused, reset, timed out) failed it.
+            self.report_outcome(Outcome::Failure);
+        }
         if !(200..300).contains(&status) || end_of_stream {
+            if (200..300).contains(&status) {
+                self.report_outcome(Outcome::Success);
+            }
             // An upstream error (or an empty answer) ends the request's load now.
             self.release();
             return Action::Continue;
@@ -588,6 +676,9 @@ impl HttpContext for Stream {
         });
         if is_sse {
             self.sse = Some(SseTracker::new());
+        } else {
+            // A whole (non-streamed) answer: the engine finished before the headers went out.
+            self.report_outcome(Outcome::Success);
         }
         Action::Continue
     }
@@ -596,6 +687,7 @@ impl HttpContext for Stream {
         if !matches!(self.phase, Phase::Admitted | Phase::Decoding) {
             return Action::Continue;
         }
+        let mut engine_error = false;
         if let (Some(tracker), Some(vm)) = (self.sse.as_mut(), self.vm.as_ref())
             && body_size > 0
         {
@@ -604,6 +696,7 @@ impl HttpContext for Stream {
                 .flatten()
                 .unwrap_or_default();
             let p = tracker.push(&chunk);
+            engine_error = p.error;
             if p.tokens > 0 {
                 let mut vm = vm.borrow_mut();
                 if self.phase == Phase::Admitted {
@@ -613,7 +706,15 @@ impl HttpContext for Stream {
                 vm.state.decode_progress(self.id, tracker.generated());
             }
         }
+        if engine_error {
+            // An engine error inside a 200 stream (vLLM's `data: {"error": ...}`).
+            self.report_outcome(Outcome::Failure);
+        }
         if end_of_stream {
+            if self.sse.is_some() {
+                // The stream ran to its end without an engine error (else already reported).
+                self.report_outcome(Outcome::Success);
+            }
             self.release();
         }
         Action::Continue

@@ -13,8 +13,13 @@
 //! through a [`SharedStore`], so it is tested natively.
 //!
 //! Record layout: `published_ms u64` (little-endian), then the core's `LoadTotals::encode_all` bytes.
+//!
+//! Health learned from completions (`kvsteer_core::health`) is shared the same way, each worker's own
+//! decayed success and failure counts under `<prefix>:health:<worker>`: `published_ms u64`, then
+//! `HealthCounts::encode_all` bytes ([`publish_health`], [`read_health_fresh`]).
 
 use crate::store::SharedStore;
+use kvsteer_core::health::HealthCounts;
 use kvsteer_core::load::LoadTotals;
 
 pub fn encode(published_ms: u64, totals: &[LoadTotals]) -> Vec<u8> {
@@ -34,6 +39,80 @@ pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, Vec<LoadTotals>)> {
 /// Shared-data key of a worker's load record.
 pub fn load_key(prefix: &str, worker: u32) -> String {
     format!("{prefix}:load:{worker}")
+}
+
+/// Shared-data key of a worker's health record.
+pub fn health_key(prefix: &str, worker: u32) -> String {
+    format!("{prefix}:health:{worker}")
+}
+
+/// Publishes worker `me`'s own outcome counts, as of `now_ms`.
+pub fn publish_health(
+    store: &dyn SharedStore,
+    prefix: &str,
+    me: u32,
+    now_ms: u64,
+    counts: &[HealthCounts],
+) {
+    let mut out = now_ms.to_le_bytes().to_vec();
+    out.extend_from_slice(&HealthCounts::encode_all(counts));
+    store.set(&health_key(prefix, me), &out, None);
+}
+
+/// Decodes a health record: `(published_ms, counts)`; `None` for anything malformed or for a
+/// different replica count.
+pub fn decode_health(bytes: &[u8], replicas: usize) -> Option<(u64, Vec<HealthCounts>)> {
+    let ts = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
+    let counts = HealthCounts::decode_all(&bytes[8..])?;
+    (counts.len() == replicas).then_some((ts, counts))
+}
+
+/// Worker `peer`'s outcome counts with their publication time, if readable, for `replicas`
+/// replicas, and at most `ttl_ms` old.
+pub fn read_health_fresh(
+    store: &dyn SharedStore,
+    prefix: &str,
+    peer: u32,
+    replicas: usize,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Option<(u64, Vec<HealthCounts>)> {
+    let (record, _) = store.get(&health_key(prefix, peer))?;
+    decode_health(&record, replicas).filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
+}
+
+/// Shared-data key of the time of `replica`'s last health probe, proxy-wide.
+pub fn probe_key(prefix: &str, replica: usize) -> String {
+    format!("{prefix}:probe:{replica}")
+}
+
+/// Claims `replica`'s health probe for this worker, so the whole proxy sends one per `interval_ms`
+/// however many workers it runs: `Ok` when the last probe (any worker's) is at least `interval_ms`
+/// old and this worker's conditional write of `now_ms` won; otherwise `Err` with when the probe was
+/// last sent (`now_ms` for a race lost just now).
+pub fn claim_probe(
+    store: &dyn SharedStore,
+    prefix: &str,
+    replica: usize,
+    now_ms: u64,
+    interval_ms: u64,
+) -> Result<(), u64> {
+    let key = probe_key(prefix, replica);
+    let (last, cas) = match store.get(&key) {
+        Some((v, cas)) => (
+            <[u8; 8]>::try_from(v.as_slice()).map_or(0, u64::from_le_bytes),
+            Some(cas),
+        ),
+        None => (0, None),
+    };
+    if now_ms.saturating_sub(last) < interval_ms {
+        return Err(last);
+    }
+    if store.set(&key, &now_ms.to_le_bytes(), cas) {
+        Ok(())
+    } else {
+        Err(now_ms)
+    }
 }
 
 /// Shared-data key of the worker-id counter.
@@ -152,6 +231,45 @@ mod tests {
             None,
             "never published"
         );
+    }
+
+    #[test]
+    fn health_records_round_trip_expire_and_refuse_garbage() {
+        let s = MemStore::default();
+        let c = vec![HealthCounts { ok: 1.0, err: 2.5 }, HealthCounts::default()];
+        publish_health(&s, "k", 3, 1_000, &c);
+        assert_eq!(
+            read_health_fresh(&s, "k", 3, 2, 1_400, 500),
+            Some((1_000, c.clone()))
+        );
+        assert_eq!(read_health_fresh(&s, "k", 3, 2, 1_501, 500), None);
+        assert_eq!(read_health_fresh(&s, "k", 3, 3, 1_000, 500), None);
+        let mut b = 1_000u64.to_le_bytes().to_vec();
+        b.extend_from_slice(&HealthCounts::encode_all(&c));
+        for cut in 0..b.len() {
+            assert_eq!(decode_health(&b[..cut], 2), None, "cut {cut}");
+        }
+        b[12] = 0xff; // a NaN / huge count
+        b[13] = 0xff;
+        b[14] = 0xff;
+        b[15] = 0xff;
+        assert_eq!(decode_health(&b, 2), None);
+    }
+
+    #[test]
+    fn one_probe_per_interval_for_the_whole_proxy() {
+        let s = MemStore::default();
+        assert_eq!(claim_probe(&s, "k", 2, 5_000, 1_000), Ok(()));
+        assert_eq!(
+            claim_probe(&s, "k", 2, 5_400, 1_000),
+            Err(5_000),
+            "another worker"
+        );
+        assert_eq!(claim_probe(&s, "k", 3, 5_400, 1_000), Ok(()), "per replica");
+        assert_eq!(claim_probe(&s, "k", 2, 6_000, 1_000), Ok(()));
+        // Garbage in the record reads as never probed.
+        s.set(&probe_key("k", 4), b"xyz", None);
+        assert_eq!(claim_probe(&s, "k", 4, 10_000, 1_000), Ok(()));
     }
 
     /// A store whose conditional writes lose the race a few times, as under concurrent workers.

@@ -17,6 +17,9 @@ pub struct Progress {
     pub tokens: u64,
     /// The stream's `[DONE]` sentinel arrived.
     pub done: bool,
+    /// An engine error event arrived in this chunk (`data: {"error": ...}`, as vLLM sends when
+    /// generation fails after the 200 went out).
+    pub error: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -29,6 +32,8 @@ pub struct SseTracker {
     /// `usage.prompt_tokens_details.cached_tokens` reported by the engine, if any.
     pub reported_cached_tokens: Option<u64>,
     pub done: bool,
+    /// An engine error event was seen.
+    pub error: bool,
     /// Lines longer than [`MAX_CARRY`] that were skipped.
     pub oversized_lines: u64,
     skipping: bool,
@@ -87,6 +92,17 @@ impl SseTracker {
         if payload.is_empty() {
             return;
         }
+        // An engine error: a JSON object with a non-null top-level `error` (vLLM's
+        // `{"error": {"message": ..., "type": ..., "code": 500}}`). Token events are not parsed: only
+        // payloads that mention the key and carry no choices.
+        if contains(payload, b"\"error\"")
+            && !contains(payload, b"\"choices\":[{")
+            && is_error_event(payload)
+        {
+            self.error = true;
+            progress.error = true;
+            return;
+        }
         // A usage chunk has empty choices in OpenAI's and vLLM's shape; it may also ride on the last
         // token chunk. Only parse JSON when usage is present: token chunks are counted without parsing.
         if contains(payload, b"\"usage\"") && contains(payload, b"\"completion_tokens\"") {
@@ -117,6 +133,14 @@ impl SseTracker {
         self.reported_completion_tokens
             .map_or(self.tokens, |n| n.max(self.tokens))
     }
+}
+
+/// Whether an SSE payload is an engine error event: a JSON object whose `error` is not null.
+fn is_error_event(payload: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(payload)
+        .ok()
+        .and_then(|v| v.get("error").map(|e| !e.is_null()))
+        .unwrap_or(false)
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -182,6 +206,36 @@ mod tests {
         let p = t.push(b"tail\ndata: {\"choices\":[{\"text\":\"a\"}]}\n\n");
         assert_eq!(p.tokens, 1);
         assert!(t.carry.len() <= MAX_CARRY);
+    }
+
+    #[test]
+    fn an_engine_error_event_is_seen_and_is_not_a_token() {
+        // vLLM's in-stream error after the 200 went out, split everywhere.
+        let stream = concat!(
+            "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"text\":\"Hel\"}]}\n\n",
+            "data: {\"error\": {\"object\": \"error\", \"message\": \"engine dead\", ",
+            "\"type\": \"InternalServerError\", \"code\": 500}}\n\n",
+            "data: [DONE]\n\n"
+        )
+        .as_bytes();
+        for cut in 0..stream.len() {
+            let mut t = SseTracker::new();
+            let a = t.push(&stream[..cut]);
+            let b = t.push(&stream[cut..]);
+            assert_eq!(a.tokens + b.tokens, 1, "cut at {cut}");
+            assert!(t.error && (a.error || b.error), "cut at {cut}");
+            assert!(t.done);
+        }
+        // Not errors: a token whose text says "error", a null error, a non-JSON payload.
+        let mut t = SseTracker::new();
+        let p = t.push(
+            b"data: {\"choices\":[{\"text\":\"\\\"error\\\"\"}]}\n\n\
+              data: {\"error\": null, \"choices\": []}\n\n\
+              data: \"error\" here\n\n",
+        );
+        assert!(!t.error && !p.error, "{p:?}");
+        // The token and the last (unparsed, counted as engines' token events are) payload.
+        assert_eq!(p.tokens, 2);
     }
 
     #[test]

@@ -66,6 +66,21 @@ pub enum FeedFault {
     Slow { delay_us: u64 },
 }
 
+/// What a replica does with a completion request sent to it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ResponseFault {
+    /// Runs it on the engine.
+    #[default]
+    Healthy,
+    /// Fails it at once with this HTTP status and a vLLM-style error object (a replica failing
+    /// fast: a broken engine behind a live HTTP server).
+    Status(u16),
+    /// Answers 200 with an SSE stream holding only an engine error event
+    /// (`data: {"error": {...}}`, then `[DONE]`), as vLLM does when generation fails after the
+    /// headers went out.
+    StreamError,
+}
+
 /// The made-up block hashes of a [`FeedFault::Snapshot`] from replica `replica`: `0..blocks` of them.
 pub fn flood_hash(replica: usize, i: u64) -> u64 {
     0xF100_D000_0000_0000 | (replica as u64) << 40 | i
@@ -80,6 +95,9 @@ pub struct Replica {
     pub cluster: String,
     pub engine: Engine,
     pub feed_fault: FeedFault,
+    pub response_fault: ResponseFault,
+    /// Completion requests failed by `response_fault`.
+    pub faulted: u64,
     /// Feed polls answered (any outcome).
     pub polls: u64,
     /// `(:method, :path, :authority)` of the last feed callout.
@@ -113,6 +131,11 @@ pub struct HarnessConfig {
     pub callout_latency_us: u64,
     /// Decode-load sampling period.
     pub sample_us: u64,
+    /// Envoy with the destination header: a request its replica fails at once with a 5xx
+    /// ([`ResponseFault::Status`]) is retried on the second entry of the destination list, as the
+    /// shipped envoy.yaml does (`retry_on: 5xx`), and Envoy's `upstream.address` then names that
+    /// replica. Off: the 5xx reaches the client.
+    pub retry_5xx: bool,
 }
 
 impl HarnessConfig {
@@ -138,6 +161,7 @@ impl HarnessConfig {
             split_every: 3,
             callout_latency_us: 500,
             sample_us: 500_000,
+            retry_5xx: true,
         }
     }
 
@@ -241,6 +265,9 @@ pub struct RequestSpec {
     pub raw_body: Option<Vec<u8>>,
     /// Path (default `/v1/completions`).
     pub path: Option<String>,
+    /// End the request with these trailers (HTTP/2): end of stream then arrives on
+    /// `proxy_on_request_trailers`, not on the last body chunk.
+    pub trailers: Option<Vec<(String, String)>>,
 }
 
 impl RequestSpec {
@@ -266,6 +293,14 @@ impl RequestSpec {
         self.headers.push((k.to_string(), v.to_string()));
         self
     }
+
+    /// Ends the request with a trailer (HTTP/2 request trailers).
+    pub fn trailer(mut self, k: &str, v: &str) -> Self {
+        self.trailers
+            .get_or_insert_with(Vec::new)
+            .push((k.to_string(), v.to_string()));
+        self
+    }
 }
 
 /// What happened to one request.
@@ -278,8 +313,12 @@ pub struct RequestRecord {
     pub released: bool,
     /// The destination the filter chose, as written (header value or nginx variable).
     pub destination: Option<String>,
-    /// The replica that served it (chosen by the filter, or by fallback).
+    /// The replica that served it (chosen by the filter, or by fallback; after a retry, the one
+    /// retried on).
     pub replica: Option<usize>,
+    /// The filter's choice, when it failed the request at once and the proxy retried elsewhere
+    /// ([`HarnessConfig::retry_5xx`]).
+    pub retried_from: Option<usize>,
     /// Released without a usable destination: the proxy's own balancing picked the replica.
     pub fallback: bool,
     /// The filter answered locally with this status.
@@ -343,6 +382,8 @@ pub struct HarnessStats {
     /// tests never time anything).
     pub max_feed_call_ns: u64,
     pub requests: u64,
+    /// Requests retried on the filter's second choice ([`HarnessConfig::retry_5xx`]).
+    pub retries: u64,
     pub fallback: u64,
     pub local_responses: u64,
     pub rejected: u64,
@@ -413,6 +454,8 @@ impl Harness {
                 cluster,
                 engine: Engine::new(cfg.engine.for_replica(i)),
                 feed_fault: FeedFault::Healthy,
+                response_fault: ResponseFault::Healthy,
+                faulted: 0,
                 polls: 0,
                 last_poll: None,
             })
@@ -487,6 +530,11 @@ impl Harness {
 
     pub fn set_feed_fault(&mut self, replica: usize, fault: FeedFault) {
         self.replicas[replica].feed_fault = fault;
+    }
+
+    /// What `replica` does with the completion requests sent to it from now on.
+    pub fn set_response_fault(&mut self, replica: usize, fault: ResponseFault) {
+        self.replicas[replica].response_fault = fault;
     }
 
     /// Restarts a replica's engine: requests in flight there fail, its cache is empty, and its feed
@@ -583,15 +631,23 @@ impl Harness {
         let started = std::time::Instant::now();
         let worker = &mut self.workers[w];
         let stream = worker.new_stream()?;
-        worker.request_headers(stream, headers, body.is_empty())?;
+        let trailers = spec.trailers.as_ref();
+        worker.request_headers(stream, headers, body.is_empty() && trailers.is_none())?;
         if !body.is_empty() {
             let n = self.cfg.body_chunk_bytes.max(1);
             let mut chunks = body.chunks(n).peekable();
             while let Some(c) = chunks.next() {
-                let last = chunks.peek().is_none();
+                let last = chunks.peek().is_none() && trailers.is_none();
                 worker.request_body(stream, c, last)?;
                 self.stats.request_body_chunks += 1;
             }
+        }
+        if let Some(t) = trailers {
+            let pairs = t
+                .iter()
+                .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+                .collect();
+            worker.request_trailers(stream, pairs)?;
         }
         self.stats.request_filter_ns += started.elapsed().as_nanos() as u64;
         self.after_request_phase(id, w, stream, spec, from_driver)
@@ -632,7 +688,7 @@ impl Harness {
         }
         let (destination, replica) = self.destination(&st);
         let fallback = replica.is_none();
-        let replica = match replica {
+        let mut replica = match replica {
             Some(r) => r,
             None => {
                 self.stats.fallback += 1;
@@ -641,11 +697,38 @@ impl Harness {
                 r
             }
         };
+        // Envoy's retry_on 5xx: a replica failing the request at once sends it to the next listed
+        // host (override_host), if that one is not failing too.
+        let mut retried_from = None;
+        if self.cfg.retry_5xx
+            && self.cfg.mode == HostMode::Envoy
+            && self.cfg.output == Output::DestinationHeader
+            && matches!(self.replicas[replica].response_fault, ResponseFault::Status(c) if c >= 500)
+            && let Some(b) = destination
+                .as_deref()
+                .and_then(|d| d.split(',').nth(1))
+                .and_then(|e| self.replica_of_endpoint(e.trim()))
+            && self.replicas[b].response_fault == ResponseFault::Healthy
+        {
+            self.replicas[replica].faulted += 1;
+            self.stats.retries += 1;
+            retried_from = Some(replica);
+            replica = b;
+        }
+        if self.cfg.mode == HostMode::Envoy {
+            let endpoint = self.replicas[replica].endpoint.clone();
+            self.workers[w].set_stream_property(
+                stream,
+                &["upstream", "address"],
+                endpoint.as_bytes(),
+            )?;
+        }
         {
             let rec = self.records.get_mut(&id).expect("record inserted at send");
             rec.released = true;
             rec.destination = destination;
             rec.replica = Some(replica);
+            rec.retried_from = retried_from;
             rec.fallback = fallback;
             rec.upstream_headers = st
                 .upstream_headers
@@ -663,6 +746,9 @@ impl Harness {
                 .unwrap_or_default();
         }
         self.recorder.routed(id, replica);
+        if self.replicas[replica].response_fault != ResponseFault::Healthy {
+            return self.answer_with_fault(id, w, stream, replica, from_driver);
+        }
         let req = EngineRequest {
             id,
             prompt: spec.prompt.clone(),
@@ -709,6 +795,41 @@ impl Harness {
                 self.fail_request(id, from_driver);
             }
         }
+        Ok(())
+    }
+
+    /// Fails a request the way the replica's [`ResponseFault`] says, at once.
+    fn answer_with_fault(
+        &mut self,
+        id: u64,
+        w: usize,
+        stream: u32,
+        replica: usize,
+        from_driver: bool,
+    ) -> Result<(), HarnessError> {
+        self.replicas[replica].faulted += 1;
+        let worker = &mut self.workers[w];
+        match self.replicas[replica].response_fault {
+            ResponseFault::Healthy => unreachable!("only faults are answered here"),
+            ResponseFault::Status(code) => {
+                let (headers, body) = crate::openai::engine_error_response(code, "engine failed");
+                worker.response_headers(stream, headers, false)?;
+                worker.response_body(stream, &body, true)?;
+            }
+            ResponseFault::StreamError => {
+                worker.response_headers(stream, sse_headers(), false)?;
+                worker.response_body(
+                    stream,
+                    &crate::openai::sse_error_event("engine failed"),
+                    false,
+                )?;
+                worker.response_body(stream, b"data: [DONE]\n\n", true)?;
+            }
+        }
+        let st = worker.end_stream(stream)?;
+        let rec = self.records.get_mut(&id).expect("record inserted at send");
+        rec.downstream_bytes = st.downstream_body.len();
+        self.fail_request(id, from_driver);
         Ok(())
     }
 

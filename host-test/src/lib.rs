@@ -25,7 +25,7 @@ pub use abi::{Action, LogLevel, Pairs, Status};
 pub use artifact::filter_wasm_path;
 pub use harness::{
     FeedFault, Harness, HarnessConfig, HarnessError, HarnessStats, Output, RequestRecord,
-    RequestSpec, flood_hash,
+    RequestSpec, ResponseFault, flood_hash,
 };
 pub use host::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, LocalResponse, Proxy, ProxyOptions,

@@ -88,6 +88,35 @@ pub fn error_response(message: &str) -> (Pairs, Vec<u8>) {
     )
 }
 
+/// Response headers and body of an engine failure with `status` (vLLM's error object).
+pub fn engine_error_response(status: u16, message: &str) -> (Pairs, Vec<u8>) {
+    let body = serde_json::json!({
+        "object": "error", "message": message, "type": "InternalServerError", "param": null,
+        "code": status
+    })
+    .to_string()
+    .into_bytes();
+    let len = body.len().to_string();
+    let code = status.to_string();
+    (
+        pairs(&[
+            (":status", &code),
+            ("content-type", "application/json"),
+            ("content-length", &len),
+        ]),
+        body,
+    )
+}
+
+/// vLLM's in-stream error event, sent when generation fails after the 200 went out.
+pub fn sse_error_event(message: &str) -> Vec<u8> {
+    let event = serde_json::json!({
+        "error": {"object": "error", "message": message, "type": "InternalServerError",
+                  "param": null, "code": 500}
+    });
+    format!("data: {event}\n\n").into_bytes()
+}
+
 /// Builds the SSE body of one streamed completion, chunk by chunk.
 ///
 /// Chunking, on purpose: every `split_every`-th body chunk (when non-zero) holds back the last few bytes

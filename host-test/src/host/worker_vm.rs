@@ -327,6 +327,19 @@ impl WorkerVm {
             .ok_or_else(|| HostError::Usage(format!("no stream {id}")))
     }
 
+    /// Sets a property the proxy answers for this stream (e.g. Envoy's `["upstream", "address"]`
+    /// once it has picked the upstream host).
+    pub fn set_stream_property(
+        &mut self,
+        id: u32,
+        path: &[&str],
+        value: &[u8],
+    ) -> Result<(), HostError> {
+        let key = path.iter().map(|p| p.to_string()).collect();
+        self.stream_mut(id)?.properties.insert(key, value.to_vec());
+        Ok(())
+    }
+
     pub fn stream(&self, id: u32) -> Option<&StreamState> {
         self.store.data().streams.get(&id)
     }

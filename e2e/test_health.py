@@ -1,0 +1,172 @@
+"""End-to-end: a replica that fails fast loses its share of the filter's choices and gets it back
+when it recovers (issue 17 item 4), through Envoy 1.40 (`--concurrency 2`) with envoy/envoy.yaml, the
+built filter and 4 simulated replicas.
+
+Six clients send short non-streamed completions of distinct prompts (so only load and health steer
+them) on fresh connections, as fast as they are answered. After a healthy start, replica r1 fails
+every generation at once with HTTP 500 (the sim's `error_rate` fault); later it serves again. Every
+second the test reads the filter's decision counters from Envoy's /stats and reports r1's share of
+the choices. With `retry_on: 5xx` each failed attempt is retried on the filter's second choice, so
+clients see no failures, and the filter learns r1 failed from Envoy's `upstream.address` (the answer
+came from another replica).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import unittest
+
+from client import Client, tokens
+from stack import Stack
+
+TIME_SCALE = os.environ.get("E2E_TIME_SCALE", "10")
+BAD = "r1"
+CLIENTS = 6
+HEALTHY_S = 4
+FAILING_S = 15
+RECOVERY_LIMIT_S = 30
+
+
+class FailingReplica(unittest.TestCase):
+    stack: Stack
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        s = Stack()
+        try:
+            s.start_replicas(4, extra=["--time-scale", TIME_SCALE])
+            s.start_envoy("envoy", concurrency=2)
+            s.wait_healthy()
+            s.wait_feeds()
+        except BaseException:
+            s.close()
+            raise
+        cls.stack = s
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        failures = cls.stack.vm_failures()
+        cls.stack.close()
+        if failures:
+            raise AssertionError(f"Envoy reported VM failures: {failures}")
+
+    def set_fault(self, name: str, fault: dict) -> None:
+        host, _, port = self.stack.replica(name).endpoint.rpartition(":")
+        c = Client(host, int(port))
+        try:
+            status, _, body = c.request("POST", "/admin/fault", json.dumps(fault).encode(),
+                                        {"content-type": "application/json"})
+        finally:
+            c.close()
+        self.assertEqual(status, 200, body)
+
+    def decisions(self) -> dict[str, int]:
+        """The filter's decisions per replica so far (all workers)."""
+        out: dict[str, int] = {}
+        for k, v in self.stack.stats("kvsteer_decisions_").items():
+            name = k.rsplit("_", 1)[-1]
+            out[name] = out.get(name, 0) + v
+        return out
+
+    def test_a_replica_failing_every_request_is_shed_and_taken_back(self):
+        stop = threading.Event()
+        results: list[tuple[float, int]] = []
+        lock = threading.Lock()
+
+        def client(n: int) -> None:
+            i = 0
+            while not stop.is_set():
+                c = Client("127.0.0.1", self.stack.listen_port, timeout_s=30)
+                try:
+                    res = c.complete(tokens(48, 1_000_000 * n + i), max_tokens=2)
+                    status = res.status
+                except Exception:
+                    status = -1
+                finally:
+                    c.close()
+                with lock:
+                    results.append((time.monotonic(), status))
+                i += 1
+
+        threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(CLIENTS)]
+        for t in threads:
+            t.start()
+        # (second since the fault started, decisions per replica at that time)
+        samples: list[tuple[float, dict[str, int]]] = []
+        try:
+            time.sleep(1.0)
+            start = self.decisions()
+            time.sleep(HEALTHY_S - 1.0)
+            healthy_from = self.decisions()
+            before_share, before_n = self.share(start, healthy_from)
+            self.set_fault(BAD, {"error_rate": 1.0})
+            fault_at = time.monotonic()
+            samples.append((0.0, healthy_from))
+            while time.monotonic() - fault_at < FAILING_S:
+                time.sleep(1.0)
+                samples.append((time.monotonic() - fault_at, self.decisions()))
+            self.set_fault(BAD, {"error_rate": 0.0})
+            recovered_at = time.monotonic()
+            recovered_from = len(samples)
+            samples.append((recovered_at - fault_at, self.decisions()))
+            back_after = None
+            while time.monotonic() - recovered_at < RECOVERY_LIMIT_S:
+                time.sleep(1.0)
+                samples.append((time.monotonic() - fault_at, self.decisions()))
+                share, n = self.share(samples[-2][1], samples[-1][1])
+                if n > 0 and share > 0.10:
+                    back_after = time.monotonic() - recovered_at
+                    break
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=40)
+
+        per_second = [self.share(a[1], b[1]) for a, b in zip(samples, samples[1:])]
+        report = [f"{b[0]:.1f}s:{s:.3f}/{n}" for (a, b), (s, n)
+                  in zip(zip(samples, samples[1:]), per_second)]
+        # Shed: every failing second from the 10th on; overall from the 5th second to the end.
+        late = [s for (t, _), (s, n) in zip(samples[1:], per_second[:recovered_from - 1])
+                if t >= 10.0]
+        mid_share, mid_n = self.share(samples[5][1], samples[recovered_from - 1][1])
+        failed = sum(1 for _, st in results if st != 200)
+        retries = sum(v for k, v in self.stack.stats("cluster.replicas.upstream_rq_retry").items()
+                      if k == "cluster.replicas.upstream_rq_retry")
+        rate = len(results) / max(1e-9, results[-1][0] - results[0][0]) if results else 0.0
+        print(f"\nbefore the fault r1 had {before_share:.3f} of {before_n} decisions; "
+              f"failing replica's share of decisions per second (share/decisions): {report}; "
+              f"5-{FAILING_S} s after the fault {mid_share:.3f} of {mid_n}; back after "
+              f"{back_after} s; {len(results)} requests at {rate:.0f}/s, {failed} failed at the "
+              f"client, {retries} retried by Envoy", flush=True)
+        self.assertGreater(before_share, 0.10, "healthy, it had its share")
+        self.assertGreater(mid_n, 100, "enough traffic to measure a share")
+        self.assertLess(mid_share, 0.05)
+        self.assertTrue(late and all(s < 0.08 for s in late), report)
+        # Whatever the request rate: from the 3rd failing second on, only probes go there, one a
+        # second for the whole proxy (claimed in shared data), so about one decision a second.
+        for (t0, a), (t1, b) in zip(samples[2:recovered_from - 1], samples[3:recovered_from]):
+            per_s = (b.get(BAD, 0) - a.get(BAD, 0)) / max(t1 - t0, 0.5)
+            self.assertLessEqual(per_s, 3, f"{per_s:.1f} decisions a second at {t1:.1f} s: {report}")
+        self.assertIsNotNone(back_after, f"not back within {RECOVERY_LIMIT_S} s: {report}")
+        # The retries hid the failures from clients.
+        self.assertGreater(retries, 0)
+        self.assertLessEqual(failed, 2, "failures reached the clients")
+        self.assertGreater(self.stat("kvsteer_upstream_failures_r1"), 0)
+        self.assertEqual(self.stat("kvsteer_upstream_failures_r0"), 0)
+        self.assertGreater(self.stat("kvsteer_health_probes_r1"), 0)
+
+    def stat(self, needle: str) -> int:
+        return sum(v for k, v in self.stack.stats(needle).items() if needle in k)
+
+    @staticmethod
+    def share(before: dict[str, int], after: dict[str, int]) -> tuple[float, int]:
+        n = sum(after.values()) - sum(before.values())
+        bad = after.get(BAD, 0) - before.get(BAD, 0)
+        return (bad / n if n > 0 else 0.0), n
+
+
+if __name__ == "__main__":
+    unittest.main()
