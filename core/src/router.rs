@@ -1,11 +1,17 @@
 //! The router: the KV index, the approximate indexes, the token-load table and the policies together,
 //! behind the API the proxy-wasm filter calls (see docs/core.md).
 //!
-//! Effective load of a replica, the input to every load-aware policy: the router-tracked totals (this
-//! worker's plus its peers') combined with what the replica itself last reported, taking the larger of
-//! the two for prefill tokens, decode blocks and active requests: the report sees traffic from other
-//! proxies, the tracked figure is fresher. A *stale* replica (its feed failing) has its report ignored
-//! and its KV overlap treated as zero.
+//! Effective load of a replica, the input to every load-aware policy, by `kv_load.reported_load`:
+//! - `ignore`: the router-tracked totals (this worker's plus its peers');
+//! - `max`: those combined with what the replica itself last reported, taking the larger of the two
+//!   for prefill tokens, decode blocks and active requests;
+//! - `merge`: the report plus the bookings this proxy (this worker and its peers) made since the poll
+//!   that produced the report went out ([`LoadTable::since`]), each field added: the report holds
+//!   every proxy's traffic up to the poll, the bookings this proxy's since, so nothing counts twice
+//!   (docs/design.md, "Many proxies").
+//!
+//! A *stale* replica (its feed failing) has its report ignored, and so does one that has not reported
+//! yet: it is scored on the tracked totals. A stale replica's KV overlap is treated as zero.
 
 use hashbrown::HashMap;
 
@@ -105,7 +111,14 @@ pub struct Router {
     /// Output tokens per request, learned from this router's own releases.
     outputs: OutputEstimate,
     peers: HashMap<u32, Vec<LoadTotals>>,
+    /// Per peer worker: its bookings since each replica's report was polled (`merge`).
+    peers_since: HashMap<u32, Vec<LoadTotals>>,
     reported: Vec<Option<ReplicaLoad>>,
+    /// Per replica: when the poll that produced `reported` was sent (router clock, ms).
+    report_polled_ms: Vec<u64>,
+    /// The latest time this router was given (route, admit): the poll time of a report accepted
+    /// without one.
+    clock_ms: u64,
     stale: Vec<bool>,
     /// Replicas believed unreachable (their feed cannot even be connected to): avoided by every
     /// policy while any other replica is up.
@@ -144,7 +157,10 @@ impl Router {
             ),
             outputs: OutputEstimate::new(),
             peers: HashMap::new(),
+            peers_since: HashMap::new(),
             reported: vec![None; replicas],
+            report_polled_ms: vec![u64::MAX; replicas],
+            clock_ms: 0,
             stale: vec![false; replicas],
             down: vec![false; replicas],
             cursors: vec![FeedCursor::default(); replicas],
@@ -207,9 +223,21 @@ impl Router {
     /// Effective load per replica (see the module docs).
     pub fn effective_load(&self) -> Vec<LoadTotals> {
         let mut eff = self.load.combined(self.peers.values().map(Vec::as_slice));
-        if self.cfg.kv_load.reported_load == ReportedLoad::Ignore {
+        let mode = self.cfg.kv_load.reported_load;
+        if mode == ReportedLoad::Ignore {
             return eff;
         }
+        let since = if mode == ReportedLoad::Merge {
+            let mut v = self.load.since(&self.report_polled_ms);
+            for p in self.peers_since.values() {
+                for (o, t) in v.iter_mut().zip(p) {
+                    o.add(t);
+                }
+            }
+            v
+        } else {
+            Vec::new()
+        };
         for (r, e) in eff.iter_mut().enumerate() {
             if self.stale[r] {
                 continue;
@@ -223,11 +251,20 @@ impl Router {
                 } else {
                     rep.decode_blocks
                 };
-                e.prefill_tokens = e.prefill_tokens.max(rep.prefill_tokens);
-                e.decode_blocks = e.decode_blocks.max(decode);
-                e.active_requests = e
-                    .active_requests
-                    .max(rep.running.saturating_add(rep.waiting));
+                let active = rep.running.saturating_add(rep.waiting);
+                if mode == ReportedLoad::Merge {
+                    let mut m = LoadTotals {
+                        prefill_tokens: rep.prefill_tokens,
+                        decode_blocks: decode,
+                        active_requests: active,
+                    };
+                    m.add(&since[r]);
+                    *e = m;
+                } else {
+                    e.prefill_tokens = e.prefill_tokens.max(rep.prefill_tokens);
+                    e.decode_blocks = e.decode_blocks.max(decode);
+                    e.active_requests = e.active_requests.max(active);
+                }
             }
         }
         eff
@@ -270,6 +307,7 @@ impl Router {
     /// Chooses a replica for a request. Does not admit it: call [`Router::admit`] once the request is
     /// really sent there.
     pub fn route(&mut self, req: &RouteRequest, now_ms: u64) -> Decision {
+        self.clock_ms = self.clock_ms.max(now_ms);
         let bs = self.cfg.block_size as f64;
         let request_blocks = (req.prompt_tokens as f64 / bs).ceil();
         let overlap = self.overlap_blocks(req, now_ms);
@@ -433,7 +471,8 @@ impl Router {
     }
 
     /// A load-only choice for a request whose body could not be read (too large, not JSON, ...).
-    pub fn route_fallback(&mut self, _now_ms: u64) -> Decision {
+    pub fn route_fallback(&mut self, now_ms: u64) -> Decision {
+        self.clock_ms = self.clock_ms.max(now_ms);
         let eff = self.effective_load();
         let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.kv_load);
         let replica = pick_lowest(&costs, &self.avoided(), &mut self.rng);
@@ -458,15 +497,17 @@ impl Router {
             self.stats.bad_replica += 1;
             return;
         }
+        self.clock_ms = self.clock_ms.max(now_ms);
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
-        self.load.admit(
+        self.load.admit_at(
             request_id,
             d.replica,
             req.prompt_tokens,
             uncached,
             req.output_hint,
             (0..req.identity.blocks()).map(|i| req.identity.key(i)),
+            now_ms,
         );
         match &req.identity {
             PromptIdentity::Exact(h) => self.approx_seq.record(d.replica, h, now_ms),
@@ -481,13 +522,14 @@ impl Router {
             self.stats.bad_replica += 1;
             return;
         }
-        self.load.admit(
+        self.load.admit_at(
             request_id,
             d.replica,
             estimated_prompt_tokens,
             estimated_prompt_tokens,
             None,
             [],
+            self.clock_ms,
         );
     }
 
@@ -541,6 +583,19 @@ impl Router {
     /// then applies the events in order with [`Router::apply_feed_slice`]. The outcomes' event counts
     /// are 0.
     pub fn accept_feed(&mut self, replica: usize, batch: &FeedBatch) -> FeedOutcome {
+        self.accept_feed_polled_at(replica, batch, self.clock_ms)
+    }
+
+    /// [`Router::accept_feed`] for a batch whose poll was sent at `polled_ms` (this router's clock):
+    /// its load describes the replica with every request this proxy admitted before then, and none it
+    /// admitted after (`reported_load` `merge` adds those). [`Router::accept_feed`] takes the latest
+    /// time the router was given instead.
+    pub fn accept_feed_polled_at(
+        &mut self,
+        replica: usize,
+        batch: &FeedBatch,
+        polled_ms: u64,
+    ) -> FeedOutcome {
         if replica >= self.replicas {
             self.stats.bad_replica += 1;
             return FeedOutcome::BadReplica;
@@ -551,6 +606,7 @@ impl Router {
         let prev_epoch = self.cursors[replica].epoch;
         // The load figures describe the replica now, whatever the log position: keep them.
         self.reported[replica] = Some(batch.load);
+        self.report_polled_ms[replica] = polled_ms;
         match self.cursors[replica].accept(batch) {
             CursorVerdict::Gap => {
                 self.stats.feed_gaps += 1;
@@ -653,8 +709,32 @@ impl Router {
         self.peers.insert(peer, v);
     }
 
+    /// Replaces a peer worker's bookings made since each replica's report was polled (what its
+    /// [`Router::local_load_since`] says), for `reported_load` `merge`.
+    pub fn set_peer_load_since(&mut self, peer: u32, since: &[LoadTotals]) {
+        let mut v = since.to_vec();
+        v.resize(self.replicas, LoadTotals::default());
+        self.peers_since.insert(peer, v);
+    }
+
     pub fn clear_peer(&mut self, peer: u32) {
         self.peers.remove(&peer);
+        self.peers_since.remove(&peer);
+    }
+
+    /// This router's bookings made since each replica's report was polled, in the report's units
+    /// ([`LoadTable::since`]); zero for a replica that has not reported. What a worker publishes
+    /// beside [`Router::local_load`] for its peers' `merge`.
+    pub fn local_load_since(&self) -> Vec<LoadTotals> {
+        self.load.since(&self.report_polled_ms)
+    }
+
+    /// When the poll behind `replica`'s current report was sent (None before its first report).
+    pub fn report_polled_ms(&self, replica: usize) -> Option<u64> {
+        self.report_polled_ms
+            .get(replica)
+            .copied()
+            .filter(|&t| t != u64::MAX)
     }
 
     pub fn stats(&self) -> RouterStats {
