@@ -12,23 +12,38 @@
 //! [`publish`]es its own record and reads the others' ([`worker_count`], [`read_fresh`]). All of it goes
 //! through a [`SharedStore`], so it is tested natively.
 //!
-//! Record layout: `published_ms u64` (little-endian), then the core's `LoadTotals::encode_all` bytes.
+//! Record layout: `published_ms u64` (little-endian), then the core's `LoadTotals::encode_all` bytes of
+//! the worker's bookings, then (optional) the same encoding of its bookings made since each replica's
+//! report was polled (`Router::local_load_since`, for `reported_load` `merge`).
 
 use crate::store::SharedStore;
-use kvsteer_core::load::LoadTotals;
+use kvsteer_core::load::{self, LoadTotals};
 
-pub fn encode(published_ms: u64, totals: &[LoadTotals]) -> Vec<u8> {
+pub fn encode(published_ms: u64, totals: &[LoadTotals], since: &[LoadTotals]) -> Vec<u8> {
     let mut out = published_ms.to_le_bytes().to_vec();
     out.extend_from_slice(&LoadTotals::encode_all(totals));
+    out.extend_from_slice(&LoadTotals::encode_all(since));
     out
 }
 
+/// A decoded peer record: when it was published, the worker's bookings, and its bookings since each
+/// replica's report was polled (zeros when the record has none).
+pub type PeerRecord = (u64, Vec<LoadTotals>, Vec<LoadTotals>);
+
 /// Decodes a peer record; `None` for anything malformed or for a different replica count (a worker
 /// still running an older configuration).
-pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, Vec<LoadTotals>)> {
+pub fn decode(bytes: &[u8], replicas: usize) -> Option<PeerRecord> {
     let ts = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
-    let totals = LoadTotals::decode_all(&bytes[8..]).ok()?;
-    (totals.len() == replicas).then_some((ts, totals))
+    let count = u32::from_le_bytes(bytes.get(12..16)?.try_into().ok()?) as usize;
+    let first = 8 + count.checked_mul(load::LOAD_TOTALS_LEN)?.checked_add(8)?;
+    let totals = LoadTotals::decode_all(bytes.get(8..first)?).ok()?;
+    let rest = &bytes[first..];
+    let since = if rest.is_empty() {
+        vec![LoadTotals::default(); totals.len()]
+    } else {
+        LoadTotals::decode_all(rest).ok()?
+    };
+    (totals.len() == replicas && since.len() == replicas).then_some((ts, totals, since))
 }
 
 /// Shared-data key of a worker's load record.
@@ -71,13 +86,22 @@ pub fn claim_worker_id(store: &dyn SharedStore, prefix: &str) -> Option<u32> {
     None
 }
 
-/// Publishes worker `me`'s in-flight totals, stamped `now_ms`.
-pub fn publish(store: &dyn SharedStore, prefix: &str, me: u32, now_ms: u64, totals: &[LoadTotals]) {
-    store.set(&load_key(prefix, me), &encode(now_ms, totals), None);
+/// Publishes worker `me`'s in-flight totals and those admitted since each replica's report was
+/// polled, stamped `now_ms`.
+pub fn publish(
+    store: &dyn SharedStore,
+    prefix: &str,
+    me: u32,
+    now_ms: u64,
+    totals: &[LoadTotals],
+    since: &[LoadTotals],
+) {
+    store.set(&load_key(prefix, me), &encode(now_ms, totals, since), None);
 }
 
-/// Worker `peer`'s totals, if its record is readable, for `replicas` replicas, and at most `ttl_ms`
-/// old; `None` otherwise (a worker that went away, or one on another configuration).
+/// Worker `peer`'s totals and its totals since the polls, if its record is readable, for `replicas`
+/// replicas, and at most `ttl_ms` old; `None` otherwise (a worker that went away, or one on another
+/// configuration).
 pub fn read_fresh(
     store: &dyn SharedStore,
     prefix: &str,
@@ -85,10 +109,10 @@ pub fn read_fresh(
     replicas: usize,
     now_ms: u64,
     ttl_ms: u64,
-) -> Option<Vec<LoadTotals>> {
+) -> Option<(Vec<LoadTotals>, Vec<LoadTotals>)> {
     let (record, _) = store.get(&load_key(prefix, peer))?;
     match decode(&record, replicas) {
-        Some((ts, totals)) if now_ms.saturating_sub(ts) <= ttl_ms => Some(totals),
+        Some((ts, totals, since)) if now_ms.saturating_sub(ts) <= ttl_ms => Some((totals, since)),
         _ => None,
     }
 }
@@ -112,12 +136,17 @@ mod tests {
                 active_requests: 1,
             },
         ];
-        let b = encode(99, &t);
-        assert_eq!(decode(&b, 2), Some((99, t)));
+        let since = vec![t[1], t[0]];
+        let b = encode(99, &t, &since);
+        assert_eq!(decode(&b, 2), Some((99, t.clone(), since)));
         assert_eq!(decode(&b, 3), None);
-        for cut in 0..b.len() {
-            assert_eq!(decode(&b[..cut], 2), None);
+        let first = 8 + 8 + 2 * load::LOAD_TOTALS_LEN;
+        for cut in (0..b.len()).filter(|&c| c != first) {
+            assert_eq!(decode(&b[..cut], 2), None, "cut at {cut}");
         }
+        // A record without the second part (an older filter): no bookings since the polls.
+        let zeros = vec![LoadTotals::default(); 2];
+        assert_eq!(decode(&b[..first], 2), Some((99, t, zeros)));
     }
 
     fn totals(prefill: u64) -> Vec<LoadTotals> {
@@ -139,8 +168,11 @@ mod tests {
         assert_eq!(claim_worker_id(&s, "k"), Some(1));
         assert_eq!(claim_worker_id(&s, "other"), Some(0), "per prefix");
         assert_eq!(worker_count(&s, "k"), 2);
-        publish(&s, "k", 0, 1_000, &totals(7));
-        assert_eq!(read_fresh(&s, "k", 0, 2, 1_500, 500), Some(totals(7)));
+        publish(&s, "k", 0, 1_000, &totals(7), &totals(3));
+        assert_eq!(
+            read_fresh(&s, "k", 0, 2, 1_500, 500),
+            Some((totals(7), totals(3)))
+        );
         assert_eq!(read_fresh(&s, "k", 0, 2, 1_501, 500), None, "too old");
         assert_eq!(
             read_fresh(&s, "k", 0, 3, 1_000, 500),

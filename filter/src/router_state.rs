@@ -78,6 +78,9 @@ pub enum BodyFallback {
 #[derive(Clone, Debug, Default)]
 pub struct FeedState {
     pub in_flight: Option<u32>,
+    /// When the poll in flight (or the last one) was sent: its answer's load holds every request
+    /// admitted before then (`reported_load` `merge`).
+    pub polled_ms: u64,
     pub next_poll_ms: u64,
     pub consecutive_failures: u32,
     pub polls: u64,
@@ -259,12 +262,16 @@ impl RouterState {
             return;
         };
         let prefix = &self.cfg.shared_key_prefix;
-        peers::publish(store, prefix, me, now_ms, &self.router.local_load());
+        let (own, since) = (self.router.local_load(), self.router.local_load_since());
+        peers::publish(store, prefix, me, now_ms, &own, &since);
         let count = peers::worker_count(store, prefix);
         let replicas = self.cfg.replicas.len();
         for peer in (0..count).filter(|&p| p != me) {
             match peers::read_fresh(store, prefix, peer, replicas, now_ms, self.cfg.peer_ttl_ms) {
-                Some(totals) => self.router.set_peer_load(peer, &totals),
+                Some((totals, since)) => {
+                    self.router.set_peer_load(peer, &totals);
+                    self.router.set_peer_load_since(peer, &since);
+                }
                 None => self.router.clear_peer(peer),
             }
         }
@@ -426,14 +433,14 @@ impl RouterState {
                 continue;
             }
             while self.feeds[i].pending.is_none() {
-                let (bytes, seen) = relay::next_unseen(
+                let (relayed, seen) = relay::next_unseen(
                     store,
                     &self.cfg.shared_key_prefix,
                     i,
                     self.feeds[i].relay_seen,
                 );
                 self.feeds[i].relay_seen = seen;
-                let Some(bytes) = bytes else {
+                let Some((bytes, polled_ms)) = relayed else {
                     break;
                 };
                 // The holder relays only what it accepted; the same limits keep a follower safe.
@@ -451,7 +458,7 @@ impl RouterState {
                     continue;
                 }
                 self.refill(now_ms);
-                let outcome = self.accept_frame(i, frame);
+                let outcome = self.accept_frame(i, frame, polled_ms);
                 self.feeds[i].relayed += 1;
                 if outcome != FeedOutcome::Gap {
                     self.feed_ok(i, now_ms, false);
@@ -519,9 +526,12 @@ impl RouterState {
 
     /// Accepts a checked batch (cursor, reset for a snapshot) and applies what this tick's budget
     /// allows; the rest stays pending. The outcome counts the batch's events.
-    fn accept_frame(&mut self, replica: usize, frame: FeedFrame) -> FeedOutcome {
+    fn accept_frame(&mut self, replica: usize, frame: FeedFrame, polled_ms: u64) -> FeedOutcome {
         let events = frame.events() as usize;
-        let outcome = match self.router.accept_feed(replica, frame.header()) {
+        let outcome = match self
+            .router
+            .accept_feed_polled_at(replica, frame.header(), polled_ms)
+        {
             FeedOutcome::Applied { .. } => FeedOutcome::Applied { events },
             FeedOutcome::Reset { epoch, .. } => FeedOutcome::Reset { events, epoch },
             other => return other,
@@ -601,6 +611,7 @@ impl RouterState {
     pub fn poll_started(&mut self, replica: usize, token: u32, now_ms: u64) {
         if let Some(f) = self.feeds.get_mut(replica) {
             f.in_flight = Some(token);
+            f.polled_ms = now_ms;
             f.polls += 1;
             f.next_poll_ms = now_ms.saturating_add(self.cfg.feed_period_ms);
             self.callouts.insert(token, replica);
@@ -710,13 +721,15 @@ impl RouterState {
             );
         }
         let more = frame.header().more;
+        let polled_ms = self.feeds[replica].polled_ms;
         if let (Some(store), true) = (store, self.feeds[replica].leased) {
-            let n = relay::publish(store, &self.cfg.shared_key_prefix, replica, frame.bytes());
+            let prefix = &self.cfg.shared_key_prefix;
+            let n = relay::publish(store, prefix, replica, frame.bytes(), polled_ms);
             // Our own batch: followers apply it, we apply it below.
             self.feeds[replica].relay_seen = n;
         }
         self.refill(now_ms);
-        let outcome = self.accept_frame(replica, frame);
+        let outcome = self.accept_frame(replica, frame, polled_ms);
         self.feed_ok(replica, now_ms, more);
         self.set_down(replica, false, store, now_ms);
         FeedResult::Applied { replica, outcome }

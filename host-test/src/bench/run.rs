@@ -2,7 +2,7 @@
 //! replicas in virtual time. The demo and the bench both call [`replay`], so a figure in the README
 //! and one in docs/results.md come from the same code path.
 
-use crate::{FilterModule, Harness, HarnessConfig, HarnessStats};
+use crate::{FilterModule, Harness, HarnessConfig, HarnessStats, ProxySpread};
 use kvsteer_workload::{Driver, Mode, Summary, Workload};
 use serde_json::{Value, json};
 use std::time::Instant;
@@ -126,8 +126,33 @@ pub fn replay(
     workers: usize,
     progress: impl FnMut(u64, u64),
 ) -> Result<Outcome, String> {
+    replay_proxies(
+        module,
+        workload,
+        mode,
+        policy,
+        seed,
+        (workers, 1, ProxySpread::PerRequest),
+        progress,
+    )
+}
+
+/// [`replay`] through `proxies` independent proxies of `workers` worker VMs each, requests spread
+/// across them as `spread` says (`topology` = `(workers, proxies, spread)`).
+pub fn replay_proxies(
+    module: &FilterModule,
+    workload: Workload,
+    mode: Mode,
+    policy: &str,
+    seed: u64,
+    topology: (usize, usize, ProxySpread),
+    progress: impl FnMut(u64, u64),
+) -> Result<Outcome, String> {
     let started = Instant::now();
-    let cfg = config(policy, workload.block_size, seed, workers);
+    let (workers, proxies, spread) = topology;
+    let mut cfg = config(policy, workload.block_size, seed, workers);
+    cfg.proxies = proxies;
+    cfg.proxy_spread = spread;
     let mut h = Harness::new(module, cfg).map_err(|e| format!("{policy}: {e}"))?;
     h.run_workload(Driver::new(workload, mode), progress)
         .map_err(|e| format!("{policy}: {e}"))?;

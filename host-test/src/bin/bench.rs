@@ -20,8 +20,8 @@ use kvsteer_host_test::bench::args::{ArgReader, POLICIES, bench_policies, or_usa
 use kvsteer_host_test::bench::report::{
     ScenarioRuns, claims, hit_cv_plot, scenario_plots, scenario_table,
 };
-use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay};
-use kvsteer_host_test::bench::scenario::{Scale, Scenario, Source, matrix};
+use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay_proxies};
+use kvsteer_host_test::bench::scenario::{Scale, Scenario, Source, matrix, proxy_matrix};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
 use kvsteer_workload::report::Progress;
 use kvsteer_workload::{Mode, Summary, Workload};
@@ -165,8 +165,15 @@ fn run(args: &Args) -> Result<(), String> {
     let seeds = args
         .seeds
         .unwrap_or(if scale == Scale::Full { 3 } else { 1 });
+    // The many-proxies scenarios are not part of the matrix: only `--only` selects them.
+    let extra = if args.only.is_empty() {
+        Vec::new()
+    } else {
+        proxy_matrix(scale)
+    };
     let scenarios: Vec<Scenario> = matrix(scale)
         .into_iter()
+        .chain(extra)
         .filter(|s| args.only.is_empty() || args.only.iter().any(|o| *o == s.id || *o == s.group))
         .collect();
     if scenarios.is_empty() {
@@ -230,17 +237,21 @@ fn run(args: &Args) -> Result<(), String> {
         for _ in 0..args.jobs.min(jobs.len()) {
             let (queue, progress, results) = (&queue, &progress, &results);
             let (module, jobs, workloads, workers) = (&module, &jobs, &workloads, args.workers);
+            let scenarios = &scenarios;
             s.spawn(move || {
                 loop {
                     let next = queue.lock().ok().and_then(|mut q| q.pop());
                     let Some(i) = next else { break };
                     let j = &jobs[i];
                     let (w, mode) = workloads[j.workload].clone();
-                    let r = replay(module, w, mode, &j.policy, j.seed, workers, |done, _| {
-                        if let Ok(mut p) = progress.lock() {
-                            p[i] = done;
-                        }
-                    });
+                    let sc = &scenarios[j.scenario];
+                    let topology = (workers, sc.proxies, sc.spread);
+                    let r =
+                        replay_proxies(module, w, mode, &j.policy, j.seed, topology, |done, _| {
+                            if let Ok(mut p) = progress.lock() {
+                                p[i] = done;
+                            }
+                        });
                     if let Ok(mut res) = results.lock() {
                         res.push((i, r));
                     }
