@@ -1050,6 +1050,70 @@ mod tests {
     }
 
     #[test]
+    fn merge_marks_a_relayed_report_with_the_leaders_poll_time_and_shares_bookings_since() {
+        use crate::store::tests::MemStore;
+        let store = MemStore::default();
+        let routing = r#"{"policy":"kv_load","kv_load":{"reported_load":"merge"}}"#;
+        let mut lead = worker_routing(routing);
+        let mut follow = worker_routing(routing);
+        assert_eq!(lead.claim_worker_id(&store), Some(0));
+        assert_eq!(follow.claim_worker_id(&store), Some(1));
+        let batch = |resync: bool, decode: u64| FeedBatch {
+            epoch: 5,
+            resync,
+            more: false,
+            first_seq: 0,
+            next_seq: 0,
+            load: ReplicaLoad {
+                decode_blocks: decode,
+                running: 1,
+                ..ReplicaLoad::default()
+            },
+            events: if resync {
+                vec![FeedEvent::Cleared]
+            } else {
+                vec![]
+            },
+        };
+        for (w, base) in [(&mut lead, 100), (&mut follow, 200)] {
+            for p in w.plan_polls(Some(&store), 0) {
+                let tok = base + p.replica as u32;
+                w.poll_started(p.replica, tok, 0);
+                let b = batch(true, 0).encode();
+                w.on_feed_response(tok, Some(200), Some(&b), Some(&store), 0);
+            }
+        }
+        // The leader polls at 1,000; the follower admits a request at 1,050, while the poll is out;
+        // the answer (which cannot hold that request) comes back at 1,100 and is relayed.
+        let polls = lead.plan_polls(Some(&store), 1_000);
+        assert_eq!(polls.len(), 2);
+        for p in &polls {
+            lead.poll_started(p.replica, 900 + p.replica as u32, 1_000);
+        }
+        let body = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#;
+        let d = follow.route_body(1, "/v1/completions", body, None, 1_050);
+        for p in &polls {
+            let b = batch(false, 7).encode();
+            let tok = 900 + p.replica as u32;
+            lead.on_feed_response(tok, Some(200), Some(&b), Some(&store), 1_100);
+        }
+        assert_eq!(follow.follow_relays(&store, 1_150).len(), 2);
+        assert_eq!(follow.router.report_polled_ms(d.replica), Some(1_000));
+        let mine = follow.router.local_load_since()[d.replica];
+        assert_eq!(mine.active_requests, 1, "admitted after the poll went out");
+        assert_eq!(mine.decode_blocks, 2, "17 tokens: 2 blocks of 16");
+        let eff = follow.router.effective_load()[d.replica];
+        assert_eq!((eff.decode_blocks, eff.active_requests), (7 + 2, 1 + 1));
+        // The leader learns the follower's booking through shared data, and adds it to the report.
+        follow.share_load(&store, 1_150);
+        lead.share_load(&store, 1_150);
+        let eff = lead.router.effective_load()[d.replica];
+        assert_eq!((eff.decode_blocks, eff.active_requests), (7 + 2, 1 + 1));
+        let other = 1 - d.replica;
+        assert_eq!(lead.router.effective_load()[other].decode_blocks, 7);
+    }
+
+    #[test]
     fn a_follower_of_an_idle_replica_stays_fresh_and_takes_its_load() {
         use crate::store::tests::MemStore;
         let store = MemStore::default();
