@@ -7,7 +7,10 @@
 //! `--quick` (cut-down workloads, one seed: minutes), `--smoke` (tiny slices, seconds; checks that the
 //! outputs are well-formed and exits non-zero if not), `--seeds N` (default 3; 1 with --quick/--smoke),
 //! `--policies a,b` (names, or variants `kv_load@overlap_credit=2@...` setting numbers in the policy's
-//! own section), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure),
+//! own section), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure; also the
+//! many-proxies scenarios, which only `--only` selects: group `proxies` (`rl-p1`, `rl-p2`, `rl-p4`,
+//! `weka-c16-p4`, ...: requests spread across 1, 2 or 4 independent proxies at random) and group
+//! `proxies-session` (the same ids ending in `s`: each session through one proxy); docs/proxies.md),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
 //! `--traces DIR` (default `traces`), `--notes-only` (put `DIR/results/notes.md`, the analysis
@@ -179,7 +182,12 @@ fn run(args: &Args) -> Result<(), String> {
     if scenarios.is_empty() {
         return Err(format!("--only {:?} matches no scenario", args.only));
     }
-    let out = out_dir(args);
+    // A run with many-proxies scenarios never writes over the report in docs/ by default.
+    let out = if args.out.is_none() && scenarios.iter().any(|s| s.group.starts_with("proxies")) {
+        workspace_root().join("out/proxies")
+    } else {
+        out_dir(args)
+    };
     let path = filter_wasm_path().map_err(|e| e.to_string())?;
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
 
