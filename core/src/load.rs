@@ -53,6 +53,13 @@ impl core::fmt::Display for LoadDecodeError {
 }
 
 impl LoadTotals {
+    /// Takes `o` off field by field (saturating at zero).
+    pub fn sub(&mut self, o: &LoadTotals) {
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(o.prefill_tokens);
+        self.decode_blocks = self.decode_blocks.saturating_sub(o.decode_blocks);
+        self.active_requests = self.active_requests.saturating_sub(o.active_requests);
+    }
+
     /// Adds `o` field by field (saturating).
     pub fn add(&mut self, o: &LoadTotals) {
         self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);
@@ -417,20 +424,36 @@ impl LoadTable {
     /// `u64::MAX` (or missing) gets nothing. O(tracked requests).
     pub fn since(&self, marks: &[u64]) -> Vec<LoadTotals> {
         let mut out = vec![LoadTotals::default(); self.totals.len()];
-        for r in self.requests.values() {
+        for (id, r) in &self.requests {
             let mark = marks.get(r.replica).copied().unwrap_or(u64::MAX);
             if r.admitted_ms < mark {
                 continue;
             }
-            let o = &mut out[r.replica];
-            o.prefill_tokens = o.prefill_tokens.saturating_add(r.prefill_tokens);
-            if r.prompt_charged {
-                let blocks = r.prompt_blocks + r.generated / self.block_size;
-                o.decode_blocks = o.decode_blocks.saturating_add(blocks);
+            if let Some((_, _, share)) = self.reported_share(*id) {
+                out[r.replica].add(&share);
             }
-            o.active_requests = o.active_requests.saturating_add(1);
         }
         out
+    }
+
+    /// A tracked request's replica, admission time and share of load in the units a replica reports
+    /// (as [`LoadTable::since`] counts it), or None for an unknown request.
+    pub fn reported_share(&self, request_id: u64) -> Option<(usize, u64, LoadTotals)> {
+        let r = self.requests.get(&request_id)?;
+        let blocks = if r.prompt_charged {
+            r.prompt_blocks + r.generated / self.block_size
+        } else {
+            0
+        };
+        Some((
+            r.replica,
+            r.admitted_ms,
+            LoadTotals {
+                prefill_tokens: r.prefill_tokens,
+                decode_blocks: blocks,
+                active_requests: 1,
+            },
+        ))
     }
 
     /// Sum of this table and the given peer contributions, per replica.

@@ -111,8 +111,12 @@ pub struct Router {
     /// Output tokens per request, learned from this router's own releases.
     outputs: OutputEstimate,
     peers: HashMap<u32, Vec<LoadTotals>>,
-    /// Per peer worker: its bookings since each replica's report was polled (`merge`).
-    peers_since: HashMap<u32, Vec<LoadTotals>>,
+    /// Per peer worker: its bookings since each replica's report was polled, and what it released
+    /// since then of requests the report holds (`merge`).
+    peers_since: HashMap<u32, (Vec<LoadTotals>, Vec<LoadTotals>)>,
+    /// Per replica: this router's requests the current report holds (admitted before its poll) and
+    /// that have been released since: `merge` takes them off the report.
+    released_since: Vec<LoadTotals>,
     reported: Vec<Option<ReplicaLoad>>,
     /// Per replica: when the poll that produced `reported` was sent (router clock, ms).
     report_polled_ms: Vec<u64>,
@@ -160,6 +164,7 @@ impl Router {
             peers_since: HashMap::new(),
             reported: vec![None; replicas],
             report_polled_ms: vec![u64::MAX; replicas],
+            released_since: vec![LoadTotals::default(); replicas],
             clock_ms: 0,
             stale: vec![false; replicas],
             down: vec![false; replicas],
@@ -227,16 +232,20 @@ impl Router {
         if mode == ReportedLoad::Ignore {
             return eff;
         }
-        let since = if mode == ReportedLoad::Merge {
+        let (since, released) = if mode == ReportedLoad::Merge {
             let mut v = self.load.since(&self.report_polled_ms);
-            for p in self.peers_since.values() {
+            let mut gone = self.released_since.clone();
+            for (p, g) in self.peers_since.values() {
                 for (o, t) in v.iter_mut().zip(p) {
                     o.add(t);
                 }
+                for (o, t) in gone.iter_mut().zip(g) {
+                    o.add(t);
+                }
             }
-            v
+            (v, gone)
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         for (r, e) in eff.iter_mut().enumerate() {
             if self.stale[r] {
@@ -259,6 +268,7 @@ impl Router {
                         active_requests: active,
                     };
                     m.add(&since[r]);
+                    m.sub(&released[r]);
                     *e = m;
                 } else {
                     e.prefill_tokens = e.prefill_tokens.max(rep.prefill_tokens);
@@ -552,6 +562,12 @@ impl Router {
         if let Some(g) = self.load.generated(request_id) {
             self.outputs.observe(g);
         }
+        if let Some((r, admitted, share)) = self.load.reported_share(request_id)
+            && admitted < self.report_polled_ms[r]
+        {
+            // The current report holds it (admitted before its poll): `merge` takes it off.
+            self.released_since[r].add(&share);
+        }
         self.load.release(request_id)
     }
 
@@ -607,6 +623,7 @@ impl Router {
         // The load figures describe the replica now, whatever the log position: keep them.
         self.reported[replica] = Some(batch.load);
         self.report_polled_ms[replica] = polled_ms;
+        self.released_since[replica] = LoadTotals::default();
         match self.cursors[replica].accept(batch) {
             CursorVerdict::Gap => {
                 self.stats.feed_gaps += 1;
@@ -709,12 +726,20 @@ impl Router {
         self.peers.insert(peer, v);
     }
 
-    /// Replaces a peer worker's bookings made since each replica's report was polled (what its
-    /// [`Router::local_load_since`] says), for `reported_load` `merge`.
-    pub fn set_peer_load_since(&mut self, peer: u32, since: &[LoadTotals]) {
+    /// Replaces a peer worker's bookings made since each replica's report was polled, and what it
+    /// released since of requests the report holds (what its [`Router::local_load_since`] and
+    /// [`Router::local_released_since`] say), for `reported_load` `merge`.
+    pub fn set_peer_load_since(
+        &mut self,
+        peer: u32,
+        since: &[LoadTotals],
+        released: &[LoadTotals],
+    ) {
         let mut v = since.to_vec();
         v.resize(self.replicas, LoadTotals::default());
-        self.peers_since.insert(peer, v);
+        let mut g = released.to_vec();
+        g.resize(self.replicas, LoadTotals::default());
+        self.peers_since.insert(peer, (v, g));
     }
 
     pub fn clear_peer(&mut self, peer: u32) {
@@ -727,6 +752,12 @@ impl Router {
     /// beside [`Router::local_load`] for its peers' `merge`.
     pub fn local_load_since(&self) -> Vec<LoadTotals> {
         self.load.since(&self.report_polled_ms)
+    }
+
+    /// What this router released since each replica's report was polled, of requests that report
+    /// holds (admitted before its poll), in the report's units: `merge` takes it off the report.
+    pub fn local_released_since(&self) -> Vec<LoadTotals> {
+        self.released_since.clone()
     }
 
     /// When the poll behind `replica`'s current report was sent (None before its first report).

@@ -144,6 +144,24 @@ fn recent_blocks_count_whole_per_request_as_the_engine_reports_them() {
 }
 
 #[test]
+fn a_request_the_report_holds_is_taken_off_when_it_finishes() {
+    let mut r = Router::new(cfg(ReportedLoad::Merge), 2).unwrap();
+    let a: Vec<u32> = (0..40).collect(); // 10 blocks
+    admit_on(&mut r, 1, 0, &a, 100);
+    r.first_token(1);
+    // The report holds request 1 (10 blocks) and another proxy's (20 blocks).
+    r.accept_feed_polled_at(0, &report(load(0, 30, 2)), 200);
+    assert_eq!(r.effective_load()[0], totals(0, 30, 2));
+    assert!(r.release(1));
+    assert_eq!(r.effective_load()[0], totals(0, 20, 1), "taken off at once");
+    assert_eq!(r.local_released_since()[0], totals(0, 10, 1));
+    // The next report no longer has it: nothing is taken off twice.
+    r.accept_feed_polled_at(0, &report(load(0, 20, 1)), 300);
+    assert_eq!(r.effective_load()[0], totals(0, 20, 1));
+    assert_eq!(r.local_released_since()[0], LoadTotals::default());
+}
+
+#[test]
 fn a_stale_or_silent_replica_is_scored_on_own_bookings() {
     let mut r = Router::new(cfg(ReportedLoad::Merge), 2).unwrap();
     let a: Vec<u32> = (0..40).collect();
@@ -167,8 +185,16 @@ fn peers_add_their_bookings_since_the_poll_not_their_whole_table() {
     r.accept_feed_polled_at(0, &report(load(100, 20, 3)), 200);
     // A peer worker of this proxy: 3 requests in all on replica 0, one of them since the poll.
     r.set_peer_load(7, &[totals(300, 60, 3), LoadTotals::default()]);
-    r.set_peer_load_since(7, &[totals(50, 4, 1), LoadTotals::default()]);
-    assert_eq!(r.effective_load()[0], totals(150, 24, 4));
+    r.set_peer_load_since(
+        7,
+        &[totals(50, 4, 1), LoadTotals::default()],
+        &[totals(0, 2, 1), LoadTotals::default()],
+    );
+    assert_eq!(
+        r.effective_load()[0],
+        totals(150, 24 - 2, 4 - 1),
+        "plus the peer's bookings since, minus what it released of the report's"
+    );
     // `max` takes the larger of the report and the whole tracked table instead.
     let mut m = Router::new(cfg(ReportedLoad::Max), 2).unwrap();
     m.accept_feed_polled_at(0, &report(load(100, 20, 3)), 200);

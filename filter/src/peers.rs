@@ -13,37 +13,61 @@
 //! through a [`SharedStore`], so it is tested natively.
 //!
 //! Record layout: `published_ms u64` (little-endian), then the core's `LoadTotals::encode_all` bytes of
-//! the worker's bookings, then (optional) the same encoding of its bookings made since each replica's
-//! report was polled (`Router::local_load_since`, for `reported_load` `merge`).
+//! the worker's bookings, then (optional, for `reported_load` `merge`) the same encoding of its
+//! bookings made since each replica's report was polled (`Router::local_load_since`) and of what it
+//! released since of requests that report holds (`Router::local_released_since`).
 
 use crate::store::SharedStore;
 use kvsteer_core::load::{self, LoadTotals};
 
-pub fn encode(published_ms: u64, totals: &[LoadTotals], since: &[LoadTotals]) -> Vec<u8> {
+pub fn encode(published_ms: u64, rec: &PeerLoad) -> Vec<u8> {
     let mut out = published_ms.to_le_bytes().to_vec();
-    out.extend_from_slice(&LoadTotals::encode_all(totals));
-    out.extend_from_slice(&LoadTotals::encode_all(since));
+    out.extend_from_slice(&LoadTotals::encode_all(&rec.totals));
+    out.extend_from_slice(&LoadTotals::encode_all(&rec.since));
+    out.extend_from_slice(&LoadTotals::encode_all(&rec.released));
     out
 }
 
-/// A decoded peer record: when it was published, the worker's bookings, and its bookings since each
-/// replica's report was polled (zeros when the record has none).
-pub type PeerRecord = (u64, Vec<LoadTotals>, Vec<LoadTotals>);
+/// What a worker publishes: its bookings, per replica, and for `reported_load` `merge` its bookings
+/// since each replica's report was polled and what it released since of requests the report holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerLoad {
+    pub totals: Vec<LoadTotals>,
+    pub since: Vec<LoadTotals>,
+    pub released: Vec<LoadTotals>,
+}
 
-/// Decodes a peer record; `None` for anything malformed or for a different replica count (a worker
-/// still running an older configuration).
-pub fn decode(bytes: &[u8], replicas: usize) -> Option<PeerRecord> {
+/// Decodes a peer record (its publication time and load); `None` for anything malformed or for a
+/// different replica count (a worker still running an older configuration). A record with the
+/// bookings alone (an older filter) reads as nothing since the polls.
+pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, PeerLoad)> {
     let ts = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
-    let count = u32::from_le_bytes(bytes.get(12..16)?.try_into().ok()?) as usize;
-    let first = 8 + count.checked_mul(load::LOAD_TOTALS_LEN)?.checked_add(8)?;
-    let totals = LoadTotals::decode_all(bytes.get(8..first)?).ok()?;
-    let rest = &bytes[first..];
-    let since = if rest.is_empty() {
-        vec![LoadTotals::default(); totals.len()]
-    } else {
-        LoadTotals::decode_all(rest).ok()?
-    };
-    (totals.len() == replicas && since.len() == replicas).then_some((ts, totals, since))
+    let mut parts = Vec::new();
+    let mut rest = &bytes[8..];
+    while !rest.is_empty() && parts.len() < 3 {
+        let count = u32::from_le_bytes(rest.get(4..8)?.try_into().ok()?) as usize;
+        let len = count.checked_mul(load::LOAD_TOTALS_LEN)?.checked_add(8)?;
+        let v = LoadTotals::decode_all(rest.get(..len)?).ok()?;
+        if v.len() != replicas {
+            return None;
+        }
+        parts.push(v);
+        rest = &rest[len..];
+    }
+    if !rest.is_empty() || !(parts.len() == 1 || parts.len() == 3) {
+        return None;
+    }
+    let zeros = vec![LoadTotals::default(); replicas];
+    let mut it = parts.into_iter();
+    let totals = it.next()?;
+    Some((
+        ts,
+        PeerLoad {
+            totals,
+            since: it.next().unwrap_or_else(|| zeros.clone()),
+            released: it.next().unwrap_or(zeros),
+        },
+    ))
 }
 
 /// Shared-data key of a worker's load record.
@@ -86,22 +110,13 @@ pub fn claim_worker_id(store: &dyn SharedStore, prefix: &str) -> Option<u32> {
     None
 }
 
-/// Publishes worker `me`'s in-flight totals and those admitted since each replica's report was
-/// polled, stamped `now_ms`.
-pub fn publish(
-    store: &dyn SharedStore,
-    prefix: &str,
-    me: u32,
-    now_ms: u64,
-    totals: &[LoadTotals],
-    since: &[LoadTotals],
-) {
-    store.set(&load_key(prefix, me), &encode(now_ms, totals, since), None);
+/// Publishes worker `me`'s load record, stamped `now_ms`.
+pub fn publish(store: &dyn SharedStore, prefix: &str, me: u32, now_ms: u64, rec: &PeerLoad) {
+    store.set(&load_key(prefix, me), &encode(now_ms, rec), None);
 }
 
-/// Worker `peer`'s totals and its totals since the polls, if its record is readable, for `replicas`
-/// replicas, and at most `ttl_ms` old; `None` otherwise (a worker that went away, or one on another
-/// configuration).
+/// Worker `peer`'s load, if its record is readable, for `replicas` replicas, and at most `ttl_ms`
+/// old; `None` otherwise (a worker that went away, or one on another configuration).
 pub fn read_fresh(
     store: &dyn SharedStore,
     prefix: &str,
@@ -109,10 +124,10 @@ pub fn read_fresh(
     replicas: usize,
     now_ms: u64,
     ttl_ms: u64,
-) -> Option<(Vec<LoadTotals>, Vec<LoadTotals>)> {
+) -> Option<PeerLoad> {
     let (record, _) = store.get(&load_key(prefix, peer))?;
     match decode(&record, replicas) {
-        Some((ts, totals, since)) if now_ms.saturating_sub(ts) <= ttl_ms => Some((totals, since)),
+        Some((ts, rec)) if now_ms.saturating_sub(ts) <= ttl_ms => Some(rec),
         _ => None,
     }
 }
@@ -136,17 +151,26 @@ mod tests {
                 active_requests: 1,
             },
         ];
-        let since = vec![t[1], t[0]];
-        let b = encode(99, &t, &since);
-        assert_eq!(decode(&b, 2), Some((99, t.clone(), since)));
+        let rec = PeerLoad {
+            totals: t.clone(),
+            since: vec![t[1], t[0]],
+            released: vec![t[0], t[0]],
+        };
+        let b = encode(99, &rec);
+        assert_eq!(decode(&b, 2), Some((99, rec.clone())));
         assert_eq!(decode(&b, 3), None);
         let first = 8 + 8 + 2 * load::LOAD_TOTALS_LEN;
         for cut in (0..b.len()).filter(|&c| c != first) {
             assert_eq!(decode(&b[..cut], 2), None, "cut at {cut}");
         }
-        // A record without the second part (an older filter): no bookings since the polls.
+        // A record with the bookings alone (an older filter): nothing since the polls.
         let zeros = vec![LoadTotals::default(); 2];
-        assert_eq!(decode(&b[..first], 2), Some((99, t, zeros)));
+        let old = PeerLoad {
+            totals: t,
+            since: zeros.clone(),
+            released: zeros,
+        };
+        assert_eq!(decode(&b[..first], 2), Some((99, old)));
     }
 
     fn totals(prefill: u64) -> Vec<LoadTotals> {
@@ -168,11 +192,13 @@ mod tests {
         assert_eq!(claim_worker_id(&s, "k"), Some(1));
         assert_eq!(claim_worker_id(&s, "other"), Some(0), "per prefix");
         assert_eq!(worker_count(&s, "k"), 2);
-        publish(&s, "k", 0, 1_000, &totals(7), &totals(3));
-        assert_eq!(
-            read_fresh(&s, "k", 0, 2, 1_500, 500),
-            Some((totals(7), totals(3)))
-        );
+        let rec = PeerLoad {
+            totals: totals(7),
+            since: totals(3),
+            released: totals(1),
+        };
+        publish(&s, "k", 0, 1_000, &rec);
+        assert_eq!(read_fresh(&s, "k", 0, 2, 1_500, 500), Some(rec));
         assert_eq!(read_fresh(&s, "k", 0, 2, 1_501, 500), None, "too old");
         assert_eq!(
             read_fresh(&s, "k", 0, 3, 1_000, 500),

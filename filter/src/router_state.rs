@@ -262,15 +262,20 @@ impl RouterState {
             return;
         };
         let prefix = &self.cfg.shared_key_prefix;
-        let (own, since) = (self.router.local_load(), self.router.local_load_since());
-        peers::publish(store, prefix, me, now_ms, &own, &since);
+        let rec = peers::PeerLoad {
+            totals: self.router.local_load(),
+            since: self.router.local_load_since(),
+            released: self.router.local_released_since(),
+        };
+        peers::publish(store, prefix, me, now_ms, &rec);
         let count = peers::worker_count(store, prefix);
         let replicas = self.cfg.replicas.len();
         for peer in (0..count).filter(|&p| p != me) {
             match peers::read_fresh(store, prefix, peer, replicas, now_ms, self.cfg.peer_ttl_ms) {
-                Some((totals, since)) => {
-                    self.router.set_peer_load(peer, &totals);
-                    self.router.set_peer_load_since(peer, &since);
+                Some(rec) => {
+                    self.router.set_peer_load(peer, &rec.totals);
+                    self.router
+                        .set_peer_load_since(peer, &rec.since, &rec.released);
                 }
                 None => self.router.clear_peer(peer),
             }
