@@ -475,6 +475,7 @@ fn write_outputs(
         .map(|(g, wi)| {
             let sc = g.scenario;
             json!({"id": sc.id, "group": sc.group, "source": format!("{:?}", sc.source),
+                   "proxies": sc.proxies, "spread": format!("{:?}", sc.spread),
                    "workload": wi})
         })
         .collect();
