@@ -349,7 +349,9 @@ mod tests {
             let m = matrix(scale);
             assert!(m.iter().all(|s| s.proxies == 1), "the matrix has one proxy");
             let p = proxy_matrix(scale);
-            assert_eq!(p.len(), 2 * 3 * 3);
+            // Two spreads x 3 proxy counts x (RL + the coding-agent levels: 2, or 1 for smoke).
+            let levels = if scale == Scale::Smoke { 1 } else { 2 };
+            assert_eq!(p.len(), 2 * 3 * (1 + levels), "{scale:?}");
             for s in &p {
                 assert!(!m.iter().any(|x| x.id == s.id || x.group == s.group));
                 let n: usize =
