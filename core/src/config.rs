@@ -212,6 +212,11 @@ pub enum ReportedLoad {
     /// Score on the router's own bookings only, as Dynamo and Ray do (right when this proxy, with its
     /// worker VMs, sees all the traffic). The default.
     Ignore,
+    /// The replica's report plus this proxy's bookings the report cannot reflect yet (requests it
+    /// admitted since the poll that produced the report was sent), field by field: every proxy's
+    /// traffic up to the poll, and this proxy's own since, each counted once (docs/design.md,
+    /// "Many proxies"). For fleets of independent proxies in front of the same replicas.
+    Merge,
 }
 
 impl Default for KvLoadParams {

@@ -53,7 +53,15 @@ impl core::fmt::Display for LoadDecodeError {
 }
 
 impl LoadTotals {
-    fn add(&mut self, o: &LoadTotals) {
+    /// Takes `o` off field by field (saturating at zero).
+    pub fn sub(&mut self, o: &LoadTotals) {
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(o.prefill_tokens);
+        self.decode_blocks = self.decode_blocks.saturating_sub(o.decode_blocks);
+        self.active_requests = self.active_requests.saturating_sub(o.active_requests);
+    }
+
+    /// Adds `o` field by field (saturating).
+    pub fn add(&mut self, o: &LoadTotals) {
         self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);
         self.decode_blocks = self.decode_blocks.saturating_add(o.decode_blocks);
         self.active_requests = self.active_requests.saturating_add(o.active_requests);
@@ -151,6 +159,9 @@ struct Tracked {
     generated: u64,
     /// Blocks charged to the replica for this request alone (beyond the shared set).
     charged_blocks: u64,
+    /// When it was admitted (the router's clock, ms): [`LoadTable::since`] counts it for a replica
+    /// whose last report was polled at or before this.
+    admitted_ms: u64,
 }
 
 /// Per-replica tracked load and the requests behind it.
@@ -237,6 +248,29 @@ impl LoadTable {
         expected_output: Option<u64>,
         blocks: impl IntoIterator<Item = u64>,
     ) -> bool {
+        self.admit_at(
+            request_id,
+            replica,
+            prompt_tokens,
+            uncached_tokens,
+            expected_output,
+            blocks,
+            0,
+        )
+    }
+
+    /// [`LoadTable::admit`] stamped with the admission time `admitted_ms` (for [`LoadTable::since`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn admit_at(
+        &mut self,
+        request_id: u64,
+        replica: usize,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+        expected_output: Option<u64>,
+        blocks: impl IntoIterator<Item = u64>,
+        admitted_ms: u64,
+    ) -> bool {
         if replica >= self.totals.len() {
             return false;
         }
@@ -268,6 +302,7 @@ impl LoadTable {
             decoding: false,
             generated: 0,
             charged_blocks: 0,
+            admitted_ms,
         };
         if self.accounting.prompt_blocks_at_admission {
             let t = &mut self.totals[replica];
@@ -378,6 +413,47 @@ impl LoadTable {
             }
         }
         true
+    }
+
+    /// What this table's requests admitted at or after `marks[replica]` (ms) add to their replica, in
+    /// the units a replica reports its own load (docs/feed.md), for `reported_load` `merge`: their
+    /// prefill tokens still to compute (zero once the first token came), their blocks counted whole,
+    /// as the engine counts each sequence's blocks (prompt blocks plus one per `block_size` generated
+    /// tokens, no sharing discount, no output-hint weight; booked from admission or from the first
+    /// token as the [`Accounting`] says), and one active request each. A replica whose mark is
+    /// `u64::MAX` (or missing) gets nothing. O(tracked requests).
+    pub fn since(&self, marks: &[u64]) -> Vec<LoadTotals> {
+        let mut out = vec![LoadTotals::default(); self.totals.len()];
+        for (id, r) in &self.requests {
+            let mark = marks.get(r.replica).copied().unwrap_or(u64::MAX);
+            if r.admitted_ms < mark {
+                continue;
+            }
+            if let Some((_, _, share)) = self.reported_share(*id) {
+                out[r.replica].add(&share);
+            }
+        }
+        out
+    }
+
+    /// A tracked request's replica, admission time and share of load in the units a replica reports
+    /// (as [`LoadTable::since`] counts it), or None for an unknown request.
+    pub fn reported_share(&self, request_id: u64) -> Option<(usize, u64, LoadTotals)> {
+        let r = self.requests.get(&request_id)?;
+        let blocks = if r.prompt_charged {
+            r.prompt_blocks + r.generated / self.block_size
+        } else {
+            0
+        };
+        Some((
+            r.replica,
+            r.admitted_ms,
+            LoadTotals {
+                prefill_tokens: r.prefill_tokens,
+                decode_blocks: blocks,
+                active_requests: 1,
+            },
+        ))
     }
 
     /// Sum of this table and the given peer contributions, per replica.

@@ -1,11 +1,17 @@
 //! The router: the KV index, the approximate indexes, the token-load table and the policies together,
 //! behind the API the proxy-wasm filter calls (see docs/core.md).
 //!
-//! Effective load of a replica, the input to every load-aware policy: the router-tracked totals (this
-//! worker's plus its peers') combined with what the replica itself last reported, taking the larger of
-//! the two for prefill tokens, decode blocks and active requests: the report sees traffic from other
-//! proxies, the tracked figure is fresher. A *stale* replica (its feed failing) has its report ignored
-//! and its KV overlap treated as zero.
+//! Effective load of a replica, the input to every load-aware policy, by `kv_load.reported_load`:
+//! - `ignore`: the router-tracked totals (this worker's plus its peers');
+//! - `max`: those combined with what the replica itself last reported, taking the larger of the two
+//!   for prefill tokens, decode blocks and active requests;
+//! - `merge`: the report plus the bookings this proxy (this worker and its peers) made since the poll
+//!   that produced the report went out ([`LoadTable::since`]), each field added: the report holds
+//!   every proxy's traffic up to the poll, the bookings this proxy's since, so nothing counts twice
+//!   (docs/design.md, "Many proxies").
+//!
+//! A *stale* replica (its feed failing) has its report ignored, and so does one that has not reported
+//! yet: it is scored on the tracked totals. A stale replica's KV overlap is treated as zero.
 
 use hashbrown::HashMap;
 
@@ -109,7 +115,18 @@ pub struct Router {
     /// Output tokens per request, learned from this router's own releases.
     outputs: OutputEstimate,
     peers: HashMap<u32, Vec<LoadTotals>>,
+    /// Per peer worker: its bookings since each replica's report was polled, and what it released
+    /// since then of requests the report holds (`merge`).
+    peers_since: HashMap<u32, (Vec<LoadTotals>, Vec<LoadTotals>)>,
+    /// Per replica: this router's requests the current report holds (admitted before its poll) and
+    /// that have been released since: `merge` takes them off the report.
+    released_since: Vec<LoadTotals>,
     reported: Vec<Option<ReplicaLoad>>,
+    /// Per replica: when the poll that produced `reported` was sent (router clock, ms).
+    report_polled_ms: Vec<u64>,
+    /// The latest time this router was given (route, admit): the poll time of a report accepted
+    /// without one.
+    clock_ms: u64,
     stale: Vec<bool>,
     /// Replicas believed unreachable (their feed cannot even be connected to): avoided by every
     /// policy while any other replica is up.
@@ -150,7 +167,11 @@ impl Router {
             ),
             outputs: OutputEstimate::new(),
             peers: HashMap::new(),
+            peers_since: HashMap::new(),
             reported: vec![None; replicas],
+            report_polled_ms: vec![u64::MAX; replicas],
+            released_since: vec![LoadTotals::default(); replicas],
+            clock_ms: 0,
             stale: vec![false; replicas],
             down: vec![false; replicas],
             health: Health::new(cfg.health.clone(), replicas),
@@ -214,9 +235,25 @@ impl Router {
     /// Effective load per replica (see the module docs).
     pub fn effective_load(&self) -> Vec<LoadTotals> {
         let mut eff = self.load.combined(self.peers.values().map(Vec::as_slice));
-        if self.cfg.kv_load.reported_load == ReportedLoad::Ignore {
+        let mode = self.cfg.kv_load.reported_load;
+        if mode == ReportedLoad::Ignore {
             return eff;
         }
+        let (since, released) = if mode == ReportedLoad::Merge {
+            let mut v = self.load.since(&self.report_polled_ms);
+            let mut gone = self.released_since.clone();
+            for (p, g) in self.peers_since.values() {
+                for (o, t) in v.iter_mut().zip(p) {
+                    o.add(t);
+                }
+                for (o, t) in gone.iter_mut().zip(g) {
+                    o.add(t);
+                }
+            }
+            (v, gone)
+        } else {
+            (Vec::new(), Vec::new())
+        };
         for (r, e) in eff.iter_mut().enumerate() {
             if self.stale[r] {
                 continue;
@@ -230,11 +267,21 @@ impl Router {
                 } else {
                     rep.decode_blocks
                 };
-                e.prefill_tokens = e.prefill_tokens.max(rep.prefill_tokens);
-                e.decode_blocks = e.decode_blocks.max(decode);
-                e.active_requests = e
-                    .active_requests
-                    .max(rep.running.saturating_add(rep.waiting));
+                let active = rep.running.saturating_add(rep.waiting);
+                if mode == ReportedLoad::Merge {
+                    let mut m = LoadTotals {
+                        prefill_tokens: rep.prefill_tokens,
+                        decode_blocks: decode,
+                        active_requests: active,
+                    };
+                    m.add(&since[r]);
+                    m.sub(&released[r]);
+                    *e = m;
+                } else {
+                    e.prefill_tokens = e.prefill_tokens.max(rep.prefill_tokens);
+                    e.decode_blocks = e.decode_blocks.max(decode);
+                    e.active_requests = e.active_requests.max(active);
+                }
             }
         }
         eff
@@ -277,6 +324,7 @@ impl Router {
     /// Chooses a replica for a request. Does not admit it: call [`Router::admit`] once the request is
     /// really sent there.
     pub fn route(&mut self, req: &RouteRequest, now_ms: u64) -> Decision {
+        self.clock_ms = self.clock_ms.max(now_ms);
         let bs = self.cfg.block_size as f64;
         let request_blocks = (req.prompt_tokens as f64 / bs).ceil();
         let overlap = self.overlap_blocks(req, now_ms);
@@ -462,6 +510,7 @@ impl Router {
 
     /// A load-only choice for a request whose body could not be read (too large, not JSON, ...).
     pub fn route_fallback(&mut self, now_ms: u64) -> Decision {
+        self.clock_ms = self.clock_ms.max(now_ms);
         let eff = self.effective_load();
         self.health.refresh(now_ms);
         let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.kv_load);
@@ -488,15 +537,17 @@ impl Router {
             self.stats.bad_replica += 1;
             return;
         }
+        self.clock_ms = self.clock_ms.max(now_ms);
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
-        self.load.admit(
+        self.load.admit_at(
             request_id,
             d.replica,
             req.prompt_tokens,
             uncached,
             req.output_hint,
             (0..req.identity.blocks()).map(|i| req.identity.key(i)),
+            now_ms,
         );
         match &req.identity {
             PromptIdentity::Exact(h) => self.approx_seq.record(d.replica, h, now_ms),
@@ -511,13 +562,14 @@ impl Router {
             self.stats.bad_replica += 1;
             return;
         }
-        self.load.admit(
+        self.load.admit_at(
             request_id,
             d.replica,
             estimated_prompt_tokens,
             estimated_prompt_tokens,
             None,
             [],
+            self.clock_ms,
         );
     }
 
@@ -539,6 +591,12 @@ impl Router {
     pub fn release(&mut self, request_id: u64) -> bool {
         if let Some(g) = self.load.generated(request_id) {
             self.outputs.observe(g);
+        }
+        if let Some((r, admitted, share)) = self.load.reported_share(request_id)
+            && admitted < self.report_polled_ms[r]
+        {
+            // The current report holds it (admitted before its poll): `merge` takes it off.
+            self.released_since[r].add(&share);
         }
         self.load.release(request_id)
     }
@@ -571,6 +629,19 @@ impl Router {
     /// then applies the events in order with [`Router::apply_feed_slice`]. The outcomes' event counts
     /// are 0.
     pub fn accept_feed(&mut self, replica: usize, batch: &FeedBatch) -> FeedOutcome {
+        self.accept_feed_polled_at(replica, batch, self.clock_ms)
+    }
+
+    /// [`Router::accept_feed`] for a batch whose poll was sent at `polled_ms` (this router's clock):
+    /// its load describes the replica with every request this proxy admitted before then, and none it
+    /// admitted after (`reported_load` `merge` adds those). [`Router::accept_feed`] takes the latest
+    /// time the router was given instead.
+    pub fn accept_feed_polled_at(
+        &mut self,
+        replica: usize,
+        batch: &FeedBatch,
+        polled_ms: u64,
+    ) -> FeedOutcome {
         if replica >= self.replicas {
             self.stats.bad_replica += 1;
             return FeedOutcome::BadReplica;
@@ -581,6 +652,8 @@ impl Router {
         let prev_epoch = self.cursors[replica].epoch;
         // The load figures describe the replica now, whatever the log position: keep them.
         self.reported[replica] = Some(batch.load);
+        self.report_polled_ms[replica] = polled_ms;
+        self.released_since[replica] = LoadTotals::default();
         match self.cursors[replica].accept(batch) {
             CursorVerdict::Gap => {
                 self.stats.feed_gaps += 1;
@@ -737,8 +810,46 @@ impl Router {
         self.peers.insert(peer, v);
     }
 
+    /// Replaces a peer worker's bookings made since each replica's report was polled, and what it
+    /// released since of requests the report holds (what its [`Router::local_load_since`] and
+    /// [`Router::local_released_since`] say), for `reported_load` `merge`.
+    pub fn set_peer_load_since(
+        &mut self,
+        peer: u32,
+        since: &[LoadTotals],
+        released: &[LoadTotals],
+    ) {
+        let mut v = since.to_vec();
+        v.resize(self.replicas, LoadTotals::default());
+        let mut g = released.to_vec();
+        g.resize(self.replicas, LoadTotals::default());
+        self.peers_since.insert(peer, (v, g));
+    }
+
     pub fn clear_peer(&mut self, peer: u32) {
         self.peers.remove(&peer);
+        self.peers_since.remove(&peer);
+    }
+
+    /// This router's bookings made since each replica's report was polled, in the report's units
+    /// ([`LoadTable::since`]); zero for a replica that has not reported. What a worker publishes
+    /// beside [`Router::local_load`] for its peers' `merge`.
+    pub fn local_load_since(&self) -> Vec<LoadTotals> {
+        self.load.since(&self.report_polled_ms)
+    }
+
+    /// What this router released since each replica's report was polled, of requests that report
+    /// holds (admitted before its poll), in the report's units: `merge` takes it off the report.
+    pub fn local_released_since(&self) -> Vec<LoadTotals> {
+        self.released_since.clone()
+    }
+
+    /// When the poll behind `replica`'s current report was sent (None before its first report).
+    pub fn report_polled_ms(&self, replica: usize) -> Option<u64> {
+        self.report_polled_ms
+            .get(replica)
+            .copied()
+            .filter(|&t| t != u64::MAX)
     }
 
     pub fn stats(&self) -> RouterStats {

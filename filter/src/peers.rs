@@ -12,7 +12,10 @@
 //! [`publish`]es its own record and reads the others' ([`worker_count`], [`read_fresh`]). All of it goes
 //! through a [`SharedStore`], so it is tested natively.
 //!
-//! Record layout: `published_ms u64` (little-endian), then the core's `LoadTotals::encode_all` bytes.
+//! Record layout: `published_ms u64` (little-endian), then the core's `LoadTotals::encode_all` bytes of
+//! the worker's bookings, then (optional, for `reported_load` `merge`) the same encoding of its
+//! bookings made since each replica's report was polled (`Router::local_load_since`) and of what it
+//! released since of requests that report holds (`Router::local_released_since`).
 //!
 //! Health learned from completions (`kvsteer_core::health`) is shared the same way, each worker's own
 //! decayed success and failure counts under `<prefix>:health:<worker>`: `published_ms u64`, then
@@ -20,20 +23,56 @@
 
 use crate::store::SharedStore;
 use kvsteer_core::health::HealthCounts;
-use kvsteer_core::load::LoadTotals;
+use kvsteer_core::load::{self, LoadTotals};
 
-pub fn encode(published_ms: u64, totals: &[LoadTotals]) -> Vec<u8> {
+pub fn encode(published_ms: u64, rec: &PeerLoad) -> Vec<u8> {
     let mut out = published_ms.to_le_bytes().to_vec();
-    out.extend_from_slice(&LoadTotals::encode_all(totals));
+    out.extend_from_slice(&LoadTotals::encode_all(&rec.totals));
+    out.extend_from_slice(&LoadTotals::encode_all(&rec.since));
+    out.extend_from_slice(&LoadTotals::encode_all(&rec.released));
     out
 }
 
-/// Decodes a peer record; `None` for anything malformed or for a different replica count (a worker
-/// still running an older configuration).
-pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, Vec<LoadTotals>)> {
+/// What a worker publishes: its bookings, per replica, and for `reported_load` `merge` its bookings
+/// since each replica's report was polled and what it released since of requests the report holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerLoad {
+    pub totals: Vec<LoadTotals>,
+    pub since: Vec<LoadTotals>,
+    pub released: Vec<LoadTotals>,
+}
+
+/// Decodes a peer record (its publication time and load); `None` for anything malformed or for a
+/// different replica count (a worker still running an older configuration). A record with the
+/// bookings alone (an older filter) reads as nothing since the polls.
+pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, PeerLoad)> {
     let ts = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
-    let totals = LoadTotals::decode_all(&bytes[8..]).ok()?;
-    (totals.len() == replicas).then_some((ts, totals))
+    let mut parts = Vec::new();
+    let mut rest = &bytes[8..];
+    while !rest.is_empty() && parts.len() < 3 {
+        let count = u32::from_le_bytes(rest.get(4..8)?.try_into().ok()?) as usize;
+        let len = count.checked_mul(load::LOAD_TOTALS_LEN)?.checked_add(8)?;
+        let v = LoadTotals::decode_all(rest.get(..len)?).ok()?;
+        if v.len() != replicas {
+            return None;
+        }
+        parts.push(v);
+        rest = &rest[len..];
+    }
+    if !rest.is_empty() || !(parts.len() == 1 || parts.len() == 3) {
+        return None;
+    }
+    let zeros = vec![LoadTotals::default(); replicas];
+    let mut it = parts.into_iter();
+    let totals = it.next()?;
+    Some((
+        ts,
+        PeerLoad {
+            totals,
+            since: it.next().unwrap_or_else(|| zeros.clone()),
+            released: it.next().unwrap_or(zeros),
+        },
+    ))
 }
 
 /// Shared-data key of a worker's load record.
@@ -150,12 +189,12 @@ pub fn claim_worker_id(store: &dyn SharedStore, prefix: &str) -> Option<u32> {
     None
 }
 
-/// Publishes worker `me`'s in-flight totals, stamped `now_ms`.
-pub fn publish(store: &dyn SharedStore, prefix: &str, me: u32, now_ms: u64, totals: &[LoadTotals]) {
-    store.set(&load_key(prefix, me), &encode(now_ms, totals), None);
+/// Publishes worker `me`'s load record, stamped `now_ms`.
+pub fn publish(store: &dyn SharedStore, prefix: &str, me: u32, now_ms: u64, rec: &PeerLoad) {
+    store.set(&load_key(prefix, me), &encode(now_ms, rec), None);
 }
 
-/// Worker `peer`'s totals, if its record is readable, for `replicas` replicas, and at most `ttl_ms`
+/// Worker `peer`'s load, if its record is readable, for `replicas` replicas, and at most `ttl_ms`
 /// old; `None` otherwise (a worker that went away, or one on another configuration).
 pub fn read_fresh(
     store: &dyn SharedStore,
@@ -164,10 +203,10 @@ pub fn read_fresh(
     replicas: usize,
     now_ms: u64,
     ttl_ms: u64,
-) -> Option<Vec<LoadTotals>> {
+) -> Option<PeerLoad> {
     let (record, _) = store.get(&load_key(prefix, peer))?;
     match decode(&record, replicas) {
-        Some((ts, totals)) if now_ms.saturating_sub(ts) <= ttl_ms => Some(totals),
+        Some((ts, rec)) if now_ms.saturating_sub(ts) <= ttl_ms => Some(rec),
         _ => None,
     }
 }
@@ -191,12 +230,26 @@ mod tests {
                 active_requests: 1,
             },
         ];
-        let b = encode(99, &t);
-        assert_eq!(decode(&b, 2), Some((99, t)));
+        let rec = PeerLoad {
+            totals: t.clone(),
+            since: vec![t[1], t[0]],
+            released: vec![t[0], t[0]],
+        };
+        let b = encode(99, &rec);
+        assert_eq!(decode(&b, 2), Some((99, rec.clone())));
         assert_eq!(decode(&b, 3), None);
-        for cut in 0..b.len() {
-            assert_eq!(decode(&b[..cut], 2), None);
+        let first = 8 + 8 + 2 * load::LOAD_TOTALS_LEN;
+        for cut in (0..b.len()).filter(|&c| c != first) {
+            assert_eq!(decode(&b[..cut], 2), None, "cut at {cut}");
         }
+        // A record with the bookings alone (an older filter): nothing since the polls.
+        let zeros = vec![LoadTotals::default(); 2];
+        let old = PeerLoad {
+            totals: t,
+            since: zeros.clone(),
+            released: zeros,
+        };
+        assert_eq!(decode(&b[..first], 2), Some((99, old)));
     }
 
     fn totals(prefill: u64) -> Vec<LoadTotals> {
@@ -218,8 +271,13 @@ mod tests {
         assert_eq!(claim_worker_id(&s, "k"), Some(1));
         assert_eq!(claim_worker_id(&s, "other"), Some(0), "per prefix");
         assert_eq!(worker_count(&s, "k"), 2);
-        publish(&s, "k", 0, 1_000, &totals(7));
-        assert_eq!(read_fresh(&s, "k", 0, 2, 1_500, 500), Some(totals(7)));
+        let rec = PeerLoad {
+            totals: totals(7),
+            since: totals(3),
+            released: totals(1),
+        };
+        publish(&s, "k", 0, 1_000, &rec);
+        assert_eq!(read_fresh(&s, "k", 0, 2, 1_500, 500), Some(rec));
         assert_eq!(read_fresh(&s, "k", 0, 2, 1_501, 500), None, "too old");
         assert_eq!(
             read_fresh(&s, "k", 0, 3, 1_000, 500),

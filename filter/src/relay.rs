@@ -13,7 +13,8 @@
 //!
 //! Keys: `<prefix>:lease:<replica>` = `worker u32 | expires_ms u64`;
 //! `<prefix>:relay:<replica>` = newest relay number `u64`; `<prefix>:relay:<replica>:<n % RING>` =
-//! `n u64 | batch bytes` (the feed wire format).
+//! `n u64 | polled_ms u64 | batch bytes` (the feed wire format; `polled_ms`: when the holder sent the
+//! poll, which `reported_load` `merge` needs to know which bookings the batch's load already holds).
 
 use crate::store::SharedStore;
 
@@ -68,8 +69,15 @@ pub fn try_lease(
     store.set(&key, &value, cas)
 }
 
-/// Appends a batch the lease holder received to the replica's ring; returns its relay number.
-pub fn publish(store: &dyn SharedStore, prefix: &str, replica: usize, batch: &[u8]) -> u64 {
+/// Appends a batch the lease holder received to the replica's ring, with the time its poll was sent;
+/// returns its relay number.
+pub fn publish(
+    store: &dyn SharedStore,
+    prefix: &str,
+    replica: usize,
+    batch: &[u8],
+    polled_ms: u64,
+) -> u64 {
     let hk = head_key(prefix, replica);
     let (head, cas) = match store.get(&hk) {
         Some((v, cas)) => (u64_at(&v, 0).unwrap_or(0), Some(cas)),
@@ -77,6 +85,7 @@ pub fn publish(store: &dyn SharedStore, prefix: &str, replica: usize, batch: &[u
     };
     let n = head + 1;
     let mut slot = n.to_le_bytes().to_vec();
+    slot.extend_from_slice(&polled_ms.to_le_bytes());
     slot.extend_from_slice(batch);
     // Slot first, head second: a reader that sees the new head finds the slot already written.
     store.set(&slot_key(prefix, replica, n), &slot, None);
@@ -93,7 +102,7 @@ pub fn unseen(
     mut seen: u64,
 ) -> (Vec<Vec<u8>>, u64) {
     let mut out = Vec::new();
-    while let (Some(b), n) = next_unseen(store, prefix, replica, seen) {
+    while let (Some((b, _)), n) = next_unseen(store, prefix, replica, seen) {
         out.push(b);
         seen = n;
     }
@@ -101,7 +110,8 @@ pub fn unseen(
     (out, seen)
 }
 
-/// The oldest relayed batch a follower has not seen, with the relay number to remember: a follower
+/// The oldest relayed batch a follower has not seen (with its poll time), and the relay number to
+/// remember: a follower
 /// still applying an earlier batch reads the next one only when it is done. Batches that fell out of
 /// the ring are skipped (the cursor check then finds the gap); with none left, the newest number.
 pub fn next_unseen(
@@ -109,7 +119,7 @@ pub fn next_unseen(
     prefix: &str,
     replica: usize,
     seen: u64,
-) -> (Option<Vec<u8>>, u64) {
+) -> (Option<(Vec<u8>, u64)>, u64) {
     let Some(head) = store
         .get(&head_key(prefix, replica))
         .and_then(|(v, _)| u64_at(&v, 0))
@@ -123,8 +133,9 @@ pub fn next_unseen(
     for n in from..=head {
         if let Some((v, _)) = store.get(&slot_key(prefix, replica, n))
             && u64_at(&v, 0) == Some(n)
+            && let Some(polled_ms) = u64_at(&v, 8)
         {
-            return (Some(v[8..].to_vec()), n);
+            return (Some((v[16..].to_vec(), polled_ms)), n);
         }
     }
     (None, head)
@@ -178,14 +189,19 @@ mod tests {
     fn ring_keeps_order_and_drops_the_oldest() {
         let s = MemStore::default();
         for i in 0..3u8 {
-            publish(&s, "k", 0, &[i]);
+            publish(&s, "k", 0, &[i], i as u64);
         }
         let (b, seen) = unseen(&s, "k", 0, 0);
         assert_eq!(b, vec![vec![0], vec![1], vec![2]]);
         assert_eq!(seen, 3);
+        assert_eq!(
+            next_unseen(&s, "k", 0, 1).0,
+            Some((vec![1], 1)),
+            "with its poll time"
+        );
         assert!(unseen(&s, "k", 0, seen).0.is_empty());
         for i in 3..20u8 {
-            publish(&s, "k", 0, &[i]);
+            publish(&s, "k", 0, &[i], i as u64);
         }
         let (b, seen) = unseen(&s, "k", 0, 3);
         assert_eq!(b.len() as u64, RING);

@@ -79,6 +79,9 @@ pub enum BodyFallback {
 #[derive(Clone, Debug, Default)]
 pub struct FeedState {
     pub in_flight: Option<u32>,
+    /// When the poll in flight (or the last one) was sent: its answer's load holds every request
+    /// admitted before then (`reported_load` `merge`).
+    pub polled_ms: u64,
     pub next_poll_ms: u64,
     pub consecutive_failures: u32,
     pub polls: u64,
@@ -260,14 +263,23 @@ impl RouterState {
             return;
         };
         let prefix = &self.cfg.shared_key_prefix;
-        peers::publish(store, prefix, me, now_ms, &self.router.local_load());
+        let rec = peers::PeerLoad {
+            totals: self.router.local_load(),
+            since: self.router.local_load_since(),
+            released: self.router.local_released_since(),
+        };
+        peers::publish(store, prefix, me, now_ms, &rec);
         peers::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
         let count = peers::worker_count(store, prefix);
         let replicas = self.cfg.replicas.len();
         let ttl = self.cfg.peer_ttl_ms;
         for peer in (0..count).filter(|&p| p != me) {
             match peers::read_fresh(store, prefix, peer, replicas, now_ms, ttl) {
-                Some(totals) => self.router.set_peer_load(peer, &totals),
+                Some(rec) => {
+                    self.router.set_peer_load(peer, &rec.totals);
+                    self.router
+                        .set_peer_load_since(peer, &rec.since, &rec.released);
+                }
                 None => self.router.clear_peer(peer),
             }
             match peers::read_health_fresh(store, prefix, peer, replicas, now_ms, ttl) {
@@ -489,14 +501,14 @@ impl RouterState {
                 continue;
             }
             while self.feeds[i].pending.is_none() {
-                let (bytes, seen) = relay::next_unseen(
+                let (relayed, seen) = relay::next_unseen(
                     store,
                     &self.cfg.shared_key_prefix,
                     i,
                     self.feeds[i].relay_seen,
                 );
                 self.feeds[i].relay_seen = seen;
-                let Some(bytes) = bytes else {
+                let Some((bytes, polled_ms)) = relayed else {
                     break;
                 };
                 // The holder relays only what it accepted; the same limits keep a follower safe.
@@ -514,7 +526,7 @@ impl RouterState {
                     continue;
                 }
                 self.refill(now_ms);
-                let outcome = self.accept_frame(i, frame);
+                let outcome = self.accept_frame(i, frame, polled_ms);
                 self.feeds[i].relayed += 1;
                 if outcome != FeedOutcome::Gap {
                     self.feed_ok(i, now_ms, false);
@@ -582,9 +594,12 @@ impl RouterState {
 
     /// Accepts a checked batch (cursor, reset for a snapshot) and applies what this tick's budget
     /// allows; the rest stays pending. The outcome counts the batch's events.
-    fn accept_frame(&mut self, replica: usize, frame: FeedFrame) -> FeedOutcome {
+    fn accept_frame(&mut self, replica: usize, frame: FeedFrame, polled_ms: u64) -> FeedOutcome {
         let events = frame.events() as usize;
-        let outcome = match self.router.accept_feed(replica, frame.header()) {
+        let outcome = match self
+            .router
+            .accept_feed_polled_at(replica, frame.header(), polled_ms)
+        {
             FeedOutcome::Applied { .. } => FeedOutcome::Applied { events },
             FeedOutcome::Reset { epoch, .. } => FeedOutcome::Reset { events, epoch },
             other => return other,
@@ -664,6 +679,7 @@ impl RouterState {
     pub fn poll_started(&mut self, replica: usize, token: u32, now_ms: u64) {
         if let Some(f) = self.feeds.get_mut(replica) {
             f.in_flight = Some(token);
+            f.polled_ms = now_ms;
             f.polls += 1;
             f.next_poll_ms = now_ms.saturating_add(self.cfg.feed_period_ms);
             self.callouts.insert(token, replica);
@@ -773,13 +789,15 @@ impl RouterState {
             );
         }
         let more = frame.header().more;
+        let polled_ms = self.feeds[replica].polled_ms;
         if let (Some(store), true) = (store, self.feeds[replica].leased) {
-            let n = relay::publish(store, &self.cfg.shared_key_prefix, replica, frame.bytes());
+            let prefix = &self.cfg.shared_key_prefix;
+            let n = relay::publish(store, prefix, replica, frame.bytes(), polled_ms);
             // Our own batch: followers apply it, we apply it below.
             self.feeds[replica].relay_seen = n;
         }
         self.refill(now_ms);
-        let outcome = self.accept_frame(replica, frame);
+        let outcome = self.accept_frame(replica, frame, polled_ms);
         self.feed_ok(replica, now_ms, more);
         self.set_down(replica, false, store, now_ms);
         FeedResult::Applied { replica, outcome }
@@ -1162,6 +1180,70 @@ mod tests {
                 a
             );
         }
+    }
+
+    #[test]
+    fn merge_marks_a_relayed_report_with_the_leaders_poll_time_and_shares_bookings_since() {
+        use crate::store::tests::MemStore;
+        let store = MemStore::default();
+        let routing = r#"{"policy":"kv_load","kv_load":{"reported_load":"merge"}}"#;
+        let mut lead = worker_routing(routing);
+        let mut follow = worker_routing(routing);
+        assert_eq!(lead.claim_worker_id(&store), Some(0));
+        assert_eq!(follow.claim_worker_id(&store), Some(1));
+        let batch = |resync: bool, decode: u64| FeedBatch {
+            epoch: 5,
+            resync,
+            more: false,
+            first_seq: 0,
+            next_seq: 0,
+            load: ReplicaLoad {
+                decode_blocks: decode,
+                running: 1,
+                ..ReplicaLoad::default()
+            },
+            events: if resync {
+                vec![FeedEvent::Cleared]
+            } else {
+                vec![]
+            },
+        };
+        for (w, base) in [(&mut lead, 100), (&mut follow, 200)] {
+            for p in w.plan_polls(Some(&store), 0) {
+                let tok = base + p.replica as u32;
+                w.poll_started(p.replica, tok, 0);
+                let b = batch(true, 0).encode();
+                w.on_feed_response(tok, Some(200), Some(&b), Some(&store), 0);
+            }
+        }
+        // The leader polls at 1,000; the follower admits a request at 1,050, while the poll is out;
+        // the answer (which cannot hold that request) comes back at 1,100 and is relayed.
+        let polls = lead.plan_polls(Some(&store), 1_000);
+        assert_eq!(polls.len(), 2);
+        for p in &polls {
+            lead.poll_started(p.replica, 900 + p.replica as u32, 1_000);
+        }
+        let body = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#;
+        let d = follow.route_body(1, "/v1/completions", body, None, 1_050);
+        for p in &polls {
+            let b = batch(false, 7).encode();
+            let tok = 900 + p.replica as u32;
+            lead.on_feed_response(tok, Some(200), Some(&b), Some(&store), 1_100);
+        }
+        assert_eq!(follow.follow_relays(&store, 1_150).len(), 2);
+        assert_eq!(follow.router.report_polled_ms(d.replica), Some(1_000));
+        let mine = follow.router.local_load_since()[d.replica];
+        assert_eq!(mine.active_requests, 1, "admitted after the poll went out");
+        assert_eq!(mine.decode_blocks, 2, "17 tokens: 2 blocks of 16");
+        let eff = follow.router.effective_load()[d.replica];
+        assert_eq!((eff.decode_blocks, eff.active_requests), (7 + 2, 1 + 1));
+        // The leader learns the follower's booking through shared data, and adds it to the report.
+        follow.share_load(&store, 1_150);
+        lead.share_load(&store, 1_150);
+        let eff = lead.router.effective_load()[d.replica];
+        assert_eq!((eff.decode_blocks, eff.active_requests), (7 + 2, 1 + 1));
+        let other = 1 - d.replica;
+        assert_eq!(lead.router.effective_load()[other].decode_blocks, 7);
     }
 
     #[test]

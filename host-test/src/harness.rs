@@ -104,12 +104,29 @@ pub struct Replica {
     pub last_poll: Option<(String, String, String)>,
 }
 
+/// How requests are spread across the proxies when there are several ([`HarnessConfig::proxies`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ProxySpread {
+    /// Each request goes to a proxy drawn at random (seeded): a client behind a plain L4 balancer.
+    PerRequest,
+    /// Every request of a session goes to the same proxy (a hash of the session header; requests
+    /// without one are drawn at random): a sidecar per client, or a sticky ingress.
+    PerSession,
+}
+
 /// Harness configuration. [`HarnessConfig::small`] is sized for tests (runs in seconds).
 #[derive(Clone, Debug)]
 pub struct HarnessConfig {
     pub mode: HostMode,
     pub output: Output,
+    /// Worker VMs per proxy.
     pub workers: usize,
+    /// Independent proxies in front of the same replicas (1: the usual single proxy). Each is its own
+    /// [`Proxy`] with its own `workers` VMs and its own shared data: nothing passes between proxies
+    /// except through the replicas (their feeds).
+    pub proxies: usize,
+    /// How requests are spread across the proxies.
+    pub proxy_spread: ProxySpread,
     pub replicas: usize,
     /// Template for every engine (each gets its own seed).
     pub engine: EngineConfig,
@@ -149,6 +166,8 @@ impl HarnessConfig {
             mode: HostMode::Envoy,
             output: Output::DestinationHeader,
             workers: 2,
+            proxies: 1,
+            proxy_spread: ProxySpread::PerRequest,
             replicas: 4,
             engine,
             routing: json!({"policy": policy, "block_size": 16}),
@@ -401,7 +420,8 @@ const DIRECT_ID_BASE: u64 = 1 << 62;
 
 pub struct Harness {
     cfg: HarnessConfig,
-    proxy: Proxy,
+    /// `cfg.proxies` proxies; worker `w` (in `workers`) belongs to proxy `w / cfg.workers`.
+    proxies: Vec<Proxy>,
     workers: Vec<WorkerVm>,
     pub replicas: Vec<Replica>,
     now_us: u64,
@@ -412,7 +432,10 @@ pub struct Harness {
     records: HashMap<u64, RequestRecord>,
     next_id: u64,
     next_direct: u64,
-    rr_worker: usize,
+    /// Per proxy: the next worker (round robin within the proxy).
+    rr_worker: Vec<usize>,
+    /// Draws the proxy of each request (seeded, so runs repeat).
+    proxy_rng: u64,
     rr_fallback: usize,
     next_sample_us: u64,
     events: Vec<EngineEvent>,
@@ -422,11 +445,11 @@ pub struct Harness {
 }
 
 impl Harness {
-    /// Starts the proxy (one VM per worker, each configured) in front of fresh replicas.
+    /// Starts the proxies (one VM per worker, each configured) in front of fresh replicas.
     pub fn new(module: &FilterModule, cfg: HarnessConfig) -> Result<Harness, HarnessError> {
-        if cfg.workers == 0 || cfg.replicas == 0 {
+        if cfg.workers == 0 || cfg.replicas == 0 || cfg.proxies == 0 {
             return Err(HarnessError::Config(
-                "workers and replicas must be at least 1".into(),
+                "workers, proxies and replicas must be at least 1".into(),
             ));
         }
         let specs = cfg.replica_specs();
@@ -439,10 +462,17 @@ impl Harness {
                     .collect(),
             );
         }
-        let proxy = Proxy::new(module, options);
+        let mut proxies = Vec::new();
         let mut workers = Vec::new();
-        for _ in 0..cfg.workers {
-            workers.push(proxy.start_worker()?);
+        for p in 0..cfg.proxies {
+            let mut o = options.clone();
+            // Each proxy's VMs draw their own random bytes, as separate processes would.
+            o.seed = options.seed ^ (p as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+            let proxy = Proxy::new(module, o);
+            for _ in 0..cfg.workers {
+                workers.push(proxy.start_worker()?);
+            }
+            proxies.push(proxy);
         }
         let replicas = specs
             .into_iter()
@@ -464,9 +494,10 @@ impl Harness {
             .iter()
             .map(|w| w.tick_period_ms() as u64 * 1000)
             .collect();
+        let proxy_count = cfg.proxies;
         let mut h = Harness {
             cfg,
-            proxy,
+            proxies,
             workers,
             replicas,
             now_us: 0,
@@ -477,7 +508,8 @@ impl Harness {
             records: HashMap::new(),
             next_id: 0,
             next_direct: DIRECT_ID_BASE,
-            rr_worker: 0,
+            rr_worker: vec![0; proxy_count],
+            proxy_rng: 0x9E37_79B9_7F4A_7C15,
             rr_fallback: 0,
             next_sample_us: 0,
             events: Vec::new(),
@@ -494,8 +526,19 @@ impl Harness {
         &self.cfg
     }
 
+    /// The first proxy (the only one unless [`HarnessConfig::proxies`] says otherwise).
     pub fn proxy(&self) -> &Proxy {
-        &self.proxy
+        &self.proxies[0]
+    }
+
+    /// Every proxy, in order.
+    pub fn proxies(&self) -> &[Proxy] {
+        &self.proxies
+    }
+
+    /// The proxy worker `w` (an index into [`Harness::workers`]) belongs to.
+    pub fn proxy_of_worker(&self, w: usize) -> usize {
+        w / self.cfg.workers
     }
 
     pub fn worker(&self, i: usize) -> &WorkerVm {
@@ -573,7 +616,9 @@ impl Harness {
         if t > self.now_us {
             self.now_us = t;
         }
-        self.proxy.set_now_ns(self.now_us.saturating_mul(1000));
+        for p in &self.proxies {
+            p.set_now_ns(self.now_us.saturating_mul(1000));
+        }
     }
 
     /// Sends a request through the filter at the current virtual time. Returns its id.
@@ -595,8 +640,9 @@ impl Harness {
             Some(w) if w < self.workers.len() => w,
             Some(w) => return Err(HarnessError::Config(format!("no worker {w}"))),
             None => {
-                let w = self.rr_worker % self.workers.len();
-                self.rr_worker += 1;
+                let p = self.pick_proxy(spec.session.as_deref());
+                let w = p * self.cfg.workers + self.rr_worker[p] % self.cfg.workers;
+                self.rr_worker[p] += 1;
                 w
             }
         };
@@ -651,6 +697,28 @@ impl Harness {
         }
         self.stats.request_filter_ns += started.elapsed().as_nanos() as u64;
         self.after_request_phase(id, w, stream, spec, from_driver)
+    }
+
+    /// The proxy a request without a chosen worker goes through ([`ProxySpread`]).
+    fn pick_proxy(&mut self, session: Option<&str>) -> usize {
+        let n = self.cfg.proxies;
+        if n == 1 {
+            return 0;
+        }
+        if let (ProxySpread::PerSession, Some(s)) = (self.cfg.proxy_spread, session) {
+            // FNV-1a of the session id, finished with a multiply so nearby ids spread.
+            let h = s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+            });
+            return (h.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % n;
+        }
+        // xorshift64*
+        let mut x = self.proxy_rng;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.proxy_rng = x;
+        (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) as usize % n
     }
 
     /// Routes a request whose request phase ran: released → engine; local response → failed; else paused.

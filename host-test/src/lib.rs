@@ -24,8 +24,8 @@ mod wasi;
 pub use abi::{Action, LogLevel, Pairs, Status};
 pub use artifact::filter_wasm_path;
 pub use harness::{
-    FeedFault, Harness, HarnessConfig, HarnessError, HarnessStats, Output, RequestRecord,
-    RequestSpec, ResponseFault, flood_hash,
+    FeedFault, Harness, HarnessConfig, HarnessError, HarnessStats, Output, ProxySpread,
+    RequestRecord, RequestSpec, ResponseFault, flood_hash,
 };
 pub use host::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, LocalResponse, Proxy, ProxyOptions,

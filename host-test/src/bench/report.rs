@@ -90,7 +90,7 @@ fn cv(s: &Summary) -> f64 {
 
 /// The per-scenario table: one row per policy, medians over seeds, ranges on the headline columns.
 pub fn scenario_table(sr: &ScenarioRuns) -> String {
-    let rl = sr.scenario.group == "rl";
+    let rl = matches!(sr.scenario.source, crate::bench::scenario::Source::Rl(_));
     let session_col = if rl { "rollout p99 s" } else { "session p99 s" };
     let mut s = format!(
         "| policy | TTFT p50 / p90 ms | TTFT p99 ms | TPOT p50 / p90 ms | TPOT p99 ms | e2e p50 / p99 s \

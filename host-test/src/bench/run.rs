@@ -2,7 +2,7 @@
 //! replicas in virtual time. The demo and the bench both call [`replay`], so a figure in the README
 //! and one in docs/results.md come from the same code path.
 
-use crate::{FilterModule, Harness, HarnessConfig, HarnessStats};
+use crate::{FilterModule, Harness, HarnessConfig, HarnessStats, ProxySpread};
 use kvsteer_workload::{Driver, Mode, Summary, Workload};
 use serde_json::{Value, json};
 use std::time::Instant;
@@ -61,10 +61,35 @@ pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> Harne
     cfg.engine = super::scenario::Scenario::engine(block_size, seed);
     // A spec that does not parse goes to the filter as it is: the filter refuses the unknown policy
     // name at configure time and the replay reports that error.
-    cfg.routing = routing(policy).unwrap_or_else(|_| json!({"policy": policy}));
+    let (policy, filter) = split_filter_fields(policy);
+    for (k, v) in filter {
+        cfg.filter_extra.insert(k, v);
+    }
+    cfg.routing = routing(&policy).unwrap_or_else(|_| json!({"policy": policy}));
     cfg.routing["block_size"] = block_size.into();
     cfg.routing["seed"] = ROUTER_SEED.wrapping_add(seed).into();
     cfg
+}
+
+/// Splits the `@filter.KEY=NUMBER` parts off a policy spec: top-level filter fields (e.g.
+/// `kv_load@reported_load=merge@filter.tick_ms=50@filter.feed_period_ms=50`, a shorter feed period);
+/// returns the spec without them and the fields. The filter judges the fields at configure time.
+pub fn split_filter_fields(spec: &str) -> (String, Vec<(String, Value)>) {
+    let mut kept = Vec::new();
+    let mut fields = Vec::new();
+    for (i, part) in spec.split('@').enumerate() {
+        match part
+            .strip_prefix("filter.")
+            .and_then(|kv| kv.split_once('='))
+        {
+            Some((k, v)) if i > 0 => {
+                let v = v.parse::<u64>().map_or_else(|_| json!(v), |n| json!(n));
+                fields.push((k.to_string(), v));
+            }
+            _ => kept.push(part),
+        }
+    }
+    (kept.join("@"), fields)
 }
 
 /// The filter's `routing` section for a policy spec: `kv_load` gives `{"policy": "kv_load"}`;
@@ -75,6 +100,8 @@ pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> Harne
 /// Variants let the bench measure how a result depends on a policy's coefficients (the report's
 /// sensitivity runs) without a configuration file per variant.
 pub fn routing(spec: &str) -> Result<Value, String> {
+    let (spec, _) = split_filter_fields(spec);
+    let spec = spec.as_str();
     let mut parts = spec.split('@');
     let name = parts.next().unwrap_or_default();
     if !kvsteer_core::PolicyKind::ALL
@@ -126,8 +153,33 @@ pub fn replay(
     workers: usize,
     progress: impl FnMut(u64, u64),
 ) -> Result<Outcome, String> {
+    replay_proxies(
+        module,
+        workload,
+        mode,
+        policy,
+        seed,
+        (workers, 1, ProxySpread::PerRequest),
+        progress,
+    )
+}
+
+/// [`replay`] through `proxies` independent proxies of `workers` worker VMs each, requests spread
+/// across them as `spread` says (`topology` = `(workers, proxies, spread)`).
+pub fn replay_proxies(
+    module: &FilterModule,
+    workload: Workload,
+    mode: Mode,
+    policy: &str,
+    seed: u64,
+    topology: (usize, usize, ProxySpread),
+    progress: impl FnMut(u64, u64),
+) -> Result<Outcome, String> {
     let started = Instant::now();
-    let cfg = config(policy, workload.block_size, seed, workers);
+    let (workers, proxies, spread) = topology;
+    let mut cfg = config(policy, workload.block_size, seed, workers);
+    cfg.proxies = proxies;
+    cfg.proxy_spread = spread;
     let mut h = Harness::new(module, cfg).map_err(|e| format!("{policy}: {e}"))?;
     h.run_workload(Driver::new(workload, mode), progress)
         .map_err(|e| format!("{policy}: {e}"))?;
@@ -168,6 +220,14 @@ mod tests {
         assert!(routing("@x=1").is_err());
         assert!(routing("nope").is_err());
         assert!(routing("kv_lod@overlap_credit=2").is_err());
+        let spec = "kv_load@reported_load=merge@filter.tick_ms=50@filter.feed_period_ms=50";
+        assert_eq!(
+            routing(spec).unwrap(),
+            json!({"policy": "kv_load", "kv_load": {"reported_load": "merge"}})
+        );
+        let c = config(spec, 16, 0, 2);
+        assert_eq!(c.plugin_config()["feed_period_ms"], json!(50));
+        assert_eq!(c.plugin_config()["tick_ms"], json!(50));
         let cfg = config("kv_load@prefill_scale=4", 64, 2, 1);
         assert_eq!(cfg.routing["kv_load"]["prefill_scale"], json!(4.0));
         assert_eq!(cfg.routing["block_size"], json!(64));

@@ -5,6 +5,7 @@
 //! Sizes come in three [`Scale`]s so the same code serves the published run, a try-out and the CI smoke
 //! check.
 
+use crate::ProxySpread;
 use kvsteer_sim::EngineConfig;
 use kvsteer_workload::azure::{self, AzureParams};
 use kvsteer_workload::mooncake::{self, MooncakeParams};
@@ -62,9 +63,14 @@ pub enum Source {
 pub struct Scenario {
     /// Short id used in file names and JSON (`rl`, `weka-c16`, `mooncake-x1`, ...).
     pub id: String,
-    /// The report section it belongs to (`rl`, `weka`, `mooncake`, `azure`).
+    /// The report section it belongs to (`rl`, `weka`, `mooncake`, `azure`; `proxies` and
+    /// `proxies-session` for [`proxy_matrix`]).
     pub group: &'static str,
     pub source: Source,
+    /// Independent proxies in front of the replicas (1 everywhere but [`proxy_matrix`]).
+    pub proxies: usize,
+    /// How requests are spread across them.
+    pub spread: ProxySpread,
 }
 
 impl Scenario {
@@ -189,6 +195,8 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         id: "rl".into(),
         group: "rl",
         source: Source::Rl(rl),
+        proxies: 1,
+        spread: ProxySpread::PerRequest,
     });
     // Two copies of every session at every level: only 28 sessions survive the 128K cap, so levels 32
     // and 40 would otherwise be the same run; with copies the workload (56 sessions, 3,222 requests)
@@ -207,6 +215,8 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
                 copies,
                 max_sessions,
             },
+            proxies: 1,
+            spread: ProxySpread::PerRequest,
         });
     }
     let (mc_rows, az_rows) = match scale {
@@ -222,6 +232,8 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
                 speed,
                 max_requests: mc_rows,
             },
+            proxies: 1,
+            spread: ProxySpread::PerRequest,
         });
     }
     v.push(Scenario {
@@ -231,6 +243,8 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
             Scale::Smoke => RlParams::small(),
             _ => slice_params(),
         }),
+        proxies: 1,
+        spread: ProxySpread::PerRequest,
     });
     v.push(Scenario {
         id: "azure".into(),
@@ -239,7 +253,55 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
             speed: 1.0,
             max_rows: az_rows,
         },
+        proxies: 1,
+        spread: ProxySpread::PerRequest,
     });
+    v
+}
+
+/// The many-proxies scenarios (issue 15, docs/proxies.md): RL and the coding-agent trace at 16 and 32
+/// in flight, through 1, 2 and 4 independent proxies. Ids `rl-p<N>`, `weka-c<C>-p<N>` (requests
+/// spread across the proxies at random, group `proxies`) and the same ending in `s` (every session
+/// through one proxy, group `proxies-session`). Not in [`matrix`]: the bench runs them only when
+/// `--only` names them or their group.
+pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
+    let mut v = Vec::new();
+    let rl = match scale {
+        Scale::Full | Scale::Quick => RlParams::default(),
+        Scale::Smoke => RlParams::small(),
+    };
+    let (levels, copies, max_sessions): (&[usize], usize, Option<usize>) = match scale {
+        Scale::Full => (&[16, 32], 2, None),
+        Scale::Quick => (&[16, 32], 1, Some(16)),
+        Scale::Smoke => (&[2], 1, Some(2)),
+    };
+    for (spread, group, suffix) in [
+        (ProxySpread::PerRequest, "proxies", ""),
+        (ProxySpread::PerSession, "proxies-session", "s"),
+    ] {
+        for proxies in [1, 2, 4] {
+            v.push(Scenario {
+                id: format!("rl-p{proxies}{suffix}"),
+                group,
+                source: Source::Rl(rl.clone()),
+                proxies,
+                spread,
+            });
+            for &c in levels {
+                v.push(Scenario {
+                    id: format!("weka-c{c}-p{proxies}{suffix}"),
+                    group,
+                    source: Source::Weka {
+                        concurrency: c,
+                        copies,
+                        max_sessions,
+                    },
+                    proxies,
+                    spread,
+                });
+            }
+        }
+    }
     v
 }
 
@@ -279,6 +341,39 @@ mod tests {
             panic!("not flattened")
         };
         assert_eq!(a[..256], b[..256], "the shared system prompt survives");
+    }
+
+    #[test]
+    fn proxy_scenarios_are_apart_from_the_matrix_and_named_by_count() {
+        for scale in [Scale::Full, Scale::Quick, Scale::Smoke] {
+            let m = matrix(scale);
+            assert!(m.iter().all(|s| s.proxies == 1), "the matrix has one proxy");
+            let p = proxy_matrix(scale);
+            // Two spreads x 3 proxy counts x (RL + the coding-agent levels: 2, or 1 for smoke).
+            let levels = if scale == Scale::Smoke { 1 } else { 2 };
+            assert_eq!(p.len(), 2 * 3 * (1 + levels), "{scale:?}");
+            for s in &p {
+                assert!(!m.iter().any(|x| x.id == s.id || x.group == s.group));
+                let n: usize =
+                    s.id.rsplit("-p")
+                        .next()
+                        .unwrap()
+                        .trim_end_matches('s')
+                        .parse()
+                        .unwrap();
+                assert_eq!(n, s.proxies, "{}", s.id);
+                assert_eq!(s.id.ends_with('s'), s.spread == ProxySpread::PerSession);
+            }
+            let mut ids: Vec<&str> = p.iter().map(|s| s.id.as_str()).collect();
+            ids.sort();
+            ids.dedup();
+            assert_eq!(ids.len(), p.len());
+        }
+        assert!(
+            proxy_matrix(Scale::Full)
+                .iter()
+                .any(|s| s.id == "weka-c32-p4")
+        );
     }
 
     #[test]

@@ -7,7 +7,10 @@
 //! `--quick` (cut-down workloads, one seed: minutes), `--smoke` (tiny slices, seconds; checks that the
 //! outputs are well-formed and exits non-zero if not), `--seeds N` (default 3; 1 with --quick/--smoke),
 //! `--policies a,b` (names, or variants `kv_load@overlap_credit=2@...` setting numbers in the policy's
-//! own section), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure),
+//! own section), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure; also the
+//! many-proxies scenarios, which only `--only` selects: group `proxies` (`rl-p1`, `rl-p2`, `rl-p4`,
+//! `weka-c16-p4`, ...: requests spread across 1, 2 or 4 independent proxies at random) and group
+//! `proxies-session` (the same ids ending in `s`: each session through one proxy); docs/proxies.md),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
 //! `--traces DIR` (default `traces`), `--notes-only` (put `DIR/results/notes.md`, the analysis
@@ -20,8 +23,8 @@ use kvsteer_host_test::bench::args::{ArgReader, POLICIES, bench_policies, or_usa
 use kvsteer_host_test::bench::report::{
     ScenarioRuns, claims, hit_cv_plot, scenario_plots, scenario_table,
 };
-use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay};
-use kvsteer_host_test::bench::scenario::{Scale, Scenario, Source, matrix};
+use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay_proxies};
+use kvsteer_host_test::bench::scenario::{Scale, Scenario, Source, matrix, proxy_matrix};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
 use kvsteer_workload::report::Progress;
 use kvsteer_workload::{Mode, Summary, Workload};
@@ -165,14 +168,26 @@ fn run(args: &Args) -> Result<(), String> {
     let seeds = args
         .seeds
         .unwrap_or(if scale == Scale::Full { 3 } else { 1 });
+    // The many-proxies scenarios are not part of the matrix: only `--only` selects them.
+    let extra = if args.only.is_empty() {
+        Vec::new()
+    } else {
+        proxy_matrix(scale)
+    };
     let scenarios: Vec<Scenario> = matrix(scale)
         .into_iter()
+        .chain(extra)
         .filter(|s| args.only.is_empty() || args.only.iter().any(|o| *o == s.id || *o == s.group))
         .collect();
     if scenarios.is_empty() {
         return Err(format!("--only {:?} matches no scenario", args.only));
     }
-    let out = out_dir(args);
+    // A run with many-proxies scenarios never writes over the report in docs/ by default.
+    let out = if args.out.is_none() && scenarios.iter().any(|s| s.group.starts_with("proxies")) {
+        workspace_root().join("out/proxies")
+    } else {
+        out_dir(args)
+    };
     let path = filter_wasm_path().map_err(|e| e.to_string())?;
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
 
@@ -230,17 +245,21 @@ fn run(args: &Args) -> Result<(), String> {
         for _ in 0..args.jobs.min(jobs.len()) {
             let (queue, progress, results) = (&queue, &progress, &results);
             let (module, jobs, workloads, workers) = (&module, &jobs, &workloads, args.workers);
+            let scenarios = &scenarios;
             s.spawn(move || {
                 loop {
                     let next = queue.lock().ok().and_then(|mut q| q.pop());
                     let Some(i) = next else { break };
                     let j = &jobs[i];
                     let (w, mode) = workloads[j.workload].clone();
-                    let r = replay(module, w, mode, &j.policy, j.seed, workers, |done, _| {
-                        if let Ok(mut p) = progress.lock() {
-                            p[i] = done;
-                        }
-                    });
+                    let sc = &scenarios[j.scenario];
+                    let topology = (workers, sc.proxies, sc.spread);
+                    let r =
+                        replay_proxies(module, w, mode, &j.policy, j.seed, topology, |done, _| {
+                            if let Ok(mut p) = progress.lock() {
+                                p[i] = done;
+                            }
+                        });
                     if let Ok(mut res) = results.lock() {
                         res.push((i, r));
                     }
@@ -456,6 +475,7 @@ fn write_outputs(
         .map(|(g, wi)| {
             let sc = g.scenario;
             json!({"id": sc.id, "group": sc.group, "source": format!("{:?}", sc.source),
+                   "proxies": sc.proxies, "spread": format!("{:?}", sc.spread),
                    "workload": wi})
         })
         .collect();

@@ -1,0 +1,91 @@
+//! Several independent proxies in front of the same replicas (issue 15): each its own VMs and shared
+//! data, so one proxy learns another's traffic only from the replicas' feeds.
+
+mod common;
+use common::*;
+use kvsteer_host_test::{HarnessConfig, ProxySpread, RequestSpec};
+use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet};
+
+fn two_proxies(reported_load: &str) -> HarnessConfig {
+    let mut cfg = HarnessConfig::small("kv_load");
+    cfg.replicas = 2;
+    cfg.proxies = 2;
+    cfg.workers = 2;
+    cfg.routing = json!({
+        "policy": "kv_load", "block_size": 16,
+        "kv_load": {"reported_load": reported_load}
+    });
+    cfg
+}
+
+/// A long decode sent through proxy 0; then four short requests through proxy 1 (two per worker, at
+/// the same instant). Under `merge` (and `max`) proxy 1 learns the long decode from the replica's
+/// report and keeps all four off that replica; under `ignore` it sees only its own bookings and
+/// balances its four across both replicas.
+#[test]
+fn a_long_decode_through_one_proxy_steers_the_other_away_once_reported() {
+    for (mode, avoids) in [("merge", true), ("max", true), ("ignore", false)] {
+        let mut h = harness_with(two_proxies(mode));
+        assert_eq!(h.workers().len(), 4);
+        assert_eq!(h.proxy_of_worker(3), 1);
+        let long = h
+            .send(&RequestSpec::new(tokens(1, 4096), 4000).worker(0))
+            .unwrap();
+        // Past its first token and two feed periods: every proxy has polled the replica since.
+        h.run_for(1_000_000).unwrap();
+        let busy = h.record(long).unwrap().replica.unwrap();
+        assert!(h.record(long).unwrap().first_token_us.is_some());
+        let mut on_busy = 0;
+        let mut ids = Vec::new();
+        for i in 0..4u64 {
+            let spec = RequestSpec::new(tokens(100 + i, 64), 8).worker(2 + (i as usize % 2));
+            ids.push(h.send(&spec).unwrap());
+        }
+        for id in &ids {
+            let r = h.record(*id).unwrap();
+            assert!(!r.fallback, "{r:?}");
+            on_busy += (r.replica == Some(busy)) as usize;
+        }
+        if avoids {
+            assert_eq!(on_busy, 0, "{mode}: proxy 1 keeps off replica {busy}");
+        } else {
+            assert!(on_busy >= 1, "{mode}: proxy 1 cannot see proxy 0's decode");
+        }
+        h.run_until_idle(600_000_000).unwrap();
+        assert_clean(&h);
+        for p in h.proxies() {
+            assert_eq!(
+                p.metric("kvsteer_release_anomalies").map_or(0, |m| m.value),
+                0
+            );
+        }
+    }
+}
+
+/// Per request, requests go to every proxy; per session, each session stays on one proxy.
+#[test]
+fn requests_spread_across_proxies_per_request_or_per_session() {
+    for spread in [ProxySpread::PerRequest, ProxySpread::PerSession] {
+        let mut cfg = HarnessConfig::small("kv_load");
+        cfg.proxies = 4;
+        cfg.workers = 1;
+        cfg.proxy_spread = spread;
+        let mut h = harness_with(cfg);
+        let mut by_session: BTreeMap<String, BTreeSet<usize>> = BTreeMap::new();
+        let mut used = BTreeSet::new();
+        for i in 0..48u64 {
+            let session = format!("s{}", i % 12);
+            let spec = RequestSpec::new(tokens(i, 32), 4).session(&session);
+            let id = h.send(&spec).unwrap();
+            let p = h.proxy_of_worker(h.record(id).unwrap().worker);
+            used.insert(p);
+            by_session.entry(session).or_default().insert(p);
+        }
+        assert_eq!(used.len(), 4, "{spread:?}: every proxy used");
+        let sticky = by_session.values().all(|s| s.len() == 1);
+        assert_eq!(sticky, spread == ProxySpread::PerSession, "{by_session:?}");
+        h.run_until_idle(600_000_000).unwrap();
+        assert_clean(&h);
+    }
+}
