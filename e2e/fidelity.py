@@ -91,7 +91,8 @@ def run_policy(st: Stack, doc: dict, policy: str, side: str) -> tuple[list[dict]
             print(f"\r{side} {policy:<13} {done}/{total} requests {now - t0:6.1f}s", end="",
                   file=sys.stderr, flush=True)
 
-    rows = replay(st, doc, 1.0, progress)
+    # The same body on both sides: vLLM serves the model as `tiny`; the sim echoes any name.
+    rows = replay(st, doc, 1.0, progress, extra={"model": "tiny", "temperature": 0})
     print(file=sys.stderr)
     failures = st.vm_failures()
     if failures:
