@@ -286,7 +286,7 @@ def main() -> int:
                     help="keep the other side's results already in <out>/fidelity.json")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=14)
-    ap.add_argument("--sessions", type=int, default=96)
+    ap.add_argument("--sessions", type=int, default=160)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=16)

@@ -7,14 +7,15 @@ from the client, straight to the engine:
 
 - prefill: time to first token of a lone request of L uncached tokens, max_tokens 1, and of n new
   tokens after a cached context of C tokens (the prefix sent first and cached);
-- decode: B streams at once after a shared cached context of K tokens, 48 tokens each; the gap
-  between consecutive SSE events of a stream, past its first 8 tokens (prefills of the others are
-  over by then), is one engine step with B decoding sequences;
+- decode: B streams at once after a shared cached context of K tokens, 48 tokens each; the
+  engine's own decode time (`vllm:request_decode_time_seconds`, first to last token) over 47 tokens
+  is one engine step with B decoding sequences (the client's gaps between SSE events are kept for
+  reference: a starved client thread reads them in bunches);
 - the KV block count, `vllm:cache_config_info{num_gpu_blocks}` on /metrics, and the scheduler's
   token budget and sequence cap from the engine's log.
 
 With `--neighbor-streams N`, a second engine pinned to the same core serves N endless streams
-(256-token prompts, 128 tokens out) all along: the profile of an engine whose core-mate is busy, as
+(256-token prompts, 128 tokens out, from a process of its own) all along: the profile of an engine whose core-mate is busy, as
 in the fidelity run's two engines per core.
 
 The step model is the simulator's additive one (sim/src/profile.rs, `additive: true`):
@@ -47,6 +48,14 @@ from test_real_vllm import BLOCK, Engine, RealStack, prom, wait_until
 from test_real_vllm import http as http_get  # noqa: E402
 
 ENGINE_START_S = 300
+DECODE_TOKENS = 48
+
+
+def decode_metrics(e: Engine) -> dict:
+    text = e.engine_metrics()
+    return {"decode_s": prom(text, "vllm:request_decode_time_seconds_sum"),
+            "count": prom(text, "vllm:request_decode_time_seconds_count"),
+            "tokens": prom(text, "vllm:request_generation_tokens_sum")}
 
 
 def log(msg: str) -> None:
@@ -141,65 +150,57 @@ def measure(e: Engine, reps: int, quick: bool) -> dict:
         prefix = fresh(ctx)
         ttft(port, prefix + fresh(16))
         for b in ([1, 8] if quick else [1, 2, 4, 8, 16, 32, 64]):
-            out: list[list[float]] = [[] for _ in range(b)]
+            rounds, gaps, client = [], [], []
+            for _ in range(max(3, reps // 2)):
+                out: list[list[float]] = [[] for _ in range(b)]
 
-            def one(i: int) -> None:
-                out[i] = stream_times(port, prefix + fresh(16), 48)
+                def one(i: int) -> None:
+                    out[i] = stream_times(port, prefix + fresh(16), DECODE_TOKENS)
 
-            for _attempt in range(3):
+                before = decode_metrics(e)
                 threads = [threading.Thread(target=one, args=(i,)) for i in range(b)]
                 for t in threads:
                     t.start()
                 for t in threads:
                     t.join()
-                gaps = []
-                for ts in out:
-                    gaps.extend(ts[k + 1] - ts[k] for k in range(9, len(ts) - 1))
-                # Events that all came in one read tell nothing of the steps (seen once): again.
-                if statistics.fmean(gaps) > 2e-4:
-                    break
-                log(f"decode batch {b}: events arrived together, measuring again")
-            else:
-                raise RuntimeError(f"decode batch {b}: no usable event times")
+                after = wait_until("the engine records the streams' decode times", lambda: (
+                    lambda m: m if m["count"] - before["count"] >= b else None)(decode_metrics(e)),
+                    10)
+                # The engine's own decode time (first to last token, engine-core timestamps), per
+                # step: not the client's reading, which comes in bunches.
+                rounds.append((after["decode_s"] - before["decode_s"])
+                              / (after["count"] - before["count"]) / (DECODE_TOKENS - 1))
+                gaps += [ts[k + 1] - ts[k] for ts in out for k in range(9, len(ts) - 1)]
+                # What the client saw: first to last event, per token, over the streams.
+                client.append(statistics.fmean((ts[-1] - ts[1]) / (len(ts) - 2) for ts in out))
             # Tokens a decoding sequence reads: its prompt and half its output, on average.
-            row = {"batch": b, "context": ctx + 16 + 28, "s": statistics.median(gaps),
-                   "mean_s": statistics.fmean(gaps), "events": [len(ts) - 1 for ts in out],
-                   "first_s": [round(ts[1] - ts[0], 4) for ts in out],
-                   "total_s": [round(ts[-1] - ts[0], 4) for ts in out]}
+            row = {"batch": b, "context": ctx + 16 + DECODE_TOKENS // 2,
+                   "mean_s": statistics.median(rounds), "rounds_s": rounds,
+                   "client_gap_mean_s": statistics.fmean(gaps) if gaps else None,
+                   "client_per_token_s": statistics.median(client), "client_rounds_s": client}
             decode.append(row)
-            log(f"decode batch {b:3d} context {ctx:5d}: step {row['s'] * 1e3:6.2f} ms "
-                f"(mean {row['mean_s'] * 1e3:6.2f})")
+            log(f"decode batch {b:3d} context {ctx:5d}: step {row['mean_s'] * 1e3:6.2f} ms "
+                f"(rounds {', '.join(f'{x * 1e3:.2f}' for x in rounds)}; client "
+                f"{row['client_per_token_s'] * 1e3:.2f})")
     return {"prefill": prefill, "decode": decode}
 
 
-class Neighbor:
-    """`n` clients keeping an engine busy with streams until stopped."""
-
-    def __init__(self, e: Engine, n: int):
-        self.e, self.stop, self.done = e, threading.Event(), [0]
-        self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True)
-                        for i in range(n)]
-
-    def loop(self, i: int) -> None:
+def neighbor_load(port: int, n: int) -> None:
+    """`--neighbor-load PORT N`: `n` threads of endless streams against an engine (a process of
+    its own, so that its threads do not hold the measuring client's interpreter lock)."""
+    def loop(i: int) -> None:
         k = 0
-        while not self.stop.is_set():
+        while True:
             k += 1
             try:
-                stream_times(self.e.port, tokens(256, 500_000 + 10_000 * i + k), 128)
-                self.done[0] += 1
+                stream_times(port, tokens(256, 500_000 + 10_000 * i + k), 128)
             except (OSError, AssertionError):
                 time.sleep(0.5)
 
-    def __enter__(self) -> "Neighbor":
-        for t in self.threads:
-            t.start()
-        time.sleep(3)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=60)
+    for i in range(n):
+        threading.Thread(target=loop, args=(i,), daemon=True).start()
+    while True:
+        time.sleep(3600)
 
 
 def fit(m: dict, budget: int) -> dict:
@@ -268,7 +269,12 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--neighbor-streams", type=int, default=0,
                     help="streams a second engine on the same core serves meanwhile (0: none)")
+    ap.add_argument("--neighbor-load", nargs=2, type=int, metavar=("PORT", "N"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.neighbor_load:
+        neighbor_load(*args.neighbor_load)
+        return 0
     t_start = time.monotonic()
     s = RealStack(gpu_blocks=None, max_model_len=args.max_model_len)
     try:
@@ -293,9 +299,14 @@ def main() -> int:
         log(f"engine: {limits}")
         t1 = time.monotonic()
         if nb is not None:
-            with Neighbor(nb, args.neighbor_streams) as busy:
-                m = measure(e, args.reps, args.quick)
-            log(f"the neighbor served {busy.done[0]} streams meanwhile")
+            load = s.spawn("neighbor-load", [sys.executable, __file__, "--neighbor-load",
+                                             str(nb.port), str(args.neighbor_streams)])
+            time.sleep(3)
+            n0 = prom(nb.engine_metrics(), "vllm:request_success_total")
+            m = measure(e, args.reps, args.quick)
+            done = prom(nb.engine_metrics(), "vllm:request_success_total") - n0
+            load.stop()
+            log(f"the neighbor served {done:.0f} streams meanwhile")
         else:
             m = measure(e, args.reps, args.quick)
         log(f"measured in {time.monotonic() - t1:.0f} s")
