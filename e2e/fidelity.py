@@ -17,7 +17,7 @@ The workload (RL-like, GRPO-style): every rollout shares one system prompt; roll
 of `group` that share a task prompt; each turn's prompt is the previous prompt plus the previous
 answer (token ids drawn here, as long as the answer was: the engines' own outputs are random-weight
 noise, so no later prompt contains them, on either side) plus a tool result; answers have a drawn
-length (`ignore_eos`), tools a drawn think time.
+length (`ignore_eos`), a few of them long (stragglers), tools a drawn think time.
 
 Run by scripts/fidelity. Writes <out>/fidelity.json (workload parameters, every request, summaries)
 and <out>/fidelity.md (the table and the goals).
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_envoy import commit, replay, summarize  # noqa: E402
+from bench_envoy import commit, pct, replay, summarize  # noqa: E402
 from client import Client, tokens  # noqa: E402
 from stack import Stack, StackError, free_ports, sim_path, wasm_path  # noqa: E402
 from test_real_vllm import BLOCK, Engine, RealStack, prom, wait_until  # noqa: E402
@@ -65,6 +65,8 @@ def workload(a: argparse.Namespace) -> dict:
             turns = []
             for i in range(a.turns):
                 out = rng.randint(a.out_min, a.out_max)
+                if rng.random() < a.straggler_frac:
+                    out = a.straggler_out
                 think = 0 if i == 0 else rng.randint(a.think_min_ms, a.think_max_ms) * 1000
                 turns.append({"prompt": list(prompt), "max_tokens": out, "think_us": think})
                 answer = [rng.randrange(1, 32000) for _ in range(out)]
@@ -223,7 +225,8 @@ def report(results: dict) -> str:
     n = p["requests"]
     md.append(f"Workload: {p['sessions']} rollouts x {p['turns']} turns = {n} requests, "
               f"{p['concurrency']} in flight; system prompt {p['system']} tokens, task prompt "
-              f"{p['task']} (groups of {p['group']}), answers {p['out_min']}-{p['out_max']} tokens, "
+              f"{p['task']} (groups of {p['group']}), answers {p['out_min']}-{p['out_max']} tokens "
+              f"({p['straggler_frac'] * 100:.0f}% stragglers of {p['straggler_out']}), "
               f"tool results {p['tool_min']}-{p['tool_max']} tokens, think "
               f"{p['think_min_ms']}-{p['think_max_ms']} ms; prompt tokens {p['prompt_tokens']:,}, "
               f"output tokens {p['output_tokens']:,}. Commit `{results['commit']}`.\n")
@@ -256,6 +259,30 @@ def report(results: dict) -> str:
         md.append(f"Hit rates within 5 percentage points: {len(ok)} of {len(both)} policies"
                   + (f" (not: {', '.join(x for x in both if x not in ok)})" if len(ok) < len(both)
                      else "") + ".\n")
+    if both:
+        md.append("Where the time goes (real / sim): TTFT p50 of requests that found most of their "
+                  "prompt cached (hit >= 50%) and of the others, their share, the requests per "
+                  "replica, and time per output token p50.\n")
+        md.append("| policy | TTFT p50 ms, hit >= 50% | TTFT p50 ms, hit < 50% | share hit >= 50% | "
+                  "requests per replica | TPOT p50 ms |")
+        md.append("|---|---:|---:|---:|---|---:|")
+        for pol in both:
+            cells = []
+            for side in ("real", "sim"):
+                rows = [r for r in results[side][pol]["rows"] if r["ok"]]
+                hi = [r["ttft_s"] * 1e3 for r in rows
+                      if r["prompt_tokens"] and r["cached_tokens"] >= 0.5 * r["prompt_tokens"]]
+                lo = [r["ttft_s"] * 1e3 for r in rows
+                      if not (r["prompt_tokens"] and r["cached_tokens"] >= 0.5 * r["prompt_tokens"])]
+                per = results[side][pol]["summary"]["requests_per_replica"]
+                cells.append((pct(hi, 50), pct(lo, 50), len(hi) / max(1, len(rows)),
+                              "-".join(str(v) for v in sorted(per.values())),
+                              results[side][pol]["summary"]["tpot_ms"]["p50"]))
+            (a, b) = cells
+            md.append(f"| {pol} | {a[0]:.0f} / {b[0]:.0f} | {a[1]:.0f} / {b[1]:.0f} | "
+                      f"{a[2] * 100:.0f}% / {b[2] * 100:.0f}% | {a[3]} / {b[3]} | "
+                      f"{a[4]:.1f} / {b[4]:.1f} |")
+        md.append("")
     pair = ["kv_load", "session_hash"]
     if all(x in results["real"] and x in results["sim"] for x in pair):
         md.append("| kv_load vs session_hash | real: better (gap) | sim: better (gap) | same |")
@@ -294,6 +321,9 @@ def main() -> int:
     ap.add_argument("--task", type=int, default=512)
     ap.add_argument("--out-min", type=int, default=32)
     ap.add_argument("--out-max", type=int, default=192)
+    ap.add_argument("--straggler-frac", type=float, default=0.05,
+                    help="fraction of answers that are stragglers of --straggler-out tokens")
+    ap.add_argument("--straggler-out", type=int, default=768)
     ap.add_argument("--tool-min", type=int, default=64)
     ap.add_argument("--tool-max", type=int, default=384)
     ap.add_argument("--think-min-ms", type=int, default=100)
@@ -303,7 +333,8 @@ def main() -> int:
     policies = a.policies.split(",")
     params = {k: v for k, v in vars(a).items()
               if k in ("seed", "sessions", "group", "turns", "concurrency", "system", "task",
-                       "out_min", "out_max", "tool_min", "tool_max", "think_min_ms",
+                       "out_min", "out_max", "straggler_frac", "straggler_out", "tool_min",
+                       "tool_max", "think_min_ms",
                        "think_max_ms", "max_model_len")}
     params["requests"] = sum(len(s["turns"]) for s in doc["sessions"])
     params["prompt_tokens"] = sum(len(t["prompt"]) for s in doc["sessions"] for t in s["turns"])
