@@ -77,11 +77,19 @@ def workload(a: argparse.Namespace) -> dict:
             "block_size": BLOCK}
 
 
-def plugin(policy: str) -> dict:
-    return {"routing": {"policy": policy, "block_size": BLOCK}}
+def plugin(policy: str, scale: float = 1.0) -> dict:
+    doc: dict = {"routing": {"policy": policy, "block_size": BLOCK}}
+    if scale != 1.0:
+        # The filter's clocks run in wall time: its feed poll and tick (200 and 100 ms) divided by
+        # the replicas' time scale, so it hears from them as often in engine time (bench_envoy.py).
+        doc.update(feed_period_ms=max(1, round(200 / scale)), tick_ms=max(1, round(100 / scale)))
+    return doc
 
 
-def run_policy(st: Stack, doc: dict, policy: str, side: str) -> tuple[list[dict], float]:
+def run_policy(st: Stack, doc: dict, policy: str, side: str,
+               scale: float = 1.0) -> tuple[list[dict], float]:
+    """Replays `doc`; with replicas `scale` times faster than real time, think times are divided
+    and the rows' times multiplied by `scale` (engine time, as bench_envoy.py)."""
     total = sum(len(s["turns"]) for s in doc["sessions"])
     t0 = time.perf_counter()
     last = [0.0]
@@ -94,7 +102,10 @@ def run_policy(st: Stack, doc: dict, policy: str, side: str) -> tuple[list[dict]
                   file=sys.stderr, flush=True)
 
     # The same body on both sides: vLLM serves the model as `tiny`; the sim echoes any name.
-    rows = replay(st, doc, 1.0, progress, extra={"model": "tiny", "temperature": 0})
+    rows = replay(st, doc, scale, progress, extra={"model": "tiny", "temperature": 0})
+    for r in rows:
+        for k in ("issued_s", "ttft_s", "total_s"):
+            r[k] *= scale
     print(file=sys.stderr)
     failures = st.vm_failures()
     if failures:
@@ -191,13 +202,21 @@ def sim_side(doc: dict, policies: list[str], a: argparse.Namespace, results: dic
              "--block-size", str(BLOCK),
              "--max-batch-tokens", str(eng.get("max_num_batched_tokens", 2048)),
              "--max-running", str(eng.get("max_num_seqs", 128)),
-             "--max-model-len", str(a.max_model_len), "--model", "tiny"]
+             "--max-model-len", str(a.max_model_len), "--model", "tiny",
+             "--time-scale", str(a.sim_time_scale)]
     results["sim_flags"] = extra
+    results["sim_slowdown"] = a.sim_slowdown
+    results["sim_time_scale"] = a.sim_time_scale
     for policy in policies:
         with Stack(quiet=False) as st:
             st.start_replicas(REPLICAS, extra=extra)
-            st.start_envoy("envoy", plugin_overrides=plugin(policy))
-            rows, wall = run_policy(st, doc, policy, "sim")
+            if a.sim_slowdown != 1.0:
+                # Every step of every replica a.sim_slowdown times longer (the sim's fault knob).
+                for r in st.replicas:
+                    http_req(f"http://{r.endpoint}/admin/fault", "POST",
+                             json.dumps({"slowdown": a.sim_slowdown}).encode())
+            st.start_envoy("envoy", plugin_overrides=plugin(policy, a.sim_time_scale))
+            rows, wall = run_policy(st, doc, policy, "sim", a.sim_time_scale)
         results["sim"][policy] = {"wall_s": wall, "summary": summarize(rows, 1.0, None),
                                   "rows": rows}
         _save(results, a)
@@ -308,6 +327,12 @@ def main() -> int:
                     help="the fitted profile (scripts/fit-profile); its .measurements.json beside "
                          "it gives the engine's block count, budget and sequence cap")
     ap.add_argument("--kv-blocks", type=int, default=0, help="override the sim's KV blocks")
+    ap.add_argument("--sim-slowdown", type=float, default=1.0,
+                    help="every simulated step this many times longer (POST /admin/fault "
+                         "slowdown): the CPU contention the profile, fitted on one engine, lacks")
+    ap.add_argument("--sim-time-scale", type=float, default=1.0,
+                    help="simulated replicas this many times faster than real time (times read as "
+                         "engine time; the proxy's and client's own latency magnified as much)")
     ap.add_argument("--out", default="out/fidelity")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other side's results already in <out>/fidelity.json")
