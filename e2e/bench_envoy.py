@@ -86,9 +86,11 @@ class Sampler(threading.Thread):
         return sum(cvs) / len(cvs) if cvs else None
 
 
-def replay(stack: Stack, slice_doc: dict, scale: float, progress) -> list[dict]:
+def replay(stack: Stack, slice_doc: dict, scale: float, progress,
+           extra: dict | None = None) -> list[dict]:
     """Closed loop: `concurrency` sessions in flight, each turn after the previous one finished
-    (plus its think time, scaled), as the harness's Driver does."""
+    (plus its think time, scaled), as the harness's Driver does. `extra`: more body fields (a
+    real engine wants its own model name)."""
     sessions = queue.Queue()
     for s in slice_doc["sessions"]:
         sessions.put(s)
@@ -109,7 +111,7 @@ def replay(stack: Stack, slice_doc: dict, scale: float, progress) -> list[dict]:
                         time.sleep(t["think_us"] / 1e6 / scale)
                     issued = time.perf_counter() - t0
                     r = client.complete(t["prompt"], max_tokens=t["max_tokens"], stream=True,
-                                        session=s["id"], ignore_eos=True)
+                                        session=s["id"], ignore_eos=True, extra=extra)
                     with lock:
                         rows.append({
                             "session": s["id"], "turn": i, "issued_s": issued,

@@ -155,10 +155,13 @@ class Engine:
 class RealStack(Stack):
     """A Stack whose replicas are vLLM engines and whose feed clusters point at the adapters."""
 
-    def __init__(self) -> None:
-        super().__init__(quiet=False)
+    def __init__(self, gpu_blocks: int | None = GPU_BLOCKS, max_model_len: int = MAX_MODEL_LEN,
+                 workdir: Path | None = None) -> None:
+        # gpu_blocks None: the engine's own count from VLLM_CPU_KVCACHE_SPACE (the fidelity run).
+        super().__init__(workdir=workdir, quiet=False)
         self.engines: list[Engine] = []
         self.cache_root = self.workdir / "vllm-cache"
+        self.gpu_blocks, self.max_model_len = gpu_blocks, max_model_len
 
     def close(self) -> None:
         self.stop_engines(self.engines)
@@ -247,13 +250,14 @@ class RealStack(Stack):
                 "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
                 "--enable-prefix-caching", "--block-size", str(BLOCK),
                 "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(e.port),
-                "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", str(GPU_BLOCKS),
-                "--kv-events-config", json.dumps(events)]
+                "--max-model-len", str(self.max_model_len), "--kv-events-config", json.dumps(events)]
+        if self.gpu_blocks is not None:
+            argv += ["--num-gpu-blocks-override", str(self.gpu_blocks)]
         e.engine = self.spawn_env(f"vllm-{e.name}-{e.starts}", argv, self.engine_env(e))
         e.starts += 1
 
     def start_adapter(self, e: Engine) -> None:
-        feed = target_dir() / "release" / "kvsteer-feed"
+        feed = Path(os.environ.get("KVSTEER_FEED") or target_dir() / "release" / "kvsteer-feed")
         if not feed.exists():
             raise StackError(f"{feed} not built: cargo build --release --bin kvsteer-feed")
         argv = [str(feed), "--listen", f"127.0.0.1:{e.adapter_port}",
@@ -269,7 +273,7 @@ class RealStack(Stack):
         assert e.engine is not None
         wait_http(f"http://{e.endpoint}/health", timeout_s, e.engine)
 
-    def start_envoy_real(self) -> None:
+    def start_envoy_real(self, plugin_overrides: dict | None = None) -> None:
         wasm = wasm_path()
         if not wasm.exists():
             raise StackError(f"filter not built at {wasm}")
@@ -279,7 +283,7 @@ class RealStack(Stack):
             envoy_config.load("envoy"),
             replicas=[(e.name, e.endpoint) for e in self.engines],
             listen_port=self.listen_port, admin_port=self.admin_port, wasm=str(wasm),
-            plugin_overrides={"routing": {"policy": "kv_load", "block_size": BLOCK}},
+            plugin_overrides=plugin_overrides or {"routing": {"policy": "kv_load", "block_size": BLOCK}},
         )
         # Feed callouts go to the adapters, not the engines (docs/feed-adapter.md).
         adapters = {envoy_config.FEED_PREFIX + e.name: e.adapter_port for e in self.engines}

@@ -4,8 +4,12 @@
 //! kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] [--seed S]
 //!     [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192]
 //!     [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]
-//!     [--tokenizer stand_in|o200k_harmony|o200k_base]
+//!     [--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json]
 //! ```
+//! `--profile` replaces the default step-time profile (Llama-3.1-8B on an H100) with one read from
+//! JSON, e.g. the one `scripts/fit-profile` fits to a real engine (docs/fidelity.md); its
+//! `max_model_len` applies unless `--max-model-len` is given, its `kv_blocks_16` unless
+//! `--kv-blocks` is.
 //! Replica i listens on port P+i and is named `<prefix><i>`; one line `ready <name> <host>:<port>` is
 //! printed per replica once it listens. The process runs until killed.
 
@@ -18,7 +22,7 @@ use std::process::ExitCode;
 const USAGE: &str = "usage: kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] \
 [--seed S] [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192] \
 [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r] \
-[--tokenizer stand_in|o200k_harmony|o200k_base]";
+[--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json]";
 
 fn parse<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String> {
     let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
@@ -44,6 +48,7 @@ fn run() -> Result<(), String> {
     let mut replicas = 1usize;
     let mut kv_blocks: Option<u32> = None;
     let mut prefix = "r".to_string();
+    let mut max_model_len: Option<u32> = None;
     while let Some(flag) = args.next() {
         let v = args.next();
         match flag.as_str() {
@@ -57,7 +62,13 @@ fn run() -> Result<(), String> {
             "--host-blocks" => engine.host_blocks = parse(&flag, v)?,
             "--max-batch-tokens" => engine.max_batch_tokens = parse(&flag, v)?,
             "--max-running" => engine.max_running = parse(&flag, v)?,
-            "--max-model-len" => engine.max_model_len = parse(&flag, v)?,
+            "--max-model-len" => max_model_len = Some(parse(&flag, v)?),
+            "--profile" => {
+                let path: String = parse(&flag, v)?;
+                let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+                engine.profile =
+                    kvsteer_sim::Profile::from_json(&text).map_err(|e| format!("{path}: {e}"))?;
+            }
             "--output-mean" => {
                 engine.output_len = OutputLen::Exponential {
                     mean: parse(&flag, v)?,
@@ -82,6 +93,7 @@ fn run() -> Result<(), String> {
             kvsteer_core::block::MAX_BLOCK_SIZE
         ));
     }
+    engine.max_model_len = max_model_len.unwrap_or(engine.profile.max_model_len);
     // The GPU memory is fixed: without --kv-blocks, bigger blocks mean fewer of them.
     engine.kv_blocks = kv_blocks.unwrap_or_else(|| {
         (engine.profile.kv_blocks_16 as usize * 16 / engine.block_size).max(1) as u32

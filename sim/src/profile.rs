@@ -6,6 +6,12 @@
 //! top because it grows with the context each new token attends to, and a fixed CPU/launch cost and a
 //! per-sequence cost (sampling, bookkeeping) are paid every step. Offloaded KV coming back from host
 //! memory costs PCIe time per token. The derivation of the default numbers is in docs/simulator.md.
+//!
+//! A profile fitted to a CPU engine (docs/fidelity.md, `scripts/fit-profile`) is `additive`: a CPU
+//! has no idle arithmetic units to hide memory reads behind, so the terms add up instead of taking
+//! the larger of memory and compute. Profiles load from JSON (`kvsteer-sim serve --profile FILE`).
+
+use serde::{Deserialize, Serialize};
 
 /// The work in one step, as the scheduler planned it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -25,9 +31,13 @@ pub struct StepWork {
 }
 
 /// Per-step cost coefficients of one model on one GPU setup, in microseconds.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Profile {
     pub name: String,
+    /// Sum every term (CPU engines) instead of the roofline's max(memory, compute).
+    #[serde(default)]
+    pub additive: bool,
     /// Scheduler, kernel launch and host overhead per step.
     pub step_overhead_us: f64,
     /// Sampling and bookkeeping per sequence in the step.
@@ -42,6 +52,11 @@ pub struct Profile {
     pub attn_us_per_pair: f64,
     /// Copying one token's KV back from host memory.
     pub host_load_us_per_token: f64,
+    /// Latency a request spends outside the engine's steps (the API server's parsing and hand-off,
+    /// the first token's way back). Only the HTTP server applies it, before submitting; the
+    /// virtual-time engine does not.
+    #[serde(default)]
+    pub request_overhead_us: f64,
     /// Context limit of the model.
     pub max_model_len: u32,
     /// KV blocks of 16 tokens that fit beside the weights (vLLM's `# GPU blocks`, default 0.9 memory).
@@ -55,6 +70,7 @@ impl Profile {
     pub fn llama31_8b_h100() -> Profile {
         Profile {
             name: "llama-3.1-8b-h100".into(),
+            additive: false,
             step_overhead_us: 300.0,
             per_seq_us: 5.0,
             // 16.06 GB of weights at ~2.68 TB/s (80% of the 3.35 TB/s HBM3 peak).
@@ -67,10 +83,36 @@ impl Profile {
             attn_us_per_pair: 0.00106,
             // 128 KiB a token over PCIe Gen5 x16 at ~40 GB/s.
             host_load_us_per_token: 3.3,
+            request_overhead_us: 0.0,
             max_model_len: 131_072,
             // (80 GB x 0.9 - 16 GB weights - ~2 GB activations) / 2 MiB a block.
             kv_blocks_16: 25_600,
         }
+    }
+
+    /// A profile from its JSON form (every field but `additive` and `request_overhead_us` required,
+    /// unknown fields refused), checked: coefficients finite and not negative, a context limit.
+    pub fn from_json(text: &str) -> Result<Profile, String> {
+        let p: Profile = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let coefficients = [
+            ("step_overhead_us", p.step_overhead_us),
+            ("per_seq_us", p.per_seq_us),
+            ("weights_us", p.weights_us),
+            ("kv_read_us_per_token", p.kv_read_us_per_token),
+            ("compute_us_per_token", p.compute_us_per_token),
+            ("attn_us_per_pair", p.attn_us_per_pair),
+            ("host_load_us_per_token", p.host_load_us_per_token),
+            ("request_overhead_us", p.request_overhead_us),
+        ];
+        for (name, v) in coefficients {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{name} must be a finite number >= 0, not {v}"));
+            }
+        }
+        if p.max_model_len == 0 {
+            return Err("max_model_len must be at least 1".into());
+        }
+        Ok(p)
     }
 
     /// Duration of one step in microseconds (before any slowdown fault).
@@ -78,9 +120,14 @@ impl Profile {
         let tokens = w.prefill_tokens + w.decode_seqs as u64;
         let memory = self.weights_us + self.kv_read_us_per_token * w.decode_kv_tokens as f64;
         let compute = self.compute_us_per_token * tokens as f64;
+        let body = if self.additive {
+            memory + compute
+        } else {
+            memory.max(compute)
+        };
         self.step_overhead_us
             + self.per_seq_us * w.seqs as f64
-            + memory.max(compute)
+            + body
             + self.attn_us_per_pair * w.prefill_attn_pairs as f64
             + self.host_load_us_per_token * w.host_load_tokens as f64
     }
@@ -124,6 +171,36 @@ mod tests {
             ..Default::default()
         };
         assert!(p.step_us(&pf(8192)) > 2.0 * p.step_us(&pf(2048)));
+    }
+
+    #[test]
+    fn additive_profile_sums_memory_and_compute_and_loads_from_json() {
+        let json = r#"{"name": "cpu", "additive": true, "step_overhead_us": 3000,
+            "per_seq_us": 100, "weights_us": 0, "kv_read_us_per_token": 0.01,
+            "compute_us_per_token": 20, "attn_us_per_pair": 0.02, "host_load_us_per_token": 0,
+            "request_overhead_us": 5000, "max_model_len": 8192, "kv_blocks_16": 32768}"#;
+        let p = Profile::from_json(json).unwrap();
+        assert!(p.additive);
+        assert_eq!(p.request_overhead_us, 5000.0);
+        let w = StepWork {
+            seqs: 2,
+            prefill_tokens: 10,
+            decode_seqs: 1,
+            decode_kv_tokens: 1000,
+            prefill_attn_pairs: 55,
+            host_load_tokens: 0,
+        };
+        let want = 3000.0 + 200.0 + 0.01 * 1000.0 + 20.0 * 11.0 + 0.02 * 55.0;
+        assert!((p.step_us(&w) - want).abs() < 1e-9);
+        let rt = Profile::from_json(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(rt, p);
+        // The roofline takes the larger of memory and compute instead.
+        let gpu = Profile::default();
+        let gpu_json = serde_json::to_string(&gpu).unwrap();
+        assert_eq!(Profile::from_json(&gpu_json).unwrap(), gpu);
+        assert!(Profile::from_json(&json.replace("20,", "-1,")).is_err());
+        assert!(Profile::from_json(&json.replace("\"name\"", "\"nome\"")).is_err());
+        assert!(Profile::from_json(r#"{"name": "x"}"#).is_err());
     }
 
     #[test]

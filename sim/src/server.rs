@@ -733,6 +733,13 @@ fn generate(shared: &Shared, req: &Request, api: Api, w: &mut TcpStream) -> io::
         Ok(p) => p,
         Err(e) => return error_response(shared, w, &e, keep),
     };
+    // The profile's request overhead (a real engine's API server), as latency before the engine
+    // sees the request, in wall time at the replica's time scale.
+    let overhead_us = shared.lock().engine.config().profile.request_overhead_us;
+    if overhead_us > 0.0 {
+        let wall = overhead_us / 1e6 / shared.clock.scale;
+        thread::sleep(Duration::try_from_secs_f64(wall).unwrap_or(Duration::ZERO));
+    }
     let (id, rx) = match submit(shared, &p, api) {
         Ok(x) => x,
         Err(e) => return error_response(shared, w, &e, keep),
