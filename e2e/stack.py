@@ -387,6 +387,14 @@ class Stack:
                        if "[critical]" in line or "panicked" in line or "Uncaught" in line)
         return bad
 
+    def close_checked(self) -> None:
+        """Closes the stack, then fails if any Envoy it ran logged a VM failure ([`vm_failures`]):
+        the end of every test class that shares one stack."""
+        failures = self.vm_failures()
+        self.close()
+        if failures:
+            raise AssertionError("the filter's VM failed:\n" + "\n".join(failures[:10]))
+
     def admin(self, path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as r:
             return r.read().decode()
@@ -455,6 +463,20 @@ class Stack:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.listen_port}"
+
+
+def envoy_fleet(replicas: int, time_scale: str, variant: str = "envoy",
+                plugin_overrides: dict | None = None) -> Stack:
+    """`replicas` simulated replicas at `time_scale` behind Envoy (`envoy/<variant>.yaml`, two
+    workers), healthy and with every feed polled; closed again if any part fails to start."""
+    s = Stack()
+    try:
+        s.start_replicas(replicas, extra=["--time-scale", time_scale])
+        s.start_envoy(variant, concurrency=2, plugin_overrides=plugin_overrides)
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 def envoy_validate(doc: dict) -> tuple[bool, str]:

@@ -15,7 +15,7 @@ import unittest
 
 import envoy_config
 from client import Client, Result, tokens
-from stack import Stack
+from stack import Stack, envoy_fleet
 
 TIME_SCALE = os.environ.get("E2E_TIME_SCALE", "10")
 REPLICAS = 4
@@ -31,14 +31,7 @@ PEER_SETTLE_S = 0.25
 
 
 def new_stack(variant: str = "envoy", plugin_overrides: dict | None = None) -> Stack:
-    s = Stack()
-    try:
-        s.start_replicas(REPLICAS, extra=["--time-scale", TIME_SCALE])
-        s.start_envoy(variant, concurrency=2, plugin_overrides=plugin_overrides)
-    except BaseException:
-        s.close()
-        raise
-    return s
+    return envoy_fleet(REPLICAS, TIME_SCALE, variant, plugin_overrides)
 
 
 def send(stack: Stack, prompt: list[int], **kw) -> Result:
@@ -75,10 +68,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls) -> None:
-        failures = cls.stack.vm_failures()
-        cls.stack.close()
-        if failures:
-            raise AssertionError("the filter's VM failed:\n" + "\n".join(failures[:10]))
+        cls.stack.close_checked()
 
     def seed_prefix(self, seed: int, n: int = 1024) -> tuple[list[int], str]:
         """Sends a fresh prefix once; returns it and the replica that now caches it."""
@@ -348,10 +338,7 @@ class EnvoyVariants(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls) -> None:
-        failures = cls.stack.vm_failures()
-        cls.stack.close()
-        if failures:
-            raise AssertionError("the filter's VM failed:\n" + "\n".join(failures[:10]))
+        cls.stack.close_checked()
 
     def with_envoy(self, variant: str, **kw) -> None:
         if self.stack.envoy is not None:

@@ -20,7 +20,7 @@ import time
 import unittest
 
 from client import Client, tokens
-from stack import Stack
+from stack import Stack, envoy_fleet
 
 TIME_SCALE = os.environ.get("E2E_TIME_SCALE", "10")
 BAD = "r1"
@@ -35,23 +35,11 @@ class FailingReplica(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
-        s = Stack()
-        try:
-            s.start_replicas(4, extra=["--time-scale", TIME_SCALE])
-            s.start_envoy("envoy", concurrency=2)
-            s.wait_healthy()
-            s.wait_feeds()
-        except BaseException:
-            s.close()
-            raise
-        cls.stack = s
+        cls.stack = envoy_fleet(4, TIME_SCALE)
 
     @classmethod
     def tearDownClass(cls) -> None:
-        failures = cls.stack.vm_failures()
-        cls.stack.close()
-        if failures:
-            raise AssertionError(f"Envoy reported VM failures: {failures}")
+        cls.stack.close_checked()
 
     def set_fault(self, name: str, fault: dict) -> None:
         host, _, port = self.stack.replica(name).endpoint.rpartition(":")

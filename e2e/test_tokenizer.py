@@ -68,10 +68,7 @@ class ExactChatRouting(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls) -> None:
-        failures = cls.stack.vm_failures()
-        cls.stack.close()
-        if failures:
-            raise AssertionError(f"Envoy logged VM failures: {failures}")
+        cls.stack.close_checked()
 
     def test_a_multi_turn_chat_stays_on_its_prefix_and_is_served_from_cache(self) -> None:
         for convo in range(3):

@@ -15,7 +15,7 @@ import time
 import unittest
 
 from client import Client, tokens
-from stack import Stack
+from stack import Stack, envoy_fleet
 
 try:
     import h2client
@@ -32,23 +32,11 @@ class TrailersThroughEnvoy(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
-        s = Stack()
-        try:
-            s.start_replicas(4, extra=["--time-scale", TIME_SCALE])
-            s.start_envoy("envoy", concurrency=2)
-            s.wait_healthy()
-            s.wait_feeds()
-        except BaseException:
-            s.close()
-            raise
-        cls.stack = s
+        cls.stack = envoy_fleet(4, TIME_SCALE)
 
     @classmethod
     def tearDownClass(cls) -> None:
-        failures = cls.stack.vm_failures()
-        cls.stack.close()
-        if failures:
-            raise AssertionError(f"Envoy reported VM failures: {failures}")
+        cls.stack.close_checked()
 
     def stat(self, needle: str) -> int:
         return sum(v for k, v in self.stack.stats(needle).items() if needle in k)

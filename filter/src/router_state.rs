@@ -760,15 +760,7 @@ impl RouterState {
         let body = body.unwrap_or_default();
         let body_len = body.len();
         if body_len > self.cfg.feed_max_bytes {
-            return self.oversized(
-                replica,
-                format!(
-                    "{body_len} bytes, over feed_max_bytes {}",
-                    self.cfg.feed_max_bytes
-                ),
-                store,
-                now_ms,
-            );
+            return self.oversized_body(replica, body_len, store, now_ms);
         }
         let frame = match FeedFrame::parse(body) {
             Ok(f) => f,
@@ -822,15 +814,22 @@ impl RouterState {
         if let Some(f) = self.feeds.get_mut(replica) {
             f.in_flight = None;
         }
-        self.oversized(
-            replica,
-            format!(
-                "{body_len} bytes, over feed_max_bytes {}",
-                self.cfg.feed_max_bytes
-            ),
-            store,
-            now_ms,
-        )
+        self.oversized_body(replica, body_len, store, now_ms)
+    }
+
+    /// [`Self::oversized`] for an answer of `body_len` bytes, over `feed_max_bytes`.
+    fn oversized_body(
+        &mut self,
+        replica: usize,
+        body_len: usize,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> FeedResult {
+        let why = format!(
+            "{body_len} bytes, over feed_max_bytes {}",
+            self.cfg.feed_max_bytes
+        );
+        self.oversized(replica, why, store, now_ms)
     }
 
     /// An answer refused for its size: the replica answered, so it is up, but its feed is not
