@@ -153,6 +153,12 @@ pub struct HarnessConfig {
     /// shipped envoy.yaml does (`retry_on: 5xx`), and Envoy's `upstream.address` then names that
     /// replica. Off: the 5xx reaches the client.
     pub retry_5xx: bool,
+    /// The benchmark's limit (`crate::oracle`): the harness, not the filter, picks every request's
+    /// replica from the true output lengths and the engines' exact state. The filter still carries
+    /// the request (parsing, streaming, its own bookkeeping on its own choice); only the destination
+    /// is overridden, and the filter is not told (`upstream.address` is left unset), so its health
+    /// accounting never mistakes the override for a retry. Off everywhere but the bench's `oracle`.
+    pub oracle: Option<crate::oracle::Weights>,
 }
 
 impl HarnessConfig {
@@ -181,6 +187,7 @@ impl HarnessConfig {
             callout_latency_us: 500,
             sample_us: 500_000,
             retry_5xx: true,
+            oracle: None,
         }
     }
 
@@ -413,6 +420,10 @@ pub struct HarnessStats {
     pub response_body_chunks: u64,
     /// Wall time spent inside guest callbacks for requests (headers + body), nanoseconds.
     pub request_filter_ns: u64,
+    /// Requests the oracle placed ([`HarnessConfig::oracle`]), and of those, how many on another
+    /// replica than the filter chose.
+    pub oracle_placed: u64,
+    pub oracle_moved: u64,
 }
 
 /// Ids of requests submitted straight to an engine (not through the filter) start here.
@@ -765,6 +776,16 @@ impl Harness {
                 r
             }
         };
+        let oracle = self.cfg.oracle.filter(|_| spec.raw_body.is_none());
+        if let Some(weights) = oracle
+            && let Some(c) = self.oracle_choice(id, spec, weights)
+        {
+            self.stats.oracle_placed += 1;
+            if c != replica {
+                self.stats.oracle_moved += 1;
+            }
+            replica = c;
+        }
         // Envoy's retry_on 5xx: a replica failing the request at once sends it to the next listed
         // host (override_host), if that one is not failing too.
         let mut retried_from = None;
@@ -783,7 +804,7 @@ impl Harness {
             retried_from = Some(replica);
             replica = b;
         }
-        if self.cfg.mode == HostMode::Envoy {
+        if self.cfg.mode == HostMode::Envoy && oracle.is_none() {
             let endpoint = self.replicas[replica].endpoint.clone();
             self.workers[w].set_stream_property(
                 stream,
@@ -864,6 +885,28 @@ impl Harness {
             }
         }
         Ok(())
+    }
+
+    /// The oracle's replica for a request ([`crate::oracle::choose`]): replicas failing requests
+    /// ([`ResponseFault`] other than healthy) are down to it. `None` when no replica would take it.
+    fn oracle_choice(
+        &self,
+        id: u64,
+        spec: &RequestSpec,
+        weights: crate::oracle::Weights,
+    ) -> Option<usize> {
+        let engines: Vec<&Engine> = self.replicas.iter().map(|r| &r.engine).collect();
+        let usable: Vec<bool> = self
+            .replicas
+            .iter()
+            .map(|r| r.response_fault == ResponseFault::Healthy)
+            .collect();
+        let req = crate::oracle::OracleRequest {
+            id,
+            prompt: &spec.prompt,
+            output_tokens: spec.max_tokens,
+        };
+        crate::oracle::choose(self.now_us, &engines, &usable, &req, weights).map(|c| c.replica)
     }
 
     /// Fails a request the way the replica's [`ResponseFault`] says, at once.

@@ -6,6 +6,8 @@
 //! - [`abi`]: the ABI's status codes, enums and header-pair format.
 //! - [`harness`]: the filter in front of simulated replicas in virtual time ([`Harness`]): requests as
 //!   streams, feed callouts answered by the engines, faults, and workload replay.
+//! - [`oracle`]: the benchmark's limit: the harness itself places each request knowing the true
+//!   output lengths and the engines' exact state (never part of the filter).
 //! - [`openai`]: completions requests and vLLM-shaped SSE responses.
 //! - [`artifact`]: where the compiled filter is found.
 //!
@@ -19,6 +21,7 @@ pub mod harness;
 pub mod host;
 mod module_cache;
 pub mod openai;
+pub mod oracle;
 mod wasi;
 
 pub use abi::{Action, LogLevel, Pairs, Status};

@@ -261,7 +261,7 @@ impl Default for EngineStats {
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Seq {
     id: u64,
     tokens: Vec<u32>,
@@ -287,11 +287,28 @@ impl Seq {
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Step {
     end_us: u64,
     /// (slot, request id, tokens computed)
     work: Vec<(u32, u64, u32)>,
+}
+
+/// One request in flight on an engine, as a what-if planner sees it ([`Engine::sequences`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqView {
+    pub id: u64,
+    pub prompt_tokens: u32,
+    /// Prompt plus the output generated so far.
+    pub context_tokens: u32,
+    /// Tokens whose KV exists (0 for a waiting request, or one preempted for recompute).
+    pub computed_tokens: u32,
+    pub generated: u32,
+    /// Output tokens it will still generate: the true figure, since the engine draws each request's
+    /// length at submission (a router only ever sees `max_tokens`, a cap).
+    pub remaining: u32,
+    /// Admitted (running), not waiting.
+    pub running: bool,
 }
 
 /// A simulated engine replica.
@@ -389,6 +406,75 @@ impl Engine {
     /// The token id this engine generates at `position` of request `id`.
     pub fn output_token(&self, id: u64, position: u32) -> u32 {
         output_token(self.cfg.seed, id, position)
+    }
+
+    /// A copy of this engine to run forward without touching it (a what-if): the same requests,
+    /// cache, clock, step in progress and seed, so it produces exactly the events this engine would
+    /// if nothing else were submitted. Its feed log is a fresh one that keeps almost nothing (a
+    /// what-if is never polled, and copying a log of a million hashes per question would dominate),
+    /// and events already produced but not yet taken stay with this engine.
+    pub fn fork(&self) -> Engine {
+        Engine {
+            cfg: self.cfg.clone(),
+            hasher: self.hasher.clone(),
+            kv: self.kv.clone(),
+            log: FeedLog::new(self.log.epoch(), 1),
+            slots: self.slots.clone(),
+            free_slots: self.free_slots.clone(),
+            by_id: self.by_id.clone(),
+            running: self.running.clone(),
+            waiting: self.waiting.clone(),
+            step: self.step.clone(),
+            now_us: self.now_us,
+            pending: Vec::new(),
+            slowdown: self.slowdown,
+            restarts: self.restarts,
+            stats: self.stats.clone(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Every request in flight, running ones first (in admission order), then the waiting queue in
+    /// the order it will be admitted.
+    pub fn sequences(&self) -> Vec<SeqView> {
+        self.running
+            .iter()
+            .map(|&s| (s, true))
+            .chain(self.waiting.iter().map(|&s| (s, false)))
+            .filter_map(|(slot, running)| {
+                let q = self.slots[slot as usize].as_ref()?;
+                Some(SeqView {
+                    id: q.id,
+                    prompt_tokens: q.prompt_len,
+                    context_tokens: q.tokens.len() as u32,
+                    computed_tokens: q.computed as u32,
+                    generated: q.generated,
+                    remaining: q.target.saturating_sub(q.generated),
+                    running,
+                })
+            })
+            .collect()
+    }
+
+    /// The sequence hashes of `prompt`'s full blocks, in this engine's block size.
+    pub fn prompt_hashes(&self, prompt: &[u32]) -> Vec<u64> {
+        self.hasher
+            .sequence_hashes(prompt)
+            .into_iter()
+            .map(|h| h.0)
+            .collect()
+    }
+
+    /// Prompt tokens of a `prompt_len`-token prompt with these [`Engine::prompt_hashes`] that this
+    /// engine would find cached (GPU, then host tier) if it admitted it now, as admission counts
+    /// them (never the whole prompt: its last token is always computed).
+    pub fn cached_prefix_tokens(&self, hashes: &[u64], prompt_len: usize) -> usize {
+        if prompt_len == 0 {
+            return 0;
+        }
+        let bs = self.cfg.block_size;
+        let hit = self.kv.lookup(hashes, (prompt_len - 1) / bs);
+        (hit.gpu_blocks + hit.host_blocks) * bs
     }
 
     /// Queues a request arriving at `now_us`.

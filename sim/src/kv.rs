@@ -24,7 +24,7 @@ struct Block {
 }
 
 /// Intrusive doubly-linked queue over slots of a slab (used for both tiers' LRU order).
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Queue {
     head: u32,
     tail: u32,
@@ -32,7 +32,7 @@ struct Queue {
 }
 
 /// Host-memory tier: an LRU set of sequence hashes with a capacity in blocks.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct HostTier {
     cap: usize,
     map: HashMap<u64, u32>,
@@ -143,7 +143,7 @@ pub struct PrefixHit {
 }
 
 /// GPU block pool with prefix caching, and the host tier.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct KvCache {
     blocks: Vec<Block>,
     free: Queue,

@@ -400,3 +400,49 @@ fn reported_prefill_counts_only_what_a_waiting_request_will_compute() {
     e.submit(e.now_us(), req(4, prompt(4, 300), 1)).unwrap();
     assert_eq!(e.load().prefill_tokens, 100 + 300);
 }
+
+#[test]
+fn a_fork_runs_ahead_exactly_as_the_engine_would_and_leaves_it_alone() {
+    let cfg = EngineConfig {
+        kv_blocks: 200,
+        seed: 3,
+        output_len: OutputLen::Exponential { mean: 30.0 },
+        ..Default::default()
+    };
+    let mut e = Engine::new(cfg);
+    let mut seen = Vec::new();
+    for id in 0..6u64 {
+        e.advance(id * 5_000, &mut seen);
+        let r = EngineRequest {
+            id,
+            prompt: prompt(id as u32 % 2, 400),
+            max_tokens: 100,
+            ignore_eos: false,
+            min_tokens: 1,
+        };
+        e.submit(id * 5_000, r).unwrap();
+    }
+    // Mid-run: some requests decode, some wait. The views carry every one, with its true remaining
+    // output (natural lengths: the engine drew them, a router cannot know them).
+    let views = e.sequences();
+    assert_eq!(views.len(), e.in_flight());
+    assert!(views.iter().any(|v| v.running) && views.iter().all(|v| v.remaining >= 1));
+    let before = views.clone();
+    let mut fork = e.fork();
+    let ahead = drain(&mut fork);
+    // The original has not moved.
+    assert_eq!(e.sequences(), before);
+    let rest = drain(&mut e);
+    assert_eq!(ahead, rest, "the fork produced exactly the engine's future");
+    for v in &before {
+        let (_, _, completion, _, _) = finished(&rest, v.id);
+        assert_eq!(completion, v.generated + v.remaining, "request {}", v.id);
+    }
+    // The prefix lookup counts what admission would: a cached prompt's full blocks but its last.
+    let p = prompt(0, 400);
+    let hashes = e.prompt_hashes(&p);
+    assert_eq!(hashes.len(), 25);
+    assert_eq!(e.cached_prefix_tokens(&hashes, p.len()), 384);
+    let other = prompt(9, 400);
+    assert_eq!(e.cached_prefix_tokens(&e.prompt_hashes(&other), other.len()), 0);
+}

@@ -29,11 +29,14 @@ pub const PRESET_VARIANTS: [&str; 3] = [
     "kv_load@preset=ray_kv_biased",
 ];
 
-/// What the benchmark compares when `--policies` is not given: every policy, then the presets.
+/// What the benchmark compares when `--policies` is not given: every policy, then the presets, then
+/// the oracle ([`crate::oracle`]: the limit, which no deployable policy can reach; the report labels
+/// it so and ranks the policies without it).
 pub fn bench_policies() -> Vec<String> {
     POLICIES
         .iter()
         .chain(&PRESET_VARIANTS)
+        .chain(&[crate::oracle::ORACLE])
         .map(|s| s.to_string())
         .collect()
 }
@@ -169,10 +172,12 @@ mod tests {
     }
 
     #[test]
-    fn bench_policies_are_the_policies_then_valid_presets() {
+    fn bench_policies_are_the_policies_then_valid_presets_then_the_oracle() {
         let p = bench_policies();
         assert_eq!(p[..POLICIES.len()], default_policies()[..]);
-        assert_eq!(p[POLICIES.len()..], PRESET_VARIANTS.map(String::from)[..]);
+        let n = POLICIES.len() + PRESET_VARIANTS.len();
+        assert_eq!(p[POLICIES.len()..n], PRESET_VARIANTS.map(String::from)[..]);
+        assert_eq!(p[n..], [crate::oracle::ORACLE.to_string()]);
         for v in PRESET_VARIANTS {
             crate::bench::run::routing(v).unwrap();
         }

@@ -2,6 +2,7 @@
 //! replicas in virtual time. The demo and the bench both call [`replay`], so a figure in the README
 //! and one in docs/results.md come from the same code path.
 
+use crate::oracle::Weights;
 use crate::{FilterModule, Harness, HarnessConfig, HarnessStats, ProxySpread};
 use kvsteer_workload::{Driver, Mode, Summary, Workload};
 use serde_json::{Value, json};
@@ -38,6 +39,8 @@ impl Outcome {
             "ticks": s.ticks,
             "callouts": s.callouts,
             "request_body_chunks": s.request_body_chunks,
+            "oracle_placed": s.oracle_placed,
+            "oracle_moved": s.oracle_moved,
             "response_body_chunks": s.response_body_chunks,
             "request_filter_us_mean": if s.requests > 0 {
                 s.request_filter_ns as f64 / s.requests as f64 / 1e3
@@ -54,8 +57,17 @@ impl Outcome {
 ///
 /// `policy` is a policy name or a variant of one, `NAME@KEY=VALUE@...`: each `KEY=VALUE` sets a
 /// field in the policy's own section, e.g. `kv_load@overlap_credit=2` or `kv_load@preset=dynamo`
-/// (see [`routing`]).
+/// (see [`routing`]); or [`crate::oracle::ORACLE`], the limit: the harness places every request itself
+/// ([`crate::oracle`]; `oracle@decode=1@stall=1` sets its [`Weights`]) while the filter, set to `round_robin` (the cheapest policy: its choice is
+/// overridden), still carries the requests.
 pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> HarnessConfig {
+    if let Some(weights) = Weights::from_spec(policy) {
+        let mut cfg = config("round_robin", block_size, seed, workers);
+        // A malformed oracle spec was refused by `check_spec` before any run; here it falls back to
+        // the defaults rather than to a filter policy of that name.
+        cfg.oracle = Some(weights.unwrap_or_default());
+        return cfg;
+    }
     let mut cfg = HarnessConfig::small(policy);
     cfg.workers = workers;
     cfg.engine = super::scenario::Scenario::engine(block_size, seed);
@@ -142,6 +154,20 @@ pub fn routing(spec: &str) -> Result<Value, String> {
     Ok(r)
 }
 
+/// Checks a `--policies` entry before anything runs: an oracle spec ([`Weights::from_spec`]), or a spec [`routing`] accepts.
+pub fn check_spec(spec: &str) -> Result<(), String> {
+    match Weights::from_spec(spec) {
+        Some(w) => w.map(|_| ()),
+        None => routing(spec).map(|_| ()),
+    }
+}
+
+/// Whether a policy spec is the oracle's (`oracle`, `oracle@decode=1`, ...): the limit, which the
+/// report labels as such and leaves out when it ranks the policies.
+pub fn is_oracle(spec: &str) -> bool {
+    Weights::from_spec(spec).is_some()
+}
+
 /// Replays `workload` driven by `mode` through the filter under `policy`; `progress(done, total)` is
 /// called as requests finish.
 pub fn replay(
@@ -198,6 +224,7 @@ pub fn replay_proxies(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::oracle::ORACLE;
 
     #[test]
     fn policy_specs_become_routing_sections() {
@@ -232,5 +259,24 @@ mod tests {
         assert_eq!(cfg.routing["kv_load"]["prefill_scale"], json!(4.0));
         assert_eq!(cfg.routing["block_size"], json!(64));
         assert_eq!(cfg.routing["seed"], json!(ROUTER_SEED + 2));
+    }
+
+    #[test]
+    fn the_oracle_is_a_harness_setting_not_a_filter_policy() {
+        assert!(routing(ORACLE).is_err(), "the filter has no oracle");
+        assert_eq!(check_spec(ORACLE), Ok(()));
+        assert!(check_spec("kv_load@overlap_credit=2").is_ok());
+        assert!(check_spec("oracle@x=1").is_err());
+        assert!(check_spec("oracle@decode=1").is_ok());
+        assert!(is_oracle("oracle@decode=1") && is_oracle(ORACLE) && !is_oracle("kv_load"));
+        let c = config(ORACLE, 64, 1, 2);
+        assert_eq!(c.oracle, Some(Weights::default()));
+        assert_eq!(
+            config("oracle@decode=1", 16, 0, 2).oracle.map(|w| w.decode),
+            Some(1.0)
+        );
+        assert_eq!(c.routing["policy"], json!("round_robin"));
+        assert_eq!(c.routing["block_size"], json!(64));
+        assert_eq!(config("kv_load", 64, 1, 2).oracle, None);
     }
 }

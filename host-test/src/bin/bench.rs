@@ -87,7 +87,7 @@ fn parse_args() -> Result<Args, String> {
         }
     }
     for p in &a.policies {
-        kvsteer_host_test::bench::run::routing(p)?;
+        kvsteer_host_test::bench::run::check_spec(p)?;
     }
     if a.workers == 0 || a.jobs == 0 || a.seeds == Some(0) || a.policies.is_empty() {
         return Err(
