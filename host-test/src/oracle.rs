@@ -82,7 +82,10 @@ impl Weights {
         let mut w = Weights::default();
         for kv in parts {
             let parsed = kv.split_once('=').and_then(|(k, v)| {
-                let v: f64 = v.parse().ok().filter(|v: &f64| v.is_finite() && *v >= 0.0)?;
+                let v: f64 = v
+                    .parse()
+                    .ok()
+                    .filter(|v: &f64| v.is_finite() && *v >= 0.0)?;
                 Some((k, v))
             });
             match parsed {
@@ -348,7 +351,10 @@ mod tests {
         let holder = c.estimates.iter().find(|e| e.replica == 1).unwrap();
         assert_eq!(holder.cached_tokens, 8_000);
         let cold = c.estimates.iter().find(|e| e.replica == 0).unwrap();
-        assert!(cold.complete && cold.ttft_us > holder.ttft_us + 100_000.0, "{c:?}");
+        assert!(
+            cold.complete && cold.ttft_us > holder.ttft_us + 100_000.0,
+            "{c:?}"
+        );
     }
 
     #[test]
@@ -387,7 +393,10 @@ mod tests {
             e.advance(now, &mut out);
         }
         let views: Vec<_> = es.iter().map(|e| e.sequences()[0]).collect();
-        assert!(views[0].remaining > 3_000 && views[1].remaining < 30, "{views:?}");
+        assert!(
+            views[0].remaining > 3_000 && views[1].remaining < 30,
+            "{views:?}"
+        );
         let decode = Weights {
             decode: 1.0,
             ..Weights::default()
@@ -417,7 +426,12 @@ mod tests {
         );
         assert_eq!(Weights::from_spec("kv_load"), None);
         assert_eq!(Weights::from_spec("oracles"), None);
-        for bad in ["oracle@decode", "oracle@decode=-1", "oracle@x=1", "oracle@stall=nan"] {
+        for bad in [
+            "oracle@decode",
+            "oracle@decode=-1",
+            "oracle@x=1",
+            "oracle@stall=nan",
+        ] {
             assert!(matches!(Weights::from_spec(bad), Some(Err(_))), "{bad}");
         }
     }

@@ -14,7 +14,8 @@ pub mod profile;
 pub mod tokenize;
 
 pub use engine::{
-    Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats, FinishReason, SeqView, SubmitError,
+    Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats, FinishReason, SeqView,
+    SubmitError,
 };
 pub use output::{OutputLen, output_token};
 pub use profile::{Profile, StepWork};

@@ -444,5 +444,8 @@ fn a_fork_runs_ahead_exactly_as_the_engine_would_and_leaves_it_alone() {
     assert_eq!(hashes.len(), 25);
     assert_eq!(e.cached_prefix_tokens(&hashes, p.len()), 384);
     let other = prompt(9, 400);
-    assert_eq!(e.cached_prefix_tokens(&e.prompt_hashes(&other), other.len()), 0);
+    assert_eq!(
+        e.cached_prefix_tokens(&e.prompt_hashes(&other), other.len()),
+        0
+    );
 }

@@ -5,8 +5,9 @@
 //! `results/notes.md` and is included verbatim, so regenerating never loses it (its figures may go
 //! stale, which is why the claim checks are recomputed on every run).
 
-use super::run::Outcome;
+use super::run::{Outcome, is_oracle};
 use super::scenario::Scenario;
+use crate::oracle::ORACLE_NOTE;
 use kvsteer_workload::Summary;
 use kvsteer_workload::report::{decode_load_svg, hit_cv_scatter_svg, ttft_cdf_svg};
 use std::fmt::Write as _;
@@ -38,6 +39,27 @@ impl<'a> ScenarioRuns<'a> {
 
     pub fn cell(&self, policy: &str) -> Option<&Cell<'a>> {
         self.cells.iter().find(|c| c.policy == policy)
+    }
+
+    /// The policies a user could deploy: every cell but the oracle's (the limit is never ranked
+    /// among them).
+    pub fn deployable(&self) -> impl Iterator<Item = &Cell<'a>> {
+        self.cells.iter().filter(|c| !is_oracle(c.policy))
+    }
+
+    /// The oracle's cell: `oracle` itself, else the first oracle variant run.
+    pub fn oracle(&self) -> Option<&Cell<'a>> {
+        self.cell(crate::oracle::ORACLE)
+            .or_else(|| self.cells.iter().find(|c| is_oracle(c.policy)))
+    }
+}
+
+/// A policy as a table row names it: the oracle's rows say that they are the limit.
+pub fn row_label(policy: &str) -> String {
+    if is_oracle(policy) {
+        format!("{policy} ({ORACLE_NOTE})")
+    } else {
+        policy.to_string()
     }
 }
 
@@ -101,7 +123,7 @@ pub fn scenario_table(sr: &ScenarioRuns) -> String {
         let _ = writeln!(
             s,
             "| {} | {:.0} / {:.0} | {} | {:.1} / {:.1} | {} | {:.1} / {:.1} | {} | {} | {} | {} | {} |",
-            c.policy,
+            row_label(c.policy),
             c.median(|m| m.ttft_ms.p50),
             c.median(|m| m.ttft_ms.p90),
             show(c.spread(|m| m.ttft_ms.p99), 0),
@@ -115,6 +137,15 @@ pub fn scenario_table(sr: &ScenarioRuns) -> String {
             show(c.spread(|m| m.hit_rate * 100.0), 1),
             show(c.spread(cv), 3),
             c.runs.iter().map(|o| o.summary.failed).max().unwrap_or(0),
+        );
+    }
+    if sr.oracle().is_some() {
+        s.push_str(
+            "\nThe oracle row is the limit, not a policy: the harness places each request itself, \
+             knowing every request's true output length and the simulated engines' exact state \
+             (queues, remaining tokens, KV cache contents), greedily, one request at a time \
+             (docs/harness.md, \"The oracle\"). No router can know either; it is left out wherever \
+             policies are ranked.\n",
         );
     }
     s
@@ -131,8 +162,7 @@ pub fn claims(all: &[ScenarioRuns]) -> String {
     if let Some(rl) = all.iter().find(|r| r.scenario.group == "rl") {
         let _ = writeln!(s, "### RL stragglers (`{}`)\n", rl.scenario.id);
         let best = rl
-            .cells
-            .iter()
+            .deployable()
             .map(|c| (c.policy, c.median(|m| m.session_e2e_s.p99)))
             .min_by(|a, b| a.1.total_cmp(&b.1));
         if let (Some((bp, bv)), Some(kv), Some(sh)) =
@@ -152,8 +182,7 @@ pub fn claims(all: &[ScenarioRuns]) -> String {
             );
             let kv_max = kv.spread(|m| m.session_e2e_s.p99).max;
             let others_min = rl
-                .cells
-                .iter()
+                .deployable()
                 .filter(|c| c.policy != "kv_load")
                 .map(|c| c.spread(|m| m.session_e2e_s.p99).min)
                 .fold(f64::INFINITY, f64::min);
@@ -228,7 +257,7 @@ pub fn claims(all: &[ScenarioRuns]) -> String {
             let _ = writeln!(
                 s,
                 "| {} | {:.0} | {:.1} | {:.0} | {} |",
-                c.policy,
+                row_label(c.policy),
                 t,
                 c.median(|m| m.e2e_ms.p99) / 1e3,
                 c.median(|m| m.output_tokens_per_s),
@@ -236,6 +265,74 @@ pub fn claims(all: &[ScenarioRuns]) -> String {
             );
         }
         s.push('\n');
+    }
+    s
+}
+
+/// The default policy against the limit: per scenario, `kv_load`'s figures beside the oracle's on
+/// TTFT p50 and p99, TPOT p99 and output tokens a second (medians over seeds), their ratio, and the
+/// best deployable policy on each, so the report says how much room routing has left and where.
+/// Generated, never hand-written: the figures change with every run. Empty when no scenario ran both.
+pub fn limit_gap(all: &[ScenarioRuns]) -> String {
+    type Metric = (&'static str, fn(&Summary) -> f64, bool, usize);
+    const METRICS: [Metric; 4] = [
+        ("TTFT p50 ms", |m| m.ttft_ms.p50, true, 0),
+        ("TTFT p99 ms", |m| m.ttft_ms.p99, true, 0),
+        ("TPOT p99 ms", |m| m.tpot_ms.p99, true, 1),
+        ("output tok/s", |m| m.output_tokens_per_s, false, 0),
+    ];
+    let mut rows = String::new();
+    let mut beaten = Vec::new();
+    for r in all {
+        let (Some(kv), Some(or)) = (r.cell("kv_load"), r.oracle()) else {
+            continue;
+        };
+        let mut cols = Vec::new();
+        for (name, f, lower_better, d) in METRICS {
+            let (k, o) = (kv.median(f), or.median(f));
+            let best = r
+                .deployable()
+                .map(|c| (c.policy, c.median(f)))
+                .filter(|(_, v)| v.is_finite())
+                .min_by(|a, b| {
+                    if lower_better {
+                        a.1.total_cmp(&b.1)
+                    } else {
+                        b.1.total_cmp(&a.1)
+                    }
+                });
+            let best = best.map_or("-".into(), |(p, v)| format!("{p} {v:.d$}"));
+            cols.push(format!("{k:.d$} / {o:.d$} = {:.2}x; best {best}", k / o));
+            if (lower_better && k < o) || (!lower_better && k > o) {
+                beaten.push(format!("`{}` {name}", r.scenario.id));
+            }
+        }
+        let _ = writeln!(rows, "| `{}` | {} |", r.scenario.id, cols.join(" | "));
+    }
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut s = String::from(
+        "How far the default is from the limit: `kv_load` / `oracle` (medians over seeds) and their \
+         ratio (above 1 on latency, below 1 on tok/s: the distance left to the limit; the other way: \
+         `kv_load` did better than the oracle), then the best deployable policy on that figure. The \
+         oracle knows every request's true output \
+         length and the engines' exact state and places greedily, one request at a time, by its own \
+         time to first token and the stall its prefill puts on others; it is a reference point, not \
+         an optimum: it does not know what arrives next, and a policy that keeps room for later \
+         requests can beat it.\n\n\
+         | scenario | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | output tok/s |\n\
+         |---|---|---|---|---|\n",
+    );
+    s.push_str(&rows);
+    if beaten.is_empty() {
+        s.push_str("\nThe oracle is at least as good as `kv_load` on every figure above.\n");
+    } else {
+        let _ = writeln!(
+            s,
+            "\n`kv_load` beats the greedy oracle on: {}.",
+            beaten.join(", ")
+        );
     }
     s
 }
@@ -366,6 +463,95 @@ mod tests {
                 1
             ),
             "1.0"
+        );
+    }
+
+    /// An outcome with the figures the ranking tests read.
+    fn ranked(policy: &str, ttft_p99: f64, rollout_p99: f64, tok_s: f64) -> Outcome {
+        let mut o = outcome(policy, 0, ttft_p99);
+        o.summary.ttft_ms.p50 = ttft_p99 / 10.0;
+        o.summary.tpot_ms.p99 = 10.0;
+        o.summary.session_e2e_s.p99 = rollout_p99;
+        o.summary.output_tokens_per_s = tok_s;
+        o
+    }
+
+    fn rl_scenario() -> Scenario {
+        crate::bench::scenario::matrix(crate::bench::scenario::Scale::Smoke)
+            .into_iter()
+            .find(|s| s.group == "rl")
+            .unwrap()
+    }
+
+    #[test]
+    fn the_oracle_is_labelled_and_never_ranked_among_the_policies() {
+        let sc = rl_scenario();
+        let policies: Vec<String> = ["session_hash", "kv_load", "oracle"]
+            .map(String::from)
+            .to_vec();
+        // The oracle is best on rollout p99 and TTFT p99; kv_load is best among the policies.
+        let runs = [
+            ranked("session_hash", 80.0, 12.0, 900.0),
+            ranked("kv_load", 100.0, 10.0, 1000.0),
+            ranked("oracle", 50.0, 5.0, 950.0),
+        ];
+        let sr = ScenarioRuns::group(&sc, &policies, &runs);
+        let names: Vec<&str> = sr.deployable().map(|c| c.policy).collect();
+        assert_eq!(names, ["session_hash", "kv_load"]);
+        assert_eq!(sr.oracle().map(|c| c.policy), Some("oracle"));
+        let table = scenario_table(&sr);
+        assert!(
+            table.contains(&format!("| oracle ({ORACLE_NOTE}) |")),
+            "{table}"
+        );
+        assert!(table.contains("| kv_load |"));
+        let c = claims(std::slice::from_ref(&sr));
+        assert!(
+            c.contains("best is kv_load 10.0 s | yes"),
+            "the oracle must not take the best-policy claim: {c}"
+        );
+        assert!(c.contains("kv_load wins on every seed"), "{c}");
+        let gap = limit_gap(std::slice::from_ref(&sr));
+        // TTFT p99: kv_load 100 against the oracle's 50, and the best policy is session_hash, not
+        // the oracle.
+        assert!(
+            gap.contains("100 / 50 = 2.00x; best session_hash 80"),
+            "{gap}"
+        );
+        // Throughput: kv_load beats the oracle, and the report says so.
+        assert!(
+            gap.contains("1000 / 950 = 1.05x; best kv_load 1000"),
+            "{gap}"
+        );
+        assert!(
+            gap.contains("beats the greedy oracle on: `rl` output tok/s."),
+            "{gap}"
+        );
+    }
+
+    #[test]
+    fn no_gap_section_without_both_kv_load_and_the_oracle() {
+        let sc = rl_scenario();
+        let policies: Vec<String> = ["kv_load", "session_hash"].map(String::from).to_vec();
+        let runs = [
+            ranked("kv_load", 100.0, 10.0, 1000.0),
+            ranked("session_hash", 80.0, 12.0, 900.0),
+        ];
+        let sr = ScenarioRuns::group(&sc, &policies, &runs);
+        assert_eq!(limit_gap(std::slice::from_ref(&sr)), "");
+        assert!(!scenario_table(&sr).contains("limit"));
+        // A variant of the oracle counts as the limit too.
+        let policies: Vec<String> = ["kv_load", "oracle@decode=1"].map(String::from).to_vec();
+        let runs = [
+            ranked("kv_load", 100.0, 10.0, 1000.0),
+            ranked("oracle@decode=1", 90.0, 9.0, 1100.0),
+        ];
+        let sr = ScenarioRuns::group(&sc, &policies, &runs);
+        assert_eq!(sr.oracle().map(|c| c.policy), Some("oracle@decode=1"));
+        let gap = limit_gap(std::slice::from_ref(&sr));
+        assert!(
+            gap.contains("at least as good as `kv_load` on every figure"),
+            "{gap}"
         );
     }
 

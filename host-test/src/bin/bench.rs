@@ -21,7 +21,7 @@
 use kvsteer_host_test::artifact::workspace_root;
 use kvsteer_host_test::bench::args::{ArgReader, POLICIES, bench_policies, or_usage_exit, unknown};
 use kvsteer_host_test::bench::report::{
-    ScenarioRuns, claims, hit_cv_plot, scenario_plots, scenario_table,
+    ScenarioRuns, claims, hit_cv_plot, limit_gap, scenario_plots, scenario_table,
 };
 use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay_proxies};
 use kvsteer_host_test::bench::scenario::{Scale, Scenario, Source, matrix, proxy_matrix};
@@ -319,6 +319,10 @@ fn run(args: &Args) -> Result<(), String> {
         println!("\n## {}\n\n{}", g.scenario.id, scenario_table(g));
     }
     println!("{}", claims(&grouped));
+    let gap = limit_gap(&grouped);
+    if !gap.is_empty() {
+        println!("### The default against the limit\n\n{gap}");
+    }
     println!("total wall time {wall:.1} s");
     let meta = RunMeta {
         scale,
@@ -617,6 +621,12 @@ fn write_outputs(
     }
     md.push_str("\n## The published claims, checked\n\n");
     md.push_str(&claims(grouped));
+    let gap = limit_gap(grouped);
+    if !gap.is_empty() {
+        md.push_str("## The default against the limit (the oracle)\n\n");
+        md.push_str(&gap);
+        md.push('\n');
+    }
     let notes_path = dir.join("notes.md");
     if let Ok(notes) = std::fs::read_to_string(&notes_path) {
         md.push_str("## Analysis\n\n");
@@ -702,6 +712,11 @@ const HOW_TO_READ: &str = "## How to read this\n\n\
   run's span. **hit rate** is engine-reported cached prompt tokens over prompt tokens. **decode \
   CV** is the spread of KV blocks held by decoding requests across replicas (0: perfectly even; \
   docs/design.md section 7). Lower is better except tok/s and hit rate.\n\
+- The `oracle` row of a table is **the limit, not a policy**: the harness places each request \
+  itself, knowing every request's true output length and the simulated engines' exact state (queues, \
+  remaining tokens, KV cache contents), which no router can know (docs/harness.md, \"The oracle\"). \
+  It is left out wherever policies are ranked (the claims, the goals), and the section \"The default \
+  against the limit\" gives `kv_load`'s distance to it.\n\
 - A high hit rate is not the goal: a policy can hit the cache every time by sending everything to \
   one replica. The claims below are about trading hit rate for even decode load.\n\
 - Everything runs in virtual time: the engines are a model of vLLM on an H100 \
