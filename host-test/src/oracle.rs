@@ -350,11 +350,41 @@ mod tests {
         assert_eq!(c.replica, 1, "{c:?}");
         let holder = c.estimates.iter().find(|e| e.replica == 1).unwrap();
         assert_eq!(holder.cached_tokens, 8_000);
-        let cold = c.estimates.iter().find(|e| e.replica == 0).unwrap();
+        // The others were tried after it (more prefill to do) and abandoned once their forks ran
+        // past its cost.
+        assert_eq!(c.estimates[0].replica, 1, "{c:?}");
+        for e in &c.estimates[1..] {
+            assert!(!e.complete && e.cost_us >= holder.cost_us, "{c:?}");
+        }
+        // Without the bound, the cold replica's own prefill shows.
+        let req = OracleRequest {
+            id: 999,
+            prompt: &p,
+            output_tokens: 100,
+        };
+        let now = es.iter().map(Engine::now_us).max().unwrap();
+        let cold = estimate(now, &es[0], 0, 0, &req, Weights::default(), f64::INFINITY).unwrap();
         assert!(
             cold.complete && cold.ttft_us > holder.ttft_us + 100_000.0,
-            "{c:?}"
+            "{cold:?}"
         );
+        // The prediction is the engine's own future: placed there, the request's first token comes
+        // exactly when the fork said.
+        let mut real = es.swap_remove(1);
+        real.advance(now, &mut Vec::new());
+        submit(&mut real, 999, p.clone(), 100);
+        let mut out = Vec::new();
+        let first = loop {
+            let t = real.next_event_time().expect("the request is in flight");
+            real.advance(t, &mut out);
+            if let Some(t) = out.iter().find_map(|e| match e {
+                EngineEvent::FirstToken { id: 999, t_us, .. } => Some(*t_us),
+                _ => None,
+            }) {
+                break t;
+            }
+        };
+        assert_eq!((first - now) as f64, holder.ttft_us);
     }
 
     #[test]
