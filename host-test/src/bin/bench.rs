@@ -1,13 +1,15 @@
 //! The benchmark behind docs/results.md: every filter policy on the RL straggler workload, the
 //! coding-agent traces at 8..40 sessions in flight, Mooncake at its arrival times (and twice as fast)
 //! and the Azure no-reuse control, through `kvsteer_filter.wasm` in the wasmtime harness, on four
-//! identical simulated replicas in virtual time, over several seeds.
+//! identical simulated replicas in virtual time, over several seeds; and beside them the `oracle`,
+//! the limit (the harness places each request from the true output lengths and the engines' exact
+//! state: `kvsteer_host_test::oracle`), which the report labels as such and never ranks.
 //!
 //! `scripts/bench` builds everything and runs this. Options:
 //! `--quick` (cut-down workloads, one seed: minutes), `--smoke` (tiny slices, seconds; checks that the
 //! outputs are well-formed and exits non-zero if not), `--seeds N` (default 3; 1 with --quick/--smoke),
 //! `--policies a,b` (names, or variants `kv_load@overlap_credit=2@...` setting numbers in the policy's
-//! own section), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure; also the
+//! own section; `oracle` or `oracle@decode=1@stall=1` for the limit), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure; also the
 //! many-proxies scenarios, which only `--only` selects: group `proxies` (`rl-p1`, `rl-p2`, `rl-p4`,
 //! `weka-c16-p4`, ...: requests spread across 1, 2 or 4 independent proxies at random) and group
 //! `proxies-session` (the same ids ending in `s`: each session through one proxy); docs/proxies.md),
