@@ -110,29 +110,32 @@ def rl_slice(bench: Path, work: Path) -> dict:
             "concurrency": doc["concurrency"], "sessions": sessions}
 
 
-# Coding-agent prompts are cut at 2,000 trace blocks (128K trace tokens), the harness's cap.
+# Coding-agent requests over 2,000 trace blocks (128K trace tokens) are skipped, as the harness's
+# reader skips them (cutting them would replay the same first blocks with a made-up hit rate).
 MAX_CODING_BLOCKS = 2000
 
 
 def coding_slice(sessions_n: int, turns: int, words: int, out_cap: int, think_cap_s: float) -> dict:
     with lzma.open(REPO / "traces" / "weka_cc_sample36.jsonl.xz", "rt") as f:
         trace = [json.loads(line) for line in f]
-    picked = [s for s in trace if sum(1 for r in s["requests"] if r.get("type") != "subagent")
-              >= turns][:sessions_n]
+    def main_requests(s: dict) -> list[dict]:
+        return [r for r in s["requests"]
+                if r.get("type") != "subagent" and len(r["hash_ids"]) <= MAX_CODING_BLOCKS]
+
+    picked = [s for s in trace if len(main_requests(s)) >= turns][:sessions_n]
     sessions = []
     for s in picked:
         shared = (s.get("system_tokens", 0) + s.get("tool_tokens", 0)) // s["block_size"]
         out = []
-        for r in [r for r in s["requests"] if r.get("type") != "subagent"][:turns]:
-            blocks = r["hash_ids"][:MAX_CODING_BLOCKS]
+        for r in main_requests(s)[:turns]:
             text = "".join(block_text("weka-main" if i < shared else f"weka:{s['id']}", b, words)
-                           for i, b in enumerate(blocks))
+                           for i, b in enumerate(r["hash_ids"]))
             out.append({"prompt": text, "max_tokens": max(1, min(out_cap, r["out"])),
                         "think_us": int(min(think_cap_s, r.get("think_time", 0)) * 1e6)})
         sessions.append({"id": f"cc-{s['id']}", "turns": out})
-    return {"name": "coding", "source": f"traces/weka_cc_sample36: the first {sessions_n} sessions "
-            f"with {turns}+ main requests, their first {turns}; {words} words a 64-token block (prompts cut "
-            f"at {MAX_CODING_BLOCKS} blocks); output "
+    return {"name": "coding", "source": f"traces/weka_cc_sample36: {len(picked)} sessions (the "
+            f"first {sessions_n} at most) with {turns}+ main requests under {MAX_CODING_BLOCKS} blocks, their first {turns} such; "
+            f"{words} words a 64-token block; output "
             f"capped at {out_cap}, think time at {think_cap_s:g} s",
             "concurrency": len(sessions), "sessions": sessions}
 
@@ -447,14 +450,14 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS),
                     help="comma-separated labels (default: all)")
     ap.add_argument("--slices", default=",".join(SLICES))
-    ap.add_argument("--coding-sessions", type=int, default=16)
-    ap.add_argument("--coding-turns", type=int, default=6)
+    ap.add_argument("--coding-sessions", type=int, default=24)
+    ap.add_argument("--coding-turns", type=int, default=8)
     ap.add_argument("--coding-words", type=int, default=4, help="words a 64-token trace block")
     ap.add_argument("--coding-out-cap", type=int, default=256)
     ap.add_argument("--coding-think-cap-s", type=float, default=2.0)
-    ap.add_argument("--mooncake-requests", type=int, default=256)
+    ap.add_argument("--mooncake-requests", type=int, default=384)
     ap.add_argument("--mooncake-words", type=int, default=32, help="words a 512-token trace block")
-    ap.add_argument("--mooncake-concurrency", type=int, default=16)
+    ap.add_argument("--mooncake-concurrency", type=int, default=24)
     ap.add_argument("--mooncake-out-cap", type=int, default=256)
     ap.add_argument("--report-only", action="store_true",
                     help="rewrite peers.md and peers.svg from the last run's peers.json")
