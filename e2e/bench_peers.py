@@ -320,8 +320,11 @@ def fmt(v, f: str) -> str:
 
 
 def verdicts(results: dict) -> list[str]:
-    """Per slice and peer: is kvsteer's default at least as good on session p99 and TTFT p99?"""
+    """Per slice and peer: is kvsteer's default at least as good on session p99 and TTFT p99
+    (medians), with every run's figure beside them (runs i of both configurations were run back to
+    back), so a reader sees how much of a gap is noise."""
     lines = []
+    runs = results.get("runs", {})
     for sl, cfgs in results["slices"].items():
         k = cfgs.get("kvsteer kv_load")
         if not k:
@@ -330,17 +333,19 @@ def verdicts(results: dict) -> list[str]:
             if label == "kvsteer kv_load":
                 continue
             parts = []
-            for name, key, unit in (("session p99", ("rollout_s", "p99"), "s"),
-                                    ("TTFT p99", ("ttft_ms", "p99"), "ms")):
+            for name, key, f in (("session p99", ("rollout_s", "p99"), ".1f"),
+                                 ("TTFT p99", ("ttft_ms", "p99"), ".0f")):
                 a, b = k[key[0]][key[1]], s[key[0]][key[1]]
                 if a != a or b != b:
                     parts.append(f"{name}: no data")
                     continue
                 ratio = a / b if b else float("inf")
                 word_ = "at least as good" if a <= b else "behind"
-                parts.append(f"{name} {fmt(a, '.1f' if unit == 's' else '.0f')} vs "
-                             f"{fmt(b, '.1f' if unit == 's' else '.0f')} {unit} "
-                             f"({ratio:.2f}x, {word_})")
+                per = [" / ".join(fmt(r[key[0]][key[1]], f) for r in runs.get(sl, {}).get(lb, []))
+                       for lb in ("kvsteer kv_load", label)]
+                unit = "s" if key[0] == "rollout_s" else "ms"
+                parts.append(f"{name} {fmt(a, f)} vs {fmt(b, f)} {unit}, {ratio:.2f}x, {word_} "
+                             f"(runs: {per[0]} vs {per[1]})")
             lines.append(f"- {sl}, against {label}: " + "; ".join(parts))
     return lines
 
