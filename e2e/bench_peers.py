@@ -14,7 +14,7 @@ Three slices, text prompts for everyone (sglang-router refuses token-id prompts)
 - `coding`: sessions of the coding-agent trace (traces/weka_cc_sample36.jsonl.xz), every 64-token block
   of the trace written as `--coding-words` words, the system and tool prefix shared across sessions as
   the harness's reader shares it; output lengths and think times from the trace, capped;
-- `mooncake`: the first requests of the Mooncake trace (traces/mooncake_synthetic_trace.jsonl.xz), every
+- `mooncake`: the last requests of the Mooncake trace (traces/mooncake_synthetic_trace.jsonl.xz), every
   512-token block as `--mooncake-words` words (ids global, so requests share prefixes), replayed closed
   loop with `--mooncake-concurrency` in flight, one request a session.
 
@@ -140,18 +140,21 @@ def coding_slice(sessions_n: int, turns: int, words: int, out_cap: int, think_ca
             "concurrency": len(sessions), "sessions": sessions}
 
 
-def mooncake_slice(n: int, words: int, concurrency: int, out_cap: int) -> dict:
-    reqs = []
+def mooncake_slice(n: int, words: int, concurrency: int, out_cap: int, first: int = -1) -> dict:
+    """`n` consecutive requests of the Mooncake trace from request `first` (-1: the last `n`). The
+    trace's prefix reuse builds up over its span: among its first 384 requests 5.6% of the blocks
+    are an earlier request's prefix, among its last 384 67.6% (the whole trace: 64%), so the default
+    window is the trace's end."""
     with lzma.open(REPO / "traces" / "mooncake_synthetic_trace.jsonl.xz", "rt") as f:
-        for line in f:
-            reqs.append(json.loads(line))
-            if len(reqs) >= n:
-                break
+        lines = f.readlines()
+    start = max(0, len(lines) - n) if first < 0 else min(first, len(lines))
+    reqs = [json.loads(line) for line in lines[start:start + n]]
     sessions = [{"id": f"mc-{i}", "turns": [{
         "prompt": "".join(block_text("mooncake", b, words) for b in r["hash_ids"]),
         "max_tokens": max(1, min(out_cap, r["output_length"])), "think_us": 0}]}
         for i, r in enumerate(reqs)]
-    return {"name": "mooncake", "source": f"traces/mooncake_synthetic_trace: the first {n} requests, "
+    return {"name": "mooncake", "source": f"traces/mooncake_synthetic_trace: requests {start} to "
+            f"{start + len(reqs) - 1} of {len(lines)} (its end, where prefix reuse has built up), "
             f"{words} words a 512-token block, output capped at {out_cap}, closed loop",
             "concurrency": concurrency, "sessions": sessions}
 
@@ -365,6 +368,18 @@ def report(results: dict) -> str:
         f"client's wall times x {results['time_scale']:g} (engine time; the router's and client's "
         f"own overhead is magnified as much). Commit `{results['commit']}`, wall "
         f"{results['wall_s']:.0f} s on this 2-core machine.\n")
+    md.append(f"Reproduce: `scripts/bench-peers --repeat {results['repeat']} --out docs/results` "
+              f"(or `scripts/bench`, part 4). Every request carries its session in `x-session-id` "
+              f"(vllm-router's `consistent_hash` hashes it) and in `x-smg-routing-key` "
+              f"(sglang-router's `manual` pins it to a replica); the other policies ignore both. "
+              f"What the routers asked the replicas besides completions, seen in their traffic: "
+              f"vllm-router `cache_aware` renders every text prompt (`POST "
+              f"/v1/completions/render`) to route on token ids; sglang-router reads `/server_info` "
+              f"and `/model_info` when it registers a replica, and its `power_of_two` polls "
+              f"`/get_load` every 30 s of wall time (fixed in 0.3.2); vllm-router's `power_of_two` "
+              f"polls `/get_load` for an older shape than SGLang's and, as against vLLM, which has "
+              f"none, balances on its own in-flight counts. vllm-router's `kv_aware` (ZMQ KV events) "
+              f"and `sticky_least_loaded` were not run.\n")
     md.append("Session p99: first request sent to last answer received of a session (an RL "
               "rollout, a coding-agent session; for Mooncake, one request). Hit rate: the replicas' "
               "`cached_tokens` over prompt tokens. Router command lines (all other flags at the "
@@ -461,6 +476,8 @@ def main() -> int:
     ap.add_argument("--coding-out-cap", type=int, default=256)
     ap.add_argument("--coding-think-cap-s", type=float, default=2.0)
     ap.add_argument("--mooncake-requests", type=int, default=384)
+    ap.add_argument("--mooncake-first", type=int, default=-1,
+                    help="first request of the window (-1: the trace's last --mooncake-requests)")
     ap.add_argument("--mooncake-words", type=int, default=32, help="words a 512-token trace block")
     ap.add_argument("--mooncake-concurrency", type=int, default=24)
     ap.add_argument("--mooncake-out-cap", type=int, default=256)
@@ -482,7 +499,8 @@ def main() -> int:
         "coding": lambda: coding_slice(args.coding_sessions, args.coding_turns, args.coding_words,
                                        args.coding_out_cap, args.coding_think_cap_s),
         "mooncake": lambda: mooncake_slice(args.mooncake_requests, args.mooncake_words,
-                                           args.mooncake_concurrency, args.mooncake_out_cap),
+                                           args.mooncake_concurrency, args.mooncake_out_cap,
+                                           args.mooncake_first),
     }
     wanted_slices = [s for s in args.slices.split(",") if s]
     for s in wanted_slices:
