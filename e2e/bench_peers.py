@@ -134,7 +134,8 @@ def coding_slice(sessions_n: int, turns: int, words: int, out_cap: int, think_ca
                         "think_us": int(min(think_cap_s, r.get("think_time", 0)) * 1e6)})
         sessions.append({"id": f"cc-{s['id']}", "turns": out})
     return {"name": "coding", "source": f"traces/weka_cc_sample36: {len(picked)} sessions (the "
-            f"first {sessions_n} at most) with {turns}+ main requests under {MAX_CODING_BLOCKS} blocks, their first {turns} such; "
+            f"first {sessions_n} at most) with {turns}+ main requests under {MAX_CODING_BLOCKS} "
+            f"blocks, their first {turns} such; "
             f"{words} words a 64-token block; output "
             f"capped at {out_cap}, think time at {think_cap_s:g} s",
             "concurrency": len(sessions), "sessions": sessions}

@@ -50,7 +50,8 @@ class Slices(unittest.TestCase):
         doc = bp.mooncake_slice(40, 4, 8, 16)
         self.assertEqual(len(doc["sessions"]), 40)
         prompts = [s["turns"][0]["prompt"] for s in doc["sessions"]]
-        # Each block is 4 words of 5 bytes; some pair of the trace's last 40 requests shares a first block.
+        # Each block is 4 words of 5 bytes; some pair of the trace's last 40 requests shares a
+        # first block.
         block = 4 * 5
         starts = [p[:block] for p in prompts]
         self.assertLess(len(set(starts)), len(starts))
