@@ -433,14 +433,19 @@ def svg(results: dict) -> str:
     row_h, label_w, panel_w, gap = 16, 150, 240, 30
     panel_h = len(labels) * row_h + 40
     width = label_w + len(metrics) * (panel_w + gap) + 20
-    height = len(slices) * panel_h + 40
+    height = len(slices) * panel_h + 56
+    v = results["versions"]
+    envoy = next((p for p in v["envoy"].split("/") if p.count(".") == 2), v["envoy"])
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="sans-serif" font-size="11">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<text x="10" y="18" font-size="13">Peer routers vs kvsteer kv_load: median of '
-           f'{results["repeat"]} run(s), engine time (lower is better)</text>']
+           f'{results["repeat"]} run(s), engine time (lower is better)</text>',
+           f'<text x="10" y="34">sglang-router {v["sglang-router"]}, vllm-router '
+           f'{v["vllm-router"]}, Envoy {envoy} + kvsteer_filter.wasm; '
+           f'scripts/bench-peers --repeat {results["repeat"]}, commit {results["commit"]}</text>']
     for si, sl in enumerate(slices):
-        y0 = 40 + si * panel_h
+        y0 = 56 + si * panel_h
         out.append(f'<text x="10" y="{y0 + 12}" font-weight="bold">{sl}</text>')
         for mi, (mname, key, f) in enumerate(metrics):
             x0 = label_w + mi * (panel_w + gap)
