@@ -647,6 +647,22 @@ impl Engine {
         }
     }
 
+    /// Tokens the replica holds or has queued, as SGLang's `/get_load` counts them (`num_tokens`):
+    /// the KV blocks referenced by running sequences, in tokens, plus each waiting request's prompt
+    /// minus the prefix it would find cached if scheduled now.
+    pub fn load_tokens(&self) -> u64 {
+        let bs = self.cfg.block_size as u64;
+        let mut waiting = 0u64;
+        for &s in &self.waiting {
+            if let Some(seq) = &self.slots[s as usize] {
+                let hit = self.kv.lookup(&seq.hashes, seq.hashes.len());
+                let cached = (hit.gpu_blocks + hit.host_blocks) as u64 * bs;
+                waiting += (seq.tokens.len() as u64).saturating_sub(cached);
+            }
+        }
+        self.kv.referenced_blocks() as u64 * bs + waiting
+    }
+
     /// KV blocks held by decoding sequences (the decode-block CV, docs/design.md section 7).
     pub fn decode_blocks(&self) -> u64 {
         self.running

@@ -337,9 +337,42 @@ fn route(shared: &Shared, req: &Request, w: &mut TcpStream) -> io::Result<()> {
             Ok(v) => json_response(shared, w, &v, keep),
             Err(e) => error_response(shared, w, &e, keep),
         },
-        ("/v1/completions" | "/v1/chat/completions" | "/admin/fault", _) => {
-            error_response(shared, w, &method_err("POST"), keep)
+        // What the peer routers of docs/results/peers.md ask a replica besides generation:
+        // vLLM's tokenizer and renderer endpoints (vllm-router's cache_aware on text prompts) and
+        // SGLang's server, model and load reports (sglang-router's worker discovery and
+        // power_of_two).
+        ("/tokenize", "POST") => match tokenize_endpoint(shared, &req.body) {
+            Ok(v) => json_response(shared, w, &v, keep),
+            Err(e) => error_response(shared, w, &e, keep),
+        },
+        ("/v1/completions/render", "POST") => match render(shared, &req.body, Api::Completions) {
+            Ok(v) => json_response(shared, w, &v, keep),
+            Err(e) => error_response(shared, w, &e, keep),
+        },
+        ("/v1/chat/completions/render", "POST") => match render(shared, &req.body, Api::Chat) {
+            Ok(v) => json_response(shared, w, &v, keep),
+            Err(e) => error_response(shared, w, &e, keep),
+        },
+        ("/server_info" | "/get_server_info", "GET") => {
+            json_response(shared, w, &server_info(shared), keep)
         }
+        ("/model_info" | "/get_model_info", "GET") => {
+            json_response(shared, w, &model_info(shared), keep)
+        }
+        ("/get_load", "GET") => json_response(shared, w, &get_load(shared), keep),
+        (
+            "/v1/completions"
+            | "/v1/chat/completions"
+            | "/admin/fault"
+            | "/tokenize"
+            | "/v1/completions/render"
+            | "/v1/chat/completions/render",
+            _,
+        ) => error_response(shared, w, &method_err("POST"), keep),
+        (
+            "/server_info" | "/get_server_info" | "/model_info" | "/get_model_info" | "/get_load",
+            _,
+        ) => error_response(shared, w, &method_err("GET"), keep),
         ("/health", "GET") => http::write_response(
             w,
             200,
@@ -463,6 +496,101 @@ fn admin_fault(shared: &Shared, body: &[u8]) -> Result<Value, ApiError> {
         json!({"epoch": g.engine.epoch(), "slowdown": g.engine.slowdown(),
         "error_rate": g.faults.error_rate, "feed_outage": g.faults.feed_outage}),
     )
+}
+
+/// The request body as a JSON object, or an OpenAI-style error.
+fn body_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad("body", format!("malformed JSON: {e}")))?;
+    match v {
+        Value::Object(o) => Ok(o),
+        _ => Err(ApiError::bad(
+            "body",
+            "the request body must be a JSON object",
+        )),
+    }
+}
+
+/// The prompt's token ids as generation would compute them: `prompt` (completions) or `messages`
+/// (chat, with the server's framing).
+fn request_prompt(o: &serde_json::Map<String, Value>, api: Api) -> Result<Vec<u32>, ApiError> {
+    match api {
+        Api::Completions => completion_prompt(o.get("prompt")),
+        Api::Chat => chat_prompt(o.get("messages")),
+    }
+}
+
+/// `POST /tokenize`, as vLLM answers it: `{"prompt": ...}` or `{"messages": [...]}` to
+/// `{"count", "max_model_len", "tokens", "token_strs"}`, with the ids generation would use.
+fn tokenize_endpoint(shared: &Shared, body: &[u8]) -> Result<Value, ApiError> {
+    let o = body_object(body)?;
+    let api = if o.contains_key("messages") && !o.contains_key("prompt") {
+        Api::Chat
+    } else {
+        Api::Completions
+    };
+    let ids = request_prompt(&o, api)?;
+    let max_len = shared.lock().engine.config().max_model_len;
+    Ok(json!({"count": ids.len(), "max_model_len": max_len, "tokens": ids, "token_strs": null}))
+}
+
+static RENDERS: AtomicUsize = AtomicUsize::new(0);
+
+/// `POST /v1/completions/render` and `/v1/chat/completions/render`, as vLLM's renderer answers
+/// them: the token-in request generation would run (`token_ids`, `sampling_params`, `model`,
+/// `request_id`); a list of one for completions, the object itself for chat. Nothing is generated.
+fn render(shared: &Shared, body: &[u8], api: Api) -> Result<Value, ApiError> {
+    let o = body_object(body)?;
+    let ids = request_prompt(&o, api)?;
+    let model = match o.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        _ => shared.model.clone(),
+    };
+    let mut max_tokens = get_u32(&o, "max_tokens")?;
+    if api == Api::Chat {
+        max_tokens = get_u32(&o, "max_completion_tokens")?.or(max_tokens);
+    }
+    let n = RENDERS.fetch_add(1, Ordering::Relaxed);
+    let prefix = match api {
+        Api::Completions => "cmpl",
+        Api::Chat => "chatcmpl",
+    };
+    let one = json!({"request_id": format!("{prefix}-{}-render-{n}", shared.name),
+        "model": model, "token_ids": ids,
+        "sampling_params": {"max_tokens": max_tokens,
+            "ignore_eos": get_bool(&o, "ignore_eos")?}});
+    Ok(match api {
+        Api::Completions => json!([one]),
+        Api::Chat => one,
+    })
+}
+
+/// `GET /server_info` (and SGLang's older `/get_server_info`): the fields SGLang reports that the
+/// simulator has an answer for. No `model_path`: there is no model to load a tokenizer from.
+fn server_info(shared: &Shared) -> Value {
+    let g = shared.lock();
+    let cfg = g.engine.config();
+    json!({"served_model_name": shared.model, "version": env!("CARGO_PKG_VERSION"),
+        "dp_size": 1, "max_running_requests": cfg.max_running,
+        "max_prefill_tokens": cfg.max_batch_tokens,
+        "max_total_tokens": cfg.kv_blocks as u64 * cfg.block_size as u64,
+        "page_size": cfg.block_size, "context_length": cfg.max_model_len})
+}
+
+/// `GET /model_info` (and `/get_model_info`): a generation model without a tokenizer path.
+fn model_info(shared: &Shared) -> Value {
+    json!({"model_path": null, "tokenizer_path": null, "is_generation": true,
+        "model_type": "kvsteer-sim", "architectures": ["KvsteerSim"],
+        "served_model_name": shared.model})
+}
+
+/// `GET /get_load`, as SGLang answers it: one entry per data-parallel rank (one here) with the
+/// requests running and waiting and the tokens held or queued ([`Engine::load_tokens`]).
+fn get_load(shared: &Shared) -> Value {
+    let g = shared.lock();
+    let load = g.engine.load();
+    json!([{"dp_rank": 0, "num_reqs": load.running + load.waiting,
+        "num_waiting_reqs": load.waiting, "num_tokens": g.engine.load_tokens()}])
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -496,3 +496,98 @@ fn a_queued_streaming_client_that_leaves_is_dropped_from_the_queue() {
     );
     drop(holder);
 }
+
+#[test]
+fn peer_router_endpoints_tokenize_render_and_report_load() {
+    let rep = replica(2000);
+    let mut c = Client::new(&rep);
+    // Text and token-id prompts tokenize to what generation computes.
+    let r = c.post(
+        "/tokenize",
+        &json!({"model": "m", "prompt": "hello world, again"}),
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    let tokens = v["tokens"].as_array().unwrap().clone();
+    assert!(!tokens.is_empty());
+    assert_eq!(v["count"], tokens.len());
+    assert_eq!(v["max_model_len"], 4096);
+    let g = c.post(
+        "/v1/completions",
+        &json!({"prompt": "hello world, again", "max_tokens": 1}),
+    );
+    assert_eq!(g.json()["usage"]["prompt_tokens"], tokens.len());
+    let r = c.post("/tokenize", &json!({"prompt": [5, 6, 7]}));
+    assert_eq!(r.json()["tokens"], json!([5, 6, 7]));
+    let chat = json!({"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3});
+    let r = c.post("/tokenize", &chat);
+    assert_eq!(r.status, 200);
+    let chat_ids = r.json()["tokens"].clone();
+
+    // Render: a list of one token-in request for completions, the object itself for chat.
+    let r = c.post(
+        "/v1/completions/render",
+        &json!({"model": "m", "prompt": "hello world, again", "max_tokens": 9}),
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v.as_array().unwrap().len(), 1);
+    assert_eq!(v[0]["token_ids"], json!(tokens));
+    assert_eq!(v[0]["model"], "m");
+    assert_eq!(v[0]["sampling_params"]["max_tokens"], 9);
+    assert!(v[0]["request_id"].as_str().unwrap().starts_with("cmpl-"));
+    let r = c.post("/v1/chat/completions/render", &chat);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["token_ids"], chat_ids);
+    assert_eq!(r.json()["model"], "sim");
+
+    // Bad input gets an OpenAI error; the wrong method a 405.
+    assert_eq!(c.post("/tokenize", &json!({"prompt": 3})).status, 400);
+    assert_eq!(c.call("POST", "/v1/completions/render", "[1]").status, 400);
+    assert_eq!(c.call("GET", "/tokenize", "").status, 405);
+    assert_eq!(c.call("POST", "/get_load", "").status, 405);
+
+    // SGLang's discovery endpoints, new and old names.
+    for path in ["/server_info", "/get_server_info"] {
+        let r = c.call("GET", path, "");
+        assert_eq!(r.status, 200, "{path}");
+        let v = r.json();
+        assert_eq!(v["served_model_name"], "sim");
+        assert_eq!(v["dp_size"], 1);
+        assert!(v["max_total_tokens"].as_u64().unwrap() > 0);
+        assert!(v.get("model_path").is_none());
+    }
+    for path in ["/model_info", "/get_model_info"] {
+        let r = c.call("GET", path, "");
+        assert_eq!(r.status, 200, "{path}");
+        assert_eq!(r.json()["is_generation"], true);
+        assert_eq!(r.json()["tokenizer_path"], Value::Null);
+    }
+
+    // Load: idle, then with a long request decoding.
+    let r = c.call("GET", "/get_load", "");
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v[0]["dp_rank"], 0);
+    assert_eq!(v[0]["num_reqs"], 0);
+    assert_eq!(v[0]["num_tokens"], 0);
+    let mut busy = Client::new(&rep);
+    let body = json!({"prompt": ids(7, 320), "max_tokens": 2000, "ignore_eos": true,
+        "stream": true})
+    .to_string();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    busy.r.get_mut().write_all(req.as_bytes()).unwrap();
+    let mut seen = Value::Null;
+    for _ in 0..200 {
+        seen = c.call("GET", "/get_load", "").json();
+        if seen[0]["num_reqs"] == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(seen[0]["num_reqs"], 1, "{seen}");
+    assert!(seen[0]["num_tokens"].as_u64().unwrap() >= 320, "{seen}");
+}
