@@ -44,6 +44,9 @@ const INLINE: usize = 4;
 const OVERFLOW: [u16; INLINE] = [0, 1, 0, 0];
 /// End of the free list.
 const NO_SLOT: u64 = u64::MAX;
+/// The hash table doubles while it holds less than `capacity / TABLE_JUMP` blocks, then grows to
+/// the cap's size in one step (see `KvIndex::insert`).
+const TABLE_JUMP: usize = 8;
 /// Slots per slab chunk (1 MiB of slots): the slab's growth step.
 pub const SLAB_CHUNK: usize = 1 << 16;
 
@@ -444,11 +447,21 @@ impl KvIndex {
             }
             s as u32
         };
-        if self.table.len() == self.table.capacity() && self.table.len() < self.table_full {
-            self.rebuild_table();
+        let secret = self.secret;
+        if self.table.len() == self.table.capacity() {
+            if self.table.len() < self.table_full {
+                self.rebuild_table();
+            } else if self.table.len() >= self.capacity / TABLE_JUMP {
+                // Past an eighth of the cap, grow straight to the cap's size: doubling would hold
+                // the old and new tables at once (1.5x) at each step, and leave the old ones as
+                // holes that WebAssembly memory never gives back.
+                let more = self.capacity - self.table.len();
+                let slots = &self.slots;
+                self.table
+                    .reserve(more, |&s| mix(slots[s as usize].key, secret));
+            }
         }
         let slots = &self.slots;
-        let secret = self.secret;
         self.table.insert_unique(mix(key, secret), slot, |&s| {
             mix(slots[s as usize].key, secret)
         });
@@ -929,6 +942,30 @@ mod tests {
         assert_eq!(
             KvIndex::memory_bound(1_000_000, 16),
             16_000_000 + 16 * 24 + 125_000 + (1 << 21) * 5 + 24 + 16 * 16
+        );
+    }
+
+    #[test]
+    fn the_table_grows_to_the_caps_size_in_one_step_after_an_eighth() {
+        let cap = 100_000;
+        let mut ix = KvIndex::new(cap, 1, 0);
+        let keys: Vec<u64> = (0..cap as u64).collect();
+        ix.store(0, Tier::Gpu, &keys[..cap / 16]);
+        assert!(ix.table.capacity() < cap / 4, "doubling while small");
+        // The first growth at or past cap / 8 (here at 14,336 blocks, 2^14 buckets' worth).
+        ix.store(0, Tier::Gpu, &keys[..cap / 4]);
+        assert!(ix.table.capacity() >= cap, "{}", ix.table.capacity());
+        let at_jump = ix.table.allocation_size();
+        ix.store(0, Tier::Gpu, &keys);
+        assert_eq!(
+            ix.table.allocation_size(),
+            at_jump,
+            "no growth after the jump"
+        );
+        assert_eq!(
+            at_jump,
+            KvIndex::buckets_for(cap) * 5 + 16,
+            "the cap's size, not more"
         );
     }
 
