@@ -99,7 +99,7 @@ impl Slab {
     fn push(&mut self, slot: Slot, cap: usize) {
         let want = SLAB_CHUNK.min(cap.saturating_sub(self.len - self.len % SLAB_CHUNK).max(1));
         match self.chunks.last_mut() {
-            Some(c) if c.len() < SLAB_CHUNK && self.len % SLAB_CHUNK != 0 => {
+            Some(c) if c.len() < SLAB_CHUNK => {
                 if c.len() == c.capacity() {
                     // Only after a clone (which allocates just the length) or a cap smaller than
                     // the chunk: grow to the chunk's full size at once.
@@ -440,7 +440,7 @@ impl KvIndex {
             self.slots.push(Slot::live(key), self.capacity);
             if s / 64 >= self.referenced.len() {
                 // One word per 64 slots, grown a chunk's worth at a time.
-                let words = (self.capacity.div_ceil(64)).min(s / 64 + SLAB_CHUNK / 64);
+                let words = self.capacity.div_ceil(64).min(s / 64 + SLAB_CHUNK / 64);
                 self.referenced
                     .reserve_exact(words.saturating_sub(self.referenced.len()));
                 self.referenced.resize(words.max(s / 64 + 1), 0);
