@@ -3,8 +3,8 @@
 //! once is what the proxy keeps per worker. It must stay within the index's bound for the cap
 //! (`KvIndex::memory_bound`) plus the feed answers it was handed, with no room for the doubling
 //! copies and holes the index's containers used to leave (the `.wasm` before the chunked slab and the
-//! table's single step grew 12.1 MiB here, against 6.1 MiB now; the bound is 4.5 MiB plus 1.6 MiB of
-//! snapshots).
+//! table's single step grew 12.1 MiB here, against 6.4 MiB now; the bound is 4.5 MiB plus 1.6 MiB of
+//! snapshots, and 2 MiB of slack for the allocator and the rest of the filter).
 
 mod common;
 use common::*;
@@ -38,12 +38,12 @@ fn a_full_index_costs_a_worker_its_bound_and_the_snapshots_no_more() {
     assert_eq!(metric(&h, "kvsteer_feed_pending_blocks"), 0);
     // Each snapshot: the 80-byte header, two event headers, 8 bytes a block.
     let snapshots = REPLICAS * (80 + 12 + share as usize * 8);
-    let bound = KvIndex::memory_bound(CAP as usize, REPLICAS) + snapshots + (1 << 20);
+    let bound = KvIndex::memory_bound(CAP as usize, REPLICAS) + snapshots + (2 << 20);
     for (w, vm) in h.workers().iter().enumerate() {
         let grew = vm.memory_bytes() - start[w];
         assert!(
             grew <= bound,
-            "worker {w}: linear memory grew {grew} bytes, over {bound} (index bound, snapshots, 1 MiB)"
+            "worker {w}: linear memory grew {grew} bytes, over {bound} (index bound, snapshots, 2 MiB)"
         );
         // Not vacuous: the slots alone are 16 bytes a block.
         assert!(grew >= 16 * CAP as usize, "worker {w}: grew only {grew}");
