@@ -456,8 +456,9 @@ impl KvIndex {
                 // the old and new tables at once (1.5x) at each step, and leave the old ones as
                 // holes that WebAssembly memory never gives back. Not earlier: an index that stays
                 // between a quarter and half full would pay for the whole table (at a 1M cap the
-                // step skips the 2^20-bucket table, 5 MB; from an eighth it also skipped 2^19 and
-                // saved 0.6 MiB more when full, at 8 MB more for an index of 230k-460k blocks).
+                // step skips the 2^20-bucket table, 5 MB; stepping from an eighth also skipped 2^19
+                // and measured 0.6 MiB less per VM when full, but an index of 230k-460k blocks
+                // would then hold a 10.5 MB table where doubling holds 2.6 MB, by the sizes).
                 let more = self.capacity - self.table.len();
                 let slots = &self.slots;
                 self.table
