@@ -2,12 +2,20 @@
 //! and 4).
 //!
 //! Layout, chosen for a few tens of bytes per block and no allocation per block:
-//! - a slab of 24-byte [`Slot`]s: the sequence hash, up to four holders inline, a "referenced" bit;
+//! - a slab of 16-byte [`Slot`]s: the sequence hash and up to four holders inline;
+//! - a bitset of "referenced" bits, one per slot (kept out of the slot so that it fits 16 bytes);
 //! - a `hashbrown::HashTable<u32>` of slab positions (5 bytes a bucket, 7/8 load), keyed by the
 //!   sequence hash mixed with a per-index secret (hashes come from replicas, which are not trusted);
 //! - holders packed in a `u16`: replica index (13 bits, so up to [`MAX_REPLICAS`]) and a 3-bit tier mask
 //!   (a replica can hold the same block on GPU and in host memory at once); a block held by more than
 //!   four replicas moves its holder list to an overflow map.
+//!
+//! Memory (issue 17: every proxy worker VM holds its own index, and WebAssembly memory never shrinks,
+//! so what counts is the peak): the slab grows in chunks of [`SLAB_CHUNK`] slots that are never moved,
+//! sized so that the chunks together never exceed the cap, instead of a `Vec` that doubles (a doubling
+//! `Vec` holds its old and new copies at once, 1.5x the final size, and leaves the old ones behind as
+//! holes). Free slots form a list threaded through their own `key` field, so freeing a replica's
+//! million blocks allocates nothing. [`KvIndex::memory_bound`] is the most the index reserves for a cap.
 //!
 //! The hard cap counts distinct blocks. Eviction is *least recently touched* approximated by CLOCK
 //! (second chance): storing or matching a block sets its referenced bit, and the eviction hand clears
@@ -31,25 +39,108 @@ use crate::feed::Tier;
 /// Largest replica count the index can represent (13-bit replica field).
 pub const MAX_REPLICAS: usize = 1 << 13;
 const INLINE: usize = 4;
-/// `Slot::len` value meaning "holders live in the overflow map".
-const OVERFLOW: u8 = u8::MAX;
+/// `Slot::inline` of a block whose holders live in the overflow map: a live inline holder is never 0
+/// and inline holders are packed to the front, so `[0, 1, ..]` is no inline holder list.
+const OVERFLOW: [u16; INLINE] = [0, 1, 0, 0];
+/// End of the free list.
+const NO_SLOT: u64 = u64::MAX;
+/// The hash table doubles while it holds less than `capacity / TABLE_JUMP` blocks, then grows to
+/// the cap's size in one step (see `KvIndex::insert`).
+const TABLE_JUMP: usize = 4;
+/// Slots per slab chunk (1 MiB of slots): the slab's growth step.
+pub const SLAB_CHUNK: usize = 1 << 16;
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {
+    /// The block's sequence hash; in a free slot, the next free slot (`NO_SLOT`: none).
     key: u64,
+    /// Holders packed to the front, 0 past the last: all 0 in a free slot, [`OVERFLOW`] when the
+    /// holders are in `KvIndex::overflow`.
     inline: [u16; INLINE],
-    /// 0: free slot; 1..=INLINE: inline holders; OVERFLOW: see `KvIndex::overflow`.
-    len: u8,
-    referenced: bool,
 }
 
 impl Slot {
-    const FREE: Slot = Slot {
-        key: 0,
-        inline: [0; INLINE],
-        len: 0,
-        referenced: false,
-    };
+    #[inline]
+    fn live(key: u64) -> Slot {
+        Slot {
+            key,
+            inline: [0; INLINE],
+        }
+    }
+    #[inline]
+    fn is_free(&self) -> bool {
+        self.inline == [0; INLINE]
+    }
+    #[inline]
+    fn is_overflow(&self) -> bool {
+        self.inline == OVERFLOW
+    }
+    /// Inline holders (not for an overflow slot).
+    #[inline]
+    fn inline_len(&self) -> usize {
+        self.inline.iter().position(|&h| h == 0).unwrap_or(INLINE)
+    }
+}
+
+/// The slots, in chunks of at most [`SLAB_CHUNK`] that are allocated once, at their final size, and
+/// never moved; slot `i` is `chunks[i / SLAB_CHUNK][i % SLAB_CHUNK]`.
+#[derive(Clone, Debug, Default)]
+struct Slab {
+    chunks: Vec<Vec<Slot>>,
+    len: usize,
+}
+
+impl Slab {
+    fn len(&self) -> usize {
+        self.len
+    }
+    /// Appends a slot; a new chunk holds `min(SLAB_CHUNK, cap - len)` slots, so the chunks never
+    /// hold more than `cap` slots in all.
+    fn push(&mut self, slot: Slot, cap: usize) {
+        let want = SLAB_CHUNK.min(cap.saturating_sub(self.len - self.len % SLAB_CHUNK).max(1));
+        match self.chunks.last_mut() {
+            Some(c) if c.len() < SLAB_CHUNK => {
+                if c.len() == c.capacity() {
+                    // Only after a clone (which allocates just the length) or a cap smaller than
+                    // the chunk: grow to the chunk's full size at once.
+                    c.reserve_exact(want.max(c.len() + 1) - c.len());
+                }
+                c.push(slot);
+            }
+            _ => {
+                let mut c = Vec::with_capacity(want);
+                c.push(slot);
+                self.chunks.push(c);
+            }
+        }
+        self.len += 1;
+    }
+    fn iter(&self) -> impl Iterator<Item = &Slot> {
+        self.chunks.iter().flatten()
+    }
+    fn heap_bytes(&self) -> usize {
+        self.chunks.capacity() * size_of::<Vec<Slot>>()
+            + self
+                .chunks
+                .iter()
+                .map(|c| c.capacity() * size_of::<Slot>())
+                .sum::<usize>()
+    }
+}
+
+impl std::ops::Index<usize> for Slab {
+    type Output = Slot;
+    #[inline]
+    fn index(&self, i: usize) -> &Slot {
+        &self.chunks[i / SLAB_CHUNK][i % SLAB_CHUNK]
+    }
+}
+
+impl std::ops::IndexMut<usize> for Slab {
+    #[inline]
+    fn index_mut(&mut self, i: usize) -> &mut Slot {
+        &mut self.chunks[i / SLAB_CHUNK][i % SLAB_CHUNK]
+    }
 }
 
 #[inline]
@@ -92,8 +183,11 @@ pub type TierCounts = [u32; 3];
 #[derive(Clone, Debug)]
 pub struct KvIndex {
     table: HashTable<u32>,
-    slots: Vec<Slot>,
-    free: Vec<u32>,
+    slots: Slab,
+    /// CLOCK's referenced bit of each slot, 64 to a word.
+    referenced: Vec<u64>,
+    /// Head of the free list threaded through free slots' keys (`NO_SLOT`: empty).
+    free_head: u64,
     overflow: HashMap<u32, Vec<u16>>,
     capacity: usize,
     replicas: usize,
@@ -104,6 +198,9 @@ pub struct KvIndex {
     live: usize,
     evictions: u64,
     secret: u64,
+    /// The hash table's capacity when it had no tombstones (the most `capacity()` has been): below
+    /// it, a full table is full of tombstones (see `rebuild_table`).
+    table_full: usize,
 }
 
 impl KvIndex {
@@ -113,8 +210,9 @@ impl KvIndex {
         let replicas = replicas.clamp(1, MAX_REPLICAS);
         Self {
             table: HashTable::new(),
-            slots: Vec::new(),
-            free: Vec::new(),
+            slots: Slab::default(),
+            referenced: Vec::new(),
+            free_head: NO_SLOT,
             overflow: HashMap::new(),
             capacity: capacity_blocks.clamp(1, u32::MAX as usize),
             replicas,
@@ -124,6 +222,7 @@ impl KvIndex {
             live: 0,
             evictions: 0,
             secret,
+            table_full: 0,
         }
     }
 
@@ -160,11 +259,48 @@ impl KvIndex {
             .map(|v| v.capacity() * 2 + 24)
             .sum::<usize>()
             + self.overflow.capacity() * (4 + 24 + 1);
-        self.slots.capacity() * size_of::<Slot>()
-            + self.table.capacity() * (size_of::<u32>() + 1)
-            + self.free.capacity() * 4
-            + self.per_replica.capacity() * 8
+        self.slots.heap_bytes()
+            + self.referenced.capacity() * 8
+            + self.table_bytes()
+            + (self.per_replica.capacity() + self.hands.capacity()) * 8
             + overflow
+    }
+
+    /// Bytes of the hash table's allocation (its buckets and control bytes).
+    fn table_bytes(&self) -> usize {
+        self.table.allocation_size()
+    }
+
+    /// hashbrown's bucket count for a table of `cap` entries: at least 4, a power of two, at most
+    /// 7/8 full.
+    fn buckets_for(cap: usize) -> usize {
+        if cap < 4 {
+            4
+        } else if cap < 8 {
+            8
+        } else {
+            (cap * 8).div_ceil(7).next_power_of_two()
+        }
+    }
+
+    /// The most heap [`KvIndex::heap_bytes`] counts for an index of this cap and replica count, blocks
+    /// held by more than four replicas (the overflow map) aside: 16 bytes a slot up to the cap, one
+    /// bit a slot, the hash table sized for the cap (5 bytes a bucket, buckets the next power of two
+    /// of 8/7 of the cap: 10.5 bytes a block at a cap of 1M, 5.7 at 900k), 16 bytes a replica. Each
+    /// worker VM pays it once; docs/filter.md has the figures.
+    pub fn memory_bound(capacity_blocks: usize, replicas: usize) -> usize {
+        let cap = capacity_blocks.clamp(1, u32::MAX as usize);
+        let replicas = replicas.clamp(1, MAX_REPLICAS);
+        let chunks = cap.div_ceil(SLAB_CHUNK);
+        // Control bytes: one a bucket plus a trailing group (16 bytes at most), and the bucket
+        // array's alignment.
+        cap * size_of::<Slot>()
+            + chunks.next_power_of_two().max(4) * size_of::<Vec<Slot>>()
+            + cap.div_ceil(64) * 8
+            + Self::buckets_for(cap) * (size_of::<u32>() + 1)
+            + 16
+            + 8
+            + replicas * 16
     }
 
     #[inline]
@@ -177,11 +313,24 @@ impl KvIndex {
 
     fn holders(&self, slot: u32) -> &[u16] {
         let s = &self.slots[slot as usize];
-        if s.len == OVERFLOW {
+        if s.is_overflow() {
             self.overflow.get(&slot).map_or(&[], |v| v.as_slice())
         } else {
-            &s.inline[..s.len as usize]
+            &s.inline[..s.inline_len()]
         }
+    }
+
+    #[inline]
+    fn set_referenced(&mut self, slot: usize) {
+        self.referenced[slot / 64] |= 1 << (slot % 64);
+    }
+    #[inline]
+    fn is_referenced(&self, slot: usize) -> bool {
+        self.referenced[slot / 64] & (1 << (slot % 64)) != 0
+    }
+    #[inline]
+    fn clear_referenced(&mut self, slot: usize) {
+        self.referenced[slot / 64] &= !(1 << (slot % 64));
     }
 
     /// Records that `replica` stores `keys` on `tier`. Out-of-range replicas are ignored (returns false).
@@ -195,7 +344,7 @@ impl KvIndex {
                 Some(s) => s,
                 None => self.insert(key, replica),
             };
-            self.slots[slot as usize].referenced = true;
+            self.set_referenced(slot as usize);
             self.add_holder(slot, replica, bit);
         }
         true
@@ -222,7 +371,7 @@ impl KvIndex {
             return;
         }
         for slot in 0..self.slots.len() as u32 {
-            if self.slots[slot as usize].len != 0 {
+            if !self.slots[slot as usize].is_free() {
                 self.drop_holder(slot, replica, 0b111);
             }
         }
@@ -246,10 +395,10 @@ impl KvIndex {
                 let Some(slot) = *f else { return };
                 let mut any = false;
                 let s = &self.slots[slot as usize];
-                let holders: &[u16] = if s.len == OVERFLOW {
+                let holders: &[u16] = if s.is_overflow() {
                     self.overflow.get(&slot).map_or(&[], |v| v.as_slice())
                 } else {
-                    &s.inline[..s.len as usize]
+                    &s.inline[..s.inline_len()]
                 };
                 for &h in holders {
                     let r = holder_replica(h);
@@ -262,7 +411,7 @@ impl KvIndex {
                 if !any {
                     return;
                 }
-                self.slots[slot as usize].referenced = true;
+                self.set_referenced(slot as usize);
             }
         }
     }
@@ -280,27 +429,72 @@ impl KvIndex {
         if self.live >= self.capacity {
             self.make_room(for_replica);
         }
-        let slot = match self.free.pop() {
-            Some(s) => {
-                self.slots[s as usize] = Slot { key, ..Slot::FREE };
-                s
+        let slot = if self.free_head != NO_SLOT {
+            let s = self.free_head as u32;
+            self.free_head = self.slots[s as usize].key;
+            self.slots[s as usize] = Slot::live(key);
+            self.clear_referenced(s as usize);
+            s
+        } else {
+            let s = self.slots.len();
+            self.slots.push(Slot::live(key), self.capacity);
+            if s / 64 >= self.referenced.len() {
+                // One word per 64 slots, grown a chunk's worth at a time.
+                let words = self.capacity.div_ceil(64).min(s / 64 + SLAB_CHUNK / 64);
+                self.referenced
+                    .reserve_exact(words.saturating_sub(self.referenced.len()));
+                self.referenced.resize(words.max(s / 64 + 1), 0);
             }
-            None => {
-                if self.slots.len() == self.slots.capacity() {
-                    let room = self.capacity.saturating_sub(self.slots.len()).max(1);
-                    self.slots.reserve_exact(self.slots.len().max(16).min(room));
-                }
-                self.slots.push(Slot { key, ..Slot::FREE });
-                (self.slots.len() - 1) as u32
-            }
+            s as u32
         };
-        let slots = &self.slots;
         let secret = self.secret;
+        if self.table.len() == self.table.capacity() {
+            if self.table.len() < self.table_full {
+                self.rebuild_table();
+            } else if self.table.len() >= self.capacity / TABLE_JUMP {
+                // Past a quarter of the cap, grow straight to the cap's size: doubling would hold
+                // the old and new tables at once (1.5x) at each step, and leave the old ones as
+                // holes that WebAssembly memory never gives back. Not earlier: an index that stays
+                // between a quarter and half full would pay for the whole table (at a 1M cap the
+                // step skips the 2^20-bucket table, 5 MB; stepping from an eighth also skipped 2^19
+                // and measured 0.6 MiB less per VM when full, but an index of 230k-460k blocks
+                // would then hold a 10.5 MB table where doubling holds 2.6 MB, by the sizes).
+                let more = self.capacity - self.table.len();
+                let slots = &self.slots;
+                self.table
+                    .reserve(more, |&s| mix(slots[s as usize].key, secret));
+            }
+        }
+        let slots = &self.slots;
         self.table.insert_unique(mix(key, secret), slot, |&s| {
             mix(slots[s as usize].key, secret)
         });
+        self.table_full = self.table_full.max(self.table.capacity());
         self.live += 1;
         slot
+    }
+
+    /// Empties the hash table in place and inserts every live slot again. hashbrown leaves a
+    /// tombstone for some removals, and once tombstones use up the table's room it rehashes in place
+    /// only when at most half its capacity is live, otherwise it doubles: an index churning at a cap
+    /// of 1M (48% of its 2M buckets) doubled its table to 4M buckets (+10 MB) after about ten million
+    /// evictions, measured. The index never holds more than the cap, so the room is there, only
+    /// taken by tombstones: clearing them costs one pass, as hashbrown's own rehash would, and no
+    /// memory.
+    fn rebuild_table(&mut self) {
+        self.table.clear();
+        let secret = self.secret;
+        for s in 0..self.slots.len() {
+            let slot = &self.slots[s];
+            if slot.is_free() {
+                continue;
+            }
+            let slots = &self.slots;
+            self.table
+                .insert_unique(mix(slot.key, secret), s as u32, |&i| {
+                    mix(slots[i as usize].key, secret)
+                });
+        }
     }
 
     /// Frees one slot for a block `storing` is about to add (see the module docs on fair shares).
@@ -352,11 +546,11 @@ impl KvIndex {
         for _ in 0..=2 * n {
             let s = hand;
             hand = if hand + 1 >= n { 0 } else { hand + 1 };
-            if self.slots[s].len == 0 || !self.slot_held_by(s, replica) {
+            if self.slots[s].is_free() || !self.slot_held_by(s, replica) {
                 continue;
             }
-            if self.slots[s].referenced {
-                self.slots[s].referenced = false;
+            if self.is_referenced(s) {
+                self.clear_referenced(s);
                 continue;
             }
             self.hands[replica] = hand;
@@ -374,12 +568,11 @@ impl KvIndex {
         for _ in 0..=2 * n {
             let s = self.hand;
             self.hand = if self.hand + 1 >= n { 0 } else { self.hand + 1 };
-            let slot = &mut self.slots[s];
-            if slot.len == 0 {
+            if self.slots[s].is_free() {
                 continue;
             }
-            if slot.referenced {
-                slot.referenced = false;
+            if self.is_referenced(s) {
+                self.clear_referenced(s);
                 continue;
             }
             self.free_slot(s as u32);
@@ -397,24 +590,31 @@ impl KvIndex {
         {
             entry.remove();
         }
-        let holders: Vec<u16> = if self.slots[slot as usize].len == OVERFLOW {
-            self.overflow.remove(&slot).unwrap_or_default()
+        let s = self.slots[slot as usize];
+        if s.is_overflow() {
+            for h in self.overflow.remove(&slot).unwrap_or_default() {
+                let r = holder_replica(h);
+                self.per_replica[r] = self.per_replica[r].saturating_sub(1);
+            }
         } else {
-            let s = &self.slots[slot as usize];
-            s.inline[..s.len as usize].to_vec()
-        };
-        for h in holders {
-            let r = holder_replica(h);
-            self.per_replica[r] = self.per_replica[r].saturating_sub(1);
+            for &h in &s.inline[..s.inline_len()] {
+                let r = holder_replica(h);
+                self.per_replica[r] = self.per_replica[r].saturating_sub(1);
+            }
         }
-        self.slots[slot as usize] = Slot::FREE;
-        self.free.push(slot);
+        // Pushed on the free list: the slot's key holds the old head.
+        self.slots[slot as usize] = Slot {
+            key: self.free_head,
+            inline: [0; INLINE],
+        };
+        self.free_head = slot as u64;
+        self.clear_referenced(slot as usize);
         self.live -= 1;
     }
 
     fn add_holder(&mut self, slot: u32, replica: usize, bit: u8) {
         let s = &mut self.slots[slot as usize];
-        if s.len == OVERFLOW {
+        if s.is_overflow() {
             let v = self.overflow.entry(slot).or_default();
             if let Some(h) = v.iter_mut().find(|h| holder_replica(**h) == replica) {
                 *h |= bit as u16;
@@ -424,7 +624,7 @@ impl KvIndex {
             }
             return;
         }
-        let len = s.len as usize;
+        let len = s.inline_len();
         if let Some(h) = s.inline[..len]
             .iter_mut()
             .find(|h| holder_replica(**h) == replica)
@@ -435,12 +635,11 @@ impl KvIndex {
         self.per_replica[replica] += 1;
         if len < INLINE {
             s.inline[len] = holder(replica, bit);
-            s.len += 1;
         } else {
             let mut v = Vec::with_capacity(INLINE * 2);
             v.extend_from_slice(&s.inline);
             v.push(holder(replica, bit));
-            s.len = OVERFLOW;
+            s.inline = OVERFLOW;
             self.overflow.insert(slot, v);
         }
     }
@@ -448,7 +647,7 @@ impl KvIndex {
     /// Clears `bits` of `replica`'s tier mask on a block; frees the block when nobody holds it.
     fn drop_holder(&mut self, slot: u32, replica: usize, bits: u8) {
         let s = &mut self.slots[slot as usize];
-        let remaining = if s.len == OVERFLOW {
+        let remaining = if s.is_overflow() {
             let Some(v) = self.overflow.get_mut(&slot) else {
                 return;
             };
@@ -462,17 +661,17 @@ impl KvIndex {
             }
             if v.len() <= INLINE {
                 let n = v.len();
+                s.inline = [0; INLINE];
                 s.inline[..n].copy_from_slice(v);
-                s.len = n as u8;
                 self.overflow.remove(&slot);
             }
-            if s.len == OVERFLOW {
+            if s.is_overflow() {
                 INLINE + 1
             } else {
-                s.len as usize
+                s.inline_len()
             }
         } else {
-            let len = s.len as usize;
+            let len = s.inline_len();
             let Some(i) = s.inline[..len]
                 .iter()
                 .position(|h| holder_replica(*h) == replica)
@@ -482,10 +681,10 @@ impl KvIndex {
             s.inline[i] &= !(bits as u16);
             if holder_mask(s.inline[i]) == 0 {
                 s.inline[i] = s.inline[len - 1];
-                s.len -= 1;
+                s.inline[len - 1] = 0;
                 self.per_replica[replica] = self.per_replica[replica].saturating_sub(1);
             }
-            s.len as usize
+            s.inline_len()
         };
         if remaining == 0 {
             self.free_slot(slot);
@@ -503,8 +702,10 @@ impl KvIndex {
         }
         let mut per = vec![0u64; self.replicas];
         let mut live = 0;
+        let mut free = 0;
         for (i, s) in self.slots.iter().enumerate() {
-            if s.len == 0 {
+            if s.is_free() {
+                free += 1;
                 continue;
             }
             live += 1;
@@ -523,6 +724,28 @@ impl KvIndex {
         }
         if live != self.live {
             return Err(format!("counted {live} live vs {}", self.live));
+        }
+        let mut on_list = 0;
+        let mut next = self.free_head;
+        while next != NO_SLOT {
+            if next as usize >= self.slots.len() || !self.slots[next as usize].is_free() {
+                return Err(format!("free list reaches slot {next}, not a free slot"));
+            }
+            on_list += 1;
+            if on_list > free {
+                return Err("free list longer than the free slots (a cycle)".into());
+            }
+            next = self.slots[next as usize].key;
+        }
+        if on_list != free {
+            return Err(format!("{free} free slots, {on_list} on the free list"));
+        }
+        if self.slots.len() > self.capacity {
+            return Err(format!(
+                "{} slots over cap {}",
+                self.slots.len(),
+                self.capacity
+            ));
         }
         if per != self.per_replica {
             return Err(format!("per replica {per:?} vs {:?}", self.per_replica));
@@ -674,6 +897,109 @@ mod tests {
         assert_eq!(tiny.share(), 1);
         assert!(tiny.len() <= 2);
         tiny.check_invariants().unwrap();
+    }
+
+    /// The index never reserves more than `memory_bound` for its cap, however it is filled, flooded,
+    /// reset and churned: the slab's chunks stop at the cap, and tombstones never make the table
+    /// grow past the size the cap needs (hashbrown doubled it under churn before `rebuild_table`).
+    #[test]
+    fn memory_stays_within_the_bound_for_the_cap() {
+        for (cap, replicas) in [(1, 1), (7, 2), (1000, 4), (70_000, 3), (200_000, 16)] {
+            let mut ix = KvIndex::new(cap, replicas, 3);
+            let bound = KvIndex::memory_bound(cap, replicas);
+            let mut peak = 0;
+            let mut x = 0x9E37_79B9u64 ^ cap as u64;
+            // Five caps' worth of random blocks from random replicas (churn at the cap), with a
+            // replica reset every cap's worth.
+            for i in 0..5 * cap.max(64) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ix.store((x % replicas as u64) as usize, Tier::Gpu, &[x]);
+                if (i + 1) % cap.max(64) == 0 {
+                    ix.remove_replica((x >> 8) as usize % replicas);
+                }
+                peak = peak.max(ix.heap_bytes());
+            }
+            assert!(ix.overflow.is_empty());
+            assert!(
+                peak <= bound,
+                "cap {cap}: {peak} bytes reserved, bound {bound}"
+            );
+            ix.check_invariants().unwrap();
+            // And the bound is tight enough to mean something: a full index uses most of it.
+            for r in 0..replicas {
+                let keys: Vec<u64> = (0..cap as u64).map(|k| (r as u64) << 40 | k).collect();
+                ix.store(r, Tier::Gpu, &keys);
+            }
+            assert_eq!(ix.len(), cap);
+            if cap >= 1000 {
+                assert!(
+                    ix.heap_bytes() * 10 >= bound * 9,
+                    "cap {cap}: {} of {bound}",
+                    ix.heap_bytes()
+                );
+            }
+        }
+        // At the default cap, the figure docs/filter.md and docs/configuration.md quote.
+        // 16 MB of slots, 16 chunk handles, 125 KB of bits, 2^21 buckets, 16 replicas.
+        assert_eq!(
+            KvIndex::memory_bound(1_000_000, 16),
+            16_000_000 + 16 * 24 + 125_000 + (1 << 21) * 5 + 24 + 16 * 16
+        );
+    }
+
+    #[test]
+    fn the_table_grows_to_the_caps_size_in_one_step_after_a_quarter() {
+        let cap = 100_000;
+        let mut ix = KvIndex::new(cap, 1, 0);
+        let keys: Vec<u64> = (0..cap as u64).collect();
+        ix.store(0, Tier::Gpu, &keys[..cap / 16]);
+        assert!(ix.table.capacity() < cap / 4, "doubling while small");
+        // The first growth at or past cap / 4 (here at 28,672 blocks, 2^15 buckets' worth).
+        ix.store(0, Tier::Gpu, &keys[..cap / 2]);
+        assert!(ix.table.capacity() >= cap, "{}", ix.table.capacity());
+        let at_jump = ix.table.allocation_size();
+        ix.store(0, Tier::Gpu, &keys);
+        assert_eq!(
+            ix.table.allocation_size(),
+            at_jump,
+            "no growth after the jump"
+        );
+        assert_eq!(
+            at_jump,
+            KvIndex::buckets_for(cap) * 5 + 16,
+            "the cap's size, not more"
+        );
+    }
+
+    #[test]
+    fn a_full_index_churning_keeps_its_table_size() {
+        // 900k of cap: 86% of the 1M (2^20 * 7/8 = 917,504) buckets' room, over the half at which
+        // hashbrown stops rehashing in place and doubles.
+        let cap = 900_000;
+        let mut ix = KvIndex::new(cap, 2, 1);
+        let mut x = 77u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let keys: Vec<u64> = (0..cap).map(|_| next()).collect();
+        ix.store(0, Tier::Gpu, &keys);
+        let full = ix.heap_bytes();
+        for _ in 0..4 * cap {
+            let k = next();
+            ix.store(1, Tier::Gpu, &[k]);
+        }
+        assert_eq!(ix.len(), cap);
+        assert_eq!(
+            ix.heap_bytes(),
+            full,
+            "the index grew while churning at its cap"
+        );
+        ix.check_invariants().unwrap();
     }
 
     #[test]

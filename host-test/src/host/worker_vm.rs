@@ -166,6 +166,15 @@ impl WorkerVm {
         self.index
     }
 
+    /// Size of the VM's linear memory in bytes. WebAssembly memory only grows, so this is the most
+    /// the VM ever held at once (its peak), which is what a proxy keeps per worker (issue 17).
+    pub fn memory_bytes(&self) -> usize {
+        self.store
+            .data()
+            .memory
+            .map_or(0, |m| m.data_size(&self.store))
+    }
+
     /// Whether an earlier trap killed this VM.
     pub fn is_dead(&self) -> bool {
         self.dead
