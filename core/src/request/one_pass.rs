@@ -887,6 +887,26 @@ mod tests {
         }
     }
 
+    /// The shapes clients send are read here, not left to serde (the property tests compare results,
+    /// which would also agree if this reader left every body to serde).
+    #[test]
+    fn common_bodies_are_read_in_one_pass() {
+        let ids: Vec<String> = (0..100).map(|i| (i * 7919 % 150_000).to_string()).collect();
+        for (endpoint, body) in [
+            (Endpoint::Completions, format!(r#"{{"model":"m","prompt":[{}],"max_tokens":7,"stream":true}}"#, ids.join(","))),
+            (Endpoint::Completions, format!(r#"{{"prompt": [{}], "cache_salt": "s", "logit_bias": {{"5": -1.5e2}}}}"#, ids.join(", "))),
+            (Endpoint::Completions, format!(r#"{{"prompt":[[{}],[1,2]]}}"#, ids.join(","))),
+            (Endpoint::Completions, r#"{"prompt":"a "quoted" text
+","stop":["
+"],"temperature":0.7}"#.to_string()),
+            (Endpoint::Completions, r#"{"prompt":["one","two é"]}"#.to_string()),
+            (Endpoint::ChatCompletions, r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}}]},{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}],"max_completion_tokens":5,"stream_options":{"include_usage":true}}"#.to_string()),
+        ] {
+            let r = read(endpoint, body.as_bytes(), None, 16, None);
+            assert!(matches!(r, Some(Ok(_))), "{body}: {r:?}");
+        }
+    }
+
     #[test]
     fn strings_unescape_as_serde_does() {
         for s in [
