@@ -896,9 +896,7 @@ mod tests {
             (Endpoint::Completions, format!(r#"{{"model":"m","prompt":[{}],"max_tokens":7,"stream":true}}"#, ids.join(","))),
             (Endpoint::Completions, format!(r#"{{"prompt": [{}], "cache_salt": "s", "logit_bias": {{"5": -1.5e2}}}}"#, ids.join(", "))),
             (Endpoint::Completions, format!(r#"{{"prompt":[[{}],[1,2]]}}"#, ids.join(","))),
-            (Endpoint::Completions, r#"{"prompt":"a "quoted" text
-","stop":["
-"],"temperature":0.7}"#.to_string()),
+            (Endpoint::Completions, r#"{"prompt":"a \"quoted\" text\n","stop":["\n"],"temperature":0.7}"#.to_string()),
             (Endpoint::Completions, r#"{"prompt":["one","two é"]}"#.to_string()),
             (Endpoint::ChatCompletions, r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}}]},{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}],"max_completion_tokens":5,"stream_options":{"include_usage":true}}"#.to_string()),
         ] {
