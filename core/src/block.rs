@@ -134,9 +134,8 @@ impl BlockHasher {
     /// are never stored).
     pub fn builder(&self) -> SequenceBuilder {
         SequenceBuilder {
-            seed: self.seed,
-            block: vec![0; self.block_size * 4],
-            filled: 0,
+            hasher: self.clone(),
+            block: Vec::with_capacity(self.block_size),
             tokens: 0,
             prev: None,
             hashes: Vec::new(),
@@ -166,15 +165,13 @@ impl BlockHasher {
     }
 }
 
-/// Sequence hashes built one token id at a time ([`BlockHasher::builder`]). The current block is kept
-/// as the little-endian bytes XXH3 reads, so a full block is hashed where it lies.
+/// Sequence hashes built one token id at a time ([`BlockHasher::builder`]): the ids of the block
+/// being filled are kept, each full block is hashed as [`BlockHasher::sequence_hashes`] hashes it.
 #[derive(Clone, Debug)]
 pub struct SequenceBuilder {
-    seed: u64,
-    /// `block_size * 4` bytes: the block being filled.
-    block: Vec<u8>,
-    /// Bytes of `block` filled so far.
-    filled: usize,
+    hasher: BlockHasher,
+    /// The block being filled (fewer than `block_size` ids between pushes).
+    block: Vec<u32>,
     tokens: u64,
     prev: Option<u64>,
     hashes: Vec<SeqHash>,
@@ -185,20 +182,21 @@ impl SequenceBuilder {
     #[inline]
     pub fn push(&mut self, token: u32) {
         self.tokens += 1;
-        if let Some(dst) = self.block.get_mut(self.filled..self.filled + 4) {
-            dst.copy_from_slice(&token.to_le_bytes());
-            self.filled += 4;
+        self.block.push(token);
+        if self.block.len() >= self.hasher.block_size {
+            self.flush();
         }
-        if self.filled == self.block.len() {
-            let local = xxh3_64_with_seed(&self.block, self.seed);
-            let seq = match self.prev {
-                None => local,
-                Some(p) => chain(p, local, self.seed),
-            };
-            self.hashes.push(SeqHash(seq));
-            self.prev = Some(seq);
-            self.filled = 0;
-        }
+    }
+
+    fn flush(&mut self) {
+        let local = self.hasher.local_hash(&self.block);
+        let seq = match self.prev {
+            None => local,
+            Some(p) => chain(p, local, self.hasher.seed),
+        };
+        self.hashes.push(SeqHash(seq));
+        self.prev = Some(seq);
+        self.block.clear();
     }
 
     /// Token ids pushed so far.
@@ -208,7 +206,7 @@ impl SequenceBuilder {
 
     /// Reserves room for the hashes of `tokens` more token ids.
     pub fn reserve_tokens(&mut self, tokens: usize) {
-        self.hashes.reserve(tokens / (self.block.len() / 4).max(1));
+        self.hashes.reserve(tokens / self.hasher.block_size);
     }
 
     /// The sequence hashes of the full blocks pushed (a partial tail block is not hashed).

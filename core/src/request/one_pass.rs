@@ -142,9 +142,7 @@ fn rehash(
         s.i += 1;
         s.ws();
     }
-    let mut ids = hasher.builder();
-    s.token_ids(&mut ids)?;
-    Some(ids)
+    s.token_ids(hasher.builder())
 }
 
 /// Token ids with the seed they were hashed under.
@@ -513,7 +511,7 @@ impl<'a> Scanner<'a> {
                 self.i = at;
                 let mut ids = hasher.builder();
                 ids.reserve_tokens(self.b.len() - at);
-                self.token_ids(&mut ids)?;
+                let ids = self.token_ids(ids)?;
                 Some(PromptScan::Tokens {
                     at,
                     ids: Hashed {
@@ -531,8 +529,7 @@ impl<'a> Scanner<'a> {
                 Some(PromptScan::Texts { first, rest_chars })
             }
             b'[' => {
-                let mut first = hasher.builder();
-                self.token_ids(&mut first)?;
+                let first = self.token_ids(hasher.builder())?;
                 let mut count = first.tokens();
                 while self.next_or_close(b']')? {
                     if self.peek()? != b'[' {
@@ -554,14 +551,16 @@ impl<'a> Scanner<'a> {
     }
 
     /// A flat array of token ids at `[`, each pushed into `ids` (so hashed block by block). The hot
-    /// loop of a token-id body.
-    fn token_ids(&mut self, ids: &mut SequenceBuilder) -> Option<()> {
+    /// loop of a token-id body. `ids` is taken and given back by value so that its fields can live in
+    /// registers through the loop (through a `&mut` they were stored on every id, and the loop ran
+    /// at about half the speed).
+    fn token_ids(&mut self, mut ids: SequenceBuilder) -> Option<SequenceBuilder> {
         let b = self.b;
         self.i += 1;
         self.ws();
         if self.peek()? == b']' {
             self.i += 1;
-            return Some(());
+            return Some(ids);
         }
         let mut i = self.i;
         loop {
@@ -581,12 +580,12 @@ impl<'a> Scanner<'a> {
                 }
                 b']' => {
                     self.i = i + 1;
-                    return Some(());
+                    return Some(ids);
                 }
                 c if is_ws(c) => {
                     self.i = i;
                     if !self.next_or_close(b']')? {
-                        return Some(());
+                        return Some(ids);
                     }
                     i = self.i;
                 }
