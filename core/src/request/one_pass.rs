@@ -305,6 +305,10 @@ fn token_id_window(b: &[u8], i: usize, ids: &mut SequenceBuilder) -> usize {
     }
     starts &= starts - 1;
     let mut s = 0u32;
+    // The window's ids, handed to `ids` at once: pushing each through the builder kept its fields
+    // in memory in this loop. A window holds at most 32 ids (a digit and a comma each).
+    let mut read = [0u32; 32];
+    let mut count = 0usize;
     while starts != 0 {
         let next = starts.trailing_zeros();
         let last = ends.trailing_zeros();
@@ -323,11 +327,16 @@ fn token_id_window(b: &[u8], i: usize, ids: &mut SequenceBuilder) -> usize {
         if !gap_ok || n > 7 || (n > 1 && x & 0xFF == 0) {
             break;
         }
-        ids.push(eight_digits(x << (64 - 8 * n)) as u32);
+        let Some(slot) = read.get_mut(count) else {
+            break;
+        };
+        *slot = eight_digits(x << (64 - 8 * n)) as u32;
+        count += 1;
         s = next;
         starts &= starts - 1;
         ends &= ends - 1;
     }
+    ids.extend(read.get(..count).unwrap_or_default());
     i + s as usize
 }
 
