@@ -287,16 +287,23 @@ fn digit_bits(w: u64) -> u64 {
 /// ids' conversions do not wait on each other.
 #[inline]
 fn token_id_window(b: &[u8], i: usize, ids: &mut SequenceBuilder) -> usize {
-    // Eight bytes past the window for the last id's 8-byte load.
+    // Eight bytes past the window for the last id's 8-byte load. A fixed-size array and indices
+    // masked to the window let the compiler drop the bounds checks from the loop.
     let Some(bytes) = b.get(i..i.saturating_add(72)) else {
         return i;
     };
+    let Ok(bytes) = <&[u8; 72]>::try_from(bytes) else {
+        return i;
+    };
+    let at = |k: usize| -> u64 {
+        let k = k & 63;
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&bytes[k..k + 8]);
+        u64::from_le_bytes(w)
+    };
     let mut digits = 0u64;
     for k in 0..8 {
-        let Some(w) = word(bytes, 8 * k) else {
-            return i;
-        };
-        digits |= digit_bits(w) << (8 * k);
+        digits |= digit_bits(at(8 * k)) << (8 * k);
     }
     let mut starts = digits & !(digits << 1);
     let mut ends = digits & !(digits >> 1);
@@ -304,40 +311,33 @@ fn token_id_window(b: &[u8], i: usize, ids: &mut SequenceBuilder) -> usize {
         return i;
     }
     starts &= starts - 1;
-    let mut s = 0u32;
+    let mut s = 0usize;
     // The window's ids, handed to `ids` at once: pushing each through the builder kept its fields
     // in memory in this loop. A window holds at most 32 ids (a digit and a comma each).
     let mut read = [0u32; 32];
     let mut count = 0usize;
     while starts != 0 {
-        let next = starts.trailing_zeros();
-        let last = ends.trailing_zeros();
+        let next = starts.trailing_zeros() as usize;
+        let last = ends.trailing_zeros() as usize;
         let n = last + 1 - s;
-        let sep = last as usize + 1;
-        let gap_ok = match next - last - 1 {
-            1 => bytes.get(sep) == Some(&b','),
-            2 => bytes.get(sep..sep + 2) == Some(b", "),
-            _ => false,
-        };
-        let Some(w) = word(bytes, s as usize) else {
-            break;
-        };
-        let x = w ^ (0x30 * ONES);
+        // What follows the id: "," then the next id, or ", " then the next id.
+        let after = at(last + 1);
+        let gap = next - last - 1;
+        let sep_ok = (gap == 1 && after as u8 == b',')
+            | (gap == 2 && after as u16 == u16::from_le_bytes(*b", "));
+        let x = at(s) ^ (0x30 * ONES);
         // Eight digits or more, or a leading zero: left to `token_id`.
-        if !gap_ok || n > 7 || (n > 1 && x & 0xFF == 0) {
+        if !sep_ok || n > 7 || (n > 1 && x & 0xFF == 0) || count >= read.len() {
             break;
         }
-        let Some(slot) = read.get_mut(count) else {
-            break;
-        };
-        *slot = eight_digits(x << (64 - 8 * n)) as u32;
+        read[count & 31] = eight_digits(x << (64 - 8 * n as u32)) as u32;
         count += 1;
         s = next;
         starts &= starts - 1;
         ends &= ends - 1;
     }
     ids.extend(read.get(..count).unwrap_or_default());
-    i + s as usize
+    i + s
 }
 
 /// Where a string's bytes end: the first `"`, `\` or control character among the eight bytes of
