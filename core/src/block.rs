@@ -188,20 +188,6 @@ impl SequenceBuilder {
         }
     }
 
-    /// Appends token ids in order: the same as pushing each, with the bookkeeping once a block.
-    pub fn extend(&mut self, mut tokens: &[u32]) {
-        self.tokens += tokens.len() as u64;
-        while !tokens.is_empty() {
-            let room = self.hasher.block_size - self.block.len();
-            let (now, rest) = tokens.split_at(room.min(tokens.len()));
-            self.block.extend_from_slice(now);
-            tokens = rest;
-            if self.block.len() >= self.hasher.block_size {
-                self.flush();
-            }
-        }
-    }
-
     fn flush(&mut self) {
         let local = self.hasher.local_hash(&self.block);
         let seq = match self.prev {
@@ -458,12 +444,6 @@ mod tests {
                 let mut b = h.builder();
                 for &t in &toks {
                     b.push(t);
-                }
-                assert_eq!(b.tokens(), n as u64);
-                assert_eq!(b.finish(), h.sequence_hashes(&toks));
-                let mut b = h.builder();
-                for piece in toks.chunks(7) {
-                    b.extend(piece);
                 }
                 assert_eq!(b.tokens(), n as u64);
                 assert_eq!(b.finish(), h.sequence_hashes(&toks));

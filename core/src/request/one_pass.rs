@@ -312,10 +312,6 @@ fn token_id_window(b: &[u8], i: usize, ids: &mut SequenceBuilder) -> usize {
     }
     starts &= starts - 1;
     let mut s = 0usize;
-    // The window's ids, handed to `ids` at once: pushing each through the builder kept its fields
-    // in memory in this loop. A window holds at most 32 ids (a digit and a comma each).
-    let mut read = [0u32; 32];
-    let mut count = 0usize;
     while starts != 0 {
         let next = starts.trailing_zeros() as usize;
         let last = ends.trailing_zeros() as usize;
@@ -327,16 +323,14 @@ fn token_id_window(b: &[u8], i: usize, ids: &mut SequenceBuilder) -> usize {
             | (gap == 2 && after as u16 == u16::from_le_bytes(*b", "));
         let x = at(s) ^ (0x30 * ONES);
         // Eight digits or more, or a leading zero: left to `token_id`.
-        if !sep_ok || n > 7 || (n > 1 && x & 0xFF == 0) || count >= read.len() {
+        if !sep_ok || n > 7 || (n > 1 && x & 0xFF == 0) {
             break;
         }
-        read[count & 31] = eight_digits(x << (64 - 8 * n as u32)) as u32;
-        count += 1;
+        ids.push(eight_digits(x << (64 - 8 * n as u32)) as u32);
         s = next;
         starts &= starts - 1;
         ends &= ends - 1;
     }
-    ids.extend(read.get(..count).unwrap_or_default());
     i + s
 }
 
