@@ -10,7 +10,7 @@
 //! the sum over all of them. For `/v1/chat/completions` the text is each message's role and text parts,
 //! framed so that the same conversation prefix gives the same chunks; non-text parts are skipped.
 //!
-//! Two readers share this module's types and its identity step ([`identify`]): the one-pass reader
+//! Two readers share this module's types and its identity step (`identify`): the one-pass reader
 //! (`one_pass`), which reads the bodies clients send in a single pass over the bytes, parsing token
 //! ids and hashing each block as its ids go by, and the general serde_json reader (`general`), which
 //! reads whatever the one-pass reader leaves to it (any shape it does not read itself, and every
