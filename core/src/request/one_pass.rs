@@ -583,7 +583,10 @@ impl<'a> Scanner<'a> {
             b']' | b'0'..=b'9' => {
                 self.i = at;
                 let mut ids = hasher.builder();
-                ids.reserve_tokens(self.b.len() - at);
+                // Room for the hashes of ids of four bytes or more, at most 2^18 ids' worth: enough
+                // for most prompts without one regrowth, and a body of anything else (4 MiB of
+                // other fields, block size 1) cannot make the VM's memory grow much for nothing.
+                ids.reserve_tokens(((self.b.len() - at) / 4).min(1 << 18));
                 let ids = self.token_ids(ids)?;
                 Some(PromptScan::Tokens {
                     at,
