@@ -277,6 +277,36 @@ fn main() {
     );
     let s = time_per_iter(iters, || {
         black_box(
+            kvsteer_core::request::read_request_reference(
+                "/v1/completions",
+                black_box(token_body.as_bytes()),
+                None,
+                16,
+                1 << 24,
+                None,
+            )
+            .unwrap(),
+        );
+    });
+    row(
+        "the same through the general serde_json reader",
+        format!("{:.1} us", s * 1e6),
+        "",
+    );
+    let s = time_per_iter(iters, || {
+        let mut acc = 0u32;
+        for &b in black_box(token_body.as_bytes()) {
+            acc = black_box(acc.wrapping_add(b as u32));
+        }
+        black_box(acc);
+    });
+    row(
+        "reference: one plain pass over the same body's bytes",
+        format!("{:.1} us", s * 1e6),
+        "(machine speed reference)",
+    );
+    let s = time_per_iter(iters, || {
+        black_box(
             router
                 .read_request(
                     "/v1/chat/completions",

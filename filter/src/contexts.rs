@@ -588,11 +588,13 @@ impl HttpContext for Stream {
         };
         {
             // Clients must never choose a replica: drop any copy of the routing header they sent,
-            // on every request, routed or not.
+            // on every request, routed or not. (The header names are borrowed from the VM's
+            // configuration; host calls never re-enter the VM, so the borrow is safe across them.)
             let mut vm = vm.borrow_mut();
-            let name = vm.state.routing_header().to_string();
-            if header(MapType::HttpRequestHeaders, &name).is_some() {
-                let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &name);
+            let vm = &mut *vm;
+            let name = vm.state.routing_header();
+            if header(MapType::HttpRequestHeaders, name).is_some() {
+                let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
                 vm.state.spoofed_header_removed();
                 inc(vm.metrics.spoofed, 1);
             }
@@ -603,10 +605,12 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         self.path = String::from_utf8_lossy(&path).into_owned();
-        let session_header = vm.borrow().state.session_header().to_string();
-        self.session = header(MapType::HttpRequestHeaders, &session_header)
-            .filter(|v| !v.is_empty() && v.len() <= 512)
-            .map(|v| String::from_utf8_lossy(&v).into_owned());
+        self.session = header(
+            MapType::HttpRequestHeaders,
+            vm.borrow().state.session_header(),
+        )
+        .filter(|v| !v.is_empty() && v.len() <= 512)
+        .map(|v| String::from_utf8_lossy(&v).into_owned());
         if end_of_stream {
             self.route_fallback(BodyFallback::Empty, 0);
             return Action::Continue;

@@ -13,6 +13,7 @@ use kvsteer_core::request::PromptTokenizer;
 use kvsteer_core::router::{Decision, FeedOutcome, Router, RouterStats};
 #[cfg(feature = "tokenizer")]
 use kvsteer_tokenizer::TextTokenizer;
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 /// Request paths the filter routes; everything else passes through untouched.
@@ -125,11 +126,86 @@ pub enum DecisionOutput<'a> {
     /// (`clear_route_cache`).
     Header {
         name: &'a str,
-        value: String,
+        value: Cow<'a, str>,
         clear_route_cache: bool,
     },
     /// nginx: the variable `["ngx", name]`.
-    NginxVariable { name: &'a str, value: String },
+    NginxVariable { name: &'a str, value: Cow<'a, str> },
+}
+
+/// The values a decision is written as, formatted at configure time so that a request only picks
+/// one: per replica its own value (endpoint, or cluster in cluster-header mode) and, in
+/// destination-header mode with `retry_backup`, every `primary,backup` pair while the fleet is
+/// small enough for the table ([`Destinations::MAX_PAIR_TABLE`] replicas: 4,096 pairs); larger
+/// fleets format the pair per request.
+#[derive(Clone, Debug, Default)]
+pub struct Destinations {
+    single: Vec<String>,
+    /// `pairs[primary * replicas + backup]`; empty when not used or too large.
+    pairs: Vec<String>,
+}
+
+impl Destinations {
+    pub const MAX_PAIR_TABLE: usize = 64;
+
+    fn new(cfg: &FilterConfig) -> Destinations {
+        let single: Vec<String> = cfg
+            .replicas
+            .iter()
+            .map(|r| match cfg.output {
+                OutputMode::ClusterHeader => {
+                    r.cluster.clone().unwrap_or_else(|| r.endpoint.clone())
+                }
+                _ => r.endpoint.clone(),
+            })
+            .collect();
+        let n = cfg.replicas.len();
+        let pairs = if cfg.output == OutputMode::DestinationHeader
+            && cfg.retry_backup
+            && n <= Self::MAX_PAIR_TABLE
+        {
+            (0..n * n)
+                .map(|k| {
+                    format!(
+                        "{},{}",
+                        cfg.replicas[k / n].endpoint,
+                        cfg.replicas[k % n].endpoint
+                    )
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Destinations { single, pairs }
+    }
+
+    /// The value for `replica` with an optional backup (indices clamped to the fleet: the routing
+    /// path must not panic).
+    fn value<'a>(
+        &'a self,
+        cfg: &FilterConfig,
+        replica: usize,
+        backup: Option<usize>,
+    ) -> Cow<'a, str> {
+        let n = self.single.len();
+        let last = n.saturating_sub(1);
+        let r = replica.min(last);
+        let single = || Cow::Borrowed(self.single.get(r).map_or("", String::as_str));
+        match (cfg.output, backup) {
+            (OutputMode::DestinationHeader, Some(b)) => {
+                let b = b.min(last);
+                match self.pairs.get(r * n + b) {
+                    Some(v) => Cow::Borrowed(v.as_str()),
+                    None => Cow::Owned(format!(
+                        "{},{}",
+                        self.single.get(r).map_or("", String::as_str),
+                        self.single.get(b).map_or("", String::as_str)
+                    )),
+                }
+            }
+            _ => single(),
+        }
+    }
 }
 
 /// What a feed answer did, for logs and metrics.
@@ -169,6 +245,9 @@ pub struct RouterState {
     /// When this tick's budget was granted (`None`: never).
     budget_from_ms: Option<u64>,
     scratch: Vec<u64>,
+    /// Every value [`RouterState::destination`] can write, formatted once per VM (see
+    /// [`Destinations`]).
+    destinations: Destinations,
     /// Text-prompt tokenizer, when configured (full build only).
     #[cfg(feature = "tokenizer")]
     tokenizer: Option<TextTokenizer>,
@@ -186,9 +265,11 @@ impl RouterState {
             }
             None => None,
         };
+        let destinations = Destinations::new(&cfg);
         Ok(RouterState {
             #[cfg(feature = "tokenizer")]
             tokenizer,
+            destinations,
             cfg,
             router,
             feeds,
@@ -927,17 +1008,9 @@ impl RouterState {
     /// `retry_backup`, the router's second choice follows after a comma: Envoy's override_host policy
     /// tries the listed hosts in order on retries, so a request whose replica just died is retried on
     /// the next best one rather than wherever the fallback policy lands.
-    pub fn destination(&self, d: &Decision) -> String {
-        let last = self.cfg.replicas.len() - 1;
-        let r = &self.cfg.replicas[d.replica.min(last)];
-        match self.cfg.output {
-            OutputMode::ClusterHeader => r.cluster.clone().unwrap_or_else(|| r.endpoint.clone()),
-            OutputMode::NginxVariable => r.endpoint.clone(),
-            OutputMode::DestinationHeader => match d.backup.filter(|_| self.cfg.retry_backup) {
-                Some(b) => format!("{},{}", r.endpoint, self.cfg.replicas[b.min(last)].endpoint),
-                None => r.endpoint.clone(),
-            },
-        }
+    pub fn destination(&self, d: &Decision) -> Cow<'_, str> {
+        let backup = d.backup.filter(|_| self.cfg.retry_backup);
+        self.destinations.value(&self.cfg, d.replica, backup)
     }
 
     /// Where and what to write for a decision, per output mode.
@@ -969,6 +1042,61 @@ mod tests {
 
     fn worker(policy: &str) -> RouterState {
         worker_routing(&format!(r#"{{"policy":"{policy}"}}"#))
+    }
+
+    /// The destination table gives what formatting per request gave, for small fleets (the table)
+    /// and large ones (formatted per request), in every output mode.
+    #[test]
+    fn destinations_are_the_formatted_values() {
+        let mut checked = 0;
+        for n in [1usize, 3, Destinations::MAX_PAIR_TABLE + 1] {
+            for extra in [
+                r#""output":"destination_header""#,
+                r#""output":"destination_header","retry_backup":false"#,
+                r#""output":"cluster_header""#,
+                r#""output":"nginx_variable""#,
+            ] {
+                let replicas: Vec<String> = (0..n)
+                    .map(|i| {
+                        let cluster = if i % 2 == 0 { format!(r#","cluster":"c{i}""#) } else { String::new() };
+                        format!(r#"{{"name":"r{i}","endpoint":"10.0.0.{i}:8000","feed_cluster":"f{i}"{cluster}}}"#)
+                    })
+                    .collect();
+                let json = format!(r#"{{"replicas":[{}],{extra}}}"#, replicas.join(","));
+                let Ok(cfg) = FilterConfig::from_json(json.as_bytes()) else {
+                    continue;
+                };
+                let mut w = RouterState::new(cfg.clone()).unwrap();
+                let mut d = w.router.route_fallback(0);
+                for (r, b) in [
+                    (0, None),
+                    (n - 1, Some(0)),
+                    (0, Some(n - 1)),
+                    (n / 2, Some(n / 3)),
+                    (n + 5, Some(n + 9)),
+                ] {
+                    d.replica = r;
+                    d.backup = b;
+                    let last = n - 1;
+                    let rep = &cfg.replicas[r.min(last)];
+                    let want = match cfg.output {
+                        OutputMode::ClusterHeader => {
+                            rep.cluster.clone().unwrap_or_else(|| rep.endpoint.clone())
+                        }
+                        OutputMode::NginxVariable => rep.endpoint.clone(),
+                        OutputMode::DestinationHeader => match b.filter(|_| cfg.retry_backup) {
+                            Some(b) => {
+                                format!("{},{}", rep.endpoint, cfg.replicas[b.min(last)].endpoint)
+                            }
+                            None => rep.endpoint.clone(),
+                        },
+                    };
+                    assert_eq!(w.destination(&d), want, "{json} {r} {b:?}");
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 30, "{checked} configurations checked");
     }
 
     /// Two replicas with the given `routing` section.

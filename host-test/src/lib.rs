@@ -17,6 +17,7 @@
 pub mod abi;
 pub mod artifact;
 pub mod bench;
+pub mod byte_pass;
 pub mod harness;
 pub mod host;
 mod module_cache;

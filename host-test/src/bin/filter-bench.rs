@@ -5,8 +5,15 @@
 //!
 //! Setup: one worker VM (compiled without fuel metering, as a proxy runs it), `--replicas` replicas
 //! (default 16) whose feeds answer the first poll with a snapshot of `--index-blocks` random blocks in
-//! all (default 1,000,000) plus the bench prompt's own blocks on replica 3, so every decision runs
+//! all (default 1,000,000) plus the bench prompts' shared prefix on replica 3, applied in full before
+//! the first request (the filter applies a snapshot over several ticks), so every decision runs
 //! against a full index and finds a real match. Bodies arrive in 16 KiB chunks, as Envoy delivers them.
+//!
+//! Sizes: token-id prompts of 1,024, 8,192, 32,768 and 131,072 ids (`/v1/completions`; a shared
+//! prefix and a 192-id tail that differs per request) and chat text of about four characters per
+//! token of each size (`/v1/chat/completions`). Beside each figure: a plain byte pass over the same
+//! body in the same engine (`kvsteer_host_test::byte_pass`), timed right after each request, and the
+//! ratio of the two medians.
 //!
 //! Requests arrive 1 ms apart in virtual time (1,000 requests/s) and the filter's ticks run between
 //! them as they would in a proxy (not timed).
@@ -15,7 +22,8 @@
 
 use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier};
-use kvsteer_host_test::openai::{completion_body, request_headers};
+use kvsteer_host_test::byte_pass::BytePass;
+use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
     Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, WorkerVm, filter_wasm_path,
 };
@@ -31,7 +39,7 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
-        requests: 2000,
+        requests: 1000,
         replicas: 16,
         index_blocks: 1_000_000,
         policy: "kv_load".into(),
@@ -150,15 +158,34 @@ fn seed_index(
                 .map_err(|e| e.to_string())?;
         }
         if answered.iter().all(|a| *a) {
+            break;
+        }
+    }
+    if !answered.iter().all(|a| *a) {
+        return Err("the filter did not poll every replica".into());
+    }
+    // The filter applies `feed_apply_blocks_per_tick` hashes a tick: tick until it has applied all.
+    for _ in 0..100_000 {
+        now_ms += worker.tick_period_ms().max(1) as u64;
+        proxy.set_now_ns(now_ms * 1_000_000);
+        worker.tick().map_err(|e| e.to_string())?;
+        let _ = worker.take_callouts();
+        if proxy
+            .metric("kvsteer_feed_pending_blocks")
+            .is_some_and(|m| m.value == 0)
+        {
             return Ok(());
         }
     }
-    Err("the filter did not poll every replica".into())
+    Err("the filter did not apply the snapshots".into())
 }
 
 struct Measured {
     request_us: Vec<f64>,
     end_us: Vec<f64>,
+    /// The plain byte pass over the same body, right after the request.
+    pass_us: Vec<f64>,
+    body_bytes: usize,
     destinations: std::collections::BTreeMap<String, usize>,
 }
 
@@ -168,6 +195,7 @@ const REQUEST_GAP_US: u64 = 1000;
 fn bench(
     proxy: &Proxy,
     worker: &mut WorkerVm,
+    pass: &mut BytePass,
     n: usize,
     path: &str,
     body_of: &dyn Fn(usize) -> Vec<u8>,
@@ -175,6 +203,8 @@ fn bench(
     let mut m = Measured {
         request_us: Vec::with_capacity(n),
         end_us: Vec::with_capacity(n),
+        pass_us: Vec::with_capacity(n),
+        body_bytes: 0,
         destinations: Default::default(),
     };
     let mut next_tick = proxy.now_ns() / 1000;
@@ -223,6 +253,9 @@ fn bench(
         worker.end_stream(id).map_err(|e| e.to_string())?;
         m.end_us.push(t.elapsed().as_secs_f64() * 1e6);
         m.request_us.push(req);
+        let (_, d) = pass.run(&body)?;
+        m.pass_us.push(d.as_secs_f64() * 1e6);
+        m.body_bytes = body.len();
     }
     Ok(m)
 }
@@ -256,9 +289,11 @@ fn run() -> Result<(), String> {
     let proxy = Proxy::new(&module, ProxyOptions::new(HostMode::Envoy, cfg.to_string()));
     let mut worker = proxy.start_worker().map_err(|e| e.to_string())?;
 
-    // The 8K-token prompt: a shared 8,000-token prefix (cached on replica 3) and a varying tail.
+    // The prompts: a shared prefix (cached on replica 3) and a 192-id tail that differs per request.
+    const SIZES: [usize; 4] = [1024, 8192, 32768, 131072];
+    const TAIL: usize = 192;
     let mut seed = 42u64;
-    let prefix: Vec<u32> = (0..8000)
+    let prefix: Vec<u32> = (0..SIZES[3] - TAIL)
         .map(|_| (lcg(&mut seed) % 128_000) as u32)
         .collect();
     let warm: Vec<u64> = BlockHasher::new(16)
@@ -272,24 +307,48 @@ fn run() -> Result<(), String> {
     let seed_ms = t.elapsed().as_secs_f64() * 1e3;
     let index_blocks = proxy.metric("kvsteer_index_blocks").map_or(0, |m| m.value);
 
-    let token_body = |i: usize| {
-        let mut p = prefix.clone();
+    // Bodies are the fixed part, built once per size, plus the part that differs per request.
+    let id_heads: Vec<String> = SIZES
+        .iter()
+        .map(|&n| {
+            let mut s = String::from("{\"model\":\"m\",\"prompt\":[");
+            for t in &prefix[..n - TAIL] {
+                s.push_str(&t.to_string());
+                s.push(',');
+            }
+            s
+        })
+        .collect();
+    let token_body = |size: usize, i: usize| {
+        let mut body = id_heads[size].clone();
         let mut s = i as u64 + 1;
-        p.extend((0..192).map(|_| (lcg(&mut s) % 128_000) as u32));
-        completion_body(&p, 256)
+        let tail: Vec<String> = (0..TAIL)
+            .map(|_| (lcg(&mut s) % 128_000).to_string())
+            .collect();
+        body.push_str(&tail.join(","));
+        body.push_str(
+            "],\"max_tokens\":256,\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
+        );
+        body.into_bytes()
     };
-    let text_body = |i: usize| {
-        let mut text = String::with_capacity(32 * 1024);
-        let words = [
-            "routing ", "tokens ", "cache ", "replica ", "prefill ", "decode ",
-        ];
-        let mut s = 7u64;
-        while text.len() < 32 * 1024 - 64 {
-            text.push_str(words[(lcg(&mut s) % 6) as usize]);
-        }
-        text.push_str(&format!("question {i}"));
+    let texts: Vec<String> = SIZES
+        .iter()
+        .map(|&n| {
+            let words = [
+                "routing ", "tokens ", "cache ", "replica ", "prefill ", "decode ",
+            ];
+            let mut text = String::with_capacity(4 * n);
+            let mut s = 7u64;
+            while text.len() < 4 * n - 64 {
+                text.push_str(words[(lcg(&mut s) % 6) as usize]);
+            }
+            text
+        })
+        .collect();
+    let text_body = |size: usize, i: usize| {
         json!({"model": "m", "stream": true, "max_tokens": 256,
-               "messages": [{"role": "user", "content": text}]})
+               "messages": [{"role": "system", "content": "You are a coding agent."},
+                            {"role": "user", "content": format!("{}question {i}", texts[size])}]})
         .to_string()
         .into_bytes()
     };
@@ -299,43 +358,48 @@ fn run() -> Result<(), String> {
     let index_blocks = proxy
         .metric("kvsteer_index_blocks")
         .map_or(index_blocks, |m| m.value);
-    let token_len = token_body(0).len();
-    let text_len = text_body(0).len();
+    let mut pass = BytePass::new()?;
     // Warm-up (first-call costs: lazy allocations in the guest, wasmtime's lazy init).
-    bench(&proxy, &mut worker, 50, "/v1/completions", &token_body)?;
-    let tok = bench(
+    bench(
         &proxy,
         &mut worker,
-        args.requests,
+        &mut pass,
+        50,
         "/v1/completions",
-        &token_body,
+        &|i| token_body(1, i),
     )?;
-    let txt = bench(
-        &proxy,
-        &mut worker,
-        args.requests,
-        "/v1/chat/completions",
-        &text_body,
-    )?;
-    let small_body = |i: usize| {
-        let mut p = prefix[..1024].to_vec();
-        p.push(i as u32);
-        completion_body(&p, 256)
-    };
-    let small = bench(
-        &proxy,
-        &mut worker,
-        args.requests,
-        "/v1/completions",
-        &small_body,
-    )?;
+    let mut rows: Vec<(String, Measured)> = Vec::new();
+    for (k, &n) in SIZES.iter().enumerate() {
+        let m = bench(
+            &proxy,
+            &mut worker,
+            &mut pass,
+            args.requests,
+            "/v1/completions",
+            &|i| token_body(k, i),
+        )?;
+        rows.push((format!("{n} token ids (/v1/completions)"), m));
+    }
+    for (k, &n) in SIZES.iter().enumerate() {
+        let m = bench(
+            &proxy,
+            &mut worker,
+            &mut pass,
+            args.requests,
+            "/v1/chat/completions",
+            &|i| text_body(k, i),
+        )?;
+        rows.push((format!("chat text, ~{n} tokens (/v1/chat/completions)"), m));
+    }
     let empty = bench(
         &proxy,
         &mut worker,
+        &mut pass,
         args.requests,
         "/v1/completions",
         &|_| Vec::new(),
     )?;
+    rows.push(("headers only, no body (fallback path)".into(), empty));
 
     println!(
         "filter: {} ({:.0} KB), compiled in {compile_ms:.0} ms; {} replicas, index seeded with {} \
@@ -349,35 +413,35 @@ fn run() -> Result<(), String> {
     );
     println!();
     println!(
-        "| request | body | headers+body+decision p50 us | p99 us | mean us | stream end p50 us | p99 us |"
+        "| request | body | headers+body+decision p50 us | p99 us | mean us | byte pass p50 us | p50 / byte pass | stream end p50 us | p99 us |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
-    for (name, len, m) in [
-        ("8,192 token ids (/v1/completions)", token_len, &tok),
-        ("32 KB text (/v1/chat/completions)", text_len, &txt),
-        (
-            "1,025 token ids (/v1/completions)",
-            small_body(0).len(),
-            &small,
-        ),
-        ("headers only, no body (fallback path)", 0, &empty),
-    ] {
-        let mut r = m.request_us.clone();
-        r.sort_by(f64::total_cmp);
-        let mut e = m.end_us.clone();
-        e.sort_by(f64::total_cmp);
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, m) in &rows {
+        let sorted = |v: &[f64]| {
+            let mut v = v.to_vec();
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        let (r, e, p) = (sorted(&m.request_us), sorted(&m.end_us), sorted(&m.pass_us));
         let mean = r.iter().sum::<f64>() / r.len().max(1) as f64;
+        let p50 = percentile(&r, 50.0);
+        let pass50 = percentile(&p, 50.0);
+        let ratio = if m.body_bytes > 0 && pass50 > 0.0 {
+            format!("{:.1}x", p50 / pass50)
+        } else {
+            "-".into()
+        };
         println!(
-            "| {name} | {:.1} KB | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
-            len as f64 / 1024.0,
-            percentile(&r, 50.0),
+            "| {name} | {:.1} KB | {p50:.1} | {:.1} | {mean:.1} | {pass50:.1} | {ratio} | {:.1} | {:.1} |",
+            m.body_bytes as f64 / 1024.0,
             percentile(&r, 99.0),
-            mean,
             percentile(&e, 50.0),
             percentile(&e, 99.0)
         );
     }
     println!();
+    let tok = &rows[1].1;
+    let txt = &rows[5].1;
     println!("destinations (8K-token requests): {:?}", tok.destinations);
     println!("destinations (text requests): {:?}", txt.destinations);
     worker.tick().map_err(|e| e.to_string())?;
