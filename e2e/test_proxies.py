@@ -139,7 +139,7 @@ LONG_PROMPT = 4096
 LONG_TOKENS = 20_000
 # After the restarted proxy's first feed polls: the next tick (100 ms) relays them to its other
 # worker.
-RELAY_S = 0.3
+RELAY_S = FEED_SETTLE_S
 
 
 def admin_post(stack: Stack, path: str) -> str:
@@ -402,6 +402,10 @@ class RestartOneProxy(unittest.TestCase):
         # health checks of the replicas, a second or two).
         pb.process = "B#2"
         started: list[BaseException | None] = []
+        # The thread that starts Envoy lives as long as the test: the kernel's parent-death signal
+        # (stack.py, PR_SET_PDEATHSIG) fires when the forking thread ends, not the process.
+        keep = threading.Event()
+        self.addCleanup(keep.set)
 
         def start_b() -> None:
             try:
@@ -410,6 +414,7 @@ class RestartOneProxy(unittest.TestCase):
                 started.append(None)
             except BaseException as e:  # re-raised below
                 started.append(e)
+            keep.wait()
 
         st = threading.Thread(target=start_b, daemon=True)
         st.start()
@@ -447,7 +452,9 @@ class RestartOneProxy(unittest.TestCase):
         for t in pt:
             t.join(60)
         self.assertEqual(long_result, [], "the long decode outlived the probes")
-        st.join(60)
+        deadline = time.monotonic() + 60
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.assertEqual(started, [None], "B#2 started")
         lb.wait(lambda: pb.in_rotation, "B back in rotation", 10)
         landed = []
