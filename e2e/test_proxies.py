@@ -309,7 +309,7 @@ class RestartOneProxy(unittest.TestCase):
 
     Asserted: no request fails, the streams in flight on B when the drain began included; every
     request that reached an Envoy was routed by the filter (`kvsteer_requests_routed` equals what
-    the balancer sent that process; no `kvsteer_fallbacks`); the restarted B, right after its
+    the balancer sent that process; no `kvsteer_fallbacks`); the restarted B, 0.8 s after its
     first feed polls, keeps four concurrent requests off the replica decoding a long request sent
     through A while B was down. The TTFTs are printed, not asserted (no timing assertions)."""
 
