@@ -208,7 +208,13 @@ class Stack:
     # -- processes -------------------------------------------------------------------------------
 
     def spawn(self, what: str, argv: list[str]) -> Proc:
+        # A process started again under the same name (a restarted Envoy) gets a log of its own: the
+        # earlier one is still read for VM failures.
         log = self.workdir / f"{what}.log"
+        n = 1
+        while log.exists():
+            n += 1
+            log = self.workdir / f"{what}.{n}.log"
         f = open(log, "wb")
         popen = subprocess.Popen(
             argv,
