@@ -23,9 +23,11 @@
 //! `--out` (default `target/fuzz-failures`) and the run goes on with a fresh VM.
 //!
 //! Usage: `fuzz [--count N] [--seed S] [--check-every N] [--out DIR] [--feed-share PERCENT]
-//! [--from INDEX]` (`--from` starts the input sequence at INDEX, on a fresh VM: inputs are generated
-//! from `(SEED, index)` alone, so a failure's input is regenerated exactly, though the VM's state then
-//! differs from the original run's).
+//! [--from INDEX]`. `--feed-share` (default 50) is the percentage of inputs that are feed answers; the
+//! kind of each input follows from the counts so far, its content from `(SEED, index)` alone, so
+//! `--from INDEX --count 1` with `--feed-share 0` (a request) or `100` (a feed round) regenerates a
+//! failure's input exactly on a fresh VM (whose state then differs from the original run's; the
+//! written file holds the input itself too).
 
 use kvsteer_core::feed::{
     FEED_CONTENT_TYPE, FeedBatch, FeedEvent, FeedQuery, HEADER_LEN, ReplicaLoad, Tier,
@@ -702,8 +704,8 @@ fn feed_batch(rng: &mut Rng, q: &FeedQuery, epoch: u64) -> FeedBatch {
     let mut events = Vec::new();
     let hashes = |rng: &mut Rng| -> Vec<u64> {
         let n = match rng.below(20) {
-            0 => rng.below(20_000),
-            1..=4 => rng.below(1000),
+            0 if rng.chance(20) => rng.below(20_000),
+            0..=4 => rng.below(1000),
             _ => rng.below(40),
         };
         (0..n)
@@ -1001,7 +1003,7 @@ fn run_feed_round(
     vm: &mut Vm,
     rng: &mut Rng,
     t: &mut Totals,
-    last_input: &mut Vec<String>,
+    last_input: &mut Vec<(Callout, CallOutcome, Vec<&'static str>)>,
 ) -> Result<u64, Failure> {
     vm.now_us += 1000;
     vm.proxy.set_now_ns(vm.now_us * 1000);
@@ -1018,34 +1020,47 @@ fn run_feed_round(
         for m in &inp.mutations {
             *t.mutations.entry(m).or_insert(0) += 1;
         }
-        if let CallOutcome::Response { headers, body, .. } = &inp.outcome {
+        if let CallOutcome::Response { headers, .. } = &inp.outcome {
             let st = header_value(headers, ":status")
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(0);
             *t.feed_status.entry(st).or_insert(0) += 1;
-            last_input.push(format!(
-                "callout {} ({}): status {:?}, {} body bytes, mutations {:?}\nheaders {:?}\nbody {}",
-                call.upstream,
-                call.header(":path").unwrap_or(""),
-                st,
-                body.len(),
-                inp.mutations,
-                headers
-                    .iter()
-                    .map(|(k, v)| (
-                        String::from_utf8_lossy(k).to_string(),
-                        String::from_utf8_lossy(v).to_string()
-                    ))
-                    .collect::<Vec<_>>(),
-                hex(body)
-            ));
-        } else {
-            last_input.push(format!("callout {}: {:?}", call.upstream, inp.mutations));
         }
+        last_input.push((call.clone(), inp.outcome.clone(), inp.mutations.clone()));
         vm.worker.answer_callout(call, inp.outcome)?;
         n += 1;
     }
     Ok(n)
+}
+
+fn describe_feed(answers: &[(Callout, CallOutcome, Vec<&'static str>)]) -> String {
+    let mut out = String::new();
+    for (call, outcome, mutations) in answers {
+        match outcome {
+            CallOutcome::Response { headers, body, .. } => {
+                let _ = writeln!(
+                    out,
+                    "feed answer to {} ({}): mutations {:?}, {} body bytes\nheaders {:?}\nbody (hex) {}",
+                    call.upstream,
+                    call.header(":path").unwrap_or(""),
+                    mutations,
+                    body.len(),
+                    headers
+                        .iter()
+                        .map(|(k, v)| (
+                            String::from_utf8_lossy(k).to_string(),
+                            String::from_utf8_lossy(v).to_string()
+                        ))
+                        .collect::<Vec<_>>(),
+                    hex(body)
+                );
+            }
+            CallOutcome::Reset => {
+                let _ = writeln!(out, "feed answer to {}: reset", call.upstream);
+            }
+        }
+    }
+    out
 }
 
 fn hex(b: &[u8]) -> String {
@@ -1196,13 +1211,17 @@ fn run() -> Result<bool, String> {
     let mut next_check = args.from + args.check_every;
     while index < end {
         let mut rng = Rng::for_input(args.seed, index);
-        let feed = rng.chance(args.feed_share);
+        // Keep the kinds at `feed_share` percent of the inputs (a feed round answers every replica
+        // the filter polled, usually all four).
+        let feed = t.feeds * (100 - args.feed_share) < t.requests * args.feed_share
+            || args.feed_share == 100;
         let result;
-        let mut descr = Vec::new();
-        let mut body = None;
+        let mut answers = Vec::new();
+        let mut request = None;
+        let mut note = "";
         let before = index;
         if feed {
-            result = run_feed_round(&mut vm, &mut rng, &mut t, &mut descr);
+            result = run_feed_round(&mut vm, &mut rng, &mut t, &mut answers);
             let n = *result.as_ref().unwrap_or(&1);
             t.feeds += n;
             index += n.max(1);
@@ -1212,8 +1231,7 @@ fn run() -> Result<bool, String> {
                 *t.mutations.entry(m).or_insert(0) += 1;
             }
             result = run_request(&mut vm, &inp, &mut t).map(|_| 1);
-            descr.push(describe_request(&inp));
-            body = Some(inp.body);
+            request = Some(inp);
             t.requests += 1;
             index += 1;
         }
@@ -1223,7 +1241,7 @@ fn run() -> Result<bool, String> {
             t.checks += 1;
             result = plain_check(&mut vm);
             if result.is_err() {
-                descr.push("(the plain-request check after this input failed)".into());
+                note = "(the plain-request check after this input failed)\n";
             }
         }
         if let Err(f) = result {
@@ -1236,7 +1254,24 @@ fn run() -> Result<bool, String> {
             } else {
                 t.violations += 1;
             }
-            let file = write_failure(&args, before, &what, &descr.join("\n"), body.as_deref())?;
+            let descr = match &request {
+                Some(r) => format!(
+                    "kind: request body (replay with --feed-share 0)\n{}",
+                    describe_request(r)
+                ),
+                None => format!(
+                    "kind: feed round (replay with --feed-share 100; the cause may be an earlier \
+                     round's answer, still being applied)\n{}",
+                    describe_feed(&answers)
+                ),
+            };
+            let file = write_failure(
+                &args,
+                before,
+                &what,
+                &format!("{note}{descr}"),
+                request.as_ref().map(|r| r.body.as_slice()),
+            )?;
             let line = format!(
                 "input {before} (seed {}): {} -> {}",
                 args.seed,
