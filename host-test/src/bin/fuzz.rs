@@ -147,7 +147,8 @@ fn text(rng: &mut Rng, max_words: usize) -> String {
     let n = rng.below(max_words + 1);
     let mut s = String::new();
     for _ in 0..n {
-        s.push_str(*rng.pick(&WORDS));
+        let w = WORDS[rng.below(WORDS.len())];
+        s.push_str(w);
         s.push(' ');
     }
     s
@@ -535,7 +536,7 @@ fn mutate(rng: &mut Rng, b: &mut Vec<u8>, other: &[u8]) -> &'static str {
             let max = if rng.chance(5) { 100_000 } else { 200 };
             let n = rng.below(max);
             let i = at(rng);
-            let ws = *rng.pick(&[b' ', b'\n', b'\t', b'\r']);
+            let ws = *rng.pick(b" \n\t\r");
             b.splice(i..i, std::iter::repeat_n(ws, n));
             "whitespace"
         }
