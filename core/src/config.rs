@@ -92,6 +92,12 @@ pub struct KvLoadParams {
     pub assume_kv_reuse: bool,
     /// How the load a replica reports in its feed combines with this router's own bookings.
     pub reported_load: ReportedLoad,
+    /// `p`: price the cache a request's prefill would evict (`crate::churn`): each uncached block
+    /// adds `p * h` prefill blocks on a replica whose recent requests found a fraction `h` of their
+    /// prompt cached. 0 leaves it out.
+    pub cache_protect: f64,
+    /// Requests per replica over which `h` is measured (an exponential window).
+    pub cache_protect_window: f64,
 }
 
 /// Named `kv_load` settings from routers users would otherwise pick (docs/configuration.md).
@@ -170,6 +176,8 @@ struct KvLoadSection {
     prompt_blocks_at_admission: Option<bool>,
     assume_kv_reuse: Option<bool>,
     reported_load: Option<ReportedLoad>,
+    cache_protect: Option<f64>,
+    cache_protect_window: Option<f64>,
 }
 
 impl From<KvLoadSection> for KvLoadParams {
@@ -197,6 +205,8 @@ impl From<KvLoadSection> for KvLoadParams {
                 .unwrap_or(base.prompt_blocks_at_admission),
             assume_kv_reuse: s.assume_kv_reuse.unwrap_or(base.assume_kv_reuse),
             reported_load: s.reported_load.unwrap_or(base.reported_load),
+            cache_protect: s.cache_protect.unwrap_or(base.cache_protect),
+            cache_protect_window: s.cache_protect_window.unwrap_or(base.cache_protect_window),
         }
     }
 }
@@ -245,6 +255,8 @@ impl Default for KvLoadParams {
             prompt_blocks_at_admission: true,
             assume_kv_reuse: true,
             reported_load: ReportedLoad::Ignore,
+            cache_protect: 0.0,
+            cache_protect_window: 16.0,
         }
     }
 }
@@ -255,11 +267,19 @@ impl Default for KvLoadParams {
 pub struct SessionHashParams {
     /// Points per replica on the ring (Ray Serve's ConsistentHashRouter uses 100).
     pub virtual_nodes: usize,
+    /// Seeds the hash of session keys: which sessions share a replica is one draw of the hash, and
+    /// with tens of sessions per replica the draw decides how evenly their work is spread. Every proxy
+    /// of a fleet must use the same value (0 by default), or they send a session to different
+    /// replicas; the benchmark varies it with its seed so the baseline is measured over draws.
+    pub ring_seed: u64,
 }
 
 impl Default for SessionHashParams {
     fn default() -> Self {
-        Self { virtual_nodes: 100 }
+        Self {
+            virtual_nodes: 100,
+            ring_seed: 0,
+        }
     }
 }
 
@@ -385,6 +405,7 @@ impl RoutingConfig {
         nonneg("kv_load.overlap_credit", k.overlap_credit)?;
         nonneg("kv_load.overlap_credit_decay", k.overlap_credit_decay)?;
         nonneg("kv_load.queue_weight", k.queue_weight)?;
+        nonneg("kv_load.cache_protect", k.cache_protect)?;
         if !(k.attention_context_tokens.is_finite() && k.attention_context_tokens >= 1.0) {
             return Err(err(
                 "kv_load.attention_context_tokens",

@@ -17,6 +17,7 @@ use hashbrown::HashMap;
 
 use crate::approx::ApproxIndex;
 use crate::block::{SeqHash, TextHash};
+use crate::churn::CacheChurn;
 use crate::config::{ConfigError, PolicyKind, ReportedLoad, RoutingConfig};
 use crate::feed::{
     CursorVerdict, EventKind, FeedBatch, FeedCursor, FeedEvent, FeedQuery, FeedSlice, ReplicaLoad,
@@ -114,6 +115,8 @@ pub struct Router {
     load: LoadTable,
     /// Output tokens per request, learned from this router's own releases.
     outputs: OutputEstimate,
+    /// Per replica: how much of its cache is earning hits lately (`kv_load.cache_protect`).
+    churn: CacheChurn,
     peers: HashMap<u32, Vec<LoadTotals>>,
     /// Per peer worker: its bookings since each replica's report was polled, and what it released
     /// since then of requests the report holds (`merge`).
@@ -166,6 +169,7 @@ impl Router {
                 },
             ),
             outputs: OutputEstimate::new(),
+            churn: CacheChurn::new(replicas, cfg.kv_load.cache_protect_window),
             peers: HashMap::new(),
             peers_since: HashMap::new(),
             reported: vec![None; replicas],
@@ -176,7 +180,11 @@ impl Router {
             down: vec![false; replicas],
             health: Health::new(cfg.health.clone(), replicas),
             cursors: vec![FeedCursor::default(); replicas],
-            ring: HashRing::new(0..replicas, cfg.session_hash.virtual_nodes),
+            ring: HashRing::seeded(
+                0..replicas,
+                cfg.session_hash.virtual_nodes,
+                cfg.session_hash.ring_seed,
+            ),
             rr_next: 0,
             rng: SplitMix64::new(cfg.seed),
             stats: RouterStats {
@@ -341,6 +349,12 @@ impl Router {
             } else {
                 Vec::new()
             };
+        let cache_hit_rate = if policy == PolicyKind::KvLoad && self.cfg.kv_load.cache_protect > 0.0
+        {
+            self.churn.hit_rates()
+        } else {
+            Vec::new()
+        };
         let mut affinity = std::mem::take(&mut self.scratch_approx);
         affinity.clear();
         if policy == PolicyKind::PrefixAffinity {
@@ -366,6 +380,7 @@ impl Router {
             session_key: req.session_key.as_deref(),
             avoided: &avoided,
             expected_output_tokens: self.outputs.expected(),
+            cache_hit_rate: &cache_hit_rate,
         };
         let k = &self.cfg.kv_load;
         let rng = &mut self.rng;
@@ -540,6 +555,7 @@ impl Router {
         self.clock_ms = self.clock_ms.max(now_ms);
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
+        self.churn.record(d.replica, req.prompt_tokens, matched);
         self.load.admit_at(
             request_id,
             d.replica,

@@ -20,5 +20,5 @@ pub mod weka;
 
 pub use driver::{Driver, Issue, Mode, SessionRef};
 pub use error::WorkloadError;
-pub use measure::{Recorder, Summary};
+pub use measure::{Recorder, RequestRow, Summary};
 pub use session::{BlockPrompt, Prompt, Session, Turn, Workload};

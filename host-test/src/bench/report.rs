@@ -440,6 +440,7 @@ mod tests {
             summary,
             ttft_ms: vec![1.0, 2.0],
             decode_series: vec![(0.0, vec![1.0, 3.0]), (0.5, vec![3.0, 5.0])],
+            rows: Vec::new(),
             stats: HarnessStats::default(),
             wall_s: 0.0,
             virtual_s: 1.0,

@@ -4,7 +4,7 @@
 
 use crate::oracle::Weights;
 use crate::{FilterModule, Harness, HarnessConfig, HarnessStats, ProxySpread};
-use kvsteer_workload::{Driver, Mode, Summary, Workload};
+use kvsteer_workload::{Driver, Mode, RequestRow, Summary, Workload};
 use serde_json::{Value, json};
 use std::time::Instant;
 
@@ -21,6 +21,8 @@ pub struct Outcome {
     pub ttft_ms: Vec<f64>,
     /// Per-replica decode blocks over time (0.5 s bins), for the herding plots.
     pub decode_series: Vec<(f64, Vec<f64>)>,
+    /// Every request as recorded (replica, times, cached tokens), for `bench --rows`.
+    pub rows: Vec<RequestRow>,
     pub stats: HarnessStats,
     pub wall_s: f64,
     pub virtual_s: f64,
@@ -80,6 +82,14 @@ pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> Harne
     cfg.routing = routing(&policy).unwrap_or_else(|_| json!({"policy": policy}));
     cfg.routing["block_size"] = block_size.into();
     cfg.routing["seed"] = ROUTER_SEED.wrapping_add(seed).into();
+    // session_hash's only randomness is its hash's draw of which sessions share a replica: each seed
+    // is another draw (seed 0 the filter's default ring), so its medians are over draws, not one.
+    if policy.split('@').next() == Some("session_hash") {
+        if !cfg.routing["session_hash"].is_object() {
+            cfg.routing["session_hash"] = json!({});
+        }
+        cfg.routing["session_hash"]["ring_seed"] = seed.into();
+    }
     cfg
 }
 
@@ -215,6 +225,7 @@ pub fn replay_proxies(
         summary: h.summary(policy),
         ttft_ms: h.recorder.ttft_ms(),
         decode_series: h.recorder.decode_series(),
+        rows: h.recorder.rows(),
         stats: h.stats.clone(),
         wall_s: started.elapsed().as_secs_f64(),
         virtual_s: h.now_us() as f64 / 1e6,
@@ -225,6 +236,22 @@ pub fn replay_proxies(
 mod tests {
     use super::*;
     use crate::oracle::ORACLE;
+
+    #[test]
+    fn session_hash_draws_its_ring_from_the_seed() {
+        let c = config("session_hash", 16, 3, 2);
+        assert_eq!(c.routing["session_hash"]["ring_seed"], 3);
+        assert_eq!(
+            config("session_hash", 16, 0, 2).routing["session_hash"]["ring_seed"],
+            0
+        );
+        assert!(
+            config("kv_load", 16, 3, 2)
+                .routing
+                .get("session_hash")
+                .is_none()
+        );
+    }
 
     #[test]
     fn policy_specs_become_routing_sections() {

@@ -48,6 +48,8 @@ struct Args {
     traces: PathBuf,
     export_slice: Option<PathBuf>,
     notes_only: bool,
+    /// Where to write every replay's per-request rows (CSV), for diagnosing a policy.
+    rows: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -62,6 +64,7 @@ fn parse_args() -> Result<Args, String> {
         traces: workspace_root().join(kvsteer_workload::catalog::DEFAULT_TRACES),
         export_slice: None,
         notes_only: false,
+        rows: None,
     };
     let mut args = ArgReader::from_env();
     while let Some(arg) = args.next_flag() {
@@ -77,11 +80,12 @@ fn parse_args() -> Result<Args, String> {
             "--traces" => a.traces = PathBuf::from(args.value("--traces")?),
             "--export-slice" => a.export_slice = Some(PathBuf::from(args.value("--export-slice")?)),
             "--notes-only" => a.notes_only = true,
+            "--rows" => a.rows = Some(PathBuf::from(args.value("--rows")?)),
             "-h" | "--help" => {
                 return Err(
                     "usage: bench [--quick | --smoke] [--seeds N] [--policies a,b] \
                             [--only id|group,..] [--jobs N] [--workers N] [--out DIR] \
-                            [--traces DIR] [--export-slice FILE] [--notes-only]"
+                            [--traces DIR] [--export-slice FILE] [--notes-only] [--rows DIR]"
                         .into(),
                 );
             }
@@ -248,6 +252,7 @@ fn run(args: &Args) -> Result<(), String> {
             let (queue, progress, results) = (&queue, &progress, &results);
             let (module, jobs, workloads, workers) = (&module, &jobs, &workloads, args.workers);
             let scenarios = &scenarios;
+            let rows_dir = args.rows.as_deref();
             s.spawn(move || {
                 loop {
                     let next = queue.lock().ok().and_then(|mut q| q.pop());
@@ -256,12 +261,20 @@ fn run(args: &Args) -> Result<(), String> {
                     let (w, mode) = workloads[j.workload].clone();
                     let sc = &scenarios[j.scenario];
                     let topology = (workers, sc.proxies, sc.spread);
-                    let r =
+                    let mut r =
                         replay_proxies(module, w, mode, &j.policy, j.seed, topology, |done, _| {
                             if let Ok(mut p) = progress.lock() {
                                 p[i] = done;
                             }
                         });
+                    if let Ok(o) = &mut r {
+                        let rows = std::mem::take(&mut o.rows);
+                        if let Some(dir) = rows_dir
+                            && let Err(e) = write_rows(dir, &sc.id, o, &rows)
+                        {
+                            eprintln!("--rows: {e}");
+                        }
+                    }
                     if let Ok(mut res) = results.lock() {
                         res.push((i, r));
                     }
@@ -366,6 +379,41 @@ fn run(args: &Args) -> Result<(), String> {
 
 /// Writes the slice scenario (seed 0) for the Envoy run: every request written out, as JSON
 /// `{name, block_size, concurrency, sessions: [{id, turns: [{prompt, max_tokens, think_us}]}]}`.
+/// Writes one replay's requests as `DIR/<scenario>_<policy>_s<seed>.csv` (the policy spec with `@`
+/// and `=` kept, so a variant's file names itself).
+fn write_rows(
+    dir: &Path,
+    scenario: &str,
+    o: &Outcome,
+    rows: &[kvsteer_workload::RequestRow],
+) -> Result<(), String> {
+    use std::fmt::Write as _;
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let file = dir.join(format!("{scenario}_{}_s{}.csv", o.policy, o.seed));
+    let mut text = String::from(
+        "request_id,session_id,replica,issued_us,first_token_us,end_us,failed,prompt_tokens,\
+         cached_tokens,completion_tokens\n",
+    );
+    let opt = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
+    for r in rows {
+        let _ = writeln!(
+            text,
+            "{},{},{},{},{},{},{},{},{},{}",
+            r.request_id,
+            r.session_id.replace(',', ";"),
+            opt(r.replica.map(|v| v as u64)),
+            r.issued_us,
+            opt(r.first_token_us),
+            opt(r.end_us),
+            r.failed,
+            r.prompt_tokens,
+            r.cached_tokens,
+            r.completion_tokens
+        );
+    }
+    std::fs::write(&file, text).map_err(|e| format!("{}: {e}", file.display()))
+}
+
 fn export_slice(args: &Args, file: &Path) -> Result<(), String> {
     let sc = matrix(args.scale)
         .into_iter()
@@ -730,7 +778,9 @@ const HOW_TO_READ: &str = "## How to read this\n\n\
   (minutes, writes `out/bench-quick/`), `scripts/bench --smoke` (seconds, the CI check), \
   `scripts/bench-envoy-slice` (the Envoy slice alone). `--only` and `--policies` run part of the \
   matrix and skip the Envoy slice and the sensitivity runs unless `--envoy` / `--sensitivity` ask \
-  for them; `scripts/bench` lists what it runs and skips, and why, before and after.\n\n";
+  for them; `scripts/bench` lists what it runs and skips, and why, before and after. \
+  `target/release/bench ... --rows DIR` also writes every replay's requests (replica, issue, first \
+  token and end times, prompt and cached tokens) as `DIR/<scenario>_<policy>_s<seed>.csv`.\n\n";
 
 /// The smoke check: the JSON parses, has every replay with requests and no failures, every summary is
 /// well-formed, the report has a table per scenario and the plots are SVG.
