@@ -92,12 +92,6 @@ pub struct KvLoadParams {
     pub assume_kv_reuse: bool,
     /// How the load a replica reports in its feed combines with this router's own bookings.
     pub reported_load: ReportedLoad,
-    /// `p`: price the cache a request's prefill would evict (`crate::churn`): each uncached block
-    /// adds `p * h` prefill blocks on a replica whose recent requests found a fraction `h` of their
-    /// prompt cached. 0 leaves it out.
-    pub cache_protect: f64,
-    /// Requests per replica over which `h` is measured (an exponential window).
-    pub cache_protect_window: f64,
 }
 
 /// Named `kv_load` settings from routers users would otherwise pick (docs/configuration.md).
@@ -176,8 +170,6 @@ struct KvLoadSection {
     prompt_blocks_at_admission: Option<bool>,
     assume_kv_reuse: Option<bool>,
     reported_load: Option<ReportedLoad>,
-    cache_protect: Option<f64>,
-    cache_protect_window: Option<f64>,
 }
 
 impl From<KvLoadSection> for KvLoadParams {
@@ -205,8 +197,6 @@ impl From<KvLoadSection> for KvLoadParams {
                 .unwrap_or(base.prompt_blocks_at_admission),
             assume_kv_reuse: s.assume_kv_reuse.unwrap_or(base.assume_kv_reuse),
             reported_load: s.reported_load.unwrap_or(base.reported_load),
-            cache_protect: s.cache_protect.unwrap_or(base.cache_protect),
-            cache_protect_window: s.cache_protect_window.unwrap_or(base.cache_protect_window),
         }
     }
 }
@@ -255,8 +245,6 @@ impl Default for KvLoadParams {
             prompt_blocks_at_admission: true,
             assume_kv_reuse: true,
             reported_load: ReportedLoad::Ignore,
-            cache_protect: 0.0,
-            cache_protect_window: 16.0,
         }
     }
 }
@@ -405,7 +393,6 @@ impl RoutingConfig {
         nonneg("kv_load.overlap_credit", k.overlap_credit)?;
         nonneg("kv_load.overlap_credit_decay", k.overlap_credit_decay)?;
         nonneg("kv_load.queue_weight", k.queue_weight)?;
-        nonneg("kv_load.cache_protect", k.cache_protect)?;
         if !(k.attention_context_tokens.is_finite() && k.attention_context_tokens >= 1.0) {
             return Err(err(
                 "kv_load.attention_context_tokens",

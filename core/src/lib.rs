@@ -5,7 +5,6 @@
 
 pub mod approx;
 pub mod block;
-pub mod churn;
 pub mod config;
 pub mod feed;
 pub mod feed_log;

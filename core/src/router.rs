@@ -17,7 +17,6 @@ use hashbrown::HashMap;
 
 use crate::approx::ApproxIndex;
 use crate::block::{SeqHash, TextHash};
-use crate::churn::CacheChurn;
 use crate::config::{ConfigError, PolicyKind, ReportedLoad, RoutingConfig};
 use crate::feed::{
     CursorVerdict, EventKind, FeedBatch, FeedCursor, FeedEvent, FeedQuery, FeedSlice, ReplicaLoad,
@@ -115,8 +114,6 @@ pub struct Router {
     load: LoadTable,
     /// Output tokens per request, learned from this router's own releases.
     outputs: OutputEstimate,
-    /// Per replica: how much of its cache is earning hits lately (`kv_load.cache_protect`).
-    churn: CacheChurn,
     peers: HashMap<u32, Vec<LoadTotals>>,
     /// Per peer worker: its bookings since each replica's report was polled, and what it released
     /// since then of requests the report holds (`merge`).
@@ -169,7 +166,6 @@ impl Router {
                 },
             ),
             outputs: OutputEstimate::new(),
-            churn: CacheChurn::new(replicas, cfg.kv_load.cache_protect_window),
             peers: HashMap::new(),
             peers_since: HashMap::new(),
             reported: vec![None; replicas],
@@ -349,12 +345,6 @@ impl Router {
             } else {
                 Vec::new()
             };
-        let cache_hit_rate = if policy == PolicyKind::KvLoad && self.cfg.kv_load.cache_protect > 0.0
-        {
-            self.churn.hit_rates()
-        } else {
-            Vec::new()
-        };
         let mut affinity = std::mem::take(&mut self.scratch_approx);
         affinity.clear();
         if policy == PolicyKind::PrefixAffinity {
@@ -380,7 +370,6 @@ impl Router {
             session_key: req.session_key.as_deref(),
             avoided: &avoided,
             expected_output_tokens: self.outputs.expected(),
-            cache_hit_rate: &cache_hit_rate,
         };
         let k = &self.cfg.kv_load;
         let rng = &mut self.rng;
@@ -555,7 +544,6 @@ impl Router {
         self.clock_ms = self.clock_ms.max(now_ms);
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
-        self.churn.record(d.replica, req.prompt_tokens, matched);
         self.load.admit_at(
             request_id,
             d.replica,

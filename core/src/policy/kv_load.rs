@@ -1,8 +1,7 @@
 //! `kv_load`, the default: token load with KV overlap as an input (docs/design.md section 2). Per
 //! replica:
 //!
-//! `weight * (max(q * queued prefill blocks + request blocks - credit * overlap, 0)
-//!            + p * h * uncached blocks)
+//! `weight * max(q * queued prefill blocks + request blocks - credit * overlap, 0)
 //!  + decode blocks + new active blocks + w * active requests`
 //!
 //! where `weight` is `prefill_scale`, or with `time_cost` (the default) `prefill_scale` scaled by what a
@@ -11,9 +10,7 @@
 //! where `credit = c / (1 + d * excess / request_blocks)` decays the overlap credit `c` on a replica
 //! whose queued prefill exceeds the least-loaded candidate's by `excess` blocks (`d` = 0 keeps it
 //! whole), and *new active blocks* are the request's blocks not already active there (with
-//! `assume_kv_reuse`: a prefix shared with requests in flight is held once), and `p * h * uncached
-//! blocks` prices the cache the prefill would evict (`cache_protect` `p`, `h` the replica's recent
-//! hit fraction, [`crate::churn`]; `p` = 0 by default). Argmin with a random
+//! `assume_kv_reuse`: a prefix shared with requests in flight is held once). Argmin with a random
 //! tie-break, or softmax sampling at `temperature` > 0 (Dynamo's definition).
 
 use super::{Choice, Input, masked, pick_lowest, softmax_sample};
@@ -52,11 +49,7 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
             } else {
                 0.0
             };
-            // The cache this prefill would evict, priced as the prefill it costs others later.
-            let evicted = (request_blocks - o).max(0.0)
-                * k.cache_protect
-                * input.cache_hit_rate.get(r).copied().unwrap_or(0.0);
-            prefill_scale * (prefill + evicted)
+            prefill_scale * prefill
                 + e.decode_blocks as f64
                 + new_active
                 + k.active_request_weight * e.active_requests as f64
@@ -123,7 +116,6 @@ mod tests {
             session_key: None,
             avoided: &[false, false],
             expected_output_tokens: 256.0,
-            cache_hit_rate: &[],
         }
     }
 
@@ -190,41 +182,6 @@ mod tests {
             ..k.clone()
         };
         assert_eq!(prefill_weight(&i, &off), off.prefill_scale);
-    }
-
-    #[test]
-    fn cache_protect_sends_a_cold_prefill_where_the_cache_churns() {
-        // Neither replica holds the prompt; replica 0's recent requests hit 90%, replica 1's 20%.
-        let load = [LoadTotals::default(); 2];
-        let k = KvLoadParams {
-            time_cost: false,
-            assume_kv_reuse: false,
-            prefill_scale: 1.0,
-            cache_protect: 1.0,
-            ..KvLoadParams::default()
-        };
-        let mut i = input(&load, &[0.0, 0.0], &[]);
-        let rates = [0.9, 0.2];
-        i.cache_hit_rate = &rates;
-        let c = costs(&i, &k);
-        assert!(
-            (c[0] - 19.0).abs() < 1e-9 && (c[1] - 12.0).abs() < 1e-9,
-            "{c:?}"
-        );
-        // A request whose prompt replica 0 holds evicts nothing there.
-        let held = [10.0, 0.0];
-        i.overlap = &held;
-        let c = costs(&i, &k);
-        assert!(
-            (c[0] - 0.0).abs() < 1e-9 && (c[1] - 12.0).abs() < 1e-9,
-            "{c:?}"
-        );
-        // Off (the default): no term.
-        let off = KvLoadParams {
-            cache_protect: 0.0,
-            ..k.clone()
-        };
-        assert_eq!(costs(&i, &off), vec![0.0, 10.0]);
     }
 
     #[test]

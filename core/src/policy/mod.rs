@@ -64,9 +64,6 @@ pub struct Input<'a> {
     pub avoided: &'a [bool],
     /// Output tokens the request is expected to generate ([`crate::output::OutputEstimate`]).
     pub expected_output_tokens: f64,
-    /// Per replica: the fraction of recent prompts found cached ([`crate::churn`]); empty when the
-    /// policy does not use it.
-    pub cache_hit_rate: &'a [f64],
 }
 
 /// A policy's decision.
