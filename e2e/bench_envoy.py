@@ -86,11 +86,13 @@ class Sampler(threading.Thread):
         return sum(cvs) / len(cvs) if cvs else None
 
 
-def replay(stack: Stack, slice_doc: dict, scale: float, progress,
-           extra: dict | None = None) -> list[dict]:
+def replay(port: int, slice_doc: dict, scale: float, progress,
+           extra: dict | None = None, session_headers: tuple[str, ...] = ()) -> list[dict]:
     """Closed loop: `concurrency` sessions in flight, each turn after the previous one finished
-    (plus its think time, scaled), as the harness's Driver does. `extra`: more body fields (a
-    real engine wants its own model name)."""
+    (plus its think time, scaled), as the harness's Driver does, against the proxy or router on
+    127.0.0.1:`port`. Every request names its session in `x-session-id` and in each header of
+    `session_headers` (a peer router's own session header). `extra`: more body fields (a real
+    engine wants its own model name). One row per request, in completion order."""
     sessions = queue.Queue()
     for s in slice_doc["sessions"]:
         sessions.put(s)
@@ -99,7 +101,7 @@ def replay(stack: Stack, slice_doc: dict, scale: float, progress,
     t0 = time.perf_counter()
 
     def slot() -> None:
-        client = Client("127.0.0.1", stack.listen_port, timeout_s=600)
+        client = Client("127.0.0.1", port, timeout_s=600)
         try:
             while True:
                 try:
@@ -111,11 +113,13 @@ def replay(stack: Stack, slice_doc: dict, scale: float, progress,
                         time.sleep(t["think_us"] / 1e6 / scale)
                     issued = time.perf_counter() - t0
                     r = client.complete(t["prompt"], max_tokens=t["max_tokens"], stream=True,
-                                        session=s["id"], ignore_eos=True, extra=extra)
+                                        session=s["id"], ignore_eos=True, extra=extra,
+                                        headers={h: s["id"] for h in session_headers})
                     with lock:
                         rows.append({
                             "session": s["id"], "turn": i, "issued_s": issued,
-                            "ok": r.ok and r.completion_tokens > 0, "error": r.error,
+                            "ok": r.ok and r.completion_tokens > 0, "error": r.error[:200],
+                            "status": r.status,
                             "replica": r.replica, "ttft_s": r.ttfb_s, "total_s": r.total_s,
                             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                             "completion_tokens": r.completion_tokens,
@@ -366,7 +370,7 @@ def main() -> int:
                     print(f"\r{tag:<26} {done}/{total} requests "
                           f"{time.perf_counter() - t_cfg:5.1f}s", end="", file=sys.stderr, flush=True)
 
-                rows = replay(st, slice_doc, args.time_scale, progress)
+                rows = replay(st.listen_port, slice_doc, args.time_scale, progress)
                 sampler.stop.set()
                 sampler.join()
                 print(file=sys.stderr)

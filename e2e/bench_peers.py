@@ -34,11 +34,9 @@ import argparse
 import hashlib
 import json
 import lzma
-import queue
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,8 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_envoy import (  # noqa: E402
-    FEED_PERIOD_MS, TICK_MS, Sampler, commit, median_summary, pct, summarize)
-from client import Client  # noqa: E402
+    FEED_PERIOD_MS, TICK_MS, Sampler, commit, median_summary, pct, replay, summarize)
 from stack import REPO, Stack, StackError, envoy_path, free_ports, target_dir  # noqa: E402
 
 PEERS = REPO / ".peers"
@@ -160,53 +157,10 @@ def mooncake_slice(n: int, words: int, concurrency: int, out_cap: int, first: in
             "concurrency": concurrency, "sessions": sessions}
 
 
-def replay(port: int, slice_doc: dict, scale: float, progress) -> list[dict]:
-    """Closed loop, as bench_envoy.replay: `concurrency` sessions in flight, each turn after the
-    previous one finished plus its think time (scaled). Every request carries its session in
-    `x-session-id` (vllm-router's consistent_hash, kvsteer's session_hash) and in
-    `x-smg-routing-key` (sglang-router's manual policy); the other policies ignore both."""
-    sessions = queue.Queue()
-    for s in slice_doc["sessions"]:
-        sessions.put(s)
-    rows: list[dict] = []
-    lock = threading.Lock()
-    t0 = time.perf_counter()
-
-    def slot() -> None:
-        client = Client("127.0.0.1", port, timeout_s=600)
-        try:
-            while True:
-                try:
-                    s = sessions.get_nowait()
-                except queue.Empty:
-                    return
-                for i, t in enumerate(s["turns"]):
-                    if t.get("think_us"):
-                        time.sleep(t["think_us"] / 1e6 / scale)
-                    issued = time.perf_counter() - t0
-                    r = client.complete(t["prompt"], max_tokens=t["max_tokens"], stream=True,
-                                        session=s["id"], ignore_eos=True,
-                                        headers={"x-smg-routing-key": s["id"]})
-                    with lock:
-                        rows.append({
-                            "session": s["id"], "turn": i, "issued_s": issued,
-                            "ok": r.ok and r.completion_tokens > 0, "error": r.error[:200],
-                            "status": r.status,
-                            "replica": r.replica, "ttft_s": r.ttfb_s, "total_s": r.total_s,
-                            "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-                            "completion_tokens": r.completion_tokens,
-                        })
-                        progress(len(rows))
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=slot, daemon=True)
-               for _ in range(max(1, slice_doc["concurrency"]))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return rows
+# Every request names its session in `x-session-id` (vllm-router's consistent_hash, kvsteer's
+# session_hash) and in `x-smg-routing-key` (sglang-router's manual policy); the other policies
+# ignore both. The closed-loop client is bench_envoy.replay, the same as the Envoy slice's.
+SESSION_HEADERS = ("x-smg-routing-key",)
 
 
 def router_argv(kind: str, policy: str, urls: list[str], port, metrics_port) -> list[str]:
@@ -301,7 +255,8 @@ def run_one(label: str, kind: str, policy: str, slice_doc: dict, args, tag: str)
             print(f"\r{tag:<44} {done}/{total} requests {time.perf_counter() - t_cfg:5.1f}s",
                   end="", file=sys.stderr, flush=True)
 
-        rows = replay(port, slice_doc, args.time_scale, progress)
+        rows = replay(port, slice_doc, args.time_scale, progress,
+                      session_headers=SESSION_HEADERS)
         sampler.stop.set()
         sampler.join()
         print(file=sys.stderr)

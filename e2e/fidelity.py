@@ -102,7 +102,7 @@ def run_policy(st: Stack, doc: dict, policy: str, side: str,
                   file=sys.stderr, flush=True)
 
     # The same body on both sides: vLLM serves the model as `tiny`; the sim echoes any name.
-    rows = replay(st, doc, scale, progress, extra={"model": "tiny", "temperature": 0})
+    rows = replay(st.listen_port, doc, scale, progress, extra={"model": "tiny", "temperature": 0})
     for r in rows:
         for k in ("issued_s", "ttft_s", "total_s"):
             r[k] *= scale
