@@ -29,6 +29,18 @@ pub struct LoadTotals {
 /// tracked, and counted.
 pub const MAX_TRACKED_REQUESTS: usize = 1 << 20;
 
+/// A request [`LoadTable::release_entry`] took off the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Released {
+    /// Output tokens it had generated.
+    pub generated: u64,
+    pub replica: usize,
+    /// When it was admitted (router clock, ms).
+    pub admitted_ms: u64,
+    /// What it contributed to its replica's load ([`LoadTable::reported_share`]).
+    pub share: LoadTotals,
+}
+
 /// Bytes of one encoded [`LoadTotals`].
 pub const LOAD_TOTALS_LEN: usize = 20;
 const LOAD_MAGIC: [u8; 4] = *b"KVLT";
@@ -386,15 +398,22 @@ impl LoadTable {
 
     /// Completion or abort: removes everything the request contributes. False (and counted) when the
     /// request is unknown.
-    /// Output tokens a tracked request has generated so far.
-    pub fn generated(&self, request_id: u64) -> Option<u64> {
-        self.requests.get(&request_id).map(|r| r.generated)
+    pub fn release(&mut self, request_id: u64) -> bool {
+        self.release_entry(request_id).is_some()
     }
 
-    pub fn release(&mut self, request_id: u64) -> bool {
+    /// [`LoadTable::release`], returning what the request was (its output so far and its share as
+    /// [`LoadTable::reported_share`] gives it) from the one lookup that removes it.
+    pub fn release_entry(&mut self, request_id: u64) -> Option<Released> {
         let Some(r) = self.requests.remove(&request_id) else {
             self.release_anomalies += 1;
-            return false;
+            return None;
+        };
+        let released = Released {
+            generated: r.generated,
+            replica: r.replica,
+            admitted_ms: r.admitted_ms,
+            share: self.share_of(&r),
         };
         let t = &mut self.totals[r.replica];
         t.prefill_tokens = t.prefill_tokens.saturating_sub(r.prefill_tokens);
@@ -412,7 +431,7 @@ impl LoadTable {
                 }
             }
         }
-        true
+        Some(released)
     }
 
     /// What this table's requests admitted at or after `marks[replica]` (ms) add to their replica, in
@@ -440,20 +459,20 @@ impl LoadTable {
     /// (as [`LoadTable::since`] counts it), or None for an unknown request.
     pub fn reported_share(&self, request_id: u64) -> Option<(usize, u64, LoadTotals)> {
         let r = self.requests.get(&request_id)?;
+        Some((r.replica, r.admitted_ms, self.share_of(r)))
+    }
+
+    fn share_of(&self, r: &Tracked) -> LoadTotals {
         let blocks = if r.prompt_charged {
             r.prompt_blocks + r.generated / self.block_size
         } else {
             0
         };
-        Some((
-            r.replica,
-            r.admitted_ms,
-            LoadTotals {
-                prefill_tokens: r.prefill_tokens,
-                decode_blocks: blocks,
-                active_requests: 1,
-            },
-        ))
+        LoadTotals {
+            prefill_tokens: r.prefill_tokens,
+            decode_blocks: blocks,
+            active_requests: 1,
+        }
     }
 
     /// Sum of this table and the given peer contributions, per replica.

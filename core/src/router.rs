@@ -593,16 +593,15 @@ impl Router {
 
     /// Completion or abort. False (and counted) for an unknown or already released request.
     pub fn release(&mut self, request_id: u64) -> bool {
-        if let Some(g) = self.load.generated(request_id) {
-            self.outputs.observe(g);
-        }
-        if let Some((r, admitted, share)) = self.load.reported_share(request_id)
-            && admitted < self.report_polled_ms[r]
-        {
+        let Some(gone) = self.load.release_entry(request_id) else {
+            return false;
+        };
+        self.outputs.observe(gone.generated);
+        if gone.admitted_ms < self.report_polled_ms[gone.replica] {
             // The current report holds it (admitted before its poll): `merge` takes it off.
-            self.released_since[r].add(&share);
+            self.released_since[gone.replica].add(&gone.share);
         }
-        self.load.release(request_id)
+        true
     }
 
     /// The query for the next poll of `replica` (a snapshot request for an unknown replica index).
