@@ -169,11 +169,11 @@ fn best_tier(mask: u8) -> usize {
 }
 
 /// Folded 64x64->128 multiply: a strong enough mix for table placement, and keyed by `secret` so a
-/// replica that crafts hashes cannot aim them at one bucket without knowing it.
+/// replica that crafts hashes cannot aim them at one bucket without knowing it. The product is
+/// `block::mul_fold64`, inlined on WebAssembly (where a `u128` product is a `__multi3` call).
 #[inline]
 fn mix(key: u64, secret: u64) -> u64 {
-    let x = (key ^ secret) as u128 * 0x9E37_79B9_7F4A_7C15u128;
-    (x as u64) ^ ((x >> 64) as u64)
+    crate::block::mul_fold64(key ^ secret, 0x9E37_79B9_7F4A_7C15)
 }
 
 /// Per-replica match of a request: blocks of its leading run, by tier of the best copy.
