@@ -128,6 +128,8 @@ pub(crate) fn mul_fold64(a: u64, b: u64) -> u64 {
 /// 64x64->128 multiply and turns it back into the `__multi3` call this function exists to avoid
 /// (checked in the `.wasm`: four `i64.mul` and no call).
 #[inline(always)]
+// Natively only the tests call it (they check it against the `u128` product).
+#[cfg_attr(not(target_family = "wasm"), allow(dead_code))]
 fn mul_fold64_halves(a: u64, b: u64) -> u64 {
     let (a_lo, a_hi) = (a & 0xFFFF_FFFF, a >> 32);
     let (b_lo, b_hi) = (b & 0xFFFF_FFFF, b >> 32);
