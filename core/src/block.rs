@@ -10,7 +10,7 @@
 //! fixed character chunks. Its values are a different type ([`TextHash`]) and use a different seed, so
 //! they can never be confused with engine block hashes in the KV index.
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::xxh3_64_with_seed as xxh3_64_crate;
 
 /// vLLM's default KV block size in tokens.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -66,13 +66,140 @@ pub fn namespace_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 
     }
 }
 
-/// Chains a parent sequence hash with a block's local hash.
+/// XXH3-64 with a seed: the same function as `xxhash_rust::xxh3::xxh3_64_with_seed` (which handles
+/// every length but two), with the two lengths the block chain hashes on every request written out
+/// here: 9 to 16 bytes (a chain link is 16) and 17 to 128 bytes (a block of 5 to 32 token ids; 64
+/// bytes at the usual block size of 16). Why: WebAssembly has no 64x64->128-bit multiply, and the
+/// crate's `u128` product compiles to a call to compiler-builtins' `__multi3` (a full 128x128
+/// product), five calls a block and about 6% of an 8K-token request's time in wasmtime; here the
+/// product is [`mul_fold64`], four inlined 32x32->64 multiplies on wasm. Checked against the crate
+/// for every length 0..=300 and many seeds (tests), and by the block-identity vectors.
+#[inline]
+pub(crate) fn xxh3_64_with_seed(bytes: &[u8], seed: u64) -> u64 {
+    match bytes.len() {
+        9..=16 => xxh3_9to16(bytes, seed),
+        17..=128 => xxh3_17to128(bytes, seed),
+        _ => xxh3_64_crate(bytes, seed),
+    }
+}
+
+/// XXH3's default secret, the first 128 bytes (all that inputs of up to 128 bytes read).
+const SECRET: [u8; 128] = [
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+];
+
+const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
+
+/// The little-endian `u64` at `at` (callers stay within the slice: lengths are checked first).
+#[inline(always)]
+fn le64(b: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+/// The 128-bit product of two `u64`, its halves XORed (XXH3's `mul128_fold64`). Natively a `u128`
+/// multiply (one instruction on 64-bit CPUs); on WebAssembly, which has no wide multiply, the
+/// schoolbook product of 32-bit halves (XXH3's portable `mult64to128`), inlined instead of the
+/// `__multi3` call a `u128` product becomes there.
+#[inline(always)]
+pub(crate) fn mul_fold64(a: u64, b: u64) -> u64 {
+    #[cfg(target_family = "wasm")]
+    {
+        mul_fold64_halves(a, b)
+    }
+    #[cfg(not(target_family = "wasm"))]
+    {
+        let p = a as u128 * b as u128;
+        (p as u64) ^ ((p >> 64) as u64)
+    }
+}
+
+/// [`mul_fold64`] from 32-bit halves: `a * b = hh * 2^64 + (hl + lh) * 2^32 + ll`, the middle sum and
+/// the low word's addition carried by `overflowing_add`. Written this way, not as XXH3's portable
+/// `mult64to128` (which sums the middle terms in 32-bit pieces): LLVM recognises that form as a
+/// 64x64->128 multiply and turns it back into the `__multi3` call this function exists to avoid
+/// (checked in the `.wasm`: four `i64.mul` and no call).
+#[inline(always)]
+// Natively only the tests call it (they check it against the `u128` product).
+#[cfg_attr(not(target_family = "wasm"), allow(dead_code))]
+fn mul_fold64_halves(a: u64, b: u64) -> u64 {
+    let (a_lo, a_hi) = (a & 0xFFFF_FFFF, a >> 32);
+    let (b_lo, b_hi) = (b & 0xFFFF_FFFF, b >> 32);
+    let ll = a_lo * b_lo;
+    let hh = a_hi * b_hi;
+    let (mid, mid_carry) = (a_hi * b_lo).overflowing_add(a_lo * b_hi);
+    let (lower, low_carry) = ll.overflowing_add(mid << 32);
+    let upper = hh + (mid >> 32) + ((mid_carry as u64) << 32) + low_carry as u64;
+    lower ^ upper
+}
+
+#[inline(always)]
+fn avalanche(mut h: u64) -> u64 {
+    h ^= h >> 37;
+    h = h.wrapping_mul(0x1656_6791_9E37_79F9);
+    h ^ (h >> 32)
+}
+
+#[inline(always)]
+fn mix16(b: &[u8], at: usize, secret_at: usize, seed: u64) -> u64 {
+    let lo = le64(b, at) ^ le64(&SECRET, secret_at).wrapping_add(seed);
+    let hi = le64(b, at + 8) ^ le64(&SECRET, secret_at + 8).wrapping_sub(seed);
+    mul_fold64(lo, hi)
+}
+
+/// XXH3-64 of 9 to 16 bytes, as the two words it reads.
+#[inline(always)]
+fn xxh3_9to16_words(len: u64, first: u64, last: u64, seed: u64) -> u64 {
+    let flip1 = (le64(&SECRET, 24) ^ le64(&SECRET, 32)).wrapping_add(seed);
+    let flip2 = (le64(&SECRET, 40) ^ le64(&SECRET, 48)).wrapping_sub(seed);
+    let lo = first ^ flip1;
+    let hi = last ^ flip2;
+    let acc = len
+        .wrapping_add(lo.swap_bytes())
+        .wrapping_add(hi)
+        .wrapping_add(mul_fold64(lo, hi));
+    avalanche(acc)
+}
+
+#[inline(always)]
+fn xxh3_9to16(b: &[u8], seed: u64) -> u64 {
+    xxh3_9to16_words(b.len() as u64, le64(b, 0), le64(b, b.len() - 8), seed)
+}
+
+#[inline(always)]
+fn xxh3_17to128(b: &[u8], seed: u64) -> u64 {
+    let len = b.len();
+    let mut acc = (len as u64).wrapping_mul(PRIME64_1);
+    if len > 32 {
+        if len > 64 {
+            if len > 96 {
+                acc = acc.wrapping_add(mix16(b, 48, 96, seed));
+                acc = acc.wrapping_add(mix16(b, len - 64, 112, seed));
+            }
+            acc = acc.wrapping_add(mix16(b, 32, 64, seed));
+            acc = acc.wrapping_add(mix16(b, len - 48, 80, seed));
+        }
+        acc = acc.wrapping_add(mix16(b, 16, 32, seed));
+        acc = acc.wrapping_add(mix16(b, len - 32, 48, seed));
+    }
+    acc = acc.wrapping_add(mix16(b, 0, 0, seed));
+    acc = acc.wrapping_add(mix16(b, len - 16, 16, seed));
+    avalanche(acc)
+}
+
+/// Chains a parent sequence hash with a block's local hash: XXH3-64 of `LE(parent) ++ LE(local)`,
+/// computed from the two words without building the 16 bytes.
 #[inline]
 pub fn chain(parent: u64, local: u64, seed: u64) -> u64 {
-    let mut buf = [0u8; 16];
-    buf[..8].copy_from_slice(&parent.to_le_bytes());
-    buf[8..].copy_from_slice(&local.to_le_bytes());
-    xxh3_64_with_seed(&buf, seed)
+    xxh3_9to16_words(16, parent, local, seed)
 }
 
 /// Computes exact block identities for token-id prompts.
@@ -309,6 +436,78 @@ impl TextHasher {
 mod tests {
     use super::*;
 
+    /// The XXH3 written out here is the crate's function at every length (the two written out and
+    /// the ones passed through) and seed, including the chain's two-word form.
+    #[test]
+    fn xxh3_matches_the_crate_at_every_length() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let bytes: Vec<u8> = (0..300).map(|_| next() as u8).collect();
+        let seeds = [0, 1, HASH_SEED, u64::MAX, 1 << 63, next(), next(), next()];
+        for len in 0..=bytes.len() {
+            for start in [0, 1, 7] {
+                let Some(b) = bytes.get(start..start + len) else {
+                    continue;
+                };
+                for &seed in &seeds {
+                    assert_eq!(
+                        xxh3_64_with_seed(b, seed),
+                        xxh3_64_crate(b, seed),
+                        "len {len} seed {seed}"
+                    );
+                }
+            }
+        }
+        for _ in 0..10_000 {
+            let (p, l, seed) = (next(), next(), next());
+            let mut buf = [0u8; 16];
+            buf[..8].copy_from_slice(&p.to_le_bytes());
+            buf[8..].copy_from_slice(&l.to_le_bytes());
+            assert_eq!(chain(p, l, seed), xxh3_64_crate(&buf, seed));
+        }
+    }
+
+    /// The WebAssembly product (32-bit halves) equals the `u128` one, edge values included.
+    #[test]
+    fn the_product_from_halves_is_the_wide_product() {
+        let wide = |a: u64, b: u64| {
+            let p = a as u128 * b as u128;
+            (p as u64) ^ ((p >> 64) as u64)
+        };
+        let edges = [
+            0,
+            1,
+            2,
+            u32::MAX as u64,
+            1 << 32,
+            u64::MAX,
+            u64::MAX - 1,
+            1 << 63,
+        ];
+        for &a in &edges {
+            for &b in &edges {
+                assert_eq!(mul_fold64_halves(a, b), wide(a, b), "{a} x {b}");
+            }
+        }
+        let mut x = 88172645463325252u64;
+        for _ in 0..100_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let a = x;
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            assert_eq!(mul_fold64_halves(a, x), wide(a, x));
+            assert_eq!(mul_fold64(a, x), wide(a, x));
+        }
+    }
+
     #[test]
     fn only_full_blocks_are_hashed() {
         let h = BlockHasher::new(16).unwrap();
@@ -357,7 +556,7 @@ mod tests {
         let h = BlockHasher::new(512).unwrap();
         let toks: Vec<u32> = (0..512).collect();
         let bytes: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
-        assert_eq!(h.local_hash(&toks), xxh3_64_with_seed(&bytes, HASH_SEED));
+        assert_eq!(h.local_hash(&toks), xxh3_64_crate(&bytes, HASH_SEED));
     }
 
     #[test]

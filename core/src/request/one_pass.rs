@@ -267,6 +267,11 @@ fn token_id(b: &[u8], i: usize) -> Option<(u32, usize)> {
 /// cannot carry out of a byte: 0x7F + 0x50 < 0x100), then the eight high bits are gathered into
 /// one byte by a multiply whose partial products land on distinct bits.
 #[inline]
+// A SIMD128 build reads windows with `window_digits`'s vector form; the tests still check this one.
+#[cfg_attr(
+    all(target_family = "wasm", target_feature = "simd128"),
+    allow(dead_code)
+)]
 fn digit_bits(w: u64) -> u64 {
     const LOW7: u64 = 0x7F * ONES;
     let y = w & LOW7;
@@ -274,6 +279,34 @@ fn digit_bits(w: u64) -> u64 {
     let above_9 = y + (0x80 - b'9' as u64 - 1) * ONES;
     let high = at_least_0 & !above_9 & !w & HIGH;
     high.wrapping_mul(0x0002_0408_1020_4081) >> 56
+}
+
+/// The digit mask of a 64-byte window (bit `k` set iff byte `k` is an ASCII digit), from its eight
+/// little-endian words `at(0)`, `at(8)`, ... `at(56)`.
+#[cfg(not(all(target_family = "wasm", target_feature = "simd128")))]
+#[inline(always)]
+fn window_digits(at: &impl Fn(usize) -> u64) -> u64 {
+    let mut digits = 0u64;
+    for k in 0..8 {
+        digits |= digit_bits(at(8 * k)) << (8 * k);
+    }
+    digits
+}
+
+/// [`window_digits`] with WebAssembly SIMD128, in builds that enable it
+/// (`RUSTFLAGS="-C target-feature=+simd128"`; the release build does not, so that it runs on any
+/// runtime): 16 bytes a step, a wrapping subtract and an unsigned compare, `bitmask` for the bits.
+#[cfg(all(target_family = "wasm", target_feature = "simd128"))]
+#[inline(always)]
+fn window_digits(at: &impl Fn(usize) -> u64) -> u64 {
+    use core::arch::wasm32::{u8x16_bitmask, u8x16_lt, u8x16_splat, u8x16_sub, u64x2};
+    let mut digits = 0u64;
+    for k in 0..4 {
+        let v = u64x2(at(16 * k), at(16 * k + 8));
+        let d = u8x16_lt(u8x16_sub(v, u8x16_splat(b'0')), u8x16_splat(10));
+        digits |= (u8x16_bitmask(d) as u64) << (16 * k);
+    }
+    digits
 }
 
 /// Reads the token ids that start in the 64 bytes at `i` (a number's first digit), as long as each
@@ -302,10 +335,7 @@ fn token_id_window(b: &[u8], i: usize, ids: &mut SequenceBuilder) -> usize {
         w.copy_from_slice(&bytes[k..k + 8]);
         u64::from_le_bytes(w)
     };
-    let mut digits = 0u64;
-    for k in 0..8 {
-        digits |= digit_bits(at(8 * k)) << (8 * k);
-    }
+    let digits = window_digits(&at);
     let mut starts = digits & !(digits << 1);
     let mut ends = digits & !(digits >> 1);
     if starts & 1 == 0 {

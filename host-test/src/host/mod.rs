@@ -209,6 +209,11 @@ impl FilterModule {
     pub fn from_bytes(bytes: &[u8], metered: bool) -> Result<Self, HostError> {
         let mut config = Config::new();
         config.consume_fuel(metered);
+        // `KVSTEER_PERFMAP=1`: wasmtime writes /tmp/perf-<pid>.map so that `perf record` names the
+        // guest's functions (how the filter path was profiled for issue 16; docs/harness.md).
+        if std::env::var_os("KVSTEER_PERFMAP").is_some() {
+            config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
         if cfg!(debug_assertions) {
             // A debug build of Cranelift takes ~17 s on the 500 KB filter at full optimization; tests
             // need the filter's behaviour, not its speed (bench and demo are release builds).
