@@ -169,6 +169,9 @@ def main() -> int:
     args = ap.parse_args()
     load0 = os.getloadavg()
     levels = [int(x) for x in args.inflight.split(",")]
+    # A flood's last snapshot is applied before the quiet one is polled: about 12 s for 1M blocks
+    # at the default 8,192 a tick without requests, longer with a smaller budget or under load.
+    drain_s = 60 * max(1, 8192 // (args.apply_per_tick or 8192))
     rows: list[dict] = []
     with Stack(quiet=False) as s:
         s.start_replicas(4, extra=["--time-scale", args.time_scale])
@@ -193,7 +196,7 @@ def main() -> int:
             idle[phase + "_heap"] = heap_mib(s)
         s.flood_mode(FLOODER, blocks=0, every_poll=0)
         wait("the flood drained", lambda: s.flood_stats(FLOODER)["snapshots"] >= 1
-             and all(stat(s, "kvsteer_feed_pending_blocks") == 0 for _ in range(3)), 60)
+             and all(stat(s, "kvsteer_feed_pending_blocks") == 0 for _ in range(3)), drain_s)
         # Warm up connections, the filter's index and V8's code.
         run_load(s.listen_port, 3, 4, args.prompt, 1)
         seed = 100
@@ -209,7 +212,7 @@ def main() -> int:
                     # about 12 s at 1M blocks); then nothing is left to apply.
                     wait("the flood drained", lambda: s.flood_stats(FLOODER)["snapshots"] >= 1
                          and all(stat(s, "kvsteer_feed_pending_blocks") == 0 for _ in range(3)),
-                         60)
+                         drain_s)
                 for level in levels:
                     cpu0 = cpu_s(pid)
                     t0 = time.monotonic()
