@@ -128,13 +128,16 @@ def rewrite(
     wasm: str,
     plugin_overrides: dict | None = None,
     wasm_overrides: dict | None = None,
+    feeds: dict[str, str] | None = None,
 ) -> dict:
     """A copy of `doc` for these replicas (name, `IP:port`), ports and wasm path.
 
     Per-replica clusters (`kvsteer_feed_<name>`, `replica_<name>`) are rebuilt from the first one in
     the file, so the committed four-replica files serve any replica count. `plugin_overrides` merge
     into the filter's JSON configuration, `wasm_overrides` into Envoy's wasm PluginConfig (tests only:
-    to show what a setting is for by turning it off).
+    to show what a setting is for by turning it off). `feeds` names replicas whose feed is served at
+    another `IP:port` than their completions (tests: a flooding or slow feed beside a normal replica);
+    their `kvsteer_feed_<name>` cluster points there.
     """
     doc = copy.deepcopy(doc)
     doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -157,6 +160,8 @@ def rewrite(
             out_clusters.append(c)
     for prefix, tmpl in templates.items():
         for name, ep in replicas:
+            if prefix == FEED_PREFIX:
+                ep = (feeds or {}).get(name, ep)
             out_clusters.append(_single_host_cluster(tmpl, prefix + name, ep))
     doc["static_resources"]["clusters"] = out_clusters
 
@@ -175,7 +180,7 @@ def rewrite(
             if "feed_authority" in r:
                 r["feed_authority"] = ep
             if "feed_address" in r:
-                r["feed_address"] = ep
+                r["feed_address"] = (feeds or {}).get(name, ep)
             if "cluster" in r:
                 r["cluster"] = REPLICA_CLUSTER_PREFIX + name
             new.append(r)

@@ -9,7 +9,7 @@ tearDown.
 
 Paths come from the environment so CI and developers can point at their builds:
 - `CARGO_TARGET_DIR` (default `<repo>/target`): where the release wasm and sim binary are.
-- `KVSTEER_WASM`, `KVSTEER_SIM`, `ENVOY_BIN`: explicit overrides.
+- `KVSTEER_WASM`, `KVSTEER_SIM`, `KVSTEER_FLOOD_FEED`, `ENVOY_BIN`: explicit overrides.
 """
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ def wasm_path() -> Path:
 
 def sim_path() -> Path:
     return Path(os.environ.get("KVSTEER_SIM") or target_dir() / "release" / "kvsteer-sim")
+
+
+def flood_feed_path() -> Path:
+    """The feed-only replica of `sim/examples/flood-feed.rs` (a cargo example, not a bin)."""
+    return Path(os.environ.get("KVSTEER_FLOOD_FEED")
+                or target_dir() / "release" / "examples" / "flood-feed")
 
 
 def envoy_path() -> Path:
@@ -150,10 +156,18 @@ class Replica:
     port: int
     proc: Proc
     sim_name: str = ""
+    # A feed served by another process than the replica's completions (`Stack.start_flood_feed`):
+    # Envoy's `kvsteer_feed_<name>` cluster points there instead of at the replica.
+    feed_proc: Proc | None = None
+    feed_port: int = 0
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def feed_endpoint(self) -> str:
+        return f"127.0.0.1:{self.feed_port or self.port}"
 
 
 _live_stacks: list["Stack"] = []
@@ -294,6 +308,44 @@ class Stack:
         return [str(sim), "serve", "--replicas", "1", "--host", "127.0.0.1", "--port", str(port),
                 "--name-prefix", f"{name}_", "--seed", str(1000 + index), *extra]
 
+    def start_flood_feed(self, name: str, blocks: int = 0, every_poll: bool = False,
+                         delay_ms: int = 0) -> None:
+        """Serves replica `name`'s feed from a feed-only process of its own
+        (`sim/examples/flood-feed.rs`, made-up blocks) while its completions still go to the
+        replica; call before `start_envoy`. Its mode can change later: `flood_mode`."""
+        exe = flood_feed_path()
+        if not exe.exists():
+            raise StackError(
+                f"flood-feed not found at {exe}: build it with "
+                "`cargo build -p kvsteer-sim --release --example flood-feed` (or set KVSTEER_FLOOD_FEED)"
+            )
+        r = self.replica(name)
+        index = self.replicas.index(r)
+        port = free_ports(1)[0]
+        argv = [str(exe), str(port), str(blocks), str(index), "--delay-ms", str(delay_ms)]
+        if every_poll:
+            argv.append("--every-poll")
+        r.feed_proc = self.spawn(f"feed-{name}", argv)
+        r.feed_port = port
+        wait_http(f"http://{r.feed_endpoint}/health", 10, r.feed_proc)
+
+    def flood_mode(self, name: str, **mode: int) -> None:
+        """Changes what replica `name`'s flood feed answers (`blocks`, `every_poll`, `delay_ms`);
+        it takes a new epoch, so the router's next poll gets a snapshot."""
+        q = "&".join(f"{k}={int(v)}" for k, v in mode.items())
+        req = urllib.request.Request(
+            f"http://{self.replica(name).feed_endpoint}/admin/mode?{q}", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            if resp.status != 200:
+                raise StackError(f"flood feed of {name}: status {resp.status}")
+
+    def flood_stats(self, name: str) -> dict[str, int]:
+        """What replica `name`'s flood feed has served since its mode last changed: polls, snapshots,
+        snapshot_bytes."""
+        url = f"http://{self.replica(name).feed_endpoint}/admin/stats"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return json.loads(resp.read())
+
     def by_sim_name(self, sim_name: str) -> "Replica | None":
         """The replica that answers with `x-kvsteer-replica: <sim_name>`."""
         for r in self.replicas:
@@ -341,6 +393,7 @@ class Stack:
             wasm=str(wasm),
             plugin_overrides=plugin_overrides or {},
             wasm_overrides=wasm_overrides or {},
+            feeds=self.feed_endpoints(),
         )
         path = self.workdir / f"{variant}.json"
         path.write_text(json.dumps(doc, indent=1))
@@ -367,7 +420,8 @@ class Stack:
                 doc = envoy_config.rewrite(
                     cfg_doc, replicas=[(r.name, r.endpoint) for r in self.replicas],
                     listen_port=self.listen_port, admin_port=self.admin_port, wasm=str(wasm),
-                    plugin_overrides=plugin_overrides or {}, wasm_overrides=wasm_overrides or {})
+                    plugin_overrides=plugin_overrides or {}, wasm_overrides=wasm_overrides or {},
+                    feeds=self.feed_endpoints())
                 path.write_text(json.dumps(doc, indent=1))
         else:
             raise StackError(f"envoy did not become ready:\n{last}")
@@ -376,6 +430,10 @@ class Stack:
             self.wait_feeds()
         self.say(f"envoy ({variant}): listen 127.0.0.1:{self.listen_port}, "
                  f"admin 127.0.0.1:{self.admin_port}")
+
+    def feed_endpoints(self) -> dict[str, str]:
+        """Replicas whose feed is served elsewhere than their completions: name -> `IP:port`."""
+        return {r.name: r.feed_endpoint for r in self.replicas if r.feed_port}
 
     def vm_failures(self) -> list[str]:
         """Lines of every Envoy log this stack wrote that tell of a wasm VM failing: a Rust panic

@@ -1,42 +1,140 @@
 //! A replica that only serves a feed holding `BLOCKS` made-up blocks, to fill the filter's block
-//! index through a real proxy (issue 17 item 6: each Envoy worker's memory with a full index;
-//! `e2e/index_memory_envoy.py` drives it). A real engine or `kvsteer-sim serve` would need millions of
-//! prompt tokens sent through it to hold a million blocks.
+//! index through a real proxy, or to flood it (issue 17 items 1-3 and 6: `e2e/index_memory_envoy.py`,
+//! `e2e/test_feed_flood.py` and `e2e/bench_feed_flood.py` drive it). A real engine or
+//! `kvsteer-sim serve` would need millions of prompt tokens sent through it to hold a million blocks.
 //!
-//! `cargo run --release -p kvsteer-sim --example flood-feed -- PORT BLOCKS REPLICA [--every-poll]`
+//! `cargo run --release -p kvsteer-sim --example flood-feed -- PORT BLOCKS REPLICA [--every-poll]
+//! [--delay-ms MS]`
 //!
 //! `GET /health` answers 200. `GET /kvsteer/feed` answers a resync snapshot of `BLOCKS` GPU blocks
 //! (hashes distinct per `REPLICA`) when the poll's epoch is not this replica's (a router's first
 //! poll), else an empty batch that continues the cursor; with `--every-poll`, a snapshot on every
-//! poll (a flooding replica: each poll resets and refills its blocks). Prints
+//! poll (a flooding replica: each poll resets and refills its blocks). With `--delay-ms`, every feed
+//! answer waits that long first (a slow feed; `/health` is not delayed). Prints
 //! `ready r<REPLICA>_0 127.0.0.1:PORT` when listening, like `kvsteer-sim serve`.
+//!
+//! The mode can change while it runs (so a test can let the router see a quiet feed first):
+//! `POST /admin/mode?blocks=N&every_poll=0|1&delay_ms=MS` (each field optional, the others kept)
+//! takes a new epoch, so the router's next poll gets a snapshot of the new blocks. `GET /admin/stats`
+//! answers `{"polls":P,"snapshots":S,"snapshot_bytes":B,"blocks":N,"epoch":E}`: what it has served
+//! since it started or its mode last changed.
 
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedQuery};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What the feed answers now.
+struct Mode {
+    replica: u64,
+    epoch: u64,
+    blocks: u64,
+    snapshot: Arc<Vec<u8>>,
+    every_poll: bool,
+    delay_ms: u64,
+}
+
+impl Mode {
+    fn new(replica: u64, epoch: u64, blocks: u64, every_poll: bool, delay_ms: u64) -> Mode {
+        let hashes = (0..blocks)
+            .map(|i| 0xF100_D000_0000_0000 | replica << 40 | i)
+            .collect();
+        Mode {
+            replica,
+            epoch,
+            blocks,
+            snapshot: Arc::new(FeedBatch::snapshot(epoch, hashes).encode()),
+            every_poll,
+            delay_ms,
+        }
+    }
+}
 
 struct Feed {
-    epoch: u64,
-    snapshot: Vec<u8>,
-    every_poll: bool,
+    mode: Mutex<Mode>,
+    polls: AtomicU64,
+    snapshots: AtomicU64,
+    snapshot_bytes: AtomicU64,
+}
+
+type Answer = (u16, &'static str, Arc<Vec<u8>>);
+
+fn text(status: u16, msg: String) -> Answer {
+    (status, "text/plain", Arc::new(msg.into_bytes()))
+}
+
+fn params(query: &str) -> impl Iterator<Item = (&str, &str)> {
+    query
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| kv.split_once('=').unwrap_or((kv, "")))
 }
 
 impl Feed {
-    fn answer(&self, query: &str) -> (u16, &'static str, Vec<u8>) {
+    fn answer(&self, query: &str) -> Answer {
+        self.polls.fetch_add(1, Ordering::Relaxed);
         let q = match FeedQuery::parse(query) {
             Ok(q) => q,
-            Err(e) => return (400, "text/plain", e.into_bytes()),
+            Err(e) => return text(400, e),
         };
-        if self.every_poll || q.epoch != self.epoch {
-            return (200, FEED_CONTENT_TYPE, self.snapshot.clone());
+        let (epoch, snapshot, every_poll, delay_ms) = {
+            let m = self.mode.lock().unwrap();
+            (m.epoch, m.snapshot.clone(), m.every_poll, m.delay_ms)
+        };
+        if delay_ms > 0 {
+            std::thread::sleep(Duration::from_millis(delay_ms));
         }
-        let mut empty = FeedBatch::snapshot(self.epoch, Vec::new());
+        if every_poll || q.epoch != epoch {
+            self.snapshots.fetch_add(1, Ordering::Relaxed);
+            self.snapshot_bytes
+                .fetch_add(snapshot.len() as u64, Ordering::Relaxed);
+            return (200, FEED_CONTENT_TYPE, snapshot);
+        }
+        let mut empty = FeedBatch::snapshot(epoch, Vec::new());
         empty.resync = false;
         empty.events.clear();
         empty.first_seq = q.cursor;
         empty.next_seq = q.cursor;
-        (200, FEED_CONTENT_TYPE, empty.encode())
+        (200, FEED_CONTENT_TYPE, Arc::new(empty.encode()))
+    }
+
+    /// `POST /admin/mode?...`: a new mode under a new epoch.
+    fn set_mode(&self, query: &str) -> Answer {
+        let mut m = self.mode.lock().unwrap();
+        let (mut blocks, mut every_poll, mut delay_ms) = (m.blocks, m.every_poll, m.delay_ms);
+        for (k, v) in params(query) {
+            let n: u64 = match v.parse() {
+                Ok(n) => n,
+                Err(_) => return text(400, format!("bad {k}")),
+            };
+            match k {
+                "blocks" => blocks = n,
+                "every_poll" => every_poll = n != 0,
+                "delay_ms" => delay_ms = n,
+                _ => return text(400, format!("unknown {k}")),
+            }
+        }
+        *m = Mode::new(m.replica, m.epoch + 1, blocks, every_poll, delay_ms);
+        for c in [&self.polls, &self.snapshots, &self.snapshot_bytes] {
+            c.store(0, Ordering::Relaxed);
+        }
+        text(200, "ok".into())
+    }
+
+    fn stats(&self) -> Answer {
+        let (blocks, epoch) = {
+            let m = self.mode.lock().unwrap();
+            (m.blocks, m.epoch)
+        };
+        let body = format!(
+            r#"{{"polls":{},"snapshots":{},"snapshot_bytes":{},"blocks":{blocks},"epoch":{epoch}}}"#,
+            self.polls.load(Ordering::Relaxed),
+            self.snapshots.load(Ordering::Relaxed),
+            self.snapshot_bytes.load(Ordering::Relaxed),
+        );
+        (200, "application/json", Arc::new(body.into_bytes()))
     }
 }
 
@@ -48,7 +146,9 @@ fn serve(feed: &Feed, stream: TcpStream) -> std::io::Result<()> {
         if reader.read_line(&mut line)? == 0 {
             return Ok(());
         }
-        let target = line.split_whitespace().nth(1).unwrap_or("/").to_string();
+        let mut words = line.split_whitespace();
+        let method = words.next().unwrap_or("GET").to_string();
+        let target = words.next().unwrap_or("/").to_string();
         let mut body_len = 0usize;
         loop {
             let mut h = String::new();
@@ -68,10 +168,12 @@ fn serve(feed: &Feed, stream: TcpStream) -> std::io::Result<()> {
         let mut skip = vec![0u8; body_len];
         std::io::Read::read_exact(&mut reader, &mut skip)?;
         let (path, query) = target.split_once('?').unwrap_or((&target, ""));
-        let (status, ctype, body) = match path {
-            "/health" => (200, "text/plain", b"ok".to_vec()),
-            "/kvsteer/feed" => feed.answer(query),
-            _ => (404, "text/plain", b"not found".to_vec()),
+        let (status, ctype, body) = match (method.as_str(), path) {
+            (_, "/health") => (200, "text/plain", Arc::new(b"ok".to_vec())),
+            (_, "/kvsteer/feed") => feed.answer(query),
+            ("POST", "/admin/mode") => feed.set_mode(query),
+            (_, "/admin/stats") => feed.stats(),
+            _ => (404, "text/plain", Arc::new(b"not found".to_vec())),
         };
         write!(
             out,
@@ -85,7 +187,7 @@ fn serve(feed: &Feed, stream: TcpStream) -> std::io::Result<()> {
 
 fn main() -> Result<(), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: flood-feed PORT BLOCKS REPLICA [--every-poll]";
+    let usage = "usage: flood-feed PORT BLOCKS REPLICA [--every-poll] [--delay-ms MS]";
     let num = |i: usize| -> Result<u64, String> {
         args.get(i)
             .ok_or(usage)?
@@ -94,14 +196,21 @@ fn main() -> Result<(), String> {
     };
     let (port, blocks, replica) = (num(0)?, num(1)?, num(2)?);
     let every_poll = args.iter().any(|a| a == "--every-poll");
-    let epoch = 1000 + replica;
-    let hashes = (0..blocks)
-        .map(|i| 0xF100_D000_0000_0000 | replica << 40 | i)
-        .collect();
+    let delay_ms = match args.iter().position(|a| a == "--delay-ms") {
+        Some(i) => num(i + 1)?,
+        None => 0,
+    };
     let feed = Arc::new(Feed {
-        epoch,
-        snapshot: FeedBatch::snapshot(epoch, hashes).encode(),
-        every_poll,
+        mode: Mutex::new(Mode::new(
+            replica,
+            1000 + replica,
+            blocks,
+            every_poll,
+            delay_ms,
+        )),
+        polls: AtomicU64::new(0),
+        snapshots: AtomicU64::new(0),
+        snapshot_bytes: AtomicU64::new(0),
     });
     let listener = TcpListener::bind(("127.0.0.1", port as u16)).map_err(|e| e.to_string())?;
     println!("ready r{replica}_0 127.0.0.1:{port}");
