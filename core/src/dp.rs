@@ -164,7 +164,7 @@ impl Units {
 mod tests {
     use super::*;
     use crate::feed::{FeedBatch, FeedEvent, ReplicaLoad, Tier};
-    use crate::{RoutingConfig, Router};
+    use crate::{Router, RoutingConfig};
 
     #[test]
     fn a_fleet_without_ranks_keeps_its_indices() {
@@ -179,7 +179,11 @@ mod tests {
                 })
             );
             assert_eq!(u.unit_of(i, None), Some(i));
-            assert_eq!(u.unit_of(i, Some(0)), None, "no rank units on a rankless endpoint");
+            assert_eq!(
+                u.unit_of(i, Some(0)),
+                None,
+                "no rank units on a rankless endpoint"
+            );
         }
     }
 
@@ -209,14 +213,22 @@ mod tests {
         assert!(u.accepts_feed_rank(2, 2));
         assert!(!u.accepts_feed_rank(2, 1));
         assert!(!u.accepts_feed_rank(2, 60_000));
-        assert!(u.accepts_feed_rank(4, 17), "a rankless endpoint takes any rank");
+        assert!(
+            u.accepts_feed_rank(4, 17),
+            "a rankless endpoint takes any rank"
+        );
         assert!(!u.accepts_feed_rank(99, 0));
     }
 
     #[test]
     fn bad_layouts_are_refused_by_name() {
         assert!(Units::new(&[], 256).is_err());
-        assert!(Units::new(&[1, 0], 256).unwrap_err().0.contains("endpoint 1"));
+        assert!(
+            Units::new(&[1, 0], 256)
+                .unwrap_err()
+                .0
+                .contains("endpoint 1")
+        );
         assert!(Units::new(&[MAX_DP_RANKS + 1], 100_000).is_err());
         assert!(Units::new(&[200, 100], 256).unwrap_err().0.contains("256"));
         assert!(Units::new(&[128, 128], 256).is_ok());
@@ -254,7 +266,13 @@ mod tests {
         let target = units.unit_of(0, Some(2)).unwrap();
         router.apply_feed(target, &batch(7, hashes.clone()));
         let d = router.route(&req, 0);
-        assert_eq!(units.get(d.replica), Some(Unit { endpoint: 0, rank: Some(2) }));
+        assert_eq!(
+            units.get(d.replica),
+            Some(Unit {
+                endpoint: 0,
+                rank: Some(2)
+            })
+        );
         assert_eq!(d.matched_tokens[target], 1024);
         for (i, m) in d.matched_tokens.iter().enumerate() {
             if i != target {
@@ -266,7 +284,10 @@ mod tests {
         assert!(load[target].active_requests > 0);
         for (i, l) in load.iter().enumerate() {
             if i != target {
-                assert_eq!(l.active_requests, 0, "unit {i} carries none of rank 2's load");
+                assert_eq!(
+                    l.active_requests, 0,
+                    "unit {i} carries none of rank 2's load"
+                );
             }
         }
         // A feed event naming a stored block on another rank is that rank's alone.

@@ -746,7 +746,10 @@ mod tests {
         assert!(query_rank("rank=70000").is_err());
         assert!(query_rank("rank=").is_err());
         // The rank does not disturb the other fields' parsing.
-        assert_eq!(FeedQuery::parse("epoch=5&cursor=2&rank=3").unwrap().epoch, 5);
+        assert_eq!(
+            FeedQuery::parse("epoch=5&cursor=2&rank=3").unwrap().epoch,
+            5
+        );
     }
 
     fn sample() -> FeedBatch {

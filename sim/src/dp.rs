@@ -256,8 +256,14 @@ mod tests {
         let mut s = HashSet::new();
         for e in &b.events {
             match e {
-                FeedEvent::Stored { tier: Tier::Gpu, hashes } => s.extend(hashes),
-                FeedEvent::Removed { tier: Tier::Gpu, hashes } => {
+                FeedEvent::Stored {
+                    tier: Tier::Gpu,
+                    hashes,
+                } => s.extend(hashes),
+                FeedEvent::Removed {
+                    tier: Tier::Gpu,
+                    hashes,
+                } => {
                     for h in hashes {
                         s.remove(h);
                     }

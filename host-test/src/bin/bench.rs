@@ -499,6 +499,7 @@ fn write_outputs(
             let sc = g.scenario;
             json!({"id": sc.id, "group": sc.group, "source": format!("{:?}", sc.source),
                    "proxies": sc.proxies, "spread": format!("{:?}", sc.spread),
+                   "endpoints": sc.endpoints, "dp_ranks": sc.dp_ranks,
                    "workload": wi})
         })
         .collect();
@@ -658,6 +659,11 @@ fn write_outputs(
         ("mooncake", "Mooncake"),
         ("azure", "Azure conversations (no-reuse control)"),
         ("slice", "The Envoy slice, in the harness"),
+        (
+            "dp",
+            "Data-parallel fleet: 2 endpoints x 4 ranks (docs/dp.md; `@rank_blind`: the router \
+             sees endpoints, vLLM's internal balancer picks the rank)",
+        ),
     ] {
         let gs: Vec<&ScenarioRuns> = grouped
             .iter()
