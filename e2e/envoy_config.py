@@ -128,13 +128,15 @@ def rewrite(
     wasm: str,
     plugin_overrides: dict | None = None,
     wasm_overrides: dict | None = None,
+    replica_overrides: dict | None = None,
 ) -> dict:
     """A copy of `doc` for these replicas (name, `IP:port`), ports and wasm path.
 
     Per-replica clusters (`kvsteer_feed_<name>`, `replica_<name>`) are rebuilt from the first one in
     the file, so the committed four-replica files serve any replica count. `plugin_overrides` merge
     into the filter's JSON configuration, `wasm_overrides` into Envoy's wasm PluginConfig (tests only:
-    to show what a setting is for by turning it off).
+    to show what a setting is for by turning it off), `replica_overrides` into every replica entry
+    (e.g. `{"dp_ranks": 4}`).
     """
     doc = copy.deepcopy(doc)
     doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -178,6 +180,7 @@ def rewrite(
                 r["feed_address"] = ep
             if "cluster" in r:
                 r["cluster"] = REPLICA_CLUSTER_PREFIX + name
+            r.update(replica_overrides or {})
             new.append(r)
         pc["replicas"] = new
         pc = _merge(pc, plugin_overrides or {})

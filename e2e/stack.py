@@ -321,6 +321,7 @@ class Stack:
         plugin_overrides: dict | None = None,
         wait_feeds: bool = True,
         wasm_overrides: dict | None = None,
+        replica_overrides: dict | None = None,
     ) -> None:
         """Envoy with `envoy/<variant>.yaml`, rewritten for this stack's ports and the built wasm."""
         wasm = wasm_path()
@@ -341,6 +342,7 @@ class Stack:
             wasm=str(wasm),
             plugin_overrides=plugin_overrides or {},
             wasm_overrides=wasm_overrides or {},
+            replica_overrides=replica_overrides or {},
         )
         path = self.workdir / f"{variant}.json"
         path.write_text(json.dumps(doc, indent=1))
@@ -367,7 +369,8 @@ class Stack:
                 doc = envoy_config.rewrite(
                     cfg_doc, replicas=[(r.name, r.endpoint) for r in self.replicas],
                     listen_port=self.listen_port, admin_port=self.admin_port, wasm=str(wasm),
-                    plugin_overrides=plugin_overrides or {}, wasm_overrides=wasm_overrides or {})
+                    plugin_overrides=plugin_overrides or {}, wasm_overrides=wasm_overrides or {},
+                    replica_overrides=replica_overrides or {})
                 path.write_text(json.dumps(doc, indent=1))
         else:
             raise StackError(f"envoy did not become ready:\n{last}")
