@@ -129,15 +129,17 @@ def rewrite(
     plugin_overrides: dict | None = None,
     wasm_overrides: dict | None = None,
     feeds: dict[str, str] | None = None,
+    replica_overrides: dict | None = None,
 ) -> dict:
     """A copy of `doc` for these replicas (name, `IP:port`), ports and wasm path.
 
     Per-replica clusters (`kvsteer_feed_<name>`, `replica_<name>`) are rebuilt from the first one in
     the file, so the committed four-replica files serve any replica count. `plugin_overrides` merge
     into the filter's JSON configuration, `wasm_overrides` into Envoy's wasm PluginConfig (tests only:
-    to show what a setting is for by turning it off). `feeds` names replicas whose feed is served at
-    another `IP:port` than their completions (tests: a flooding or slow feed beside a normal replica);
-    their `kvsteer_feed_<name>` cluster points there.
+    to show what a setting is for by turning it off), `replica_overrides` into every replica entry
+    (e.g. `{"dp_ranks": 4}`). `feeds` names replicas whose feed is served at another `IP:port` than
+    their completions (tests: a flooding or slow feed beside a normal replica); their
+    `kvsteer_feed_<name>` cluster points there.
     """
     doc = copy.deepcopy(doc)
     doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -183,6 +185,7 @@ def rewrite(
                 r["feed_address"] = (feeds or {}).get(name, ep)
             if "cluster" in r:
                 r["cluster"] = REPLICA_CLUSTER_PREFIX + name
+            r.update(replica_overrides or {})
             new.append(r)
         pc["replicas"] = new
         pc = _merge(pc, plugin_overrides or {})

@@ -373,6 +373,7 @@ class Stack:
         plugin_overrides: dict | None = None,
         wait_feeds: bool = True,
         wasm_overrides: dict | None = None,
+        replica_overrides: dict | None = None,
     ) -> None:
         """Envoy with `envoy/<variant>.yaml`, rewritten for this stack's ports and the built wasm."""
         wasm = wasm_path()
@@ -394,6 +395,7 @@ class Stack:
             plugin_overrides=plugin_overrides or {},
             wasm_overrides=wasm_overrides or {},
             feeds=self.feed_endpoints(),
+            replica_overrides=replica_overrides or {},
         )
         path = self.workdir / f"{variant}.json"
         path.write_text(json.dumps(doc, indent=1))
@@ -421,7 +423,8 @@ class Stack:
                     cfg_doc, replicas=[(r.name, r.endpoint) for r in self.replicas],
                     listen_port=self.listen_port, admin_port=self.admin_port, wasm=str(wasm),
                     plugin_overrides=plugin_overrides or {}, wasm_overrides=wasm_overrides or {},
-                    feeds=self.feed_endpoints())
+                    feeds=self.feed_endpoints(),
+                    replica_overrides=replica_overrides or {})
                 path.write_text(json.dumps(doc, indent=1))
         else:
             raise StackError(f"envoy did not become ready:\n{last}")

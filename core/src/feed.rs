@@ -10,7 +10,7 @@
 //! Wire layout (all integers little-endian):
 //! ```text
 //! header (80 bytes)
-//!   magic "KVSF" | version u8 = 1 | flags u8 | reserved u16 = 0
+//!   magic "KVSF" | version u8 = 1 | flags u8 | dp_rank u16 (was reserved, 0)
 //!   epoch u64 | first_seq u64 | next_seq u64
 //!   load: running u32 | waiting u32 | prefill_tokens u64 | decode_blocks u64
 //!         kv_used_blocks u64 | kv_total_blocks u64 | block_size u32
@@ -234,6 +234,15 @@ impl FeedBatch {
         out
     }
 
+    /// [`FeedBatch::encode`] with the data-parallel rank the batch describes in header bytes 6-7
+    /// (version 1 called them reserved and wrote 0, which is rank 0: a decoder that ignores them, as
+    /// every version 1 decoder does, reads the same batch). docs/feed.md, "Data-parallel ranks".
+    pub fn encode_for_rank(&self, rank: u16) -> Vec<u8> {
+        let mut out = self.encode();
+        out[6..8].copy_from_slice(&rank.to_le_bytes());
+        out
+    }
+
     /// Decodes a version 1 payload, refusing anything malformed without panicking.
     pub fn decode(buf: &[u8]) -> Result<FeedBatch, FeedError> {
         let checked = check(buf)?;
@@ -258,6 +267,30 @@ impl FeedBatch {
         }
         Ok(batch)
     }
+}
+
+/// The data-parallel rank a payload says it describes (header bytes 6-7; 0 from a replica without
+/// ranks). `None` for a payload too short to have a header: [`FeedBatch::decode`] refuses it anyway.
+pub fn payload_rank(buf: &[u8]) -> Option<u16> {
+    let b = buf.get(6..8)?;
+    Some(u16::from_le_bytes([b[0], b[1]]))
+}
+
+/// The `rank` parameter of a feed query string: `Ok(None)` when absent (the endpoint's one engine,
+/// or for a replica serving several ranks, whatever it serves to a rank-blind router), an error naming
+/// the value when it is not a rank (an unsigned integer below 65536).
+pub fn query_rank(query: &str) -> Result<Option<u16>, String> {
+    let mut rank = None;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        if k == "rank" {
+            rank = Some(
+                v.parse::<u16>()
+                    .map_err(|_| format!("feed query: bad value for rank: {v:?}"))?,
+            );
+        }
+    }
+    Ok(rank)
 }
 
 /// A payload's header (events left empty), its event count and its hash count.
@@ -693,6 +726,31 @@ impl FeedCursor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rank travels in the header's former reserved bytes: a batch encoded for a rank decodes to
+    /// the same batch (version 1 decoders ignore the bytes), and the rank reads back.
+    #[test]
+    fn the_rank_rides_in_the_reserved_bytes() {
+        let b = sample();
+        let plain = b.encode();
+        assert_eq!(payload_rank(&plain), Some(0));
+        let ranked = b.encode_for_rank(513);
+        assert_eq!(payload_rank(&ranked), Some(513));
+        assert_eq!(FeedBatch::decode(&ranked).unwrap(), b);
+        assert_eq!(plain[..6], ranked[..6]);
+        assert_eq!(plain[8..], ranked[8..]);
+        assert_eq!(payload_rank(&ranked[..7]), None);
+        assert_eq!(query_rank("epoch=0&cursor=0&max_events=10"), Ok(None));
+        assert_eq!(query_rank("epoch=0&rank=3"), Ok(Some(3)));
+        assert!(query_rank("rank=-1").unwrap_err().contains("rank"));
+        assert!(query_rank("rank=70000").is_err());
+        assert!(query_rank("rank=").is_err());
+        // The rank does not disturb the other fields' parsing.
+        assert_eq!(
+            FeedQuery::parse("epoch=5&cursor=2&rank=3").unwrap().epoch,
+            5
+        );
+    }
 
     fn sample() -> FeedBatch {
         FeedBatch {

@@ -6,6 +6,7 @@
 pub mod approx;
 pub mod block;
 pub mod config;
+pub mod dp;
 pub mod feed;
 pub mod feed_log;
 pub mod health;

@@ -91,6 +91,37 @@ pub struct Args {
     /// Log format.
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
+
+    /// Data-parallel ranks of the engine (vLLM `--data-parallel-size` behind one API server): each
+    /// rank publishes on the endpoint's port plus its rank (and replays likewise), so the adapter
+    /// subscribes to each and serves each rank's feed at `/kvsteer/feed?rank=R` (the router's
+    /// replica entry then has the same `dp_ranks`). 1: one engine, as before.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub dp_ranks: u32,
+}
+
+/// vLLM's per-rank endpoint (`ZmqEventPublisher.offset_endpoint_port` in
+/// `vllm/distributed/kv_events.py`): a `tcp://` endpoint's port plus the rank; rank 0 unchanged.
+/// Other transports cannot be offset by a port: an error naming the endpoint.
+pub fn offset_endpoint(endpoint: &str, rank: u32) -> Result<String, String> {
+    if rank == 0 {
+        return Ok(endpoint.to_string());
+    }
+    let bad = || {
+        format!(
+            "{endpoint:?}: DP ranks need a tcp://HOST:PORT endpoint (rank {rank} publishes on PORT + {rank})"
+        )
+    };
+    if !endpoint.starts_with("tcp://") {
+        return Err(bad());
+    }
+    let (base, port) = endpoint.rsplit_once(':').ok_or_else(bad)?;
+    let port: u32 = port.parse().map_err(|_| bad())?;
+    let p = port + rank;
+    if p > u16::MAX as u32 {
+        return Err(bad());
+    }
+    Ok(format!("{base}:{p}"))
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -136,6 +167,25 @@ mod tests {
         assert_eq!(
             sub_endpoint("tcp://10.0.0.1:5557", ZmqMode::Connect),
             ("tcp://10.0.0.1:5557".into(), false)
+        );
+    }
+
+    #[test]
+    fn rank_endpoints_follow_vllms_port_offset() {
+        assert_eq!(offset_endpoint("tcp://*:5557", 0).unwrap(), "tcp://*:5557");
+        assert_eq!(offset_endpoint("tcp://*:5557", 3).unwrap(), "tcp://*:5560");
+        assert_eq!(
+            offset_endpoint("tcp://127.0.0.1:5558", 1).unwrap(),
+            "tcp://127.0.0.1:5559"
+        );
+        assert!(offset_endpoint("ipc:///tmp/kv", 1).is_err());
+        assert!(offset_endpoint("tcp://*:65535", 1).is_err());
+        assert!(Args::try_parse_from(["kvsteer-feed", "--dp-ranks", "0"]).is_err());
+        assert_eq!(
+            Args::try_parse_from(["kvsteer-feed", "--dp-ranks", "4"])
+                .unwrap()
+                .dp_ranks,
+            4
         );
     }
 

@@ -86,6 +86,14 @@ fn label<'s>(s: &'s Sample<'_>, k: &str) -> Option<&'s str> {
 
 /// Reads an exposition into a load report. Returns the report and how many lines were malformed.
 pub fn parse(text: &str) -> (EngineLoad, usize) {
+    parse_engine(text, None)
+}
+
+/// [`parse`] for one engine of a data-parallel deployment: samples labelled with another `engine`
+/// are skipped (vLLM labels every engine's metrics `engine="<index>"`, the DP rank of the API
+/// server's engines: `PrometheusStatLogger` in `vllm/v1/metrics/loggers.py`); samples without the
+/// label (process metrics) are read as usual.
+pub fn parse_engine(text: &str, engine: Option<&str>) -> (EngineLoad, usize) {
     let mut load = EngineLoad::default();
     let mut bad = 0usize;
     let (mut usage_sum, mut usage_n) = (0.0f64, 0u32);
@@ -98,6 +106,11 @@ pub fn parse(text: &str) -> (EngineLoad, usize) {
             bad += 1;
             continue;
         };
+        if let Some(e) = engine
+            && label(&s, "engine").is_some_and(|v| v != e)
+        {
+            continue;
+        }
         let v = s.value;
         let count = if v.is_finite() && v > 0.0 {
             v.round() as u64
@@ -137,6 +150,18 @@ pub fn parse(text: &str) -> (EngineLoad, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_engine_of_a_dp_deployment_is_read_alone() {
+        let text = "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3\n\
+                    vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 5\n\
+                    vllm:num_requests_waiting{engine=\"1\",model_name=\"m\"} 2\n\
+                    process_start_time_seconds 100\n";
+        assert_eq!(parse(text).0.running, 8, "all engines summed");
+        let (one, bad) = parse_engine(text, Some("1"));
+        assert_eq!((one.running, one.waiting, bad), (5, 2, 0));
+        assert_eq!(parse_engine(text, Some("0")).0.running, 3);
+    }
 
     /// Lines as vLLM 0.32 (CPU) exposes them.
     const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -1,7 +1,7 @@
 //! The running adapter: the ZMQ subscriber (with replay after gaps), the engine /metrics scraper, and
 //! the HTTP server for the feed, its own /metrics and /health.
 
-use crate::config::{Args, sub_endpoint};
+use crate::config::{Args, offset_endpoint, sub_endpoint};
 use crate::engine_metrics;
 use crate::obs::{IoStats, Metrics};
 use crate::state::{AdapterState, ResetReason, SeqVerdict, StateConfig, next_epoch};
@@ -66,10 +66,38 @@ impl Shared {
 /// A started adapter; dropping it stops its tasks.
 pub struct Running {
     pub http_addr: SocketAddr,
-    /// The endpoint the SUB socket bound (port resolved), when it binds.
+    /// The endpoint the SUB socket bound (port resolved), when it binds (rank 0's with DP ranks).
     pub zmq_bound: Option<String>,
+    /// The engine's view (rank 0's with DP ranks).
     pub shared: Arc<Shared>,
+    /// One view per data-parallel rank (`--dp-ranks`), in rank order; `ranks[0]` is `shared`.
+    pub ranks: Vec<Arc<Shared>>,
     tasks: Vec<JoinHandle<()>>,
+}
+
+/// What the HTTP handlers serve from: every rank's view.
+struct Served {
+    ranks: Vec<Arc<Shared>>,
+}
+
+impl Served {
+    /// The view a query asks for: with one engine, no rank (or rank 0); with DP ranks, `rank=R`
+    /// is required (each rank is its own cache; a rank-blind answer would merge them). An error
+    /// names the problem.
+    fn pick(&self, query: &str) -> Result<&Arc<Shared>, String> {
+        let n = self.ranks.len();
+        match kvsteer_core::feed::query_rank(query)? {
+            None if n == 1 => Ok(&self.ranks[0]),
+            None => Err(format!(
+                "this adapter serves {n} data-parallel ranks: ask with rank=0..{}",
+                n - 1
+            )),
+            Some(r) => self
+                .ranks
+                .get(r as usize)
+                .ok_or_else(|| format!("no data-parallel rank {r} here ({n} rank(s))")),
+        }
+    }
 }
 
 impl Drop for Running {
@@ -80,8 +108,9 @@ impl Drop for Running {
     }
 }
 
-fn state_config(a: &Args) -> StateConfig {
+fn state_config(a: &Args, dp_rank: Option<u32>) -> StateConfig {
     StateConfig {
+        dp_rank,
         block_size: a.block_size,
         max_blocks: a.max_blocks,
         log_hashes: a.log_hashes,
@@ -96,15 +125,24 @@ fn state_config(a: &Args) -> StateConfig {
 
 /// Starts every task. Errors: the HTTP address or the ZMQ endpoint cannot be bound, a URL is invalid.
 pub async fn start(args: Args) -> Result<Running, String> {
-    let epoch = next_epoch(0, entropy());
-    let shared = Arc::new(Shared {
-        state: Mutex::new(AdapterState::new(state_config(&args), epoch)),
-        io: Mutex::new(IoStats::default()),
-        metrics: Metrics::new(),
-        last_scrape_ok: Mutex::new(None),
-        stale_after: (args.stale_after_s > 0 && args.metrics_url.is_some())
-            .then(|| Duration::from_secs(args.stale_after_s)),
-    });
+    let n = args.dp_ranks.max(1);
+    let ranks: Vec<Arc<Shared>> = (0..n)
+        .map(|r| {
+            Arc::new(Shared {
+                state: Mutex::new(AdapterState::new(
+                    state_config(&args, (n > 1).then_some(r)),
+                    next_epoch(0, entropy()),
+                )),
+                io: Mutex::new(IoStats::default()),
+                metrics: Metrics::new(),
+                last_scrape_ok: Mutex::new(None),
+                stale_after: (args.stale_after_s > 0 && args.metrics_url.is_some())
+                    .then(|| Duration::from_secs(args.stale_after_s)),
+            })
+        })
+        .collect();
+    let shared = ranks[0].clone();
+    let epoch = lock(&shared.state).epoch();
     let mut tasks = Vec::new();
 
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -113,14 +151,65 @@ pub async fn start(args: Args) -> Result<Running, String> {
     let http_addr = listener
         .local_addr()
         .map_err(|e| format!("listener address: {e}"))?;
-    let app = router(shared.clone());
+    let app = router(Arc::new(Served {
+        ranks: ranks.clone(),
+    }));
     tasks.push(tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             warn!(error = %e, "http server stopped");
         }
     }));
 
-    let (ep, bind) = sub_endpoint(&args.zmq_endpoint, args.zmq_mode);
+    let mut zmq_bound = None;
+    let mut bind = false;
+    for (r, sh) in ranks.iter().enumerate() {
+        let r = r as u32;
+        let (bound, b) = start_rank(&args, r, sh.clone(), &mut tasks).await?;
+        bind = b;
+        if r == 0 {
+            zmq_bound = bound;
+        }
+        if let Some(url) = &args.metrics_url {
+            let uri: Uri = url
+                .parse()
+                .map_err(|e| format!("--metrics-url {url:?}: {e}"))?;
+            if uri.scheme_str() != Some("http") {
+                return Err(format!("--metrics-url {url:?}: only http:// is supported"));
+            }
+            let every = Duration::from_millis(args.scrape_interval_ms.max(10));
+            // With DP ranks each view reads its own engine's samples (vLLM's `engine` label).
+            let engine = (n > 1).then(|| r.to_string());
+            tasks.push(tokio::spawn(scraper(sh.clone(), uri, every, engine)));
+        }
+    }
+
+    info!(
+        http = %http_addr,
+        epoch,
+        zmq = %args.zmq_endpoint,
+        bind,
+        dp_ranks = n,
+        "kvsteer-feed started"
+    );
+    Ok(Running {
+        http_addr,
+        zmq_bound,
+        shared,
+        ranks,
+        tasks,
+    })
+}
+
+/// Subscribes rank `rank`'s view to its engine's events (rank 0: the endpoint as given; rank R: the
+/// port plus R, as vLLM offsets it). Returns the bound endpoint (when binding) and whether it binds.
+async fn start_rank(
+    args: &Args,
+    rank: u32,
+    shared: Arc<Shared>,
+    tasks: &mut Vec<JoinHandle<()>>,
+) -> Result<(Option<String>, bool), String> {
+    let endpoint = offset_endpoint(&args.zmq_endpoint, rank)?;
+    let (ep, bind) = sub_endpoint(&endpoint, args.zmq_mode);
     let mut sub = SubSocket::new();
     sub.subscribe(&args.topic)
         .await
@@ -135,10 +224,13 @@ pub async fn start(args: Args) -> Result<Running, String> {
     } else {
         None
     };
-    let replay = args.replay_endpoint.as_ref().map(|r| Replay {
-        endpoint: r.replace('*', "127.0.0.1"),
-        timeout: Duration::from_millis(args.replay_timeout_ms.max(1)),
-    });
+    let replay = match &args.replay_endpoint {
+        Some(r) => Some(Replay {
+            endpoint: offset_endpoint(r, rank)?.replace('*', "127.0.0.1"),
+            timeout: Duration::from_millis(args.replay_timeout_ms.max(1)),
+        }),
+        None => None,
+    };
     let sh = shared.clone();
     let topic = args.topic.clone();
     tasks.push(tokio::spawn(async move {
@@ -147,32 +239,7 @@ pub async fn start(args: Args) -> Result<Running, String> {
         }
         subscriber(sub, sh, replay, topic).await;
     }));
-
-    if let Some(url) = &args.metrics_url {
-        let uri: Uri = url
-            .parse()
-            .map_err(|e| format!("--metrics-url {url:?}: {e}"))?;
-        if uri.scheme_str() != Some("http") {
-            return Err(format!("--metrics-url {url:?}: only http:// is supported"));
-        }
-        let sh = shared.clone();
-        let every = Duration::from_millis(args.scrape_interval_ms.max(10));
-        tasks.push(tokio::spawn(scraper(sh, uri, every)));
-    }
-
-    info!(
-        http = %http_addr,
-        epoch,
-        zmq = %args.zmq_endpoint,
-        bind,
-        "kvsteer-feed started"
-    );
-    Ok(Running {
-        http_addr,
-        zmq_bound,
-        shared,
-        tasks,
-    })
+    Ok((zmq_bound, bind))
 }
 
 async fn connect_until_up(sub: &mut SubSocket, ep: &str, sh: &Shared) {
@@ -421,7 +488,7 @@ pub async fn http_get(uri: &Uri, timeout: Duration) -> Result<Bytes, String> {
         .map_err(|_| format!("no answer within {timeout:?}"))?
 }
 
-async fn scraper(sh: Arc<Shared>, uri: Uri, every: Duration) {
+async fn scraper(sh: Arc<Shared>, uri: Uri, every: Duration, engine: Option<String>) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
@@ -430,7 +497,7 @@ async fn scraper(sh: Arc<Shared>, uri: Uri, every: Duration) {
         match http_get(&uri, Duration::from_secs(5).max(every)).await {
             Ok(body) => {
                 let text = String::from_utf8_lossy(&body);
-                let (load, bad) = engine_metrics::parse(&text);
+                let (load, bad) = engine_metrics::parse_engine(&text, engine.as_deref());
                 {
                     let mut st = lock(&sh.state);
                     let epoch = st.epoch();
@@ -463,7 +530,7 @@ async fn scraper(sh: Arc<Shared>, uri: Uri, every: Duration) {
     }
 }
 
-fn router(sh: Arc<Shared>) -> Router {
+fn router(sh: Arc<Served>) -> Router {
     Router::new()
         .route(FEED_PATH, get(feed))
         .route("/metrics", get(own_metrics))
@@ -471,8 +538,16 @@ fn router(sh: Arc<Shared>) -> Router {
         .with_state(sh)
 }
 
-async fn feed(State(sh): State<Arc<Shared>>, RawQuery(q): RawQuery) -> Response {
-    let q = match FeedQuery::parse(q.as_deref().unwrap_or("")) {
+async fn feed(State(sv): State<Arc<Served>>, RawQuery(q): RawQuery) -> Response {
+    let query = q.as_deref().unwrap_or("");
+    let sh = match sv.pick(query) {
+        Ok(sh) => sh,
+        Err(e) => {
+            sv.ranks[0].io(|io| io.feed_bad_query += 1);
+            return (StatusCode::BAD_REQUEST, e).into_response();
+        }
+    };
+    let q = match FeedQuery::parse(query) {
         Ok(q) => q,
         Err(e) => {
             sh.io(|io| io.feed_bad_query += 1);
@@ -487,11 +562,13 @@ async fn feed(State(sh): State<Arc<Shared>>, RawQuery(q): RawQuery) -> Response 
         )
             .into_response();
     }
-    let body = lock(&sh.state).answer(&q).encode();
+    let body = lock(&sh.state).answer_bytes(&q);
     ([(header::CONTENT_TYPE, FEED_CONTENT_TYPE)], body).into_response()
 }
 
-async fn own_metrics(State(sh): State<Arc<Shared>>) -> Response {
+/// The adapter's own metrics; with DP ranks, one rank's (`?rank=R`, default 0).
+async fn own_metrics(State(sv): State<Arc<Served>>, RawQuery(q): RawQuery) -> Response {
+    let sh = pick_or_first(&sv, q.as_deref());
     let io = lock(&sh.io).clone();
     let text = {
         let st = lock(&sh.state);
@@ -500,7 +577,16 @@ async fn own_metrics(State(sh): State<Arc<Shared>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-async fn health(State(sh): State<Arc<Shared>>) -> Response {
+/// A view named by `?rank=R`, else rank 0's (the adapter's own pages, not the feed).
+fn pick_or_first<'a>(sv: &'a Served, q: Option<&str>) -> &'a Arc<Shared> {
+    match q.map(kvsteer_core::feed::query_rank) {
+        Some(Ok(Some(r))) => sv.ranks.get(r as usize).unwrap_or(&sv.ranks[0]),
+        _ => &sv.ranks[0],
+    }
+}
+
+async fn health(State(sv): State<Arc<Served>>, RawQuery(q): RawQuery) -> Response {
+    let sh = pick_or_first(&sv, q.as_deref());
     let st = lock(&sh.state);
     let body = format!(
         "{{\"epoch\":{},\"blocks\":{},\"block_size\":{},\"expected_seq\":{},\"applied_seq\":{},\"engine_stale\":{}}}\n",

@@ -132,7 +132,7 @@ pub struct Stats {
     /// An engine hash re-stored with other contents (kept the new one).
     pub hash_conflicts: u64,
     /// Payloads refused: "frames", "topic", "seq", "msgpack", "too_large".
-    pub bad_payloads: [u64; 5],
+    pub bad_payloads: [u64; 6],
     /// Known events that could not be read (BlockStored, BlockRemoved, or an unreadable event).
     pub bad_events: u64,
     /// Sequence gaps seen, and batches missing in them.
@@ -149,7 +149,10 @@ pub struct Stats {
 }
 
 /// Labels of [`Stats::bad_payloads`].
-pub const BAD_PAYLOAD_LABELS: [&str; 5] = ["frames", "topic", "seq", "msgpack", "too_large"];
+/// `dp_rank`: a batch stamped with another data-parallel rank than the one this view is for (vLLM
+/// stamps each batch with its rank, `EventBatch.data_parallel_rank` in `vllm/distributed/kv_events.py`).
+pub const BAD_PAYLOAD_LABELS: [&str; 6] =
+    ["frames", "topic", "seq", "msgpack", "too_large", "dp_rank"];
 
 /// What the engine's `/metrics` said last.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -199,6 +202,10 @@ pub struct StateConfig {
     /// KV cache group indexed (events of other groups are skipped).
     pub group_idx: i64,
     pub limits: Limits,
+    /// The data-parallel rank this view is for (`None`: a single engine, rank 0 in the feed): batches
+    /// stamped with another rank are dropped and counted, never applied to this rank's cache, and
+    /// feed answers carry the rank (docs/feed.md).
+    pub dp_rank: Option<u32>,
 }
 
 impl Default for StateConfig {
@@ -209,6 +216,7 @@ impl Default for StateConfig {
             log_hashes: DEFAULT_LOG_HASHES,
             group_idx: 0,
             limits: Limits::default(),
+            dp_rank: None,
         }
     }
 }
@@ -398,6 +406,13 @@ impl AdapterState {
     pub fn apply_payload(&mut self, payload: &[u8], entropy: u64) -> Result<(), DecodeError> {
         match crate::wire::decode_batch(payload, &self.cfg.limits) {
             Ok(batch) => {
+                if let (Some(want), Some(got)) = (self.cfg.dp_rank, batch.dp_rank)
+                    && got != i64::from(want)
+                {
+                    // Another rank's events (a miswired port): its blocks are not in this cache.
+                    self.count_bad_payload("dp_rank");
+                    return Ok(());
+                }
                 self.apply_batch(&batch, entropy);
                 Ok(())
             }
@@ -716,6 +731,19 @@ impl AdapterState {
     }
 
     /// Answers a poll of `/kvsteer/feed`.
+    /// The data-parallel rank the feed answers carry (0 without one).
+    pub fn dp_rank(&self) -> u16 {
+        self.cfg
+            .dp_rank
+            .map_or(0, |r| r.min(u16::MAX as u32) as u16)
+    }
+
+    /// [`AdapterState::answer`], encoded with this view's rank.
+    pub fn answer_bytes(&mut self, q: &FeedQuery) -> Vec<u8> {
+        let rank = self.dp_rank();
+        self.answer(q).encode_for_rank(rank)
+    }
+
     pub fn answer(&mut self, q: &FeedQuery) -> FeedBatch {
         self.log.publish();
         let load = self.replica_load();
@@ -750,6 +778,35 @@ mod tests {
     use kvsteer_core::feed::FeedEvent;
 
     const BS: usize = 4;
+
+    /// A view for rank 2 applies rank 2's batches (and unstamped ones), drops another rank's and
+    /// counts it, and stamps its answers with rank 2.
+    #[test]
+    fn a_rank_view_takes_only_its_ranks_batches() {
+        let mut s = AdapterState::new(
+            StateConfig {
+                block_size: Some(BS),
+                dp_rank: Some(2),
+                ..StateConfig::default()
+            },
+            7,
+        );
+        let toks: Vec<u32> = (0..8).collect();
+        let other = crate::encode::batch(1.0, &[stored(&[1, 2], None, &toks)], 3);
+        s.apply_payload(&other, 0).unwrap();
+        assert_eq!(s.blocks(), 0, "rank 3's blocks are not rank 2's");
+        let i = BAD_PAYLOAD_LABELS
+            .iter()
+            .position(|&l| l == "dp_rank")
+            .unwrap();
+        assert_eq!(s.stats().bad_payloads[i], 1);
+        let own = crate::encode::batch(2.0, &[stored(&[1, 2], None, &toks)], 2);
+        s.apply_payload(&own, 0).unwrap();
+        assert_eq!(s.blocks(), 2);
+        let bytes = s.answer_bytes(&FeedQuery::resync(10));
+        assert_eq!(kvsteer_core::feed::payload_rank(&bytes), Some(2));
+        assert!(kvsteer_core::feed::FeedBatch::decode(&bytes).is_ok());
+    }
 
     fn state() -> AdapterState {
         AdapterState::new(

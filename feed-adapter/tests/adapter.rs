@@ -425,3 +425,113 @@ async fn load_comes_from_the_engine_metrics() {
     let m = String::from_utf8(get(r.http_addr, "/metrics").await.1).unwrap();
     assert!(m.contains("kvsteer_feed_max_blocks 4096"), "{m}");
 }
+
+/// Two ports in a row that are free now (vLLM's rank R publishes on the base port plus R).
+fn free_port_pair() -> u16 {
+    for _ in 0..50 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two free ports in a row");
+}
+
+/// `--dp-ranks 2`: one view per rank, each fed by its own port (base + rank), each answering
+/// `?rank=R` with its own blocks and its rank in the header; a batch stamped with the other rank is
+/// dropped; a poll without a rank, or for a rank the engine lacks, is a 400 naming the problem.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp_ranks_are_served_apart() {
+    let base = free_port_pair();
+    let endpoint = format!("tcp://127.0.0.1:{base}");
+    let argv = [
+        "kvsteer-feed",
+        "--listen",
+        "127.0.0.1:0",
+        "--zmq-endpoint",
+        endpoint.as_str(),
+        "--topic",
+        "kv-events",
+        "--block-size",
+        "16",
+        "--dp-ranks",
+        "2",
+    ];
+    let r = start(Args::parse_from(argv)).await.expect("adapter starts");
+    assert_eq!(r.ranks.len(), 2);
+    let mut engines = Vec::new();
+    for rank in 0..2u16 {
+        let mut pub_ = PubSocket::new();
+        pub_.connect(&format!("tcp://127.0.0.1:{}", base + rank))
+            .await
+            .unwrap();
+        engines.push(Engine { pub_, seq: 0 });
+    }
+    // Warm up each rank's socket until its view has applied a batch.
+    for (rank, e) in engines.iter_mut().enumerate() {
+        let t0 = Instant::now();
+        loop {
+            e.send(batch(0.0, &[], rank as u32)).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let h = String::from_utf8(get(r.http_addr, &format!("/health?rank={rank}")).await.1)
+                .unwrap();
+            if !h.contains("\"applied_seq\":null") {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "rank {rank}: {h}");
+        }
+    }
+    let a: Vec<u32> = (0..32).collect();
+    let b: Vec<u32> = (500..532).collect();
+    engines[0]
+        .send(batch(1.0, &[stored(&[1, 2], None, &a)], 0))
+        .await;
+    engines[1]
+        .send(batch(1.0, &[stored(&[3, 4], None, &b)], 1))
+        .await;
+    // Miswired: rank 0's stamp on rank 1's port.
+    engines[1]
+        .send(batch(2.0, &[stored(&[5, 6], None, &a)], 0))
+        .await;
+    for (rank, e) in engines.iter().enumerate() {
+        let want = format!("\"applied_seq\":{}", e.seq - 1);
+        let t0 = Instant::now();
+        loop {
+            let h = String::from_utf8(get(r.http_addr, &format!("/health?rank={rank}")).await.1)
+                .unwrap();
+            if h.contains(&want) {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "rank {rank}: {h}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    for (rank, toks) in [(0u16, &a), (1, &b)] {
+        let path = format!("{}&rank={rank}", FeedQuery::resync(4096).to_path());
+        let (status, body) = get(r.http_addr, &path).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(kvsteer_core::feed::payload_rank(&body), Some(rank));
+        let mut want = hashes(toks);
+        want.sort();
+        assert_eq!(
+            snapshot_hashes(&FeedBatch::decode(&body).unwrap()),
+            want,
+            "rank {rank} holds its own blocks only"
+        );
+    }
+    let (status, body) = get(r.http_addr, &FeedQuery::resync(10).to_path()).await;
+    assert_eq!(status, 400);
+    assert!(String::from_utf8_lossy(&body).contains("rank="));
+    let (status, _) = get(
+        r.http_addr,
+        &format!("{}&rank=2", FeedQuery::resync(10).to_path()),
+    )
+    .await;
+    assert_eq!(status, 400);
+    let m = String::from_utf8(get(r.http_addr, "/metrics?rank=1").await.1).unwrap();
+    assert!(
+        m.contains("kvsteer_feed_bad_payloads_total{reason=\"dp_rank\"} 1"),
+        "{m}"
+    );
+}

@@ -20,6 +20,10 @@ pub enum OutputMode {
     NginxVariable,
 }
 
+/// Most routing units (replicas, each DP rank counting as one): shared load and health records and
+/// the metrics are per unit.
+pub const MAX_UNITS: usize = 256;
+
 /// One engine replica.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -40,6 +44,19 @@ pub struct ReplicaSpec {
     /// cluster_header mode: this replica's Envoy cluster.
     #[serde(default)]
     pub cluster: Option<String>,
+    /// Data-parallel ranks the endpoint serves, each with its own KV cache and queue (vLLM
+    /// `--data-parallel-size`); 1 (the default) is an ordinary replica. An entry with N > 1 becomes N
+    /// routing units, `NAME_dp0` .. `NAME_dp{N-1}`, at configure time (docs/dp.md).
+    #[serde(default = "d_one")]
+    pub dp_ranks: u32,
+    /// Set by the expansion, never read from JSON: this unit's rank, `None` for an endpoint with one
+    /// rank (no rank header is written and its feed is polled without a rank).
+    #[serde(skip)]
+    pub rank: Option<u32>,
+}
+
+fn d_one() -> u32 {
+    1
 }
 
 fn d_feed_period() -> u64 {
@@ -71,6 +88,9 @@ fn d_destination_header() -> String {
 }
 fn d_cluster_header() -> String {
     "x-kvsteer-cluster".into()
+}
+fn d_rank_header() -> String {
+    kvsteer_core::dp::DEFAULT_RANK_HEADER.into()
 }
 fn d_nginx_variable() -> String {
     "kvsteer_upstream".into()
@@ -121,6 +141,11 @@ pub struct FilterConfig {
     pub session_header: String,
     #[serde(default = "d_destination_header")]
     pub destination_header: String,
+    /// Header carrying the chosen data-parallel rank (vLLM reads `X-data-parallel-rank`), written
+    /// only for replicas with `dp_ranks` > 1; a client's copy is always removed, like the destination
+    /// header's: clients never pick a rank themselves.
+    #[serde(default = "d_rank_header")]
+    pub rank_header: String,
     #[serde(default)]
     pub output: OutputMode,
     #[serde(default = "d_cluster_header")]
@@ -183,16 +208,86 @@ fn valid_header(s: &str) -> bool {
 
 impl FilterConfig {
     pub fn from_json(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
-        let cfg: FilterConfig = serde_json::from_slice(bytes)
+        let mut cfg: FilterConfig = serde_json::from_slice(bytes)
             .map_err(|e| ConfigError(format!("plugin configuration: {e}")))?;
         cfg.validate()?;
+        cfg.expand_ranks()?;
         Ok(cfg)
+    }
+
+    /// Turns every replica entry with `dp_ranks` > 1 into one entry per rank (same endpoint, feed and
+    /// cluster; `rank` set; name `NAME_dp<r>`), so that everything per replica (the router's units,
+    /// feeds, metrics, shared load) is per (endpoint, rank) with no other change, and a configuration
+    /// without ranks is left exactly as it was. Refuses more than 256 units in all, and a generated
+    /// name that another entry already has.
+    pub fn expand_ranks(&mut self) -> Result<(), ConfigError> {
+        if self
+            .replicas
+            .iter()
+            .all(|r| r.dp_ranks == 1 && r.rank.is_none())
+        {
+            return Ok(());
+        }
+        if self.replicas.iter().any(|r| r.rank.is_some()) {
+            return Ok(()); // already expanded
+        }
+        let ranks: Vec<u32> = self.replicas.iter().map(|r| r.dp_ranks).collect();
+        let units = kvsteer_core::dp::Units::new(&ranks, MAX_UNITS)
+            .map_err(|e| ConfigError(format!("replicas: {e}")))?;
+        let mut out = Vec::with_capacity(units.len());
+        for u in units.iter() {
+            let mut r = self.replicas[u.endpoint].clone();
+            if let Some(rank) = u.rank {
+                r.name = format!("{}_dp{rank}", r.name);
+                r.rank = Some(rank);
+                if !valid_name(&r.name) {
+                    return Err(ConfigError(format!(
+                        "replicas[{}].name: {:?} with its rank suffix is over 64 characters",
+                        u.endpoint, r.name
+                    )));
+                }
+            }
+            out.push(r);
+        }
+        for (i, r) in out.iter().enumerate() {
+            if out[..i].iter().any(|o| o.name == r.name) {
+                return Err(ConfigError(format!(
+                    "replicas: the name {:?} is given twice once DP ranks are expanded",
+                    r.name
+                )));
+            }
+        }
+        self.replicas = out;
+        Ok(())
+    }
+
+    /// The rank header's value for a unit, `None` for a unit without a rank.
+    pub fn rank_of(&self, i: usize) -> Option<u32> {
+        self.replicas.get(i).and_then(|r| r.rank)
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let err = |m: String| Err(ConfigError(m));
         if self.replicas.is_empty() {
             return err("replicas: at least one replica is required".into());
+        }
+        if let Some((i, r)) = self
+            .replicas
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.dp_ranks == 0 || r.dp_ranks > kvsteer_core::dp::MAX_DP_RANKS)
+        {
+            return err(format!(
+                "replicas[{i}].dp_ranks: must be 1..={}, got {}",
+                kvsteer_core::dp::MAX_DP_RANKS,
+                r.dp_ranks
+            ));
+        }
+        let units: u64 = self.replicas.iter().map(|r| r.dp_ranks as u64).sum();
+        if units > MAX_UNITS as u64 {
+            return err(format!(
+                "replicas: at most {MAX_UNITS} routing units (replicas x dp_ranks), got {units}"
+            ));
         }
         if self.replicas.len() > 256 {
             return err(format!(
@@ -240,6 +335,7 @@ impl FilterConfig {
             ("session_header", &self.session_header),
             ("destination_header", &self.destination_header),
             ("cluster_header", &self.cluster_header),
+            ("rank_header", &self.rank_header),
         ] {
             if !valid_header(value) {
                 return err(format!(
@@ -386,6 +482,68 @@ mod tests {
             );
             assert!(refused(&json).starts_with(field), "{field} = {bad}");
         }
+    }
+
+    /// `dp_ranks` expands an entry into one unit per rank; without it the configuration is exactly
+    /// what it was; bad counts, too many units and clashing generated names are refused by name.
+    #[test]
+    fn dp_ranks_expand_into_units() {
+        let plain = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
+        assert_eq!(plain.replicas.len(), 2);
+        assert!(
+            plain
+                .replicas
+                .iter()
+                .all(|r| r.rank.is_none() && r.dp_ranks == 1)
+        );
+        assert_eq!(plain.rank_header, "x-data-parallel-rank");
+        let dp = GOOD.replacen(
+            r#""feed_cluster":"feed_r0""#,
+            r#""feed_cluster":"feed_r0","dp_ranks":3"#,
+            1,
+        );
+        let c = FilterConfig::from_json(dp.as_bytes()).unwrap();
+        let names: Vec<&str> = c.replicas.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["r0_dp0", "r0_dp1", "r0_dp2", "r1"]);
+        assert_eq!(c.rank_of(1), Some(1));
+        assert_eq!(c.rank_of(3), None);
+        assert_eq!(c.rank_of(9), None);
+        assert_eq!(c.feed_upstream(2), "feed_r0");
+        assert_eq!(c.feed_authority(2), "127.0.0.1:8000");
+        assert!(
+            c.replicas[..3]
+                .iter()
+                .all(|r| r.endpoint == "127.0.0.1:8000")
+        );
+        for bad in ["0", "257"] {
+            let j = GOOD.replacen(
+                r#""feed_cluster":"feed_r0""#,
+                &format!(r#""feed_cluster":"feed_r0","dp_ranks":{bad}"#),
+                1,
+            );
+            assert!(refused(&j).starts_with("replicas[0].dp_ranks"), "{bad}");
+        }
+        let many = GOOD
+            .replacen(
+                r#""feed_cluster":"feed_r0""#,
+                r#""feed_cluster":"feed_r0","dp_ranks":200"#,
+                1,
+            )
+            .replacen(
+                r#""feed_cluster":"feed_r1""#,
+                r#""feed_cluster":"feed_r1","dp_ranks":100"#,
+                1,
+            );
+        assert!(refused(&many).contains("at most 256 routing units"));
+        let clash = r#"{"replicas":[{"name":"a","endpoint":"1.2.3.4:5","feed_cluster":"f","dp_ranks":2},
+                                   {"name":"a_dp1","endpoint":"1.2.3.4:6","feed_cluster":"g"}]}"#;
+        assert!(refused(clash).contains("a_dp1"));
+        let bad_header = GOOD.replacen(
+            "{\"replicas\"",
+            "{\"rank_header\":\"X-Rank\",\"replicas\"",
+            1,
+        );
+        assert!(refused(&bad_header).starts_with("rank_header"));
     }
 
     const WITH_TOKENIZER: &str = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000",

@@ -64,6 +64,7 @@ struct Metrics {
     matched_tokens: Option<u32>,
     prompt_tokens: Option<u32>,
     spoofed: Option<u32>,
+    feed_rank_mismatches: Option<u32>,
     index_blocks: Option<u32>,
     index_evictions: Option<u32>,
     release_anomalies: Option<u32>,
@@ -172,6 +173,7 @@ impl Metrics {
             matched_tokens: define(Counter, "kvsteer_matched_tokens"),
             prompt_tokens: define(Counter, "kvsteer_prompt_tokens"),
             spoofed: define(Counter, "kvsteer_spoofed_headers_removed"),
+            feed_rank_mismatches: define(Counter, "kvsteer_feed_rank_mismatches"),
             index_blocks: define(Gauge, "kvsteer_index_blocks"),
             index_evictions: define(Counter, "kvsteer_index_evictions"),
             release_anomalies: define(Counter, "kvsteer_release_anomalies"),
@@ -254,6 +256,7 @@ impl Root {
                     FeedFailure::Oversized => {
                         inc(m.feed_oversized.get(*replica).copied().flatten(), 1)
                     }
+                    FeedFailure::WrongRank { .. } => inc(m.feed_rank_mismatches, 1),
                     _ => {}
                 }
                 let name = vm.state.replica_name(*replica);
@@ -476,6 +479,15 @@ impl Stream {
                     name,
                     Some(value.as_bytes()),
                 );
+                if let Some(rank) = vm.state.rank_value(d) {
+                    // A DP rank of a multi-rank endpoint: the engine's API server reads the rank
+                    // from this header (vLLM: `X-data-parallel-rank`).
+                    let _ = hostcalls::set_map_value_bytes(
+                        MapType::HttpRequestHeaders,
+                        vm.state.rank_header(),
+                        Some(rank.as_bytes()),
+                    );
+                }
                 if clear_route_cache {
                     // The route was chosen before the header existed: make Envoy choose again.
                     let _ = hostcalls::call_foreign_function("clear_route_cache", None);
@@ -483,6 +495,13 @@ impl Stream {
             }
             DecisionOutput::NginxVariable { name, value } => {
                 let _ = hostcalls::set_property(vec!["ngx", name], Some(value.as_bytes()));
+                if let Some(rank) = vm.state.rank_value(d) {
+                    let _ = hostcalls::set_map_value_bytes(
+                        MapType::HttpRequestHeaders,
+                        vm.state.rank_header(),
+                        Some(rank.as_bytes()),
+                    );
+                }
             }
         }
     }
@@ -592,9 +611,15 @@ impl HttpContext for Stream {
             // configuration; host calls never re-enter the VM, so the borrow is safe across them.)
             let mut vm = vm.borrow_mut();
             let vm = &mut *vm;
-            let name = vm.state.routing_header();
-            if header(MapType::HttpRequestHeaders, name).is_some() {
-                let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
+            // The rank header too: a client must not pick a DP rank either.
+            let mut removed = 0;
+            for name in [vm.state.routing_header(), vm.state.rank_header()] {
+                if header(MapType::HttpRequestHeaders, name).is_some() {
+                    let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
+                    removed += 1;
+                }
+            }
+            for _ in 0..removed {
                 vm.state.spoofed_header_removed();
                 inc(vm.metrics.spoofed, 1);
             }

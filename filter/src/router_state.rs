@@ -60,6 +60,9 @@ pub enum FeedFailure {
     Malformed,
     /// The proxy refused to dispatch the callout.
     NotDispatched,
+    /// The answer describes another data-parallel rank than the unit polled (or one the endpoint
+    /// does not have): refused whole, its blocks would be booked on the wrong cache.
+    WrongRank { reported: u16 },
 }
 
 /// Why a request was routed without reading its body.
@@ -237,6 +240,10 @@ pub struct RouterState {
     body_fallbacks: [u64; 4],
     /// Client-supplied copies of the routing header that were removed.
     spoofed_headers: u64,
+    /// Feed answers refused for naming another DP rank than the unit polled.
+    rank_mismatches: u64,
+    /// Per unit, the rank header's value (`None`: a unit without a rank), formatted once.
+    rank_values: Vec<Option<String>>,
     /// This worker's number among the proxy's workers; `None` without shared data.
     worker_id: Option<u32>,
     started_ms: Option<u64>,
@@ -266,7 +273,13 @@ impl RouterState {
             None => None,
         };
         let destinations = Destinations::new(&cfg);
+        let rank_values = cfg
+            .replicas
+            .iter()
+            .map(|r| r.rank.map(|k| k.to_string()))
+            .collect();
         Ok(RouterState {
+            rank_values,
             #[cfg(feature = "tokenizer")]
             tokenizer,
             destinations,
@@ -276,6 +289,7 @@ impl RouterState {
             callouts: HashMap::new(),
             body_fallbacks: [0; 4],
             spoofed_headers: 0,
+            rank_mismatches: 0,
             worker_id: None,
             started_ms: None,
             budget_left: 0,
@@ -382,6 +396,22 @@ impl RouterState {
         }
     }
 
+    /// The header carrying the chosen DP rank: clients must never send it either (always removed,
+    /// whether or not any replica has ranks).
+    pub fn rank_header(&self) -> &str {
+        &self.cfg.rank_header
+    }
+
+    /// The rank header's value for a decision: `Some` only when the chosen unit is a DP rank.
+    pub fn rank_value(&self, d: &Decision) -> Option<&str> {
+        self.rank_values.get(d.replica)?.as_deref()
+    }
+
+    /// Feed answers refused because they named another DP rank than the unit polled.
+    pub fn rank_mismatches(&self) -> u64 {
+        self.rank_mismatches
+    }
+
     /// A client's copy of the routing header was removed.
     pub fn spoofed_header_removed(&mut self) {
         self.spoofed_headers += 1;
@@ -473,7 +503,15 @@ impl RouterState {
     ) {
         let served = served_by
             .and_then(|a| std::str::from_utf8(a).ok())
-            .and_then(|a| self.replica_of_address(a.trim()));
+            .and_then(|a| {
+                let a = a.trim();
+                // Several DP ranks share one address: an answer from the chosen unit's own address
+                // is the chosen unit's, not a retry to its endpoint's first rank.
+                match self.cfg.replicas.get(chosen) {
+                    Some(r) if r.endpoint == a => Some(chosen),
+                    _ => self.replica_of_address(a),
+                }
+            });
         match served {
             Some(s) if s != chosen => {
                 self.router.record_outcome(chosen, Outcome::Failure, now_ms);
@@ -563,7 +601,10 @@ impl RouterState {
                     replica: i,
                     upstream: self.cfg.feed_upstream(i).to_string(),
                     authority: self.cfg.feed_authority(i).to_string(),
-                    path: format!("{}{}", self.cfg.feed_path_prefix, q.to_path()),
+                    path: match self.cfg.rank_of(i) {
+                        Some(r) => format!("{}{}&rank={r}", self.cfg.feed_path_prefix, q.to_path()),
+                        None => format!("{}{}", self.cfg.feed_path_prefix, q.to_path()),
+                    },
                 });
             } else {
                 self.feeds[i].next_poll_ms = now_ms.saturating_add(self.cfg.feed_period_ms);
@@ -599,6 +640,14 @@ impl RouterState {
                 let Ok(mut frame) = FeedFrame::parse(bytes) else {
                     continue;
                 };
+                let rank = kvsteer_core::feed::payload_rank(frame.bytes()).unwrap_or(0);
+                if self
+                    .cfg
+                    .rank_of(i)
+                    .is_some_and(|want| want != u32::from(rank))
+                {
+                    continue;
+                }
                 if frame.events() > self.cfg.feed_max_events {
                     continue;
                 }
@@ -849,6 +898,17 @@ impl RouterState {
                 return self.fail(replica, FeedFailure::Malformed, format!("bad payload: {e}"));
             }
         };
+        if let Some(want) = self.cfg.rank_of(replica) {
+            let reported = kvsteer_core::feed::payload_rank(frame.bytes()).unwrap_or(0);
+            if u32::from(reported) != want {
+                self.rank_mismatches += 1;
+                return self.fail(
+                    replica,
+                    FeedFailure::WrongRank { reported },
+                    format!("answer for DP rank {reported}, polled rank {want}: refused"),
+                );
+            }
+        }
         if frame.events() > self.cfg.feed_max_events {
             return self.oversized(
                 replica,
@@ -1181,6 +1241,85 @@ mod tests {
         assert!(is_inference_path(b"/v1/chat/completions?x=1"));
         assert!(!is_inference_path(b"/v1/completionsX"));
         assert!(!is_inference_path(b"/v1/models"));
+    }
+
+    /// One endpoint with 4 DP ranks beside a plain replica: five units, the ranks polled with their
+    /// rank, an answer for another rank (or an out-of-range one) refused and counted, the rank's own
+    /// answer applied to that rank alone, and the decision carrying the rank header's value.
+    #[test]
+    fn dp_ranks_are_units_with_their_own_feed_and_rank_header() {
+        let json = r#"{"replicas":[
+            {"name":"e0","endpoint":"127.0.0.1:8000","feed_cluster":"f0","dp_ranks":4},
+            {"name":"e1","endpoint":"127.0.0.1:8001","feed_cluster":"f1"}],
+           "routing":{"policy":"kv_load","block_size":4}}"#;
+        let mut w = RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
+        assert_eq!(w.replicas(), 5);
+        assert_eq!(w.replica_name(2), "e0_dp2");
+        assert_eq!(w.replica_name(4), "e1");
+        let due = w.plan_polls(None, 0);
+        assert_eq!(due.len(), 5);
+        assert!(due[2].path.ends_with("&rank=2"), "{}", due[2].path);
+        assert_eq!(due[2].upstream, "f0");
+        assert!(!due[4].path.contains("rank"), "{}", due[4].path);
+        for (i, p) in due.iter().enumerate() {
+            w.poll_started(p.replica, 10 + i as u32, 0);
+        }
+        let prompt = br#"{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#;
+        let req = w
+            .router
+            .read_request("/v1/completions", prompt, None)
+            .unwrap();
+        let hashes: Vec<u64> = match &req.identity {
+            kvsteer_core::PromptIdentity::Exact(h) => h.iter().map(|h| h.0).collect(),
+            other => panic!("{other:?}"),
+        };
+        let snap = FeedBatch::snapshot(3, hashes.clone());
+        // Rank 2's poll answered by rank 1, then by rank 900: refused, counted, nothing stored.
+        for (token, bad) in [(12, 1u16), (10, 900)] {
+            let r = w.on_feed_response(token, Some(200), Some(&snap.encode_for_rank(bad)), None, 5);
+            assert!(
+                matches!(r, FeedResult::Failed { cause: FeedFailure::WrongRank { reported }, .. } if reported == bad),
+                "{r:?}"
+            );
+        }
+        assert_eq!(w.rank_mismatches(), 2);
+        assert_eq!(w.stats().index_blocks, 0);
+        w.poll_started(2, 30, 300);
+        let r = w.on_feed_response(30, Some(200), Some(&snap.encode_for_rank(2)), None, 300);
+        assert!(matches!(r, FeedResult::Applied { replica: 2, .. }), "{r:?}");
+        assert!(w.index_holds(2, hashes[0]));
+        assert!(!w.index_holds(1, hashes[0]) && !w.index_holds(3, hashes[0]));
+        // The plain replica takes an answer whatever rank it names (an externally balanced rank).
+        let r = w.on_feed_response(14, Some(200), Some(&snap.encode_for_rank(7)), None, 300);
+        assert!(matches!(r, FeedResult::Applied { replica: 4, .. }), "{r:?}");
+        w.poll_started(4, 31, 600);
+        // The request goes to rank 2 of e0 (its prefix is there; e1's copy ties, then rank 2 wins on
+        // nothing else: make e1 busy first).
+        let busy = br#"{"prompt":[99,98,97,96,95,94,93,92]}"#;
+        for id in 0..4 {
+            let d = w.route_body(id, "/v1/completions", busy, None, 600);
+            if d.replica != 4 {
+                w.release(id);
+            }
+        }
+        let d = w.route_body(50, "/v1/completions", prompt, None, 600);
+        assert_eq!(d.replica, 2, "{d:?}");
+        assert_eq!(w.rank_value(&d), Some("2"));
+        assert_eq!(w.destination(&d).split(',').next(), Some("127.0.0.1:8000"));
+        let mut plain = d.clone();
+        plain.replica = 4;
+        assert_eq!(w.rank_value(&plain), None);
+        plain.replica = 99;
+        assert_eq!(
+            w.rank_value(&plain),
+            None,
+            "out of range: no header, no panic"
+        );
+        // An answer from the chosen rank's own address is its own, not a retry to rank 0.
+        for t in 0..3 {
+            w.request_outcome(2, Some(b"127.0.0.1:8000"), Outcome::Failure, 700 + t);
+        }
+        assert!(w.is_ejected(2) && !w.is_ejected(0));
     }
 
     #[test]

@@ -86,9 +86,14 @@ pub fn flood_hash(replica: usize, i: u64) -> u64 {
     0xF100_D000_0000_0000 | (replica as u64) << 40 | i
 }
 
-/// One simulated replica.
+/// One simulated replica: an engine. With DP ranks ([`HarnessConfig::dp_ranks`]) an endpoint has
+/// several, one per rank, sharing its endpoint, feed cluster and cluster.
 pub struct Replica {
     pub name: String,
+    /// Index of the endpoint (the plugin configuration's replica entry) this engine serves behind.
+    pub endpoint_index: usize,
+    /// Its DP rank when the endpoint has several (`None` otherwise).
+    pub rank: Option<usize>,
     /// `IP:port` the filter writes into the destination header (and, in nginx mode, the feed address).
     pub endpoint: String,
     pub feed_cluster: String,
@@ -128,6 +133,16 @@ pub struct HarnessConfig {
     /// How requests are spread across the proxies.
     pub proxy_spread: ProxySpread,
     pub replicas: usize,
+    /// Data-parallel ranks behind each endpoint (1: one engine per endpoint). Each rank is its own
+    /// engine; a request's rank comes from the rank header, else from vLLM's internal balancer
+    /// ([`kvsteer_sim::dp::DpBalancer`]).
+    pub dp_ranks: usize,
+    /// With `dp_ranks` > 1: whether the filter is told about the ranks (`dp_ranks` in its replica
+    /// entries: it routes to (endpoint, rank) units and writes the rank header). Off, the filter
+    /// sees one replica per endpoint, polls its feed without a rank (answered with the union of the
+    /// ranks' caches, [`kvsteer_sim::dp::UnionFeed`]) and the endpoint's balancer picks the rank:
+    /// rank-blind routing.
+    pub rank_aware: bool,
     /// Template for every engine (each gets its own seed).
     pub engine: EngineConfig,
     /// The filter's `routing` section (policy, block size, coefficients).
@@ -175,6 +190,8 @@ impl HarnessConfig {
             proxies: 1,
             proxy_spread: ProxySpread::PerRequest,
             replicas: 4,
+            dp_ranks: 1,
+            rank_aware: true,
             engine,
             routing: json!({"policy": policy, "block_size": 16}),
             feed_period_ms: 200,
@@ -210,14 +227,20 @@ impl HarnessConfig {
         let replicas: Vec<Value> = self
             .replica_specs()
             .into_iter()
-            .map(|(name, endpoint, feed_cluster, cluster)| match self.mode {
-                HostMode::Envoy => json!({
-                    "name": name, "endpoint": endpoint, "feed_cluster": feed_cluster,
-                    "feed_authority": endpoint, "cluster": cluster
-                }),
-                HostMode::Nginx => json!({
-                    "name": name, "endpoint": endpoint, "feed_address": endpoint
-                }),
+            .map(|(name, endpoint, feed_cluster, cluster)| {
+                let mut v = match self.mode {
+                    HostMode::Envoy => json!({
+                        "name": name, "endpoint": endpoint, "feed_cluster": feed_cluster,
+                        "feed_authority": endpoint, "cluster": cluster
+                    }),
+                    HostMode::Nginx => json!({
+                        "name": name, "endpoint": endpoint, "feed_address": endpoint
+                    }),
+                };
+                if self.dp_ranks > 1 && self.rank_aware {
+                    v["dp_ranks"] = json!(self.dp_ranks);
+                }
+                v
             })
             .collect();
         let mut cfg = json!({
@@ -424,10 +447,21 @@ pub struct HarnessStats {
     /// replica than the filter chose.
     pub oracle_placed: u64,
     pub oracle_moved: u64,
+    /// With DP ranks: requests whose rank came from the rank header, and from the endpoint's own
+    /// balancer (no header, or not a rank of the endpoint).
+    pub rank_from_header: u64,
+    pub rank_from_balancer: u64,
 }
 
 /// Ids of requests submitted straight to an engine (not through the filter) start here.
 const DIRECT_ID_BASE: u64 = 1 << 62;
+
+/// An endpoint's ranks, as its API server sees them.
+struct EndpointDp {
+    units: std::ops::Range<usize>,
+    balancer: kvsteer_sim::dp::DpBalancer,
+    union: kvsteer_sim::dp::UnionFeed,
+}
 
 pub struct Harness {
     cfg: HarnessConfig,
@@ -435,6 +469,9 @@ pub struct Harness {
     proxies: Vec<Proxy>,
     workers: Vec<WorkerVm>,
     pub replicas: Vec<Replica>,
+    /// Per endpoint: its engines' indices in `replicas`, its internal DP balancer and its rank-blind
+    /// feed (both used only with DP ranks).
+    endpoints: Vec<EndpointDp>,
     now_us: u64,
     next_tick_us: Vec<u64>,
     calls: Vec<PendingCall>,
@@ -485,22 +522,42 @@ impl Harness {
             }
             proxies.push(proxy);
         }
-        let replicas = specs
-            .into_iter()
-            .enumerate()
-            .map(|(i, (name, endpoint, feed_cluster, cluster))| Replica {
-                name,
-                endpoint,
-                feed_cluster,
-                cluster,
-                engine: Engine::new(cfg.engine.for_replica(i)),
-                feed_fault: FeedFault::Healthy,
-                response_fault: ResponseFault::Healthy,
-                faulted: 0,
-                polls: 0,
-                last_poll: None,
-            })
-            .collect();
+        let dp = cfg.dp_ranks.max(1);
+        let mut replicas = Vec::new();
+        let mut endpoints = Vec::new();
+        for (e, (name, endpoint, feed_cluster, cluster)) in specs.into_iter().enumerate() {
+            let start = replicas.len();
+            for r in 0..dp {
+                let i = replicas.len();
+                replicas.push(Replica {
+                    name: if dp > 1 {
+                        format!("{name}_dp{r}")
+                    } else {
+                        name.clone()
+                    },
+                    endpoint_index: e,
+                    rank: (dp > 1).then_some(r),
+                    endpoint: endpoint.clone(),
+                    feed_cluster: feed_cluster.clone(),
+                    cluster: cluster.clone(),
+                    engine: Engine::new(cfg.engine.for_replica(i)),
+                    feed_fault: FeedFault::Healthy,
+                    response_fault: ResponseFault::Healthy,
+                    faulted: 0,
+                    polls: 0,
+                    last_poll: None,
+                });
+            }
+            endpoints.push(EndpointDp {
+                units: start..replicas.len(),
+                balancer: kvsteer_sim::dp::DpBalancer::new(dp),
+                union: kvsteer_sim::dp::UnionFeed::new(
+                    dp,
+                    0xD0_0000 + e as u64,
+                    cfg.engine.feed_log_hashes,
+                ),
+            });
+        }
         let next_tick_us = workers
             .iter()
             .map(|w| w.tick_period_ms() as u64 * 1000)
@@ -511,6 +568,7 @@ impl Harness {
             proxies,
             workers,
             replicas,
+            endpoints,
             now_us: 0,
             next_tick_us,
             calls: Vec::new(),
@@ -577,9 +635,44 @@ impl Harness {
         self.flights.len() + self.paused.len()
     }
 
-    /// Replica index of an `IP:port` endpoint.
+    /// Replica index of an `IP:port` endpoint (its first rank's with DP ranks).
     pub fn replica_of_endpoint(&self, endpoint: &str) -> Option<usize> {
         self.replicas.iter().position(|r| r.endpoint == endpoint)
+    }
+
+    /// The engine a request sent to `replica`'s endpoint lands on: the endpoint's only engine, or with
+    /// DP ranks the rank the request's rank header names (vLLM's `X-data-parallel-rank`), else the
+    /// one the endpoint's internal balancer picks (a header that is not a rank of the endpoint is
+    /// treated as absent, as vLLM's server ignores a value that is not an integer).
+    fn engine_for(&mut self, replica: usize, st: &StreamState) -> usize {
+        let e = self.replicas[replica].endpoint_index;
+        let units = self.endpoints[e].units.clone();
+        if units.len() <= 1 {
+            return replica;
+        }
+        let name = self
+            .cfg
+            .filter_extra
+            .get("rank_header")
+            .and_then(Value::as_str)
+            .unwrap_or(kvsteer_core::dp::DEFAULT_RANK_HEADER)
+            .to_string();
+        if let Some(r) = st
+            .upstream_header(&name)
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&r| r < units.len())
+        {
+            self.stats.rank_from_header += 1;
+            return units.start + r;
+        }
+        self.stats.rank_from_balancer += 1;
+        let now = self.now_us;
+        let engines = &self.replicas[units.clone()];
+        let r = self.endpoints[e].balancer.choose(now, |r| {
+            let l = engines[r].engine.load();
+            (l.waiting, l.running)
+        });
+        units.start + r
     }
 
     pub fn set_feed_fault(&mut self, replica: usize, fault: FeedFault) {
@@ -767,15 +860,18 @@ impl Harness {
         }
         let (destination, replica) = self.destination(&st);
         let fallback = replica.is_none();
-        let mut replica = match replica {
+        let replica = match replica {
             Some(r) => r,
             None => {
                 self.stats.fallback += 1;
-                let r = self.rr_fallback % self.replicas.len();
+                // The proxy's own balancing spreads over endpoints (then the endpoint over its ranks).
+                let e = self.rr_fallback % self.endpoints.len();
+                let r = self.endpoints[e].units.start;
                 self.rr_fallback += 1;
                 r
             }
         };
+        let mut replica = self.engine_for(replica, &st);
         let oracle = self.cfg.oracle.filter(|_| spec.raw_body.is_none());
         if let Some(weights) = oracle
             && let Some(c) = self.oracle_choice(id, spec, weights)
@@ -802,7 +898,7 @@ impl Harness {
             self.replicas[replica].faulted += 1;
             self.stats.retries += 1;
             retried_from = Some(replica);
-            replica = b;
+            replica = self.engine_for(b, &st);
         }
         if self.cfg.mode == HostMode::Envoy && oracle.is_none() {
             let endpoint = self.replicas[replica].endpoint.clone();
@@ -1171,13 +1267,27 @@ impl Harness {
         }
     }
 
+    /// The engine a feed callout asks: the endpoint's (its first rank's with DP ranks), or with a
+    /// `rank` in the query that rank's when the endpoint has it (faults and poll records are per
+    /// engine).
     fn replica_of_callout(&self, call: &Callout) -> Option<usize> {
-        match self.cfg.mode {
+        let first = match self.cfg.mode {
             HostMode::Envoy => self
                 .replicas
                 .iter()
                 .position(|r| r.feed_cluster == call.upstream),
             HostMode::Nginx => self.replica_of_endpoint(&call.upstream),
+        }?;
+        let units = &self.endpoints[self.replicas[first].endpoint_index].units;
+        let query = call
+            .header(":path")
+            .and_then(|p| p.split_once('?'))
+            .map_or("", |(_, q)| q);
+        match kvsteer_core::feed::query_rank(query) {
+            Ok(Some(r)) if (r as usize) < units.len() && units.len() > 1 => {
+                Some(units.start + r as usize)
+            }
+            _ => Some(first),
         }
     }
 
@@ -1207,7 +1317,17 @@ impl Harness {
                             CallOutcome::ok(200, FEED_CONTENT_TYPE, snap.encode())
                         }
                         FeedFault::Healthy | FeedFault::Slow { .. } => {
-                            feed_answer(&mut rep.engine, &p.call)
+                            let e = rep.endpoint_index;
+                            let ep = &mut self.endpoints[e];
+                            if ep.units.len() <= 1 {
+                                feed_answer(&mut rep.engine, &p.call)
+                            } else {
+                                let mut engines: Vec<&mut Engine> = self.replicas[ep.units.clone()]
+                                    .iter_mut()
+                                    .map(|r| &mut r.engine)
+                                    .collect();
+                                dp_feed_answer(&mut engines, &mut ep.union, &p.call)
+                            }
                         }
                     }
                 }
@@ -1404,6 +1524,36 @@ impl Harness {
 
     pub fn summary(&self, label: &str) -> Summary {
         self.recorder.summary(label)
+    }
+}
+
+/// The feed's answer of an endpoint with DP ranks: with `rank=R` rank R's own feed, carrying its rank
+/// (an unknown rank is a 400 naming it); without, the union of every rank's cache (rank-blind).
+fn dp_feed_answer(
+    engines: &mut [&mut Engine],
+    union: &mut kvsteer_sim::dp::UnionFeed,
+    call: &Callout,
+) -> CallOutcome {
+    let path = call.header(":path").unwrap_or("");
+    let (p, query) = path.split_once('?').unwrap_or((path, ""));
+    if !p.ends_with(FEED_PATH) {
+        return CallOutcome::ok(404, "text/plain", format!("no route {p}").into_bytes());
+    }
+    let q = match FeedQuery::parse(query) {
+        Ok(q) => q,
+        Err(e) => return CallOutcome::ok(400, "text/plain", e.into_bytes()),
+    };
+    match kvsteer_core::feed::query_rank(query) {
+        Err(e) => CallOutcome::ok(400, "text/plain", e.into_bytes()),
+        Ok(Some(r)) => match engines.get_mut(r as usize) {
+            Some(e) => CallOutcome::ok(200, FEED_CONTENT_TYPE, e.feed(&q).encode_for_rank(r)),
+            None => CallOutcome::ok(
+                400,
+                "text/plain",
+                format!("feed query: no DP rank {r} here ({} ranks)", engines.len()).into_bytes(),
+            ),
+        },
+        Ok(None) => CallOutcome::ok(200, FEED_CONTENT_TYPE, union.answer(engines, &q).encode()),
     }
 }
 

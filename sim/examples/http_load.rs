@@ -76,6 +76,7 @@ fn main() {
         time_scale: 1e6,
         model: "sim".into(),
         engine: EngineConfig::default(),
+        dp_ranks: 1,
     })
     .expect("replica starts");
     let addr = rep.addr();

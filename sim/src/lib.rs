@@ -6,6 +6,7 @@
 //! identity and the feed format with the routing core (`kvsteer_core::block`, `kvsteer_core::feed`).
 //! docs/simulator.md describes the model, its parameters and their sources.
 
+pub mod dp;
 pub mod engine;
 pub mod feed_log;
 pub mod kv;

@@ -4,8 +4,10 @@
 //! kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] [--seed S]
 //!     [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192]
 //!     [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]
-//!     [--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json]
+//!     [--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json] [--dp-ranks 1]
 //! ```
+//! `--dp-ranks N` puts N data-parallel ranks (N engines) behind each replica's port, chosen by the
+//! `x-data-parallel-rank` header or vLLM's internal balancer (docs/dp.md).
 //! `--profile` replaces the default step-time profile (Llama-3.1-8B on an H100) with one read from
 //! JSON, e.g. the one `scripts/fit-profile` fits to a real engine (docs/fidelity.md); its
 //! `max_model_len` applies unless `--max-model-len` is given, its `kv_blocks_16` unless
@@ -22,7 +24,7 @@ use std::process::ExitCode;
 const USAGE: &str = "usage: kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] \
 [--seed S] [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192] \
 [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r] \
-[--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json]";
+[--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json] [--dp-ranks 1]";
 
 fn parse<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String> {
     let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
@@ -44,6 +46,7 @@ fn run() -> Result<(), String> {
         time_scale: 1.0,
         model: "llama-3.1-8b-sim".into(),
         engine: EngineConfig::default(),
+        dp_ranks: 1,
     };
     let mut replicas = 1usize;
     let mut kv_blocks: Option<u32> = None;
@@ -53,6 +56,7 @@ fn run() -> Result<(), String> {
         let v = args.next();
         match flag.as_str() {
             "--replicas" => replicas = parse(&flag, v)?,
+            "--dp-ranks" => cfg.dp_ranks = parse(&flag, v)?,
             "--host" => cfg.host = parse(&flag, v)?,
             "--port" => cfg.port = parse(&flag, v)?,
             "--time-scale" => cfg.time_scale = parse(&flag, v)?,
@@ -86,6 +90,12 @@ fn run() -> Result<(), String> {
     }
     if replicas == 0 || replicas > 1024 {
         return Err("--replicas must be between 1 and 1024".into());
+    }
+    if cfg.dp_ranks == 0 || cfg.dp_ranks > kvsteer_core::dp::MAX_DP_RANKS as usize {
+        return Err(format!(
+            "--dp-ranks must be between 1 and {}",
+            kvsteer_core::dp::MAX_DP_RANKS
+        ));
     }
     if engine.block_size == 0 || engine.block_size > kvsteer_core::block::MAX_BLOCK_SIZE {
         return Err(format!(

@@ -40,6 +40,11 @@ pub struct ReplicaConfig {
     /// Served model name (requests may name any model; it is echoed back).
     pub model: String,
     pub engine: EngineConfig,
+    /// Data-parallel ranks behind this endpoint (1: one engine). Each rank is its own engine (own
+    /// cache and queue, seeds derived from the rank); a request's rank comes from the
+    /// `x-data-parallel-rank` header, else from vLLM's internal balancer
+    /// ([`crate::dp::DpBalancer`]). docs/dp.md.
+    pub dp_ranks: usize,
 }
 
 /// Fault knobs set through `POST /admin/fault`.
@@ -52,7 +57,13 @@ pub struct Faults {
 }
 
 struct Core {
-    engine: Engine,
+    /// One engine per DP rank (one without ranks).
+    engines: Vec<Engine>,
+    /// The rank each request in flight runs on.
+    rank_of: HashMap<u64, usize>,
+    balancer: crate::dp::DpBalancer,
+    /// The endpoint's rank-blind feed (polls without `rank` when there are several ranks).
+    union: crate::dp::UnionFeed,
     subs: HashMap<u64, Sender<EngineEvent>>,
     next_id: u64,
     faults: Faults,
@@ -113,7 +124,23 @@ impl Replica {
             name: cfg.name,
             model: cfg.model,
             core: Mutex::new(Core {
-                engine: Engine::new(cfg.engine),
+                engines: (0..cfg.dp_ranks.max(1))
+                    .map(|r| {
+                        let mut e = cfg.engine.clone();
+                        if r > 0 {
+                            e.seed = mix64(e.seed ^ (r as u64).rotate_left(24));
+                            e.epoch = mix64(e.epoch ^ r as u64) | 1;
+                        }
+                        Engine::new(e)
+                    })
+                    .collect(),
+                rank_of: HashMap::new(),
+                balancer: crate::dp::DpBalancer::new(cfg.dp_ranks.max(1)),
+                union: crate::dp::UnionFeed::new(
+                    cfg.dp_ranks.max(1),
+                    mix64(cfg.engine.epoch ^ 0xD9),
+                    cfg.engine.feed_log_hashes,
+                ),
                 subs: HashMap::new(),
                 next_id: 1,
                 faults: Faults::default(),
@@ -166,7 +193,9 @@ fn drive(shared: Arc<Shared>) {
     let mut g = shared.lock();
     while !shared.shutdown.load(Ordering::SeqCst) {
         let now = shared.clock.now_us();
-        g.engine.advance(now, &mut events);
+        for e in g.engines.iter_mut() {
+            e.advance(now, &mut events);
+        }
         let mut dead = Vec::new();
         for ev in events.drain(..) {
             let id = ev.id();
@@ -178,16 +207,20 @@ fn drive(shared: Arc<Shared>) {
             }
             if fin {
                 g.subs.remove(&id);
+                g.rank_of.remove(&id);
             }
         }
         if !dead.is_empty() {
             for id in dead {
                 g.subs.remove(&id);
-                g.engine.abort(now, id);
+                let r = g.rank_of.remove(&id).unwrap_or(0);
+                if let Some(e) = g.engines.get_mut(r) {
+                    e.abort(now, id);
+                }
             }
             continue;
         }
-        let wait = match g.engine.next_event_time() {
+        let wait = match g.engines.iter().filter_map(Engine::next_event_time).min() {
             Some(t) => shared.clock.real_until(now, t),
             None => Duration::from_millis(500),
         };
@@ -382,14 +415,22 @@ fn route(shared: &Shared, req: &Request, w: &mut TcpStream) -> io::Result<()> {
             keep,
         ),
         ("/v1/models", "GET") => {
-            let max_len = shared.lock().engine.config().max_model_len;
+            let max_len = shared.lock().engines[0].config().max_model_len;
             let v = json!({"object": "list", "data": [{"id": shared.model, "object": "model",
                 "created": unix_now(), "owned_by": "kvsteer-sim", "root": shared.model,
                 "max_model_len": max_len}]});
             json_response(shared, w, &v, keep)
         }
         ("/metrics", "GET") => {
-            let text = metrics::render(&shared.lock().engine, &shared.model);
+            // With DP ranks, one rank's engine (`?rank=R`, rank 0 without).
+            let text = {
+                let g = shared.lock();
+                let r = match kvsteer_core::feed::query_rank(&req.query) {
+                    Ok(Some(r)) if (r as usize) < g.engines.len() => r as usize,
+                    _ => 0,
+                };
+                metrics::render(&g.engines[r], &shared.model)
+            };
             http::write_response(
                 w,
                 200,
@@ -404,6 +445,10 @@ fn route(shared: &Shared, req: &Request, w: &mut TcpStream) -> io::Result<()> {
                 Ok(q) => q,
                 Err(m) => return error_response(shared, w, &ApiError::bad("query", m), keep),
             };
+            let rank = match kvsteer_core::feed::query_rank(&req.query) {
+                Ok(r) => r,
+                Err(m) => return error_response(shared, w, &ApiError::bad("rank", m), keep),
+            };
             let body = {
                 let mut g = shared.lock();
                 if g.faults.feed_outage {
@@ -411,7 +456,28 @@ fn route(shared: &Shared, req: &Request, w: &mut TcpStream) -> io::Result<()> {
                     let e = ApiError::new(503, "server_error", "feed outage (fault)".into(), None);
                     return error_response(shared, w, &e, keep);
                 }
-                g.engine.feed(&q).encode()
+                let core = &mut *g;
+                let n = core.engines.len();
+                match rank {
+                    // Rank R's own feed, stamped with R.
+                    Some(r) if (r as usize) < n => {
+                        core.engines[r as usize].feed(&q).encode_for_rank(r)
+                    }
+                    Some(r) => {
+                        drop(g);
+                        let e = ApiError::bad(
+                            "rank",
+                            format!("no data-parallel rank {r} here ({n} rank(s))"),
+                        );
+                        return error_response(shared, w, &e, keep);
+                    }
+                    None if n == 1 => core.engines[0].feed(&q).encode(),
+                    // A rank-blind poll of a DP endpoint: the union of its ranks' caches.
+                    None => {
+                        let mut engines: Vec<&mut Engine> = core.engines.iter_mut().collect();
+                        core.union.answer(&mut engines, &q).encode()
+                    }
+                }
             };
             http::write_response(
                 w,
@@ -449,13 +515,19 @@ fn admin_fault(shared: &Shared, body: &[u8]) -> Result<Value, ApiError> {
             "restart" => match v.as_bool() {
                 Some(true) => {
                     let now = shared.clock.now_us();
-                    g.engine.restart(now);
+                    for e in g.engines.iter_mut() {
+                        e.restart(now);
+                    }
                 }
                 Some(false) => {}
                 None => return Err(ApiError::bad("restart", "restart must be a boolean")),
             },
             "slowdown" => match v.as_f64() {
-                Some(f) if f.is_finite() && f > 0.0 => g.engine.set_slowdown(f),
+                Some(f) if f.is_finite() && f > 0.0 => {
+                    for e in g.engines.iter_mut() {
+                        e.set_slowdown(f);
+                    }
+                }
                 _ => {
                     return Err(ApiError::bad(
                         "slowdown",
@@ -493,7 +565,7 @@ fn admin_fault(shared: &Shared, body: &[u8]) -> Result<Value, ApiError> {
     }
     shared.cv.notify_all();
     Ok(
-        json!({"epoch": g.engine.epoch(), "slowdown": g.engine.slowdown(),
+        json!({"epoch": g.engines[0].epoch(), "slowdown": g.engines[0].slowdown(),
         "error_rate": g.faults.error_rate, "feed_outage": g.faults.feed_outage}),
     )
 }
@@ -530,7 +602,7 @@ fn tokenize_endpoint(shared: &Shared, body: &[u8]) -> Result<Value, ApiError> {
         Api::Completions
     };
     let ids = request_prompt(&o, api)?;
-    let max_len = shared.lock().engine.config().max_model_len;
+    let max_len = shared.lock().engines[0].config().max_model_len;
     Ok(json!({"count": ids.len(), "max_model_len": max_len, "tokens": ids, "token_strs": null}))
 }
 
@@ -569,9 +641,9 @@ fn render(shared: &Shared, body: &[u8], api: Api) -> Result<Value, ApiError> {
 /// simulator has an answer for. No `model_path`: there is no model to load a tokenizer from.
 fn server_info(shared: &Shared) -> Value {
     let g = shared.lock();
-    let cfg = g.engine.config();
+    let cfg = g.engines[0].config();
     json!({"served_model_name": shared.model, "version": env!("CARGO_PKG_VERSION"),
-        "dp_size": 1, "max_running_requests": cfg.max_running,
+        "dp_size": g.engines.len(), "max_running_requests": cfg.max_running,
         "max_prefill_tokens": cfg.max_batch_tokens,
         "max_total_tokens": cfg.kv_blocks as u64 * cfg.block_size as u64,
         "page_size": cfg.block_size, "context_length": cfg.max_model_len})
@@ -584,13 +656,21 @@ fn model_info(shared: &Shared) -> Value {
         "served_model_name": shared.model})
 }
 
-/// `GET /get_load`, as SGLang answers it: one entry per data-parallel rank (one here) with the
-/// requests running and waiting and the tokens held or queued ([`Engine::load_tokens`]).
+/// `GET /get_load`, as SGLang answers it: one entry per data-parallel rank with the requests
+/// running and waiting and the tokens held or queued ([`Engine::load_tokens`]).
 fn get_load(shared: &Shared) -> Value {
     let g = shared.lock();
-    let load = g.engine.load();
-    json!([{"dp_rank": 0, "num_reqs": load.running + load.waiting,
-        "num_waiting_reqs": load.waiting, "num_tokens": g.engine.load_tokens()}])
+    let ranks: Vec<Value> = g
+        .engines
+        .iter()
+        .enumerate()
+        .map(|(r, e)| {
+            let load = e.load();
+            json!({"dp_rank": r, "num_reqs": load.running + load.waiting,
+                "num_waiting_reqs": load.waiting, "num_tokens": e.load_tokens()})
+        })
+        .collect();
+    Value::Array(ranks)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -758,11 +838,16 @@ struct Done {
     reason: FinishReason,
 }
 
+/// The header vLLM's OpenAI server reads to pin a request to a DP rank (lower-cased, as the HTTP
+/// reader keeps names).
+pub const RANK_HEADER: &str = kvsteer_core::dp::DEFAULT_RANK_HEADER;
+
 fn submit(
     shared: &Shared,
     p: &GenParams,
     api: Api,
-) -> Result<(u64, Receiver<EngineEvent>), ApiError> {
+    rank_header: Option<&str>,
+) -> Result<(u64, usize, Receiver<EngineEvent>), ApiError> {
     let mut g = shared.lock();
     let rate = g.faults.error_rate;
     if rate > 0.0 {
@@ -776,7 +861,7 @@ fn submit(
             ));
         }
     }
-    let cfg = g.engine.config();
+    let cfg = g.engines[0].config();
     let prompt_len = p.prompt.len() as u64;
     if prompt_len >= cfg.max_model_len as u64 {
         return Err(ApiError::bad(
@@ -808,14 +893,33 @@ fn submit(
         min_tokens: p.min_tokens,
     };
     let now = shared.clock.now_us();
-    g.engine
+    // The header's rank when it is one of ours (vLLM ignores a value that is not an integer),
+    // else vLLM's internal balancer.
+    let n = g.engines.len();
+    let named = rank_header
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&r| r < n);
+    let rank = match named {
+        Some(r) => r,
+        None if n == 1 => 0,
+        None => {
+            let core = &mut *g;
+            let engines = &core.engines;
+            core.balancer.choose(now, |r| {
+                let l = engines[r].load();
+                (l.waiting, l.running)
+            })
+        }
+    };
+    g.engines[rank]
         .submit(now, req)
         .map_err(|e| ApiError::bad("prompt", e.to_string()))?;
     g.next_id += 1;
     let (tx, rx) = channel();
     g.subs.insert(id, tx);
+    g.rank_of.insert(id, rank);
     shared.cv.notify_all();
-    Ok((id, rx))
+    Ok((id, rank, rx))
 }
 
 /// How often a non-streamed request checks that its client is still there.
@@ -841,7 +945,10 @@ fn abandon(shared: &Shared, id: u64) {
     let mut g = shared.lock();
     if g.subs.remove(&id).is_some() {
         let now = shared.clock.now_us();
-        g.engine.abort(now, id);
+        let r = g.rank_of.remove(&id).unwrap_or(0);
+        if let Some(e) = g.engines.get_mut(r) {
+            e.abort(now, id);
+        }
         shared.cv.notify_all();
     }
 }
@@ -863,12 +970,15 @@ fn generate(shared: &Shared, req: &Request, api: Api, w: &mut TcpStream) -> io::
     };
     // The profile's request overhead (a real engine's API server), as latency before the engine
     // sees the request, in wall time at the replica's time scale.
-    let overhead_us = shared.lock().engine.config().profile.request_overhead_us;
+    let overhead_us = shared.lock().engines[0]
+        .config()
+        .profile
+        .request_overhead_us;
     if overhead_us > 0.0 {
         let wall = overhead_us / 1e6 / shared.clock.scale;
         thread::sleep(Duration::try_from_secs_f64(wall).unwrap_or(Duration::ZERO));
     }
-    let (id, rx) = match submit(shared, &p, api) {
+    let (id, _rank, rx) = match submit(shared, &p, api, req.header(RANK_HEADER)) {
         Ok(x) => x,
         Err(e) => return error_response(shared, w, &e, keep),
     };

@@ -25,6 +25,7 @@ fn replica_at(kv_blocks: u32, time_scale: f64) -> Replica {
             max_model_len: 4096,
             ..Default::default()
         },
+        dp_ranks: 1,
     };
     Replica::start(cfg).expect("replica starts")
 }
@@ -389,6 +390,7 @@ fn several_replicas_start_from_one_call_and_name_themselves() {
             kv_blocks: 500,
             ..Default::default()
         },
+        dp_ranks: 1,
     };
     let reps = start_replicas(&base, 3, "rep").unwrap();
     for (i, r) in reps.iter().enumerate() {
@@ -451,6 +453,7 @@ fn a_queued_streaming_client_that_leaves_is_dropped_from_the_queue() {
             max_model_len: 4096,
             ..Default::default()
         },
+        dp_ranks: 1,
     })
     .unwrap();
     let send = |s: &mut TcpStream| {
@@ -590,4 +593,94 @@ fn peer_router_endpoints_tokenize_render_and_report_load() {
     }
     assert_eq!(seen[0]["num_reqs"], 1, "{seen}");
     assert!(seen[0]["num_tokens"].as_u64().unwrap() >= 320, "{seen}");
+}
+
+/// `dp_ranks: 2`: the rank header picks the engine (its cache answers the repeat), each rank's feed
+/// is its own and says so, a poll without a rank gets the union, an unknown rank is a 400; without a
+/// header the balancer spreads requests over both ranks.
+#[test]
+fn dp_ranks_are_picked_by_header_and_fed_apart() {
+    let rep = Replica::start(ReplicaConfig {
+        name: "dp".into(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        time_scale: 100.0,
+        model: "sim".into(),
+        engine: EngineConfig {
+            kv_blocks: 1000,
+            max_model_len: 4096,
+            ..Default::default()
+        },
+        dp_ranks: 2,
+    })
+    .unwrap();
+    let mut c = Client::new(&rep);
+    let body = json!({"prompt": ids(7, 160), "max_tokens": 2, "ignore_eos": true}).to_string();
+    let send = |c: &mut Client, rank: Option<u32>| {
+        let extra = rank.map_or(String::new(), |r| format!("X-Data-Parallel-Rank: {r}\r\n"));
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\n{extra}content-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let r = c.raw(req.as_bytes());
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v: Value = serde_json::from_slice(&r.body).unwrap();
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    assert_eq!(send(&mut c, Some(1)), 0);
+    assert!(send(&mut c, Some(1)) >= 144, "rank 1 caches its own prefix");
+    assert_eq!(
+        send(&mut c, Some(0)),
+        0,
+        "rank 0 shares no cache with rank 1"
+    );
+    let snapshot = |c: &mut Client, q: &str| {
+        let r = c.call("GET", &format!("/kvsteer/feed?epoch=0{q}"), "");
+        (r.status, r.body)
+    };
+    let (status, b1) = snapshot(&mut c, "&rank=1");
+    assert_eq!(status, 200);
+    assert_eq!(kvsteer_core::feed::payload_rank(&b1), Some(1));
+    let (_, b0) = snapshot(&mut c, "&rank=0");
+    let (_, all) = snapshot(&mut c, "");
+    let count = |b: &[u8]| -> usize {
+        FeedBatch::decode(b)
+            .unwrap()
+            .events
+            .iter()
+            .map(|e| match e {
+                kvsteer_core::feed::FeedEvent::Stored { hashes, .. } => hashes.len(),
+                _ => 0,
+            })
+            .sum()
+    };
+    assert!(count(&b1) >= 10 && count(&b0) >= 10);
+    assert_eq!(
+        count(&all),
+        count(&b1),
+        "the same prompt on both ranks: the union holds it once"
+    );
+    assert_eq!(snapshot(&mut c, "&rank=2").0, 400);
+    assert_eq!(snapshot(&mut c, "&rank=x").0, 400);
+    // No header (or a value that is not a rank): vLLM's balancer spreads back-to-back requests.
+    let load = c.call("GET", "/get_load", "");
+    let v: Value = serde_json::from_slice(&load.body).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 2);
+    let info: Value = serde_json::from_slice(&c.call("GET", "/server_info", "").body).unwrap();
+    assert_eq!(info["dp_size"], 2);
+    for _ in 0..4 {
+        send(&mut c, None);
+    }
+    let served = |c: &mut Client, r: u32| {
+        let m = String::from_utf8(c.call("GET", &format!("/metrics?rank={r}"), "").body).unwrap();
+        m.lines()
+            .filter(|l| l.starts_with("vllm:request_success_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let (s0, s1) = (served(&mut c, 0), served(&mut c, 1));
+    assert_eq!(s0 + s1, 7.0, "{s0} + {s1}");
+    assert!(s0 >= 2.0 && s1 >= 3.0, "{s0} {s1}");
 }

@@ -63,6 +63,13 @@ impl Outcome {
 /// ([`crate::oracle`]; `oracle@decode=1@stall=1` sets its [`Weights`]) while the filter, set to `round_robin` (the cheapest policy: its choice is
 /// overridden), still carries the requests.
 pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> HarnessConfig {
+    if is_rank_blind(policy) {
+        // The harness's part of the spec: the filter sees one replica per endpoint (no ranks).
+        let kept: Vec<&str> = policy.split('@').filter(|p| *p != RANK_BLIND).collect();
+        let mut cfg = config(&kept.join("@"), block_size, seed, workers);
+        cfg.rank_aware = false;
+        return cfg;
+    }
     if let Some(weights) = Weights::from_spec(policy) {
         let mut cfg = config("round_robin", block_size, seed, workers);
         // A malformed oracle spec was refused by `check_spec` before any run; here it falls back to
@@ -91,6 +98,16 @@ pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> Harne
         cfg.routing["session_hash"]["ring_seed"] = seed.into();
     }
     cfg
+}
+
+/// The policy spec part (`kv_load@rank_blind`) that makes a DP fleet's router rank-blind: the filter
+/// is configured with one replica per endpoint and the endpoint's own balancer (vLLM's) picks the
+/// rank (`HarnessConfig::rank_aware`). No effect on a fleet without DP ranks.
+pub const RANK_BLIND: &str = "rank_blind";
+
+/// Whether a policy spec asks for rank-blind routing ([`RANK_BLIND`], after the policy name).
+pub fn is_rank_blind(spec: &str) -> bool {
+    spec.split('@').skip(1).any(|p| p == RANK_BLIND)
 }
 
 /// Splits the `@filter.KEY=NUMBER` parts off a policy spec: top-level filter fields (e.g.
@@ -123,6 +140,13 @@ pub fn split_filter_fields(spec: &str) -> (String, Vec<(String, Value)>) {
 /// sensitivity runs) without a configuration file per variant.
 pub fn routing(spec: &str) -> Result<Value, String> {
     let (spec, _) = split_filter_fields(spec);
+    let spec: String = spec
+        .split('@')
+        .enumerate()
+        .filter(|(i, p)| *i == 0 || *p != RANK_BLIND)
+        .map(|(_, p)| p)
+        .collect::<Vec<_>>()
+        .join("@");
     let spec = spec.as_str();
     let mut parts = spec.split('@');
     let name = parts.next().unwrap_or_default();
@@ -211,11 +235,38 @@ pub fn replay_proxies(
     topology: (usize, usize, ProxySpread),
     progress: impl FnMut(u64, u64),
 ) -> Result<Outcome, String> {
+    replay_fleet(
+        module,
+        workload,
+        mode,
+        policy,
+        seed,
+        topology,
+        (4, 1),
+        progress,
+    )
+}
+
+/// [`replay_proxies`] on `fleet` = `(endpoints, dp_ranks)`: `endpoints` engine endpoints, each with
+/// `dp_ranks` data-parallel ranks (one engine each); `(4, 1)` is the matrix's fleet.
+#[allow(clippy::too_many_arguments)]
+pub fn replay_fleet(
+    module: &FilterModule,
+    workload: Workload,
+    mode: Mode,
+    policy: &str,
+    seed: u64,
+    topology: (usize, usize, ProxySpread),
+    fleet: (usize, usize),
+    progress: impl FnMut(u64, u64),
+) -> Result<Outcome, String> {
     let started = Instant::now();
     let (workers, proxies, spread) = topology;
     let mut cfg = config(policy, workload.block_size, seed, workers);
     cfg.proxies = proxies;
     cfg.proxy_spread = spread;
+    cfg.replicas = fleet.0;
+    cfg.dp_ranks = fleet.1;
     let mut h = Harness::new(module, cfg).map_err(|e| format!("{policy}: {e}"))?;
     h.run_workload(Driver::new(workload, mode), progress)
         .map_err(|e| format!("{policy}: {e}"))?;

@@ -71,6 +71,11 @@ pub struct Scenario {
     pub proxies: usize,
     /// How requests are spread across them.
     pub spread: ProxySpread,
+    /// Engine endpoints (4 everywhere but [`dp_matrix`]).
+    pub endpoints: usize,
+    /// Data-parallel ranks behind each endpoint, each its own engine (1 everywhere but
+    /// [`dp_matrix`]).
+    pub dp_ranks: usize,
 }
 
 impl Scenario {
@@ -197,6 +202,8 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         source: Source::Rl(rl),
         proxies: 1,
         spread: ProxySpread::PerRequest,
+        endpoints: 4,
+        dp_ranks: 1,
     });
     // Two copies of every session at every level: only 28 sessions survive the 128K cap, so levels 32
     // and 40 would otherwise be the same run; with copies the workload (56 sessions, 3,222 requests)
@@ -217,6 +224,8 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
             },
             proxies: 1,
             spread: ProxySpread::PerRequest,
+            endpoints: 4,
+            dp_ranks: 1,
         });
     }
     let (mc_rows, az_rows) = match scale {
@@ -234,6 +243,8 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
             },
             proxies: 1,
             spread: ProxySpread::PerRequest,
+            endpoints: 4,
+            dp_ranks: 1,
         });
     }
     v.push(Scenario {
@@ -245,6 +256,8 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         }),
         proxies: 1,
         spread: ProxySpread::PerRequest,
+        endpoints: 4,
+        dp_ranks: 1,
     });
     v.push(Scenario {
         id: "azure".into(),
@@ -255,6 +268,8 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         },
         proxies: 1,
         spread: ProxySpread::PerRequest,
+        endpoints: 4,
+        dp_ranks: 1,
     });
     v
 }
@@ -286,6 +301,8 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
                 source: Source::Rl(rl.clone()),
                 proxies,
                 spread,
+                endpoints: 4,
+                dp_ranks: 1,
             });
             for &c in levels {
                 v.push(Scenario {
@@ -298,9 +315,55 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
                     },
                     proxies,
                     spread,
+                    endpoints: 4,
+                    dp_ranks: 1,
                 });
             }
         }
+    }
+    v
+}
+
+/// The data-parallel fleet (issue 18, docs/dp.md): 2 endpoints x 4 DP ranks, each rank an engine of
+/// its own (the same simulated Llama-3.1-8B/H100 as everywhere), on the RL workload with twice the
+/// rollouts in flight of the 4-replica matrix (8 engines) and on the coding-agent trace at 32 and 48
+/// sessions in flight (4 and 6 per engine, as 16 and 24 are on 4 replicas). Ids `dp-rl`,
+/// `dp-weka-c<C>`, group `dp`. Not in [`matrix`]: only `--only dp` (or an id) runs them; the policy
+/// spec suffix `@rank_blind` ([`crate::bench::run::is_rank_blind`]) gives the rank-blind baseline.
+pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
+    let mut v = Vec::new();
+    let rl = match scale {
+        Scale::Full | Scale::Quick => RlParams {
+            concurrency: RlParams::default().concurrency * 2,
+            rollouts_per_step: RlParams::default().rollouts_per_step * 2,
+            ..RlParams::default()
+        },
+        Scale::Smoke => RlParams::small(),
+    };
+    let dp = |id: String, source: Source| Scenario {
+        id,
+        group: "dp",
+        source,
+        proxies: 1,
+        spread: ProxySpread::PerRequest,
+        endpoints: 2,
+        dp_ranks: 4,
+    };
+    v.push(dp("dp-rl".into(), Source::Rl(rl)));
+    let (levels, copies, max_sessions): (&[usize], usize, Option<usize>) = match scale {
+        Scale::Full => (&[32, 48], 2, None),
+        Scale::Quick => (&[32], 1, Some(32)),
+        Scale::Smoke => (&[2], 1, Some(2)),
+    };
+    for &c in levels {
+        v.push(dp(
+            format!("dp-weka-c{c}"),
+            Source::Weka {
+                concurrency: c,
+                copies,
+                max_sessions,
+            },
+        ));
     }
     v
 }
@@ -374,6 +437,20 @@ mod tests {
                 .iter()
                 .any(|s| s.id == "weka-c32-p4")
         );
+    }
+
+    #[test]
+    fn dp_scenarios_are_apart_from_the_matrix_with_eight_engines() {
+        for scale in [Scale::Full, Scale::Quick, Scale::Smoke] {
+            let m = matrix(scale);
+            assert!(m.iter().all(|s| s.dp_ranks == 1 && s.endpoints == 4));
+            let d = dp_matrix(scale);
+            assert!(d.len() >= 2);
+            for s in &d {
+                assert_eq!((s.endpoints, s.dp_ranks, s.group), (2, 4, "dp"));
+                assert!(!m.iter().any(|x| x.id == s.id));
+            }
+        }
     }
 
     #[test]

@@ -12,7 +12,9 @@
 //! own section; `oracle` or `oracle@decode=1@stall=1` for the limit), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure; also the
 //! many-proxies scenarios, which only `--only` selects: group `proxies` (`rl-p1`, `rl-p2`, `rl-p4`,
 //! `weka-c16-p4`, ...: requests spread across 1, 2 or 4 independent proxies at random) and group
-//! `proxies-session` (the same ids ending in `s`: each session through one proxy); docs/proxies.md),
+//! `proxies-session` (the same ids ending in `s`: each session through one proxy); docs/proxies.md;
+//! and group `dp`, 2 endpoints x 4 data-parallel ranks (`dp-rl`, `dp-weka-c32`, `dp-weka-c48`), where
+//! a policy spec ending in `@rank_blind` routes to endpoints only; docs/dp.md),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
 //! `--traces DIR` (default `traces`), `--notes-only` (put `DIR/results/notes.md`, the analysis
@@ -25,8 +27,10 @@ use kvsteer_host_test::bench::args::{ArgReader, POLICIES, bench_policies, or_usa
 use kvsteer_host_test::bench::report::{
     ScenarioRuns, claims, hit_cv_plot, limit_gap, scenario_plots, scenario_table,
 };
-use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay_proxies};
-use kvsteer_host_test::bench::scenario::{Scale, Scenario, Source, matrix, proxy_matrix};
+use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay_fleet};
+use kvsteer_host_test::bench::scenario::{
+    Scale, Scenario, Source, dp_matrix, matrix, proxy_matrix,
+};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
 use kvsteer_workload::report::Progress;
 use kvsteer_workload::{Mode, Summary, Workload};
@@ -178,7 +182,9 @@ fn run(args: &Args) -> Result<(), String> {
     let extra = if args.only.is_empty() {
         Vec::new()
     } else {
-        proxy_matrix(scale)
+        let mut v = proxy_matrix(scale);
+        v.extend(dp_matrix(scale));
+        v
     };
     let scenarios: Vec<Scenario> = matrix(scale)
         .into_iter()
@@ -191,6 +197,8 @@ fn run(args: &Args) -> Result<(), String> {
     // A run with many-proxies scenarios never writes over the report in docs/ by default.
     let out = if args.out.is_none() && scenarios.iter().any(|s| s.group.starts_with("proxies")) {
         workspace_root().join("out/proxies")
+    } else if args.out.is_none() && scenarios.iter().any(|s| s.group == "dp") {
+        workspace_root().join("out/dp")
     } else {
         out_dir(args)
     };
@@ -261,12 +269,21 @@ fn run(args: &Args) -> Result<(), String> {
                     let (w, mode) = workloads[j.workload].clone();
                     let sc = &scenarios[j.scenario];
                     let topology = (workers, sc.proxies, sc.spread);
-                    let mut r =
-                        replay_proxies(module, w, mode, &j.policy, j.seed, topology, |done, _| {
+                    let fleet = (sc.endpoints, sc.dp_ranks);
+                    let mut r = replay_fleet(
+                        module,
+                        w,
+                        mode,
+                        &j.policy,
+                        j.seed,
+                        topology,
+                        fleet,
+                        |done, _| {
                             if let Ok(mut p) = progress.lock() {
                                 p[i] = done;
                             }
-                        });
+                        },
+                    );
                     if let Ok(o) = &mut r {
                         let rows = std::mem::take(&mut o.rows);
                         if let Some(dir) = rows_dir
@@ -530,6 +547,7 @@ fn write_outputs(
             let sc = g.scenario;
             json!({"id": sc.id, "group": sc.group, "source": format!("{:?}", sc.source),
                    "proxies": sc.proxies, "spread": format!("{:?}", sc.spread),
+                   "endpoints": sc.endpoints, "dp_ranks": sc.dp_ranks,
                    "workload": wi})
         })
         .collect();
@@ -689,6 +707,11 @@ fn write_outputs(
         ("mooncake", "Mooncake"),
         ("azure", "Azure conversations (no-reuse control)"),
         ("slice", "The Envoy slice, in the harness"),
+        (
+            "dp",
+            "Data-parallel fleet: 2 endpoints x 4 ranks (docs/dp.md; `@rank_blind`: the router \
+             sees endpoints, vLLM's internal balancer picks the rank)",
+        ),
     ] {
         let gs: Vec<&ScenarioRuns> = grouped
             .iter()
