@@ -30,9 +30,9 @@ impl Default for KvLink {
 
 impl KvLink {
     /// Microseconds a transfer of `tokens` prompt tokens takes (0 for none: a decode engine holding
-    /// the whole prefix reads nothing).
+    /// the whole prefix reads nothing). A zero or NaN bandwidth is a very long time, never a panic.
     pub fn transfer_us(&self, tokens: u64) -> u64 {
-        if tokens == 0 || !(self.bytes_per_s > 0.0) {
+        if tokens == 0 {
             return 0;
         }
         let us = self.setup_us + tokens as f64 * self.kv_bytes_per_token / self.bytes_per_s * 1e6;
@@ -87,6 +87,11 @@ mod tests {
         assert!((l.us_per_token() - 3.2768).abs() < 1e-6);
         assert_eq!(l.transfer_us(0), 0);
         assert_eq!(l.transfer_us(10_000), 500 + 32_768);
+        let dead = KvLink {
+            bytes_per_s: 0.0,
+            ..l
+        };
+        assert!(dead.transfer_us(1) > 1_000_000_000_000);
     }
 
     #[test]
