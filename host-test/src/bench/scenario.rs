@@ -76,6 +76,9 @@ pub struct Scenario {
     /// Data-parallel ranks behind each endpoint, each its own engine (1 everywhere but
     /// [`dp_matrix`]).
     pub dp_ranks: usize,
+    /// Of `endpoints`, how many are prefill-role engines, the rest decode-role (0: not a P/D fleet;
+    /// only [`pd_matrix`] sets it). A P/D scenario runs through `kvsteer_host_test::pd`.
+    pub pd_prefill: usize,
 }
 
 impl Scenario {
@@ -204,6 +207,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         spread: ProxySpread::PerRequest,
         endpoints: 4,
         dp_ranks: 1,
+        pd_prefill: 0,
     });
     // Two copies of every session at every level: only 28 sessions survive the 128K cap, so levels 32
     // and 40 would otherwise be the same run; with copies the workload (56 sessions, 3,222 requests)
@@ -226,6 +230,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
             spread: ProxySpread::PerRequest,
             endpoints: 4,
             dp_ranks: 1,
+            pd_prefill: 0,
         });
     }
     let (mc_rows, az_rows) = match scale {
@@ -245,6 +250,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
             spread: ProxySpread::PerRequest,
             endpoints: 4,
             dp_ranks: 1,
+            pd_prefill: 0,
         });
     }
     v.push(Scenario {
@@ -258,6 +264,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         spread: ProxySpread::PerRequest,
         endpoints: 4,
         dp_ranks: 1,
+        pd_prefill: 0,
     });
     v.push(Scenario {
         id: "azure".into(),
@@ -270,6 +277,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         spread: ProxySpread::PerRequest,
         endpoints: 4,
         dp_ranks: 1,
+        pd_prefill: 0,
     });
     v
 }
@@ -303,6 +311,7 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
                 spread,
                 endpoints: 4,
                 dp_ranks: 1,
+                pd_prefill: 0,
             });
             for &c in levels {
                 v.push(Scenario {
@@ -317,6 +326,7 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
                     spread,
                     endpoints: 4,
                     dp_ranks: 1,
+                    pd_prefill: 0,
                 });
             }
         }
@@ -348,6 +358,7 @@ pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
         spread: ProxySpread::PerRequest,
         endpoints: 2,
         dp_ranks: 4,
+        pd_prefill: 0,
     };
     v.push(dp("dp-rl".into(), Source::Rl(rl)));
     let (levels, copies, max_sessions): (&[usize], usize, Option<usize>) = match scale {
@@ -358,6 +369,50 @@ pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
     for &c in levels {
         v.push(dp(
             format!("dp-weka-c{c}"),
+            Source::Weka {
+                concurrency: c,
+                copies,
+                max_sessions,
+            },
+        ));
+    }
+    v
+}
+
+/// The P/D fleet (issue 18, docs/pd.md): 2 prefill-role + 4 decode-role engines (the same simulated
+/// Llama-3.1-8B/H100 as everywhere), on the RL workload with 1.5x the rollouts per step and in flight
+/// of the 4-replica matrix (6 engines) and on the coding-agent trace at 24 sessions in flight (4 per
+/// engine, as 16 on 4 replicas). Ids `pd-rl`, `pd-weka-c<C>`, group `pd`. Not in [`matrix`]: only
+/// `--only pd` (or an id) runs them.
+pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
+    let mut v = Vec::new();
+    let rl = match scale {
+        Scale::Full | Scale::Quick => RlParams {
+            concurrency: RlParams::default().concurrency * 3 / 2,
+            rollouts_per_step: RlParams::default().rollouts_per_step * 3 / 2,
+            ..RlParams::default()
+        },
+        Scale::Smoke => RlParams::small(),
+    };
+    let pd = |id: String, source: Source| Scenario {
+        id,
+        group: "pd",
+        source,
+        proxies: 1,
+        spread: ProxySpread::PerRequest,
+        endpoints: 6,
+        dp_ranks: 1,
+        pd_prefill: 2,
+    };
+    v.push(pd("pd-rl".into(), Source::Rl(rl)));
+    let (levels, copies, max_sessions): (&[usize], usize, Option<usize>) = match scale {
+        Scale::Full => (&[24], 2, None),
+        Scale::Quick => (&[24], 1, Some(24)),
+        Scale::Smoke => (&[2], 1, Some(2)),
+    };
+    for &c in levels {
+        v.push(pd(
+            format!("pd-weka-c{c}"),
             Source::Weka {
                 concurrency: c,
                 copies,
