@@ -90,6 +90,8 @@ pub struct PdStats {
     pub decode_prompt_tokens: u64,
     /// Decode legs whose decode engine held part of the prompt already.
     pub decode_local_hits: u64,
+    /// Prompt tokens the router's index said the chosen prefill replicas held (from the feeds).
+    pub prefill_matched_tokens: u64,
 }
 
 struct Flight {
@@ -251,11 +253,11 @@ pub fn replay_pd(
             }
         }
         if now >= next_feed {
-            let now_ms = now / 1000;
+            // The poll time is the router's clock (its latest decision), as the filter's is.
             for (r, eng) in engines.iter_mut().enumerate() {
                 let q = router.feed_query(r, kvsteer_core::feed::DEFAULT_MAX_EVENTS);
                 let b = eng.feed(&q);
-                router.accept_feed_polled_at(r, &b, now_ms);
+                router.apply_feed(r, &b);
             }
             next_feed = now + cfg.feed_period_us.max(1);
         }
@@ -280,6 +282,7 @@ pub fn replay_pd(
                 .route_pd(&req, &roles, &cfg.params, now / 1000)
                 .map_err(|e| e.to_string())?;
             router.admit_pd(2 * id, 2 * id + 1, &req, &d, now / 1000);
+            stats.prefill_matched_tokens += d.prefill_matched_tokens;
             rec.routed(id, d.decode);
             let sent = engines[d.prefill].submit(
                 now,
@@ -437,6 +440,11 @@ mod tests {
             assert!(st.requests > 0 && o.summary.requests as u64 == st.requests);
             assert!(o.rows.iter().all(|r| r.replica.is_none_or(|d| d >= 2)));
             assert!(st.transferred_tokens > 0 && st.transferred_tokens <= st.decode_prompt_tokens);
+            // The router's index learned the caches from the feeds.
+            assert!(
+                st.prefill_matched_tokens > 0,
+                "{policy}: the feed never reached the index"
+            );
             (o, st)
         };
         let read = |st: &PdStats| st.transferred_tokens as f64 / st.decode_prompt_tokens as f64;
