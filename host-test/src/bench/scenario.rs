@@ -381,8 +381,9 @@ pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
 
 /// The P/D fleet (issue 18, docs/pd.md): 2 prefill-role + 4 decode-role engines (the same simulated
 /// Llama-3.1-8B/H100 as everywhere), on the RL workload with 1.5x the rollouts per step and in flight
-/// of the 4-replica matrix (6 engines) and on the coding-agent trace at 24 sessions in flight (4 per
-/// engine, as 16 on 4 replicas). Ids `pd-rl`, `pd-weka-c<C>`, group `pd`. Not in [`matrix`]: only
+/// of the 4-replica matrix (6 engines) and on the coding-agent trace at 12 and 24 sessions in flight
+/// (2 and 4 per engine; 24 saturates the two prefill engines). Ids `pd-rl`, `pd-weka-c<C>`, group
+/// `pd`. Not in [`matrix`]: only
 /// `--only pd` (or an id) runs them.
 pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
     let mut v = Vec::new();
@@ -406,7 +407,7 @@ pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
     };
     v.push(pd("pd-rl".into(), Source::Rl(rl)));
     let (levels, copies, max_sessions): (&[usize], usize, Option<usize>) = match scale {
-        Scale::Full => (&[24], 2, None),
+        Scale::Full => (&[12, 24], 2, None),
         Scale::Quick => (&[24], 1, Some(24)),
         Scale::Smoke => (&[2], 1, Some(2)),
     };

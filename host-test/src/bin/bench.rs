@@ -15,7 +15,7 @@
 //! `proxies-session` (the same ids ending in `s`: each session through one proxy); docs/proxies.md;
 //! and group `dp`, 2 endpoints x 4 data-parallel ranks (`dp-rl`, `dp-weka-c32`, `dp-weka-c48`), where
 //! a policy spec ending in `@rank_blind` routes to endpoints only; docs/dp.md; and group `pd`,
-//! 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c24`), replayed by `kvsteer_host_test::pd` with
+//! 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`, `pd-weka-c24`), replayed by `kvsteer_host_test::pd` with
 //! the core's P/D decision run natively (the filter has no P/D yet), `@pd.KEY=NUMBER` setting its
 //! coefficients; docs/pd.md),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
