@@ -510,6 +510,24 @@ mod tests {
     }
 
     #[test]
+    fn pd_scenarios_are_apart_from_the_matrix_with_two_prefill_and_four_decode() {
+        for scale in [Scale::Full, Scale::Quick, Scale::Smoke] {
+            let m = matrix(scale);
+            assert!(m.iter().all(|s| s.pd_prefill == 0));
+            assert!(dp_matrix(scale).iter().all(|s| s.pd_prefill == 0));
+            let p = pd_matrix(scale);
+            assert!(p.len() >= 2 && p[0].id == "pd-rl");
+            for s in &p {
+                assert_eq!(
+                    (s.endpoints, s.pd_prefill, s.dp_ranks, s.group),
+                    (6, 2, 1, "pd")
+                );
+                assert!(!m.iter().any(|x| x.id == s.id));
+            }
+        }
+    }
+
+    #[test]
     fn ids_are_unique_and_every_group_is_present() {
         for scale in [Scale::Full, Scale::Quick, Scale::Smoke] {
             let m = matrix(scale);
