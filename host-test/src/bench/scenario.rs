@@ -421,6 +421,22 @@ pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
             },
         ));
     }
+    // The same 6 engines split 3 + 3, at the level that saturates 2 prefill engines: group
+    // `pd-shape`, so `--only pd` stays the 2 + 4 fleet the issue names.
+    let top = levels.last().copied().unwrap_or(2);
+    v.push(Scenario {
+        id: format!("pd-weka-c{top}-3p3d"),
+        group: "pd-shape",
+        pd_prefill: 3,
+        ..pd(
+            String::new(),
+            Source::Weka {
+                concurrency: top,
+                copies,
+                max_sessions,
+            },
+        )
+    });
     v
 }
 
@@ -517,11 +533,12 @@ mod tests {
             assert!(dp_matrix(scale).iter().all(|s| s.pd_prefill == 0));
             let p = pd_matrix(scale);
             assert!(p.len() >= 2 && p[0].id == "pd-rl");
-            for s in &p {
-                assert_eq!(
-                    (s.endpoints, s.pd_prefill, s.dp_ranks, s.group),
-                    (6, 2, 1, "pd")
-                );
+            for s in p.iter().filter(|s| s.group == "pd") {
+                assert_eq!((s.endpoints, s.pd_prefill, s.dp_ranks), (6, 2, 1));
+                assert!(!m.iter().any(|x| x.id == s.id));
+            }
+            for s in p.iter().filter(|s| s.group != "pd") {
+                assert_eq!((s.endpoints, s.pd_prefill, s.group), (6, 3, "pd-shape"));
                 assert!(!m.iter().any(|x| x.id == s.id));
             }
         }

@@ -15,7 +15,8 @@
 //! `proxies-session` (the same ids ending in `s`: each session through one proxy); docs/proxies.md;
 //! and group `dp`, 2 endpoints x 4 data-parallel ranks (`dp-rl`, `dp-weka-c32`, `dp-weka-c48`), where
 //! a policy spec ending in `@rank_blind` routes to endpoints only; docs/dp.md; and group `pd`,
-//! 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`, `pd-weka-c24`), replayed by `kvsteer_host_test::pd` with
+//! 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`, `pd-weka-c24`; group `pd-shape`:
+//! `pd-weka-c24-3p3d`, the same 6 engines split 3 + 3), replayed by `kvsteer_host_test::pd` with
 //! the core's P/D decision run natively (the filter has no P/D yet), `@pd.KEY=NUMBER` setting its
 //! coefficients; docs/pd.md),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
@@ -204,7 +205,7 @@ fn run(args: &Args) -> Result<(), String> {
         workspace_root().join("out/proxies")
     } else if args.out.is_none() && scenarios.iter().any(|s| s.group == "dp") {
         workspace_root().join("out/dp")
-    } else if args.out.is_none() && scenarios.iter().any(|s| s.group == "pd") {
+    } else if args.out.is_none() && scenarios.iter().any(|s| s.group.starts_with("pd")) {
         workspace_root().join("out/pd")
     } else {
         out_dir(args)
@@ -737,6 +738,10 @@ fn write_outputs(
             "pd",
             "P/D fleet: 2 prefill + 4 decode engines (docs/pd.md; the core's P/D decision run \
              natively, not through the filter; the hit rate is the prefill side's)",
+        ),
+        (
+            "pd-shape",
+            "P/D fleet split 3 prefill + 3 decode (docs/pd.md)",
         ),
     ] {
         let gs: Vec<&ScenarioRuns> = grouped
