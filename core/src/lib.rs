@@ -13,6 +13,7 @@ pub mod health;
 pub mod index;
 pub mod load;
 pub mod output;
+pub mod pd;
 pub mod policy;
 pub mod request;
 pub mod rng;

@@ -25,10 +25,11 @@ use crate::health::{Health, HealthCounts, Outcome};
 use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
 use crate::load::{Accounting, LoadTable, LoadTotals};
 use crate::output::OutputEstimate;
+use crate::pd::{self, PdDecision, PdError, PdParams, Role, round_robin_among};
 pub use crate::policy::FallbackReason;
 use crate::policy::{
-    Choice, HashRing, Input, kv_affinity, kv_load, least_load, pick_lowest, prefix_affinity,
-    round_robin, session_hash,
+    Choice, HashRing, Input, argmin_random_tie, kv_affinity, kv_load, least_load, masked,
+    pick_lowest, prefix_affinity, round_robin, session_hash,
 };
 use crate::request::{
     PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request, read_request_with,
@@ -136,6 +137,9 @@ pub struct Router {
     cursors: Vec<FeedCursor>,
     ring: HashRing,
     rr_next: usize,
+    /// Round-robin positions of the P/D sides (prefill, decode): apart from `rr_next`, so a P/D
+    /// fleet's two cycles do not disturb each other ([`Router::route_pd`]).
+    pd_rr: (usize, usize),
     rng: SplitMix64,
     stats: RouterStats,
     scratch_tiers: Vec<TierCounts>,
@@ -182,6 +186,7 @@ impl Router {
                 cfg.session_hash.ring_seed,
             ),
             rr_next: 0,
+            pd_rr: (0, 0),
             rng: SplitMix64::new(cfg.seed),
             stats: RouterStats {
                 policy: Some(cfg.policy),
@@ -419,6 +424,113 @@ impl Router {
             backup,
             probe: probe.is_some(),
         }
+    }
+
+    /// Chooses both ends of a P/D request (crate::pd, docs/pd.md): a prefill replica among those
+    /// whose role prefills, a decode replica among those whose role decodes. Replicas down or
+    /// ejected are avoided while the side has another. Does not admit: call [`Router::admit_pd`].
+    pub fn route_pd(
+        &mut self,
+        req: &RouteRequest,
+        roles: &[Role],
+        params: &PdParams,
+        now_ms: u64,
+    ) -> Result<PdDecision, PdError> {
+        if roles.len() != self.replicas {
+            return Err(PdError::RolesLength {
+                roles: roles.len(),
+                replicas: self.replicas,
+            });
+        }
+        if !roles.iter().any(|r| r.prefills()) {
+            return Err(PdError::NoPrefillReplica);
+        }
+        if !roles.iter().any(|r| r.decodes()) {
+            return Err(PdError::NoDecodeReplica);
+        }
+        self.clock_ms = self.clock_ms.max(now_ms);
+        let bs = self.cfg.block_size as f64;
+        let request_blocks = (req.prompt_tokens as f64 / bs).ceil();
+        let overlap = self.overlap_blocks(req, now_ms);
+        self.health.refresh(now_ms);
+        let usable: Vec<bool> = (0..self.replicas).map(|r| self.is_usable(r)).collect();
+        // A side avoids unusable replicas unless it has no usable one.
+        let side_avoided = |takes: &dyn Fn(Role) -> bool| -> Vec<bool> {
+            let any = (0..roles.len()).any(|r| takes(roles[r]) && usable[r]);
+            (0..roles.len())
+                .map(|r| !takes(roles[r]) || (any && !usable[r]))
+                .collect()
+        };
+        let p_avoided = side_avoided(&|r: Role| r.prefills());
+        let d_avoided = side_avoided(&|r: Role| r.decodes());
+        let (prefill, decode, prefill_costs, decode_costs) =
+            if self.cfg.policy == PolicyKind::RoundRobin {
+                let n = self.replicas;
+                let p = round_robin_among(n, &mut self.pd_rr.0, |r| !p_avoided[r]);
+                let d = round_robin_among(n, &mut self.pd_rr.1, |r| !d_avoided[r]);
+                (p, d, Vec::new(), Vec::new())
+            } else {
+                let eff = self.effective_load();
+                let pc = pd::prefill_costs(request_blocks, bs, &overlap, &eff, roles, params);
+                let dc = pd::decode_costs(request_blocks, &overlap, &eff, roles, params);
+                let p = argmin_random_tie(&masked(&pc, &p_avoided), &mut self.rng);
+                let d = argmin_random_tie(&masked(&dc, &d_avoided), &mut self.rng);
+                (p, d, pc, dc)
+            };
+        // Both sides have an eligible replica (checked above), so neither is None; stay total anyway.
+        let prefill = prefill.ok_or(PdError::NoPrefillReplica)?;
+        let decode = decode.ok_or(PdError::NoDecodeReplica)?;
+        let matched = |r: usize| ((overlap[r] * bs) as u64).min(req.prompt_tokens);
+        let prefill_matched_tokens = matched(prefill);
+        self.count_decision(prefill, None, req.prompt_tokens, prefill_matched_tokens);
+        Ok(PdDecision {
+            prefill,
+            decode,
+            prompt_tokens: req.prompt_tokens,
+            prefill_matched_tokens,
+            transfer_tokens: req.prompt_tokens - matched(decode),
+            prefill_costs,
+            decode_costs,
+        })
+    }
+
+    /// Starts tracking both legs of a P/D request: the prefill leg under `prefill_id` on the prefill
+    /// replica (its uncached prompt as prefill load, one output token), the decode leg under
+    /// `decode_id` on the decode replica (the prompt's blocks as its KV; one token of prefill, the
+    /// last prompt token it computes itself). Release each leg when it ends.
+    pub fn admit_pd(
+        &mut self,
+        prefill_id: u64,
+        decode_id: u64,
+        req: &RouteRequest,
+        d: &PdDecision,
+        now_ms: u64,
+    ) {
+        if d.prefill >= self.replicas || d.decode >= self.replicas {
+            self.stats.bad_replica += 1;
+            return;
+        }
+        self.clock_ms = self.clock_ms.max(now_ms);
+        let keys = || (0..req.identity.blocks()).map(|i| req.identity.key(i));
+        let uncached = req.prompt_tokens.saturating_sub(d.prefill_matched_tokens);
+        self.load.admit_at(
+            prefill_id,
+            d.prefill,
+            req.prompt_tokens,
+            uncached,
+            Some(1),
+            keys(),
+            now_ms,
+        );
+        self.load.admit_at(
+            decode_id,
+            d.decode,
+            req.prompt_tokens,
+            1,
+            req.output_hint,
+            keys(),
+            now_ms,
+        );
     }
 
     /// Usable: neither down nor ejected for failing.

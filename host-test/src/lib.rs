@@ -23,6 +23,7 @@ pub mod host;
 mod module_cache;
 pub mod openai;
 pub mod oracle;
+pub mod pd;
 mod wasi;
 
 pub use abi::{Action, LogLevel, Pairs, Status};

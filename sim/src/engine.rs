@@ -241,6 +241,10 @@ pub struct EngineStats {
     pub finished_abort: u64,
     pub ttft: Histogram,
     pub itl: Histogram,
+    /// Requests submitted with remote KV ([`Engine::submit_remote`]) and the prompt tokens read for
+    /// them over the link.
+    pub remote_prefill_requests: u64,
+    pub remote_prefill_tokens: u64,
 }
 
 impl Default for EngineStats {
@@ -257,6 +261,8 @@ impl Default for EngineStats {
             finished_abort: 0,
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
+            remote_prefill_requests: 0,
+            remote_prefill_tokens: 0,
         }
     }
 }
@@ -279,6 +285,10 @@ struct Seq {
     cached_tokens: Option<u32>,
     arrival_us: u64,
     last_token_us: u64,
+    /// A decode-role request whose prompt KV is being read from a prefill engine
+    /// ([`Engine::submit_remote`]): not admissible before this time; cleared at admission, so a
+    /// preempted one recomputes locally (vLLM reads a request's remote KV once).
+    remote_ready_us: Option<u64>,
 }
 
 impl Seq {
@@ -330,6 +340,8 @@ pub struct Engine {
     restarts: u64,
     stats: EngineStats,
     scratch: Vec<(u32, u64, u32)>,
+    /// Set by [`Engine::submit_remote`] around its `submit`: the new sequence's KV read end.
+    pending_remote: Option<u64>,
 }
 
 impl Engine {
@@ -364,6 +376,7 @@ impl Engine {
             restarts: 0,
             stats: EngineStats::default(),
             scratch: Vec::new(),
+            pending_remote: None,
         }
     }
 
@@ -431,6 +444,7 @@ impl Engine {
             restarts: self.restarts,
             stats: self.stats.clone(),
             scratch: Vec::new(),
+            pending_remote: None,
         }
     }
 
@@ -534,6 +548,7 @@ impl Engine {
             cached_tokens: None,
             arrival_us: now_us,
             last_token_us: now_us,
+            remote_ready_us: self.pending_remote,
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -553,6 +568,40 @@ impl Engine {
         }
         self.log.publish();
         Ok(())
+    }
+
+    /// Queues a decode-role request whose prompt KV was computed by a prefill engine (vLLM's
+    /// `kv_transfer_params` with `do_remote_prefill`, docs/pd.md): the part of the prompt not in this
+    /// engine's own prefix cache now is read over `link` before the request can be scheduled (the read
+    /// runs beside the engine's steps, as NIXL's does, so it costs no step time); once admitted, every
+    /// prompt token but the last counts as computed and the last is computed to sample the first
+    /// token, as vLLM does after a remote load. Returns the tokens read over the link.
+    /// Simplification: the decode engine's blocks are allocated at admission, after the read, not
+    /// before it as vLLM does.
+    pub fn submit_remote(
+        &mut self,
+        now_us: u64,
+        req: EngineRequest,
+        link: &crate::pd::KvLink,
+    ) -> Result<u64, SubmitError> {
+        let now_us = now_us.max(self.now_us);
+        let hashes: Vec<u64> = self
+            .hasher
+            .sequence_hashes(&req.prompt)
+            .into_iter()
+            .map(|h| h.0)
+            .collect();
+        let local = self.cached_prefix_tokens(&hashes, req.prompt.len()) as u64;
+        let transferred = (req.prompt.len() as u64).saturating_sub(local);
+        // Mark before `submit` plans, so a free engine does not start computing the prompt.
+        let ready = now_us.saturating_add(link.transfer_us(transferred));
+        self.pending_remote = Some(ready);
+        let r = self.submit(now_us, req);
+        self.pending_remote = None;
+        r?;
+        self.stats.remote_prefill_requests += 1;
+        self.stats.remote_prefill_tokens += transferred;
+        Ok(transferred)
     }
 
     /// Aborts a request; true when it was in flight. Its `Finished { reason: Abort }` comes out of the
@@ -596,19 +645,45 @@ impl Engine {
 
     /// When the step in progress ends; `None` when the engine is idle.
     pub fn next_event_time(&self) -> Option<u64> {
-        self.step.as_ref().map(|s| s.end_us)
+        match &self.step {
+            Some(s) => Some(s.end_us),
+            None => self.next_remote_ready(),
+        }
+    }
+
+    /// The earliest end of a KV read a waiting request is still waiting for (an idle engine wakes
+    /// up then).
+    fn next_remote_ready(&self) -> Option<u64> {
+        self.waiting
+            .iter()
+            .filter_map(|&s| self.slots[s as usize].as_ref()?.remote_ready_us)
+            .min()
     }
 
     /// Runs every step that ends at or before `to_us`, appending what happened to `out`.
     pub fn advance(&mut self, to_us: u64, out: &mut Vec<EngineEvent>) {
         out.append(&mut self.pending);
-        while let Some(end) = self.step.as_ref().map(|s| s.end_us) {
-            if end > to_us {
-                break;
+        loop {
+            match self.step.as_ref().map(|s| s.end_us) {
+                Some(end) if end <= to_us => {
+                    self.now_us = self.now_us.max(end);
+                    self.complete_step(out);
+                    self.plan(end);
+                }
+                Some(_) => break,
+                // Idle: a KV read that ends by `to_us` starts a step then.
+                None => match self.next_remote_ready() {
+                    Some(t) if t <= to_us => {
+                        let t = t.max(self.now_us);
+                        self.now_us = t;
+                        self.plan(t);
+                        if self.step.is_none() {
+                            break;
+                        }
+                    }
+                    _ => break,
+                },
             }
-            self.now_us = self.now_us.max(end);
-            self.complete_step(out);
-            self.plan(end);
         }
         self.now_us = self.now_us.max(to_us);
         self.log.publish();
@@ -631,6 +706,11 @@ impl Engine {
         let bs = self.cfg.block_size as u64;
         for &s in &self.waiting {
             if let Some(seq) = &self.slots[s as usize] {
+                if seq.remote_ready_us.is_some() {
+                    // Its prompt arrives over the link: only the last token is computed here.
+                    prefill += 1;
+                    continue;
+                }
                 let hit = self.kv.lookup(&seq.hashes, seq.hashes.len());
                 let cached = (hit.gpu_blocks + hit.host_blocks) as u64 * bs;
                 prefill += (seq.tokens.len() as u64).saturating_sub(cached);
@@ -812,23 +892,34 @@ impl Engine {
         while !preempted
             && budget > 0
             && self.running.len() < self.cfg.max_running as usize
-            && let Some(&slot) = self.waiting.front()
+            && let Some(pos) = self.waiting.iter().position(|&s| {
+                // A request whose KV read has not ended is passed over, as vLLM's scheduler skips
+                // those waiting for remote KV; the rest keep FCFS order.
+                self.slots[s as usize]
+                    .as_ref()
+                    .and_then(|q| q.remote_ready_us)
+                    .is_none_or(|t| t <= start_us)
+            })
         {
+            let slot = self.waiting[pos];
             let bs = self.cfg.block_size;
             let s = self.seq(slot);
             let total = s.tokens.len();
+            let remote = s.remote_ready_us.is_some();
             // Never hit the whole sequence: the last token is always computed to sample from it.
             let max_hit = (total - 1) / bs;
             let hit = self.kv.lookup(&s.hashes, max_hit);
             let hit_blocks = hit.gpu_blocks + hit.host_blocks;
             let cached = hit_blocks * bs;
-            let n = (total - cached).min(budget);
-            let need = self.blocks_for(cached + n) - hit.gpu_blocks;
+            // After a remote read every prompt token but the last is there.
+            let start = if remote { total - 1 } else { cached };
+            let n = (total - start).min(budget);
+            let need = self.blocks_for(start + n) - hit.gpu_blocks;
             let taken_free = self.kv.free_among_hits(&s.hashes, hit.gpu_blocks);
             if self.kv.free_blocks() < need + taken_free {
                 break;
             }
-            self.waiting.pop_front();
+            self.waiting.remove(pos);
             let mut blocks = std::mem::take(&mut self.seq_mut(slot).blocks);
             let hashes = std::mem::take(&mut self.seq_mut(slot).hashes);
             self.kv.take_hits(&hashes, hit, &mut blocks);
@@ -837,8 +928,9 @@ impl Engine {
             let s = self.seq_mut(slot);
             s.hashes = hashes;
             s.blocks = blocks;
-            s.computed = cached;
+            s.computed = start;
             s.registered = hit.gpu_blocks;
+            s.remote_ready_us = None;
             if s.cached_tokens.is_none() {
                 s.cached_tokens = Some(cached as u32);
             }

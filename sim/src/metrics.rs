@@ -80,6 +80,14 @@ pub fn render(engine: &Engine, model: &str) -> String {
         &l,
         s.prefix_cache_hits,
     );
+    // Not a vLLM metric: what P/D decode legs read over the modelled link (docs/pd.md).
+    counter(
+        &mut out,
+        "kvsteer_sim:remote_prefill_tokens",
+        "Prompt tokens of P/D decode legs read over the KV link instead of computed.",
+        &l,
+        s.remote_prefill_tokens,
+    );
     counter(
         &mut out,
         "vllm:num_preemptions",

@@ -687,6 +687,30 @@ struct GenParams {
     min_tokens: u32,
     stream: bool,
     return_token_ids: bool,
+    /// `kv_transfer_params.do_remote_decode`: a P/D prefill leg (docs/pd.md); its answer carries
+    /// `kv_transfer_params` for the decode leg.
+    remote_decode: bool,
+    /// `kv_transfer_params.do_remote_prefill`: a P/D decode leg; the prompt's KV is read over the
+    /// modelled link ([`crate::Engine::submit_remote`]) instead of computed.
+    remote_prefill: bool,
+}
+
+/// The P/D flags of a request's `kv_transfer_params` (absent or null: neither). vLLM takes any JSON
+/// object there; a value that is not an object, or flags that are not booleans, are refused here.
+fn kv_transfer_flags(o: &serde_json::Map<String, Value>) -> Result<(bool, bool), ApiError> {
+    const K: &str = "kv_transfer_params";
+    match o.get(K) {
+        None | Some(Value::Null) => Ok((false, false)),
+        Some(Value::Object(kv)) => {
+            let flag = |k: &str| match kv.get(k) {
+                None | Some(Value::Null) => Ok(false),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(_) => Err(ApiError::bad(K, format!("{K}.{k} must be a boolean"))),
+            };
+            Ok((flag("do_remote_decode")?, flag("do_remote_prefill")?))
+        }
+        Some(_) => Err(ApiError::bad(K, format!("{K} must be an object"))),
+    }
 }
 
 fn get_bool(o: &serde_json::Map<String, Value>, k: &'static str) -> Result<bool, ApiError> {
@@ -807,6 +831,7 @@ fn parse_params(body: &[u8], api: Api) -> Result<GenParams, ApiError> {
     if max_tokens == Some(0) {
         return Err(ApiError::bad("max_tokens", "max_tokens must be at least 1"));
     }
+    let (remote_decode, remote_prefill) = kv_transfer_flags(o)?;
     Ok(GenParams {
         model,
         prompt,
@@ -815,6 +840,8 @@ fn parse_params(body: &[u8], api: Api) -> Result<GenParams, ApiError> {
         min_tokens: get_u32(o, "min_tokens")?.unwrap_or(0),
         stream: get_bool(o, "stream")?,
         return_token_ids: get_bool(o, "return_token_ids")?,
+        remote_decode,
+        remote_prefill,
     })
 }
 
@@ -911,9 +938,14 @@ fn submit(
             })
         }
     };
-    g.engines[rank]
-        .submit(now, req)
-        .map_err(|e| ApiError::bad("prompt", e.to_string()))?;
+    let sent = if p.remote_prefill {
+        g.engines[rank]
+            .submit_remote(now, req, &crate::pd::KvLink::default())
+            .map(|_| ())
+    } else {
+        g.engines[rank].submit(now, req)
+    };
+    sent.map_err(|e| ApiError::bad("prompt", e.to_string()))?;
     g.next_id += 1;
     let (tx, rx) = channel();
     g.subs.insert(id, tx);
@@ -1051,10 +1083,24 @@ fn generate(shared: &Shared, req: &Request, api: Api, w: &mut TcpStream) -> io::
         choice["token_ids"] = json!(ids);
         choice["prompt_token_ids"] = json!(p.prompt);
     }
-    let v = json!({"id": rid, "object": object, "created": created, "model": model,
+    let mut v = json!({"id": rid, "object": object, "created": created, "model": model,
         "choices": [choice],
         "usage": usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)});
+    if p.remote_decode && done.reason == FinishReason::Length {
+        v["kv_transfer_params"] = prefill_answer(shared, &rid, &p.prompt);
+    }
     json_response(shared, w, &v, keep)
+}
+
+/// The `kv_transfer_params` a prefill leg answers with, in the NIXL producer's shape (docs/pd.md).
+/// The simulator moves no real KV: the block ids are stand-ins (one per full prompt block), the side
+/// channel host and port are null, and the decode leg only reads the `do_remote_prefill` flag.
+fn prefill_answer(shared: &Shared, rid: &str, prompt: &[u32]) -> Value {
+    let bs = shared.lock().engines[0].config().block_size.max(1);
+    let blocks: Vec<usize> = (0..prompt.len() / bs).collect();
+    json!({"do_remote_prefill": true, "do_remote_decode": false,
+        "remote_block_ids": blocks, "remote_engine_id": shared.name,
+        "remote_request_id": rid, "remote_host": null, "remote_port": null, "tp_size": 1})
 }
 
 fn sse(v: &Value) -> Vec<u8> {

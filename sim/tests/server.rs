@@ -684,3 +684,74 @@ fn dp_ranks_are_picked_by_header_and_fed_apart() {
     assert_eq!(s0 + s1, 7.0, "{s0} + {s1}");
     assert!(s0 >= 2.0 && s1 >= 3.0, "{s0} {s1}");
 }
+
+/// vLLM's P/D protocol over HTTP (docs/pd.md): a prefill leg asking for remote decode answers with
+/// `kv_transfer_params` in the NIXL producer's shape; a decode leg carrying them reads its prompt over
+/// the modelled link (counted in `/metrics`) instead of computing it, and caches it; a request without
+/// the params gets none back; malformed params are refused.
+#[test]
+fn pd_legs_answer_and_honour_kv_transfer_params() {
+    let (pre, dec) = (replica(4096), replica(4096));
+    let (mut cp, mut cd) = (Client::new(&pre), Client::new(&dec));
+    let prompt = ids(7, 1000);
+    let r = cp.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 1, "stream": false,
+            "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
+                "remote_engine_id": null, "remote_block_ids": null,
+                "remote_host": null, "remote_port": null}}),
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    let kv = v["kv_transfer_params"].clone();
+    assert_eq!(kv["do_remote_prefill"], json!(true));
+    assert_eq!(kv["do_remote_decode"], json!(false));
+    assert_eq!(
+        kv["remote_block_ids"].as_array().map(Vec::len),
+        Some(1000 / 16)
+    );
+    assert!(kv["remote_engine_id"].is_string() && kv["remote_request_id"].is_string());
+    assert_eq!(v["usage"]["completion_tokens"], json!(1));
+
+    let r = cd.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 8, "ignore_eos": true,
+            "kv_transfer_params": kv}),
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], json!(8));
+    assert!(v.get("kv_transfer_params").is_none());
+    let m = String::from_utf8(cd.call("GET", "/metrics", "").body).unwrap();
+    let read = m
+        .lines()
+        .find(|l| l.starts_with("kvsteer_sim:remote_prefill_tokens_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|x| x.parse::<u64>().ok());
+    assert_eq!(read, Some(1000), "{m}");
+    // The read blocks are in the decode replica's cache now: a plain repeat hits them.
+    let r = cd.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        json!(992)
+    );
+    // No params asked, none answered; malformed params refused, the server still serves.
+    let r = cp.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 1}),
+    );
+    assert!(r.json().get("kv_transfer_params").is_none());
+    for bad in [json!(3), json!({"do_remote_prefill": "yes"}), json!([true])] {
+        let r = cd.post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": bad}),
+        );
+        assert_eq!(r.status, 400, "{bad}");
+    }
+    let r = cd.post("/v1/completions", &json!({"prompt": "ok", "max_tokens": 1}));
+    assert_eq!(r.status, 200);
+}

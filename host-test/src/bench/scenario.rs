@@ -76,6 +76,9 @@ pub struct Scenario {
     /// Data-parallel ranks behind each endpoint, each its own engine (1 everywhere but
     /// [`dp_matrix`]).
     pub dp_ranks: usize,
+    /// Of `endpoints`, how many are prefill-role engines, the rest decode-role (0: not a P/D fleet;
+    /// only [`pd_matrix`] sets it). A P/D scenario runs through `kvsteer_host_test::pd`.
+    pub pd_prefill: usize,
 }
 
 impl Scenario {
@@ -204,6 +207,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         spread: ProxySpread::PerRequest,
         endpoints: 4,
         dp_ranks: 1,
+        pd_prefill: 0,
     });
     // Two copies of every session at every level: only 28 sessions survive the 128K cap, so levels 32
     // and 40 would otherwise be the same run; with copies the workload (56 sessions, 3,222 requests)
@@ -226,6 +230,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
             spread: ProxySpread::PerRequest,
             endpoints: 4,
             dp_ranks: 1,
+            pd_prefill: 0,
         });
     }
     let (mc_rows, az_rows) = match scale {
@@ -245,6 +250,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
             spread: ProxySpread::PerRequest,
             endpoints: 4,
             dp_ranks: 1,
+            pd_prefill: 0,
         });
     }
     v.push(Scenario {
@@ -258,6 +264,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         spread: ProxySpread::PerRequest,
         endpoints: 4,
         dp_ranks: 1,
+        pd_prefill: 0,
     });
     v.push(Scenario {
         id: "azure".into(),
@@ -270,6 +277,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         spread: ProxySpread::PerRequest,
         endpoints: 4,
         dp_ranks: 1,
+        pd_prefill: 0,
     });
     v
 }
@@ -303,6 +311,7 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
                 spread,
                 endpoints: 4,
                 dp_ranks: 1,
+                pd_prefill: 0,
             });
             for &c in levels {
                 v.push(Scenario {
@@ -317,6 +326,7 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
                     spread,
                     endpoints: 4,
                     dp_ranks: 1,
+                    pd_prefill: 0,
                 });
             }
         }
@@ -348,6 +358,7 @@ pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
         spread: ProxySpread::PerRequest,
         endpoints: 2,
         dp_ranks: 4,
+        pd_prefill: 0,
     };
     v.push(dp("dp-rl".into(), Source::Rl(rl)));
     let (levels, copies, max_sessions): (&[usize], usize, Option<usize>) = match scale {
@@ -365,6 +376,67 @@ pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
             },
         ));
     }
+    v
+}
+
+/// The P/D fleet (issue 18, docs/pd.md): 2 prefill-role + 4 decode-role engines (the same simulated
+/// Llama-3.1-8B/H100 as everywhere), on the RL workload with 1.5x the rollouts per step and in flight
+/// of the 4-replica matrix (6 engines) and on the coding-agent trace at 12 and 24 sessions in flight
+/// (2 and 4 per engine; 24 saturates the two prefill engines). Ids `pd-rl`, `pd-weka-c<C>`, group
+/// `pd`. Not in [`matrix`]: only
+/// `--only pd` (or an id) runs them.
+pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
+    let mut v = Vec::new();
+    let rl = match scale {
+        Scale::Full | Scale::Quick => RlParams {
+            concurrency: RlParams::default().concurrency * 3 / 2,
+            rollouts_per_step: RlParams::default().rollouts_per_step * 3 / 2,
+            ..RlParams::default()
+        },
+        Scale::Smoke => RlParams::small(),
+    };
+    let pd = |id: String, source: Source| Scenario {
+        id,
+        group: "pd",
+        source,
+        proxies: 1,
+        spread: ProxySpread::PerRequest,
+        endpoints: 6,
+        dp_ranks: 1,
+        pd_prefill: 2,
+    };
+    v.push(pd("pd-rl".into(), Source::Rl(rl)));
+    let (levels, copies, max_sessions): (&[usize], usize, Option<usize>) = match scale {
+        Scale::Full => (&[12, 24], 2, None),
+        Scale::Quick => (&[24], 1, Some(24)),
+        Scale::Smoke => (&[2], 1, Some(2)),
+    };
+    for &c in levels {
+        v.push(pd(
+            format!("pd-weka-c{c}"),
+            Source::Weka {
+                concurrency: c,
+                copies,
+                max_sessions,
+            },
+        ));
+    }
+    // The same 6 engines split 3 + 3, at the level that saturates 2 prefill engines: group
+    // `pd-shape`, so `--only pd` stays the 2 + 4 fleet the issue names.
+    let top = levels.last().copied().unwrap_or(2);
+    v.push(Scenario {
+        id: format!("pd-weka-c{top}-3p3d"),
+        group: "pd-shape",
+        pd_prefill: 3,
+        ..pd(
+            String::new(),
+            Source::Weka {
+                concurrency: top,
+                copies,
+                max_sessions,
+            },
+        )
+    });
     v
 }
 
@@ -448,6 +520,25 @@ mod tests {
             assert!(d.len() >= 2);
             for s in &d {
                 assert_eq!((s.endpoints, s.dp_ranks, s.group), (2, 4, "dp"));
+                assert!(!m.iter().any(|x| x.id == s.id));
+            }
+        }
+    }
+
+    #[test]
+    fn pd_scenarios_are_apart_from_the_matrix_with_two_prefill_and_four_decode() {
+        for scale in [Scale::Full, Scale::Quick, Scale::Smoke] {
+            let m = matrix(scale);
+            assert!(m.iter().all(|s| s.pd_prefill == 0));
+            assert!(dp_matrix(scale).iter().all(|s| s.pd_prefill == 0));
+            let p = pd_matrix(scale);
+            assert!(p.len() >= 2 && p[0].id == "pd-rl");
+            for s in p.iter().filter(|s| s.group == "pd") {
+                assert_eq!((s.endpoints, s.pd_prefill, s.dp_ranks), (6, 2, 1));
+                assert!(!m.iter().any(|x| x.id == s.id));
+            }
+            for s in p.iter().filter(|s| s.group != "pd") {
+                assert_eq!((s.endpoints, s.pd_prefill, s.group), (6, 3, "pd-shape"));
                 assert!(!m.iter().any(|x| x.id == s.id));
             }
         }

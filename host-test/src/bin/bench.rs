@@ -14,7 +14,11 @@
 //! `weka-c16-p4`, ...: requests spread across 1, 2 or 4 independent proxies at random) and group
 //! `proxies-session` (the same ids ending in `s`: each session through one proxy); docs/proxies.md;
 //! and group `dp`, 2 endpoints x 4 data-parallel ranks (`dp-rl`, `dp-weka-c32`, `dp-weka-c48`), where
-//! a policy spec ending in `@rank_blind` routes to endpoints only; docs/dp.md),
+//! a policy spec ending in `@rank_blind` routes to endpoints only; docs/dp.md; and group `pd`,
+//! 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`, `pd-weka-c24`; group `pd-shape`:
+//! `pd-weka-c24-3p3d`, the same 6 engines split 3 + 3), replayed by `kvsteer_host_test::pd` with
+//! the core's P/D decision run natively (the filter has no P/D yet), `@pd.KEY=NUMBER` setting its
+//! coefficients; docs/pd.md),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
 //! `--traces DIR` (default `traces`), `--notes-only` (put `DIR/results/notes.md`, the analysis
@@ -29,8 +33,9 @@ use kvsteer_host_test::bench::report::{
 };
 use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay_fleet};
 use kvsteer_host_test::bench::scenario::{
-    Scale, Scenario, Source, dp_matrix, matrix, proxy_matrix,
+    Scale, Scenario, Source, dp_matrix, matrix, pd_matrix, proxy_matrix,
 };
+use kvsteer_host_test::pd::replay_pd_spec;
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
 use kvsteer_workload::report::Progress;
 use kvsteer_workload::{Mode, Summary, Workload};
@@ -184,6 +189,7 @@ fn run(args: &Args) -> Result<(), String> {
     } else {
         let mut v = proxy_matrix(scale);
         v.extend(dp_matrix(scale));
+        v.extend(pd_matrix(scale));
         v
     };
     let scenarios: Vec<Scenario> = matrix(scale)
@@ -199,6 +205,8 @@ fn run(args: &Args) -> Result<(), String> {
         workspace_root().join("out/proxies")
     } else if args.out.is_none() && scenarios.iter().any(|s| s.group == "dp") {
         workspace_root().join("out/dp")
+    } else if args.out.is_none() && scenarios.iter().any(|s| s.group.starts_with("pd")) {
+        workspace_root().join("out/pd")
     } else {
         out_dir(args)
     };
@@ -270,20 +278,34 @@ fn run(args: &Args) -> Result<(), String> {
                     let sc = &scenarios[j.scenario];
                     let topology = (workers, sc.proxies, sc.spread);
                     let fleet = (sc.endpoints, sc.dp_ranks);
-                    let mut r = replay_fleet(
-                        module,
-                        w,
-                        mode,
-                        &j.policy,
-                        j.seed,
-                        topology,
-                        fleet,
-                        |done, _| {
-                            if let Ok(mut p) = progress.lock() {
-                                p[i] = done;
-                            }
-                        },
-                    );
+                    let tick = |done, _| {
+                        if let Ok(mut p) = progress.lock() {
+                            p[i] = done;
+                        }
+                    };
+                    // A P/D fleet runs through the native P/D replay (the filter has no P/D
+                    // yet; docs/pd.md).
+                    let mut r = if sc.pd_prefill > 0 {
+                        let split = (sc.pd_prefill, sc.endpoints - sc.pd_prefill);
+                        replay_pd_spec(w, mode, &j.policy, j.seed, split, tick).map(|(o, st)| {
+                            eprintln!(
+                                "pd {} {} seed {}: {} requests, {} failed, decode legs read \
+                                 {:.1}% of their prompt tokens over the link, {} of them held \
+                                 part of it",
+                                sc.id,
+                                j.policy,
+                                j.seed,
+                                st.requests,
+                                st.failed,
+                                100.0 * st.transferred_tokens as f64
+                                    / st.decode_prompt_tokens.max(1) as f64,
+                                st.decode_local_hits
+                            );
+                            o
+                        })
+                    } else {
+                        replay_fleet(module, w, mode, &j.policy, j.seed, topology, fleet, tick)
+                    };
                     if let Ok(o) = &mut r {
                         let rows = std::mem::take(&mut o.rows);
                         if let Some(dir) = rows_dir
@@ -711,6 +733,15 @@ fn write_outputs(
             "dp",
             "Data-parallel fleet: 2 endpoints x 4 ranks (docs/dp.md; `@rank_blind`: the router \
              sees endpoints, vLLM's internal balancer picks the rank)",
+        ),
+        (
+            "pd",
+            "P/D fleet: 2 prefill + 4 decode engines (docs/pd.md; the core's P/D decision run \
+             natively, not through the filter; the hit rate is the prefill side's)",
+        ),
+        (
+            "pd-shape",
+            "P/D fleet split 3 prefill + 3 decode (docs/pd.md)",
         ),
     ] {
         let gs: Vec<&ScenarioRuns> = grouped
