@@ -33,7 +33,11 @@ fn choice() -> WorkloadChoice {
 }
 
 fn both(policy: &str) -> (ReplayResult, Summary) {
-    let routing = json!({"policy": policy, "seed": ROUTER_SEED.wrapping_add(SEED)});
+    // The bench's routing section for this policy and seed (its tie-break seed, block size and, for
+    // session_hash, the ring draw), so both sides route alike.
+    let workload = build_workload(&choice(), "").unwrap();
+    let routing = config(policy, workload.block_size, SEED, 1).routing;
+    assert_eq!(routing["seed"], json!(ROUTER_SEED.wrapping_add(SEED)));
     let req = ReplayRequest {
         workload: choice(),
         replicas: 4,
@@ -44,7 +48,6 @@ fn both(policy: &str) -> (ReplayResult, Summary) {
     };
     let page = run(&req, "").expect("playground replay");
 
-    let workload = build_workload(&choice(), "").unwrap();
     let mode = workload.default_mode;
     assert!(matches!(mode, Mode::Closed { .. }));
     // The bench's harness configuration for this policy and seed, one worker, and the playground's
