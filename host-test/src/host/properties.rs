@@ -15,6 +15,7 @@ fn builtin_property(st: &VmState, path: &[String]) -> Option<Vec<u8>> {
         ["plugin_name"] => Some(st.options.plugin_name.clone().into_bytes()),
         ["plugin_vm_id"] => Some(st.options.vm_id.clone().into_bytes()),
         ["plugin_root_id"] => Some(Vec::new()),
+        ["node", "id"] => st.options.node_id.clone().map(String::into_bytes),
         ["request", "path"] | ["request", "method"] => {
             let s = st.streams.get(&st.effective)?;
             let name = if p[1] == "path" { ":path" } else { ":method" };
