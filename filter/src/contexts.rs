@@ -397,9 +397,15 @@ impl RootContext for Root {
         // Envoy's node id (`--service-node` or the bootstrap's `node.id`; Istio makes it unique per
         // pod): the same in every worker of one proxy, different between proxies, so independent
         // proxies break ties differently. A host without it (nginx) or an empty id keeps `routing.seed`.
-        let node_id = hostcalls::get_property(vec!["node", "id"])
-            .ok()
-            .flatten()
+        // Envoy names the node `xds.node` (its CEL attributes); older builds and other hosts `node`.
+        let node_id = [vec!["xds", "node", "id"], vec!["node", "id"]]
+            .into_iter()
+            .find_map(|path| {
+                hostcalls::get_property(path)
+                    .ok()
+                    .flatten()
+                    .filter(|id| !id.is_empty())
+            })
             .unwrap_or_default();
         state.set_proxy_identity(&node_id);
         let metrics = Metrics::define(state.config());

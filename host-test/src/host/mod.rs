@@ -160,8 +160,8 @@ pub struct ProxyOptions {
     pub echo_logs: bool,
     /// Seed of `random_get`.
     pub seed: u64,
-    /// The `node.id` property, Envoy's node id (`--service-node`); `None` answers `NotFound`, as a
-    /// host without one would. The filter mixes it into its tie-break seed.
+    /// The `xds.node.id` property, Envoy's node id (`--service-node`); `None` answers `NotFound`, as
+    /// a host without one would. The filter mixes it into its tie-break seed.
     pub node_id: Option<String>,
 }
 
