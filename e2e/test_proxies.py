@@ -450,6 +450,12 @@ class RestartOneProxy(unittest.TestCase):
         # 5. Right away (one tick for the relay to B's other worker, with margin), four at once
         # through B: none to the replica decoding A's long request.
         time.sleep(RELAY_S)
+        # Printed, not asserted: how many feed answers B#2 had per replica when its polls were first
+        # seen and when the probes go. Each of B#2's workers polls every feed itself until it holds a
+        # snapshot (no lease without an epoch), so 1 means one worker's view only.
+        polls_at_probe = {r.name: b.feed_polls(r) for r in a.replicas}
+        print(f"\nB#2 feed answers per replica: {polls} at the first poll, {polls_at_probe} "
+              f"{RELAY_S} s later when the probes go", file=sys.stderr)
         probes: list[Sent] = [None] * 4  # type: ignore[list-item]
 
         def probe(i: int) -> None:
