@@ -47,9 +47,11 @@ def two_envoys(reported_load: str) -> tuple[Stack, Stack]:
     a, b = Stack(), Stack()
     try:
         a.start_replicas(2, extra=["--time-scale", TIME_SCALE])
-        a.start_envoy("envoy", concurrency=2, plugin_overrides=overrides)
+        # Distinct node ids, as separate proxies of a fleet have: each filter mixes its own into the
+        # tie-break seed (docs/proxies.md, "Tie-breaks").
+        a.start_envoy("envoy", concurrency=2, plugin_overrides=overrides, node_id="proxy-a")
         b.replicas = a.replicas
-        b.start_envoy("envoy", concurrency=2, plugin_overrides=overrides)
+        b.start_envoy("envoy", concurrency=2, plugin_overrides=overrides, node_id="proxy-b")
     except BaseException:
         b.close()
         a.close()
@@ -106,6 +108,12 @@ class TwoEnvoysOneFleet(unittest.TestCase):
             # The long decode is still running: the contrast above is not an artefact of it ending.
             self.assertEqual(long_result, [], "the long decode outlived the test's requests")
             self.assertEqual(a.vm_failures() + b.vm_failures(), [])
+            # Envoy answers the filter's `node.id` property with `--service-node`: every VM of A
+            # (at least its two workers) read A's id, every VM of B read B's.
+            for stack, node in ((a, "proxy-a"), (b, "proxy-b")):
+                ids = stack.node_ids_logged()
+                self.assertGreaterEqual(len(ids), 2, ids)
+                self.assertEqual(set(ids), {node})
             return busy, landed
         finally:
             b.close()
@@ -411,7 +419,8 @@ class RestartOneProxy(unittest.TestCase):
         def start_b() -> None:
             try:
                 b.start_envoy("envoy", concurrency=2, listen_port=b.listen_port,
-                              admin_port=b.admin_port, plugin_overrides=overrides_for("merge"))
+                              admin_port=b.admin_port, plugin_overrides=overrides_for("merge"),
+                              node_id="proxy-b")
                 started.append(None)
             except BaseException as e:  # re-raised below
                 started.append(e)
@@ -441,6 +450,12 @@ class RestartOneProxy(unittest.TestCase):
         # 5. Right away (one tick for the relay to B's other worker, with margin), four at once
         # through B: none to the replica decoding A's long request.
         time.sleep(RELAY_S)
+        # Printed, not asserted: how many feed answers B#2 had per replica when its polls were first
+        # seen and when the probes go. Each of B#2's workers polls every feed itself until it holds a
+        # snapshot (no lease without an epoch), so 1 means one worker's view only.
+        polls_at_probe = {r.name: b.feed_polls(r) for r in a.replicas}
+        print(f"\nB#2 feed answers per replica: {polls} at the first poll, {polls_at_probe} "
+              f"{RELAY_S} s later when the probes go", file=sys.stderr)
         probes: list[Sent] = [None] * 4  # type: ignore[list-item]
 
         def probe(i: int) -> None:

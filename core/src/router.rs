@@ -203,6 +203,14 @@ impl Router {
     pub fn config(&self) -> &RoutingConfig {
         &self.cfg
     }
+
+    /// Restarts the tie-break / softmax generator from `routing.seed` mixed with this proxy's
+    /// identity ([`crate::rng::proxy_seed`]), so that independent proxies with the same configuration
+    /// do not break ties identically. Only the generator changes (the KV index keeps its seed); call
+    /// it before routing. An empty identity restores the configured seed's stream.
+    pub fn set_proxy_identity(&mut self, identity: &[u8]) {
+        self.rng = SplitMix64::new(crate::rng::proxy_seed(self.cfg.seed, identity));
+    }
     pub fn replicas(&self) -> usize {
         self.replicas
     }

@@ -394,16 +394,31 @@ impl RootContext for Root {
                 return false;
             }
         };
+        // Envoy's node id (`--service-node` or the bootstrap's `node.id`; Istio makes it unique per
+        // pod): the same in every worker of one proxy, different between proxies, so independent
+        // proxies break ties differently. A host without it (nginx) or an empty id keeps `routing.seed`.
+        // Envoy names the node `xds.node` (its CEL attributes); older builds and other hosts `node`.
+        let node_id = [vec!["xds", "node", "id"], vec!["node", "id"]]
+            .into_iter()
+            .find_map(|path| {
+                hostcalls::get_property(path)
+                    .ok()
+                    .flatten()
+                    .filter(|id| !id.is_empty())
+            })
+            .unwrap_or_default();
+        state.set_proxy_identity(&node_id);
         let metrics = Metrics::define(state.config());
         state.claim_worker_id(&HostStore);
         let tick = Duration::from_millis(state.config().tick_ms);
         log(
             LogLevel::Info,
             &format!(
-                "kvsteer: configured {} replicas, policy {}, worker {:?}",
+                "kvsteer: configured {} replicas, policy {}, worker {:?}, node id {:?}",
                 state.replicas(),
                 state.config().routing.policy.name(),
-                state.worker_id()
+                state.worker_id(),
+                String::from_utf8_lossy(&node_id)
             ),
         );
         self.vm = Some(Rc::new(RefCell::new(Vm { state, metrics })));

@@ -299,6 +299,13 @@ impl RouterState {
     }
 
     /// The plugin configuration (read-only).
+    /// Gives the router this proxy's identity (Envoy's node id) for its tie-breaks, so proxies sharing
+    /// one configuration do not draw the same tie-break sequence (`kvsteer_core::rng::proxy_seed`;
+    /// docs/proxies.md). Empty: the configured `routing.seed` alone, as a lone proxy always had.
+    pub fn set_proxy_identity(&mut self, identity: &[u8]) {
+        self.router.set_proxy_identity(identity);
+    }
+
     pub fn config(&self) -> &FilterConfig {
         &self.cfg
     }

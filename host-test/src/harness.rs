@@ -516,6 +516,12 @@ impl Harness {
             let mut o = options.clone();
             // Each proxy's VMs draw their own random bytes, as separate processes would.
             o.seed = options.seed ^ (p as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+            // With several proxies each has its own node id, as separate Envoys would (Istio names
+            // every pod's), so their tie-breaks differ; a lone proxy has none and keeps `routing.seed`
+            // exactly, so 1-proxy runs route as they did before node ids existed.
+            if cfg.proxies > 1 {
+                o.node_id = Some(format!("proxy-{p}"));
+            }
             let proxy = Proxy::new(module, o);
             for _ in 0..cfg.workers {
                 workers.push(proxy.start_worker()?);

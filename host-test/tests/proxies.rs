@@ -89,3 +89,56 @@ fn requests_spread_across_proxies_per_request_or_per_session() {
         assert_clean(&h);
     }
 }
+
+/// Requests through proxy 0 and proxy 1 in turn (each prompt its own, nothing cached in common, each
+/// run to completion before the next), so every decision is a tie across four idle replicas, settled
+/// by the proxy's tie-break generator. Two lone proxies (no node id) are two copies of the same
+/// configuration and make the same choices in the same order: the correlation that herds. Two proxies
+/// of one fleet have distinct node ids (`proxy-0`, `proxy-1`), which the filter mixes into its
+/// tie-break seed, so their choices differ.
+#[test]
+fn proxies_with_distinct_node_ids_break_ties_differently() {
+    const N: u64 = 16;
+    let fleet_cfg = |proxies: usize| {
+        let mut cfg = HarnessConfig::small("kv_load");
+        cfg.replicas = 4;
+        cfg.proxies = proxies;
+        cfg.workers = 1;
+        cfg
+    };
+    // One proxy's choices, request by request, for prompts drawn from `base`.
+    let choose = |h: &mut kvsteer_host_test::Harness, worker: usize, base: u64, i: u64| {
+        let id = h
+            .send(&RequestSpec::new(tokens(base + i, 64), 4).worker(worker))
+            .unwrap();
+        h.run_until_idle(600_000_000).unwrap();
+        let r = h.record(id).unwrap();
+        assert!(!r.fallback, "{r:?}");
+        r.replica.unwrap()
+    };
+    let (mut lone_a, mut lone_b) = (harness_with(fleet_cfg(1)), harness_with(fleet_cfg(1)));
+    let mut fleet = harness_with(fleet_cfg(2));
+    assert_eq!(fleet.proxy_of_worker(1), 1);
+    let (mut a, mut b, mut f0, mut f1) = (vec![], vec![], vec![], vec![]);
+    for i in 0..N {
+        a.push(choose(&mut lone_a, 0, 1_000, i));
+        b.push(choose(&mut lone_b, 0, 2_000, i));
+        f0.push(choose(&mut fleet, 0, 1_000, i));
+        f1.push(choose(&mut fleet, 1, 2_000, i));
+    }
+    assert_eq!(a, b, "same configuration, no node id: the same tie-breaks");
+    assert!(
+        a.iter().collect::<BTreeSet<_>>().len() > 1,
+        "ties are broken at random, not always the same way: {a:?}"
+    );
+    let same = f0.iter().zip(&f1).filter(|(x, y)| x == y).count();
+    // Independent uniform choices over 4 replicas agree 4 times in 16 on average; all 16 agree with
+    // probability 4^-16.
+    assert!(
+        same < N as usize,
+        "distinct node ids, yet the same choices: {f0:?} {f1:?}"
+    );
+    for h in [&lone_a, &lone_b, &fleet] {
+        assert_clean(h);
+    }
+}

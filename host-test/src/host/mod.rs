@@ -160,6 +160,9 @@ pub struct ProxyOptions {
     pub echo_logs: bool,
     /// Seed of `random_get`.
     pub seed: u64,
+    /// The `xds.node.id` property, Envoy's node id (`--service-node`); `None` answers `NotFound`, as
+    /// a host without one would. The filter mixes it into its tie-break seed.
+    pub node_id: Option<String>,
 }
 
 impl ProxyOptions {
@@ -174,6 +177,7 @@ impl ProxyOptions {
             clusters: None,
             echo_logs: std::env::var_os("KVSTEER_HOST_LOG").is_some(),
             seed: 0x006b_7673_7465_6572,
+            node_id: None,
         }
     }
 }
