@@ -160,6 +160,11 @@ pub struct ProxyOptions {
     pub echo_logs: bool,
     /// Seed of `random_get`.
     pub seed: u64,
+    /// A slow machine: the clock the filter reads runs ahead by this many nanoseconds per unit of
+    /// fuel (about one WebAssembly operator) the VM has spent in the current callback, so work done
+    /// inside one callback takes visible time, as on a real proxy's wall clock. 0 (the default):
+    /// the virtual clock stands still during a callback. Needs the metered module.
+    pub clock_ns_per_fuel: u64,
 }
 
 impl ProxyOptions {
@@ -174,6 +179,7 @@ impl ProxyOptions {
             clusters: None,
             echo_logs: std::env::var_os("KVSTEER_HOST_LOG").is_some(),
             seed: 0x006b_7673_7465_6572,
+            clock_ns_per_fuel: 0,
         }
     }
 }
