@@ -19,6 +19,11 @@ bad mode (`POST /admin/mode`) and checks what clients see and what the filter co
    every answer is over `feed_max_bytes`, make their replicas stale, not down: their completions
    keep getting their share of the traffic; a replica whose feed cannot be reached at all (the
    feed process killed) is down and gets none, so the test tells the two apart.
+4. `StaleMeansNoCacheCredit`: a stale replica's cached blocks earn it nothing. A 1,024-token prefix
+   cached on one replica draws its follow-ups there while the replica's feed is fresh; once its feed
+   answers 503 (the sim's `feed_outage` fault: a live server, so stale, not down) its follow-ups
+   match nothing in the filter's index (`kvsteer_matched_tokens`) and spread to the others, and the
+   first fresh replica to cache the prefix then draws them.
 
 No assertion is on a tight time: the one latency bound (item 1) is a median under 0.3 s where the
 requests take a few milliseconds (the filter before the feed bounds added 829 ms to the median with
@@ -27,6 +32,7 @@ an 8 MB flood). `e2e/bench_feed_flood.py` measures the latency and memory.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import threading
@@ -195,8 +201,12 @@ class FairIndexShare(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
+        # Shares, not apply speed, are under test: the block budget alone (no time bound) applies
+        # the 1M-block snapshot in about 12 s; the shipped 500 us a tick can take several times as
+        # long on a loaded machine.
         cls.stack = fleet(3, [cls.FLOODER],
-                          plugin_overrides={"routing": {"index_capacity_blocks": cls.CAP}})
+                          plugin_overrides={"routing": {"index_capacity_blocks": cls.CAP},
+                                            "feed_apply_us_per_tick": 0})
 
     @classmethod
     def tearDownClass(cls) -> None:
@@ -313,6 +323,80 @@ class SlowAndOversizedFeeds(unittest.TestCase):
         self.assertLess(share.get(self.UNREACHABLE, 0), 0.02, share)
         # Oversized answers are refused, never counted as unreachable or applied.
         self.assertEqual(stat(s, f"kvsteer_feed_timeouts_{self.OVERSIZED}"), 0)
+
+
+class StaleMeansNoCacheCredit(unittest.TestCase):
+    """Item 3, the other half of "stale": a stale replica's cached prefix does not attract requests."""
+
+    stack: Stack
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.stack = fleet(3, [])
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.stack.close_checked()
+
+    def feed_outage(self, name: str, on: bool) -> None:
+        host, _, port = self.stack.replica(name).endpoint.rpartition(":")
+        c = Client(host, int(port))
+        try:
+            status, _, body = c.request("POST", "/admin/fault",
+                                        json.dumps({"feed_outage": on}).encode(),
+                                        {"content-type": "application/json"})
+        finally:
+            c.close()
+        self.assertEqual(status, 200, body)
+
+    def follow_up(self, prefix: list[int], seed: int) -> tuple[Result, int]:
+        """One request sharing `prefix` on an idle fleet: its result and the tokens the filter's
+        index matched on the replica it chose."""
+        time.sleep(PEER_SETTLE_S)
+        before = stat(self.stack, "kvsteer_matched_tokens")
+        res = send(self.stack, prefix + tokens(32, seed), max_tokens=2)
+        self.assertTrue(res.ok, res)
+        return res, stat(self.stack, "kvsteer_matched_tokens") - before
+
+    def test_a_stale_replicas_cached_prefix_earns_no_credit(self):
+        s = self.stack
+        prefix = tokens(1024, 60_000)
+        res = send(s, prefix + tokens(32, 60_001), max_tokens=2)
+        self.assertTrue(res.ok, res)
+        holder = replica_name(s, res)
+        time.sleep(FEED_SETTLE_S)
+        # Control: fresh, the holder draws the prefix's follow-ups, matched in the index.
+        for k in range(2):
+            res, matched = self.follow_up(prefix, 60_100 + k)
+            self.assertEqual(replica_name(s, res), holder, res)
+            self.assertGreaterEqual(matched, 1024, "fresh: the prefix matches")
+            self.assertGreaterEqual(res.cached_tokens, 1024, res)
+
+        self.feed_outage(holder, True)
+        wait_for(f"{holder} stale", lambda: stat(s, f"kvsteer_feed_stale_{holder}") == 1, 15)
+        self.assertEqual(stat(s, f"kvsteer_down_{holder}"), 0, "a live feed's errors: stale")
+        # Stale: the prefix matches nothing (its blocks are the stale replica's alone), so the
+        # follow-ups go by load, a third of them to each idle replica. Once one lands on a fresh
+        # replica, that one caches the prefix and draws the rest. With the stale holder's cache
+        # still credited, every follow-up would land on it with 1,024 tokens matched. Eight at most
+        # (all eight on the holder by chance: 1 in 6,561).
+        landed: list[tuple[str, int]] = []
+        for k in range(8):
+            res, matched = self.follow_up(prefix, 60_200 + k)
+            landed.append((replica_name(s, res), matched))
+            if landed[-1][0] != holder:
+                break
+        print(f"\nholder {holder} stale; follow-ups (replica, tokens matched): {landed}", flush=True)
+        for name, matched in landed:
+            self.assertEqual(matched, 0, f"the stale replica's blocks were credited: {landed}")
+        new_holder = landed[-1][0]
+        self.assertNotEqual(new_holder, holder, f"the stale holder kept drawing the prefix: {landed}")
+        time.sleep(FEED_SETTLE_S)
+        res, matched = self.follow_up(prefix, 60_300)
+        self.assertEqual(replica_name(s, res), new_holder, res)
+        self.assertGreaterEqual(matched, 1024, "a fresh replica's copy is credited")
+        self.feed_outage(holder, False)
+        wait_for(f"{holder} fresh again", lambda: stat(s, f"kvsteer_feed_stale_{holder}") == 0, 15)
 
 
 if __name__ == "__main__":

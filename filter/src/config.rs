@@ -80,6 +80,9 @@ fn d_feed_max_bytes() -> usize {
 fn d_feed_apply_blocks() -> u32 {
     8192
 }
+fn d_feed_apply_us() -> u32 {
+    500
+}
 fn d_session_header() -> String {
     "x-session-id".into()
 }
@@ -134,6 +137,14 @@ pub struct FilterConfig {
     /// a larger batch is applied in slices over the next ticks.
     #[serde(default = "d_feed_apply_blocks")]
     pub feed_apply_blocks_per_tick: u32,
+    /// Microseconds of the proxy's clock this worker may spend applying feed batches per tick, all
+    /// replicas together (0: no time bound, only the block budget). A block count alone bounds the
+    /// stall per tick only on a machine as fast as the one it was sized on; a slow or busy machine
+    /// takes milliseconds for the same count, during which the worker serves no request. Each
+    /// replica with work left still gets a first slice of up to 256 blocks a tick whatever the
+    /// clock says, so every batch completes. 500 us is 0.5% of the default 100 ms tick.
+    #[serde(default = "d_feed_apply_us")]
+    pub feed_apply_us_per_tick: u32,
     /// Prepended to the feed path, for replicas whose feed sits behind a path prefix.
     #[serde(default = "d_feed_path_prefix")]
     pub feed_path_prefix: String,
@@ -430,6 +441,7 @@ mod tests {
         assert_eq!(c.feed_upstream(1), "feed_r1");
         assert_eq!(c.feed_max_bytes, 8 << 20);
         assert_eq!(c.feed_apply_blocks_per_tick, 8192);
+        assert_eq!(c.feed_apply_us_per_tick, 500);
     }
 
     fn refused(json: &str) -> String {

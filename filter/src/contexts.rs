@@ -21,6 +21,15 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// The proxy's clock in nanoseconds (Envoy: the system clock, read afresh on every call, nanosecond
+/// resolution), for the feed's time budget.
+fn now_ns() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 fn log(level: LogLevel, msg: &str) {
     let _ = hostcalls::log(level, msg);
 }
@@ -53,6 +62,8 @@ struct Metrics {
     feed_oversized: Vec<Option<u32>>,
     feed_stale: Vec<Option<u32>>,
     feed_pending_blocks: Option<u32>,
+    feed_time_cuts: Option<u32>,
+    last_time_cuts: u64,
     down: Vec<Option<u32>>,
     upstream_failures: Vec<Option<u32>>,
     ejected: Vec<Option<u32>>,
@@ -162,6 +173,7 @@ impl Metrics {
             feed_oversized: per(Counter, "feed_oversized"),
             feed_stale: per(Gauge, "feed_stale"),
             feed_pending_blocks: define(Gauge, "kvsteer_feed_pending_blocks"),
+            feed_time_cuts: define(Counter, "kvsteer_feed_apply_time_cuts"),
             down: per(Gauge, "down"),
             upstream_failures: per(Counter, "upstream_failures"),
             ejected: per(Gauge, "ejected"),
@@ -299,6 +311,9 @@ impl Root {
             stats.feed_resets.saturating_sub(m.last_resets),
         );
         m.last_resets = stats.feed_resets;
+        let cuts = vm.state.feed_time_cuts();
+        inc(m.feed_time_cuts, cuts.saturating_sub(m.last_time_cuts));
+        m.last_time_cuts = cuts;
         #[cfg(feature = "tokenizer")]
         if let (Some(tm), Some(t)) = (m.tokenizer.as_mut(), vm.state.tokenizer_stats()) {
             tm.update(t);
@@ -409,6 +424,7 @@ impl RootContext for Root {
             .unwrap_or_default();
         state.set_proxy_identity(&node_id);
         let metrics = Metrics::define(state.config());
+        state.set_clock(now_ns);
         state.claim_worker_id(&HostStore);
         let tick = Duration::from_millis(state.config().tick_ms);
         log(

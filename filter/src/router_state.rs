@@ -229,6 +229,11 @@ pub enum FeedResult {
     Unknown,
 }
 
+/// Feed work (block hashes and events) applied between two reads of the clock, and the least a
+/// batch with work left gets per tick whatever the time budget says. Applying 256 blocks takes tens
+/// of microseconds; a clock read is one host call.
+pub const FEED_MIN_SLICE: u64 = 256;
+
 /// One VM's (one proxy worker's) routing state: its configuration, the core `Router`, the feed
 /// pollers and the per-request bookkeeping.
 pub struct RouterState {
@@ -251,6 +256,14 @@ pub struct RouterState {
     budget_left: u64,
     /// When this tick's budget was granted (`None`: never).
     budget_from_ms: Option<u64>,
+    /// Nanoseconds of feed work this worker may still spend in this tick
+    /// (`feed_apply_us_per_tick`; `u64::MAX` without a time bound).
+    time_left_ns: u64,
+    /// The proxy's clock in nanoseconds, read between feed slices. Unit tests keep the default,
+    /// which never moves (only the block budget then bounds a tick), or install their own.
+    clock: fn() -> u64,
+    /// Feed slices cut short by the time budget (the block budget had room left).
+    time_cuts: u64,
     scratch: Vec<u64>,
     /// Every value [`RouterState::destination`] can write, formatted once per VM (see
     /// [`Destinations`]).
@@ -294,8 +307,22 @@ impl RouterState {
             started_ms: None,
             budget_left: 0,
             budget_from_ms: None,
+            time_left_ns: 0,
+            clock: || 0,
+            time_cuts: 0,
             scratch: Vec::new(),
         })
+    }
+
+    /// Installs the proxy's clock (nanoseconds; any epoch), read between feed slices to bound the
+    /// time a tick spends applying feed batches (`feed_apply_us_per_tick`).
+    pub fn set_clock(&mut self, clock: fn() -> u64) {
+        self.clock = clock;
+    }
+
+    /// Feed slices cut short by the time budget while the block budget had room left.
+    pub fn feed_time_cuts(&self) -> u64 {
+        self.time_cuts
     }
 
     /// The plugin configuration (read-only).
@@ -690,11 +717,17 @@ impl RouterState {
 
     fn grant(&mut self, now_ms: u64) {
         self.budget_left = self.cfg.feed_apply_blocks_per_tick as u64;
+        self.time_left_ns = match self.cfg.feed_apply_us_per_tick {
+            0 => u64::MAX,
+            us => u64::from(us) * 1000,
+        };
         self.budget_from_ms = Some(now_ms);
     }
 
-    /// Starts a tick's feed budget (`feed_apply_blocks_per_tick`) and spends it on the batches still
-    /// being applied: first an even split among them, then what is left in replica order.
+    /// Starts a tick's feed budgets (`feed_apply_blocks_per_tick`, `feed_apply_us_per_tick`) and
+    /// spends them on the batches still being applied: first an even split among them, each getting
+    /// at least a first slice of [`FEED_MIN_SLICE`] whatever the clock says (so every batch
+    /// completes, however slow the machine), then what is left in replica order.
     pub fn start_tick(&mut self, now_ms: u64) {
         self.grant(now_ms);
         let waiting: Vec<usize> = (0..self.feeds.len())
@@ -705,10 +738,10 @@ impl RouterState {
         }
         let fair = (self.budget_left / waiting.len() as u64).max(1);
         for &i in &waiting {
-            self.drain(i, fair);
+            self.drain(i, fair, FEED_MIN_SLICE);
         }
         for &i in &waiting {
-            self.drain(i, u64::MAX);
+            self.drain(i, u64::MAX, 0);
         }
     }
 
@@ -743,7 +776,9 @@ impl RouterState {
         };
         if !frame.is_done() {
             self.feeds[replica].pending = Some(frame);
-            self.drain(replica, u64::MAX);
+            // A small batch (the usual incremental answer) is applied at once even when another
+            // replica's flood spent this tick's time.
+            self.drain(replica, u64::MAX, FEED_MIN_SLICE);
             if self.feeds[replica].pending.is_some() {
                 self.feeds[replica].deferred += 1;
             }
@@ -752,27 +787,43 @@ impl RouterState {
     }
 
     /// Applies up to `allowance` units (a block hash or an event each) of a replica's pending batch,
-    /// within what is left of the tick's budget.
-    fn drain(&mut self, replica: usize, allowance: u64) {
+    /// within what is left of the tick's block budget, in slices of at most [`FEED_MIN_SLICE`] with
+    /// the clock read after each: it stops once the tick's time budget is spent, but only after
+    /// `floor` units (the progress owed to this batch whatever the clock says).
+    fn drain(&mut self, replica: usize, allowance: u64, floor: u64) {
         let allow = allowance.min(self.budget_left);
-        if allow == 0 {
+        if allow == 0 || (self.time_left_ns == 0 && floor == 0) {
             return;
         }
         let Some(mut frame) = self.feeds.get_mut(replica).and_then(|f| f.pending.take()) else {
             return;
         };
+        let timed = self.time_left_ns != u64::MAX;
+        let started = if timed { (self.clock)() } else { 0 };
+        let mut spent = 0u64;
         let mut out = std::mem::take(&mut self.scratch);
         let mut used = 0u64;
         while used < allow {
-            let room = usize::try_from(allow - used).unwrap_or(usize::MAX);
+            if timed && used >= floor && spent >= self.time_left_ns {
+                self.time_cuts += 1;
+                break;
+            }
+            let room = (allow - used).min(FEED_MIN_SLICE) as usize;
             let Some(slice) = frame.next_slice(room, &mut out) else {
                 break;
             };
             self.router.apply_feed_slice(replica, slice, &out);
             used += (out.len() as u64).max(1);
+            if timed {
+                // The proxy's clock is wall time (Envoy) and may step back: never negative.
+                spent = (self.clock)().saturating_sub(started);
+            }
         }
         self.scratch = out;
         self.budget_left = self.budget_left.saturating_sub(used);
+        if timed {
+            self.time_left_ns = self.time_left_ns.saturating_sub(spent);
+        }
         if !frame.is_done() {
             self.feeds[replica].pending = Some(frame);
         }
@@ -1840,6 +1891,44 @@ mod tests {
         // And a timeout after that neither adds to nor clears it.
         poll(&mut w, 0, Some(504), Some(timeout), 1400);
         assert!(w.is_down(0));
+    }
+
+    #[test]
+    fn on_a_clock_that_runs_out_at_once_each_tick_still_applies_a_first_slice() {
+        // Every read of this clock is 1 ms after the last: the 500 us budget is spent by the first
+        // slice, so a tick applies exactly the first slice owed to each batch with work left.
+        fn slow_clock() -> u64 {
+            thread_local!(static T: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
+            T.with(|t| {
+                t.set(t.get() + 1_000_000);
+                t.get()
+            })
+        }
+        let mut w = worker_with("");
+        w.set_clock(slow_clock);
+        w.start_tick(0);
+        for p in w.plan_polls(None, 0) {
+            w.poll_started(p.replica, 10 + p.replica as u32, 0);
+        }
+        let big = snapshot(1, 0..10_000).encode();
+        w.on_feed_response(10, Some(200), Some(&big), None, 0);
+        // The cleared event (one unit, short of the first slice's 256) and 256 hashes, not the
+        // 8,192 of the block budget.
+        assert_eq!(w.stats().index_blocks, 256);
+        let mut ticks = 0;
+        while w.pending_blocks() > 0 {
+            let before = w.stats().index_blocks;
+            ticks += 1;
+            w.start_tick(ticks * 100);
+            assert_eq!(
+                w.stats().index_blocks - before,
+                w.stats().index_blocks.min(before + 256) - before
+            );
+            assert!(ticks < 100, "the batch never completed");
+        }
+        assert_eq!(w.stats().index_blocks, 10_000);
+        assert_eq!(ticks, 39, "(10,000 - 256) / 256 rounded up");
+        assert!(w.feed_time_cuts() >= 39);
     }
 
     #[test]

@@ -174,6 +174,9 @@ pub struct HarnessConfig {
     /// is overridden, and the filter is not told (`upstream.address` is left unset), so its health
     /// accounting never mistakes the override for a retry. Off everywhere but the bench's `oracle`.
     pub oracle: Option<crate::oracle::Weights>,
+    /// A slow machine ([`ProxyOptions::clock_ns_per_fuel`]): the filter's clock runs ahead with the
+    /// work it does inside a callback. 0: it stands still during a callback.
+    pub clock_ns_per_fuel: u64,
 }
 
 impl HarnessConfig {
@@ -205,6 +208,7 @@ impl HarnessConfig {
             sample_us: 500_000,
             retry_5xx: true,
             oracle: None,
+            clock_ns_per_fuel: 0,
         }
     }
 
@@ -502,6 +506,7 @@ impl Harness {
         }
         let specs = cfg.replica_specs();
         let mut options = ProxyOptions::new(cfg.mode, cfg.plugin_config().to_string());
+        options.clock_ns_per_fuel = cfg.clock_ns_per_fuel;
         if cfg.mode == HostMode::Envoy {
             options.clusters = Some(
                 specs

@@ -9,6 +9,8 @@ use kvsteer_host_test::{FeedFault, Harness, HarnessConfig, RequestSpec, flood_ha
 use serde_json::json;
 
 const IDLE: u64 = 600_000_000;
+/// The slow machine of the time-budget test.
+const NS_PER_FUEL: u64 = 1;
 
 fn metric(h: &Harness, name: &str) -> i64 {
     h.proxy().metric(name).map_or(0, |m| m.value)
@@ -81,6 +83,69 @@ fn a_huge_snapshot_every_poll_is_applied_in_slices_and_requests_keep_flowing() {
     // Whole snapshots got applied (each poll's snapshot replaces the last one, from empty).
     assert!(peak - before >= 190_000, "{before} -> {peak}");
     assert_clean(&h);
+}
+
+/// Index growth per 100 ms tick while replica 1 answers every poll with a 20,000-block snapshot, on
+/// a proxy whose clock advances `ns_per_fuel` per unit of work inside a callback (a slow machine),
+/// with `feed_apply_us_per_tick` = `us`: (growth per tick, the most blocks the index held above its
+/// start, slices cut by the time budget). Requests sent meanwhile must all be routed.
+fn flood_on_a_slow_clock(ns_per_fuel: u64, us: u32, ticks: u64) -> (Vec<i64>, i64, i64) {
+    let mut cfg = HarnessConfig::small("kv_affinity");
+    cfg.workers = 1;
+    cfg.clock_ns_per_fuel = ns_per_fuel;
+    if let serde_json::Value::Object(m) = json!({
+        "feed_apply_blocks_per_tick": 8192,
+        "feed_apply_us_per_tick": us,
+        "routing": {"policy": "kv_affinity", "block_size": 16, "index_capacity_blocks": 2000000}
+    }) {
+        cfg.filter_extra = m;
+    }
+    let mut h = harness_with(cfg);
+    h.set_feed_fault(1, FeedFault::Snapshot { blocks: 20_000 });
+    let before = metric(&h, "kvsteer_index_blocks");
+    let mut last = before;
+    let mut growth = Vec::new();
+    let mut peak = 0;
+    for step in 0..ticks {
+        h.run_for(100_000).unwrap();
+        let blocks = metric(&h, "kvsteer_index_blocks");
+        growth.push(blocks - last);
+        last = blocks;
+        peak = peak.max(blocks - before);
+        let id = h
+            .send(&RequestSpec::new(tokens(900 + step, 256), 4))
+            .unwrap();
+        let r = h.record(id).unwrap();
+        assert!(r.released && !r.fallback, "step {step}: {r:?}");
+    }
+    h.run_until_idle(IDLE).unwrap();
+    assert_clean(&h);
+    (growth, peak, metric(&h, "kvsteer_feed_apply_time_cuts"))
+}
+
+#[test]
+fn on_a_slow_machine_feed_slices_stop_at_their_time_budget_and_still_finish() {
+    // Control: the same slow clock (applying a block costs about 0.5 us of it) without the time
+    // bound: whole block budgets of 8,192 a tick, about 4 ms of the worker's clock each.
+    let (growth, _, cuts) = flood_on_a_slow_clock(NS_PER_FUEL, 0, 12);
+    assert!(growth.iter().any(|&g| g >= 8192), "{growth:?}");
+    assert_eq!(cuts, 0);
+    // The shipped 500 us a tick: about 1,000 blocks a tick (a tick's slices, plus an answer's first
+    // slice when one arrives between ticks), whole snapshots still applied one after another.
+    let (growth, peak, cuts) = flood_on_a_slow_clock(NS_PER_FUEL, 500, 40);
+    assert!(
+        growth.iter().all(|&g| g <= 2048),
+        "a tick overran its time budget: {growth:?}"
+    );
+    assert!(cuts >= 20, "{cuts} slices cut by the clock");
+    // Progress every tick (at least the first slice of 256), and the snapshot completed: the index
+    // held all 20,000 blocks, then the next snapshot replaced them (a drop).
+    assert!(
+        growth.iter().filter(|&&g| g >= 0).all(|&g| g >= 256),
+        "{growth:?}"
+    );
+    assert!(peak >= 20_000, "{peak}");
+    assert!(growth.iter().any(|&g| g < 0), "{growth:?}");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! per level); the clock is the proxy's virtual clock on a 2026-01-01 base.
 
 use super::memory::{HostResult, guest_write, ok, read_or_status, status};
-use super::{CLOCK_BASE_NS, ENV, VmState};
+use super::{CLOCK_BASE_NS, ENV, FUEL_PER_CALLBACK, VmState};
 use crate::abi::{LogLevel, Status};
 use std::sync::atomic::Ordering;
 use wasmtime::{Caller, Linker};
@@ -97,7 +97,15 @@ pub(super) fn add_log_time(linker: &mut Linker<VmState>) -> wasmtime::Result<()>
         ENV,
         "proxy_get_current_time_nanoseconds",
         |mut c: Caller<'_, VmState>, out: i32| -> HostResult {
-            let now = c.data().now_ns();
+            let mut now = c.data().now_ns();
+            let per_fuel = c.data().options.clock_ns_per_fuel;
+            if per_fuel > 0
+                && let Ok(left) = c.get_fuel()
+            {
+                now += FUEL_PER_CALLBACK
+                    .saturating_sub(left)
+                    .saturating_mul(per_fuel);
+            }
             match guest_write(&mut c, out as u32, &now.to_le_bytes()) {
                 Ok(()) => ok(),
                 Err(s) => status(s),

@@ -163,6 +163,11 @@ pub struct ProxyOptions {
     /// The `xds.node.id` property, Envoy's node id (`--service-node`); `None` answers `NotFound`, as
     /// a host without one would. The filter mixes it into its tie-break seed.
     pub node_id: Option<String>,
+    /// A slow machine: the clock the filter reads runs ahead by this many nanoseconds per unit of
+    /// fuel (about one WebAssembly operator) the VM has spent in the current callback, so work done
+    /// inside one callback takes visible time, as on a real proxy's wall clock. 0 (the default):
+    /// the virtual clock stands still during a callback. Needs the metered module.
+    pub clock_ns_per_fuel: u64,
 }
 
 impl ProxyOptions {
@@ -178,6 +183,7 @@ impl ProxyOptions {
             echo_logs: std::env::var_os("KVSTEER_HOST_LOG").is_some(),
             seed: 0x006b_7673_7465_6572,
             node_id: None,
+            clock_ns_per_fuel: 0,
         }
     }
 }
