@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stack import REPO, Stack, StackError  # noqa: E402
+from stack import REPO, Stack, StackError, rss_kb  # noqa: E402
 
 # The bare socket client and percentile of scripts/envoy-latency (a script without .py).
 _loader = SourceFileLoader("envoy_latency", str(REPO / "scripts" / "envoy-latency"))
@@ -101,16 +101,6 @@ def run_load(port: int, seconds: float, inflight: int, prompt_len: int,
     for p in ps:
         p.join()
     return out
-
-
-def mem_kb(pid: int) -> tuple[int, int]:
-    rss = hwm = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1])
-        elif line.startswith("VmHWM:"):
-            hwm = int(line.split()[1])
-    return rss, hwm
 
 
 def cpu_s(pid: int) -> float:
@@ -188,7 +178,7 @@ def main() -> int:
             overrides["feed_apply_us_per_tick"] = args.apply_us_per_tick
         s.start_envoy("envoy", concurrency=2, plugin_overrides=overrides)
         pid = s.envoy.popen.pid
-        cfg_rss_empty = mem_kb(pid)[0]
+        cfg_rss_empty = rss_kb(pid)[0]
         # Envoy's own CPU with no requests, feed quiet and then flooding: what the flood costs the
         # proxy, apart from the machine's other load (CPU time, not wall time).
         idle = {}
@@ -200,7 +190,7 @@ def main() -> int:
             c0, t0 = cpu_s(pid), time.monotonic()
             time.sleep(args.idle_seconds)
             idle[phase] = (cpu_s(pid) - c0) / (time.monotonic() - t0)
-            idle[phase + "_rss"] = mem_kb(pid)[0] / 1024
+            idle[phase + "_rss"] = rss_kb(pid)[0] / 1024
             idle[phase + "_heap"] = heap_mib(s)
         s.flood_mode(FLOODER, blocks=0, every_poll=0)
         wait("the flood drained", lambda: s.flood_stats(FLOODER)["snapshots"] >= 1
@@ -243,7 +233,7 @@ def main() -> int:
                     # Served since this flood phase began (the first one before the clock started).
                     snaps = after["snapshots"] if phase == "flood" else 0
                     mb = after["snapshot_bytes"] / 1e6 if phase == "flood" else 0.0
-                    rss, _ = mem_kb(pid)
+                    rss, _ = rss_kb(pid)
                     ok = [r[1] * 1e3 for r in res if r[0]]
                     row = {"round": rnd + 1, "phase": phase, "inflight": level, "n": len(res),
                            "failed": len(res) - len(ok), "p50": pct(ok, 50), "p99": pct(ok, 99),
@@ -257,7 +247,7 @@ def main() -> int:
                           f"{row['heap_mib']:.1f}), Envoy CPU {row['cpu_ms_per_req']:.3f} ms/request, "
                           f"{snaps} flood snapshots ({mb:.1f} MB) served so far",
                           file=sys.stderr, flush=True)
-        rss_end, hwm = mem_kb(pid)
+        rss_end, hwm = rss_kb(pid)
         evictions = stat(s, "kvsteer_index_evictions")
         blocks_gauge = stat(s, "kvsteer_index_blocks")
         time_cuts = stat(s, "kvsteer_feed_apply_time_cuts")

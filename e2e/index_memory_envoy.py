@@ -22,17 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stack import Replica, Stack, free_ports, target_dir, wait_http, wasm_path  # noqa: E402
-
-
-def rss_kb(pid: int) -> tuple[int, int]:
-    rss = hwm = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1])
-        elif line.startswith("VmHWM:"):
-            hwm = int(line.split()[1])
-    return rss, hwm
+from stack import Replica, Stack, free_ports, rss_kb, target_dir, wait_http, wasm_path  # noqa: E402
 
 
 def run(concurrency: int, replicas: int, blocks: int, cap: int, settle_s: float) -> tuple[int, int, int, float]:

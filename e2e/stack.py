@@ -42,6 +42,17 @@ class StackError(RuntimeError):
     """A part of the stack could not be started, with what it printed."""
 
 
+def rss_kb(pid: int) -> tuple[int, int]:
+    """A process's resident memory now and at its peak (VmRSS, VmHWM), in KiB, from /proc."""
+    rss = hwm = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1])
+        elif line.startswith("VmHWM:"):
+            hwm = int(line.split()[1])
+    return rss, hwm
+
+
 def target_dir() -> Path:
     t = os.environ.get("CARGO_TARGET_DIR")
     p = Path(t) if t else REPO / "target"
