@@ -455,17 +455,23 @@ class Stack:
         """Replicas whose feed is served elsewhere than their completions: name -> `IP:port`."""
         return {r.name: r.feed_endpoint for r in self.replicas if r.feed_port}
 
-    def node_ids_logged(self) -> list[str]:
-        """The node id each filter VM of this stack's Envoys logged when it was configured (its
-        "kvsteer: configured ..., node id \"...\"" line), in log order."""
-        ids = []
+    def envoy_logs(self) -> list[str]:
+        """The text of every Envoy log this stack wrote (one per process, unreadable ones skipped)."""
+        texts = []
         for p in self.procs_seen:
             if not p.what.startswith("envoy"):
                 continue
             try:
-                text = p.log.read_text(errors="replace")
+                texts.append(p.log.read_text(errors="replace"))
             except OSError:
                 continue
+        return texts
+
+    def node_ids_logged(self) -> list[str]:
+        """The node id each filter VM of this stack's Envoys logged when it was configured (its
+        "kvsteer: configured ..., node id \"...\"" line), in log order."""
+        ids = []
+        for text in self.envoy_logs():
             ids.extend(re.findall(r'kvsteer: configured .*, node id "([^"]*)"', text))
         return ids
 
@@ -474,13 +480,7 @@ class Stack:
         (logged by the SDK's panic hook), a trap, or anything at critical level. FAIL_OPEN keeps such
         a failure invisible to clients, so the tests look for it here."""
         bad = []
-        for p in self.procs_seen:
-            if not p.what.startswith("envoy"):
-                continue
-            try:
-                text = p.log.read_text(errors="replace")
-            except OSError:
-                continue
+        for text in self.envoy_logs():
             bad.extend(line for line in text.splitlines()
                        if "[critical]" in line or "panicked" in line or "Uncaught" in line)
         return bad
