@@ -115,6 +115,8 @@ pub struct Router {
     load: LoadTable,
     /// Output tokens per request, learned from this router's own releases.
     outputs: OutputEstimate,
+    /// Per unit: the first unit with its address (`Router::set_address_groups`); empty: each its own.
+    address_groups: Vec<usize>,
     peers: HashMap<u32, Vec<LoadTotals>>,
     /// Per peer worker: its bookings since each replica's report was polled, and what it released
     /// since then of requests the report holds (`merge`).
@@ -170,6 +172,7 @@ impl Router {
                 },
             ),
             outputs: OutputEstimate::new(),
+            address_groups: Vec::new(),
             peers: HashMap::new(),
             peers_since: HashMap::new(),
             reported: vec![None; replicas],
@@ -559,15 +562,29 @@ impl Router {
         }
     }
 
+    /// Tells the router which units share an address (`groups[unit]` equal): the data-parallel ranks
+    /// of one endpoint. A retry goes to an address with the first choice's headers, so a backup on
+    /// the chosen unit's own address would retry the same engine; the backup is taken from another
+    /// address whenever one is usable. Ignored unless it names every unit.
+    pub fn set_address_groups(&mut self, groups: Vec<usize>) {
+        if groups.len() == self.replicas {
+            self.address_groups = groups;
+        }
+    }
+
     fn backup_for(&self, chosen: usize, costs: &[f64]) -> Option<usize> {
         let avoided = self.avoided();
-        let candidates = (0..self.replicas).filter(|&r| r != chosen && !avoided[r]);
+        let group = |r: usize| self.address_groups.get(r).copied().unwrap_or(r);
+        let elsewhere =
+            (0..self.replicas).any(|r| r != chosen && !avoided[r] && group(r) != group(chosen));
+        let candidates = (0..self.replicas)
+            .filter(|&r| r != chosen && !avoided[r] && (!elsewhere || group(r) != group(chosen)));
         if costs.len() == self.replicas {
             candidates.min_by(|&a, &b| costs[a].total_cmp(&costs[b]))
         } else {
             (1..self.replicas)
                 .map(|i| (chosen + i) % self.replicas)
-                .find(|&r| !avoided[r])
+                .find(|&r| !avoided[r] && (!elsewhere || group(r) != group(chosen)))
         }
     }
 
@@ -1001,5 +1018,58 @@ impl Router {
     /// The KV index (read-only; benches and tests).
     pub fn index(&self) -> &KvIndex {
         &self.index
+    }
+}
+
+#[cfg(test)]
+mod address_group_tests {
+    use super::*;
+    use crate::config::RoutingConfig;
+
+    fn decide(groups: Option<Vec<usize>>, policy: PolicyKind) -> Vec<(usize, Option<usize>)> {
+        let cfg = RoutingConfig {
+            policy,
+            block_size: 4,
+            ..RoutingConfig::default()
+        };
+        let mut r = Router::new(cfg, 4).unwrap();
+        if let Some(g) = groups {
+            r.set_address_groups(g);
+        }
+        (0..8u64)
+            .map(|id| {
+                let prompt: Vec<u32> = (0..32).map(|i| id as u32 * 100 + i).collect();
+                let body = format!("{{\"prompt\":{prompt:?},\"max_tokens\":8}}");
+                let req = r
+                    .read_request("/v1/completions", body.as_bytes(), None)
+                    .unwrap();
+                let d = r.route_and_admit(id, &req, id);
+                (d.replica, d.backup)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_backup_is_taken_from_another_address() {
+        // Units 0-2 are three ranks of one endpoint, unit 3 another endpoint.
+        for policy in [PolicyKind::RoundRobin, PolicyKind::KvLoad] {
+            let grouped = decide(Some(vec![0, 0, 0, 3]), policy);
+            for &(chosen, backup) in &grouped {
+                let backup = backup.expect("a backup");
+                if chosen < 3 {
+                    assert_eq!(backup, 3, "{policy:?}: {grouped:?}");
+                } else {
+                    assert!(backup < 3, "{policy:?}: {grouped:?}");
+                }
+            }
+        }
+        // Without groups round robin's backup is the next unit, a rank of the same endpoint.
+        let plain = decide(None, PolicyKind::RoundRobin);
+        assert!(
+            plain.iter().any(|&(c, b)| c < 2 && b == Some(c + 1)),
+            "{plain:?}"
+        );
+        // A grouping that does not name every unit is ignored.
+        assert_eq!(decide(Some(vec![0, 0]), PolicyKind::RoundRobin), plain);
     }
 }

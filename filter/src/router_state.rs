@@ -275,8 +275,20 @@ pub struct RouterState {
 
 impl RouterState {
     pub fn new(cfg: FilterConfig) -> Result<RouterState, ConfigError> {
-        let router = Router::new(cfg.routing.clone(), cfg.replicas.len())
+        let mut router = Router::new(cfg.routing.clone(), cfg.replicas.len())
             .map_err(|e| ConfigError(format!("routing: {e}")))?;
+        // The ranks of one endpoint share its address: a retry backup is taken from another one.
+        router.set_address_groups(
+            cfg.replicas
+                .iter()
+                .map(|r| {
+                    cfg.replicas
+                        .iter()
+                        .position(|o| o.endpoint == r.endpoint)
+                        .unwrap_or(0)
+                })
+                .collect(),
+        );
         let feeds = vec![FeedState::default(); cfg.replicas.len()];
         #[cfg(feature = "tokenizer")]
         let tokenizer = match &cfg.tokenizer {
