@@ -82,6 +82,22 @@ pub struct Scenario {
 }
 
 impl Scenario {
+    /// The fleet in words, for the bench's banner and `harness.json`: `4 replicas`, `2 endpoints x 4
+    /// DP ranks`, `2 prefill + 4 decode engines`.
+    pub fn fleet(&self) -> String {
+        if self.pd_prefill > 0 {
+            format!(
+                "{} prefill + {} decode engines",
+                self.pd_prefill,
+                self.endpoints.saturating_sub(self.pd_prefill)
+            )
+        } else if self.dp_ranks > 1 {
+            format!("{} endpoints x {} DP ranks", self.endpoints, self.dp_ranks)
+        } else {
+            format!("{} replicas", self.endpoints)
+        }
+    }
+
     /// Builds the workload for one seed, and how to drive it.
     ///
     /// The seed reaches the RL generator (it changes every token, not the structure). Trace workloads
@@ -542,6 +558,30 @@ mod tests {
                 assert!(!m.iter().any(|x| x.id == s.id));
             }
         }
+    }
+
+    #[test]
+    fn each_fleet_names_itself() {
+        let fleets = |v: Vec<Scenario>| v.iter().map(Scenario::fleet).collect::<Vec<_>>();
+        assert!(
+            fleets(matrix(Scale::Smoke))
+                .iter()
+                .all(|f| f == "4 replicas")
+        );
+        assert!(
+            fleets(dp_matrix(Scale::Smoke))
+                .iter()
+                .all(|f| f == "2 endpoints x 4 DP ranks")
+        );
+        let pd = fleets(pd_matrix(Scale::Full));
+        assert!(
+            pd.contains(&"2 prefill + 4 decode engines".to_string()),
+            "{pd:?}"
+        );
+        assert!(
+            pd.contains(&"3 prefill + 3 decode engines".to_string()),
+            "{pd:?}"
+        );
     }
 
     #[test]

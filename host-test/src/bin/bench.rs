@@ -244,15 +244,19 @@ fn run(args: &Args) -> Result<(), String> {
     let mut order: Vec<usize> = (0..jobs.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(jobs[i].weight));
     let total: u64 = jobs.iter().map(|j| j.requests).sum();
+    let mut fleets: Vec<String> = scenarios.iter().map(|s| s.fleet()).collect();
+    fleets.sort();
+    fleets.dedup();
     eprintln!(
         "kvsteer bench ({}): {} scenarios x {} policies x {} seeds = {} replays, {} requests, \
-         4 replicas, {} workers, filter {} ({} KB), {} threads",
+         {}, {} workers, filter {} ({} KB), {} threads",
         scale.name(),
         scenarios.len(),
         args.policies.len(),
         seeds,
         jobs.len(),
         total,
+        fleets.join(" / "),
         args.workers,
         path.display(),
         module.size() / 1024,
@@ -570,6 +574,7 @@ fn write_outputs(
             json!({"id": sc.id, "group": sc.group, "source": format!("{:?}", sc.source),
                    "proxies": sc.proxies, "spread": format!("{:?}", sc.spread),
                    "endpoints": sc.endpoints, "dp_ranks": sc.dp_ranks,
+                   "pd_prefill": sc.pd_prefill, "fleet": sc.fleet(),
                    "workload": wi})
         })
         .collect();
@@ -606,6 +611,7 @@ fn write_outputs(
         "scale": meta.scale.name(),
         "seeds": meta.seeds,
         "policies": policies,
+        // The matrix's fleet; a scenario with another (DP ranks, P/D roles) says so in its `fleet`.
         "replicas": 4,
         "proxy_workers": meta.workers,
         "engine": {
