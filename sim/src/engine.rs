@@ -493,6 +493,17 @@ impl Engine {
 
     /// Queues a request arriving at `now_us`.
     pub fn submit(&mut self, now_us: u64, req: EngineRequest) -> Result<(), SubmitError> {
+        let hashes = self.prompt_hashes(&req.prompt);
+        self.submit_hashed(now_us, req, hashes)
+    }
+
+    /// [`Engine::submit`] with the prompt's [`Engine::prompt_hashes`] already computed.
+    fn submit_hashed(
+        &mut self,
+        now_us: u64,
+        req: EngineRequest,
+        hashes: Vec<u64>,
+    ) -> Result<(), SubmitError> {
         if req.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
@@ -525,12 +536,6 @@ impl Engine {
             req.ignore_eos,
             req.min_tokens,
         );
-        let hashes: Vec<u64> = self
-            .hasher
-            .sequence_hashes(&req.prompt)
-            .into_iter()
-            .map(|h| h.0)
-            .collect();
         let prompt_len = req.prompt.len() as u32;
         let mut tokens = req.prompt;
         tokens.reserve(target as usize);
@@ -585,18 +590,13 @@ impl Engine {
         link: &crate::pd::KvLink,
     ) -> Result<u64, SubmitError> {
         let now_us = now_us.max(self.now_us);
-        let hashes: Vec<u64> = self
-            .hasher
-            .sequence_hashes(&req.prompt)
-            .into_iter()
-            .map(|h| h.0)
-            .collect();
+        let hashes = self.prompt_hashes(&req.prompt);
         let local = self.cached_prefix_tokens(&hashes, req.prompt.len()) as u64;
         let transferred = (req.prompt.len() as u64).saturating_sub(local);
         // Mark before `submit` plans, so a free engine does not start computing the prompt.
         let ready = now_us.saturating_add(link.transfer_us(transferred));
         self.pending_remote = Some(ready);
-        let r = self.submit(now_us, req);
+        let r = self.submit_hashed(now_us, req, hashes);
         self.pending_remote = None;
         r?;
         self.stats.remote_prefill_requests += 1;
