@@ -92,6 +92,19 @@ pub struct KvLoadParams {
     pub assume_kv_reuse: bool,
     /// How the load a replica reports in its feed combines with this router's own bookings.
     pub reported_load: ReportedLoad,
+    /// Weight of the working-set term; 0 turns it off. The term prices the cache a placement makes
+    /// a replica lose: the prompt blocks requested there within `working_set_window_ms` are its
+    /// working set, and a placement that grows it past the replica's cache costs `overflow_weight`
+    /// times the prefill of what the cache stops keeping ([`resident_value`]
+    /// (crate::policy::kv_load::resident_value), [`crate::working_set`]).
+    pub overflow_weight: f64,
+    /// Prefix-cache size of one replica in tokens; 0: learned from the feed, as the most blocks the
+    /// replica has held once it has evicted one (until then the term is off for that replica).
+    pub replica_cache_tokens: f64,
+    /// The working set's window: prompt blocks requested on a replica within this many ms.
+    pub working_set_window_ms: f64,
+    /// How the cache's value falls past its size ([`crate::policy::kv_load::resident_value`]).
+    pub overflow_softness: f64,
 }
 
 /// Named `kv_load` settings from routers users would otherwise pick (docs/configuration.md).
@@ -170,6 +183,10 @@ struct KvLoadSection {
     prompt_blocks_at_admission: Option<bool>,
     assume_kv_reuse: Option<bool>,
     reported_load: Option<ReportedLoad>,
+    replica_cache_tokens: Option<f64>,
+    working_set_window_ms: Option<f64>,
+    overflow_weight: Option<f64>,
+    overflow_softness: Option<f64>,
 }
 
 impl From<KvLoadSection> for KvLoadParams {
@@ -197,6 +214,12 @@ impl From<KvLoadSection> for KvLoadParams {
                 .unwrap_or(base.prompt_blocks_at_admission),
             assume_kv_reuse: s.assume_kv_reuse.unwrap_or(base.assume_kv_reuse),
             reported_load: s.reported_load.unwrap_or(base.reported_load),
+            replica_cache_tokens: s.replica_cache_tokens.unwrap_or(base.replica_cache_tokens),
+            working_set_window_ms: s
+                .working_set_window_ms
+                .unwrap_or(base.working_set_window_ms),
+            overflow_weight: s.overflow_weight.unwrap_or(base.overflow_weight),
+            overflow_softness: s.overflow_softness.unwrap_or(base.overflow_softness),
         }
     }
 }
@@ -245,6 +268,10 @@ impl Default for KvLoadParams {
             prompt_blocks_at_admission: true,
             assume_kv_reuse: true,
             reported_load: ReportedLoad::Ignore,
+            replica_cache_tokens: 0.0,
+            working_set_window_ms: 120_000.0,
+            overflow_weight: 0.0,
+            overflow_softness: 0.0,
         }
     }
 }
@@ -393,6 +420,10 @@ impl RoutingConfig {
         nonneg("kv_load.overlap_credit", k.overlap_credit)?;
         nonneg("kv_load.overlap_credit_decay", k.overlap_credit_decay)?;
         nonneg("kv_load.queue_weight", k.queue_weight)?;
+        nonneg("kv_load.replica_cache_tokens", k.replica_cache_tokens)?;
+        nonneg("kv_load.working_set_window_ms", k.working_set_window_ms)?;
+        nonneg("kv_load.overflow_weight", k.overflow_weight)?;
+        nonneg("kv_load.overflow_softness", k.overflow_softness)?;
         if !(k.attention_context_tokens.is_finite() && k.attention_context_tokens >= 1.0) {
             return Err(err(
                 "kv_load.attention_context_tokens",

@@ -20,6 +20,7 @@ use crate::block::{SeqHash, TextHash};
 use crate::config::{ConfigError, PolicyKind, ReportedLoad, RoutingConfig};
 use crate::feed::{
     CursorVerdict, EventKind, FeedBatch, FeedCursor, FeedEvent, FeedQuery, FeedSlice, ReplicaLoad,
+    Tier,
 };
 use crate::health::{Health, HealthCounts, Outcome};
 use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
@@ -35,6 +36,7 @@ use crate::request::{
     PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request, read_request_with,
 };
 use crate::rng::SplitMix64;
+use crate::working_set::WorkingSet;
 
 /// A routing decision.
 #[derive(Clone, Debug, PartialEq)]
@@ -146,6 +148,18 @@ pub struct Router {
     stats: RouterStats,
     scratch_tiers: Vec<TierCounts>,
     scratch_approx: Vec<u32>,
+    /// Recent prompt blocks per replica, kept when `kv_load.overflow_weight` is set.
+    working_set: Option<WorkingSet>,
+    /// Per replica: its cache's size as learned from the feed.
+    cache_blocks: Vec<CacheSize>,
+}
+
+/// A replica's cache size as the feed shows it: the most blocks it has held, which is its size once
+/// it has evicted (before that, only a lower bound).
+#[derive(Clone, Copy, Debug, Default)]
+struct CacheSize {
+    most_held: u64,
+    evicted: bool,
 }
 
 impl Router {
@@ -198,6 +212,18 @@ impl Router {
             },
             scratch_tiers: Vec::new(),
             scratch_approx: Vec::new(),
+            cache_blocks: vec![CacheSize::default(); replicas],
+            working_set: (cfg.policy == PolicyKind::KvLoad && cfg.kv_load.overflow_weight > 0.0)
+                .then(|| {
+                    // A working set is described up to twice the index's share of a replica (the
+                    // index holds no more of its cache), a quarter of the index's entries in all.
+                    let max_blocks = 2 * (cfg.index_capacity_blocks / replicas).max(1024);
+                    WorkingSet::new(
+                        replicas,
+                        cfg.kv_load.working_set_window_ms as u64,
+                        max_blocks,
+                    )
+                }),
             replicas,
             cfg,
         })
@@ -375,7 +401,27 @@ impl Router {
                 }
             }
         }
+        let working_set: Vec<(f64, f64, f64)> = match &mut self.working_set {
+            Some(ws) if policy == PolicyKind::KvLoad => {
+                ws.expire(now_ms);
+                let id = &req.identity;
+                let configured = self.cfg.kv_load.replica_cache_tokens / bs;
+                (0..self.replicas)
+                    .map(|r| {
+                        let add = ws.new_blocks(r, (0..id.blocks()).map(|i| id.key(i)));
+                        let cap = match self.cache_blocks.get(r) {
+                            _ if configured > 0.0 => configured,
+                            Some(c) if c.evicted => c.most_held as f64,
+                            _ => 0.0,
+                        };
+                        (ws.blocks(r) as f64, add as f64, cap)
+                    })
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
         let input = Input {
+            working_set: &working_set,
             request_blocks,
             block_size: bs,
             load: &eff,
@@ -680,6 +726,10 @@ impl Router {
             return;
         }
         self.clock_ms = self.clock_ms.max(now_ms);
+        if let Some(ws) = &mut self.working_set {
+            let id = &req.identity;
+            ws.touch(d.replica, (0..id.blocks()).map(|i| id.key(i)), now_ms);
+        }
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
         self.load.admit_at(
@@ -847,7 +897,24 @@ impl Router {
             }
             EventKind::Cleared => self.index.remove_replica(replica),
         }
+        self.note_cache_size(replica, kind == EventKind::Removed && tier == Tier::Gpu);
         self.stats.feed_events += starts_event as u64;
+    }
+
+    /// Learns a replica's cache size from what the index holds for it (`kv_load.overflow_weight`).
+    fn note_cache_size(&mut self, replica: usize, evicted: bool) {
+        if self.index.replica_blocks(replica) == 0 {
+            // Cleared (an engine restart, perhaps with another cache size): learn it again.
+            if let Some(c) = self.cache_blocks.get_mut(replica) {
+                *c = CacheSize::default();
+            }
+            return;
+        }
+        let held = self.index.replica_blocks(replica);
+        if let Some(c) = self.cache_blocks.get_mut(replica) {
+            c.most_held = c.most_held.max(held);
+            c.evicted |= evicted;
+        }
     }
 
     fn apply_events(&mut self, replica: usize, events: &[FeedEvent]) -> usize {
@@ -861,6 +928,14 @@ impl Router {
                 }
                 FeedEvent::Cleared => self.index.remove_replica(replica),
             }
+            let evicted = matches!(
+                e,
+                FeedEvent::Removed {
+                    tier: Tier::Gpu,
+                    ..
+                }
+            );
+            self.note_cache_size(replica, evicted);
         }
         self.stats.feed_events += events.len() as u64;
         events.len()

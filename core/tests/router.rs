@@ -551,3 +551,63 @@ fn released_requests_teach_the_expected_output() {
     assert!(r.release(3));
     assert_eq!(r.expected_output_tokens(), 2000.0);
 }
+
+/// The working-set term (`kv_load.overflow_weight`): once replica 0's feed shows it evicting, its
+/// cache size is known (1,600 blocks here), and a request that would grow its recent working set
+/// (about 1,200 blocks, estimated from a sample) past that goes to the empty replica instead,
+/// although replica 0 holds half its prompt.
+#[test]
+fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
+    let mut c = cfg(PolicyKind::KvLoad);
+    c.kv_load.overflow_weight = 1.0;
+    c.kv_load.reported_load = ReportedLoad::Ignore;
+    let mut r = Router::new(c, 2).unwrap();
+    let a: Vec<u32> = (0..4_800).collect();
+    let b: Vec<u32> = (0..3_200).chain(100_000..103_200).collect();
+    let filler: Vec<u32> = (200_000..201_600).collect();
+    let mut stored = hashes(&a);
+    stored.extend(hashes(&filler));
+    r.apply_feed(
+        0,
+        &batch(
+            1,
+            true,
+            0,
+            vec![FeedEvent::Stored {
+                tier: Tier::Gpu,
+                hashes: stored,
+            }],
+        ),
+    );
+    let req_a = r.read_request("/v1/completions", &body(&a), None).unwrap();
+    let mut d = r.route(&req_a, 1_000);
+    d.replica = 0;
+    r.admit(1, &req_a, &d, 1_000);
+    let req_b = r.read_request("/v1/completions", &body(&b), None).unwrap();
+    // Replica 0 has not evicted yet, so its size is unknown and the term is off: the cached half
+    // wins (replica 0: 800 uncached + 1,200 decode + 800 new active = 2,800; replica 1: 1,600 +
+    // 0 + 1,600 = 3,200).
+    let d = r.route(&req_b, 1_000);
+    assert_eq!((d.replica, d.costs.clone()), (0, vec![2_800.0, 3_200.0]));
+    // The engine evicts one block: it held 1,600, so that is its size. B would add about 800
+    // blocks to the 1,200 requested there, and those would stop fitting: about 2,800 + 1,200.
+    let evicted = hashes(&filler)[..1].to_vec();
+    r.apply_feed(
+        0,
+        &batch(
+            1,
+            false,
+            0,
+            vec![FeedEvent::Removed {
+                tier: Tier::Gpu,
+                hashes: evicted,
+            }],
+        ),
+    );
+    let d = r.route(&req_b, 1_000);
+    assert_eq!(d.replica, 1, "{:?}", d.costs);
+    assert!((3_600.0..4_400.0).contains(&d.costs[0]), "{:?}", d.costs);
+    assert_eq!(d.costs[1], 3_200.0);
+    // Outside the window (120 s by default) A's blocks no longer count, and B fits on replica 0.
+    assert_eq!(r.route(&req_b, 200_000).replica, 0);
+}

@@ -49,12 +49,34 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
             } else {
                 0.0
             };
+            let overflow = match input.working_set.get(r) {
+                Some(&(ws, add, cap)) if cap > 0.0 => {
+                    let kept = |w: f64| resident_value(w, cap, k.overflow_softness);
+                    k.overflow_weight * prefill_scale * (kept(ws) - kept(ws + add)).max(0.0)
+                }
+                _ => 0.0,
+            };
             prefill_scale * prefill
+                + overflow
                 + e.decode_blocks as f64
                 + new_active
                 + k.active_request_weight * e.active_requests as f64
         })
         .collect()
+}
+
+/// Blocks of a replica's working set `ws` its LRU cache of `cap` blocks keeps for their next use:
+/// all of it while it fits; past the cache, a cyclic working set keeps nothing (`softness` 0) or,
+/// with `softness` s > 0, `cap * exp(-(ws - cap) / (s * cap))`: falling fastest just past the cache,
+/// so adding to the replica most over its cache harms least and the overflow gathers there.
+pub fn resident_value(ws: f64, cap: f64, softness: f64) -> f64 {
+    if ws <= cap {
+        ws
+    } else if softness > 0.0 && cap > 0.0 {
+        cap * (-(ws - cap) / (softness * cap)).exp()
+    } else {
+        0.0
+    }
 }
 
 /// Output tokens at which the time cost's prefill weight equals `prefill_scale` (for a short context).
@@ -116,7 +138,49 @@ mod tests {
             session_key: None,
             avoided: &[false, false],
             expected_output_tokens: 256.0,
+            working_set: &[],
         }
+    }
+
+    #[test]
+    fn resident_value_keeps_what_fits_and_falls_fastest_just_past_the_cache() {
+        assert_eq!(resident_value(80.0, 100.0, 0.0), 80.0);
+        assert_eq!(resident_value(100.0, 100.0, 0.5), 100.0);
+        assert_eq!(resident_value(101.0, 100.0, 0.0), 0.0);
+        let v = |w| resident_value(w, 100.0, 0.5);
+        assert!(v(110.0) < 100.0 && v(110.0) > 0.0);
+        // Adding 10 blocks costs more just past the cache than far past it.
+        assert!(v(110.0) - v(120.0) > v(200.0) - v(210.0));
+        assert!(resident_value(1e300, 100.0, 0.5) >= 0.0);
+        assert_eq!(resident_value(5.0, 0.0, 0.5), 0.0);
+    }
+
+    #[test]
+    fn the_working_set_term_prices_the_cache_a_placement_overflows() {
+        let load = [LoadTotals::default(); 2];
+        let k = KvLoadParams {
+            time_cost: false,
+            prefill_scale: 1.0,
+            assume_kv_reuse: false,
+            overflow_weight: 2.0,
+            ..KvLoadParams::default()
+        };
+        let mut i = input(&load, &[0.0, 0.0], &[]);
+        // Replica 0: 95 of 100 blocks requested recently, the request adds 10 (over); replica 1:
+        // 50, adds 10 (fits).
+        let ws = [(95.0, 10.0, 100.0), (50.0, 10.0, 100.0)];
+        i.working_set = &ws;
+        assert_eq!(costs(&i, &k), vec![10.0 + 2.0 * 95.0, 10.0]);
+        // An unknown cache size (0) or a zero weight turns it off.
+        let unknown = [(95.0, 10.0, 0.0), (50.0, 10.0, 0.0)];
+        i.working_set = &unknown;
+        assert_eq!(costs(&i, &k), vec![10.0, 10.0]);
+        i.working_set = &ws;
+        let off = KvLoadParams {
+            overflow_weight: 0.0,
+            ..k.clone()
+        };
+        assert_eq!(costs(&i, &off), vec![10.0, 10.0]);
     }
 
     #[test]

@@ -64,6 +64,10 @@ pub struct Input<'a> {
     pub avoided: &'a [bool],
     /// Output tokens the request is expected to generate ([`crate::output::OutputEstimate`]).
     pub expected_output_tokens: f64,
+    /// Per replica: distinct blocks in its recent working set, how many of the request's blocks it
+    /// would add, and its cache's size in blocks (0: not known yet) ([`crate::working_set`]); empty
+    /// when the working-set term is off.
+    pub working_set: &'a [(f64, f64, f64)],
 }
 
 /// A policy's decision.

@@ -42,6 +42,7 @@ mod tests {
             session_key: None,
             avoided: &avoided,
             expected_output_tokens: 256.0,
+            working_set: &[],
         };
         let mut next = 0;
         let picks: Vec<usize> = (0..4).map(|_| choose(&input, &mut next).replica).collect();
