@@ -131,9 +131,10 @@ impl KvLoadPreset {
             prompt_blocks_at_admission: true,
             assume_kv_reuse: true,
             reported_load: ReportedLoad::Ignore,
-            // Their formula: queued and own prefill blocks alike, no time cost.
+            // Their formula: queued and own prefill blocks alike, no time cost, no working-set term.
             queue_weight: 1.0,
             time_cost: false,
+            overflow_weight: 0.0,
             ..KvLoadParams::default()
         };
         match self {
@@ -270,8 +271,8 @@ impl Default for KvLoadParams {
             reported_load: ReportedLoad::Ignore,
             replica_cache_tokens: 0.0,
             working_set_window_ms: 120_000.0,
-            overflow_weight: 0.0,
-            overflow_softness: 0.0,
+            overflow_weight: 0.2,
+            overflow_softness: 0.25,
         }
     }
 }
@@ -492,6 +493,14 @@ mod tests {
         assert_eq!(c.kv_load.overlap_credit_decay, 0.0);
         let d = RoutingConfig::from_json(r#"{"kv_load":{"preset":"dynamo"}}"#).unwrap();
         assert_eq!(d.kv_load.overlap_credit, 1.0);
+        // The presets are the published routers' formula: none has kvsteer's working-set term.
+        for p in [
+            KvLoadPreset::Dynamo,
+            KvLoadPreset::RayBalanced,
+            KvLoadPreset::RayKvBiased,
+        ] {
+            assert_eq!(p.params().overflow_weight, 0.0, "{p:?}");
+        }
         assert_eq!(d.kv_load.reported_load, ReportedLoad::Ignore);
         let e = RoutingConfig::from_json(r#"{"kv_load":{"preset":"sglang"}}"#).unwrap_err();
         assert_eq!(e.field, "kv_load.preset", "{e}");

@@ -560,6 +560,7 @@ fn released_requests_teach_the_expected_output() {
 fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
     let mut c = cfg(PolicyKind::KvLoad);
     c.kv_load.overflow_weight = 1.0;
+    c.kv_load.overflow_softness = 0.0;
     c.kv_load.reported_load = ReportedLoad::Ignore;
     let mut r = Router::new(c, 2).unwrap();
     let a: Vec<u32> = (0..4_800).collect();

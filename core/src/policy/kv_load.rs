@@ -2,7 +2,12 @@
 //! replica:
 //!
 //! `weight * max(q * queued prefill blocks + request blocks - credit * overlap, 0)
+//!  + overflow_weight * weight * (kept(ws) - kept(ws + added))
 //!  + decode blocks + new active blocks + w * active requests`
+//!
+//! where the middle term is the working-set term: `ws` the replica's recent working set, `added` the
+//! request's blocks not in it, `kept` what an LRU cache of the replica's size keeps of a working set
+//! ([`resident_value`]); 0 while the replica's cache size is unknown.
 //!
 //! where `weight` is `prefill_scale`, or with `time_cost` (the default) `prefill_scale` scaled by what a
 //! prefill block costs against a decode block for this request ([`prefill_weight`]), and `q` discounts
@@ -163,6 +168,7 @@ mod tests {
             prefill_scale: 1.0,
             assume_kv_reuse: false,
             overflow_weight: 2.0,
+            overflow_softness: 0.0,
             ..KvLoadParams::default()
         };
         let mut i = input(&load, &[0.0, 0.0], &[]);

@@ -18,7 +18,8 @@
 //! Requests arrive 1 ms apart in virtual time (1,000 requests/s) and the filter's ticks run between
 //! them as they would in a proxy (not timed).
 //!
-//! Usage: `filter-bench [--requests N] [--replicas R] [--index-blocks B] [--policy P]`.
+//! Usage: `filter-bench [--requests N] [--replicas R] [--index-blocks B] [--policy P]
+//! [--kv-load JSON]`; `--kv-load '{"overflow_weight":0.2}'` sets `routing.kv_load` fields.
 
 use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier};
@@ -35,6 +36,7 @@ struct Args {
     replicas: usize,
     index_blocks: usize,
     policy: String,
+    kv_load: serde_json::Value,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -43,6 +45,7 @@ fn parse_args() -> Result<Args, String> {
         replicas: 16,
         index_blocks: 1_000_000,
         policy: "kv_load".into(),
+        kv_load: json!({}),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -56,10 +59,14 @@ fn parse_args() -> Result<Args, String> {
             "--replicas" => a.replicas = num("--replicas")?.clamp(1, 256),
             "--index-blocks" => a.index_blocks = num("--index-blocks")?,
             "--policy" => a.policy = it.next().ok_or("--policy needs a value")?,
+            "--kv-load" => {
+                let v = it.next().ok_or("--kv-load needs a JSON object")?;
+                a.kv_load = serde_json::from_str(&v).map_err(|e| format!("--kv-load: {e}"))?;
+            }
             other => {
                 return Err(format!(
                     "unknown argument {other:?}; usage: filter-bench [--requests N] [--replicas R] \
-                     [--index-blocks B] [--policy P]"
+                     [--index-blocks B] [--policy P] [--kv-load JSON]"
                 ));
             }
         }
@@ -282,7 +289,8 @@ fn run() -> Result<(), String> {
     let cfg = json!({
         "replicas": replicas,
         "routing": {"policy": args.policy, "block_size": 16,
-                    "index_capacity_blocks": (args.index_blocks + 100_000).max(1_000_000)},
+                    "index_capacity_blocks": (args.index_blocks + 100_000).max(1_000_000),
+                    "kv_load": args.kv_load},
         "feed_period_ms": 3_600_000,
         "tick_ms": 100,
     });
