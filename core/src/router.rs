@@ -36,7 +36,7 @@ use crate::request::{
     PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request, read_request_with,
 };
 use crate::rng::SplitMix64;
-use crate::working_set::WorkingSet;
+use crate::working_set::{self, WorkingSet};
 
 /// A routing decision.
 #[derive(Clone, Debug, PartialEq)]
@@ -405,10 +405,11 @@ impl Router {
             Some(ws) if policy == PolicyKind::KvLoad => {
                 ws.expire(now_ms);
                 let id = &req.identity;
+                let keys = working_set::sample((0..id.blocks()).map(|i| id.key(i)));
                 let configured = self.cfg.kv_load.replica_cache_tokens / bs;
                 (0..self.replicas)
                     .map(|r| {
-                        let add = ws.new_blocks(r, (0..id.blocks()).map(|i| id.key(i)));
+                        let add = ws.new_sampled(r, &keys);
                         let cap = match self.cache_blocks.get(r) {
                             _ if configured > 0.0 => configured,
                             Some(c) if c.evicted => c.most_held as f64,

@@ -26,6 +26,11 @@ fn sampled(key: &u64) -> bool {
     key & SAMPLE_MASK == 0
 }
 
+/// The keys the working set samples, in order.
+pub fn sample(keys: impl Iterator<Item = u64>) -> Vec<u64> {
+    keys.filter(sampled).collect()
+}
+
 #[derive(Clone, Debug, Default)]
 struct ReplicaSet {
     last_ms: HashMap<u64, u64>,
@@ -100,10 +105,18 @@ impl WorkingSet {
 
     /// How many of `keys` are not in `replica`'s working set, estimated.
     pub fn new_blocks(&self, replica: usize, keys: impl Iterator<Item = u64>) -> usize {
+        let keys: Vec<u64> = sample(keys);
+        self.new_sampled(replica, &keys)
+    }
+
+    /// [`WorkingSet::new_blocks`] for keys already passed through [`sample`] (one pass over a
+    /// request's blocks for all replicas).
+    pub fn new_sampled(&self, replica: usize, sampled_keys: &[u64]) -> usize {
         match self.replicas.get(replica) {
             Some(set) => {
-                keys.filter(sampled)
-                    .filter(|k| !set.last_ms.contains_key(k))
+                sampled_keys
+                    .iter()
+                    .filter(|k| !set.last_ms.contains_key(*k))
                     .count()
                     << SAMPLE_BITS
             }
