@@ -319,6 +319,31 @@ mod tests {
             assert_eq!(picks, vec![(0, 2), (1, 3), (0, 2), (1, 3)]);
         }
 
+        /// The decode leg as a destination: its backup is another decode replica (never a
+        /// prefill-only one); an unreadable request goes whole to a decode replica.
+        #[test]
+        fn decode_legs_and_unreadable_requests_stay_on_the_decode_side() {
+            let (mut router, req, _) = setup("kv_load");
+            let p = PdParams::default();
+            let d = router.route_pd(&req, &ROLES, &p, 0).unwrap();
+            let dd = router.pd_decode_decision(&d, &ROLES);
+            assert_eq!(dd.replica, d.decode);
+            assert_eq!(dd.backup, Some(5 - d.decode), "{dd:?}");
+            let (mut rr, req, _) = setup("round_robin");
+            let d = rr.route_pd(&req, &ROLES, &p, 0).unwrap();
+            assert_eq!(rr.pd_decode_decision(&d, &ROLES).backup, Some(5 - d.decode));
+            // One decode replica: no backup.
+            let one = [Role::Prefill, Role::Prefill, Role::Prefill, Role::Decode];
+            let d = rr.route_pd(&req, &one, &p, 0).unwrap();
+            assert_eq!(rr.pd_decode_decision(&d, &one).backup, None);
+            for i in 0..20 {
+                let u = router.route_unread_pd(100 + i, 4000, &ROLES, 0);
+                assert!(ROLES[u.replica].decodes(), "{u:?}");
+                assert!(u.backup.is_none_or(|b| ROLES[b].decodes()), "{u:?}");
+                assert!(router.release(100 + i));
+            }
+        }
+
         #[test]
         fn bad_role_layouts_are_errors_not_panics() {
             let (mut router, req, _) = setup("kv_load");

@@ -505,6 +505,79 @@ impl Router {
         })
     }
 
+    /// The decode leg of a P/D decision as a [`Decision`] (what a proxy writes as the destination),
+    /// with a retry backup among the other replicas that decode: the cheapest by the decode score,
+    /// or the next one under round robin, skipping replicas down or ejected while another decodes.
+    /// Any decode replica can take a decode leg: the prefill answer's `kv_transfer_params` name the
+    /// producer, not the consumer.
+    pub fn pd_decode_decision(&self, d: &PdDecision, roles: &[Role]) -> Decision {
+        let decodes = |r: usize| roles.get(r).is_some_and(|x| x.decodes());
+        let n = self.replicas;
+        let candidates = |usable_only: bool| {
+            (1..n)
+                .map(move |i| (d.decode + i) % n)
+                .filter(move |&r| decodes(r) && (!usable_only || self.is_usable(r)))
+        };
+        let cheapest = |usable_only: bool| {
+            if d.decode_costs.len() == n {
+                candidates(usable_only)
+                    .min_by(|&a, &b| d.decode_costs[a].total_cmp(&d.decode_costs[b]))
+            } else {
+                candidates(usable_only).next()
+            }
+        };
+        let backup = cheapest(true).or_else(|| cheapest(false));
+        Decision {
+            replica: d.decode,
+            policy: self.cfg.policy,
+            fallback: None,
+            prompt_tokens: d.prompt_tokens,
+            matched_tokens: Vec::new(),
+            costs: d.decode_costs.clone(),
+            backup,
+            probe: false,
+        }
+    }
+
+    /// [`Router::route_unread`] in a P/D fleet: a request whose body cannot be split into two legs
+    /// goes whole, by load, to a replica that decodes (it computes the prompt itself), never to a
+    /// prefill-only one. Replicas down or ejected are avoided while another decodes.
+    pub fn route_unread_pd(
+        &mut self,
+        request_id: u64,
+        body_bytes: usize,
+        roles: &[Role],
+        now_ms: u64,
+    ) -> Decision {
+        self.clock_ms = self.clock_ms.max(now_ms);
+        let eff = self.effective_load();
+        self.health.refresh(now_ms);
+        let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.kv_load);
+        let decodes = |r: usize| roles.get(r).is_none_or(|x| x.decodes());
+        let base = self.avoided();
+        let any = (0..self.replicas).any(|r| decodes(r) && !base[r]);
+        let avoided: Vec<bool> = (0..self.replicas)
+            .map(|r| !decodes(r) || (any && base[r]))
+            .collect();
+        let replica = pick_lowest(&costs, &avoided, &mut self.rng);
+        let backup = (0..self.replicas)
+            .filter(|&r| r != replica && !avoided[r])
+            .min_by(|&a, &b| costs[a].total_cmp(&costs[b]));
+        self.count_decision(replica, Some(FallbackReason::BodyUnreadable), 0, 0);
+        let d = Decision {
+            replica,
+            policy: self.cfg.policy,
+            fallback: Some(FallbackReason::BodyUnreadable),
+            prompt_tokens: 0,
+            matched_tokens: Vec::new(),
+            costs,
+            backup,
+            probe: false,
+        };
+        self.admit_unread(request_id, &d, (body_bytes / 4) as u64);
+        d
+    }
+
     /// Starts tracking both legs of a P/D request: the prefill leg under `prefill_id` on the prefill
     /// replica (its uncached prompt as prefill load, one output token), the decode leg under
     /// `decode_id` on the decode replica (the prompt's blocks as its KV; one token of prefill, the
