@@ -174,6 +174,9 @@ struct Metrics {
     pd_unavailable: Option<u32>,
     pd_plain_decodes: Option<u32>,
     pd_whole: Option<u32>,
+    bookings: Option<u32>,
+    releases: Option<u32>,
+    last_bookings: (u64, u64),
     last_evictions: u64,
     last_anomalies: u64,
     last_resets: u64,
@@ -289,6 +292,8 @@ impl Metrics {
             pd_unavailable: define(Counter, "kvsteer_pd_unavailable"),
             pd_plain_decodes: define(Counter, "kvsteer_pd_plain_decodes"),
             pd_whole: define(Counter, "kvsteer_pd_whole_requests"),
+            bookings: define(Counter, "kvsteer_bookings"),
+            releases: define(Counter, "kvsteer_releases"),
             #[cfg(feature = "tokenizer")]
             tokenizer: cfg.tokenizer.as_ref().map(|_| TokenizerMetrics::define()),
             ..Metrics::default()
@@ -410,6 +415,10 @@ impl Root {
             stats.feed_resets.saturating_sub(m.last_resets),
         );
         m.last_resets = stats.feed_resets;
+        let (booked, released) = vm.state.bookings();
+        inc(m.bookings, booked.saturating_sub(m.last_bookings.0));
+        inc(m.releases, released.saturating_sub(m.last_bookings.1));
+        m.last_bookings = (booked, released);
         let cuts = vm.state.feed_time_cuts();
         inc(m.feed_time_cuts, cuts.saturating_sub(m.last_time_cuts));
         m.last_time_cuts = cuts;

@@ -305,6 +305,11 @@ pub struct RouterState {
     /// The P/D requests' `x-request-id`: this VM's random nonce and a counter.
     pd_nonce: u64,
     pd_requests: u64,
+    /// Bookings in the load table (a request, or one leg of a P/D request) made and released by
+    /// this worker: their difference is what it has in flight, so a proxy whose counters (summed
+    /// over its workers) differ once traffic stops has leaked load.
+    bookings: u64,
+    releases: u64,
 }
 
 impl RouterState {
@@ -346,6 +351,8 @@ impl RouterState {
             pd_params,
             pd_nonce: 0,
             pd_requests: 0,
+            bookings: 0,
+            releases: 0,
             rank_values,
             #[cfg(feature = "tokenizer")]
             tokenizer,
@@ -543,6 +550,7 @@ impl RouterState {
         let (d, unread) = self
             .router
             .route_body(request_id, path, body, session, tok, now_ms);
+        self.bookings += 1;
         if unread.is_some() {
             self.body_fallbacks[BodyFallback::Unreadable as usize] += 1;
         }
@@ -559,6 +567,7 @@ impl RouterState {
         now_ms: u64,
     ) -> Decision {
         self.body_fallbacks[why as usize] += 1;
+        self.bookings += 1;
         if self.disaggregated {
             return self
                 .router
@@ -647,6 +656,7 @@ impl RouterState {
         }
         self.router
             .admit_pd(prefill_id, decode_id, &req, &d, now_ms);
+        self.bookings += 2;
         let decode = self.router.pd_decode_decision(&d, &self.roles);
         PdRoute::Legs {
             prefill: d.prefill,
@@ -670,7 +680,14 @@ impl RouterState {
     /// The request ended (finished, failed or aborted): its load is released. `false` for a request
     /// not tracked (counted as a release anomaly).
     pub fn release(&mut self, request_id: u64) -> bool {
-        self.router.release(request_id)
+        let released = self.router.release(request_id);
+        self.releases += released as u64;
+        released
+    }
+
+    /// Bookings made and released so far (requests, and each leg of a P/D request).
+    pub fn bookings(&self) -> (u64, u64) {
+        (self.bookings, self.releases)
     }
 
     /// How a routed request ended, for the replicas' health (`kvsteer_core::health`). `chosen`: the
@@ -1348,8 +1365,10 @@ mod tests {
         assert_eq!(pb["max_tokens"], 1);
         assert_eq!(w.router.local_load()[prefill].active_requests, 1);
         assert_eq!(w.router.local_load()[decode.replica].active_requests, 1);
+        assert_eq!(w.bookings(), (2, 0));
         assert!(w.release(1 << 32 | 5) && w.release(5));
         assert!(!w.release(5), "each leg is booked once");
+        assert_eq!(w.bookings(), (2, 2));
 
         for (bad, stripped) in [
             (
@@ -1386,6 +1405,7 @@ mod tests {
             "{r:?}"
         );
         assert!(!w.release(7) && !w.release(1 << 32 | 7), "nothing booked");
+        assert_eq!(w.bookings(), (4, 4));
         assert_ne!(w.next_pd_request_id(), w.next_pd_request_id());
     }
 

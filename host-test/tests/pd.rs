@@ -338,7 +338,13 @@ impl Fleet {
         self.proxy.metric(name).map_or(0, |m| m.value as u64)
     }
 
-    fn assert_clean(&self) {
+    fn assert_clean(&mut self) {
+        // Every booking released, as the metrics say (they follow at the next tick).
+        self.tick(60_000);
+        assert_eq!(
+            self.counter("kvsteer_bookings"),
+            self.counter("kvsteer_releases")
+        );
         assert!(!self.w.is_dead(), "the worker trapped");
         assert!(
             self.w.notes().is_empty(),
@@ -387,6 +393,7 @@ fn kv_load_serves_both_legs_and_keeps_sessions_on_their_caches() {
     assert_eq!(f.counter("kvsteer_pd_prefill_failures"), 0);
     assert!(f.counter("kvsteer_spoofed_headers_removed") >= 12);
     f.assert_clean();
+    assert_eq!(f.counter("kvsteer_bookings"), 24, "two legs a request");
 }
 
 /// Round robin alternates each side on its own, over its own replicas.
