@@ -492,6 +492,26 @@ impl Router {
         let prefill = prefill.ok_or(PdError::NoPrefillReplica)?;
         let decode = decode.ok_or(PdError::NoDecodeReplica)?;
         let matched = |r: usize| ((overlap[r] * bs) as u64).min(req.prompt_tokens);
+        // An ejected replica's probe, when one is due, takes its side's leg; the side's own choice
+        // becomes the backup. One probe per side and request, never the same replica for both.
+        let down = &self.down;
+        let up = |r: usize| !down.get(r).copied().unwrap_or(true);
+        let p_probe = self
+            .health
+            .take_probe(now_ms, |r| roles[r].prefills() && up(r))
+            .filter(|&p| p != prefill);
+        let (prefill, prefill_backup) = match p_probe {
+            Some(p) => (p, Some((prefill, matched(prefill)))),
+            None => (prefill, None),
+        };
+        let d_probe = self
+            .health
+            .take_probe(now_ms, |r| roles[r].decodes() && up(r) && r != prefill)
+            .filter(|&d| d != decode);
+        let (decode, decode_backup) = match d_probe {
+            Some(d) => (d, Some(decode)),
+            None => (decode, None),
+        };
         let prefill_matched_tokens = matched(prefill);
         self.count_decision(prefill, None, req.prompt_tokens, prefill_matched_tokens);
         Ok(PdDecision {
@@ -502,6 +522,8 @@ impl Router {
             transfer_tokens: req.prompt_tokens - matched(decode),
             prefill_costs,
             decode_costs,
+            prefill_backup,
+            decode_backup,
         })
     }
 
@@ -526,7 +548,10 @@ impl Router {
                 candidates(usable_only).next()
             }
         };
-        let backup = cheapest(true).or_else(|| cheapest(false));
+        let backup = d
+            .decode_backup
+            .or_else(|| cheapest(true))
+            .or_else(|| cheapest(false));
         Decision {
             replica: d.decode,
             policy: self.cfg.policy,
@@ -535,7 +560,7 @@ impl Router {
             matched_tokens: Vec::new(),
             costs: d.decode_costs.clone(),
             backup,
-            probe: false,
+            probe: d.decode_backup.is_some(),
         }
     }
 
@@ -594,18 +619,8 @@ impl Router {
             self.stats.bad_replica += 1;
             return;
         }
-        self.clock_ms = self.clock_ms.max(now_ms);
+        self.admit_prefill_leg(prefill_id, req, d.prefill, d.prefill_matched_tokens, now_ms);
         let keys = || (0..req.identity.blocks()).map(|i| req.identity.key(i));
-        let uncached = req.prompt_tokens.saturating_sub(d.prefill_matched_tokens);
-        self.load.admit_at(
-            prefill_id,
-            d.prefill,
-            req.prompt_tokens,
-            uncached,
-            Some(1),
-            keys(),
-            now_ms,
-        );
         self.load.admit_at(
             decode_id,
             d.decode,
@@ -613,6 +628,34 @@ impl Router {
             1,
             req.output_hint,
             keys(),
+            now_ms,
+        );
+    }
+
+    /// Books a P/D request's prefill leg alone under `prefill_id` on `replica` (its uncached prompt
+    /// as prefill load, one output token): [`Router::admit_pd`]'s first half, and how a prefill leg
+    /// moved to the backup after a failed probe is booked again.
+    pub fn admit_prefill_leg(
+        &mut self,
+        prefill_id: u64,
+        req: &RouteRequest,
+        replica: usize,
+        matched_tokens: u64,
+        now_ms: u64,
+    ) {
+        if replica >= self.replicas {
+            self.stats.bad_replica += 1;
+            return;
+        }
+        self.clock_ms = self.clock_ms.max(now_ms);
+        let uncached = req.prompt_tokens.saturating_sub(matched_tokens);
+        self.load.admit_at(
+            prefill_id,
+            replica,
+            req.prompt_tokens,
+            uncached,
+            Some(1),
+            (0..req.identity.blocks()).map(|i| req.identity.key(i)),
             now_ms,
         );
     }

@@ -627,6 +627,9 @@ struct PrefillLeg {
     /// The client's request, rewritten into the decode leg.
     client: serde_json::Map<String, serde_json::Value>,
     request_id: String,
+    /// A probe of an ejected prefill replica: where the leg goes if it fails (replica, its cached
+    /// prompt tokens, the request to book it with).
+    backup: Option<(usize, u64, Box<kvsteer_core::request::RouteRequest>)>,
 }
 
 /// The load-table id of a stream's prefill leg: outside the 32-bit context ids the decode leg (and
@@ -810,6 +813,7 @@ impl Stream {
                 client,
                 prefill_body,
                 prefill_matched_tokens,
+                prefill_backup,
             } => {
                 let m = &vm.metrics;
                 inc(m.pd_split, 1);
@@ -818,33 +822,7 @@ impl Stream {
                 inc(m.prompt_tokens, decode.prompt_tokens);
                 inc(m.matched_tokens, prefill_matched_tokens);
                 let request_id = vm.state.next_pd_request_id();
-                let cfg = vm.state.config();
-                let length = prefill_body.len().to_string();
-                let auth = header(MapType::HttpRequestHeaders, "authorization")
-                    .and_then(|v| String::from_utf8(v).ok());
-                let mut headers = vec![
-                    (":method", "POST"),
-                    (":path", self.path.as_str()),
-                    (":authority", cfg.prefill_authority(prefill)),
-                    ("content-type", "application/json"),
-                    ("content-length", length.as_str()),
-                    ("x-request-id", request_id.as_str()),
-                ];
-                if let Some(rank) = vm.state.rank_of_unit(prefill) {
-                    headers.push((vm.state.rank_header(), rank));
-                }
-                // An engine behind an API key wants the client's key on both legs.
-                if let Some(a) = auth.as_deref() {
-                    headers.push(("authorization", a));
-                }
-                let timeout = Duration::from_millis(cfg.pd.prefill_timeout_ms);
-                let sent = hostcalls::dispatch_http_call(
-                    cfg.prefill_upstream(prefill),
-                    headers,
-                    Some(&prefill_body),
-                    vec![],
-                    timeout,
-                );
+                let sent = Self::send_prefill(vm, prefill, &self.path, &prefill_body, &request_id);
                 match sent {
                     Ok(token) => {
                         self.prefill = Some(PrefillLeg {
@@ -853,14 +831,14 @@ impl Stream {
                             decode,
                             client,
                             request_id,
+                            backup: prefill_backup,
                         });
                         self.phase = Phase::Prefilling;
                     }
-                    Err(status) => {
+                    Err(why) => {
                         vm.state.release(prefill_id(self.id));
                         vm.state.release(self.id);
                         inc(vm.metrics.pd_prefill_failures, 1);
-                        let why = LegFailure::NotSent(format!("{status:?}")).to_string();
                         let name = vm.state.replica_name(prefill);
                         log(
                             LogLevel::Warn,
@@ -873,6 +851,44 @@ impl Stream {
                 Action::Pause
             }
         }
+    }
+
+    /// Sends a prefill leg to `prefill`'s cluster: the callout's token, or why it could not be sent.
+    fn send_prefill(
+        vm: &Vm,
+        prefill: usize,
+        path: &str,
+        body: &[u8],
+        request_id: &str,
+    ) -> Result<u32, String> {
+        let cfg = vm.state.config();
+        let length = body.len().to_string();
+        let auth = header(MapType::HttpRequestHeaders, "authorization")
+            .and_then(|v| String::from_utf8(v).ok());
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", path),
+            (":authority", cfg.prefill_authority(prefill)),
+            ("content-type", "application/json"),
+            ("content-length", length.as_str()),
+            ("x-request-id", request_id),
+        ];
+        if let Some(rank) = vm.state.rank_of_unit(prefill) {
+            headers.push((vm.state.rank_header(), rank));
+        }
+        // An engine behind an API key wants the client's key on both legs.
+        if let Some(a) = auth.as_deref() {
+            headers.push(("authorization", a));
+        }
+        let timeout = Duration::from_millis(cfg.pd.prefill_timeout_ms);
+        hostcalls::dispatch_http_call(
+            cfg.prefill_upstream(prefill),
+            headers,
+            Some(body),
+            vec![],
+            timeout,
+        )
+        .map_err(|status| LegFailure::NotSent(format!("{status:?}")).to_string())
     }
 
     /// The prefill leg's answer (or its failure): on success the client's request becomes the decode
@@ -896,6 +912,37 @@ impl Stream {
         let mut vm = vm.borrow_mut();
         let vm = &mut *vm;
         let now = now_ms();
+        if answer.is_err()
+            && let Some((backup, matched, req)) = leg.backup.as_ref()
+        {
+            // A failed probe of an ejected prefill replica costs the client nothing: the leg goes
+            // to the prefill side's own choice, as Envoy retries a failed probe of a plain request.
+            vm.state
+                .request_outcome(leg.replica, None, Outcome::Failure, now);
+            vm.state
+                .rebook_prefill(prefill_id(self.id), req, *backup, *matched, now);
+            let body = pd::prefill_body(&leg.client);
+            match Self::send_prefill(vm, *backup, &self.path, &body, &leg.request_id) {
+                Ok(token) => {
+                    self.prefill = Some(PrefillLeg {
+                        token,
+                        replica: *backup,
+                        backup: None,
+                        ..leg
+                    });
+                    return;
+                }
+                Err(why) => {
+                    vm.state.release(prefill_id(self.id));
+                    vm.state.release(self.id);
+                    inc(vm.metrics.pd_prefill_failures, 1);
+                    let name = vm.state.replica_name(*backup);
+                    self.phase = Phase::Released;
+                    Self::send_error(502, &pd::error_body(502, "prefill", name, &why));
+                    return;
+                }
+            }
+        }
         vm.state.release(prefill_id(self.id));
         let params = match answer {
             Ok(a) => {

@@ -10,7 +10,7 @@ use crate::store::SharedStore;
 use kvsteer_core::feed::FeedFrame;
 use kvsteer_core::health::{Health, Outcome};
 use kvsteer_core::pd::{PdParams, Role};
-use kvsteer_core::request::PromptTokenizer;
+use kvsteer_core::request::{PromptTokenizer, RouteRequest};
 use kvsteer_core::router::{Decision, FeedOutcome, Router, RouterStats};
 #[cfg(feature = "tokenizer")]
 use kvsteer_tokenizer::TextTokenizer;
@@ -224,6 +224,10 @@ pub enum PdRoute {
         client: serde_json::Map<String, serde_json::Value>,
         prefill_body: Vec<u8>,
         prefill_matched_tokens: u64,
+        /// The prefill leg is an ejected replica's health probe: where to send it instead if the
+        /// probe fails (the side's own choice, its cached prompt tokens) and the request, to book it
+        /// there ([`RouterState::rebook_prefill`]).
+        prefill_backup: Option<(usize, u64, Box<RouteRequest>)>,
     },
     /// The body is not a request the filter can split (too large, not JSON, no prompt): sent whole,
     /// by load, to a replica that decodes, booked under `decode_id`. `body`: the body to send
@@ -664,7 +668,26 @@ impl RouterState {
             prefill_body: crate::pd::prefill_body(&client),
             client,
             prefill_matched_tokens: d.prefill_matched_tokens,
+            prefill_backup: d
+                .prefill_backup
+                .map(|(r, matched)| (r, matched, Box::new(req))),
         }
+    }
+
+    /// A prefill leg that probed an ejected replica failed: it is released there and booked again
+    /// under the same id on `replica` (the prefill side's own choice), where it is sent next.
+    pub fn rebook_prefill(
+        &mut self,
+        prefill_id: u64,
+        req: &RouteRequest,
+        replica: usize,
+        matched_tokens: u64,
+        now_ms: u64,
+    ) {
+        self.release(prefill_id);
+        self.router
+            .admit_prefill_leg(prefill_id, req, replica, matched_tokens, now_ms);
+        self.bookings += 1;
     }
 
     /// The request's first token arrived: its prefill load becomes decode load.

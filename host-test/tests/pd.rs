@@ -601,3 +601,113 @@ fn a_fleet_without_roles_makes_no_prefill_callout() {
     f.w.end_stream(id).unwrap();
     f.assert_clean();
 }
+
+/// A prefill replica that keeps failing is ejected (its failures count against its health) and then
+/// probed once per probe interval: a failed probe's leg goes on to the other prefill replica, so the
+/// client never sees it; a successful one restores the replica.
+#[test]
+fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing() {
+    let mut f = Fleet::with("round_robin");
+    let body = |i: u64| json!({"prompt": tokens(600 + i, 100), "max_tokens": 4});
+    let finish = |f: &mut Fleet, id: u32| {
+        f.w.response_headers(id, pairs(&[(":status", "200")]), true)
+            .unwrap();
+        f.w.end_stream(id).unwrap();
+    };
+    // Round robin alternates r0, r1; r0 answers 500 three times in a row: ejected.
+    let mut r0_failures = 0;
+    for i in 0..6 {
+        let (id, call) = f.send(&body(i), &[]);
+        let call = call.unwrap();
+        if call.upstream == "prefill_r0" {
+            f.w.answer_callout(&call, bad(500, b"")).unwrap();
+            assert_eq!(
+                f.w.stream(id)
+                    .unwrap()
+                    .local_response
+                    .as_ref()
+                    .unwrap()
+                    .status,
+                502
+            );
+            f.w.end_stream(id).unwrap();
+            r0_failures += 1;
+        } else {
+            let (answer, _, _) = f.prefill_answer(&call, 1000 + i);
+            f.w.answer_callout(&call, answer).unwrap();
+            finish(&mut f, id);
+        }
+    }
+    assert_eq!(r0_failures, 3);
+    f.tick(10_000);
+    assert_eq!(
+        f.counter("kvsteer_ejected_r0"),
+        1,
+        "the gauge follows at the tick"
+    );
+    assert_eq!(f.counter("kvsteer_pd_prefill_failures"), 3);
+    // Ejected: every prefill leg goes to r1 until a probe is due.
+    for i in 6..9 {
+        let (id, call) = f.send(&body(i), &[]);
+        let call = call.unwrap();
+        assert_eq!(call.upstream, "prefill_r1", "r0 is ejected");
+        let (answer, _, _) = f.prefill_answer(&call, 1000 + i);
+        f.w.answer_callout(&call, answer).unwrap();
+        finish(&mut f, id);
+    }
+    // A probe interval later the next prefill leg probes r0; it fails, and the leg goes on to r1.
+    f.tick(1_100_000);
+    let (id, call) = f.send(&body(20), &[]);
+    let probe = call.unwrap();
+    assert_eq!(probe.upstream, "prefill_r0", "the probe");
+    assert_eq!(f.booked(), 2);
+    f.w.answer_callout(&probe, bad(500, b"")).unwrap();
+    let st = f.w.stream(id).unwrap();
+    assert!(
+        st.local_response.is_none() && !st.released,
+        "{:?}",
+        st.local_response
+    );
+    let retry = f.w.take_callouts();
+    assert_eq!(retry.len(), 1);
+    assert_eq!(retry[0].upstream, "prefill_r1");
+    assert_eq!(
+        retry[0].header("x-request-id"),
+        probe.header("x-request-id")
+    );
+    assert_eq!(f.booked(), 2, "the prefill leg moved, not doubled");
+    let (answer, _, _) = f.prefill_answer(&retry[0], 2000);
+    f.w.answer_callout(&retry[0], answer).unwrap();
+    let st = f.w.stream(id).unwrap();
+    assert!(st.released && st.local_response.is_none());
+    finish(&mut f, id);
+    assert_eq!(
+        f.counter("kvsteer_pd_prefill_failures"),
+        3,
+        "the failed probe is not a failure"
+    );
+    // Later, a probe that succeeds restores r0 (once its failures have decayed).
+    f.tick(9_000_000);
+    let (id, call) = f.send(&body(30), &[]);
+    let call = call.unwrap();
+    assert_eq!(call.upstream, "prefill_r0", "the next probe");
+    let (answer, _, _) = f.prefill_answer(&call, 3000);
+    f.w.answer_callout(&call, answer).unwrap();
+    finish(&mut f, id);
+    let ups: Vec<String> = (0..4)
+        .map(|i| {
+            let (id, call) = f.send(&body(40 + i), &[]);
+            let call = call.unwrap();
+            let (answer, _, _) = f.prefill_answer(&call, 4000 + i);
+            f.w.answer_callout(&call, answer).unwrap();
+            finish(&mut f, id);
+            call.upstream
+        })
+        .collect();
+    assert!(
+        ups.iter().any(|u| u == "prefill_r0"),
+        "r0 restored: {ups:?}"
+    );
+    assert_eq!(f.booked(), 0);
+    f.assert_clean();
+}
