@@ -912,11 +912,14 @@ impl Stream {
         let mut vm = vm.borrow_mut();
         let vm = &mut *vm;
         let now = now_ms();
-        if answer.is_err()
-            && let Some((backup, matched, req)) = leg.backup.as_ref()
-        {
-            // A failed probe of an ejected prefill replica costs the client nothing: the leg goes
-            // to the prefill side's own choice, as Envoy retries a failed probe of a plain request.
+        let replica_failed = matches!(
+            answer,
+            Err(LegFailure::NoAnswer | LegFailure::Status(500..))
+        );
+        if replica_failed && let Some((backup, matched, req)) = leg.backup.as_ref() {
+            // A probe of an ejected prefill replica that fails (5xx, no answer: what Envoy's retry
+            // policy retries for a plain request) costs the client nothing: the leg goes on to the
+            // prefill side's own choice.
             vm.state
                 .request_outcome(leg.replica, None, Outcome::Failure, now);
             vm.state
@@ -957,7 +960,7 @@ impl Stream {
                 }
             }
             Err(f) => {
-                if matches!(f, LegFailure::NoAnswer | LegFailure::Status(500..)) {
+                if replica_failed {
                     // The prefill replica (or the proxy on its behalf) failed it.
                     vm.state
                         .request_outcome(leg.replica, None, Outcome::Failure, now);
