@@ -20,6 +20,7 @@ ENVOY_DIR = REPO / "envoy"
 VARIANTS = {
     "envoy": "kvsteer filter, override_host on x-gateway-destination-endpoint",
     "envoy-cluster-header": "kvsteer filter, one cluster per replica, cluster_header routing",
+    "envoy-pd": "kvsteer filter, prefill/decode disaggregation (prefill leg a callout, decode leg via override_host)",
     "envoy-round-robin": "Envoy round_robin, no filter",
     "envoy-least-request": "Envoy least_request, no filter",
     "envoy-ring-hash": "Envoy ring_hash on x-session-id, no filter",
@@ -28,6 +29,8 @@ VARIANTS = {
 WASM_FILTER = "envoy.filters.http.wasm"
 FEED_PREFIX = "kvsteer_feed_"
 REPLICA_CLUSTER_PREFIX = "replica_"
+# P/D (envoy-pd.yaml): the cluster of each prefill replica's prefill leg.
+PREFILL_PREFIX = "kvsteer_prefill_"
 MAIN_CLUSTER = "replicas"
 
 
@@ -133,8 +136,10 @@ def rewrite(
 ) -> dict:
     """A copy of `doc` for these replicas (name, `IP:port`), ports and wasm path.
 
-    Per-replica clusters (`kvsteer_feed_<name>`, `replica_<name>`) are rebuilt from the first one in
-    the file, so the committed four-replica files serve any replica count. `plugin_overrides` merge
+    Per-replica clusters (`kvsteer_feed_<name>`, `replica_<name>`, `kvsteer_prefill_<name>`) are
+    rebuilt from the first one in the file, so the committed four-replica files serve any replica
+    count; the i-th replica keeps the committed i-th entry's settings (its P/D role), and gets a
+    `kvsteer_prefill_<name>` cluster when its entry has a `prefill_cluster`. `plugin_overrides` merge
     into the filter's JSON configuration, `wasm_overrides` into Envoy's wasm PluginConfig (tests only:
     to show what a setting is for by turning it off), `replica_overrides` into every replica entry
     (e.g. `{"dp_ranks": 4}`). `feeds` names replicas whose feed is served at another `IP:port` than
@@ -145,11 +150,41 @@ def rewrite(
     doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
     doc["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen_port
 
+    # The filter's replica entries first: which replicas need a prefill cluster depends on them.
+    # Entry i keeps the committed i-th entry's own settings (a P/D file's roles differ per replica),
+    # the first entry's beyond the committed count.
+    w = wasm_filter(doc)
+    entries: list[dict] = []
+    if w is not None:
+        w.update(_merge(w, wasm_overrides or {}))
+        w["vm_config"]["code"]["local"]["filename"] = wasm
+        pc = json.loads(w["configuration"]["value"])
+        committed = pc["replicas"]
+        for i, (name, ep) in enumerate(replicas):
+            r = dict(committed[i] if i < len(committed) else committed[0])
+            r["name"], r["endpoint"] = name, ep
+            if "feed_cluster" in r:
+                r["feed_cluster"] = FEED_PREFIX + name
+            if "feed_authority" in r:
+                r["feed_authority"] = ep
+            if "feed_address" in r:
+                r["feed_address"] = (feeds or {}).get(name, ep)
+            if "cluster" in r:
+                r["cluster"] = REPLICA_CLUSTER_PREFIX + name
+            if "prefill_cluster" in r:
+                r["prefill_cluster"] = PREFILL_PREFIX + name
+            r.update(replica_overrides or {})
+            entries.append(r)
+        pc["replicas"] = entries
+        pc = _merge(pc, plugin_overrides or {})
+        w["configuration"]["value"] = json.dumps(pc)
+    prefill_names = {r["name"] for r in entries if r.get("prefill_cluster")}
+
     out_clusters = []
     templates: dict[str, dict] = {}
     for c in doc["static_resources"]["clusters"]:
         name = c["name"]
-        for prefix in (FEED_PREFIX, REPLICA_CLUSTER_PREFIX):
+        for prefix in (FEED_PREFIX, REPLICA_CLUSTER_PREFIX, PREFILL_PREFIX):
             if name.startswith(prefix):
                 templates.setdefault(prefix, c)
                 break
@@ -164,30 +199,8 @@ def rewrite(
         for name, ep in replicas:
             if prefix == FEED_PREFIX:
                 ep = (feeds or {}).get(name, ep)
+            if prefix == PREFILL_PREFIX and name not in prefill_names:
+                continue
             out_clusters.append(_single_host_cluster(tmpl, prefix + name, ep))
     doc["static_resources"]["clusters"] = out_clusters
-
-    w = wasm_filter(doc)
-    if w is not None:
-        w.update(_merge(w, wasm_overrides or {}))
-        w["vm_config"]["code"]["local"]["filename"] = wasm
-        pc = json.loads(w["configuration"]["value"])
-        tmpl = pc["replicas"][0]
-        new = []
-        for name, ep in replicas:
-            r = dict(tmpl)
-            r["name"], r["endpoint"] = name, ep
-            if "feed_cluster" in r:
-                r["feed_cluster"] = FEED_PREFIX + name
-            if "feed_authority" in r:
-                r["feed_authority"] = ep
-            if "feed_address" in r:
-                r["feed_address"] = (feeds or {}).get(name, ep)
-            if "cluster" in r:
-                r["cluster"] = REPLICA_CLUSTER_PREFIX + name
-            r.update(replica_overrides or {})
-            new.append(r)
-        pc["replicas"] = new
-        pc = _merge(pc, plugin_overrides or {})
-        w["configuration"]["value"] = json.dumps(pc)
     return doc

@@ -81,6 +81,14 @@ pub struct PdDecision {
     /// Per replica (infinite where the side excludes it); empty under round robin.
     pub prefill_costs: Vec<f64>,
     pub decode_costs: Vec<f64>,
+    /// The prefill side is an ejected replica's health probe (`crate::health`: a replica ejected for
+    /// failing gets one request per probe interval, else nothing would ever restore it): `prefill`
+    /// is the probed replica, `prefill_backup` the side's own choice, to send the prefill leg to if
+    /// the probe fails, with its cached prompt tokens.
+    pub prefill_backup: Option<(usize, u64)>,
+    /// The decode side is a probe: `decode` is the probed replica, this the side's own choice (the
+    /// retry backup).
+    pub decode_backup: Option<usize>,
 }
 
 /// Why no P/D decision can be made.
@@ -317,6 +325,70 @@ mod tests {
                 })
                 .collect();
             assert_eq!(picks, vec![(0, 2), (1, 3), (0, 2), (1, 3)]);
+        }
+
+        /// The decode leg as a destination: its backup is another decode replica (never a
+        /// prefill-only one); an unreadable request goes whole to a decode replica.
+        #[test]
+        fn decode_legs_and_unreadable_requests_stay_on_the_decode_side() {
+            let (mut router, req, _) = setup("kv_load");
+            let p = PdParams::default();
+            let d = router.route_pd(&req, &ROLES, &p, 0).unwrap();
+            let dd = router.pd_decode_decision(&d, &ROLES);
+            assert_eq!(dd.replica, d.decode);
+            assert_eq!(dd.backup, Some(5 - d.decode), "{dd:?}");
+            let (mut rr, req, _) = setup("round_robin");
+            let d = rr.route_pd(&req, &ROLES, &p, 0).unwrap();
+            assert_eq!(rr.pd_decode_decision(&d, &ROLES).backup, Some(5 - d.decode));
+            // One decode replica: no backup.
+            let one = [Role::Prefill, Role::Prefill, Role::Prefill, Role::Decode];
+            let d = rr.route_pd(&req, &one, &p, 0).unwrap();
+            assert_eq!(rr.pd_decode_decision(&d, &one).backup, None);
+            for i in 0..20 {
+                let u = router.route_unread_pd(100 + i, 4000, &ROLES, 0);
+                assert!(ROLES[u.replica].decodes(), "{u:?}");
+                assert!(u.backup.is_none_or(|b| ROLES[b].decodes()), "{u:?}");
+                assert!(router.release(100 + i));
+            }
+        }
+
+        /// A replica ejected for failing gets one leg of its side per probe interval (else nothing
+        /// would restore it), with the side's own choice as the backup; a success restores it.
+        #[test]
+        fn ejected_replicas_are_probed_on_their_own_side() {
+            let (mut router, req, _) = setup("round_robin");
+            let p = PdParams::default();
+            for r in [0, 2] {
+                for _ in 0..3 {
+                    router.record_outcome(r, crate::health::Outcome::Failure, 10);
+                }
+            }
+            assert!(router.is_ejected(0) && router.is_ejected(2));
+            // Before the probe interval: the ejected replicas are avoided.
+            for _ in 0..3 {
+                let d = router.route_pd(&req, &ROLES, &p, 20).unwrap();
+                assert_eq!((d.prefill, d.decode), (1, 3));
+                assert_eq!((d.prefill_backup, d.decode_backup), (None, None));
+            }
+            // A second later both are due: each side's leg probes its ejected replica.
+            let d = router.route_pd(&req, &ROLES, &p, 1100).unwrap();
+            assert_eq!((d.prefill, d.decode), (0, 2), "{d:?}");
+            assert_eq!(d.prefill_backup.map(|b| b.0), Some(1));
+            assert_eq!(d.decode_backup, Some(3));
+            let dd = router.pd_decode_decision(&d, &ROLES);
+            assert!(dd.probe && dd.backup == Some(3));
+            // Not again within the interval.
+            let d = router.route_pd(&req, &ROLES, &p, 1200).unwrap();
+            assert_eq!((d.prefill_backup, d.decode_backup), (None, None));
+            // Successes restore them (once the failures have decayed: health's restore rate).
+            router.record_outcome(0, crate::health::Outcome::Success, 10_000);
+            router.record_outcome(2, crate::health::Outcome::Success, 10_000);
+            router.refresh_health(10_000);
+            assert!(!router.is_ejected(0) && !router.is_ejected(2));
+            // The backup's prefill leg is booked on its own.
+            router.admit_prefill_leg(7, &req, 1, 0, 1300);
+            assert_eq!(router.local_load()[1].active_requests, 1);
+            assert!(router.release(7));
         }
 
         #[test]

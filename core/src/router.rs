@@ -539,6 +539,26 @@ impl Router {
         let prefill = prefill.ok_or(PdError::NoPrefillReplica)?;
         let decode = decode.ok_or(PdError::NoDecodeReplica)?;
         let matched = |r: usize| ((overlap[r] * bs) as u64).min(req.prompt_tokens);
+        // An ejected replica's probe, when one is due, takes its side's leg; the side's own choice
+        // becomes the backup. One probe per side and request, never the same replica for both.
+        let down = &self.down;
+        let up = |r: usize| !down.get(r).copied().unwrap_or(true);
+        let p_probe = self
+            .health
+            .take_probe(now_ms, |r| roles[r].prefills() && up(r))
+            .filter(|&p| p != prefill);
+        let (prefill, prefill_backup) = match p_probe {
+            Some(p) => (p, Some((prefill, matched(prefill)))),
+            None => (prefill, None),
+        };
+        let d_probe = self
+            .health
+            .take_probe(now_ms, |r| roles[r].decodes() && up(r) && r != prefill)
+            .filter(|&d| d != decode);
+        let (decode, decode_backup) = match d_probe {
+            Some(d) => (d, Some(decode)),
+            None => (decode, None),
+        };
         let prefill_matched_tokens = matched(prefill);
         self.count_decision(prefill, None, req.prompt_tokens, prefill_matched_tokens);
         Ok(PdDecision {
@@ -549,7 +569,85 @@ impl Router {
             transfer_tokens: req.prompt_tokens - matched(decode),
             prefill_costs,
             decode_costs,
+            prefill_backup,
+            decode_backup,
         })
+    }
+
+    /// The decode leg of a P/D decision as a [`Decision`] (what a proxy writes as the destination),
+    /// with a retry backup among the other replicas that decode: the cheapest by the decode score,
+    /// or the next one under round robin, skipping replicas down or ejected while another decodes.
+    /// Any decode replica can take a decode leg: the prefill answer's `kv_transfer_params` name the
+    /// producer, not the consumer.
+    pub fn pd_decode_decision(&self, d: &PdDecision, roles: &[Role]) -> Decision {
+        let decodes = |r: usize| roles.get(r).is_some_and(|x| x.decodes());
+        let n = self.replicas;
+        let candidates = |usable_only: bool| {
+            (1..n)
+                .map(move |i| (d.decode + i) % n)
+                .filter(move |&r| decodes(r) && (!usable_only || self.is_usable(r)))
+        };
+        let cheapest = |usable_only: bool| {
+            if d.decode_costs.len() == n {
+                candidates(usable_only)
+                    .min_by(|&a, &b| d.decode_costs[a].total_cmp(&d.decode_costs[b]))
+            } else {
+                candidates(usable_only).next()
+            }
+        };
+        let backup = d
+            .decode_backup
+            .or_else(|| cheapest(true))
+            .or_else(|| cheapest(false));
+        Decision {
+            replica: d.decode,
+            policy: self.cfg.policy,
+            fallback: None,
+            prompt_tokens: d.prompt_tokens,
+            matched_tokens: Vec::new(),
+            costs: d.decode_costs.clone(),
+            backup,
+            probe: d.decode_backup.is_some(),
+        }
+    }
+
+    /// [`Router::route_unread`] in a P/D fleet: a request whose body cannot be split into two legs
+    /// goes whole, by load, to a replica that decodes (it computes the prompt itself), never to a
+    /// prefill-only one. Replicas down or ejected are avoided while another decodes.
+    pub fn route_unread_pd(
+        &mut self,
+        request_id: u64,
+        body_bytes: usize,
+        roles: &[Role],
+        now_ms: u64,
+    ) -> Decision {
+        self.clock_ms = self.clock_ms.max(now_ms);
+        let eff = self.effective_load();
+        self.health.refresh(now_ms);
+        let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.kv_load);
+        let decodes = |r: usize| roles.get(r).is_none_or(|x| x.decodes());
+        let base = self.avoided();
+        let any = (0..self.replicas).any(|r| decodes(r) && !base[r]);
+        let avoided: Vec<bool> = (0..self.replicas)
+            .map(|r| !decodes(r) || (any && base[r]))
+            .collect();
+        let replica = pick_lowest(&costs, &avoided, &mut self.rng);
+        let backup = (0..self.replicas)
+            .filter(|&r| r != replica && !avoided[r])
+            .min_by(|&a, &b| costs[a].total_cmp(&costs[b]));
+        self.count_decision(replica, Some(FallbackReason::BodyUnreadable), 0, 0);
+        let d = Decision {
+            replica,
+            policy: self.cfg.policy,
+            fallback: Some(FallbackReason::BodyUnreadable),
+            prompt_tokens: 0,
+            matched_tokens: Vec::new(),
+            costs,
+            backup,
+            probe: false,
+        };
+        self.admit_unread(request_id, &d, (body_bytes / 4) as u64);
+        d
     }
 
     /// Starts tracking both legs of a P/D request: the prefill leg under `prefill_id` on the prefill
@@ -568,18 +666,8 @@ impl Router {
             self.stats.bad_replica += 1;
             return;
         }
-        self.clock_ms = self.clock_ms.max(now_ms);
+        self.admit_prefill_leg(prefill_id, req, d.prefill, d.prefill_matched_tokens, now_ms);
         let keys = || (0..req.identity.blocks()).map(|i| req.identity.key(i));
-        let uncached = req.prompt_tokens.saturating_sub(d.prefill_matched_tokens);
-        self.load.admit_at(
-            prefill_id,
-            d.prefill,
-            req.prompt_tokens,
-            uncached,
-            Some(1),
-            keys(),
-            now_ms,
-        );
         self.load.admit_at(
             decode_id,
             d.decode,
@@ -587,6 +675,34 @@ impl Router {
             1,
             req.output_hint,
             keys(),
+            now_ms,
+        );
+    }
+
+    /// Books a P/D request's prefill leg alone under `prefill_id` on `replica` (its uncached prompt
+    /// as prefill load, one output token): [`Router::admit_pd`]'s first half, and how a prefill leg
+    /// moved to the backup after a failed probe is booked again.
+    pub fn admit_prefill_leg(
+        &mut self,
+        prefill_id: u64,
+        req: &RouteRequest,
+        replica: usize,
+        matched_tokens: u64,
+        now_ms: u64,
+    ) {
+        if replica >= self.replicas {
+            self.stats.bad_replica += 1;
+            return;
+        }
+        self.clock_ms = self.clock_ms.max(now_ms);
+        let uncached = req.prompt_tokens.saturating_sub(matched_tokens);
+        self.load.admit_at(
+            prefill_id,
+            replica,
+            req.prompt_tokens,
+            uncached,
+            Some(1),
+            (0..req.identity.blocks()).map(|i| req.identity.key(i)),
             now_ms,
         );
     }

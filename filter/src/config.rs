@@ -4,6 +4,7 @@
 //! names them: a typo in a production config must not silently fall back to a default.
 
 use kvsteer_core::config::RoutingConfig;
+use kvsteer_core::pd::{PdParams, Role};
 use serde::Deserialize;
 
 /// How the chosen replica is handed to the proxy.
@@ -49,6 +50,20 @@ pub struct ReplicaSpec {
     /// routing units, `NAME_dp0` .. `NAME_dp{N-1}`, at configure time (docs/dp.md).
     #[serde(default = "d_one")]
     pub dp_ranks: u32,
+    /// What the replica does in a prefill/decode (P/D) fleet (docs/pd.md): `prefill`, `decode` or
+    /// `both` (the default). A fleet where every replica is `both` routes one request to one replica,
+    /// exactly as without the field; any other role makes the filter split each request into a
+    /// prefill leg (a callout to a replica that prefills) and a decode leg (the request itself).
+    #[serde(default = "d_role")]
+    pub role: String,
+    /// P/D: the Envoy cluster the prefill leg is sent to for this replica (`dispatch_http_call` names
+    /// a cluster, not an address): a STATIC cluster holding only this replica's serving address.
+    /// Required for every replica that prefills in a fleet with roles.
+    #[serde(default)]
+    pub prefill_cluster: Option<String>,
+    /// P/D: `:authority` of the prefill leg; defaults to `endpoint`.
+    #[serde(default)]
+    pub prefill_authority: Option<String>,
     /// Set by the expansion, never read from JSON: this unit's rank, `None` for an endpoint with one
     /// rank (no rank header is written and its feed is polled without a rank).
     #[serde(skip)]
@@ -57,6 +72,74 @@ pub struct ReplicaSpec {
 
 fn d_one() -> u32 {
     1
+}
+
+fn d_role() -> String {
+    "both".into()
+}
+
+fn d_prefill_timeout() -> u64 {
+    60_000
+}
+fn d_prefill_max_bytes() -> usize {
+    1 << 20
+}
+fn d_pd_queue_weight() -> f64 {
+    PdParams::default().prefill_queue_weight
+}
+fn d_pd_transfer_weight() -> f64 {
+    PdParams::default().transfer_weight
+}
+fn d_pd_active_weight() -> f64 {
+    PdParams::default().active_request_weight
+}
+
+/// The `pd` section: the prefill leg's limits and the P/D scores' coefficients (docs/pd.md). Read
+/// only when some replica has a `prefill` or `decode` role.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PdSection {
+    /// How long the prefill leg may take, queueing on the prefill replica included. A prefill leg
+    /// computes the whole uncached prompt and waits behind every prefill queued there: tens of
+    /// seconds on a saturated prefill engine with long prompts (docs/pd.md's coding-agent runs), so
+    /// the default is generous; past it the client gets a 502.
+    #[serde(default = "d_prefill_timeout")]
+    pub prefill_timeout_ms: u64,
+    /// The prefill answer's body is refused unread over this many bytes (502). Its
+    /// `kv_transfer_params` lists a block id per prompt block: about 50 KB for a 128K-token prompt.
+    #[serde(default = "d_prefill_max_bytes")]
+    pub max_prefill_response_bytes: usize,
+    /// `q`: weight of a queued prefill block on a prefill replica against one of the request's own.
+    #[serde(default = "d_pd_queue_weight")]
+    pub prefill_queue_weight: f64,
+    /// `t`: weight of one block the decode replica reads over the link against one decode block.
+    #[serde(default = "d_pd_transfer_weight")]
+    pub transfer_weight: f64,
+    /// `w_a`: weight of an active request on a decode replica, in blocks.
+    #[serde(default = "d_pd_active_weight")]
+    pub active_request_weight: f64,
+}
+
+impl Default for PdSection {
+    fn default() -> Self {
+        PdSection {
+            prefill_timeout_ms: d_prefill_timeout(),
+            max_prefill_response_bytes: d_prefill_max_bytes(),
+            prefill_queue_weight: d_pd_queue_weight(),
+            transfer_weight: d_pd_transfer_weight(),
+            active_request_weight: d_pd_active_weight(),
+        }
+    }
+}
+
+impl PdSection {
+    pub fn params(&self) -> PdParams {
+        PdParams {
+            prefill_queue_weight: self.prefill_queue_weight,
+            transfer_weight: self.transfer_weight,
+            active_request_weight: self.active_request_weight,
+        }
+    }
 }
 
 fn d_feed_period() -> u64 {
@@ -178,6 +261,10 @@ pub struct FilterConfig {
     /// Absent: text prompts keep the approximate identity (see docs/tokenizer.md).
     #[serde(default)]
     pub tokenizer: Option<TokenizerSection>,
+    /// Prefill/decode disaggregation settings (used only when some replica has a role other than
+    /// `both`).
+    #[serde(default)]
+    pub pd: PdSection,
 }
 
 /// The `tokenizer` section: the tokenizer's own configuration in the full build.
@@ -336,6 +423,21 @@ impl FilterConfig {
                     }
                 }
             }
+            let Some(role) = Role::parse(&r.role) else {
+                return err(format!(
+                    "replicas[{i}].role: {:?} must be prefill, decode or both",
+                    r.role
+                ));
+            };
+            if self.disaggregated()
+                && role.prefills()
+                && r.prefill_cluster.as_deref().is_none_or(str::is_empty)
+            {
+                return err(format!(
+                    "replicas[{i}].prefill_cluster: required for a replica that prefills in a \
+                     fleet with roles (the prefill leg is a callout to this cluster)"
+                ));
+            }
             if self.output == OutputMode::ClusterHeader && r.cluster.is_none() {
                 return err(format!(
                     "replicas[{i}].cluster: required in cluster_header mode"
@@ -394,6 +496,7 @@ impl FilterConfig {
         self.routing
             .validate()
             .map_err(|e| ConfigError(format!("routing: {e}")))?;
+        self.validate_pd()?;
         #[cfg(not(feature = "tokenizer"))]
         if self.tokenizer.is_some() {
             return err(
@@ -404,6 +507,78 @@ impl FilterConfig {
             );
         }
         Ok(())
+    }
+
+    /// Whether the fleet is disaggregated: some replica has a role other than `both`.
+    pub fn disaggregated(&self) -> bool {
+        self.replicas.iter().any(|r| r.role != "both")
+    }
+
+    /// Every replica's role (`both` for a value that does not parse; `validate` refuses those).
+    pub fn roles(&self) -> Vec<Role> {
+        self.replicas
+            .iter()
+            .map(|r| Role::parse(&r.role).unwrap_or(Role::Both))
+            .collect()
+    }
+
+    fn validate_pd(&self) -> Result<(), ConfigError> {
+        let err = |m: String| Err(ConfigError(m));
+        let p = &self.pd;
+        if !(1..=600_000).contains(&p.prefill_timeout_ms) {
+            return err(format!(
+                "pd.prefill_timeout_ms: must be 1..=600000, got {}",
+                p.prefill_timeout_ms
+            ));
+        }
+        if !(1024..=64 << 20).contains(&p.max_prefill_response_bytes) {
+            return err(format!(
+                "pd.max_prefill_response_bytes: must be 1024..=67108864, got {}",
+                p.max_prefill_response_bytes
+            ));
+        }
+        for (field, v) in [
+            ("prefill_queue_weight", p.prefill_queue_weight),
+            ("transfer_weight", p.transfer_weight),
+            ("active_request_weight", p.active_request_weight),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return err(format!("pd.{field}: must be a finite number >= 0, got {v}"));
+            }
+        }
+        if !self.disaggregated() {
+            return Ok(());
+        }
+        if self.output == OutputMode::NginxVariable {
+            return err(
+                "replicas[].role: prefill/decode roles need Envoy (output destination_header or \
+                 cluster_header); nginx_variable mode has no prefill leg"
+                    .into(),
+            );
+        }
+        let roles = self.roles();
+        if !roles.iter().any(|r| r.prefills()) {
+            return err("replicas[].role: a fleet with roles needs a replica that prefills".into());
+        }
+        if !roles.iter().any(|r| r.decodes()) {
+            return err("replicas[].role: a fleet with roles needs a replica that decodes".into());
+        }
+        Ok(())
+    }
+
+    /// The cluster a replica's prefill leg is sent to (empty when not configured).
+    pub fn prefill_upstream(&self, i: usize) -> &str {
+        self.replicas
+            .get(i)
+            .and_then(|r| r.prefill_cluster.as_deref())
+            .unwrap_or("")
+    }
+
+    /// `:authority` of a replica's prefill leg.
+    pub fn prefill_authority(&self, i: usize) -> &str {
+        self.replicas.get(i).map_or("", |r| {
+            r.prefill_authority.as_deref().unwrap_or(&r.endpoint)
+        })
     }
 
     /// `:authority` for a replica's feed callout.
@@ -556,6 +731,99 @@ mod tests {
             1,
         );
         assert!(refused(&bad_header).starts_with("rank_header"));
+    }
+
+    const PD: &str = r#"{"replicas":[
+        {"name":"p0","endpoint":"127.0.0.1:8000","feed_cluster":"f0","role":"prefill","prefill_cluster":"c0"},
+        {"name":"d0","endpoint":"127.0.0.1:8001","feed_cluster":"f1","role":"decode"}]}"#;
+
+    /// Without roles nothing changes (every replica `both`, not disaggregated); with roles each
+    /// replica that prefills needs its prefill cluster, the fleet needs both sides, and every bad
+    /// value is refused by name.
+    #[test]
+    fn pd_roles_and_their_settings() {
+        let plain = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
+        assert!(!plain.disaggregated());
+        assert_eq!(plain.roles(), [Role::Both, Role::Both]);
+        assert_eq!(plain.pd, PdSection::default());
+        assert_eq!(plain.pd.prefill_timeout_ms, 60_000);
+        assert_eq!(plain.pd.max_prefill_response_bytes, 1 << 20);
+        assert_eq!(plain.pd.params(), PdParams::default());
+
+        let c = FilterConfig::from_json(PD.as_bytes()).unwrap();
+        assert!(c.disaggregated());
+        assert_eq!(c.roles(), [Role::Prefill, Role::Decode]);
+        assert_eq!(c.prefill_upstream(0), "c0");
+        assert_eq!(c.prefill_upstream(1), "");
+        assert_eq!(c.prefill_upstream(9), "");
+        assert_eq!(c.prefill_authority(0), "127.0.0.1:8000");
+
+        let bad_role = PD.replacen(r#""role":"decode""#, r#""role":"Decode""#, 1);
+        assert!(refused(&bad_role).starts_with("replicas[1].role"));
+        let no_cluster = PD.replacen(r#","prefill_cluster":"c0""#, "", 1);
+        assert!(refused(&no_cluster).starts_with("replicas[0].prefill_cluster"));
+        // A `both` replica prefills too, so in a fleet with roles it needs a prefill cluster.
+        let both = PD.replacen(r#""role":"decode""#, r#""role":"both""#, 1);
+        assert!(refused(&both).starts_with("replicas[1].prefill_cluster"));
+        let all_prefill = PD.replacen(
+            r#""role":"decode""#,
+            r#""role":"prefill","prefill_cluster":"c1""#,
+            1,
+        );
+        assert!(refused(&all_prefill).contains("needs a replica that decodes"));
+        let all_decode = PD.replacen(r#""role":"prefill""#, r#""role":"decode""#, 1);
+        assert!(refused(&all_decode).contains("needs a replica that prefills"));
+        let nginx = PD
+            .replacen(
+                "{\"replicas\"",
+                "{\"output\":\"nginx_variable\",\"replicas\"",
+                1,
+            )
+            .replace(
+                r#""feed_cluster":"f0""#,
+                r#""feed_address":"127.0.0.1:8000""#,
+            )
+            .replace(
+                r#""feed_cluster":"f1""#,
+                r#""feed_address":"127.0.0.1:8001""#,
+            );
+        assert!(refused(&nginx).contains("nginx_variable"));
+        for (field, bad) in [
+            ("prefill_timeout_ms", "0"),
+            ("prefill_timeout_ms", "600001"),
+            ("max_prefill_response_bytes", "10"),
+            ("transfer_weight", "-1"),
+            ("prefill_queue_weight", "-0.5"),
+        ] {
+            let json = PD.replacen(
+                "{\"replicas\"",
+                &format!("{{\"pd\":{{\"{field}\":{bad}}},\"replicas\""),
+                1,
+            );
+            assert!(
+                refused(&json).starts_with(&format!("pd.{field}")),
+                "{field} = {bad}"
+            );
+        }
+        let typo = PD.replacen("{\"replicas\"", "{\"pd\":{\"timeout\":1},\"replicas\"", 1);
+        assert!(refused(&typo).contains("timeout"));
+        let tuned = PD.replacen(
+            "{\"replicas\"",
+            "{\"pd\":{\"transfer_weight\":0.25,\"prefill_timeout_ms\":5000},\"replicas\"",
+            1,
+        );
+        let c = FilterConfig::from_json(tuned.as_bytes()).unwrap();
+        assert_eq!(c.pd.params().transfer_weight, 0.25);
+        assert_eq!(c.pd.prefill_timeout_ms, 5000);
+        // DP ranks copy the role and prefill cluster to every rank.
+        let dp = PD.replacen(
+            r#""prefill_cluster":"c0""#,
+            r#""prefill_cluster":"c0","dp_ranks":2"#,
+            1,
+        );
+        let c = FilterConfig::from_json(dp.as_bytes()).unwrap();
+        assert_eq!(c.roles(), [Role::Prefill, Role::Prefill, Role::Decode]);
+        assert_eq!(c.prefill_upstream(1), "c0");
     }
 
     const WITH_TOKENIZER: &str = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000",

@@ -1,8 +1,10 @@
 //! The proxy-wasm contexts: all host calls live here, all decisions in [`crate::router_state`].
 
 use crate::config::FilterConfig;
+use crate::pd::{self, LegFailure, PrefillAnswer};
 use crate::router_state::{
-    BodyFallback, DecisionOutput, FeedFailure, FeedPoll, FeedResult, RouterState, is_inference_path,
+    BodyFallback, DecisionOutput, FeedFailure, FeedPoll, FeedResult, PdRoute, RouterState,
+    is_inference_path,
 };
 use crate::sse::SseTracker;
 use crate::store::SharedStore;
@@ -36,6 +38,90 @@ fn log(level: LogLevel, msg: &str) {
 
 fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
     hostcalls::get_map_value_bytes(map, name).ok().flatten()
+}
+
+/// Host calls whose SDK wrappers panic on a status they do not expect (a panic traps the VM): the
+/// P/D path calls the ABI itself and turns every status into a `Result`.
+mod raw {
+    #[link(wasm_import_module = "env")]
+    unsafe extern "C" {
+        fn proxy_set_buffer_bytes(
+            buffer_type: u32,
+            start: usize,
+            size: usize,
+            data: *const u8,
+            len: usize,
+        ) -> u32;
+        #[allow(clippy::too_many_arguments)]
+        fn proxy_send_local_response(
+            status_code: u32,
+            details: *const u8,
+            details_len: usize,
+            body: *const u8,
+            body_len: usize,
+            headers: *const u8,
+            headers_len: usize,
+            grpc_status: i32,
+        ) -> u32;
+        fn proxy_continue_stream(stream_type: u32) -> u32;
+    }
+
+    /// proxy-wasm's `BufferType::HttpRequestBody` and `StreamType::HttpRequest`.
+    const HTTP_REQUEST: u32 = 0;
+
+    fn status(s: u32) -> Result<(), u32> {
+        if s == 0 { Ok(()) } else { Err(s) }
+    }
+
+    /// Replaces the buffered request body (`size`: the bytes it had) with `data`.
+    pub fn set_request_body(size: usize, data: &[u8]) -> Result<(), u32> {
+        // SAFETY: the pointers and lengths describe live slices for the duration of the call.
+        status(unsafe { proxy_set_buffer_bytes(HTTP_REQUEST, 0, size, data.as_ptr(), data.len()) })
+    }
+
+    /// proxy-wasm's header map encoding: the pair count, each name's and value's length, then each
+    /// name and value followed by a NUL.
+    fn encode_pairs(pairs: &[(&str, &str)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+        for (k, v) in pairs {
+            out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        }
+        for (k, v) in pairs {
+            out.extend_from_slice(k.as_bytes());
+            out.push(0);
+            out.extend_from_slice(v.as_bytes());
+            out.push(0);
+        }
+        out
+    }
+
+    pub fn send_local_response(
+        status_code: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), u32> {
+        let h = encode_pairs(headers);
+        // SAFETY: as above; a null details pointer with length 0 is what the SDK passes.
+        status(unsafe {
+            proxy_send_local_response(
+                status_code,
+                core::ptr::null(),
+                0,
+                body.as_ptr(),
+                body.len(),
+                h.as_ptr(),
+                h.len(),
+                -1,
+            )
+        })
+    }
+
+    pub fn resume_request() -> Result<(), u32> {
+        // SAFETY: no pointers.
+        status(unsafe { proxy_continue_stream(HTTP_REQUEST) })
+    }
 }
 
 /// The proxy's shared data, for the feed lease and relay, worker numbers and shared load.
@@ -80,6 +166,17 @@ struct Metrics {
     index_evictions: Option<u32>,
     release_anomalies: Option<u32>,
     feed_resets: Option<u32>,
+    /// P/D (docs/pd.md): requests split into two legs, prefill legs that failed (502), requests
+    /// with no prefill replica up (503), decode legs sent without `kv_transfer_params` (the prefill
+    /// answer had none), and requests sent whole to a decode replica (body not splittable).
+    pd_split: Option<u32>,
+    pd_prefill_failures: Option<u32>,
+    pd_unavailable: Option<u32>,
+    pd_plain_decodes: Option<u32>,
+    pd_whole: Option<u32>,
+    bookings: Option<u32>,
+    releases: Option<u32>,
+    last_bookings: (u64, u64),
     last_evictions: u64,
     last_anomalies: u64,
     last_resets: u64,
@@ -190,6 +287,13 @@ impl Metrics {
             index_evictions: define(Counter, "kvsteer_index_evictions"),
             release_anomalies: define(Counter, "kvsteer_release_anomalies"),
             feed_resets: define(Counter, "kvsteer_feed_resets"),
+            pd_split: define(Counter, "kvsteer_pd_requests"),
+            pd_prefill_failures: define(Counter, "kvsteer_pd_prefill_failures"),
+            pd_unavailable: define(Counter, "kvsteer_pd_unavailable"),
+            pd_plain_decodes: define(Counter, "kvsteer_pd_plain_decodes"),
+            pd_whole: define(Counter, "kvsteer_pd_whole_requests"),
+            bookings: define(Counter, "kvsteer_bookings"),
+            releases: define(Counter, "kvsteer_releases"),
             #[cfg(feature = "tokenizer")]
             tokenizer: cfg.tokenizer.as_ref().map(|_| TokenizerMetrics::define()),
             ..Metrics::default()
@@ -311,6 +415,10 @@ impl Root {
             stats.feed_resets.saturating_sub(m.last_resets),
         );
         m.last_resets = stats.feed_resets;
+        let (booked, released) = vm.state.bookings();
+        inc(m.bookings, booked.saturating_sub(m.last_bookings.0));
+        inc(m.releases, released.saturating_sub(m.last_bookings.1));
+        m.last_bookings = (booked, released);
         let cuts = vm.state.feed_time_cuts();
         inc(m.feed_time_cuts, cuts.saturating_sub(m.last_time_cuts));
         m.last_time_cuts = cuts;
@@ -423,6 +531,14 @@ impl RootContext for Root {
             })
             .unwrap_or_default();
         state.set_proxy_identity(&node_id);
+        // The P/D requests' ids must not repeat across workers, proxies or restarts: a random nonce
+        // (the std hasher's keys come from the host's random source, WASI `random_get`).
+        {
+            use std::hash::BuildHasher;
+            let nonce =
+                std::collections::hash_map::RandomState::new().hash_one((now_ns(), &node_id));
+            state.set_pd_nonce(nonce);
+        }
         let metrics = Metrics::define(state.config());
         state.set_clock(now_ns);
         state.claim_worker_id(&HostStore);
@@ -474,6 +590,8 @@ enum Phase {
     Untracked,
     /// Waiting for the whole body.
     Buffering,
+    /// P/D: both legs booked, the prefill leg's callout in flight, the request held.
+    Prefilling,
     /// Admitted: its load is on the chosen replica.
     Admitted,
     /// First token seen: prefill load moved to decode.
@@ -494,6 +612,43 @@ pub struct Stream {
     replica: Option<usize>,
     /// The request's outcome was reported for its replica's health (at most once).
     outcome_reported: bool,
+    /// The request body's size as buffered: what a rewrite of it replaces.
+    body_len: usize,
+    /// P/D: the prefill leg in flight (phase `Prefilling`).
+    prefill: Option<PrefillLeg>,
+}
+
+/// A P/D request's prefill leg while its callout is out.
+struct PrefillLeg {
+    token: u32,
+    replica: usize,
+    /// Where the decode leg goes once the prefill leg has answered.
+    decode: kvsteer_core::router::Decision,
+    /// The client's request, rewritten into the decode leg.
+    client: serde_json::Map<String, serde_json::Value>,
+    request_id: String,
+    /// A probe of an ejected prefill replica: where the leg goes if it fails (replica, its cached
+    /// prompt tokens, the request to book it with).
+    backup: Option<(usize, u64, Box<kvsteer_core::request::RouteRequest>)>,
+}
+
+/// The load-table id of a stream's prefill leg: outside the 32-bit context ids the decode leg (and
+/// every other request) is booked under.
+fn prefill_id(stream: u64) -> u64 {
+    stream | 1 << 32
+}
+
+/// Replaces the buffered request body, keeping a `content-length` the client sent true.
+fn replace_request_body(old_len: usize, body: &[u8]) -> Result<(), u32> {
+    raw::set_request_body(old_len, body)?;
+    if header(MapType::HttpRequestHeaders, "content-length").is_some() {
+        let _ = hostcalls::set_map_value_bytes(
+            MapType::HttpRequestHeaders,
+            "content-length",
+            Some(body.len().to_string().as_bytes()),
+        );
+    }
+    Ok(())
 }
 
 impl Stream {
@@ -562,24 +717,31 @@ impl Stream {
     }
 
     /// Reads the whole buffered request body (at most `max` bytes asked for), routes the request by
-    /// it and admits it; every way the body cannot be read is routed by load instead.
-    fn route_buffered(&mut self, max: usize) {
-        let Some(vm) = self.vm.clone() else { return };
+    /// it and admits it; every way the body cannot be read is routed by load instead. In a P/D fleet
+    /// the request is split into its two legs ([`Stream::route_pd`]) and may be held (`Pause`).
+    fn route_buffered(&mut self, max: usize) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
         let limit = vm.borrow().state.max_body_bytes();
         let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, max) {
             Ok(b) => b.unwrap_or_default(),
             Err(_) => {
                 self.route_fallback(BodyFallback::HostError, max.min(limit));
-                return;
+                return Action::Continue;
             }
         };
         if body.is_empty() {
             self.route_fallback(BodyFallback::Empty, 0);
-            return;
+            return Action::Continue;
         }
         if body.len() > limit {
             self.route_fallback(BodyFallback::TooLarge, body.len());
-            return;
+            return Action::Continue;
+        }
+        self.body_len = body.len();
+        if vm.borrow().state.disaggregated() {
+            return self.route_pd(&body);
         }
         let mut vm = vm.borrow_mut();
         let now = now_ms();
@@ -592,6 +754,272 @@ impl Stream {
         Self::write_destination(&vm, &d);
         self.replica = Some(d.replica);
         self.phase = Phase::Admitted;
+        Action::Continue
+    }
+
+    /// A P/D request (docs/pd.md): books both legs and sends the prefill leg as a callout, holding
+    /// the request until it answers ([`Stream::on_prefill_answer`]); a body that cannot be split goes
+    /// whole to a decode replica; with no prefill replica up the client gets a 503.
+    fn route_pd(&mut self, body: &[u8]) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        let mut vm = vm.borrow_mut();
+        let vm = &mut *vm;
+        let now = now_ms();
+        let store = vm.state.shared(&HostStore);
+        vm.state.claim_probe(store, now);
+        let route = vm.state.route_pd(
+            prefill_id(self.id),
+            self.id,
+            &self.path,
+            body,
+            self.session.as_deref(),
+            now,
+        );
+        match route {
+            PdRoute::Whole { decision, body } => {
+                inc(vm.metrics.pd_whole, 1);
+                Self::record_decision(vm, &decision);
+                Self::write_destination(vm, &decision);
+                if let Some(b) = body
+                    && replace_request_body(self.body_len, &b).is_err()
+                {
+                    log(
+                        LogLevel::Warn,
+                        "kvsteer: could not drop a client's kv_transfer_params",
+                    );
+                }
+                self.replica = Some(decision.replica);
+                self.phase = Phase::Admitted;
+                Action::Continue
+            }
+            PdRoute::Unavailable { replica, why } => {
+                inc(vm.metrics.pd_unavailable, 1);
+                let name =
+                    replica.map_or("any replica that prefills", |r| vm.state.replica_name(r));
+                log(
+                    LogLevel::Warn,
+                    &format!("kvsteer: P/D request refused: {name} {why}"),
+                );
+                let err = pd::error_body(503, "prefill", name, &why);
+                self.phase = Phase::Released;
+                Self::send_error(503, &err);
+                Action::Pause
+            }
+            PdRoute::Legs {
+                prefill,
+                decode,
+                client,
+                prefill_body,
+                prefill_matched_tokens,
+                prefill_backup,
+            } => {
+                let m = &vm.metrics;
+                inc(m.pd_split, 1);
+                inc(m.routed, 1);
+                inc(m.decisions.get(decode.replica).copied().flatten(), 1);
+                inc(m.prompt_tokens, decode.prompt_tokens);
+                inc(m.matched_tokens, prefill_matched_tokens);
+                let request_id = vm.state.next_pd_request_id();
+                let sent = Self::send_prefill(vm, prefill, &self.path, &prefill_body, &request_id);
+                match sent {
+                    Ok(token) => {
+                        self.prefill = Some(PrefillLeg {
+                            token,
+                            replica: prefill,
+                            decode,
+                            client,
+                            request_id,
+                            backup: prefill_backup,
+                        });
+                        self.phase = Phase::Prefilling;
+                    }
+                    Err(why) => {
+                        vm.state.release(prefill_id(self.id));
+                        vm.state.release(self.id);
+                        inc(vm.metrics.pd_prefill_failures, 1);
+                        let name = vm.state.replica_name(prefill);
+                        log(
+                            LogLevel::Warn,
+                            &format!("kvsteer: the prefill leg on {name} {why}"),
+                        );
+                        self.phase = Phase::Released;
+                        Self::send_error(502, &pd::error_body(502, "prefill", name, &why));
+                    }
+                }
+                Action::Pause
+            }
+        }
+    }
+
+    /// Sends a prefill leg to `prefill`'s cluster: the callout's token, or why it could not be sent.
+    fn send_prefill(
+        vm: &Vm,
+        prefill: usize,
+        path: &str,
+        body: &[u8],
+        request_id: &str,
+    ) -> Result<u32, String> {
+        let cfg = vm.state.config();
+        let length = body.len().to_string();
+        let auth = header(MapType::HttpRequestHeaders, "authorization")
+            .and_then(|v| String::from_utf8(v).ok());
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", path),
+            (":authority", cfg.prefill_authority(prefill)),
+            ("content-type", "application/json"),
+            ("content-length", length.as_str()),
+            ("x-request-id", request_id),
+        ];
+        if let Some(rank) = vm.state.rank_of_unit(prefill) {
+            headers.push((vm.state.rank_header(), rank));
+        }
+        // An engine behind an API key wants the client's key on both legs.
+        if let Some(a) = auth.as_deref() {
+            headers.push(("authorization", a));
+        }
+        let timeout = Duration::from_millis(cfg.pd.prefill_timeout_ms);
+        hostcalls::dispatch_http_call(
+            cfg.prefill_upstream(prefill),
+            headers,
+            Some(body),
+            vec![],
+            timeout,
+        )
+        .map_err(|status| LegFailure::NotSent(format!("{status:?}")).to_string())
+    }
+
+    /// The prefill leg's answer (or its failure): on success the client's request becomes the decode
+    /// leg (body rewritten with the answer's `kv_transfer_params`, destination written) and goes on;
+    /// on failure the client gets a 502 naming the leg. Either way the prefill leg's booking ends
+    /// here, and on failure the decode leg's too.
+    fn on_prefill_answer(&mut self, leg: PrefillLeg, num_headers: usize, body_size: usize) {
+        let Some(vm) = self.vm.clone() else { return };
+        let status = if num_headers == 0 {
+            None
+        } else {
+            header(MapType::HttpCallResponseHeaders, ":status")
+                .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
+        };
+        let max = vm.borrow().state.config().pd.max_prefill_response_bytes;
+        let answer = pd::read_prefill_answer(status, body_size, max, || {
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+        });
+        let mut vm = vm.borrow_mut();
+        let vm = &mut *vm;
+        let now = now_ms();
+        let replica_failed = matches!(
+            answer,
+            Err(LegFailure::NoAnswer | LegFailure::Status(500..))
+        );
+        if replica_failed && let Some((backup, matched, req)) = leg.backup.as_ref() {
+            // A probe of an ejected prefill replica that fails (5xx, no answer: what Envoy's retry
+            // policy retries for a plain request) costs the client nothing: the leg goes on to the
+            // prefill side's own choice.
+            vm.state
+                .request_outcome(leg.replica, None, Outcome::Failure, now);
+            vm.state
+                .rebook_prefill(prefill_id(self.id), req, *backup, *matched, now);
+            let body = pd::prefill_body(&leg.client);
+            match Self::send_prefill(vm, *backup, &self.path, &body, &leg.request_id) {
+                Ok(token) => {
+                    self.prefill = Some(PrefillLeg {
+                        token,
+                        replica: *backup,
+                        backup: None,
+                        ..leg
+                    });
+                    return;
+                }
+                Err(why) => {
+                    vm.state.release(prefill_id(self.id));
+                    vm.state.release(self.id);
+                    inc(vm.metrics.pd_prefill_failures, 1);
+                    let name = vm.state.replica_name(*backup);
+                    self.phase = Phase::Released;
+                    Self::send_error(502, &pd::error_body(502, "prefill", name, &why));
+                    return;
+                }
+            }
+        }
+        vm.state.release(prefill_id(self.id));
+        let params = match answer {
+            Ok(a) => {
+                vm.state
+                    .request_outcome(leg.replica, None, Outcome::Success, now);
+                match a {
+                    PrefillAnswer::Params(p) => Some(p),
+                    PrefillAnswer::Plain => {
+                        inc(vm.metrics.pd_plain_decodes, 1);
+                        None
+                    }
+                }
+            }
+            Err(f) => {
+                if replica_failed {
+                    // The prefill replica (or the proxy on its behalf) failed it.
+                    vm.state
+                        .request_outcome(leg.replica, None, Outcome::Failure, now);
+                }
+                vm.state.release(self.id);
+                inc(vm.metrics.pd_prefill_failures, 1);
+                let name = vm.state.replica_name(leg.replica);
+                let why = f.to_string();
+                log(
+                    LogLevel::Warn,
+                    &format!("kvsteer: the prefill leg on {name} {why}"),
+                );
+                self.phase = Phase::Released;
+                Self::send_error(502, &pd::error_body(502, "prefill", name, &why));
+                return;
+            }
+        };
+        let body = pd::decode_body(leg.client, params);
+        if replace_request_body(self.body_len, &body).is_err() {
+            vm.state.release(self.id);
+            inc(vm.metrics.pd_prefill_failures, 1);
+            self.phase = Phase::Released;
+            let why = "could not be handed to the decode leg (the proxy refused the body)";
+            Self::send_error(
+                502,
+                &pd::error_body(
+                    502,
+                    "decode",
+                    vm.state.replica_name(leg.decode.replica),
+                    why,
+                ),
+            );
+            return;
+        }
+        let _ = hostcalls::set_map_value_bytes(
+            MapType::HttpRequestHeaders,
+            "x-request-id",
+            Some(leg.request_id.as_bytes()),
+        );
+        Self::write_destination(vm, &leg.decode);
+        self.replica = Some(leg.decode.replica);
+        self.phase = Phase::Admitted;
+        if raw::resume_request().is_err() {
+            log(
+                LogLevel::Warn,
+                "kvsteer: the proxy refused to resume a request",
+            );
+        }
+    }
+
+    /// Answers the client with a JSON error in place of the upstream.
+    fn send_error(status: u32, body: &[u8]) {
+        if raw::send_local_response(status, &[("content-type", "application/json")], body).is_err()
+        {
+            log(
+                LogLevel::Warn,
+                "kvsteer: the proxy refused a local response",
+            );
+        }
     }
 
     /// Reports how the request ended for its replica's health, once: the replica the proxy says
@@ -613,10 +1041,18 @@ impl Stream {
     }
 
     fn release(&mut self) {
-        if matches!(self.phase, Phase::Admitted | Phase::Decoding)
-            && let Some(vm) = &self.vm
+        if matches!(
+            self.phase,
+            Phase::Admitted | Phase::Decoding | Phase::Prefilling
+        ) && let Some(vm) = &self.vm
         {
-            vm.borrow_mut().state.release(self.id);
+            let mut vm = vm.borrow_mut();
+            vm.state.release(self.id);
+            if self.phase == Phase::Prefilling {
+                // The client left while the prefill leg was out: its answer will find no stream.
+                vm.state.release(prefill_id(self.id));
+                self.prefill = None;
+            }
         }
         if self.phase != Phase::Untracked {
             self.phase = Phase::Released;
@@ -628,6 +1064,24 @@ impl Context for Stream {
     fn on_done(&mut self) -> bool {
         self.release();
         true
+    }
+
+    /// Only a P/D prefill leg's answer comes here; one for a stream no longer waiting for it (or with
+    /// another token) is ignored.
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if self.phase != Phase::Prefilling {
+            return;
+        }
+        match self.prefill.take() {
+            Some(leg) if leg.token == token => self.on_prefill_answer(leg, num_headers, body_size),
+            other => self.prefill = other,
+        }
     }
 }
 
@@ -692,8 +1146,7 @@ impl HttpContext for Stream {
             // The rest of the body, or trailers (HTTP/2, gRPC-style clients), end the request.
             return Action::Pause;
         }
-        self.route_buffered(body_size);
-        Action::Continue
+        self.route_buffered(body_size)
     }
 
     /// A request that ends with trailers: end of stream arrives here, not on the body, and the whole
@@ -708,8 +1161,7 @@ impl HttpContext for Stream {
         };
         // Ask for one byte past the limit: a body over it is routed by load without being copied.
         let limit = vm.borrow().state.max_body_bytes();
-        self.route_buffered(limit.saturating_add(1));
-        Action::Continue
+        self.route_buffered(limit.saturating_add(1))
     }
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if !matches!(self.phase, Phase::Admitted | Phase::Decoding) {

@@ -14,6 +14,7 @@
 //! parsers.
 
 pub mod config;
+pub mod pd;
 pub mod peers;
 pub mod relay;
 pub mod router_state;

@@ -9,7 +9,8 @@ use crate::relay;
 use crate::store::SharedStore;
 use kvsteer_core::feed::FeedFrame;
 use kvsteer_core::health::{Health, Outcome};
-use kvsteer_core::request::PromptTokenizer;
+use kvsteer_core::pd::{PdParams, Role};
+use kvsteer_core::request::{PromptTokenizer, RouteRequest};
 use kvsteer_core::router::{Decision, FeedOutcome, Router, RouterStats};
 #[cfg(feature = "tokenizer")]
 use kvsteer_tokenizer::TextTokenizer;
@@ -211,6 +212,36 @@ impl Destinations {
     }
 }
 
+/// How a request in a P/D fleet goes (docs/pd.md), from [`RouterState::route_pd`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum PdRoute {
+    /// Both legs booked, the prefill leg under `prefill_id`, the decode leg under `decode_id`: send
+    /// `prefill_body` to `prefill`, then the client's request (with the answer's
+    /// `kv_transfer_params`) where `decode` says.
+    Legs {
+        prefill: usize,
+        decode: Decision,
+        client: serde_json::Map<String, serde_json::Value>,
+        prefill_body: Vec<u8>,
+        prefill_matched_tokens: u64,
+        /// The prefill leg is an ejected replica's health probe: where to send it instead if the
+        /// probe fails (the side's own choice, its cached prompt tokens) and the request, to book it
+        /// there ([`RouterState::rebook_prefill`]).
+        prefill_backup: Option<(usize, u64, Box<RouteRequest>)>,
+    },
+    /// The body is not a request the filter can split (too large, not JSON, no prompt): sent whole,
+    /// by load, to a replica that decodes, booked under `decode_id`. `body`: the body to send
+    /// instead of the client's when it was a JSON object carrying its own `kv_transfer_params`
+    /// (dropped: only the filter may set them in a P/D fleet).
+    Whole {
+        decision: Decision,
+        body: Option<Vec<u8>>,
+    },
+    /// No prefill replica can take it (the chosen one is down: every one that prefills is): nothing
+    /// booked; the client gets a 503.
+    Unavailable { replica: Option<usize>, why: String },
+}
+
 /// What a feed answer did, for logs and metrics.
 #[derive(Clone, Debug, PartialEq)]
 pub enum FeedResult {
@@ -271,6 +302,18 @@ pub struct RouterState {
     /// Text-prompt tokenizer, when configured (full build only).
     #[cfg(feature = "tokenizer")]
     tokenizer: Option<TextTokenizer>,
+    /// Every replica's P/D role; `disaggregated` when some role is not `both`.
+    roles: Vec<Role>,
+    disaggregated: bool,
+    pd_params: PdParams,
+    /// The P/D requests' `x-request-id`: this VM's random nonce and a counter.
+    pd_nonce: u64,
+    pd_requests: u64,
+    /// Bookings in the load table (a request, or one leg of a P/D request) made and released by
+    /// this worker: their difference is what it has in flight, so a proxy whose counters (summed
+    /// over its workers) differ once traffic stops has leaked load.
+    bookings: u64,
+    releases: u64,
 }
 
 impl RouterState {
@@ -303,7 +346,17 @@ impl RouterState {
             .iter()
             .map(|r| r.rank.map(|k| k.to_string()))
             .collect();
+        let roles = cfg.roles();
+        let disaggregated = cfg.disaggregated();
+        let pd_params = cfg.pd.params();
         Ok(RouterState {
+            roles,
+            disaggregated,
+            pd_params,
+            pd_nonce: 0,
+            pd_requests: 0,
+            bookings: 0,
+            releases: 0,
             rank_values,
             #[cfg(feature = "tokenizer")]
             tokenizer,
@@ -501,6 +554,7 @@ impl RouterState {
         let (d, unread) = self
             .router
             .route_body(request_id, path, body, session, tok, now_ms);
+        self.bookings += 1;
         if unread.is_some() {
             self.body_fallbacks[BodyFallback::Unreadable as usize] += 1;
         }
@@ -508,7 +562,7 @@ impl RouterState {
     }
 
     /// Routes by load alone and tracks the request, its prompt estimated at 4 body bytes a token (the
-    /// same ratio as the approximate text identity).
+    /// same ratio as the approximate text identity). In a P/D fleet only replicas that decode take it.
     pub fn route_fallback(
         &mut self,
         request_id: u64,
@@ -517,7 +571,123 @@ impl RouterState {
         now_ms: u64,
     ) -> Decision {
         self.body_fallbacks[why as usize] += 1;
+        self.bookings += 1;
+        if self.disaggregated {
+            return self
+                .router
+                .route_unread_pd(request_id, body_bytes, &self.roles, now_ms);
+        }
         self.router.route_unread(request_id, body_bytes, now_ms)
+    }
+
+    // --- Prefill/decode disaggregation (docs/pd.md) ---
+
+    /// Whether requests are split into a prefill and a decode leg: some replica's role is not `both`.
+    pub fn disaggregated(&self) -> bool {
+        self.disaggregated
+    }
+
+    /// Seeds the P/D request ids with a value of this VM's own (random at configure time).
+    pub fn set_pd_nonce(&mut self, nonce: u64) {
+        self.pd_nonce = nonce;
+    }
+
+    /// A fresh `x-request-id` for both legs of one P/D request.
+    pub fn next_pd_request_id(&mut self) -> String {
+        self.pd_requests += 1;
+        crate::pd::request_id(self.pd_nonce, self.pd_requests)
+    }
+
+    /// The rank header's value for a unit (`None`: a unit without a rank).
+    pub fn rank_of_unit(&self, replica: usize) -> Option<&str> {
+        self.rank_values.get(replica)?.as_deref()
+    }
+
+    /// Routes a P/D request: reads it, picks both ends (`Router::route_pd`) and books both legs, or
+    /// sends it whole to a decode replica when it cannot be split, or gives up when no replica that
+    /// prefills is up.
+    pub fn route_pd(
+        &mut self,
+        prefill_id: u64,
+        decode_id: u64,
+        path: &str,
+        body: &[u8],
+        session: Option<&str>,
+        now_ms: u64,
+    ) -> PdRoute {
+        let whole = |s: &mut Self, why: BodyFallback| {
+            let decision = s.route_fallback(decode_id, why, body.len(), now_ms);
+            let body = crate::pd::client_request(body)
+                .filter(|m| m.contains_key(crate::pd::KV_TRANSFER_PARAMS))
+                .map(|m| crate::pd::decode_body(m, None));
+            PdRoute::Whole { decision, body }
+        };
+        if body.len() > self.cfg.routing.max_body_bytes {
+            return whole(self, BodyFallback::TooLarge);
+        }
+        #[cfg(feature = "tokenizer")]
+        let tok = self
+            .tokenizer
+            .as_mut()
+            .map(|t| t as &mut dyn PromptTokenizer);
+        #[cfg(not(feature = "tokenizer"))]
+        let tok: Option<&mut dyn PromptTokenizer> = None;
+        let req = match self.router.read_request_with(path, body, session, tok) {
+            Ok(r) => r,
+            Err(_) => return whole(self, BodyFallback::Unreadable),
+        };
+        let Some(client) = crate::pd::client_request(body) else {
+            return whole(self, BodyFallback::Unreadable);
+        };
+        let d = match self
+            .router
+            .route_pd(&req, &self.roles, &self.pd_params, now_ms)
+        {
+            Ok(d) => d,
+            Err(e) => {
+                return PdRoute::Unavailable {
+                    replica: None,
+                    why: e.to_string(),
+                };
+            }
+        };
+        if self.router.is_down(d.prefill) {
+            // route_pd keeps to replicas that are up while its side has one: every one is down.
+            return PdRoute::Unavailable {
+                replica: Some(d.prefill),
+                why: "is down, as is every replica that prefills".into(),
+            };
+        }
+        self.router
+            .admit_pd(prefill_id, decode_id, &req, &d, now_ms);
+        self.bookings += 2;
+        let decode = self.router.pd_decode_decision(&d, &self.roles);
+        PdRoute::Legs {
+            prefill: d.prefill,
+            decode,
+            prefill_body: crate::pd::prefill_body(&client),
+            client,
+            prefill_matched_tokens: d.prefill_matched_tokens,
+            prefill_backup: d
+                .prefill_backup
+                .map(|(r, matched)| (r, matched, Box::new(req))),
+        }
+    }
+
+    /// A prefill leg that probed an ejected replica failed: it is released there and booked again
+    /// under the same id on `replica` (the prefill side's own choice), where it is sent next.
+    pub fn rebook_prefill(
+        &mut self,
+        prefill_id: u64,
+        req: &RouteRequest,
+        replica: usize,
+        matched_tokens: u64,
+        now_ms: u64,
+    ) {
+        self.release(prefill_id);
+        self.router
+            .admit_prefill_leg(prefill_id, req, replica, matched_tokens, now_ms);
+        self.bookings += 1;
     }
 
     /// The request's first token arrived: its prefill load becomes decode load.
@@ -533,7 +703,14 @@ impl RouterState {
     /// The request ended (finished, failed or aborted): its load is released. `false` for a request
     /// not tracked (counted as a release anomaly).
     pub fn release(&mut self, request_id: u64) -> bool {
-        self.router.release(request_id)
+        let released = self.router.release(request_id);
+        self.releases += released as u64;
+        released
+    }
+
+    /// Bookings made and released so far (requests, and each leg of a P/D request).
+    pub fn bookings(&self) -> (u64, u64) {
+        (self.bookings, self.releases)
     }
 
     /// How a routed request ended, for the replicas' health (`kvsteer_core::health`). `chosen`: the
@@ -1172,6 +1349,87 @@ mod tests {
 
     fn worker(policy: &str) -> RouterState {
         worker_routing(&format!(r#"{{"policy":"{policy}"}}"#))
+    }
+
+    fn pd_worker() -> RouterState {
+        let json = r#"{"replicas":[
+            {"name":"p0","endpoint":"10.0.0.1:8000","feed_cluster":"f0","role":"prefill","prefill_cluster":"c0"},
+            {"name":"p1","endpoint":"10.0.0.2:8000","feed_cluster":"f1","role":"prefill","prefill_cluster":"c1"},
+            {"name":"d0","endpoint":"10.0.0.3:8000","feed_cluster":"f2","role":"decode"},
+            {"name":"d1","endpoint":"10.0.0.4:8000","feed_cluster":"f3","role":"decode"}]}"#;
+        RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+    }
+
+    /// A readable request is split into two booked legs (prefill side, decode side), each released
+    /// apart; one that cannot be split goes whole to a decode replica without the client's
+    /// `kv_transfer_params`; with every prefill replica down nothing is booked.
+    #[test]
+    fn pd_requests_are_split_sent_whole_or_refused() {
+        let mut w = pd_worker();
+        assert!(w.disaggregated() && !worker("kv_load").disaggregated());
+        let body = br#"{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17],"max_tokens":9,"stream":true}"#;
+        let PdRoute::Legs {
+            prefill,
+            decode,
+            client,
+            prefill_body,
+            ..
+        } = w.route_pd(1 << 32 | 5, 5, "/v1/completions", body, None, 0)
+        else {
+            panic!("two legs expected");
+        };
+        assert!(
+            prefill < 2 && (2..4).contains(&decode.replica),
+            "{prefill} {decode:?}"
+        );
+        assert!(decode.backup.is_some_and(|b| (2..4).contains(&b)));
+        assert_eq!(client["max_tokens"], 9);
+        let pb: serde_json::Value = serde_json::from_slice(&prefill_body).unwrap();
+        assert_eq!(pb["max_tokens"], 1);
+        assert_eq!(w.router.local_load()[prefill].active_requests, 1);
+        assert_eq!(w.router.local_load()[decode.replica].active_requests, 1);
+        assert_eq!(w.bookings(), (2, 0));
+        assert!(w.release(1 << 32 | 5) && w.release(5));
+        assert!(!w.release(5), "each leg is booked once");
+        assert_eq!(w.bookings(), (2, 2));
+
+        for (bad, stripped) in [
+            (
+                &br#"{"max_tokens":9,"kv_transfer_params":{"remote_host":"x"}}"#[..],
+                true,
+            ),
+            (b"not json", false),
+        ] {
+            let PdRoute::Whole { decision, body } =
+                w.route_pd(1 << 32 | 6, 6, "/v1/completions", bad, None, 0)
+            else {
+                panic!("whole expected");
+            };
+            assert!((2..4).contains(&decision.replica));
+            assert_eq!(body.is_some(), stripped);
+            if let Some(b) = body {
+                assert!(!String::from_utf8(b).unwrap().contains("kv_transfer_params"));
+            }
+            assert!(w.release(6));
+            assert!(!w.release(1 << 32 | 6), "nothing booked for a prefill leg");
+        }
+
+        w.router.set_down(0, true);
+        w.router.set_down(1, true);
+        let r = w.route_pd(1 << 32 | 7, 7, "/v1/completions", body, None, 0);
+        assert!(
+            matches!(
+                r,
+                PdRoute::Unavailable {
+                    replica: Some(0 | 1),
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert!(!w.release(7) && !w.release(1 << 32 | 7), "nothing booked");
+        assert_eq!(w.bookings(), (4, 4));
+        assert_ne!(w.next_pd_request_id(), w.next_pd_request_id());
     }
 
     /// The destination table gives what formatting per request gave, for small fleets (the table)

@@ -1,33 +1,38 @@
 //! A prefill/decode (P/D) fleet in virtual time (docs/pd.md): prefill-role and decode-role simulated
-//! engines, and a proxy that carries out vLLM's two-leg protocol for each request with the routing
-//! core's P/D decision ([`kvsteer_core::Router::route_pd`]).
+//! engines in front of the **compiled filter**, which carries out vLLM's two-leg protocol for each
+//! request: the same `.wasm`, host and engines as the wasm harness, each engine's feed polled by the
+//! filter on its own timer and answered from the engine.
 //!
-//! **This runs the core natively, not the compiled filter**: the filter does not do P/D yet (the
-//! HTTP callout to the prefill replica is the next step, docs/pd.md). Everything else is the same
-//! parts as the wasm harness: the same engines, the same feed (each engine's feed polled every
-//! `feed_period_us` into the router, as the filter polls it), the same workload driver and recorder.
-//!
-//! Per request: the router picks a prefill replica and a decode replica and books both legs; the
-//! prefill leg runs on the prefill engine as a 1-token request (vLLM's `max_tokens: 1` with
-//! `do_remote_decode`); when it finishes, the decode leg is submitted to the decode engine with
-//! remote KV ([`kvsteer_sim::Engine::submit_remote`]: the prompt not cached there is read over the
-//! link, then the last token is computed), and the client's stream is the decode engine's. TTFT is
-//! measured from issue to the decode engine's first token, so it holds the prefill queue and compute,
-//! the transfer and the decode engine's first step. The prefill leg's token is discarded, as vLLM's
-//! proxies do.
+//! Per request: the filter reads the client's request (a streamed completion), picks a prefill
+//! replica and a decode replica, books both legs and sends the prefill leg as a callout; the host
+//! runs it on the prefill engine it names as a 1-token request (vLLM's `max_tokens: 1` with
+//! `do_remote_decode`) and, when it finishes, answers the callout with `kv_transfer_params` in the NIXL
+//! producer's shape. The filter then releases the client's request to the decode replica its
+//! destination header names, which the host submits to that engine with remote KV
+//! ([`kvsteer_sim::Engine::submit_remote`]: the prompt not cached there is read over the link, then
+//! the last token is computed); the decode engine's tokens stream back through the filter (SSE, one
+//! chunk per step) and end it. TTFT is measured from issue to the decode engine's first token, so it
+//! holds the prefill queue and compute, the transfer and the decode engine's first step. The prefill
+//! leg's token is discarded, as vLLM's proxies do. Callouts are answered with no network latency.
 
-use crate::HarnessStats;
 use crate::bench::run::Outcome;
-use kvsteer_core::block::BlockHasher;
+use crate::openai::{SseWriter, completion_body, request_headers, sse_headers};
+use crate::{
+    CallOutcome, Callout, FilterModule, HarnessStats, HostError, HostMode, Proxy, ProxyOptions,
+    WorkerVm,
+};
+use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedQuery};
 use kvsteer_core::pd::{PdParams, Role};
-use kvsteer_core::request::{Endpoint, PromptIdentity, RouteRequest};
-use kvsteer_core::{Router, RoutingConfig};
 use kvsteer_sim::pd::KvLink;
 use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest, FinishReason};
 use kvsteer_workload::{Driver, Mode, Recorder, Workload};
+use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// The destination header the filter writes (its default).
+const DESTINATION: &str = "x-gateway-destination-endpoint";
 
 /// A P/D fleet replay's settings.
 #[derive(Clone, Debug)]
@@ -95,33 +100,92 @@ pub struct PdStats {
 }
 
 struct Flight {
+    /// The filter's stream of this request.
+    stream: u32,
     prompt: Arc<[u32]>,
     max_tokens: u32,
+    /// The prefill callout, until the prefill engine has answered it.
+    call: Option<Callout>,
     decode: usize,
     /// The prefill leg's cached prompt tokens (the hit rate reported is the prefill side's).
     prefill_cached: u64,
     output: Vec<u32>,
+    /// Tokens generated since the last response chunk handed to the filter.
+    pending: Vec<u32>,
+    sse: SseWriter,
+    headers_sent: bool,
 }
 
-fn route_request(
-    hasher: &BlockHasher,
-    prompt: &[u32],
-    max_tokens: u32,
-    session: &str,
-) -> RouteRequest {
-    RouteRequest {
-        endpoint: Endpoint::Completions,
-        model: None,
-        stream: true,
-        output_hint: Some(max_tokens as u64),
-        session_key: Some(session.to_string()),
-        prompt_tokens: prompt.len() as u64,
-        identity: PromptIdentity::Exact(hasher.sequence_hashes(prompt)),
+/// The prefill replica of replica `r` is named by its cluster; its endpoint is `127.0.0.1:18000+r`.
+fn endpoint(r: usize) -> String {
+    format!("127.0.0.1:{}", 18000 + r)
+}
+
+fn replica_of_destination(dest: &str) -> Option<usize> {
+    let first = dest.split(',').next()?;
+    let port: usize = first.rsplit(':').next()?.parse().ok()?;
+    port.checked_sub(18000)
+}
+
+/// The filter's plugin configuration for a P/D fleet: prefill replicas `r0..`, then decode ones,
+/// one prefill cluster per prefill replica, the fleet's routing and P/D coefficients.
+pub fn plugin_config(cfg: &PdConfig) -> Value {
+    let replicas: Vec<Value> = cfg
+        .roles()
+        .iter()
+        .enumerate()
+        .map(|(i, role)| {
+            let mut r = json!({"name": format!("r{i}"), "endpoint": endpoint(i),
+                "feed_cluster": format!("kvsteer_feed_r{i}"), "feed_authority": endpoint(i)});
+            if *role == Role::Prefill {
+                r["role"] = json!("prefill");
+                r["prefill_cluster"] = json!(format!("prefill_r{i}"));
+            } else {
+                r["role"] = json!("decode");
+            }
+            r
+        })
+        .collect();
+    let p = &cfg.params;
+    json!({"replicas": replicas, "routing": cfg.routing,
+        "feed_period_ms": (cfg.feed_period_us / 1000).max(TICK_MS), "tick_ms": TICK_MS,
+        "pd": {"prefill_queue_weight": p.prefill_queue_weight,
+            "transfer_weight": p.transfer_weight,
+            "active_request_weight": p.active_request_weight,
+            "max_prefill_response_bytes": 64 << 20}})
+}
+
+/// The filter's timer period in the replay (its default).
+const TICK_MS: u64 = 100;
+
+/// The prefill engine's answer, in the NIXL producer's shape (the simulator's server answers the
+/// same): the prompt's block ids stand in for the KV's location.
+fn prefill_answer(id: u64, replica: usize, prompt_len: usize, block_size: usize) -> Vec<u8> {
+    let mut blocks = String::with_capacity(prompt_len / block_size.max(1) * 6 + 2);
+    for b in 0..prompt_len / block_size.max(1) {
+        if b > 0 {
+            blocks.push(',');
+        }
+        blocks.push_str(&b.to_string());
     }
+    format!(
+        "{{\"id\":\"cmpl-{id}\",\"object\":\"text_completion\",\"choices\":[{{\"index\":0,\
+         \"text\":\"x\",\"finish_reason\":\"length\"}}],\"kv_transfer_params\":\
+         {{\"do_remote_prefill\":true,\"do_remote_decode\":false,\"remote_block_ids\":[{blocks}],\
+         \"remote_engine_id\":\"r{replica}\",\"remote_request_id\":\"cmpl-{id}\",\
+         \"remote_host\":null,\"remote_port\":null,\"tp_size\":1}}}}"
+    )
+    .into_bytes()
 }
 
-/// Replays `workload` on a P/D fleet; `label` names the run in the summary.
+fn host(e: HostError) -> String {
+    e.to_string()
+}
+
+/// Replays `workload` on a P/D fleet through the compiled filter; `label` names the run in the
+/// summary.
 pub fn replay_pd(
+    module: &FilterModule,
     workload: Workload,
     mode: Mode,
     cfg: &PdConfig,
@@ -137,11 +201,12 @@ pub fn replay_pd(
             cfg.prefill, cfg.decode
         ));
     }
-    let roles = cfg.roles();
-    let rc = RoutingConfig::from_json(&cfg.routing.to_string()).map_err(|e| e.to_string())?;
-    let block_size = rc.block_size;
-    let hasher = BlockHasher::new(block_size).map_err(|e| format!("block size: {e:?}"))?;
-    let mut router = Router::new(rc, n).map_err(|e| e.to_string())?;
+    let block_size = cfg.engine.block_size;
+    let proxy = Proxy::new(
+        module,
+        ProxyOptions::new(HostMode::Envoy, plugin_config(cfg).to_string()),
+    );
+    let mut w = proxy.start_worker().map_err(host)?;
     let mut engines: Vec<Engine> = (0..n)
         .map(|i| Engine::new(cfg.engine.for_replica(i)))
         .collect();
@@ -151,13 +216,30 @@ pub fn replay_pd(
     let mut stats = PdStats::default();
     let mut flights: HashMap<u64, Flight> = HashMap::new();
     let mut now: u64 = 0;
-    let mut next_feed: u64 = 0;
+    let mut next_tick: u64 = 0;
     let mut next_sample: u64 = 0;
     let mut events: Vec<(usize, EngineEvent)> = Vec::new();
     let mut scratch = Vec::new();
     let mut issues = Vec::new();
+    let mut dirty: Vec<u64> = Vec::new();
     let mut done: u64 = 0;
+    // Ends a request that failed: the filter's stream is ended (releasing whatever it booked).
+    let fail = |w: &mut WorkerVm,
+                f: Flight,
+                id: u64,
+                t_us: u64,
+                rec: &mut Recorder,
+                driver: &mut Driver,
+                stats: &mut PdStats|
+     -> Result<(), String> {
+        w.end_stream(f.stream).map_err(host)?;
+        rec.failed(id, t_us);
+        let _ = driver.fail(id, t_us);
+        stats.failed += 1;
+        Ok(())
+    };
     loop {
+        proxy.set_now_ns(now * 1000);
         // Every engine step ending by `now`, in engine order.
         events.clear();
         for (e, eng) in engines.iter_mut().enumerate() {
@@ -178,24 +260,41 @@ pub fn replay_pd(
                 else {
                     continue;
                 };
-                router.release(2 * id);
                 let Some(f) = flights.get_mut(&id) else {
                     continue;
                 };
+                let Some(call) = f.call.take() else { continue };
                 f.prefill_cached = cached_tokens as u64;
-                let req = EngineRequest {
-                    id,
-                    prompt: f.prompt.to_vec(),
-                    max_tokens: f.max_tokens,
-                    ignore_eos: true,
-                    min_tokens: 0,
-                };
-                let sent = if reason == FinishReason::Abort {
-                    Err("prefill leg aborted".to_string())
+                let answer = if reason == FinishReason::Abort {
+                    CallOutcome::ok(500, "application/json", b"{\"error\":\"aborted\"}".to_vec())
                 } else {
-                    engines[f.decode]
-                        .submit_remote(t_us, req, &cfg.link)
-                        .map_err(|e| e.to_string())
+                    let body = prefill_answer(id, e, f.prompt.len(), block_size);
+                    CallOutcome::ok(200, "application/json", body)
+                };
+                w.answer_callout(&call, answer).map_err(host)?;
+                let st = w
+                    .stream(f.stream)
+                    .ok_or_else(|| format!("{label}: stream of request {id} vanished"))?;
+                let decode = st
+                    .upstream_header(DESTINATION)
+                    .and_then(replica_of_destination)
+                    .filter(|&d| d < n && st.local_response.is_none());
+                let sent = match decode {
+                    Some(d) => {
+                        f.decode = d;
+                        rec.routed(id, d);
+                        let req = EngineRequest {
+                            id,
+                            prompt: f.prompt.to_vec(),
+                            max_tokens: f.max_tokens,
+                            ignore_eos: true,
+                            min_tokens: 0,
+                        };
+                        engines[d]
+                            .submit_remote(t_us, req, &cfg.link)
+                            .map_err(|e| e.to_string())
+                    }
+                    None => Err("the prefill leg failed".into()),
                 };
                 match sent {
                     Ok(moved) => {
@@ -206,12 +305,9 @@ pub fn replay_pd(
                         }
                     }
                     Err(_) => {
-                        // Either leg failing fails the request and releases all its load.
-                        flights.remove(&id);
-                        router.release(2 * id + 1);
-                        rec.failed(id, t_us);
-                        let _ = driver.fail(id, t_us);
-                        stats.failed += 1;
+                        // Either leg failing fails the request; the filter releases its load.
+                        let f = flights.remove(&id).expect("checked above");
+                        fail(&mut w, f, id, t_us, &mut rec, &mut driver, &mut stats)?;
                         done += 1;
                     }
                 }
@@ -223,43 +319,94 @@ pub fn replay_pd(
             match ev {
                 EngineEvent::FirstToken { t_us, token, .. } => {
                     f.output.push(token);
+                    f.pending.push(token);
                     rec.first_token(id, t_us);
-                    router.first_token(2 * id + 1);
+                    dirty.push(id);
                 }
                 EngineEvent::Token { token, .. } => {
                     f.output.push(token);
-                    if f.output.len() % 16 == 0 {
-                        router.decode_progress(2 * id + 1, f.output.len() as u64);
-                    }
+                    f.pending.push(token);
+                    dirty.push(id);
                 }
                 EngineEvent::Finished {
                     t_us,
+                    prompt_tokens,
+                    cached_tokens,
                     completion_tokens,
                     reason,
                     ..
                 } => {
-                    let f = flights.remove(&id).expect("checked above");
-                    router.release(2 * id + 1);
+                    let mut f = flights.remove(&id).expect("checked above");
                     done += 1;
                     if reason == FinishReason::Abort {
-                        rec.failed(id, t_us);
-                        let _ = driver.fail(id, t_us);
-                        stats.failed += 1;
+                        fail(&mut w, f, id, t_us, &mut rec, &mut driver, &mut stats)?;
                     } else {
+                        if !f.headers_sent {
+                            w.response_headers(f.stream, sse_headers(), false)
+                                .map_err(host)?;
+                        }
+                        let last = f.sse.finish(
+                            &f.pending,
+                            "length",
+                            prompt_tokens,
+                            completion_tokens,
+                            cached_tokens,
+                        );
+                        w.response_body(f.stream, &last, true).map_err(host)?;
+                        w.end_stream(f.stream).map_err(host)?;
                         rec.finished(id, t_us, f.prefill_cached, completion_tokens as u64);
                         let _ = driver.complete(id, t_us, &f.output);
                     }
                 }
             }
         }
-        if now >= next_feed {
-            // The poll time is the router's clock (its latest decision), as the filter's is.
-            for (r, eng) in engines.iter_mut().enumerate() {
-                let q = router.feed_query(r, kvsteer_core::feed::DEFAULT_MAX_EVENTS);
-                let b = eng.feed(&q);
-                router.apply_feed(r, &b);
+        // The tokens of this step reach the filter as one chunk per stream, as a proxy hands over
+        // what arrived since its last read.
+        for id in dirty.drain(..) {
+            let Some(f) = flights.get_mut(&id) else {
+                continue;
+            };
+            if f.pending.is_empty() {
+                continue;
             }
-            next_feed = now + cfg.feed_period_us.max(1);
+            if !f.headers_sent {
+                w.response_headers(f.stream, sse_headers(), false)
+                    .map_err(host)?;
+                f.headers_sent = true;
+            }
+            let chunk = f.sse.tokens(&f.pending);
+            f.pending.clear();
+            w.response_body(f.stream, &chunk, false).map_err(host)?;
+        }
+        if now >= next_tick {
+            // The filter's timer: feed polls when due, answered at once from the engines.
+            w.tick().map_err(host)?;
+            loop {
+                let calls = w.take_callouts();
+                if calls.is_empty() {
+                    break;
+                }
+                for call in calls {
+                    let r = call
+                        .upstream
+                        .strip_prefix("kvsteer_feed_r")
+                        .and_then(|s| s.parse::<usize>().ok())
+                        .filter(|&r| r < n)
+                        .ok_or_else(|| {
+                            format!("{label}: unexpected callout to {}", call.upstream)
+                        })?;
+                    let path = call.header(":path").unwrap_or("");
+                    let q = path.split_once('?').map_or("", |p| p.1);
+                    let outcome = match FeedQuery::parse(q) {
+                        Ok(q) => {
+                            CallOutcome::ok(200, FEED_CONTENT_TYPE, engines[r].feed(&q).encode())
+                        }
+                        Err(e) => CallOutcome::ok(400, "text/plain", e.into_bytes()),
+                    };
+                    w.answer_callout(&call, outcome).map_err(host)?;
+                }
+            }
+            next_tick = now + TICK_MS * 1000;
         }
         if now >= next_sample {
             let blocks: Vec<u64> = engines.iter().map(|e| e.decode_blocks()).collect();
@@ -272,47 +419,70 @@ pub fn replay_pd(
             rec.issued_from(&issue);
             stats.requests += 1;
             let id = issue.request_id;
-            let req = route_request(
-                &hasher,
-                &issue.prompt,
-                issue.output_tokens,
-                &issue.session_id,
+            let body = completion_body(&issue.prompt, issue.output_tokens);
+            let stream = w.new_stream().map_err(host)?;
+            let headers = request_headers(
+                "/v1/completions",
+                body.len(),
+                Some(("x-session-id", issue.session_id.as_str())),
+                &[],
             );
-            let d = router
-                .route_pd(&req, &roles, &cfg.params, now / 1000)
-                .map_err(|e| e.to_string())?;
-            router.admit_pd(2 * id, 2 * id + 1, &req, &d, now / 1000);
-            stats.prefill_matched_tokens += d.prefill_matched_tokens;
-            rec.routed(id, d.decode);
-            let sent = engines[d.prefill].submit(
-                now,
-                EngineRequest {
-                    id,
-                    prompt: issue.prompt.to_vec(),
-                    max_tokens: 1,
-                    ignore_eos: true,
-                    min_tokens: 0,
-                },
-            );
+            w.request_headers(stream, headers, false).map_err(host)?;
+            w.request_body(stream, &body, true).map_err(host)?;
+            let mut calls = w.take_callouts();
+            let call = match calls.len() {
+                1 => calls.pop(),
+                0 => None,
+                more => return Err(format!("{label}: {more} callouts for one request")),
+            };
+            let mut f = Flight {
+                stream,
+                prompt: issue.prompt.clone(),
+                max_tokens: issue.output_tokens,
+                call: None,
+                decode: 0,
+                prefill_cached: 0,
+                output: Vec::new(),
+                pending: Vec::new(),
+                sse: SseWriter::new(id, now / 1_000_000, 0),
+                headers_sent: false,
+            };
+            let prefill = call.as_ref().and_then(|c| {
+                c.upstream
+                    .strip_prefix("prefill_r")
+                    .and_then(|s| s.parse::<usize>().ok())
+                    .filter(|&p| p < cfg.prefill)
+            });
+            let sent = match (prefill, call) {
+                (Some(p), Some(call)) => {
+                    f.call = Some(call);
+                    engines[p]
+                        .submit(
+                            now,
+                            EngineRequest {
+                                id,
+                                prompt: issue.prompt.to_vec(),
+                                max_tokens: 1,
+                                ignore_eos: true,
+                                min_tokens: 0,
+                            },
+                        )
+                        .map_err(|e| e.to_string())
+                }
+                // No prefill leg: the filter answered (503) or sent the request whole.
+                _ => Err("no prefill leg".into()),
+            };
             if sent.is_err() {
-                router.release(2 * id);
-                router.release(2 * id + 1);
-                rec.failed(id, now);
-                let _ = driver.fail(id, now);
-                stats.failed += 1;
+                if let Some(call) = f.call.take() {
+                    let refused =
+                        CallOutcome::ok(503, "application/json", b"{\"error\":\"full\"}".to_vec());
+                    w.answer_callout(&call, refused).map_err(host)?;
+                }
+                fail(&mut w, f, id, now, &mut rec, &mut driver, &mut stats)?;
                 done += 1;
                 continue;
             }
-            flights.insert(
-                id,
-                Flight {
-                    prompt: issue.prompt.clone(),
-                    max_tokens: issue.output_tokens,
-                    decode: d.decode,
-                    prefill_cached: 0,
-                    output: Vec::new(),
-                },
-            );
+            flights.insert(id, f);
         }
         progress(done, total);
         let engine_next = engines.iter().filter_map(|e| e.next_event_time()).min();
@@ -326,13 +496,20 @@ pub fn replay_pd(
                 flights.len()
             ));
         }
-        let next = [engine_next, driver_next, Some(next_feed), Some(next_sample)]
+        let next = [engine_next, driver_next, Some(next_tick), Some(next_sample)]
             .into_iter()
             .flatten()
             .min()
             .unwrap_or(now + 1);
         // Everything due at `now` was handled, so the clock always moves on.
         now = next.max(now + 1);
+    }
+    // The filter's own view: prompt tokens its index expected cached on the chosen prefill replicas.
+    stats.prefill_matched_tokens = proxy
+        .metric("kvsteer_matched_tokens")
+        .map_or(0, |m| m.value.max(0) as u64);
+    if w.is_dead() {
+        return Err(format!("{label}: the filter's worker died"));
     }
     let hs = HarnessStats {
         requests: stats.requests,
@@ -385,6 +562,7 @@ pub fn split_pd_params(spec: &str) -> Result<(String, PdParams), String> {
 /// variants, plus `@pd.KEY=NUMBER`), engines as the bench builds them, the router's tie-break seeded
 /// as the filter's is in the bench.
 pub fn replay_pd_spec(
+    module: &FilterModule,
     workload: Workload,
     mode: Mode,
     policy: &str,
@@ -403,7 +581,7 @@ pub fn replay_pd_spec(
     let engine = crate::bench::scenario::Scenario::engine(block_size, seed);
     let mut cfg = PdConfig::new(prefill, decode, engine, routing);
     cfg.params = params;
-    replay_pd(workload, mode, &cfg, policy, seed, progress)
+    replay_pd(module, workload, mode, &cfg, policy, seed, progress)
 }
 
 #[cfg(test)]
@@ -434,13 +612,15 @@ mod tests {
                 ("pd-rl", 2, 6)
             );
             let (w, mode) = sc.build(std::path::Path::new("traces"), 1).unwrap();
-            let (o, st) = replay_pd_spec(w, mode, policy, 1, (2, 4), |_, _| {}).unwrap();
+            let path = crate::filter_wasm_path().unwrap_or_else(|e| panic!("{e}"));
+            let module = FilterModule::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            let (o, st) = replay_pd_spec(&module, w, mode, policy, 1, (2, 4), |_, _| {}).unwrap();
             assert_eq!(st.failed, 0, "{policy}");
             assert_eq!(o.summary.failed, 0, "{policy}");
             assert!(st.requests > 0 && o.summary.requests as u64 == st.requests);
             assert!(o.rows.iter().all(|r| r.replica.is_none_or(|d| d >= 2)));
             assert!(st.transferred_tokens > 0 && st.transferred_tokens <= st.decode_prompt_tokens);
-            // The router's index learned the caches from the feeds.
+            // The filter's index learned the caches from the feeds.
             assert!(
                 st.prefill_matched_tokens > 0,
                 "{policy}: the feed never reached the index"

@@ -16,8 +16,8 @@
 //! and group `dp`, 2 endpoints x 4 data-parallel ranks (`dp-rl`, `dp-weka-c32`, `dp-weka-c48`), where
 //! a policy spec ending in `@rank_blind` routes to endpoints only; docs/dp.md; and group `pd`,
 //! 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`, `pd-weka-c24`; group `pd-shape`:
-//! `pd-weka-c24-3p3d`, the same 6 engines split 3 + 3), replayed by `kvsteer_host_test::pd` with
-//! the core's P/D decision run natively (the filter has no P/D yet), `@pd.KEY=NUMBER` setting its
+//! `pd-weka-c24-3p3d`, the same 6 engines split 3 + 3), replayed by `kvsteer_host_test::pd`
+//! through the filter's two-leg P/D path (one worker VM), `@pd.KEY=NUMBER` setting its
 //! coefficients; docs/pd.md),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
@@ -287,26 +287,27 @@ fn run(args: &Args) -> Result<(), String> {
                             p[i] = done;
                         }
                     };
-                    // A P/D fleet runs through the native P/D replay (the filter has no P/D
-                    // yet; docs/pd.md).
+                    // A P/D fleet runs through the filter's two-leg path (host-test/src/pd.rs).
                     let mut r = if sc.pd_prefill > 0 {
                         let split = (sc.pd_prefill, sc.endpoints - sc.pd_prefill);
-                        replay_pd_spec(w, mode, &j.policy, j.seed, split, tick).map(|(o, st)| {
-                            eprintln!(
-                                "pd {} {} seed {}: {} requests, {} failed, decode legs read \
+                        replay_pd_spec(module, w, mode, &j.policy, j.seed, split, tick).map(
+                            |(o, st)| {
+                                eprintln!(
+                                    "pd {} {} seed {}: {} requests, {} failed, decode legs read \
                                  {:.1}% of their prompt tokens over the link, {} of them held \
                                  part of it",
-                                sc.id,
-                                j.policy,
-                                j.seed,
-                                st.requests,
-                                st.failed,
-                                100.0 * st.transferred_tokens as f64
-                                    / st.decode_prompt_tokens.max(1) as f64,
-                                st.decode_local_hits
-                            );
-                            o
-                        })
+                                    sc.id,
+                                    j.policy,
+                                    j.seed,
+                                    st.requests,
+                                    st.failed,
+                                    100.0 * st.transferred_tokens as f64
+                                        / st.decode_prompt_tokens.max(1) as f64,
+                                    st.decode_local_hits
+                                );
+                                o
+                            },
+                        )
                     } else {
                         replay_fleet(module, w, mode, &j.policy, j.seed, topology, fleet, tick)
                     };
@@ -742,8 +743,8 @@ fn write_outputs(
         ),
         (
             "pd",
-            "P/D fleet: 2 prefill + 4 decode engines (docs/pd.md; the core's P/D decision run \
-             natively, not through the filter; the hit rate is the prefill side's)",
+            "P/D fleet: 2 prefill + 4 decode engines (docs/pd.md; through the filter's two-leg \
+             path, one worker VM; the hit rate is the prefill side's)",
         ),
         (
             "pd-shape",

@@ -1,0 +1,713 @@
+//! Prefill/decode disaggregation through the compiled filter (docs/pd.md): a fleet of 2 prefill and
+//! 2 decode simulated engines. The host answers the filter's prefill callout from a prefill engine (a
+//! 1-token request, answering `kv_transfer_params` in the NIXL producer's shape) and sends the decode
+//! leg the filter released to the decode engine it names, with remote KV
+//! ([`kvsteer_sim::Engine::submit_remote`]). Hostile prefill answers (not JSON, oversized, without
+//! `kv_transfer_params`, a 500, a reset, a timeout), a callout that cannot be sent, every prefill
+//! replica down and a client leaving mid-prefill never trap and leave no load booked.
+
+mod common;
+use common::*;
+use kvsteer_core::feed::{FEED_CONTENT_TYPE, FEED_PATH, FeedQuery};
+use kvsteer_core::load::LoadTotals;
+use kvsteer_host_test::openai::request_headers;
+use kvsteer_host_test::{CallOutcome, Callout, HostMode, Proxy, ProxyOptions, WorkerVm, pairs};
+use kvsteer_sim::pd::KvLink;
+use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest};
+use serde_json::{Value, json};
+
+const DEST: &str = "x-gateway-destination-endpoint";
+const PREFILL: usize = 2;
+const REPLICAS: usize = 4;
+
+fn plugin_config(policy: &str, extra: Value) -> String {
+    let replicas: Vec<Value> = (0..REPLICAS)
+        .map(|i| {
+            let mut r = json!({"name": format!("r{i}"), "endpoint": format!("127.0.0.1:{}", 18000 + i),
+                "feed_cluster": format!("kvsteer_feed_r{i}")});
+            if i < PREFILL {
+                r["role"] = json!("prefill");
+                r["prefill_cluster"] = json!(format!("prefill_r{i}"));
+            } else {
+                r["role"] = json!("decode");
+            }
+            r
+        })
+        .collect();
+    let mut cfg = json!({"replicas": replicas, "routing": {"policy": policy, "block_size": 16},
+        "feed_period_ms": 100, "tick_ms": 50, "pd": {"prefill_timeout_ms": 5000,
+        "max_prefill_response_bytes": 4096}});
+    if let (Value::Object(c), Value::Object(e)) = (&mut cfg, extra) {
+        c.extend(e);
+    }
+    cfg.to_string()
+}
+
+/// The replica of a destination header's first entry (`IP:port[,IP:port]`).
+fn endpoint_index(e: &str) -> usize {
+    let first = e.split(',').next().unwrap();
+    let port: usize = first.rsplit(':').next().unwrap().parse().unwrap();
+    port - 18000
+}
+
+struct Fleet {
+    proxy: Proxy,
+    w: WorkerVm,
+    engines: Vec<Engine>,
+    now_us: u64,
+    /// Feeds answered with a reset instead of the engine's batch (the replica unreachable).
+    unreachable: Vec<bool>,
+}
+
+/// What one request through the fleet did.
+#[derive(Debug)]
+struct Served {
+    prefill: usize,
+    decode: usize,
+    prefill_cached: u32,
+    transferred: u64,
+}
+
+impl Fleet {
+    fn new(options: ProxyOptions) -> Fleet {
+        let proxy = Proxy::new(module(), options);
+        let w = proxy.start_worker().expect("worker");
+        let engines = (0..REPLICAS)
+            .map(|i| Engine::new(EngineConfig::default().for_replica(i)))
+            .collect();
+        let mut f = Fleet {
+            proxy,
+            w,
+            engines,
+            now_us: 0,
+            unreachable: vec![false; REPLICAS],
+        };
+        f.poll_feeds();
+        f
+    }
+
+    fn with(policy: &str) -> Fleet {
+        Fleet::new(ProxyOptions::new(
+            HostMode::Envoy,
+            plugin_config(policy, json!({})),
+        ))
+    }
+
+    fn advance(&mut self, us: u64) {
+        self.now_us += us;
+        self.proxy.set_now_ns(self.now_us * 1000);
+        let mut ev = Vec::new();
+        for e in &mut self.engines {
+            e.advance(self.now_us, &mut ev);
+        }
+    }
+
+    /// Two ticks 150 ms apart, every feed poll answered from its engine: the filter's index and load
+    /// views follow the engines.
+    fn poll_feeds(&mut self) {
+        for _ in 0..2 {
+            self.tick(150_000);
+        }
+    }
+
+    /// Moves time on by `us` and ticks, answering the feed polls the tick sends.
+    fn tick(&mut self, us: u64) {
+        self.advance(us);
+        self.w.tick().expect("tick");
+        {
+            for call in self.w.take_callouts() {
+                let r = call
+                    .upstream
+                    .strip_prefix("kvsteer_feed_r")
+                    .and_then(|s| s.parse::<usize>().ok())
+                    .expect("only feed polls outside a request");
+                let outcome = if self.unreachable[r] {
+                    CallOutcome::Reset
+                } else {
+                    let path = call.header(":path").unwrap_or("").to_string();
+                    let (p, q) = path.split_once('?').unwrap_or((&path, ""));
+                    assert!(p.ends_with(FEED_PATH));
+                    let q = FeedQuery::parse(q).unwrap();
+                    CallOutcome::ok(200, FEED_CONTENT_TYPE, self.engines[r].feed(&q).encode())
+                };
+                self.w.answer_callout(&call, outcome).expect("feed answer");
+            }
+        }
+    }
+
+    /// Sends a client request up to the end of its body; returns the stream and the prefill
+    /// callout the filter dispatched (None when it dispatched none).
+    fn send(&mut self, body: &Value, extra: &[(String, String)]) -> (u32, Option<Callout>) {
+        let bytes = body.to_string().into_bytes();
+        let id = self.w.new_stream().unwrap();
+        self.w
+            .request_headers(
+                id,
+                request_headers("/v1/completions", bytes.len(), None, extra),
+                false,
+            )
+            .unwrap();
+        self.w.request_body(id, &bytes, true).unwrap();
+        let calls = self.w.take_callouts();
+        assert!(calls.len() <= 1, "{calls:?}");
+        (id, calls.into_iter().next())
+    }
+
+    /// Runs engine `e` until request `id` finishes; its cached prompt tokens and output length.
+    fn run_to_end(&mut self, e: usize, id: u64) -> (u32, u32) {
+        let mut ev = Vec::new();
+        loop {
+            let next = self.engines[e]
+                .next_event_time()
+                .expect("the engine has work");
+            self.engines[e].advance(next, &mut ev);
+            for x in ev.drain(..) {
+                if let EngineEvent::Finished {
+                    id: i,
+                    cached_tokens,
+                    completion_tokens,
+                    ..
+                } = x
+                    && i == id
+                {
+                    return (cached_tokens, completion_tokens);
+                }
+            }
+        }
+    }
+
+    /// Plays the prefill engine: checks the leg is vLLM's prefill request, runs it as a 1-token
+    /// request, answers as the NIXL producer does. Returns the answer and the cached prompt tokens.
+    fn prefill_answer(&mut self, call: &Callout, rid: u64) -> (CallOutcome, usize, u32) {
+        let p = call
+            .upstream
+            .strip_prefix("prefill_r")
+            .and_then(|s| s.parse::<usize>().ok())
+            .expect("a prefill cluster");
+        assert!(p < PREFILL, "the prefill leg went to a prefill replica");
+        assert_eq!(call.header(":method"), Some("POST"));
+        assert_eq!(call.header(":path"), Some("/v1/completions"));
+        assert_eq!(call.header(":authority").map(endpoint_index), Some(p));
+        assert_eq!(call.header("content-type"), Some("application/json"));
+        assert_eq!(call.timeout_ms, 5000);
+        let body: Value = serde_json::from_slice(&call.body).unwrap();
+        assert_eq!(
+            call.header("content-length"),
+            Some(call.body.len().to_string().as_str())
+        );
+        assert_eq!(body["stream"], json!(false));
+        assert_eq!(body["max_tokens"], json!(1));
+        assert!(body.get("stream_options").is_none());
+        assert_eq!(body["kv_transfer_params"]["do_remote_decode"], json!(true));
+        let prompt: Vec<u32> = serde_json::from_value(body["prompt"].clone()).unwrap();
+        let now = self.engines[p].now_us();
+        self.engines[p]
+            .submit(
+                now,
+                EngineRequest {
+                    id: rid,
+                    prompt: prompt.clone(),
+                    max_tokens: 1,
+                    ignore_eos: true,
+                    min_tokens: 0,
+                },
+            )
+            .unwrap();
+        let (cached, out) = self.run_to_end(p, rid);
+        assert_eq!(out, 1);
+        let blocks: Vec<usize> = (0..prompt.len() / 16).collect();
+        let answer = json!({"id": format!("cmpl-{rid}"), "object": "text_completion",
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false,
+                "remote_block_ids": blocks, "remote_engine_id": format!("r{p}"),
+                "remote_request_id": call.header("x-request-id"), "remote_host": null,
+                "remote_port": null, "tp_size": 1}});
+        (
+            CallOutcome::ok(200, "application/json", answer.to_string().into_bytes()),
+            p,
+            cached,
+        )
+    }
+
+    /// One whole P/D request: prefill leg on its engine, decode leg with remote KV on the engine the
+    /// destination names, the answer back through the filter, the stream ended.
+    fn serve(&mut self, prompt: &[u32], rid: u64) -> Served {
+        let body = json!({"prompt": prompt, "max_tokens": 8, "stream": true,
+            "stream_options": {"include_usage": true}, "kv_transfer_params": {"remote_host": "10.6.6.6"}});
+        // A client naming a replica itself: never obeyed.
+        let spoof = [(DEST.to_string(), "127.0.0.1:18000".to_string())];
+        let (id, call) = self.send(&body, &spoof);
+        let call = call.expect("a prefill callout");
+        let st = self.w.stream(id).unwrap();
+        assert!(!st.released, "held while the prefill leg is out");
+        let (answer, prefill, prefill_cached) = self.prefill_answer(&call, rid);
+        let sent_params: Value = match &answer {
+            CallOutcome::Response { body, .. } => {
+                serde_json::from_slice::<Value>(body).unwrap()["kv_transfer_params"].clone()
+            }
+            CallOutcome::Reset => unreachable!(),
+        };
+        self.w.answer_callout(&call, answer).unwrap();
+        let st = self.w.stream(id).unwrap();
+        assert!(st.local_response.is_none(), "{:?}", st.local_response);
+        assert!(st.resumed_by_filter && st.released);
+        let dest = st.upstream_header(DEST).expect("destination");
+        let decode = endpoint_index(dest.split(',').next().unwrap());
+        assert!(
+            decode >= PREFILL,
+            "the decode leg went to a decode replica: {dest}"
+        );
+        if let Some(b) = dest.split(',').nth(1) {
+            assert!(
+                endpoint_index(b) >= PREFILL,
+                "retry backup on the decode side: {dest}"
+            );
+        }
+        assert_eq!(
+            st.upstream_header("x-request-id"),
+            call.header("x-request-id"),
+            "both legs carry one request id"
+        );
+        let up: Value = serde_json::from_slice(&st.upstream_body).unwrap();
+        assert_eq!(
+            st.upstream_header("content-length"),
+            Some(st.upstream_body.len().to_string().as_str())
+        );
+        assert_eq!(
+            up["kv_transfer_params"], sent_params,
+            "the answer's object verbatim"
+        );
+        assert_eq!(up["stream"], json!(true));
+        assert_eq!(up["max_tokens"], json!(8));
+        assert_eq!(up["stream_options"], json!({"include_usage": true}));
+        assert_eq!(up["kv_transfer_params"]["do_remote_prefill"], json!(true));
+        let now = self.engines[decode].now_us();
+        let transferred = self.engines[decode]
+            .submit_remote(
+                now,
+                EngineRequest {
+                    id: rid,
+                    prompt: prompt.to_vec(),
+                    max_tokens: 8,
+                    ignore_eos: true,
+                    min_tokens: 0,
+                },
+                &KvLink::default(),
+            )
+            .unwrap();
+        let (_, out) = self.run_to_end(decode, rid);
+        assert_eq!(out, 8);
+        let answer = json!({"choices": [{"text": "12345678", "finish_reason": "length"}]});
+        self.w
+            .response_headers(
+                id,
+                pairs(&[(":status", "200"), ("content-type", "application/json")]),
+                false,
+            )
+            .unwrap();
+        self.w
+            .response_body(id, answer.to_string().as_bytes(), true)
+            .unwrap();
+        self.w.end_stream(id).unwrap();
+        Served {
+            prefill,
+            decode,
+            prefill_cached,
+            transferred,
+        }
+    }
+
+    /// Requests the filter has booked, all replicas together, as it published them at its last tick.
+    fn booked(&mut self) -> u64 {
+        self.tick(60_000);
+        let (bytes, _) = self
+            .proxy
+            .shared_data(b"kvsteer:load:0")
+            .expect("the filter publishes its load");
+        let totals = &bytes[8..];
+        let count = u32::from_le_bytes(totals[4..8].try_into().unwrap()) as usize;
+        let len = 8 + count * kvsteer_core::load::LOAD_TOTALS_LEN;
+        LoadTotals::decode_all(&totals[..len])
+            .unwrap()
+            .iter()
+            .map(|t| t.active_requests as u64)
+            .sum()
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        self.proxy.metric(name).map_or(0, |m| m.value as u64)
+    }
+
+    fn assert_clean(&mut self) {
+        // Every booking released, as the metrics say (they follow at the next tick).
+        self.tick(60_000);
+        assert_eq!(
+            self.counter("kvsteer_bookings"),
+            self.counter("kvsteer_releases")
+        );
+        assert!(!self.w.is_dead(), "the worker trapped");
+        assert!(
+            self.w.notes().is_empty(),
+            "ABI misuse: {:?}",
+            self.w.notes()
+        );
+        assert_eq!(self.counter("kvsteer_release_anomalies"), 0);
+        assert_eq!(self.w.log_counts()[5], 0, "critical: {:?}", self.w.logs());
+    }
+}
+
+/// Sessions of growing turns: each turn's prefill leg goes to the prefill replica whose cache holds
+/// the session (learned from the feeds), the decode leg to the decode replica that already holds
+/// the earlier turns, which reads only the new part over the link. Every leg's load is released.
+#[test]
+fn kv_load_serves_both_legs_and_keeps_sessions_on_their_caches() {
+    let mut f = Fleet::with("kv_load");
+    let mut rid = 1;
+    for s in 0..4u64 {
+        let mut prompt = tokens(900 + s, 640);
+        let mut first: Option<Served> = None;
+        for turn in 0..3u64 {
+            let served = f.serve(&prompt, rid);
+            rid += 1;
+            if let Some(first) = &first {
+                assert_eq!(served.prefill, first.prefill, "session {s} turn {turn}");
+                assert!(
+                    served.prefill_cached as usize >= prompt.len() - 160,
+                    "session {s} turn {turn}: prefill hit {served:?}"
+                );
+                assert_eq!(served.decode, first.decode, "session {s} turn {turn}");
+                assert!(
+                    (served.transferred as usize) < prompt.len() / 2,
+                    "session {s} turn {turn}: the decode replica reads only the new part: {served:?}"
+                );
+            } else {
+                assert_eq!(served.transferred as usize, prompt.len(), "{served:?}");
+                first = Some(served);
+            }
+            f.poll_feeds();
+            prompt = extend(&prompt, 77 * s + turn, 128);
+        }
+    }
+    assert_eq!(f.booked(), 0, "every leg released");
+    assert_eq!(f.counter("kvsteer_pd_requests"), 12);
+    assert_eq!(f.counter("kvsteer_pd_prefill_failures"), 0);
+    assert!(f.counter("kvsteer_spoofed_headers_removed") >= 12);
+    f.assert_clean();
+    assert_eq!(f.counter("kvsteer_bookings"), 24, "two legs a request");
+}
+
+/// Round robin alternates each side on its own, over its own replicas.
+#[test]
+fn round_robin_alternates_each_side() {
+    let mut f = Fleet::with("round_robin");
+    let picks: Vec<(usize, usize)> = (0..4)
+        .map(|i| {
+            let s = f.serve(&tokens(300 + i, 200), 10 + i);
+            (s.prefill, s.decode)
+        })
+        .collect();
+    assert_eq!(picks, [(0, 2), (1, 3), (0, 2), (1, 3)]);
+    assert_eq!(f.booked(), 0);
+    f.assert_clean();
+}
+
+fn bad(status: u16, body: &[u8]) -> CallOutcome {
+    CallOutcome::ok(status, "application/json", body.to_vec())
+}
+
+/// Every hostile prefill answer: no trap, a 502 naming the prefill leg, both legs released, the
+/// failure counted. An answer without `kv_transfer_params` is not a failure: the decode leg goes
+/// as a plain request without the client's own params.
+#[test]
+fn hostile_prefill_answers_never_trap_and_release_everything() {
+    let mut f = Fleet::with("kv_load");
+    let huge = vec![b' '; 5000];
+    let cases: Vec<(&str, CallOutcome)> = vec![
+        ("not json", bad(200, b"<html>oops</html>")),
+        ("a JSON array", bad(200, b"[1,2,3]")),
+        (
+            "truncated",
+            bad(200, br#"{"kv_transfer_params": {"do_remote"#),
+        ),
+        ("oversized", bad(200, &huge)),
+        ("empty", bad(200, b"")),
+        ("500", bad(500, br#"{"error": "boom"}"#)),
+        ("429", bad(429, b"")),
+        ("reset", CallOutcome::Reset),
+        ("timeout", CallOutcome::timeout()),
+    ];
+    let n = cases.len() as u64;
+    for (i, (what, outcome)) in cases.into_iter().enumerate() {
+        let body = json!({"prompt": tokens(40 + i as u64, 100), "max_tokens": 4});
+        let (id, call) = f.send(&body, &[]);
+        let call = call.unwrap_or_else(|| panic!("{what}: a prefill callout"));
+        assert_eq!(
+            f.booked(),
+            2,
+            "{what}: both legs booked while the prefill leg is out"
+        );
+        f.w.answer_callout(&call, outcome).unwrap();
+        let st = f.w.stream(id).unwrap();
+        let local = st
+            .local_response
+            .as_ref()
+            .unwrap_or_else(|| panic!("{what}: the client gets an answer"));
+        assert_eq!(local.status, 502, "{what}");
+        let err: Value = serde_json::from_slice(&local.body).unwrap();
+        assert_eq!(err["error"]["leg"], json!("prefill"), "{what}");
+        assert!(!st.released, "{what}: nothing goes upstream");
+        f.w.end_stream(id).unwrap();
+        assert_eq!(f.booked(), 0, "{what}: both legs released");
+    }
+    assert_eq!(f.counter("kvsteer_pd_prefill_failures"), n);
+
+    // A 2xx JSON answer without (or with a non-object) kv_transfer_params: plain decode leg.
+    for answer in [&br#"{"choices": []}"#[..], br#"{"kv_transfer_params": 7}"#] {
+        let body = json!({"prompt": tokens(70, 100), "max_tokens": 4,
+            "kv_transfer_params": {"do_remote_prefill": true, "remote_host": "10.6.6.6"}});
+        let (id, call) = f.send(&body, &[]);
+        f.w.answer_callout(&call.unwrap(), bad(200, answer))
+            .unwrap();
+        let st = f.w.stream(id).unwrap();
+        assert!(st.local_response.is_none() && st.released);
+        let up: Value = serde_json::from_slice(&st.upstream_body).unwrap();
+        assert!(
+            up.get("kv_transfer_params").is_none(),
+            "the client's own params never pass: {up}"
+        );
+        assert!(endpoint_index(st.upstream_header(DEST).unwrap()) >= PREFILL);
+        f.w.response_headers(id, pairs(&[(":status", "200")]), true)
+            .unwrap();
+        f.w.end_stream(id).unwrap();
+    }
+    assert_eq!(f.counter("kvsteer_pd_plain_decodes"), 2);
+    assert_eq!(f.booked(), 0);
+    f.assert_clean();
+}
+
+/// A client that leaves while the prefill leg is out releases both legs; the late answer finds no
+/// stream and changes nothing. Answers to two waiting streams each reach their own.
+#[test]
+fn a_late_prefill_answer_for_a_finished_stream_is_ignored() {
+    let mut f = Fleet::with("kv_load");
+    let body = json!({"prompt": tokens(5, 300), "max_tokens": 4});
+    let (id, call) = f.send(&body, &[]);
+    let call = call.unwrap();
+    f.w.end_stream(id).unwrap();
+    assert_eq!(f.booked(), 0, "released when the client left");
+    let (answer, _, _) = f.prefill_answer(&call, 99);
+    f.w.answer_callout(&call, answer).unwrap();
+    assert_eq!(f.booked(), 0);
+
+    // Two streams waiting, answered in the other order: each answer goes to its own stream (the
+    // first one's failure does not touch the second).
+    let (a, call_a) = f.send(&body, &[]);
+    let (id, call) = f.send(&body, &[]);
+    let (call_a, call) = (call_a.unwrap(), call.unwrap());
+    let (answer, _, _) = f.prefill_answer(&call, 100);
+    f.w.answer_callout(&call, answer).unwrap();
+    assert!(f.w.stream(id).unwrap().released);
+    assert!(!f.w.stream(a).unwrap().released);
+    f.w.answer_callout(&call_a, bad(500, b"")).unwrap();
+    assert_eq!(
+        f.w.stream(a)
+            .unwrap()
+            .local_response
+            .as_ref()
+            .unwrap()
+            .status,
+        502
+    );
+    assert!(f.w.stream(id).unwrap().local_response.is_none());
+    f.w.end_stream(a).unwrap();
+    f.w.response_headers(id, pairs(&[(":status", "200")]), true)
+        .unwrap();
+    f.w.end_stream(id).unwrap();
+    assert_eq!(f.booked(), 0);
+    f.assert_clean();
+}
+
+/// No prefill replica up (their feeds unreachable): a 503 naming the prefill leg, nothing booked.
+/// A prefill cluster the proxy does not know: a 502, nothing booked. A body that cannot be split goes
+/// whole to a decode replica.
+#[test]
+fn unavailable_prefill_unsendable_callouts_and_unsplittable_bodies() {
+    let mut f = Fleet::with("kv_load");
+    f.unreachable[0] = true;
+    f.unreachable[1] = true;
+    for _ in 0..3 {
+        f.poll_feeds();
+    }
+    let (id, call) = f.send(&json!({"prompt": tokens(8, 100), "max_tokens": 4}), &[]);
+    assert!(call.is_none(), "no callout to a replica that is down");
+    let local = f.w.stream(id).unwrap().local_response.clone().unwrap();
+    assert_eq!(local.status, 503);
+    let err: Value = serde_json::from_slice(&local.body).unwrap();
+    assert_eq!(err["error"]["leg"], json!("prefill"));
+    f.w.end_stream(id).unwrap();
+    assert_eq!(f.counter("kvsteer_pd_unavailable"), 1);
+    assert_eq!(f.booked(), 0);
+    f.assert_clean();
+
+    let mut options = ProxyOptions::new(HostMode::Envoy, plugin_config("kv_load", json!({})));
+    options.clusters = Some(
+        (0..REPLICAS)
+            .map(|i| format!("kvsteer_feed_r{i}"))
+            .collect(),
+    );
+    let mut f = Fleet::new(options);
+    let (id, call) = f.send(&json!({"prompt": tokens(9, 100), "max_tokens": 4}), &[]);
+    assert!(call.is_none());
+    assert_eq!(
+        f.w.stream(id)
+            .unwrap()
+            .local_response
+            .as_ref()
+            .unwrap()
+            .status,
+        502
+    );
+    f.w.end_stream(id).unwrap();
+    assert_eq!(f.booked(), 0);
+    assert_eq!(f.counter("kvsteer_pd_prefill_failures"), 1);
+
+    // Not a request the core can read: whole, to a decode replica, no callout.
+    for body in [json!({"max_tokens": 4}), json!([1, 2])] {
+        let (id, call) = f.send(&body, &[]);
+        assert!(call.is_none());
+        let st = f.w.stream(id).unwrap();
+        assert!(st.released && st.local_response.is_none());
+        assert!(endpoint_index(st.upstream_header(DEST).unwrap()) >= PREFILL);
+        f.w.response_headers(id, pairs(&[(":status", "400")]), true)
+            .unwrap();
+        f.w.end_stream(id).unwrap();
+    }
+    assert_eq!(f.counter("kvsteer_pd_whole_requests"), 2);
+    assert_eq!(f.booked(), 0);
+    f.assert_clean();
+}
+
+/// Without roles the same fleet routes one request to one replica, no callout: today's behaviour.
+#[test]
+fn a_fleet_without_roles_makes_no_prefill_callout() {
+    let cfg = plugin_config("kv_load", json!({}))
+        .replace("\"prefill\"", "\"both\"")
+        .replace("\"decode\"", "\"both\"");
+    let mut f = Fleet::new(ProxyOptions::new(HostMode::Envoy, cfg));
+    let (id, call) = f.send(&json!({"prompt": tokens(3, 100), "max_tokens": 4}), &[]);
+    assert!(call.is_none());
+    assert!(f.w.stream(id).unwrap().released);
+    assert_eq!(f.counter("kvsteer_pd_requests"), 0);
+    f.w.end_stream(id).unwrap();
+    f.assert_clean();
+}
+
+/// A prefill replica that keeps failing is ejected (its failures count against its health) and then
+/// probed once per probe interval: a failed probe's leg goes on to the other prefill replica, so the
+/// client never sees it; a successful one restores the replica.
+#[test]
+fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing() {
+    let mut f = Fleet::with("round_robin");
+    let body = |i: u64| json!({"prompt": tokens(600 + i, 100), "max_tokens": 4});
+    let finish = |f: &mut Fleet, id: u32| {
+        f.w.response_headers(id, pairs(&[(":status", "200")]), true)
+            .unwrap();
+        f.w.end_stream(id).unwrap();
+    };
+    // Round robin alternates r0, r1; r0 answers 500 three times in a row: ejected.
+    let mut r0_failures = 0;
+    for i in 0..6 {
+        let (id, call) = f.send(&body(i), &[]);
+        let call = call.unwrap();
+        if call.upstream == "prefill_r0" {
+            f.w.answer_callout(&call, bad(500, b"")).unwrap();
+            assert_eq!(
+                f.w.stream(id)
+                    .unwrap()
+                    .local_response
+                    .as_ref()
+                    .unwrap()
+                    .status,
+                502
+            );
+            f.w.end_stream(id).unwrap();
+            r0_failures += 1;
+        } else {
+            let (answer, _, _) = f.prefill_answer(&call, 1000 + i);
+            f.w.answer_callout(&call, answer).unwrap();
+            finish(&mut f, id);
+        }
+    }
+    assert_eq!(r0_failures, 3);
+    f.tick(10_000);
+    assert_eq!(
+        f.counter("kvsteer_ejected_r0"),
+        1,
+        "the gauge follows at the tick"
+    );
+    assert_eq!(f.counter("kvsteer_pd_prefill_failures"), 3);
+    // Ejected: every prefill leg goes to r1 until a probe is due.
+    for i in 6..9 {
+        let (id, call) = f.send(&body(i), &[]);
+        let call = call.unwrap();
+        assert_eq!(call.upstream, "prefill_r1", "r0 is ejected");
+        let (answer, _, _) = f.prefill_answer(&call, 1000 + i);
+        f.w.answer_callout(&call, answer).unwrap();
+        finish(&mut f, id);
+    }
+    // A probe interval later the next prefill leg probes r0; it fails, and the leg goes on to r1.
+    f.tick(1_100_000);
+    let (id, call) = f.send(&body(20), &[]);
+    let probe = call.unwrap();
+    assert_eq!(probe.upstream, "prefill_r0", "the probe");
+    assert_eq!(f.booked(), 2);
+    f.w.answer_callout(&probe, bad(500, b"")).unwrap();
+    let st = f.w.stream(id).unwrap();
+    assert!(
+        st.local_response.is_none() && !st.released,
+        "{:?}",
+        st.local_response
+    );
+    let retry = f.w.take_callouts();
+    assert_eq!(retry.len(), 1);
+    assert_eq!(retry[0].upstream, "prefill_r1");
+    assert_eq!(
+        retry[0].header("x-request-id"),
+        probe.header("x-request-id")
+    );
+    assert_eq!(f.booked(), 2, "the prefill leg moved, not doubled");
+    let (answer, _, _) = f.prefill_answer(&retry[0], 2000);
+    f.w.answer_callout(&retry[0], answer).unwrap();
+    let st = f.w.stream(id).unwrap();
+    assert!(st.released && st.local_response.is_none());
+    finish(&mut f, id);
+    assert_eq!(
+        f.counter("kvsteer_pd_prefill_failures"),
+        3,
+        "the failed probe is not a failure"
+    );
+    // Later, a probe that succeeds restores r0 (once its failures have decayed).
+    f.tick(9_000_000);
+    let (id, call) = f.send(&body(30), &[]);
+    let call = call.unwrap();
+    assert_eq!(call.upstream, "prefill_r0", "the next probe");
+    let (answer, _, _) = f.prefill_answer(&call, 3000);
+    f.w.answer_callout(&call, answer).unwrap();
+    finish(&mut f, id);
+    let ups: Vec<String> = (0..4)
+        .map(|i| {
+            let (id, call) = f.send(&body(40 + i), &[]);
+            let call = call.unwrap();
+            let (answer, _, _) = f.prefill_answer(&call, 4000 + i);
+            f.w.answer_callout(&call, answer).unwrap();
+            finish(&mut f, id);
+            call.upstream
+        })
+        .collect();
+    assert!(
+        ups.iter().any(|u| u == "prefill_r0"),
+        "r0 restored: {ups:?}"
+    );
+    assert_eq!(f.booked(), 0);
+    f.assert_clean();
+}
