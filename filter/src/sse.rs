@@ -25,10 +25,12 @@ pub struct Progress {
 #[derive(Clone, Debug, Default)]
 pub struct SseTracker {
     carry: Vec<u8>,
-    /// Token events seen so far (or the engine's own count once its usage chunk arrives).
+    /// Token events seen so far.
     pub tokens: u64,
-    /// `usage.completion_tokens` reported by the engine, if any.
+    /// `usage.completion_tokens` reported by the engine, if any (the latest).
     pub reported_completion_tokens: Option<u64>,
+    /// `tokens` when the latest usage arrived (that chunk's own token event included).
+    tokens_at_usage: u64,
     /// `usage.prompt_tokens_details.cached_tokens` reported by the engine, if any.
     pub reported_cached_tokens: Option<u64>,
     pub done: bool,
@@ -105,14 +107,15 @@ impl SseTracker {
         }
         // A usage chunk has empty choices in OpenAI's and vLLM's shape; it may also ride on the last
         // token chunk. Only parse JSON when usage is present: token chunks are counted without parsing.
+        let token_event =
+            !(contains(payload, b"\"choices\":[]") || contains(payload, b"\"choices\": []"));
+        if token_event {
+            self.tokens += 1;
+            progress.tokens += 1;
+        }
         if contains(payload, b"\"usage\"") && contains(payload, b"\"completion_tokens\"") {
             self.read_usage(payload);
         }
-        if contains(payload, b"\"choices\":[]") || contains(payload, b"\"choices\": []") {
-            return;
-        }
-        self.tokens += 1;
-        progress.tokens += 1;
     }
 
     fn read_usage(&mut self, payload: &[u8]) {
@@ -122,16 +125,22 @@ impl SseTracker {
         let usage = &v["usage"];
         if let Some(n) = usage["completion_tokens"].as_u64() {
             self.reported_completion_tokens = Some(n);
+            self.tokens_at_usage = self.tokens;
         }
         if let Some(n) = usage["prompt_tokens_details"]["cached_tokens"].as_u64() {
             self.reported_cached_tokens = Some(n);
         }
     }
 
-    /// Best count of generated tokens so far.
+    /// Best count of generated tokens so far: the engine's own count from its latest usage, plus the
+    /// token events after it (none after a final usage chunk; vLLM's continuous usage stats put one
+    /// in every chunk). Without usage, the token events. Events are not tokens one for one: a final
+    /// event may carry only the finish reason (empty text), which the engine's count does not
+    /// include, and a stop string can end a stream mid-token.
     pub fn generated(&self) -> u64 {
-        self.reported_completion_tokens
-            .map_or(self.tokens, |n| n.max(self.tokens))
+        self.reported_completion_tokens.map_or(self.tokens, |n| {
+            n.saturating_add(self.tokens.saturating_sub(self.tokens_at_usage))
+        })
     }
 }
 
@@ -159,6 +168,27 @@ mod tests {
         "\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n",
         "data: [DONE]\n\n"
     );
+
+    #[test]
+    fn the_engines_usage_wins_over_a_finish_only_event() {
+        // Two tokens, then an event carrying only the finish reason, then usage: 2 generated, not 3.
+        let mut t = SseTracker::new();
+        t.push(
+            b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[{\"text\":\"b\"}]}\n\n",
+        );
+        t.push(b"data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"length\"}]}\n\n");
+        assert_eq!(t.generated(), 3, "events alone, before usage");
+        t.push(b"data: {\"choices\":[],\"usage\":{\"completion_tokens\":2}}\n\ndata: [DONE]\n\n");
+        assert_eq!(t.generated(), 2);
+        // Continuous usage stats: usage in each token chunk counts that chunk's token once.
+        let mut c = SseTracker::new();
+        c.push(b"data: {\"choices\":[{\"text\":\"a\"}],\"usage\":{\"completion_tokens\":1}}\n\n");
+        assert_eq!(c.generated(), 1);
+        c.push(b"data: {\"choices\":[{\"text\":\"b\"}]}\n\n");
+        assert_eq!(c.generated(), 2, "a token event after the usage adds one");
+        c.push(b"data: {\"choices\":[{\"text\":\"c\"}],\"usage\":{\"completion_tokens\":3}}\n\n");
+        assert_eq!(c.generated(), 3);
+    }
 
     #[test]
     fn whole_stream_counts_tokens_usage_and_done() {
