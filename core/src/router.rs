@@ -216,7 +216,8 @@ impl Router {
             working_set: (cfg.policy == PolicyKind::KvLoad && cfg.kv_load.overflow_weight > 0.0)
                 .then(|| {
                     // A working set is described up to twice the index's share of a replica (the
-                    // index holds no more of its cache), a quarter of the index's entries in all.
+                    // index holds no more of its cache): a quarter of the index's entries in all,
+                    // being sampled.
                     let max_blocks = 2 * (cfg.index_capacity_blocks / replicas).max(1024);
                     WorkingSet::new(
                         replicas,
@@ -406,10 +407,11 @@ impl Router {
                 ws.expire(now_ms);
                 let id = &req.identity;
                 let keys = working_set::sample((0..id.blocks()).map(|i| id.key(i)));
+                let added = ws.added(&keys);
                 let configured = self.cfg.kv_load.replica_cache_tokens / bs;
                 (0..self.replicas)
                     .map(|r| {
-                        let add = ws.new_sampled(r, &keys);
+                        let add = added.get(r).copied().unwrap_or(0);
                         let cap = match self.cache_blocks.get(r) {
                             _ if configured > 0.0 => configured,
                             Some(c) if c.evicted => c.most_held as f64,
@@ -845,7 +847,8 @@ impl Router {
         self.clock_ms = self.clock_ms.max(now_ms);
         if let Some(ws) = &mut self.working_set {
             let id = &req.identity;
-            ws.touch(d.replica, (0..id.blocks()).map(|i| id.key(i)), now_ms);
+            let keys = working_set::sample((0..id.blocks()).map(|i| id.key(i)));
+            ws.touch(d.replica, &keys, now_ms);
         }
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);

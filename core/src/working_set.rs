@@ -1,19 +1,24 @@
 //! Each replica's recent working set: the distinct prompt blocks this router sent it within a time
-//! window. An engine's prefix cache evicts least recently used blocks, and LRU keeps almost nothing of
-//! a set of sessions that cycle through more context than the cache holds: every session's next turn
-//! finds its context evicted by the others. Knowing how much recent context each replica is asked to
-//! hold lets `kv_load` avoid pushing a replica whose sessions still fit over its cache
-//! (`kv_load.replica_cache_tokens`, docs/design.md).
+//! window that are asked for more than once. An engine's prefix cache evicts least recently used
+//! blocks, and LRU keeps almost nothing of a set of sessions that cycle through more context than the
+//! cache holds: every session's next turn finds its context evicted by the others. Knowing how much
+//! recent context each replica is asked to hold lets `kv_load` avoid pushing a replica whose sessions
+//! still fit over its cache (`kv_load.overflow_weight`, docs/design.md section 2.6).
+//!
+//! A block counts once it has been asked for before (on any replica) within the window: what is
+//! asked for once (distinct prompts, a workload without reuse) is no cache to protect, and counting
+//! it would make a replica that served distinct prompts look full of live contexts, which it would
+//! then be kept from receiving (a replica back from an outage would never get its share back).
 //!
 //! Only a sample of the blocks is kept: those whose hash has its low [`SAMPLE_BITS`] bits zero (one
 //! in 8; block hashes are uniform), and counts are scaled back up. A working set is thousands of
 //! blocks, so the estimate is within a few percent, and the per-request work (a hash test per block,
-//! a map operation per sampled block) and the memory are an eighth of an exact count's.
+//! a map operation per sampled block and replica) and the memory are an eighth of an exact count's.
 //!
-//! Per replica: a map sampled block -> last time requested and a queue of (time, block) in request
-//! order; entries older than the window leave from the queue's front. The size is bounded: past
-//! `max_sampled` entries a replica drops its oldest, so hostile or unusual traffic costs bounded
-//! memory (about 50 bytes an entry at worst, with the queue's stale entries).
+//! Per replica: a map sampled block -> (last time requested, counted) and a queue of (time, block)
+//! in request order; entries older than the window leave from the queue's front. The size is
+//! bounded: past `max_sampled` entries a replica drops its oldest, so hostile or unusual traffic
+//! costs bounded memory (about 50 bytes an entry at worst, with the queue's stale entries).
 
 use hashbrown::HashMap;
 use std::collections::VecDeque;
@@ -33,19 +38,24 @@ pub fn sample(keys: impl Iterator<Item = u64>) -> Vec<u64> {
 
 #[derive(Clone, Debug, Default)]
 struct ReplicaSet {
-    last_ms: HashMap<u64, u64>,
+    /// Sampled block -> (last requested, counted: asked for before, here or elsewhere).
+    entries: HashMap<u64, (u64, bool)>,
     order: VecDeque<(u64, u64)>,
+    counted: usize,
 }
 
 impl ReplicaSet {
     fn expire(&mut self, before_ms: u64, max_sampled: usize) {
         while let Some(&(t, key)) = self.order.front() {
-            if t >= before_ms && self.last_ms.len() <= max_sampled {
+            if t >= before_ms && self.entries.len() <= max_sampled {
                 break;
             }
             self.order.pop_front();
-            if self.last_ms.get(&key) == Some(&t) {
-                self.last_ms.remove(&key);
+            if let Some(&(last, counted)) = self.entries.get(&key)
+                && last == t
+            {
+                self.entries.remove(&key);
+                self.counted -= counted as usize;
             }
         }
     }
@@ -60,7 +70,7 @@ pub struct WorkingSet {
 }
 
 impl WorkingSet {
-    /// `max_blocks`: the most blocks one replica's set describes (it keeps an eighth of that).
+    /// `max_blocks`: the most blocks one replica's set describes (an eighth of that is kept).
     pub fn new(replicas: usize, window_ms: u64, max_blocks: usize) -> WorkingSet {
         WorkingSet {
             window_ms,
@@ -69,21 +79,31 @@ impl WorkingSet {
         }
     }
 
-    /// Records that `keys` were requested on `replica` at `now_ms`.
-    pub fn touch(&mut self, replica: usize, keys: impl Iterator<Item = u64>, now_ms: u64) {
-        let (window, max) = (self.window_ms, self.max_sampled);
-        let Some(set) = self.replicas.get_mut(replica) else {
+    fn seen(&self, key: &u64) -> bool {
+        self.replicas.iter().any(|s| s.entries.contains_key(key))
+    }
+
+    /// Records that `sampled_keys` (from [`sample`]) were requested on `replica` at `now_ms`.
+    pub fn touch(&mut self, replica: usize, sampled_keys: &[u64], now_ms: u64) {
+        if replica >= self.replicas.len() {
             return;
-        };
-        for key in keys.filter(sampled) {
-            set.last_ms.insert(key, now_ms);
+        }
+        for &key in sampled_keys {
+            let seen = self.seen(&key);
+            let set = &mut self.replicas[replica];
+            let was = set.entries.insert(key, (now_ms, seen));
+            set.counted += seen as usize;
+            set.counted -= was.is_some_and(|(_, c)| c) as usize;
             set.order.push_back((now_ms, key));
         }
+        let (window, max) = (self.window_ms, self.max_sampled);
+        let set = &mut self.replicas[replica];
         set.expire(now_ms.saturating_sub(window), max);
         // Re-touched blocks leave stale queue entries behind; compact when they dominate.
-        if set.order.len() > 2 * set.last_ms.len() + 1024 {
-            let last = &set.last_ms;
-            set.order.retain(|(t, k)| last.get(k) == Some(t));
+        if set.order.len() > 2 * set.entries.len() + 1024 {
+            let entries = &set.entries;
+            set.order
+                .retain(|(t, k)| entries.get(k).is_some_and(|&(last, _)| last == *t));
         }
     }
 
@@ -95,38 +115,34 @@ impl WorkingSet {
         }
     }
 
-    /// Distinct blocks requested on `replica` within the window (as of the last `expire`/`touch`),
-    /// estimated.
+    /// Distinct blocks in `replica`'s working set (as of the last `expire`/`touch`), estimated.
     pub fn blocks(&self, replica: usize) -> usize {
         self.replicas
             .get(replica)
-            .map_or(0, |s| s.last_ms.len() << SAMPLE_BITS)
+            .map_or(0, |s| s.counted << SAMPLE_BITS)
     }
 
-    /// How many of `keys` are not in `replica`'s working set, estimated.
-    pub fn new_blocks(&self, replica: usize, keys: impl Iterator<Item = u64>) -> usize {
-        let keys: Vec<u64> = sample(keys);
-        self.new_sampled(replica, &keys)
-    }
-
-    /// [`WorkingSet::new_blocks`] for keys already passed through [`sample`] (one pass over a
-    /// request's blocks for all replicas).
-    pub fn new_sampled(&self, replica: usize, sampled_keys: &[u64]) -> usize {
-        match self.replicas.get(replica) {
-            Some(set) => {
-                sampled_keys
-                    .iter()
-                    .filter(|k| !set.last_ms.contains_key(*k))
-                    .count()
-                    << SAMPLE_BITS
+    /// Per replica, how many of the request's blocks (`sampled_keys`, from [`sample`]) would join its
+    /// working set, estimated: those asked for before (anywhere) and not counted there yet. Blocks
+    /// never seen join none (until they are asked for again).
+    pub fn added(&self, sampled_keys: &[u64]) -> Vec<usize> {
+        let mut added = vec![0usize; self.replicas.len()];
+        for k in sampled_keys {
+            if !self.seen(k) {
+                continue;
             }
-            None => 0,
+            for (a, set) in added.iter_mut().zip(&self.replicas) {
+                if !set.entries.get(k).is_some_and(|&(_, c)| c) {
+                    *a += 1;
+                }
+            }
         }
+        added.into_iter().map(|a| a << SAMPLE_BITS).collect()
     }
 
     /// Sampled entries held over all replicas (for the memory figure).
     pub fn sampled_entries(&self) -> usize {
-        self.replicas.iter().map(|s| s.last_ms.len()).sum()
+        self.replicas.iter().map(|s| s.entries.len()).sum()
     }
 }
 
@@ -134,21 +150,33 @@ impl WorkingSet {
 mod tests {
     use super::*;
 
-    /// Keys `0..n` scattered over the hash space like block hashes.
-    fn keys(range: std::ops::Range<u64>) -> impl Iterator<Item = u64> {
-        range.map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    /// Keys `0..n` scattered over the hash space like block hashes, sampled.
+    fn keys(range: std::ops::Range<u64>) -> Vec<u64> {
+        sample(range.map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+    }
+
+    fn near(got: usize, want: f64) -> bool {
+        (got as f64 - want).abs() < 0.1 * want
     }
 
     #[test]
     fn estimates_distinct_blocks_within_the_window() {
         let mut ws = WorkingSet::new(2, 1_000, 1 << 20);
-        ws.touch(0, keys(0..4_000), 0);
-        ws.touch(0, keys(0..6_000), 500);
-        let near = |got: usize, want: f64| (got as f64 - want).abs() < 0.1 * want;
-        assert!(near(ws.blocks(0), 6_000.0), "{}", ws.blocks(0));
+        ws.touch(0, &keys(0..4_000), 0);
+        // Asked for once: no working set yet.
+        assert_eq!(ws.blocks(0), 0);
+        ws.touch(0, &keys(0..6_000), 500);
+        // The 4,000 asked for twice are; the 2,000 new ones are not yet.
+        assert!(near(ws.blocks(0), 4_000.0), "{}", ws.blocks(0));
         assert_eq!(ws.blocks(1), 0);
-        assert!(near(ws.new_blocks(0, keys(4_000..8_000)), 2_000.0));
-        assert!(near(ws.new_blocks(1, keys(4_000..8_000)), 4_000.0));
+        // Of 4,000..8,000, the 2,000 seen before would join either replica's set; the rest, never
+        // seen, join none.
+        let added = ws.added(&keys(4_000..8_000));
+        assert!(
+            near(added[0], 2_000.0) && near(added[1], 2_000.0),
+            "{added:?}"
+        );
+        assert_eq!(ws.added(&keys(0..4_000))[0], 0);
         // At 1,200 ms the first touch (0 ms) has left the window, but its blocks were touched again
         // at 500 ms.
         let before = ws.blocks(0);
@@ -156,36 +184,59 @@ mod tests {
         assert_eq!(ws.blocks(0), before);
         ws.expire(1_600);
         assert_eq!(ws.blocks(0), 0);
+        assert_eq!(ws.sampled_entries(), 0);
+    }
+
+    #[test]
+    fn a_session_that_moves_counts_where_it_is_asked_for() {
+        let mut ws = WorkingSet::new(3, 10_000, 1 << 20);
+        let session = keys(0..8_000);
+        ws.touch(0, &session, 0);
+        ws.touch(0, &session, 5);
+        assert!(near(ws.blocks(0), 8_000.0));
+        // The session moves to replica 1: seen before, it counts there at once; replica 0 keeps it
+        // until the window forgets it (its cache still holds it).
+        ws.touch(1, &session, 10);
+        assert!(near(ws.blocks(0), 8_000.0) && near(ws.blocks(1), 8_000.0));
+        let n = session.len() << SAMPLE_BITS;
+        assert_eq!(ws.added(&session), vec![0, 0, n]);
     }
 
     #[test]
     fn only_one_block_in_eight_is_kept() {
         let mut ws = WorkingSet::new(1, u64::MAX, 1 << 20);
-        ws.touch(0, (0..800).map(|i| i * 8), 0);
-        ws.touch(0, (0..800).map(|i| i * 8 + 1), 0);
+        let all: Vec<u64> = (0..6_400).collect();
+        assert_eq!(sample(all.iter().copied()).len(), 800);
+        let k = sample(all.into_iter());
+        ws.touch(0, &k, 0);
+        ws.touch(0, &k, 1);
         assert_eq!(ws.sampled_entries(), 800);
         assert_eq!(ws.blocks(0), 6_400);
     }
 
     #[test]
     fn size_is_bounded_and_out_of_range_replicas_are_ignored() {
-        let mut ws = WorkingSet::new(1, u64::MAX, 64 * 8);
-        ws.touch(0, (0..1_000).map(|i| i * 8), 5);
+        let mut ws = WorkingSet::new(2, u64::MAX, 64 * 8);
+        let k: Vec<u64> = (0..1_000).map(|i| i * 8).collect();
+        ws.touch(0, &k, 5);
+        ws.touch(0, &k, 6);
         assert_eq!(ws.sampled_entries(), 64);
-        assert_eq!(ws.new_blocks(0, (990..1_000).map(|i| i * 8)), 0);
-        assert_eq!(ws.new_blocks(0, (0..10).map(|i| i * 8)), 80);
-        ws.touch(7, (0..10).map(|i| i * 8), 5);
+        assert_eq!(ws.blocks(0), 64 * 8);
+        assert_eq!(ws.added(&k[990..]), vec![0, 80]);
+        ws.touch(7, &k, 5);
         assert_eq!(ws.blocks(7), 0);
-        assert_eq!(ws.new_blocks(7, (0..10).map(|i| i * 8)), 0);
+        assert_eq!(ws.sampled_entries(), 64);
     }
 
     #[test]
     fn retouching_does_not_grow_the_queue_without_bound() {
         let mut ws = WorkingSet::new(1, u64::MAX, 1 << 20);
+        let k: Vec<u64> = (0..100).map(|i| i * 8).collect();
         for t in 0..1_000 {
-            ws.touch(0, (0..100).map(|i| i * 8), t);
+            ws.touch(0, &k, t);
         }
         assert_eq!(ws.sampled_entries(), 100);
+        assert_eq!(ws.blocks(0), 800);
         assert!(ws.replicas[0].order.len() <= 2 * 100 + 1024 + 100);
     }
 }

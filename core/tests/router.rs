@@ -552,10 +552,11 @@ fn released_requests_teach_the_expected_output() {
     assert_eq!(r.expected_output_tokens(), 2000.0);
 }
 
-/// The working-set term (`kv_load.overflow_weight`): once replica 0's feed shows it evicting, its
-/// cache size is known (1,600 blocks here), and a request that would grow its recent working set
-/// (about 1,200 blocks, estimated from a sample) past that goes to the empty replica instead,
-/// although replica 0 holds half its prompt.
+/// The working-set term (`kv_load.overflow_weight`). Session A's context (1,200 blocks) has been
+/// asked for twice on replica 0, so it is replica 0's working set; session C's (800 blocks) was asked
+/// for once there and is cached there. Once replica 0's feed shows it evicting, its cache size is
+/// known (1,800 blocks here), and C's next turn, which would grow that working set to about 2,000
+/// blocks, goes to the empty replica instead, although replica 0 holds all of C's prompt.
 #[test]
 fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
     let mut c = cfg(PolicyKind::KvLoad);
@@ -564,9 +565,9 @@ fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
     c.kv_load.reported_load = ReportedLoad::Ignore;
     let mut r = Router::new(c, 2).unwrap();
     let a: Vec<u32> = (0..4_800).collect();
-    let b: Vec<u32> = (0..3_200).chain(100_000..103_200).collect();
-    let filler: Vec<u32> = (200_000..201_600).collect();
-    let mut stored = hashes(&a);
+    let s: Vec<u32> = (100_000..103_200).collect();
+    let filler: Vec<u32> = (200_000..204_000).collect();
+    let mut stored = hashes(&s);
     stored.extend(hashes(&filler));
     r.apply_feed(
         0,
@@ -581,17 +582,19 @@ fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
         ),
     );
     let req_a = r.read_request("/v1/completions", &body(&a), None).unwrap();
-    let mut d = r.route(&req_a, 1_000);
-    d.replica = 0;
-    r.admit(1, &req_a, &d, 1_000);
-    let req_b = r.read_request("/v1/completions", &body(&b), None).unwrap();
-    // Replica 0 has not evicted yet, so its size is unknown and the term is off: the cached half
-    // wins (replica 0: 800 uncached + 1,200 decode + 800 new active = 2,800; replica 1: 1,600 +
-    // 0 + 1,600 = 3,200).
-    let d = r.route(&req_b, 1_000);
-    assert_eq!((d.replica, d.costs.clone()), (0, vec![2_800.0, 3_200.0]));
-    // The engine evicts one block: it held 1,600, so that is its size. B would add about 800
-    // blocks to the 1,200 requested there, and those would stop fitting: about 2,800 + 1,200.
+    let req_c = r.read_request("/v1/completions", &body(&s), None).unwrap();
+    for (id, req) in [(1, &req_a), (2, &req_a), (3, &req_c)] {
+        let mut d = r.route(req, 1_000);
+        d.replica = 0;
+        r.admit(id, req, &d, 1_000);
+        assert!(r.release(id));
+    }
+    // Replica 0 has not evicted yet, so its size is unknown and the term is off: C's cache wins
+    // (replica 0: 0 uncached + 800 new active = 800; replica 1: 800 + 800 = 1,600).
+    let d = r.route(&req_c, 1_000);
+    assert_eq!((d.replica, d.costs.clone()), (0, vec![800.0, 1_600.0]));
+    // The engine evicts one block: it held 1,800, so that is its size. C's 800 blocks would join
+    // the 1,200 of A's asked for twice there, and those would stop fitting: about 800 + 1,200.
     let evicted = hashes(&filler)[..1].to_vec();
     r.apply_feed(
         0,
@@ -605,10 +608,10 @@ fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
             }],
         ),
     );
-    let d = r.route(&req_b, 1_000);
+    let d = r.route(&req_c, 1_000);
     assert_eq!(d.replica, 1, "{:?}", d.costs);
-    assert!((3_600.0..4_400.0).contains(&d.costs[0]), "{:?}", d.costs);
-    assert_eq!(d.costs[1], 3_200.0);
-    // Outside the window (120 s by default) A's blocks no longer count, and B fits on replica 0.
-    assert_eq!(r.route(&req_b, 200_000).replica, 0);
+    assert!((1_800.0..2_200.0).contains(&d.costs[0]), "{:?}", d.costs);
+    assert_eq!(d.costs[1], 1_600.0);
+    // Outside the window (120 s by default) nothing is in the working set, and C goes home.
+    assert_eq!(r.route(&req_c, 200_000).replica, 0);
 }
