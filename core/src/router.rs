@@ -411,13 +411,13 @@ impl Router {
                 let configured = self.cfg.kv_load.replica_cache_tokens / bs;
                 (0..self.replicas)
                     .map(|r| {
-                        let add = added.get(r).copied().unwrap_or(0);
+                        let add = added.get(r).copied().unwrap_or(0.0);
                         let cap = match self.cache_blocks.get(r) {
                             _ if configured > 0.0 => configured,
                             Some(c) if c.evicted => c.most_held as f64,
                             _ => 0.0,
                         };
-                        (ws.blocks(r) as f64, add as f64, cap)
+                        (ws.blocks(r), add, cap)
                     })
                     .collect()
             }
