@@ -402,23 +402,21 @@ impl Router {
                 }
             }
         }
+        let caps: Vec<f64> = match &self.working_set {
+            Some(_) if policy == PolicyKind::KvLoad => (0..self.replicas)
+                .map(|r| self.cache_size_blocks(r))
+                .collect(),
+            _ => Vec::new(),
+        };
         let working_set: Vec<(f64, f64, f64)> = match &mut self.working_set {
             Some(ws) if policy == PolicyKind::KvLoad => {
                 ws.expire(now_ms);
                 let id = &req.identity;
                 let keys = working_set::sample((0..id.blocks()).map(|i| id.key(i)));
                 let added = ws.added(&keys);
-                let configured = self.cfg.kv_load.replica_cache_tokens / bs;
-                (0..self.replicas)
-                    .map(|r| {
-                        let add = added.get(r).copied().unwrap_or(0.0);
-                        let cap = match self.cache_blocks.get(r) {
-                            _ if configured > 0.0 => configured,
-                            Some(c) if c.evicted => c.most_held as f64,
-                            _ => 0.0,
-                        };
-                        (ws.blocks(r), add, cap)
-                    })
+                caps.iter()
+                    .enumerate()
+                    .map(|(r, &cap)| (ws.blocks(r), added.get(r).copied().unwrap_or(0.0), cap))
                     .collect()
             }
             _ => Vec::new(),
@@ -1019,6 +1017,27 @@ impl Router {
         }
         self.note_cache_size(replica, kind == EventKind::Removed && tier == Tier::Gpu);
         self.stats.feed_events += starts_event as u64;
+    }
+
+    /// A replica's prefix-cache size in blocks for the working-set term: `replica_cache_tokens` when
+    /// set, else as learned from its feed (the most blocks it held once it evicted), else 0 (unknown:
+    /// the term is off for it).
+    pub fn cache_size_blocks(&self, replica: usize) -> f64 {
+        let configured = self.cfg.kv_load.replica_cache_tokens / self.cfg.block_size as f64;
+        match self.cache_blocks.get(replica) {
+            _ if configured > 0.0 => configured,
+            Some(c) if c.evicted => c.most_held as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// A replica's recent working set in blocks as this router estimates it (0 with the
+    /// working-set term off): beside [`Router::cache_size_blocks`], what an operator checks to see
+    /// whether the term is at work.
+    pub fn working_set_blocks(&self, replica: usize) -> f64 {
+        self.working_set
+            .as_ref()
+            .map_or(0.0, |ws| ws.blocks(replica))
     }
 
     /// Learns a replica's cache size from what the index holds for it (`kv_load.overflow_weight`).

@@ -153,6 +153,10 @@ struct Metrics {
     down: Vec<Option<u32>>,
     upstream_failures: Vec<Option<u32>>,
     ejected: Vec<Option<u32>>,
+    /// The working-set term's view per replica (docs/design.md section 2.6): its recent working set
+    /// and its cache size, in blocks (0: unknown, the term is off for it).
+    working_set_blocks: Vec<Option<u32>>,
+    cache_size_blocks: Vec<Option<u32>>,
     health_probes: Vec<Option<u32>>,
     last_failures: Vec<u64>,
     last_probes: Vec<u64>,
@@ -274,6 +278,8 @@ impl Metrics {
             down: per(Gauge, "down"),
             upstream_failures: per(Counter, "upstream_failures"),
             ejected: per(Gauge, "ejected"),
+            working_set_blocks: per(Gauge, "working_set_blocks"),
+            cache_size_blocks: per(Gauge, "cache_size_blocks"),
             health_probes: per(Counter, "health_probes"),
             last_failures: vec![0; cfg.replicas.len()],
             last_probes: vec![0; cfg.replicas.len()],
@@ -436,6 +442,9 @@ impl Root {
                 m.ejected.get(i).copied().flatten(),
                 vm.state.is_ejected(i) as u64,
             );
+            let (ws, cap) = vm.state.working_set(i);
+            gauge(m.working_set_blocks.get(i).copied().flatten(), ws as u64);
+            gauge(m.cache_size_blocks.get(i).copied().flatten(), cap as u64);
         }
         let health = vm.state.health();
         for (i, (&f, &p)) in health.failures().iter().zip(health.probes()).enumerate() {

@@ -415,6 +415,15 @@ impl RouterState {
             .map_or("?", |r| r.name.as_str())
     }
 
+    /// The working-set term's view of a replica, in blocks: (its recent working set, 0 with the term
+    /// off; its cache size, configured or learned from the feed, 0 while unknown).
+    pub fn working_set(&self, replica: usize) -> (f64, f64) {
+        (
+            self.router.working_set_blocks(replica),
+            self.router.cache_size_blocks(replica),
+        )
+    }
+
     /// The router's counters and sizes.
     pub fn stats(&self) -> RouterStats {
         self.router.stats()
