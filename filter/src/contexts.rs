@@ -725,16 +725,41 @@ impl Stream {
         self.phase = Phase::Admitted;
     }
 
+    /// In a P/D fleet a body the filter could not read is refused, not forwarded: only the filter may
+    /// set `kv_transfer_params` there (they name the host a decode engine pulls KV from), and an
+    /// unread body may carry a client's own. `status`: 413 for a body over `max_body_bytes`, 500 when
+    /// the proxy would not hand the body over. Nothing is booked.
+    fn refuse_unread_pd(&mut self, status: u32, why: &str) -> Action {
+        log(
+            LogLevel::Warn,
+            &format!("kvsteer: P/D request refused: {why}"),
+        );
+        let err = serde_json::to_vec(&serde_json::json!({"error": {
+            "message": format!("kvsteer: {why}; a prefill/decode fleet forwards only request bodies it has checked"),
+            "type": if status == 413 { "invalid_request_error" } else { "internal_error" },
+            "code": status,
+        }}))
+        .unwrap_or_default();
+        self.phase = Phase::Released;
+        Self::send_error(status, &err);
+        Action::Pause
+    }
+
     /// Reads the whole buffered request body (at most `max` bytes asked for), routes the request by
-    /// it and admits it; every way the body cannot be read is routed by load instead. In a P/D fleet
+    /// it and admits it; every way the body cannot be read is routed by load instead (refused in a
+    /// P/D fleet, [`Stream::refuse_unread_pd`]). In a P/D fleet
     /// the request is split into its two legs ([`Stream::route_pd`]) and may be held (`Pause`).
     fn route_buffered(&mut self, max: usize) -> Action {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
         let limit = vm.borrow().state.max_body_bytes();
+        let pd = vm.borrow().state.disaggregated();
         let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, max) {
             Ok(b) => b.unwrap_or_default(),
+            Err(_) if pd => {
+                return self.refuse_unread_pd(500, "the proxy did not hand over the request body");
+            }
             Err(_) => {
                 self.route_fallback(BodyFallback::HostError, max.min(limit));
                 return Action::Continue;
@@ -745,6 +770,12 @@ impl Stream {
             return Action::Continue;
         }
         if body.len() > limit {
+            if pd {
+                return self.refuse_unread_pd(
+                    413,
+                    &format!("the request body is over routing.max_body_bytes ({limit})"),
+                );
+            }
             self.route_fallback(BodyFallback::TooLarge, body.len());
             return Action::Continue;
         }
@@ -1147,6 +1178,12 @@ impl HttpContext for Stream {
         };
         let limit = vm.borrow().state.max_body_bytes();
         if body_size > limit {
+            if vm.borrow().state.disaggregated() {
+                return self.refuse_unread_pd(
+                    413,
+                    &format!("the request body is over routing.max_body_bytes ({limit})"),
+                );
+            }
             // Stop buffering a body we will not read; route it by load and let it flow.
             self.route_fallback(BodyFallback::TooLarge, body_size);
             return Action::Continue;

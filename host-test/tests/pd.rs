@@ -587,6 +587,43 @@ fn unavailable_prefill_unsendable_callouts_and_unsplittable_bodies() {
     f.assert_clean();
 }
 
+/// A body over `routing.max_body_bytes` is not read, so it could carry a client's own
+/// `kv_transfer_params` (naming the host a decode engine would pull KV from): in a P/D fleet it is
+/// refused with a 413, nothing booked, no callout, instead of being forwarded unchecked.
+#[test]
+fn an_unread_body_is_refused_not_forwarded_unchecked() {
+    let options = ProxyOptions::new(
+        HostMode::Envoy,
+        plugin_config(
+            "kv_load",
+            json!({"routing": {"policy": "kv_load", "block_size": 16, "max_body_bytes": 2048}}),
+        ),
+    );
+    let mut f = Fleet::new(options);
+    f.poll_feeds();
+    let body = json!({"prompt": tokens(11, 1_000), "max_tokens": 4,
+        "kv_transfer_params": {"do_remote_prefill": true, "remote_host": "10.9.9.9", "remote_port": 1}});
+    let (id, call) = f.send(&body, &[]);
+    assert!(call.is_none());
+    let st = f.w.stream(id).unwrap();
+    let local = st.local_response.clone().expect("refused");
+    assert_eq!(local.status, 413);
+    assert!(st.upstream_header(DEST).is_none(), "not routed anywhere");
+    let err: Value = serde_json::from_slice(&local.body).unwrap();
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_body_bytes"),
+        "{err}"
+    );
+    f.w.end_stream(id).unwrap();
+    assert_eq!(f.booked(), 0);
+    // A body under the limit still splits as usual.
+    let (_, call) = f.send(&json!({"prompt": tokens(12, 100), "max_tokens": 4}), &[]);
+    assert!(call.is_some());
+}
+
 /// Without roles the same fleet routes one request to one replica, no callout: today's behaviour.
 #[test]
 fn a_fleet_without_roles_makes_no_prefill_callout() {
