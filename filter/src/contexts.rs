@@ -37,14 +37,42 @@ fn log(level: LogLevel, msg: &str) {
 }
 
 fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
-    hostcalls::get_map_value_bytes(map, name).ok().flatten()
+    raw::get_header(map as u32, name).ok().flatten()
 }
 
-/// Host calls whose SDK wrappers panic on a status they do not expect (a panic traps the VM): the
-/// P/D path calls the ABI itself and turns every status into a `Result`.
+/// Host calls whose SDK wrappers panic on a status they do not expect (a panic traps the VM, and a
+/// host may refuse a call in a phase it does not allow it, as nginx's module does): the filter calls
+/// the ABI itself for headers, properties and the P/D path, and turns every status into a `Result`.
 mod raw {
     #[link(wasm_import_module = "env")]
     unsafe extern "C" {
+        fn proxy_get_header_map_value(
+            map_type: u32,
+            key: *const u8,
+            key_len: usize,
+            value: *mut *mut u8,
+            value_len: *mut usize,
+        ) -> u32;
+        fn proxy_replace_header_map_value(
+            map_type: u32,
+            key: *const u8,
+            key_len: usize,
+            value: *const u8,
+            value_len: usize,
+        ) -> u32;
+        fn proxy_remove_header_map_value(map_type: u32, key: *const u8, key_len: usize) -> u32;
+        fn proxy_get_property(
+            path: *const u8,
+            path_len: usize,
+            value: *mut *mut u8,
+            value_len: *mut usize,
+        ) -> u32;
+        fn proxy_set_property(
+            path: *const u8,
+            path_len: usize,
+            value: *const u8,
+            value_len: usize,
+        ) -> u32;
         fn proxy_set_buffer_bytes(
             buffer_type: u32,
             start: usize,
@@ -71,6 +99,81 @@ mod raw {
 
     fn status(s: u32) -> Result<(), u32> {
         if s == 0 { Ok(()) } else { Err(s) }
+    }
+
+    /// proxy-wasm's `NotFound`.
+    const NOT_FOUND: u32 = 1;
+
+    /// Takes ownership of a buffer the host returned: it allocated it through the module's
+    /// `proxy_on_memory_allocate` (the SDK's, a `Vec` of that capacity), as the SDK's wrappers assume.
+    fn owned(data: *mut u8, len: usize) -> Vec<u8> {
+        if data.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: see above; the host hands the buffer over and keeps no reference.
+            unsafe { Vec::from_raw_parts(data, len, len) }
+        }
+    }
+
+    /// A header's value; `None` when absent.
+    pub fn get_header(map_type: u32, name: &str) -> Result<Option<Vec<u8>>, u32> {
+        let (mut data, mut len) = (core::ptr::null_mut(), 0usize);
+        // SAFETY: the name is a live slice; the out-pointers are live locals.
+        let s = unsafe {
+            proxy_get_header_map_value(map_type, name.as_ptr(), name.len(), &mut data, &mut len)
+        };
+        match s {
+            0 => Ok(Some(owned(data, len))),
+            NOT_FOUND => Ok(None),
+            e => Err(e),
+        }
+    }
+
+    /// Sets (replaces) a header.
+    pub fn set_header(map_type: u32, name: &str, value: &[u8]) -> Result<(), u32> {
+        // SAFETY: live slices for the duration of the call.
+        status(unsafe {
+            proxy_replace_header_map_value(
+                map_type,
+                name.as_ptr(),
+                name.len(),
+                value.as_ptr(),
+                value.len(),
+            )
+        })
+    }
+
+    /// Removes a header (absent is not an error).
+    pub fn remove_header(map_type: u32, name: &str) -> Result<(), u32> {
+        // SAFETY: a live slice for the duration of the call.
+        match unsafe { proxy_remove_header_map_value(map_type, name.as_ptr(), name.len()) } {
+            0 | NOT_FOUND => Ok(()),
+            e => Err(e),
+        }
+    }
+
+    /// proxy-wasm's property path encoding: the segments joined by NUL.
+    fn path(segments: &[&str]) -> Vec<u8> {
+        segments.join("\0").into_bytes()
+    }
+
+    /// A property's value; `None` when absent or empty.
+    pub fn get_property(segments: &[&str]) -> Result<Option<Vec<u8>>, u32> {
+        let p = path(segments);
+        let (mut data, mut len) = (core::ptr::null_mut(), 0usize);
+        // SAFETY: as for `get_header`.
+        let s = unsafe { proxy_get_property(p.as_ptr(), p.len(), &mut data, &mut len) };
+        match s {
+            0 => Ok(Some(owned(data, len)).filter(|v| !v.is_empty())),
+            NOT_FOUND => Ok(None),
+            e => Err(e),
+        }
+    }
+
+    pub fn set_property(segments: &[&str], value: &[u8]) -> Result<(), u32> {
+        let p = path(segments);
+        // SAFETY: live slices for the duration of the call.
+        status(unsafe { proxy_set_property(p.as_ptr(), p.len(), value.as_ptr(), value.len()) })
     }
 
     /// Replaces the buffered request body (`size`: the bytes it had) with `data`.
@@ -532,12 +635,7 @@ impl RootContext for Root {
         // Envoy names the node `xds.node` (its CEL attributes); older builds and other hosts `node`.
         let node_id = [vec!["xds", "node", "id"], vec!["node", "id"]]
             .into_iter()
-            .find_map(|path| {
-                hostcalls::get_property(path)
-                    .ok()
-                    .flatten()
-                    .filter(|id| !id.is_empty())
-            })
+            .find_map(|path| raw::get_property(&path).ok().flatten())
             .unwrap_or_default();
         state.set_proxy_identity(&node_id);
         // The P/D requests' ids must not repeat across workers, proxies or restarts: a random nonce
@@ -651,10 +749,10 @@ fn prefill_id(stream: u64) -> u64 {
 fn replace_request_body(old_len: usize, body: &[u8]) -> Result<(), u32> {
     raw::set_request_body(old_len, body)?;
     if header(MapType::HttpRequestHeaders, "content-length").is_some() {
-        let _ = hostcalls::set_map_value_bytes(
-            MapType::HttpRequestHeaders,
+        let _ = raw::set_header(
+            MapType::HttpRequestHeaders as u32,
             "content-length",
-            Some(body.len().to_string().as_bytes()),
+            body.len().to_string().as_bytes(),
         );
     }
     Ok(())
@@ -669,18 +767,14 @@ impl Stream {
                 value,
                 clear_route_cache,
             } => {
-                let _ = hostcalls::set_map_value_bytes(
-                    MapType::HttpRequestHeaders,
-                    name,
-                    Some(value.as_bytes()),
-                );
+                let _ = raw::set_header(MapType::HttpRequestHeaders as u32, name, value.as_bytes());
                 if let Some(rank) = vm.state.rank_value(d) {
                     // A DP rank of a multi-rank endpoint: the engine's API server reads the rank
                     // from this header (vLLM: `X-data-parallel-rank`).
-                    let _ = hostcalls::set_map_value_bytes(
-                        MapType::HttpRequestHeaders,
+                    let _ = raw::set_header(
+                        MapType::HttpRequestHeaders as u32,
                         vm.state.rank_header(),
-                        Some(rank.as_bytes()),
+                        rank.as_bytes(),
                     );
                 }
                 if clear_route_cache {
@@ -689,12 +783,12 @@ impl Stream {
                 }
             }
             DecisionOutput::NginxVariable { name, value } => {
-                let _ = hostcalls::set_property(vec!["ngx", name], Some(value.as_bytes()));
+                let _ = raw::set_property(&["ngx", name], value.as_bytes());
                 if let Some(rank) = vm.state.rank_value(d) {
-                    let _ = hostcalls::set_map_value_bytes(
-                        MapType::HttpRequestHeaders,
+                    let _ = raw::set_header(
+                        MapType::HttpRequestHeaders as u32,
                         vm.state.rank_header(),
-                        Some(rank.as_bytes()),
+                        rank.as_bytes(),
                     );
                 }
             }
@@ -1035,10 +1129,10 @@ impl Stream {
             );
             return;
         }
-        let _ = hostcalls::set_map_value_bytes(
-            MapType::HttpRequestHeaders,
+        let _ = raw::set_header(
+            MapType::HttpRequestHeaders as u32,
             "x-request-id",
-            Some(leg.request_id.as_bytes()),
+            leg.request_id.as_bytes(),
         );
         Self::write_destination(vm, &leg.decode);
         self.replica = Some(leg.decode.replica);
@@ -1072,9 +1166,7 @@ impl Stream {
             return;
         };
         self.outcome_reported = true;
-        let served = hostcalls::get_property(vec!["upstream", "address"])
-            .ok()
-            .flatten();
+        let served = raw::get_property(&["upstream", "address"]).ok().flatten();
         vm.borrow_mut()
             .state
             .request_outcome(replica, served.as_deref(), outcome, now_ms());
@@ -1138,15 +1230,39 @@ impl HttpContext for Stream {
             let vm = &mut *vm;
             // The rank header too: a client must not pick a DP rank either.
             let mut removed = 0;
+            let mut stuck = None;
+            let map = MapType::HttpRequestHeaders as u32;
             for name in [vm.state.routing_header(), vm.state.rank_header()] {
-                if header(MapType::HttpRequestHeaders, name).is_some() {
-                    let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
-                    removed += 1;
+                let present = raw::get_header(map, name);
+                if matches!(present, Ok(None)) {
+                    continue;
+                }
+                // Present, or the host would not say: remove it either way.
+                match raw::remove_header(map, name) {
+                    Ok(()) => removed += present.is_ok() as usize,
+                    Err(e) => stuck = Some((name.to_string(), e)),
                 }
             }
             for _ in 0..removed {
                 vm.state.spoofed_header_removed();
                 inc(vm.metrics.spoofed, 1);
+            }
+            if let Some((name, e)) = stuck {
+                // A client's copy that cannot be removed must not reach the proxy's balancer.
+                log(
+                    LogLevel::Warn,
+                    &format!(
+                        "kvsteer: could not remove the client's {name} header (status {e}); request refused"
+                    ),
+                );
+                let err = serde_json::to_vec(&serde_json::json!({"error": {
+                    "message": format!("kvsteer: the request's {name} header could not be removed"),
+                    "type": "internal_error", "code": 500,
+                }}))
+                .unwrap_or_default();
+                self.phase = Phase::Released;
+                Self::send_error(500, &err);
+                return Action::Pause;
             }
         }
         let method = header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
