@@ -828,10 +828,25 @@ impl Stream {
             LogLevel::Warn,
             &format!("kvsteer: P/D request refused: {why}"),
         );
+        let kind = if status == 413 {
+            "invalid_request_error"
+        } else {
+            "internal_error"
+        };
+        self.refuse(
+            status,
+            kind,
+            &format!(
+                "kvsteer: {why}; a prefill/decode fleet forwards only request bodies it has checked"
+            ),
+        )
+    }
+
+    /// Answers the client itself with an OpenAI-style error (`kind`: its `type`) and ends this
+    /// stream's part in routing; nothing is booked for it.
+    fn refuse(&mut self, status: u32, kind: &str, message: &str) -> Action {
         let err = serde_json::to_vec(&serde_json::json!({"error": {
-            "message": format!("kvsteer: {why}; a prefill/decode fleet forwards only request bodies it has checked"),
-            "type": if status == 413 { "invalid_request_error" } else { "internal_error" },
-            "code": status,
+            "message": message, "type": kind, "code": status,
         }}))
         .unwrap_or_default();
         self.phase = Phase::Released;
@@ -1255,14 +1270,11 @@ impl HttpContext for Stream {
                         "kvsteer: could not remove the client's {name} header (status {e}); request refused"
                     ),
                 );
-                let err = serde_json::to_vec(&serde_json::json!({"error": {
-                    "message": format!("kvsteer: the request's {name} header could not be removed"),
-                    "type": "internal_error", "code": 500,
-                }}))
-                .unwrap_or_default();
-                self.phase = Phase::Released;
-                Self::send_error(500, &err);
-                return Action::Pause;
+                return self.refuse(
+                    500,
+                    "internal_error",
+                    &format!("kvsteer: the request's {name} header could not be removed"),
+                );
             }
         }
         let method = header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
