@@ -402,21 +402,21 @@ impl Router {
                 }
             }
         }
-        let caps: Vec<f64> = match &self.working_set {
-            Some(_) if policy == PolicyKind::KvLoad => (0..self.replicas)
-                .map(|r| self.cache_size_blocks(r))
-                .collect(),
-            _ => Vec::new(),
-        };
-        let working_set: Vec<(f64, f64, f64)> = match &mut self.working_set {
+        if policy == PolicyKind::KvLoad
+            && let Some(ws) = &mut self.working_set
+        {
+            ws.expire(now_ms);
+        }
+        let working_set: Vec<(f64, f64, f64)> = match &self.working_set {
             Some(ws) if policy == PolicyKind::KvLoad => {
-                ws.expire(now_ms);
                 let id = &req.identity;
                 let keys = working_set::sample((0..id.blocks()).map(|i| id.key(i)));
                 let added = ws.added(&keys);
-                caps.iter()
-                    .enumerate()
-                    .map(|(r, &cap)| (ws.blocks(r), added.get(r).copied().unwrap_or(0.0), cap))
+                (0..self.replicas)
+                    .map(|r| {
+                        let add = added.get(r).copied().unwrap_or(0.0);
+                        (ws.blocks(r), add, self.cache_size_blocks(r))
+                    })
                     .collect()
             }
             _ => Vec::new(),

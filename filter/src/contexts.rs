@@ -37,13 +37,15 @@ fn log(level: LogLevel, msg: &str) {
 }
 
 fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
-    raw::get_header(map as u32, name).ok().flatten()
+    raw::get_header(map, name).ok().flatten()
 }
 
 /// Host calls whose SDK wrappers panic on a status they do not expect (a panic traps the VM, and a
 /// host may refuse a call in a phase it does not allow it, as nginx's module does): the filter calls
 /// the ABI itself for headers, properties and the P/D path, and turns every status into a `Result`.
 mod raw {
+    use proxy_wasm::types::MapType;
+
     #[link(wasm_import_module = "env")]
     unsafe extern "C" {
         fn proxy_get_header_map_value(
@@ -116,11 +118,17 @@ mod raw {
     }
 
     /// A header's value; `None` when absent.
-    pub fn get_header(map_type: u32, name: &str) -> Result<Option<Vec<u8>>, u32> {
+    pub fn get_header(map_type: MapType, name: &str) -> Result<Option<Vec<u8>>, u32> {
         let (mut data, mut len) = (core::ptr::null_mut(), 0usize);
         // SAFETY: the name is a live slice; the out-pointers are live locals.
         let s = unsafe {
-            proxy_get_header_map_value(map_type, name.as_ptr(), name.len(), &mut data, &mut len)
+            proxy_get_header_map_value(
+                map_type as u32,
+                name.as_ptr(),
+                name.len(),
+                &mut data,
+                &mut len,
+            )
         };
         match s {
             0 => Ok(Some(owned(data, len))),
@@ -130,11 +138,11 @@ mod raw {
     }
 
     /// Sets (replaces) a header.
-    pub fn set_header(map_type: u32, name: &str, value: &[u8]) -> Result<(), u32> {
+    pub fn set_header(map_type: MapType, name: &str, value: &[u8]) -> Result<(), u32> {
         // SAFETY: live slices for the duration of the call.
         status(unsafe {
             proxy_replace_header_map_value(
-                map_type,
+                map_type as u32,
                 name.as_ptr(),
                 name.len(),
                 value.as_ptr(),
@@ -144,9 +152,9 @@ mod raw {
     }
 
     /// Removes a header (absent is not an error).
-    pub fn remove_header(map_type: u32, name: &str) -> Result<(), u32> {
+    pub fn remove_header(map_type: MapType, name: &str) -> Result<(), u32> {
         // SAFETY: a live slice for the duration of the call.
-        match unsafe { proxy_remove_header_map_value(map_type, name.as_ptr(), name.len()) } {
+        match unsafe { proxy_remove_header_map_value(map_type as u32, name.as_ptr(), name.len()) } {
             0 | NOT_FOUND => Ok(()),
             e => Err(e),
         }
@@ -750,7 +758,7 @@ fn replace_request_body(old_len: usize, body: &[u8]) -> Result<(), u32> {
     raw::set_request_body(old_len, body)?;
     if header(MapType::HttpRequestHeaders, "content-length").is_some() {
         let _ = raw::set_header(
-            MapType::HttpRequestHeaders as u32,
+            MapType::HttpRequestHeaders,
             "content-length",
             body.len().to_string().as_bytes(),
         );
@@ -767,12 +775,12 @@ impl Stream {
                 value,
                 clear_route_cache,
             } => {
-                let _ = raw::set_header(MapType::HttpRequestHeaders as u32, name, value.as_bytes());
+                let _ = raw::set_header(MapType::HttpRequestHeaders, name, value.as_bytes());
                 if let Some(rank) = vm.state.rank_value(d) {
                     // A DP rank of a multi-rank endpoint: the engine's API server reads the rank
                     // from this header (vLLM: `X-data-parallel-rank`).
                     let _ = raw::set_header(
-                        MapType::HttpRequestHeaders as u32,
+                        MapType::HttpRequestHeaders,
                         vm.state.rank_header(),
                         rank.as_bytes(),
                     );
@@ -786,7 +794,7 @@ impl Stream {
                 let _ = raw::set_property(&["ngx", name], value.as_bytes());
                 if let Some(rank) = vm.state.rank_value(d) {
                     let _ = raw::set_header(
-                        MapType::HttpRequestHeaders as u32,
+                        MapType::HttpRequestHeaders,
                         vm.state.rank_header(),
                         rank.as_bytes(),
                     );
@@ -1145,7 +1153,7 @@ impl Stream {
             return;
         }
         let _ = raw::set_header(
-            MapType::HttpRequestHeaders as u32,
+            MapType::HttpRequestHeaders,
             "x-request-id",
             leg.request_id.as_bytes(),
         );
@@ -1246,7 +1254,7 @@ impl HttpContext for Stream {
             // The rank header too: a client must not pick a DP rank either.
             let mut removed = 0;
             let mut stuck = None;
-            let map = MapType::HttpRequestHeaders as u32;
+            let map = MapType::HttpRequestHeaders;
             for name in [vm.state.routing_header(), vm.state.rank_header()] {
                 let present = raw::get_header(map, name);
                 if matches!(present, Ok(None)) {
