@@ -846,7 +846,7 @@ impl Router {
         if let Some(ws) = &mut self.working_set {
             let id = &req.identity;
             let keys = working_set::sample((0..id.blocks()).map(|i| id.key(i)));
-            ws.touch(d.replica, &keys, now_ms);
+            ws.record(d.replica, &keys, now_ms);
         }
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
@@ -1038,6 +1038,30 @@ impl Router {
         self.working_set
             .as_ref()
             .map_or(0.0, |ws| ws.blocks(replica))
+    }
+
+    /// Starts sharing this router's working-set admissions with the proxy's other workers
+    /// ([`crate::working_set`]); nothing with the working-set term off.
+    pub fn share_working_set(&mut self) {
+        if let Some(ws) = &mut self.working_set {
+            ws.start_journal();
+        }
+    }
+
+    /// This router's recent working-set admissions for the other workers, stamped `now_ms`, keeping
+    /// the last `keep_ms`; `None` with the term off or before [`Router::share_working_set`].
+    pub fn working_set_journal(&mut self, now_ms: u64, keep_ms: u64) -> Option<Vec<u8>> {
+        self.working_set.as_mut()?.encode_journal(now_ms, keep_ms)
+    }
+
+    /// Applies another worker's working-set journal; `None` for one that is malformed or for
+    /// another replica count, or while not sharing.
+    pub fn apply_peer_working_set(
+        &mut self,
+        peer: u32,
+        journal: &[u8],
+    ) -> Option<working_set::Applied> {
+        self.working_set.as_mut()?.apply_peer(peer, journal)
     }
 
     /// Learns a replica's cache size from what the index holds for it (`kv_load.overflow_weight`).

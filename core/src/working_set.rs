@@ -22,6 +22,14 @@
 //! in request order; entries older than the window leave from the queue's front. The size is
 //! bounded: past `max_sampled` entries a replica drops its oldest, so hostile or unusual traffic
 //! costs bounded memory (about 50 bytes an entry at worst, with the queue's stale entries).
+//!
+//! A proxy runs one router per worker thread, and each sees only the requests its worker admitted:
+//! with 8 workers, each would see an eighth of every replica's working set and of its reuse. So the
+//! routers share their admissions: with the journal on ([`WorkingSet::start_journal`]), each
+//! recorded admission ([`WorkingSet::record`]) is kept, numbered, for a short while; the filter
+//! publishes the journal ([`WorkingSet::encode_journal`]) every tick and every other worker applies
+//! the entries it has not seen yet ([`WorkingSet::apply_peer`]) as if it had admitted them itself.
+//! Each worker's view then lags the others' admissions by about a tick, and converges.
 
 use hashbrown::HashMap;
 use std::collections::VecDeque;
@@ -31,6 +39,14 @@ pub const SAMPLE_BITS: u32 = 3;
 /// The reuse share's memory: its counts decay by this factor per request (about 50 requests).
 const REUSE_DECAY: f64 = 0.98;
 const SAMPLE_MASK: u64 = (1 << SAMPLE_BITS) - 1;
+
+/// The journal keeps at most this many sampled keys (about 3,000 coding-agent requests); past it the
+/// oldest entries go, and a worker that had not read them yet misses them.
+const JOURNAL_MAX_KEYS: usize = 1 << 18;
+/// Encoded journal: `published_ms u64, replicas u32, entries u32`, then per entry `seq u64,
+/// at_ms u64, replica u32, keys u32, keys x u64`, all little-endian.
+const JOURNAL_HEADER: usize = 16;
+const ENTRY_HEADER: usize = 24;
 
 fn sampled(key: &u64) -> bool {
     key & SAMPLE_MASK == 0
@@ -66,6 +82,25 @@ impl ReplicaSet {
     }
 }
 
+/// One admission in the journal: its number, time, replica and sampled keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Entry {
+    seq: u64,
+    at_ms: u64,
+    replica: u32,
+    keys: Vec<u64>,
+}
+
+/// This router's recent admissions for the other workers, and how far it read theirs.
+#[derive(Clone, Debug, Default)]
+struct Journal {
+    entries: VecDeque<Entry>,
+    keys: usize,
+    next_seq: u64,
+    /// Per peer worker: the highest entry number applied.
+    applied: HashMap<u32, u64>,
+}
+
 /// Recent distinct blocks per replica (estimated from a sample).
 #[derive(Clone, Debug)]
 pub struct WorkingSet {
@@ -75,6 +110,18 @@ pub struct WorkingSet {
     /// Decayed counts of sampled blocks requested, and of those requested before (the reuse share).
     requested: f64,
     reused: f64,
+    /// Admissions kept for the proxy's other workers; `None` while not sharing.
+    journal: Option<Journal>,
+}
+
+/// What [`WorkingSet::apply_peer`] did with a peer's journal.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Entries applied (new since the last read).
+    pub entries: usize,
+    /// Entries the peer had dropped before this worker read them (its journal overflowed, or this
+    /// worker read it too late).
+    pub missed: u64,
 }
 
 impl WorkingSet {
@@ -86,7 +133,93 @@ impl WorkingSet {
             replicas: vec![ReplicaSet::default(); replicas],
             requested: 0.0,
             reused: 0.0,
+            journal: None,
         }
+    }
+
+    /// Starts keeping recorded admissions for the proxy's other workers (the filter calls it once
+    /// the worker has a number in shared data).
+    pub fn start_journal(&mut self) {
+        self.journal.get_or_insert_with(Journal::default);
+    }
+
+    /// Records that this router sent `sampled_keys` (from [`sample`]) to `replica` at `now_ms`:
+    /// [`WorkingSet::touch`], and a journal entry when sharing.
+    pub fn record(&mut self, replica: usize, sampled_keys: &[u64], now_ms: u64) {
+        self.touch(replica, sampled_keys, now_ms);
+        let Some(j) = &mut self.journal else {
+            return;
+        };
+        if replica >= self.replicas.len() || sampled_keys.is_empty() {
+            return;
+        }
+        j.next_seq += 1;
+        j.keys += sampled_keys.len();
+        j.entries.push_back(Entry {
+            seq: j.next_seq,
+            at_ms: now_ms,
+            replica: replica as u32,
+            keys: sampled_keys.to_vec(),
+        });
+        while j.keys > JOURNAL_MAX_KEYS
+            && let Some(old) = j.entries.pop_front()
+        {
+            j.keys -= old.keys.len();
+        }
+    }
+
+    /// The journal for the other workers, stamped `now_ms`, after dropping entries older than
+    /// `keep_ms` (long enough for every worker to read them: the filter keeps a few ticks). `None`
+    /// while not sharing.
+    pub fn encode_journal(&mut self, now_ms: u64, keep_ms: u64) -> Option<Vec<u8>> {
+        let j = self.journal.as_mut()?;
+        let from = now_ms.saturating_sub(keep_ms);
+        while j.entries.front().is_some_and(|e| e.at_ms < from) {
+            if let Some(old) = j.entries.pop_front() {
+                j.keys -= old.keys.len();
+            }
+        }
+        let mut out =
+            Vec::with_capacity(JOURNAL_HEADER + j.entries.len() * ENTRY_HEADER + j.keys * 8);
+        out.extend_from_slice(&now_ms.to_le_bytes());
+        out.extend_from_slice(&(self.replicas.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(j.entries.len() as u32).to_le_bytes());
+        for e in &j.entries {
+            out.extend_from_slice(&e.seq.to_le_bytes());
+            out.extend_from_slice(&e.at_ms.to_le_bytes());
+            out.extend_from_slice(&e.replica.to_le_bytes());
+            out.extend_from_slice(&(e.keys.len() as u32).to_le_bytes());
+            for k in &e.keys {
+                out.extend_from_slice(&k.to_le_bytes());
+            }
+        }
+        Some(out)
+    }
+
+    /// Applies the entries of worker `peer`'s journal (from [`WorkingSet::encode_journal`]) that this
+    /// router has not applied yet, as if it had admitted them itself. `None`, and nothing applied,
+    /// for a malformed journal or one for another replica count (a worker on another
+    /// configuration); the journal is checked whole before any of it is applied.
+    pub fn apply_peer(&mut self, peer: u32, bytes: &[u8]) -> Option<Applied> {
+        let last = *self.journal.as_ref()?.applied.get(&peer).unwrap_or(&0);
+        let entries = decode_journal(bytes, self.replicas.len())?;
+        let mut applied = Applied::default();
+        let mut newest = last;
+        for e in &entries {
+            if e.seq <= last {
+                continue;
+            }
+            if applied.entries == 0 {
+                applied.missed = e.seq - last - 1;
+            }
+            self.touch(e.replica as usize, &e.keys, e.at_ms);
+            applied.entries += 1;
+            newest = newest.max(e.seq);
+        }
+        if let Some(j) = &mut self.journal {
+            j.applied.insert(peer, newest);
+        }
+        Some(applied)
     }
 
     /// The share of recently requested blocks that had been requested before: how likely a block
@@ -113,10 +246,15 @@ impl WorkingSet {
             let seen = self.seen(&key);
             reused += seen as usize;
             let set = &mut self.replicas[replica];
-            let was = set.entries.insert(key, (now_ms, seen));
+            // A peer's entry can be older than what this router recorded since: keep the newest.
+            let at = set
+                .entries
+                .get(&key)
+                .map_or(now_ms, |&(t, _)| t.max(now_ms));
+            let was = set.entries.insert(key, (at, seen));
             set.counted += seen as usize;
             set.counted -= was.is_some_and(|(_, c)| c) as usize;
-            set.order.push_back((now_ms, key));
+            set.order.push_back((at, key));
         }
         self.requested = self.requested * REUSE_DECAY + sampled_keys.len() as f64;
         self.reused = self.reused * REUSE_DECAY + reused as f64;
@@ -176,6 +314,46 @@ impl WorkingSet {
     pub fn sampled_entries(&self) -> usize {
         self.replicas.iter().map(|s| s.entries.len()).sum()
     }
+}
+
+/// Decodes a journal for `replicas` replicas, checking every length; entries must be numbered in
+/// increasing order, name a replica in range, and carry sampled keys only.
+fn decode_journal(bytes: &[u8], replicas: usize) -> Option<Vec<Entry>> {
+    let u32_at = |b: &[u8], i: usize| -> Option<u32> {
+        Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?))
+    };
+    let u64_at = |b: &[u8], i: usize| -> Option<u64> {
+        Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?))
+    };
+    if u32_at(bytes, 8)? as usize != replicas {
+        return None;
+    }
+    let count = u32_at(bytes, 12)? as usize;
+    let mut at = JOURNAL_HEADER;
+    let mut out = Vec::with_capacity(count.min(bytes.len() / ENTRY_HEADER));
+    let mut prev = 0u64;
+    for _ in 0..count {
+        let (seq, at_ms) = (u64_at(bytes, at)?, u64_at(bytes, at + 8)?);
+        let (replica, n) = (u32_at(bytes, at + 16)?, u32_at(bytes, at + 20)? as usize);
+        at += ENTRY_HEADER;
+        let body = bytes.get(at..at.checked_add(n.checked_mul(8)?)?)?;
+        at += body.len();
+        let keys: Vec<u64> = body
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([1; 8])))
+            .collect();
+        if seq <= prev || replica as usize >= replicas || !keys.iter().all(sampled) {
+            return None;
+        }
+        prev = seq;
+        out.push(Entry {
+            seq,
+            at_ms,
+            replica,
+            keys,
+        });
+    }
+    (at == bytes.len()).then_some(out)
 }
 
 #[cfg(test)]
@@ -281,6 +459,124 @@ mod tests {
         ws.touch(7, &k, 5);
         assert_eq!(ws.blocks(7), 0.0);
         assert_eq!(ws.sampled_entries(), 64);
+    }
+
+    #[test]
+    fn workers_sharing_their_journals_see_what_one_router_sees() {
+        let session = |i: u64| keys(i * 10_000..i * 10_000 + 3_000);
+        let mut one = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut w = [
+            WorkingSet::new(2, 10_000, 1 << 20),
+            WorkingSet::new(2, 10_000, 1 << 20),
+        ];
+        w.iter_mut().for_each(WorkingSet::start_journal);
+        // Two sessions, two turns each; the turns of each session alternate between the workers.
+        for (t, (s, r)) in [(0, 0), (1, 1), (0, 0), (1, 1)].into_iter().enumerate() {
+            let t = t as u64 * 10;
+            one.touch(r, &session(s), t);
+            w[t as usize / 10 % 2].record(r, &session(s), t);
+            let [a, b] = &mut w;
+            let ja = a.encode_journal(t, 1_000).unwrap();
+            let jb = b.encode_journal(t, 1_000).unwrap();
+            a.apply_peer(1, &jb).unwrap();
+            b.apply_peer(0, &ja).unwrap();
+        }
+        for r in 0..2 {
+            assert!(one.blocks(r) > 2_000.0, "{}", one.blocks(r));
+            for x in &w {
+                assert!(
+                    near(x.blocks(r), one.blocks(r)),
+                    "{} {}",
+                    x.blocks(r),
+                    one.blocks(r)
+                );
+            }
+        }
+        // Alone, each worker sees each session once: no reuse, no working set.
+        let mut alone = WorkingSet::new(2, 10_000, 1 << 20);
+        alone.touch(0, &session(0), 0);
+        alone.touch(1, &session(1), 10);
+        assert_eq!(alone.blocks(0) + alone.blocks(1), 0.0);
+    }
+
+    #[test]
+    fn a_journal_is_applied_once_and_dropped_entries_are_counted() {
+        let mut a = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut b = WorkingSet::new(2, 10_000, 1 << 20);
+        assert_eq!(a.encode_journal(0, 100), None, "not sharing");
+        a.start_journal();
+        b.start_journal();
+        a.record(0, &keys(0..800), 0);
+        a.record(1, &keys(800..1_600), 50);
+        let j = a.encode_journal(60, 100).unwrap();
+        assert_eq!(b.apply_peer(0, &j).unwrap().entries, 2);
+        assert_eq!(
+            b.apply_peer(0, &j).unwrap(),
+            Applied::default(),
+            "nothing new"
+        );
+        // Entries older than what is kept are dropped; a reader that comes too late misses them.
+        a.record(0, &keys(1_600..2_400), 100);
+        a.record(0, &keys(2_400..3_200), 300);
+        let j = a.encode_journal(300, 100).unwrap();
+        assert_eq!(
+            b.apply_peer(0, &j).unwrap(),
+            Applied {
+                entries: 1,
+                missed: 1
+            }
+        );
+        // Another peer's numbers are its own.
+        assert_eq!(b.apply_peer(7, &j).unwrap().entries, 1);
+        assert_eq!(
+            b.sampled_entries(),
+            a.sampled_entries() - keys(1_600..2_400).len()
+        );
+    }
+
+    #[test]
+    fn a_bad_journal_is_refused_whole() {
+        let mut a = WorkingSet::new(2, 10_000, 1 << 20);
+        a.start_journal();
+        a.record(0, &keys(0..800), 0);
+        a.record(1, &keys(800..1_600), 1);
+        let j = a.encode_journal(1, 100).unwrap();
+        let mut b = WorkingSet::new(2, 10_000, 1 << 20);
+        assert_eq!(b.apply_peer(0, &j), None, "not sharing: nothing applied");
+        b.start_journal();
+        let mut bad = vec![j[..j.len() - 1].to_vec(), j[..20].to_vec(), Vec::new()];
+        let mut extra = j.clone();
+        extra.push(0);
+        bad.push(extra);
+        let mut unsampled = j.clone();
+        unsampled[JOURNAL_HEADER + ENTRY_HEADER] |= 1;
+        bad.push(unsampled);
+        let mut replica = j.clone();
+        replica[JOURNAL_HEADER + 16] = 2;
+        bad.push(replica);
+        let mut huge = j.clone();
+        huge[JOURNAL_HEADER + 20..JOURNAL_HEADER + 24].copy_from_slice(&u32::MAX.to_le_bytes());
+        bad.push(huge);
+        for b_ in &bad {
+            assert_eq!(b.apply_peer(0, b_), None);
+        }
+        let mut three = WorkingSet::new(3, 10_000, 1 << 20);
+        three.start_journal();
+        assert_eq!(three.apply_peer(0, &j), None, "another replica count");
+        assert_eq!(b.sampled_entries(), 0);
+        assert_eq!(b.apply_peer(0, &j).unwrap().entries, 2);
+    }
+
+    #[test]
+    fn the_journal_is_bounded() {
+        let mut a = WorkingSet::new(1, u64::MAX, 1 << 24);
+        a.start_journal();
+        let k = keys(0..8_000);
+        for t in 0..(2 * JOURNAL_MAX_KEYS / k.len()) as u64 {
+            a.record(0, &k, t);
+        }
+        let j = a.encode_journal(u64::MAX / 2, u64::MAX).unwrap();
+        assert!(j.len() <= JOURNAL_MAX_KEYS * 8 + 16_384, "{}", j.len());
     }
 
     #[test]

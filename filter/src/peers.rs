@@ -17,6 +17,10 @@
 //! bookings made since each replica's report was polled (`Router::local_load_since`) and of what it
 //! released since of requests that report holds (`Router::local_released_since`).
 //!
+//! The working set (`kvsteer_core::working_set`): each worker publishes the journal of its recent
+//! admissions under `<prefix>:ws:<worker>` (the core's encoding, which starts with `published_ms`)
+//! and applies the others' new entries ([`publish_working_set`], [`read_working_set_fresh`]).
+//!
 //! Health learned from completions (`kvsteer_core::health`) is shared the same way, each worker's own
 //! decayed success and failure counts under `<prefix>:health:<worker>`: `published_ms u64`, then
 //! `HealthCounts::encode_all` bytes ([`publish_health`], [`read_health_fresh`]).
@@ -209,6 +213,30 @@ pub fn read_fresh(
         Some((ts, rec)) if now_ms.saturating_sub(ts) <= ttl_ms => Some(rec),
         _ => None,
     }
+}
+
+/// Shared-data key of a worker's working-set journal.
+pub fn working_set_key(prefix: &str, worker: u32) -> String {
+    format!("{prefix}:ws:{worker}")
+}
+
+/// Publishes worker `me`'s working-set journal (already stamped by the core).
+pub fn publish_working_set(store: &dyn SharedStore, prefix: &str, me: u32, journal: &[u8]) {
+    store.set(&working_set_key(prefix, me), journal, None);
+}
+
+/// Worker `peer`'s working-set journal if it is at most `ttl_ms` old (a worker that went away
+/// publishes nothing new, and is not decoded every tick).
+pub fn read_working_set_fresh(
+    store: &dyn SharedStore,
+    prefix: &str,
+    peer: u32,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Option<Vec<u8>> {
+    let (record, _) = store.get(&working_set_key(prefix, peer))?;
+    let ts = u64::from_le_bytes(record.get(0..8)?.try_into().ok()?);
+    (now_ms.saturating_sub(ts) <= ttl_ms).then_some(record)
 }
 
 #[cfg(test)]

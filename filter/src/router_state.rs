@@ -265,6 +265,9 @@ pub enum FeedResult {
 /// of microseconds; a clock read is one host call.
 pub const FEED_MIN_SLICE: u64 = 256;
 
+/// A worker's working-set journal keeps this many ticks of its admissions for the other workers.
+pub const WORKING_SET_KEEP_TICKS: u64 = 4;
+
 /// One VM's (one proxy worker's) routing state: its configuration, the core `Router`, the feed
 /// pollers and the per-request bookkeeping.
 pub struct RouterState {
@@ -278,6 +281,10 @@ pub struct RouterState {
     spoofed_headers: u64,
     /// Feed answers refused for naming another DP rank than the unit polled.
     rank_mismatches: u64,
+    /// Other workers' working-set entries this worker never read (dropped before it ticked).
+    working_set_missed: u64,
+    /// Other workers' working-set journals refused as malformed or for another replica count.
+    working_set_refused: u64,
     /// Per unit, the rank header's value (`None`: a unit without a rank), formatted once.
     rank_values: Vec<Option<String>>,
     /// This worker's number among the proxy's workers; `None` without shared data.
@@ -368,6 +375,8 @@ impl RouterState {
             body_fallbacks: [0; 4],
             spoofed_headers: 0,
             rank_mismatches: 0,
+            working_set_missed: 0,
+            working_set_refused: 0,
             worker_id: None,
             started_ms: None,
             budget_left: 0,
@@ -450,6 +459,9 @@ impl RouterState {
     /// Claims this worker's number from the shared counter ([`peers::claim_worker_id`]).
     pub fn claim_worker_id(&mut self, store: &dyn SharedStore) -> Option<u32> {
         self.worker_id = peers::claim_worker_id(store, &self.cfg.shared_key_prefix);
+        if self.worker_id.is_some() {
+            self.router.share_working_set();
+        }
         self.worker_id
     }
 
@@ -473,6 +485,11 @@ impl RouterState {
         };
         peers::publish(store, prefix, me, now_ms, &rec);
         peers::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
+        // Kept for a few ticks, so every worker reads each entry at least once (ticks drift).
+        let keep = self.cfg.tick_ms.saturating_mul(WORKING_SET_KEEP_TICKS);
+        if let Some(journal) = self.router.working_set_journal(now_ms, keep) {
+            peers::publish_working_set(store, prefix, me, &journal);
+        }
         let count = peers::worker_count(store, prefix);
         let replicas = self.cfg.replicas.len();
         let ttl = self.cfg.peer_ttl_ms;
@@ -488,6 +505,12 @@ impl RouterState {
             match peers::read_health_fresh(store, prefix, peer, replicas, now_ms, ttl) {
                 Some((at, counts)) => self.router.set_peer_health(peer, at, &counts),
                 None => self.router.clear_peer_health(peer),
+            }
+            if let Some(journal) = peers::read_working_set_fresh(store, prefix, peer, now_ms, ttl) {
+                match self.router.apply_peer_working_set(peer, &journal) {
+                    Some(applied) => self.working_set_missed += applied.missed,
+                    None => self.working_set_refused += 1,
+                }
             }
         }
         self.router.refresh_health(now_ms);
@@ -513,6 +536,11 @@ impl RouterState {
     /// The rank header's value for a decision: `Some` only when the chosen unit is a DP rank.
     pub fn rank_value(&self, d: &Decision) -> Option<&str> {
         self.rank_values.get(d.replica)?.as_deref()
+    }
+
+    /// Other workers' working-set entries missed and journals refused (counters since start).
+    pub fn working_set_sharing(&self) -> (u64, u64) {
+        (self.working_set_missed, self.working_set_refused)
     }
 
     /// Feed answers refused because they named another DP rank than the unit polled.

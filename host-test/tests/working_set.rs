@@ -3,8 +3,9 @@
 //! while unknown) and `kvsteer_working_set_blocks_<replica>` (the recent working set it estimates)
 //! to see whether the term is at work. Four replicas of 2,048 KV blocks, two workers; eight sessions
 //! ask for the same 2,048-token context four times each, between distinct 4,096-token prompts that
-//! push the caches into eviction. The gauges are a worker's own view, written by each worker on its
-//! tick (the last one wins), so both workers here see sessions.
+//! push the caches into eviction. The workers of a proxy share their admissions through shared data,
+//! so a session whose turns go through different workers is still seen as reused; separate proxies
+//! (no shared data) are not.
 
 mod common;
 use common::*;
@@ -67,4 +68,49 @@ fn with_the_term_off_the_working_set_is_zero_and_the_cache_size_still_learned() 
     let ws = gauges(&h, "working_set_blocks");
     assert_eq!(ws, vec![0; REPLICAS]);
     assert!(caps.iter().any(|&c| c > 1_000), "{caps:?}");
+}
+
+/// Eight sessions of two 2,048-token turns, the first turn through worker 0 and the second through
+/// worker 1, half a second apart: a worker alone sees each session once.
+fn split_sessions(proxies: usize, workers: usize) -> Harness {
+    let mut cfg = HarnessConfig::small("kv_load");
+    (cfg.proxies, cfg.workers) = (proxies, workers);
+    let mut h = harness_with(cfg);
+    let start = h.now_us();
+    for s in 0..8u64 {
+        for turn in 0..2 {
+            h.run_until(start + s * 200_000 + turn as u64 * 500_000)
+                .unwrap();
+            let spec = RequestSpec::new(tokens(s, 2_048), 16)
+                .session(&format!("s{s}"))
+                .worker(turn);
+            h.send(&spec).unwrap();
+        }
+    }
+    h.run_until_idle(600_000_000).unwrap();
+    h
+}
+
+fn working_set_of(h: &Harness, proxy: usize) -> i64 {
+    (0..REPLICAS)
+        .map(|r| {
+            let name = format!("kvsteer_working_set_blocks_r{r}");
+            h.proxies()[proxy].metric(&name).map_or(0, |m| m.value)
+        })
+        .sum()
+}
+
+#[test]
+fn the_workers_of_a_proxy_share_what_they_admitted() {
+    let shared = split_sessions(1, 2);
+    assert!(shared.records().all(|r| r.released && !r.failed));
+    // Each session's context (128 blocks) was asked for twice, through two workers.
+    let ws = working_set_of(&shared, 0);
+    assert!(ws >= 8 * 128 * 3 / 4, "{ws}");
+    // The same traffic through two proxies of one worker each: neither sees any reuse.
+    let apart = split_sessions(2, 1);
+    assert_eq!(
+        (working_set_of(&apart, 0), working_set_of(&apart, 1)),
+        (0, 0)
+    );
 }
