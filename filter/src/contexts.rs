@@ -268,6 +268,10 @@ struct Metrics {
     /// and its cache size, in blocks (0: unknown, the term is off for it).
     working_set_blocks: Vec<Option<u32>>,
     cache_size_blocks: Vec<Option<u32>>,
+    /// Other workers' working-set entries missed and journals refused, and the totals last counted.
+    working_set_missed: Option<u32>,
+    working_set_refused: Option<u32>,
+    last_working_set_sharing: (u64, u64),
     health_probes: Vec<Option<u32>>,
     last_failures: Vec<u64>,
     last_probes: Vec<u64>,
@@ -400,6 +404,9 @@ impl Metrics {
             prompt_tokens: define(Counter, "kvsteer_prompt_tokens"),
             spoofed: define(Counter, "kvsteer_spoofed_headers_removed"),
             feed_rank_mismatches: define(Counter, "kvsteer_feed_rank_mismatches"),
+            working_set_missed: define(Counter, "kvsteer_working_set_missed"),
+            working_set_refused: define(Counter, "kvsteer_working_set_refused"),
+            last_working_set_sharing: (0, 0),
             index_blocks: define(Gauge, "kvsteer_index_blocks"),
             index_evictions: define(Counter, "kvsteer_index_evictions"),
             release_anomalies: define(Counter, "kvsteer_release_anomalies"),
@@ -539,6 +546,11 @@ impl Root {
         let cuts = vm.state.feed_time_cuts();
         inc(m.feed_time_cuts, cuts.saturating_sub(m.last_time_cuts));
         m.last_time_cuts = cuts;
+        let (missed, refused) = vm.state.working_set_sharing();
+        let (last_missed, last_refused) = m.last_working_set_sharing;
+        inc(m.working_set_missed, missed.saturating_sub(last_missed));
+        inc(m.working_set_refused, refused.saturating_sub(last_refused));
+        m.last_working_set_sharing = (missed, refused);
         #[cfg(feature = "tokenizer")]
         if let (Some(tm), Some(t)) = (m.tokenizer.as_mut(), vm.state.tokenizer_stats()) {
             tm.update(t);
