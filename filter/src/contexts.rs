@@ -1,5 +1,7 @@
-//! The proxy-wasm contexts: all host calls live here, all decisions in [`crate::router_state`].
+//! The proxy-wasm contexts: all host calls are made here (through [`crate::abi`], each with a
+//! fallback), all decisions in [`crate::router_state`].
 
+use crate::abi;
 use crate::config::FilterConfig;
 use crate::pd::{self, LegFailure, PrefillAnswer};
 use crate::router_state::{
@@ -9,244 +11,56 @@ use crate::router_state::{
 use crate::sse::SseTracker;
 use crate::store::SharedStore;
 use kvsteer_core::health::Outcome;
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 fn now_ms() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_millis() as u64)
+    now_ns() / 1_000_000
+}
+
+thread_local! {
+    /// The last time the proxy's clock was read ([`now_ns`]).
+    static LAST_NS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// The proxy's clock in nanoseconds (Envoy: the system clock, read afresh on every call, nanosecond
-/// resolution), for the feed's time budget.
+/// resolution), for the feed's time budget. A refused read answers the last time read (0 before
+/// any): the clock stands still for a moment rather than jumping back to 1970, which would make
+/// every deadline and age in the router look expired or fresh at once.
 fn now_ns() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos() as u64)
+    match abi::now_ns() {
+        Ok(t) => {
+            LAST_NS.set(t);
+            t
+        }
+        Err(_) => LAST_NS.get(),
+    }
 }
 
+/// A log line; one the proxy refuses is only counted ([`abi::log`]).
 fn log(level: LogLevel, msg: &str) {
-    let _ = hostcalls::log(level, msg);
+    abi::log(level, msg);
 }
 
 fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
-    raw::get_header(map, name).ok().flatten()
+    abi::get_header(map, name).ok().flatten()
 }
 
-/// Host calls whose SDK wrappers panic on a status they do not expect (a panic traps the VM, and a
-/// host may refuse a call in a phase it does not allow it, as nginx's module does): the filter calls
-/// the ABI itself for headers, properties and the P/D path, and turns every status into a `Result`.
-mod raw {
-    use proxy_wasm::types::MapType;
-
-    #[link(wasm_import_module = "env")]
-    unsafe extern "C" {
-        fn proxy_get_header_map_value(
-            map_type: u32,
-            key: *const u8,
-            key_len: usize,
-            value: *mut *mut u8,
-            value_len: *mut usize,
-        ) -> u32;
-        fn proxy_replace_header_map_value(
-            map_type: u32,
-            key: *const u8,
-            key_len: usize,
-            value: *const u8,
-            value_len: usize,
-        ) -> u32;
-        fn proxy_remove_header_map_value(map_type: u32, key: *const u8, key_len: usize) -> u32;
-        fn proxy_get_property(
-            path: *const u8,
-            path_len: usize,
-            value: *mut *mut u8,
-            value_len: *mut usize,
-        ) -> u32;
-        fn proxy_set_property(
-            path: *const u8,
-            path_len: usize,
-            value: *const u8,
-            value_len: usize,
-        ) -> u32;
-        fn proxy_set_buffer_bytes(
-            buffer_type: u32,
-            start: usize,
-            size: usize,
-            data: *const u8,
-            len: usize,
-        ) -> u32;
-        #[allow(clippy::too_many_arguments)]
-        fn proxy_send_local_response(
-            status_code: u32,
-            details: *const u8,
-            details_len: usize,
-            body: *const u8,
-            body_len: usize,
-            headers: *const u8,
-            headers_len: usize,
-            grpc_status: i32,
-        ) -> u32;
-        fn proxy_continue_stream(stream_type: u32) -> u32;
-    }
-
-    /// proxy-wasm's `BufferType::HttpRequestBody` and `StreamType::HttpRequest`.
-    const HTTP_REQUEST: u32 = 0;
-
-    fn status(s: u32) -> Result<(), u32> {
-        if s == 0 { Ok(()) } else { Err(s) }
-    }
-
-    /// proxy-wasm's `NotFound`.
-    const NOT_FOUND: u32 = 1;
-
-    /// Takes ownership of a buffer the host returned: it allocated it through the module's
-    /// `proxy_on_memory_allocate` (the SDK's, a `Vec` of that capacity), as the SDK's wrappers assume.
-    fn owned(data: *mut u8, len: usize) -> Vec<u8> {
-        if data.is_null() {
-            Vec::new()
-        } else {
-            // SAFETY: see above; the host hands the buffer over and keeps no reference.
-            unsafe { Vec::from_raw_parts(data, len, len) }
-        }
-    }
-
-    /// A header's value; `None` when absent.
-    pub fn get_header(map_type: MapType, name: &str) -> Result<Option<Vec<u8>>, u32> {
-        let (mut data, mut len) = (core::ptr::null_mut(), 0usize);
-        // SAFETY: the name is a live slice; the out-pointers are live locals.
-        let s = unsafe {
-            proxy_get_header_map_value(
-                map_type as u32,
-                name.as_ptr(),
-                name.len(),
-                &mut data,
-                &mut len,
-            )
-        };
-        match s {
-            0 => Ok(Some(owned(data, len))),
-            NOT_FOUND => Ok(None),
-            e => Err(e),
-        }
-    }
-
-    /// Sets (replaces) a header.
-    pub fn set_header(map_type: MapType, name: &str, value: &[u8]) -> Result<(), u32> {
-        // SAFETY: live slices for the duration of the call.
-        status(unsafe {
-            proxy_replace_header_map_value(
-                map_type as u32,
-                name.as_ptr(),
-                name.len(),
-                value.as_ptr(),
-                value.len(),
-            )
-        })
-    }
-
-    /// Removes a header (absent is not an error).
-    pub fn remove_header(map_type: MapType, name: &str) -> Result<(), u32> {
-        // SAFETY: a live slice for the duration of the call.
-        match unsafe { proxy_remove_header_map_value(map_type as u32, name.as_ptr(), name.len()) } {
-            0 | NOT_FOUND => Ok(()),
-            e => Err(e),
-        }
-    }
-
-    /// proxy-wasm's property path encoding: the segments joined by NUL.
-    fn path(segments: &[&str]) -> Vec<u8> {
-        segments.join("\0").into_bytes()
-    }
-
-    /// A property's value; `None` when absent or empty.
-    pub fn get_property(segments: &[&str]) -> Result<Option<Vec<u8>>, u32> {
-        let p = path(segments);
-        let (mut data, mut len) = (core::ptr::null_mut(), 0usize);
-        // SAFETY: as for `get_header`.
-        let s = unsafe { proxy_get_property(p.as_ptr(), p.len(), &mut data, &mut len) };
-        match s {
-            0 => Ok(Some(owned(data, len)).filter(|v| !v.is_empty())),
-            NOT_FOUND => Ok(None),
-            e => Err(e),
-        }
-    }
-
-    pub fn set_property(segments: &[&str], value: &[u8]) -> Result<(), u32> {
-        let p = path(segments);
-        // SAFETY: live slices for the duration of the call.
-        status(unsafe { proxy_set_property(p.as_ptr(), p.len(), value.as_ptr(), value.len()) })
-    }
-
-    /// Replaces the buffered request body (`size`: the bytes it had) with `data`.
-    pub fn set_request_body(size: usize, data: &[u8]) -> Result<(), u32> {
-        // SAFETY: the pointers and lengths describe live slices for the duration of the call.
-        status(unsafe { proxy_set_buffer_bytes(HTTP_REQUEST, 0, size, data.as_ptr(), data.len()) })
-    }
-
-    /// proxy-wasm's header map encoding: the pair count, each name's and value's length, then each
-    /// name and value followed by a NUL.
-    fn encode_pairs(pairs: &[(&str, &str)]) -> Vec<u8> {
-        let mut out = Vec::new();
-        out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
-        for (k, v) in pairs {
-            out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-        }
-        for (k, v) in pairs {
-            out.extend_from_slice(k.as_bytes());
-            out.push(0);
-            out.extend_from_slice(v.as_bytes());
-            out.push(0);
-        }
-        out
-    }
-
-    pub fn send_local_response(
-        status_code: u32,
-        headers: &[(&str, &str)],
-        body: &[u8],
-    ) -> Result<(), u32> {
-        let h = encode_pairs(headers);
-        // SAFETY: as above; a null details pointer with length 0 is what the SDK passes.
-        status(unsafe {
-            proxy_send_local_response(
-                status_code,
-                core::ptr::null(),
-                0,
-                body.as_ptr(),
-                body.len(),
-                h.as_ptr(),
-                h.len(),
-                -1,
-            )
-        })
-    }
-
-    pub fn resume_request() -> Result<(), u32> {
-        // SAFETY: no pointers.
-        status(unsafe { proxy_continue_stream(HTTP_REQUEST) })
-    }
-}
-
-/// The proxy's shared data, for the feed lease and relay, worker numbers and shared load.
+/// The proxy's shared data, for the feed lease and relay, worker numbers and shared load. A read the
+/// proxy refuses reads as absent and a refused write did not happen ([`SharedStore`]'s "absent or
+/// unavailable" and `false`), as a lost CAS race does: the lease, relay and peer records already
+/// treat both as normal (another worker got there first, or nothing is shared yet).
 struct HostStore;
 
 impl SharedStore for HostStore {
     fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        match hostcalls::get_shared_data(key) {
-            Ok((Some(v), cas)) => Some((v, cas.unwrap_or(0))),
-            _ => None,
-        }
+        abi::get_shared_data(key).ok().flatten()
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
-        hostcalls::set_shared_data(key, Some(value), cas).is_ok()
+        matches!(abi::set_shared_data(key, value, cas), Ok(true))
     }
 }
 
@@ -295,6 +109,9 @@ struct Metrics {
     pd_whole: Option<u32>,
     bookings: Option<u32>,
     releases: Option<u32>,
+    /// Host calls the proxy refused ([`abi`]: each has a fallback; docs/filter.md).
+    host_call_refusals: Option<u32>,
+    last_refusals: u64,
     last_bookings: (u64, u64),
     last_evictions: u64,
     last_anomalies: u64,
@@ -351,20 +168,20 @@ impl TokenizerMetrics {
 }
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
-    hostcalls::define_metric(kind, name).ok()
+    abi::define_metric(kind, name).ok()
 }
 
 fn inc(id: Option<u32>, by: u64) {
     if let Some(id) = id
         && by > 0
     {
-        let _ = hostcalls::increment_metric(id, by.min(i64::MAX as u64) as i64);
+        let _ = abi::increment_metric(id, by.min(i64::MAX as u64) as i64);
     }
 }
 
 fn gauge(id: Option<u32>, v: u64) {
     if let Some(id) = id {
-        let _ = hostcalls::record_metric(id, v);
+        let _ = abi::record_metric(id, v);
     }
 }
 
@@ -418,6 +235,7 @@ impl Metrics {
             pd_whole: define(Counter, "kvsteer_pd_whole_requests"),
             bookings: define(Counter, "kvsteer_bookings"),
             releases: define(Counter, "kvsteer_releases"),
+            host_call_refusals: define(Counter, "kvsteer_host_call_refusals"),
             #[cfg(feature = "tokenizer")]
             tokenizer: cfg.tokenizer.as_ref().map(|_| TokenizerMetrics::define()),
             ..Metrics::default()
@@ -468,7 +286,7 @@ impl Root {
                 (":authority", authority.as_str()),
                 ("accept", kvsteer_core::feed::FEED_CONTENT_TYPE),
             ];
-            match hostcalls::dispatch_http_call(&upstream, headers, None, vec![], timeout) {
+            match abi::dispatch_http_call(&upstream, headers, None, timeout) {
                 Ok(token) => vm.state.poll_started(replica, token, now),
                 Err(status) => {
                     let r = vm
@@ -543,6 +361,12 @@ impl Root {
         inc(m.bookings, booked.saturating_sub(m.last_bookings.0));
         inc(m.releases, released.saturating_sub(m.last_bookings.1));
         m.last_bookings = (booked, released);
+        let refusals = abi::refusals();
+        inc(
+            m.host_call_refusals,
+            refusals.saturating_sub(m.last_refusals),
+        );
+        m.last_refusals = refusals;
         let cuts = vm.state.feed_time_cuts();
         inc(m.feed_time_cuts, cuts.saturating_sub(m.last_time_cuts));
         m.last_time_cuts = cuts;
@@ -610,7 +434,8 @@ impl Context for Root {
                 .on_feed_response_oversized(token, status, body_size, store, now_ms())
         } else {
             let body = if body_size > 0 {
-                hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                // A body the proxy will not hand over reads as none: a failed poll.
+                abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
                     .ok()
                     .flatten()
             } else {
@@ -625,10 +450,18 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let bytes = match abi::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(e) => {
+                log(
+                    LogLevel::Error,
+                    &format!(
+                        "kvsteer: configuration refused: the proxy did not hand it over (status {e})"
+                    ),
+                );
+                return false;
+            }
+        };
         let cfg = match FilterConfig::from_json(&bytes) {
             Ok(c) => c,
             Err(e) => {
@@ -655,7 +488,7 @@ impl RootContext for Root {
         // Envoy names the node `xds.node` (its CEL attributes); older builds and other hosts `node`.
         let node_id = [vec!["xds", "node", "id"], vec!["node", "id"]]
             .into_iter()
-            .find_map(|path| raw::get_property(&path).ok().flatten())
+            .find_map(|path| abi::get_property(&path).ok().flatten())
             .unwrap_or_default();
         state.set_proxy_identity(&node_id);
         // The P/D requests' ids must not repeat across workers, proxies or restarts: a random nonce
@@ -681,7 +514,17 @@ impl RootContext for Root {
             ),
         );
         self.vm = Some(Rc::new(RefCell::new(Vm { state, metrics })));
-        let _ = hostcalls::set_tick_period(tick);
+        if let Err(e) = abi::set_tick_period(tick) {
+            // Requests are still routed, with what the filter knows without ticks.
+            log(
+                LogLevel::Error,
+                &format!(
+                    "kvsteer: the proxy refused a tick period of {} ms (status {e}): feeds are \
+                     not polled, load is not shared with other workers, gauges are not updated",
+                    tick.as_millis()
+                ),
+            );
+        }
         true
     }
 
@@ -767,9 +610,9 @@ fn prefill_id(stream: u64) -> u64 {
 
 /// Replaces the buffered request body, keeping a `content-length` the client sent true.
 fn replace_request_body(old_len: usize, body: &[u8]) -> Result<(), u32> {
-    raw::set_request_body(old_len, body)?;
+    abi::set_request_body(old_len, body)?;
     if header(MapType::HttpRequestHeaders, "content-length").is_some() {
-        let _ = raw::set_header(
+        let _ = abi::set_header(
             MapType::HttpRequestHeaders,
             "content-length",
             body.len().to_string().as_bytes(),
@@ -787,11 +630,11 @@ impl Stream {
                 value,
                 clear_route_cache,
             } => {
-                let _ = raw::set_header(MapType::HttpRequestHeaders, name, value.as_bytes());
+                let _ = abi::set_header(MapType::HttpRequestHeaders, name, value.as_bytes());
                 if let Some(rank) = vm.state.rank_value(d) {
                     // A DP rank of a multi-rank endpoint: the engine's API server reads the rank
                     // from this header (vLLM: `X-data-parallel-rank`).
-                    let _ = raw::set_header(
+                    let _ = abi::set_header(
                         MapType::HttpRequestHeaders,
                         vm.state.rank_header(),
                         rank.as_bytes(),
@@ -799,13 +642,13 @@ impl Stream {
                 }
                 if clear_route_cache {
                     // The route was chosen before the header existed: make Envoy choose again.
-                    let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+                    let _ = abi::call_foreign_function("clear_route_cache");
                 }
             }
             DecisionOutput::NginxVariable { name, value } => {
-                let _ = raw::set_property(&["ngx", name], value.as_bytes());
+                let _ = abi::set_property(&["ngx", name], value.as_bytes());
                 if let Some(rank) = vm.state.rank_value(d) {
-                    let _ = raw::set_header(
+                    let _ = abi::set_header(
                         MapType::HttpRequestHeaders,
                         vm.state.rank_header(),
                         rank.as_bytes(),
@@ -884,7 +727,7 @@ impl Stream {
         };
         let limit = vm.borrow().state.max_body_bytes();
         let pd = vm.borrow().state.disaggregated();
-        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, max) {
+        let body = match abi::get_buffer(BufferType::HttpRequestBody, 0, max) {
             Ok(b) => b.unwrap_or_default(),
             Err(_) if pd => {
                 return self.refuse_unread_pd(500, "the proxy did not hand over the request body");
@@ -1050,14 +893,8 @@ impl Stream {
             headers.push(("authorization", a));
         }
         let timeout = Duration::from_millis(cfg.pd.prefill_timeout_ms);
-        hostcalls::dispatch_http_call(
-            cfg.prefill_upstream(prefill),
-            headers,
-            Some(body),
-            vec![],
-            timeout,
-        )
-        .map_err(|status| LegFailure::NotSent(format!("{status:?}")).to_string())
+        abi::dispatch_http_call(cfg.prefill_upstream(prefill), headers, Some(body), timeout)
+            .map_err(|status| LegFailure::NotSent(format!("{status:?}")).to_string())
     }
 
     /// The prefill leg's answer (or its failure): on success the client's request becomes the decode
@@ -1074,7 +911,7 @@ impl Stream {
         };
         let max = vm.borrow().state.config().pd.max_prefill_response_bytes;
         let answer = pd::read_prefill_answer(status, body_size, max, || {
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
                 .ok()
                 .flatten()
         });
@@ -1164,7 +1001,7 @@ impl Stream {
             );
             return;
         }
-        let _ = raw::set_header(
+        let _ = abi::set_header(
             MapType::HttpRequestHeaders,
             "x-request-id",
             leg.request_id.as_bytes(),
@@ -1172,7 +1009,7 @@ impl Stream {
         Self::write_destination(vm, &leg.decode);
         self.replica = Some(leg.decode.replica);
         self.phase = Phase::Admitted;
-        if raw::resume_request().is_err() {
+        if abi::resume_request().is_err() {
             log(
                 LogLevel::Warn,
                 "kvsteer: the proxy refused to resume a request",
@@ -1182,7 +1019,7 @@ impl Stream {
 
     /// Answers the client with a JSON error in place of the upstream.
     fn send_error(status: u32, body: &[u8]) {
-        if raw::send_local_response(status, &[("content-type", "application/json")], body).is_err()
+        if abi::send_local_response(status, &[("content-type", "application/json")], body).is_err()
         {
             log(
                 LogLevel::Warn,
@@ -1201,7 +1038,7 @@ impl Stream {
             return;
         };
         self.outcome_reported = true;
-        let served = raw::get_property(&["upstream", "address"]).ok().flatten();
+        let served = abi::get_property(&["upstream", "address"]).ok().flatten();
         vm.borrow_mut()
             .state
             .request_outcome(replica, served.as_deref(), outcome, now_ms());
@@ -1268,12 +1105,12 @@ impl HttpContext for Stream {
             let mut stuck = None;
             let map = MapType::HttpRequestHeaders;
             for name in [vm.state.routing_header(), vm.state.rank_header()] {
-                let present = raw::get_header(map, name);
+                let present = abi::get_header(map, name);
                 if matches!(present, Ok(None)) {
                     continue;
                 }
                 // Present, or the host would not say: remove it either way.
-                match raw::remove_header(map, name) {
+                match abi::remove_header(map, name) {
                     Ok(()) => removed += present.is_ok() as usize,
                     Err(e) => stuck = Some((name.to_string(), e)),
                 }
@@ -1397,7 +1234,8 @@ impl HttpContext for Stream {
         if let (Some(tracker), Some(vm)) = (self.sse.as_mut(), self.vm.as_ref())
             && body_size > 0
         {
-            let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+            // A chunk the proxy will not hand over is followed as empty: its tokens are missed.
+            let chunk = abi::get_buffer(BufferType::HttpResponseBody, 0, body_size)
                 .ok()
                 .flatten()
                 .unwrap_or_default();

@@ -9,9 +9,11 @@
 //! sharing needed; borrows never cross a host call that could re-enter.
 //!
 //! Nothing here may panic: a panic is a wasm trap that kills the VM and every request on it. Host calls
-//! use the SDK's `Result`-returning `hostcalls` (bytes variants, so a non-UTF-8 header cannot trip a
-//! conversion), every error has a fallback, and request and feed bytes go through the core's typed
-//! parsers.
+//! go through the ABI itself (`abi`: the SDK's `hostcalls` wrappers panic on any status they do not
+//! expect), with bytes, so a non-UTF-8 header cannot trip a conversion; every error has a fallback
+//! (docs/filter.md, "Host-call failures"); request and feed bytes go through the core's typed
+//! parsers. What the SDK itself can still panic on (its dispatcher, on host input the filter never
+//! sees) is listed there too.
 
 pub mod config;
 pub mod pd;
@@ -22,10 +24,14 @@ pub mod sse;
 pub mod store;
 
 #[cfg(target_arch = "wasm32")]
+mod abi;
+#[cfg(target_arch = "wasm32")]
 mod contexts;
 
 #[cfg(target_arch = "wasm32")]
 proxy_wasm::main! {{
+    // No host call: it installs the SDK's logger and its panic hook (which logs a panic's message at
+    // `critical` before the trap).
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
         Box::new(contexts::Root::default())

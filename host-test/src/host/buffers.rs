@@ -1,7 +1,7 @@
 //! Buffers: `proxy_get_buffer_bytes` and `proxy_set_buffer_bytes` on the request and response bodies
 //! (what the filter has buffered), the HTTP-call response body, and the plugin and VM configuration.
 
-use super::memory::{HostResult, ok, read_or_status, return_bytes, status};
+use super::memory::{HostResult, ok, read_or_status, refuse_if_asked, return_bytes, status};
 use super::{ENV, VmState};
 use crate::abi::{BufferType, Status};
 use wasmtime::{Caller, Linker};
@@ -37,6 +37,7 @@ pub(super) fn add_buffers(linker: &mut Linker<VmState>) -> wasmtime::Result<()> 
          ptr_ptr: i32,
          size_ptr: i32|
          -> HostResult {
+            refuse_if_asked!(c, "proxy_get_buffer_bytes");
             let Some(kind) = BufferType::from_raw(kind) else {
                 return status(Status::BadArgument);
             };
@@ -66,6 +67,7 @@ pub(super) fn add_buffers(linker: &mut Linker<VmState>) -> wasmtime::Result<()> 
          ptr: i32,
          len: i32|
          -> HostResult {
+            refuse_if_asked!(c, "proxy_set_buffer_bytes");
             let data = read_or_status!(&mut c, ptr, len);
             let (start, size) = (start as u32 as usize, size as u32 as usize);
             let Some(kind) = BufferType::from_raw(kind) else {

@@ -1,7 +1,7 @@
 //! Contexts and foreign functions: `proxy_set_effective_context` (known contexts only), `proxy_done`,
 //! and `proxy_call_foreign_function` (`clear_route_cache` in Envoy mode, otherwise `NotFound`).
 
-use super::memory::{HostResult, ok, read_or_status, status};
+use super::memory::{HostResult, ok, read_or_status, refuse_if_asked, status};
 use super::{ENV, HostMode, ROOT_CONTEXT, VmState};
 use crate::abi::Status;
 use wasmtime::{Caller, Linker};
@@ -41,6 +41,7 @@ pub(super) fn add_context(linker: &mut Linker<VmState>) -> wasmtime::Result<()> 
          _: i32,
          _: i32|
          -> HostResult {
+            refuse_if_asked!(c, "proxy_call_foreign_function");
             let name = read_or_status!(&mut c, nptr, nlen);
             // Envoy registers `clear_route_cache` (re-run route selection after a header changed);
             // nginx has no foreign functions.

@@ -3,7 +3,7 @@
 //! SDK's pair serialization; names are lower-cased as Envoy does. A map that does not exist in the
 //! current context is `BadArgument`, as in Envoy.
 
-use super::memory::{HostResult, ok, read_or_status, return_bytes, status};
+use super::memory::{HostResult, ok, read_or_status, refuse_if_asked, return_bytes, status};
 use super::{ENV, VmState};
 use crate::abi::{MapType, Pairs, Status, decode_pairs, encode_pairs};
 use wasmtime::{Caller, Linker};
@@ -103,6 +103,7 @@ pub(super) fn add_headers(linker: &mut Linker<VmState>) -> wasmtime::Result<()> 
          ptr_ptr: i32,
          size_ptr: i32|
          -> HostResult {
+            refuse_if_asked!(c, "proxy_get_header_map_value");
             let key = read_or_status!(&mut c, kptr, klen);
             let Some(map) = MapType::from_raw(map) else {
                 return status(Status::BadArgument);
@@ -130,6 +131,7 @@ pub(super) fn add_headers(linker: &mut Linker<VmState>) -> wasmtime::Result<()> 
          vptr: i32,
          vlen: i32|
          -> HostResult {
+            refuse_if_asked!(c, "proxy_replace_header_map_value");
             let key = read_or_status!(&mut c, kptr, klen).to_ascii_lowercase();
             let value = read_or_status!(&mut c, vptr, vlen);
             let Some(map) = MapType::from_raw(map) else {
@@ -159,6 +161,7 @@ pub(super) fn add_headers(linker: &mut Linker<VmState>) -> wasmtime::Result<()> 
         ENV,
         "proxy_remove_header_map_value",
         |mut c: Caller<'_, VmState>, map: i32, kptr: i32, klen: i32| -> HostResult {
+            refuse_if_asked!(c, "proxy_remove_header_map_value");
             let key = read_or_status!(&mut c, kptr, klen).to_ascii_lowercase();
             let Some(map) = MapType::from_raw(map) else {
                 return status(Status::BadArgument);

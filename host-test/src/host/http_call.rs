@@ -4,7 +4,9 @@
 //! reports the last callout failure.
 
 use super::headers::header_value;
-use super::memory::{HostResult, guest_write, ok, read_or_status, return_bytes, status};
+use super::memory::{
+    HostResult, guest_write, ok, read_or_status, refuse_if_asked, return_bytes, status,
+};
 use super::{ENV, HostMode, VmState};
 use crate::abi::{Pairs, Status, decode_pairs};
 use std::sync::atomic::Ordering;
@@ -102,6 +104,7 @@ pub(super) fn add_http_call(linker: &mut Linker<VmState>) -> wasmtime::Result<()
          timeout: i32,
          token_ptr: i32|
          -> HostResult {
+            refuse_if_asked!(c, "proxy_http_call");
             let upstream =
                 String::from_utf8_lossy(&read_or_status!(&mut c, uptr, ulen)).into_owned();
             let headers = read_or_status!(&mut c, hptr, hlen);

@@ -2,7 +2,7 @@
 //! `proxy_set_tick_period_milliseconds`. Log lines are kept per worker (the first 20,000, with counts
 //! per level); the clock is the proxy's virtual clock on a 2026-01-01 base.
 
-use super::memory::{HostResult, guest_write, ok, read_or_status, status};
+use super::memory::{HostResult, guest_write, ok, read_or_status, refuse_if_asked, status};
 use super::{CLOCK_BASE_NS, ENV, FUEL_PER_CALLBACK, VmState};
 use crate::abi::{LogLevel, Status};
 use std::sync::atomic::Ordering;
@@ -72,6 +72,7 @@ pub(super) fn add_log_time(linker: &mut Linker<VmState>) -> wasmtime::Result<()>
         ENV,
         "proxy_log",
         |mut c: Caller<'_, VmState>, level: i32, ptr: i32, len: i32| -> HostResult {
+            refuse_if_asked!(c, "proxy_log");
             let msg = read_or_status!(&mut c, ptr, len);
             let Some(level) = LogLevel::from_raw(level) else {
                 c.data_mut().note(format!("proxy_log with level {level}"));
@@ -97,6 +98,7 @@ pub(super) fn add_log_time(linker: &mut Linker<VmState>) -> wasmtime::Result<()>
         ENV,
         "proxy_get_current_time_nanoseconds",
         |mut c: Caller<'_, VmState>, out: i32| -> HostResult {
+            refuse_if_asked!(c, "proxy_get_current_time_nanoseconds");
             let mut now = c.data().now_ns();
             let per_fuel = c.data().options.clock_ns_per_fuel;
             if per_fuel > 0
@@ -116,6 +118,7 @@ pub(super) fn add_log_time(linker: &mut Linker<VmState>) -> wasmtime::Result<()>
         ENV,
         "proxy_set_tick_period_milliseconds",
         |mut c: Caller<'_, VmState>, period: i32| -> HostResult {
+            refuse_if_asked!(c, "proxy_set_tick_period_milliseconds");
             c.data_mut().tick_period_ms = period as u32;
             ok()
         },

@@ -92,6 +92,18 @@ macro_rules! read_or_status {
 }
 pub(super) use read_or_status;
 
+/// Answers the status a test asked the host to refuse this import with
+/// ([`super::Proxy::refuse_host_call`]), doing nothing else: how a proxy refuses a call it does not
+/// allow in this phase, or lacks.
+macro_rules! refuse_if_asked {
+    ($c:expr, $import:literal) => {
+        if let Some(s) = $c.data().refusal($import) {
+            return Ok(s as i32);
+        }
+    };
+}
+pub(super) use refuse_if_asked;
+
 pub(super) fn ok() -> HostResult {
     Ok(Status::Ok.code())
 }

@@ -1,7 +1,7 @@
 //! Metrics: define (same name and type: same id), increment (negative on a counter: `BadArgument`),
 //! record, get (histograms: `BadArgument`), process-wide like Envoy stats.
 
-use super::memory::{HostResult, guest_write, ok, read_or_status, status};
+use super::memory::{HostResult, guest_write, ok, read_or_status, refuse_if_asked, status};
 use super::{ENV, VmState, lock};
 use crate::abi::{MetricType, Status};
 use wasmtime::{Caller, Linker};
@@ -23,6 +23,7 @@ pub(super) fn add_metrics(linker: &mut Linker<VmState>) -> wasmtime::Result<()> 
         ENV,
         "proxy_define_metric",
         |mut c: Caller<'_, VmState>, kind: i32, nptr: i32, nlen: i32, id_ptr: i32| -> HostResult {
+            refuse_if_asked!(c, "proxy_define_metric");
             let name = String::from_utf8_lossy(&read_or_status!(&mut c, nptr, nlen)).into_owned();
             let Some(kind) = MetricType::from_raw(kind) else {
                 return status(Status::BadArgument);
@@ -73,6 +74,7 @@ pub(super) fn add_metrics(linker: &mut Linker<VmState>) -> wasmtime::Result<()> 
         ENV,
         "proxy_record_metric",
         |c: Caller<'_, VmState>, id: i32, value: i64| -> HostResult {
+            refuse_if_asked!(c, "proxy_record_metric");
             let mut metrics = lock(&c.data().shared().metrics);
             match metrics.get_mut((id as u32 as usize).wrapping_sub(1)) {
                 None => status(Status::NotFound),
@@ -95,6 +97,7 @@ pub(super) fn add_metrics(linker: &mut Linker<VmState>) -> wasmtime::Result<()> 
         ENV,
         "proxy_increment_metric",
         |c: Caller<'_, VmState>, id: i32, offset: i64| -> HostResult {
+            refuse_if_asked!(c, "proxy_increment_metric");
             let mut metrics = lock(&c.data().shared().metrics);
             match metrics.get_mut((id as u32 as usize).wrapping_sub(1)) {
                 None => status(Status::NotFound),

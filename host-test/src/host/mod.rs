@@ -285,6 +285,8 @@ struct Shared {
     next_cas: AtomicU64,
     queues: Mutex<Vec<SharedQueue>>,
     metrics: Mutex<Vec<Metric>>,
+    /// Imports the host refuses, with the status it answers ([`Proxy::refuse_host_call`]).
+    refusals: Mutex<HashMap<String, u32>>,
 }
 
 /// A proxy process with one plugin configuration. Cheap to clone (a handle).
@@ -306,6 +308,7 @@ impl Proxy {
                 next_cas: AtomicU64::new(1),
                 queues: Mutex::new(Vec::new()),
                 metrics: Mutex::new(Vec::new()),
+                refusals: Mutex::new(HashMap::new()),
             }),
             options: Arc::new(options),
             next_worker: Arc::new(AtomicU64::new(0)),
@@ -347,6 +350,20 @@ impl Proxy {
             .iter()
             .find(|m| m.name == name)
             .cloned()
+    }
+
+    /// Makes every worker's host answer `import` (an `env` function's name, e.g.
+    /// `proxy_get_buffer_bytes`) with `status` and do nothing else, until
+    /// [`Proxy::accept_host_call`]: a proxy refusing a call in a phase it does not allow it in (as
+    /// nginx's module does), or a call it lacks (`Unimplemented`, 12). Any code may be given, also
+    /// one outside the ABI's list. Supported for the calls the filter makes (`refuse_if_asked!`).
+    pub fn refuse_host_call(&self, import: &str, status: u32) {
+        lock(&self.shared.refusals).insert(import.to_string(), status);
+    }
+
+    /// Undoes [`Proxy::refuse_host_call`].
+    pub fn accept_host_call(&self, import: &str) {
+        lock(&self.shared.refusals).remove(import);
     }
 
     /// Starts a worker VM the way Envoy does: instantiate, `_initialize`, create the root context,
@@ -437,6 +454,12 @@ impl VmState {
             done_called: false,
             status: (0, Vec::new()),
         }
+    }
+
+    /// The status a test made the host refuse `import` with ([`Proxy::refuse_host_call`]).
+    fn refusal(&self, import: &str) -> Option<u32> {
+        let shared = self.shared.as_deref()?;
+        lock(&shared.refusals).get(import).copied()
     }
 
     fn shared(&self) -> &Shared {

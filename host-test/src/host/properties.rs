@@ -3,7 +3,7 @@
 //! ([`builtin_property`]); anything else is `NotFound`.
 
 use super::headers::header_value;
-use super::memory::{HostResult, ok, read_or_status, return_bytes, status};
+use super::memory::{HostResult, ok, read_or_status, refuse_if_asked, return_bytes, status};
 use super::{ENV, VmState};
 use crate::abi::{Status, decode_property_path};
 use wasmtime::{Caller, Linker};
@@ -38,6 +38,7 @@ pub(super) fn add_properties(linker: &mut Linker<VmState>) -> wasmtime::Result<(
          ptr_ptr: i32,
          size_ptr: i32|
          -> HostResult {
+            refuse_if_asked!(c, "proxy_get_property");
             let path = decode_property_path(&read_or_status!(&mut c, pptr, plen));
             let value = {
                 let st = c.data();
@@ -60,6 +61,7 @@ pub(super) fn add_properties(linker: &mut Linker<VmState>) -> wasmtime::Result<(
         ENV,
         "proxy_set_property",
         |mut c: Caller<'_, VmState>, pptr: i32, plen: i32, vptr: i32, vlen: i32| -> HostResult {
+            refuse_if_asked!(c, "proxy_set_property");
             let path = decode_property_path(&read_or_status!(&mut c, pptr, plen));
             let value = read_or_status!(&mut c, vptr, vlen);
             let st = c.data_mut();

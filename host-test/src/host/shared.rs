@@ -4,7 +4,9 @@
 //! register, resolve, enqueue, dequeue (`Empty` when there is nothing); `proxy_on_queue_ready` is
 //! delivered by [`super::WorkerVm::deliver_queue_ready`].
 
-use super::memory::{HostResult, guest_write, ok, read_or_status, return_bytes, status};
+use super::memory::{
+    HostResult, guest_write, ok, read_or_status, refuse_if_asked, return_bytes, status,
+};
 use super::{ENV, VmState, lock};
 use crate::abi::Status;
 use std::collections::{HashMap, VecDeque};
@@ -37,6 +39,7 @@ pub(super) fn add_shared_data(linker: &mut Linker<VmState>) -> wasmtime::Result<
          size_ptr: i32,
          cas_ptr: i32|
          -> HostResult {
+            refuse_if_asked!(c, "proxy_get_shared_data");
             let key = read_or_status!(&mut c, kptr, klen);
             // Copied on every read, as in Envoy.
             let entry = lock(&c.data().shared().data).get(&key).cloned();
@@ -59,6 +62,7 @@ pub(super) fn add_shared_data(linker: &mut Linker<VmState>) -> wasmtime::Result<
          vlen: i32,
          cas: i32|
          -> HostResult {
+            refuse_if_asked!(c, "proxy_set_shared_data");
             let key = read_or_status!(&mut c, kptr, klen);
             let value = read_or_status!(&mut c, vptr, vlen);
             let shared = c.data().shared();

@@ -2,7 +2,7 @@
 //! `proxy_continue_stream`, `proxy_close_stream` and `proxy_send_local_response`.
 
 use super::headers::header_value;
-use super::memory::{HostResult, ok, read_or_status, status};
+use super::memory::{HostResult, ok, read_or_status, refuse_if_asked, status};
 use super::{ENV, VmState};
 use crate::abi::{Action, Pairs, Status, StreamType, decode_pairs};
 use std::collections::HashMap;
@@ -110,6 +110,7 @@ pub(super) fn add_stream_control(linker: &mut Linker<VmState>) -> wasmtime::Resu
         ENV,
         "proxy_continue_stream",
         |mut c: Caller<'_, VmState>, kind: i32| -> HostResult {
+            refuse_if_asked!(c, "proxy_continue_stream");
             let st = c.data_mut();
             let id = st.effective;
             let Some(s) = st.streams.get_mut(&id) else {
@@ -153,6 +154,7 @@ pub(super) fn add_stream_control(linker: &mut Linker<VmState>) -> wasmtime::Resu
          hlen: i32,
          _grpc: i32|
          -> HostResult {
+            refuse_if_asked!(c, "proxy_send_local_response");
             let details = read_or_status!(&mut c, dptr, dlen);
             let body = read_or_status!(&mut c, bptr, blen);
             let headers = read_or_status!(&mut c, hptr, hlen);
