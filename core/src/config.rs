@@ -271,7 +271,7 @@ impl Default for KvLoadParams {
             reported_load: ReportedLoad::Ignore,
             replica_cache_tokens: 0.0,
             working_set_window_ms: 120_000.0,
-            overflow_weight: 0.2,
+            overflow_weight: 0.3,
             overflow_softness: 0.25,
         }
     }
