@@ -386,12 +386,12 @@ impl Router {
     fn sample_blocks(&self, req: &RouteRequest, out: &mut Vec<u64>) {
         out.clear();
         if self.working_set.is_some() {
-            let id = &req.identity;
-            out.extend(
-                (0..id.blocks())
-                    .map(|i| id.key(i))
-                    .filter(working_set::is_sampled),
-            );
+            // Over the slice itself: `PromptIdentity::key` would match on the kind at every block.
+            let keep = working_set::is_sampled;
+            match &req.identity {
+                PromptIdentity::Exact(h) => out.extend(h.iter().map(|h| h.0).filter(keep)),
+                PromptIdentity::Approximate(h) => out.extend(h.iter().map(|h| h.0).filter(keep)),
+            }
         }
     }
 

@@ -60,6 +60,14 @@ const ENTRY_HEADER: usize = 24;
 /// Routing units past this many have no bit in [`Holders`]' masks.
 const MASK_REPLICAS: usize = 64;
 
+/// Calls `f` with the index of each bit set in `mask`, lowest first.
+fn each_bit(mut mask: u64, mut f: impl FnMut(usize)) {
+    while mask != 0 {
+        f(mask.trailing_zeros() as usize);
+        mask &= mask - 1;
+    }
+}
+
 /// Whether the working set samples this block key.
 pub fn is_sampled(key: &u64) -> bool {
     key & SAMPLE_MASK == 0
@@ -356,25 +364,51 @@ impl WorkingSet {
     /// reuse share's weight.
     pub fn added(&self, sampled_keys: &[u64]) -> Vec<f64> {
         let p = self.reuse_share();
-        let mut added = vec![0.0f64; self.replicas.len()];
-        let masks = self.replicas.len() <= MASK_REPLICAS;
-        // Each replica's sum takes its terms in key order, 0.0 included, as it always has: the
-        // scores, and so the decisions, stay bit for bit those of the per-replica lookups.
+        let scale = (1u64 << SAMPLE_BITS) as f64;
+        if self.replicas.len() > MASK_REPLICAS {
+            return self.added_by_replica(sampled_keys, p, scale);
+        }
+        // Each replica's sum takes its terms in key order, as it always has, so that the scores, and
+        // the decisions, stay bit for bit what they were. A replica that holds none of the request's
+        // blocks so far has taken the same terms as every other such replica (the reuse share for a
+        // block never seen, 1 for one seen elsewhere): `absent` is that sum, computed once, and a
+        // replica gets a sum of its own from the first block it holds (starting from `absent`
+        // before that block). Most replicas hold none of a request's blocks, so the work per block
+        // is one lookup and a few additions, not one addition per replica.
+        let mut absent = 0.0f64;
+        let mut own = [0.0f64; MASK_REPLICAS];
+        let mut active = 0u64;
         for k in sampled_keys {
             let Some(h) = self.holders.get(k) else {
-                added.iter_mut().for_each(|a| *a += p);
+                absent += p;
+                each_bit(active, |r| own[r] += p);
                 continue;
             };
-            if masks {
-                for (r, a) in added.iter_mut().enumerate() {
-                    *a += if h.held >> r & 1 == 0 {
-                        1.0
-                    } else if h.counted >> r & 1 == 1 {
-                        0.0
-                    } else {
-                        1.0 - p
-                    };
+            each_bit(h.held & !active, |r| own[r] = absent);
+            active |= h.held;
+            absent += 1.0;
+            each_bit(active, |r| {
+                own[r] += if h.held >> r & 1 == 0 {
+                    1.0
+                } else if h.counted >> r & 1 == 1 {
+                    0.0
+                } else {
+                    1.0 - p
                 }
+            });
+        }
+        (0..self.replicas.len())
+            .map(|r| if active >> r & 1 == 1 { own[r] } else { absent } * scale)
+            .collect()
+    }
+
+    /// [`WorkingSet::added`] for a fleet too wide for the holders' masks: the holders say whether a
+    /// block was seen anywhere, each replica's map what it holds.
+    fn added_by_replica(&self, sampled_keys: &[u64], p: f64, scale: f64) -> Vec<f64> {
+        let mut added = vec![0.0f64; self.replicas.len()];
+        for k in sampled_keys {
+            if !self.holders.contains_key(k) {
+                added.iter_mut().for_each(|a| *a += p);
                 continue;
             }
             for (a, set) in added.iter_mut().zip(&self.replicas) {
@@ -385,7 +419,6 @@ impl WorkingSet {
                 };
             }
         }
-        let scale = (1u64 << SAMPLE_BITS) as f64;
         added.into_iter().map(|a| a * scale).collect()
     }
 
