@@ -201,18 +201,31 @@ pub struct KvIndex {
     /// The hash table's capacity when it had no tombstones (the most `capacity()` has been): below
     /// it, a full table is full of tombstones (see `rebuild_table`).
     table_full: usize,
-    /// Where recently matched blocks were found: slot + 1 (0: empty), direct-mapped by the keyed
-    /// hash of the block; `KvIndex::recent_entries` entries. See `match_slot`.
+    /// Where recently matched blocks were found: slot + 1 (0: empty) in the low bits, and where slot
+    /// numbers leave room (`recent_tagged`) a tag from the block's keyed hash in the top
+    /// [`RECENT_TAG_BITS`]; set-associative, [`RECENT_WAYS`] entries a set, the set picked by the
+    /// keyed hash; `KvIndex::recent_entries` entries. See `match_slot`.
     recent: Vec<u32>,
-    /// `64 - log2(recent.len())`: the product's top bits pick the entry.
+    /// `64 - log2(recent.len())`: the product's top bits pick the entry (its set: the entry with
+    /// its low bits cleared).
     recent_shift: u32,
+    /// Whether every slot number + 1 fits below the tag (caps under 2^24 blocks).
+    recent_tagged: bool,
 }
 
-/// Most entries of `KvIndex::recent`: 2^16, 256 KiB. Direct-mapped, so blocks that share an entry
-/// push each other out: a 128K-token prompt's 8,192 matched blocks share entries with others for
-/// about 12% of its blocks at 2^16 (39% at 2^14; natively, matching them took 55 us against 78 us
-/// at 2^14 and 82 us without the cache, 1M blocks, 16 replicas).
+/// Most entries of `KvIndex::recent`: 2^16, 256 KiB. Why set-associative: direct-mapped, the blocks
+/// that shared an entry pushed each other out, about 12% of a 128K-token prompt's 8,192 matched
+/// blocks at 2^16 entries (39% at 2^14; natively, matching them took 55 us against 78 us at 2^14
+/// and 82 us without the cache, 1M blocks, 16 replicas), and each of those went to the hash table
+/// on every match of the prompt. In sets of four, five blocks must share a set for one to be
+/// pushed out.
 const RECENT_MAX: usize = 1 << 16;
+/// Entries a set of `KvIndex::recent` (fewer where the whole table is smaller).
+const RECENT_WAYS: usize = 4;
+/// Tag bits of a `KvIndex::recent` entry: a way whose tag differs is skipped without reading its
+/// slot (a cache miss in a table of millions of slots); slot numbers keep the other 24 bits.
+const RECENT_TAG_BITS: u32 = 8;
+const RECENT_SLOT_MASK: u32 = (1 << (32 - RECENT_TAG_BITS)) - 1;
 
 impl KvIndex {
     /// An empty index for `replicas` replicas (clamped to 1..=MAX_REPLICAS) holding at most
@@ -237,6 +250,7 @@ impl KvIndex {
             table_full: 0,
             recent: vec![0; recent],
             recent_shift: 64 - recent.trailing_zeros(),
+            recent_tagged: capacity_blocks < RECENT_SLOT_MASK as usize,
         }
     }
 
@@ -334,30 +348,50 @@ impl KvIndex {
             .copied()
     }
 
-    /// The slot of a block for `match_prefix`: first where the last match found it (`recent`),
+    /// The slot of a block for `match_prefix`: first where a recent match found it (`recent`),
     /// checked by reading the slot, else the hash table. Exact: keys are unique among live slots,
     /// so a live slot holding `key` is the one the table would return, whatever was freed, reused
     /// or evicted since. Why: the prompts routed one after another share prefixes (a system
-    /// prompt, a conversation's earlier turns), and a hit costs one load from a 256 KiB array and
+    /// prompt, a conversation's earlier turns), and a hit costs a load from a 256 KiB array and
     /// the slot's own load, which the match needs anyway, instead of the keyed mix and the table's
     /// probe (control bytes and bucket in a ~10 MB table at 1M blocks).
     #[inline]
     fn match_slot(&mut self, key: u64) -> Option<u32> {
-        let at =
-            ((key ^ self.secret).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.recent_shift) as usize;
-        let hint = self.recent[at];
-        if hint != 0 {
-            let s = (hint - 1) as usize;
-            if s < self.slots.len() {
-                let slot = &self.slots[s];
-                if slot.key == key && !slot.is_free() {
-                    return Some(s as u32);
+        let h = (key ^ self.secret).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let ways = RECENT_WAYS.min(self.recent.len());
+        let set = (h >> self.recent_shift) as usize & !(ways - 1);
+        // Bits 40-47 of the product, below the set's (48 and up at 2^16 entries): a block's tag
+        // says nothing about its set.
+        let tag = if self.recent_tagged {
+            ((h >> 16) as u32) & !RECENT_SLOT_MASK
+        } else {
+            0
+        };
+        let (tag_mask, slot_mask) = if self.recent_tagged {
+            (!RECENT_SLOT_MASK, RECENT_SLOT_MASK)
+        } else {
+            (0, u32::MAX)
+        };
+        let entries = self.recent.get(set..set + ways).unwrap_or(&[]);
+        for &e in entries {
+            let hint = e & slot_mask;
+            if hint != 0 && e & tag_mask == tag {
+                let s = (hint - 1) as usize;
+                if s < self.slots.len() {
+                    let slot = &self.slots[s];
+                    if slot.key == key && !slot.is_free() {
+                        return Some(s as u32);
+                    }
                 }
             }
         }
         let found = self.find(key);
-        if let Some(s) = found {
-            self.recent[at] = s + 1;
+        if let Some(s) = found
+            && let Some(entries) = self.recent.get_mut(set..set + ways)
+        {
+            // The set's oldest entry goes.
+            entries.copy_within(..ways - 1, 1);
+            entries[0] = tag | (s + 1);
         }
         found
     }
@@ -853,6 +887,45 @@ mod tests {
         ix.match_prefix(&[1, 2, 3], &mut out);
         assert_eq!(out, vec![[0, 0, 0], [0, 1, 0]]);
         ix.check_invariants().unwrap();
+    }
+
+    /// The recently matched sets answer as the hash table does, whatever pushed entries out of a set
+    /// or freed and reused their slots: against the same index with the sets emptied before every
+    /// match (so it asks the table each time), with and without tags, in a small table whose sets
+    /// overflow.
+    #[test]
+    fn recently_matched_sets_answer_as_the_table() {
+        for tagged in [true, false] {
+            let mut ix = KvIndex::new(300, 3, 11);
+            ix.recent_tagged = tagged;
+            let mut plain = ix.clone();
+            let mut rng = crate::rng::SplitMix64::new(5);
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            for step in 0..3_000 {
+                let r = (rng.next_u64() % 3) as usize;
+                let tier = [Tier::Gpu, Tier::Host, Tier::Disk][(rng.next_u64() % 3) as usize];
+                let start = rng.next_u64() % 400;
+                let keys: Vec<u64> = (start..start + rng.next_u64() % 40).collect();
+                match rng.next_u64() % 4 {
+                    0 => {
+                        ix.store(r, tier, &keys);
+                        plain.store(r, tier, &keys);
+                    }
+                    1 => {
+                        ix.remove(r, tier, &keys);
+                        plain.remove(r, tier, &keys);
+                    }
+                    _ => {
+                        plain.recent.fill(0);
+                        ix.match_prefix(&keys, &mut a);
+                        plain.match_prefix(&keys, &mut b);
+                        assert_eq!(a, b, "tagged {tagged}, step {step}");
+                    }
+                }
+            }
+            assert_eq!(ix.referenced, plain.referenced);
+            ix.check_invariants().unwrap();
+        }
     }
 
     #[test]

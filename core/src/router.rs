@@ -148,6 +148,9 @@ pub struct Router {
     stats: RouterStats,
     scratch_tiers: Vec<TierCounts>,
     scratch_approx: Vec<u32>,
+    /// The request's working-set sample ([`working_set::sample`]), kept from route to admit by
+    /// [`Router::route_and_admit`] so the blocks are sampled once, in a buffer that is reused.
+    scratch_sampled: Vec<u64>,
     /// Recent prompt blocks per replica, kept when `kv_load.overflow_weight` is set.
     working_set: Option<WorkingSet>,
     /// Per replica: its cache's size as learned from the feed.
@@ -212,6 +215,7 @@ impl Router {
             },
             scratch_tiers: Vec::new(),
             scratch_approx: Vec::new(),
+            scratch_sampled: Vec::new(),
             cache_blocks: vec![CacheSize::default(); replicas],
             working_set: (cfg.policy == PolicyKind::KvLoad && cfg.kv_load.overflow_weight > 0.0)
                 .then(|| {
@@ -371,6 +375,28 @@ impl Router {
     /// Chooses a replica for a request. Does not admit it: call [`Router::admit`] once the request is
     /// really sent there.
     pub fn route(&mut self, req: &RouteRequest, now_ms: u64) -> Decision {
+        let mut sampled = std::mem::take(&mut self.scratch_sampled);
+        self.sample_blocks(req, &mut sampled);
+        let d = self.route_sampled(req, now_ms, &sampled);
+        self.scratch_sampled = sampled;
+        d
+    }
+
+    /// The request's blocks the working set samples, into `out` (left empty with the term off).
+    fn sample_blocks(&self, req: &RouteRequest, out: &mut Vec<u64>) {
+        out.clear();
+        if self.working_set.is_some() {
+            // Over the slice itself: `PromptIdentity::key` would match on the kind at every block.
+            let keep = working_set::is_sampled;
+            match &req.identity {
+                PromptIdentity::Exact(h) => out.extend(h.iter().map(|h| h.0).filter(keep)),
+                PromptIdentity::Approximate(h) => out.extend(h.iter().map(|h| h.0).filter(keep)),
+            }
+        }
+    }
+
+    /// [`Router::route`] with the request's working-set sample taken already.
+    fn route_sampled(&mut self, req: &RouteRequest, now_ms: u64, sampled: &[u64]) -> Decision {
         self.clock_ms = self.clock_ms.max(now_ms);
         let bs = self.cfg.block_size as f64;
         let request_blocks = (req.prompt_tokens as f64 / bs).ceil();
@@ -409,9 +435,7 @@ impl Router {
         }
         let working_set: Vec<(f64, f64, f64)> = match &self.working_set {
             Some(ws) if policy == PolicyKind::KvLoad => {
-                let id = &req.identity;
-                let keys = working_set::sample((0..id.blocks()).map(|i| id.key(i)));
-                let added = ws.added(&keys);
+                let added = ws.added(sampled);
                 (0..self.replicas)
                     .map(|r| {
                         let add = added.get(r).copied().unwrap_or(0.0);
@@ -780,8 +804,11 @@ impl Router {
         req: &RouteRequest,
         now_ms: u64,
     ) -> Decision {
-        let d = self.route(req, now_ms);
-        self.admit(request_id, req, &d, now_ms);
+        let mut sampled = std::mem::take(&mut self.scratch_sampled);
+        self.sample_blocks(req, &mut sampled);
+        let d = self.route_sampled(req, now_ms, &sampled);
+        self.admit_sampled(request_id, req, &d, now_ms, &sampled);
+        self.scratch_sampled = sampled;
         d
     }
 
@@ -838,15 +865,28 @@ impl Router {
     /// `prefix_affinity`, the one reader of those records; a text prompt's always, as the overlap
     /// estimate of text prompts).
     pub fn admit(&mut self, request_id: u64, req: &RouteRequest, d: &Decision, now_ms: u64) {
+        let mut sampled = std::mem::take(&mut self.scratch_sampled);
+        self.sample_blocks(req, &mut sampled);
+        self.admit_sampled(request_id, req, d, now_ms, &sampled);
+        self.scratch_sampled = sampled;
+    }
+
+    /// [`Router::admit`] with the request's working-set sample taken already.
+    fn admit_sampled(
+        &mut self,
+        request_id: u64,
+        req: &RouteRequest,
+        d: &Decision,
+        now_ms: u64,
+        sampled: &[u64],
+    ) {
         if d.replica >= self.replicas {
             self.stats.bad_replica += 1;
             return;
         }
         self.clock_ms = self.clock_ms.max(now_ms);
         if let Some(ws) = &mut self.working_set {
-            let id = &req.identity;
-            let keys = working_set::sample((0..id.blocks()).map(|i| id.key(i)));
-            ws.record(d.replica, &keys, now_ms);
+            ws.record(d.replica, sampled, now_ms);
         }
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);

@@ -19,7 +19,9 @@
 //! them as they would in a proxy (not timed).
 //!
 //! Usage: `filter-bench [--requests N] [--replicas R] [--index-blocks B] [--policy P]
-//! [--kv-load JSON]`; `--kv-load '{"overflow_weight":0.2}'` sets `routing.kv_load` fields.
+//! [--kv-load JSON] [--sizes 8192,131072] [--ids-only]`; `--kv-load '{"overflow_weight":0.2}'` sets
+//! `routing.kv_load` fields. `--sizes` and `--ids-only` narrow the run to some rows, so that a
+//! profile (`KVSTEER_PERFMAP=1 perf record`) shows one path and not the mix of all sizes.
 
 use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier};
@@ -37,6 +39,10 @@ struct Args {
     index_blocks: usize,
     policy: String,
     kv_load: serde_json::Value,
+    /// The prompt sizes to run (all four by default).
+    sizes: Vec<usize>,
+    /// Token-id rows only (no chat text, no headers-only row).
+    ids_only: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -46,6 +52,8 @@ fn parse_args() -> Result<Args, String> {
         index_blocks: 1_000_000,
         policy: "kv_load".into(),
         kv_load: json!({}),
+        sizes: SIZES.to_vec(),
+        ids_only: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -63,16 +71,29 @@ fn parse_args() -> Result<Args, String> {
                 let v = it.next().ok_or("--kv-load needs a JSON object")?;
                 a.kv_load = serde_json::from_str(&v).map_err(|e| format!("--kv-load: {e}"))?;
             }
+            "--sizes" => {
+                let v = it.next().ok_or("--sizes needs a list")?;
+                a.sizes = v
+                    .split(',')
+                    .map(|n| n.trim().parse().ok().filter(|n| SIZES.contains(n)))
+                    .collect::<Option<_>>()
+                    .ok_or(format!("--sizes: each of {SIZES:?}, comma-separated"))?;
+            }
+            "--ids-only" => a.ids_only = true,
             other => {
                 return Err(format!(
                     "unknown argument {other:?}; usage: filter-bench [--requests N] [--replicas R] \
-                     [--index-blocks B] [--policy P] [--kv-load JSON]"
+                     [--index-blocks B] [--policy P] [--kv-load JSON] [--sizes 8192,131072] \
+                     [--ids-only]"
                 ));
             }
         }
     }
     Ok(a)
 }
+
+/// The prompt sizes, in token ids (text: about four characters a token).
+const SIZES: [usize; 4] = [1024, 8192, 32768, 131072];
 
 fn lcg(seed: &mut u64) -> u64 {
     *seed = seed
@@ -298,7 +319,6 @@ fn run() -> Result<(), String> {
     let mut worker = proxy.start_worker().map_err(|e| e.to_string())?;
 
     // The prompts: a shared prefix (cached on replica 3) and a 192-id tail that differs per request.
-    const SIZES: [usize; 4] = [1024, 8192, 32768, 131072];
     const TAIL: usize = 192;
     let mut seed = 42u64;
     let prefix: Vec<u32> = (0..SIZES[3] - TAIL)
@@ -377,7 +397,8 @@ fn run() -> Result<(), String> {
         &|i| token_body(1, i),
     )?;
     let mut rows: Vec<(String, Measured)> = Vec::new();
-    for (k, &n) in SIZES.iter().enumerate() {
+    let chosen = |n: &usize| args.sizes.contains(n);
+    for (k, &n) in SIZES.iter().enumerate().filter(|(_, n)| chosen(n)) {
         let m = bench(
             &proxy,
             &mut worker,
@@ -388,7 +409,11 @@ fn run() -> Result<(), String> {
         )?;
         rows.push((format!("{n} token ids (/v1/completions)"), m));
     }
-    for (k, &n) in SIZES.iter().enumerate() {
+    for (k, &n) in SIZES
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| chosen(n) && !args.ids_only)
+    {
         let m = bench(
             &proxy,
             &mut worker,
@@ -399,15 +424,17 @@ fn run() -> Result<(), String> {
         )?;
         rows.push((format!("chat text, ~{n} tokens (/v1/chat/completions)"), m));
     }
-    let empty = bench(
-        &proxy,
-        &mut worker,
-        &mut pass,
-        args.requests,
-        "/v1/completions",
-        &|_| Vec::new(),
-    )?;
-    rows.push(("headers only, no body (fallback path)".into(), empty));
+    if !args.ids_only {
+        let empty = bench(
+            &proxy,
+            &mut worker,
+            &mut pass,
+            args.requests,
+            "/v1/completions",
+            &|_| Vec::new(),
+        )?;
+        rows.push(("headers only, no body (fallback path)".into(), empty));
+    }
 
     println!(
         "filter: {} ({:.0} KB), compiled in {compile_ms:.0} ms; {} replicas, index seeded with {} \
@@ -448,10 +475,13 @@ fn run() -> Result<(), String> {
         );
     }
     println!();
-    let tok = &rows[1].1;
-    let txt = &rows[5].1;
-    println!("destinations (8K-token requests): {:?}", tok.destinations);
-    println!("destinations (text requests): {:?}", txt.destinations);
+    for (name, m) in &rows {
+        if name.starts_with("8192 ") {
+            println!("destinations (8K-token requests): {:?}", m.destinations);
+        } else if name.starts_with("chat text, ~8192 ") {
+            println!("destinations (text requests): {:?}", m.destinations);
+        }
+    }
     worker.tick().map_err(|e| e.to_string())?;
     let metric = |n: &str| proxy.metric(n).map_or(0, |m| m.value);
     println!(
