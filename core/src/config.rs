@@ -105,6 +105,10 @@ pub struct KvLoadParams {
     pub working_set_window_ms: f64,
     /// How the cache's value falls past its size ([`crate::policy::kv_load::resident_value`]).
     pub overflow_softness: f64,
+    /// Also count the blocks each replica's feed reports stored (GPU tier) in its working set, as
+    /// asked for once: what other proxies send it, which this proxy cannot see otherwise (and the
+    /// blocks of generated outputs). For several proxies in front of one fleet (docs/proxies.md).
+    pub working_set_from_feed: bool,
 }
 
 /// Named `kv_load` settings from routers users would otherwise pick (docs/configuration.md).
@@ -188,6 +192,7 @@ struct KvLoadSection {
     working_set_window_ms: Option<f64>,
     overflow_weight: Option<f64>,
     overflow_softness: Option<f64>,
+    working_set_from_feed: Option<bool>,
 }
 
 impl From<KvLoadSection> for KvLoadParams {
@@ -221,6 +226,9 @@ impl From<KvLoadSection> for KvLoadParams {
                 .unwrap_or(base.working_set_window_ms),
             overflow_weight: s.overflow_weight.unwrap_or(base.overflow_weight),
             overflow_softness: s.overflow_softness.unwrap_or(base.overflow_softness),
+            working_set_from_feed: s
+                .working_set_from_feed
+                .unwrap_or(base.working_set_from_feed),
         }
     }
 }
@@ -273,6 +281,7 @@ impl Default for KvLoadParams {
             working_set_window_ms: 120_000.0,
             overflow_weight: 0.3,
             overflow_softness: 0.25,
+            working_set_from_feed: false,
         }
     }
 }

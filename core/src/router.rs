@@ -1049,6 +1049,7 @@ impl Router {
         match kind {
             EventKind::Stored => {
                 self.index.store(replica, tier, hashes);
+                self.note_stored(replica, tier, hashes);
             }
             EventKind::Removed => {
                 self.index.remove(replica, tier, hashes);
@@ -1104,6 +1105,16 @@ impl Router {
         self.working_set.as_mut()?.apply_peer(peer, journal)
     }
 
+    /// Counts a replica's stored GPU blocks in its working set (`kv_load.working_set_from_feed`).
+    fn note_stored(&mut self, replica: usize, tier: Tier, hashes: &[u64]) {
+        if tier == Tier::Gpu
+            && self.cfg.kv_load.working_set_from_feed
+            && let Some(ws) = &mut self.working_set
+        {
+            ws.stored(replica, hashes, self.clock_ms);
+        }
+    }
+
     /// Learns a replica's cache size from what the index holds for it (`kv_load.overflow_weight`).
     fn note_cache_size(&mut self, replica: usize, evicted: bool) {
         if self.index.replica_blocks(replica) == 0 {
@@ -1125,6 +1136,7 @@ impl Router {
             match e {
                 FeedEvent::Stored { tier, hashes } => {
                     self.index.store(replica, *tier, hashes);
+                    self.note_stored(replica, *tier, hashes);
                 }
                 FeedEvent::Removed { tier, hashes } => {
                     self.index.remove(replica, *tier, hashes);

@@ -102,6 +102,15 @@ fn bit(r: usize, replicas: usize) -> u64 {
 }
 
 impl ReplicaSet {
+    /// Re-touched blocks leave stale queue entries behind; compacts when they dominate.
+    fn compact(&mut self) {
+        if self.order.len() > 2 * self.entries.len() + 1024 {
+            let entries = &self.entries;
+            self.order
+                .retain(|(t, k)| entries.get(k).is_some_and(|&(last, _)| last == *t));
+        }
+    }
+
     /// Drops entries older than `before_ms`, and the oldest past `max_sampled`, from this replica
     /// (whose bit is `bit`) and from `holders`.
     fn expire(
@@ -332,12 +341,37 @@ impl WorkingSet {
             &mut self.holders,
             bit,
         );
-        // Re-touched blocks leave stale queue entries behind; compact when they dominate.
-        if set.order.len() > 2 * set.entries.len() + 1024 {
-            let entries = &set.entries;
-            set.order
-                .retain(|(t, k)| entries.get(k).is_some_and(|&(last, _)| last == *t));
+        set.compact();
+    }
+
+    /// Records blocks `replica` stored (its feed, `kv_load.working_set_from_feed`): those another
+    /// proxy sent it, which this router cannot see otherwise, and the blocks of generated outputs.
+    /// Each sampled key the replica's set does not hold yet joins as asked for once, at `now_ms`
+    /// (blocks this router sent there are held already: their store follows the admission). The
+    /// reuse share is left alone: a store is not a request.
+    pub fn stored(&mut self, replica: usize, keys: &[u64], now_ms: u64) {
+        if replica >= self.replicas.len() {
+            return;
         }
+        let bit = bit(replica, self.replicas.len());
+        let set = &mut self.replicas[replica];
+        for &key in keys.iter().filter(|k| is_sampled(k)) {
+            if set.entries.contains_key(&key) {
+                continue;
+            }
+            set.entries.insert(key, (now_ms, false));
+            let h = self.holders.entry(key).or_default();
+            h.n += 1;
+            h.held |= bit;
+            set.order.push_back((now_ms, key));
+        }
+        set.expire(
+            now_ms.saturating_sub(self.window_ms),
+            self.max_sampled,
+            &mut self.holders,
+            bit,
+        );
+        set.compact();
     }
 
     /// Forgets what fell out of the window.
@@ -773,6 +807,45 @@ mod tests {
             ws.expire(now + 1_000);
             assert!(ws.holders.is_empty() && ws.sampled_entries() == 0);
         }
+    }
+
+    #[test]
+    fn stored_blocks_join_as_asked_for_once() {
+        let mut ws = WorkingSet::new(2, 1_000, 1 << 20);
+        // Some reuse, so blocks asked for once weigh something.
+        ws.touch(0, &keys(0..800), 0);
+        ws.touch(0, &keys(0..800), 1);
+        let p = ws.reuse_share();
+        assert!(p > 0.3, "{p}");
+        let before = ws.blocks(0);
+        // Replica 1 stores what another proxy sent it: joins with the reuse share's weight; the
+        // reuse share itself does not move (a store is not a request).
+        ws.stored(
+            1,
+            &(0..80_000)
+                .map(|i: u64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) + 1_000_000)
+                .collect::<Vec<_>>(),
+            2,
+        );
+        assert_eq!(ws.reuse_share(), p);
+        assert!(
+            ws.blocks(1) > 0.0 && ws.blocks(1) < 80_000.0,
+            "{}",
+            ws.blocks(1)
+        );
+        // Blocks replica 0 holds already (this router sent them) are left as they are.
+        ws.stored(0, &keys(0..800), 3);
+        assert_eq!(ws.blocks(0), before);
+        // A stored block a request then asks for counts as asked for before.
+        let k = keys(2_000..2_800);
+        ws.stored(1, &k, 4);
+        let once = ws.added(&k)[1];
+        ws.touch(1, &k, 5);
+        assert!(once > 0.0 && ws.added(&k)[1] == 0.0);
+        // Out of range: ignored; out of the window: forgotten.
+        ws.stored(9, &k, 6);
+        ws.expire(2_000);
+        assert_eq!(ws.sampled_entries(), 0);
     }
 
     #[test]
