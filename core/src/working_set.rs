@@ -265,22 +265,26 @@ impl WorkingSet {
     /// for a malformed journal or one for another replica count (a worker on another
     /// configuration); the journal is checked whole before any of it is applied.
     pub fn apply_peer(&mut self, peer: u32, bytes: &[u8]) -> Option<Applied> {
-        let last = *self.journal.as_ref()?.applied.get(&peer).unwrap_or(&0);
+        // `None` until this router has seen one of the peer's entries: what the peer dropped before
+        // then (before this worker started, say) was never this worker's to miss.
+        let last = self.journal.as_ref()?.applied.get(&peer).copied();
         let entries = decode_journal(bytes, self.replicas.len())?;
         let mut applied = Applied::default();
-        let mut newest = last;
+        let mut newest = last.unwrap_or(0);
         for e in &entries {
-            if e.seq <= last {
+            if e.seq <= newest {
                 continue;
             }
             if applied.entries == 0 {
-                applied.missed = e.seq - last - 1;
+                applied.missed = last.map_or(0, |l| e.seq - l - 1);
             }
             self.touch(e.replica as usize, &e.keys, e.at_ms);
             applied.entries += 1;
-            newest = newest.max(e.seq);
+            newest = e.seq;
         }
-        if let Some(j) = &mut self.journal {
+        if let Some(j) = &mut self.journal
+            && newest > 0
+        {
             j.applied.insert(peer, newest);
         }
         Some(applied)
@@ -672,11 +676,32 @@ mod tests {
                 missed: 1
             }
         );
-        // Another peer's numbers are its own.
-        assert_eq!(b.apply_peer(7, &j).unwrap().entries, 1);
+        // Another peer's numbers are its own, and a first read misses nothing: what the peer
+        // dropped before this worker first read it was never this worker's to read.
+        assert_eq!(
+            b.apply_peer(7, &j).unwrap(),
+            Applied {
+                entries: 1,
+                missed: 0
+            }
+        );
         assert_eq!(
             b.sampled_entries(),
             a.sampled_entries() - keys(1_600..2_400).len()
+        );
+        // A first read of an empty journal sets no mark either.
+        let mut late = WorkingSet::new(2, 10_000, 1 << 20);
+        late.start_journal();
+        let empty = a.encode_journal(10_000, 100).unwrap();
+        assert_eq!(late.apply_peer(0, &empty).unwrap(), Applied::default());
+        a.record(1, &keys(3_200..4_000), 10_001);
+        let j = a.encode_journal(10_001, 100).unwrap();
+        assert_eq!(
+            late.apply_peer(0, &j).unwrap(),
+            Applied {
+                entries: 1,
+                missed: 0
+            }
         );
     }
 
