@@ -268,13 +268,10 @@ impl WorkingSet {
         // `None` until this router has seen one of the peer's entries: what the peer dropped before
         // then (before this worker started, say) was never this worker's to miss.
         let last = self.journal.as_ref()?.applied.get(&peer).copied();
-        let entries = decode_journal(bytes, self.replicas.len())?;
-        let mut applied = Applied::default();
         let mut newest = last.unwrap_or(0);
+        let entries = decode_journal(bytes, self.replicas.len(), newest)?;
+        let mut applied = Applied::default();
         for e in &entries {
-            if e.seq <= newest {
-                continue;
-            }
             if applied.entries == 0 {
                 applied.missed = last.map_or(0, |l| e.seq - l - 1);
             }
@@ -467,8 +464,10 @@ impl WorkingSet {
 }
 
 /// Decodes a journal for `replicas` replicas, checking every length; entries must be numbered in
-/// increasing order, name a replica in range, and carry sampled keys only.
-fn decode_journal(bytes: &[u8], replicas: usize) -> Option<Vec<Entry>> {
+/// increasing order, name a replica in range, and carry sampled keys only. The whole journal is
+/// checked, but only the entries numbered after `after` are returned (the rest were applied on an
+/// earlier tick, and their keys are not copied again).
+fn decode_journal(bytes: &[u8], replicas: usize, after: u64) -> Option<Vec<Entry>> {
     let u32_at = |b: &[u8], i: usize| -> Option<u32> {
         Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?))
     };
@@ -488,14 +487,17 @@ fn decode_journal(bytes: &[u8], replicas: usize) -> Option<Vec<Entry>> {
         at += ENTRY_HEADER;
         let body = bytes.get(at..at.checked_add(n.checked_mul(8)?)?)?;
         at += body.len();
-        let keys: Vec<u64> = body
+        let keys = body
             .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([1; 8])))
-            .collect();
-        if seq <= prev || replica as usize >= replicas || !keys.iter().all(is_sampled) {
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([1; 8])));
+        if seq <= prev || replica as usize >= replicas || !keys.clone().all(|k| is_sampled(&k)) {
             return None;
         }
         prev = seq;
+        if seq <= after {
+            continue;
+        }
+        let keys = keys.collect();
         out.push(Entry {
             seq,
             at_ms,
