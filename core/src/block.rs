@@ -262,9 +262,8 @@ impl BlockHasher {
     pub fn builder(&self) -> SequenceBuilder {
         SequenceBuilder {
             seed: self.seed,
-            block_bytes: self.block_size * 4,
-            block: Vec::with_capacity(self.block_size * 4),
-            tokens: 0,
+            block: vec![[0; 4]; self.block_size].into_boxed_slice(),
+            fill: 0,
             prev: None,
             hashes: Vec::new(),
         }
@@ -296,15 +295,17 @@ impl BlockHasher {
 /// Sequence hashes built one token id at a time ([`BlockHasher::builder`]). The block being filled is
 /// kept as the little-endian bytes XXH3 reads, so a full block is hashed where it lies: converting
 /// each block's ids into a zeroed stack buffer first (as [`BlockHasher::local_hash`] does for a
-/// slice of ids) cost about 15 us of an 8K-token request in wasmtime.
+/// slice of ids) cost about 15 us of an 8K-token request in wasmtime. The block is a buffer of the
+/// block's size with a fill mark, not a `Vec` grown by each push: a push is then one bounds check,
+/// a store and an add, without the capacity check and the reserve call the `Vec` kept in the
+/// scanner's loop; and the ids pushed are counted from the blocks and the mark, not by each push.
 #[derive(Clone, Debug)]
 pub struct SequenceBuilder {
     seed: u64,
-    /// `block_size * 4`.
-    block_bytes: usize,
-    /// The block being filled (fewer than `block_bytes` bytes between pushes).
-    block: Vec<u8>,
-    tokens: u64,
+    /// The block being filled, one little-endian id a slot: the first `fill` slots pushed.
+    block: Box<[[u8; 4]]>,
+    /// Slots of `block` pushed; below `block.len()` between pushes.
+    fill: usize,
     prev: Option<u64>,
     hashes: Vec<SeqHash>,
 }
@@ -313,38 +314,76 @@ impl SequenceBuilder {
     /// Appends one token id; hashes the block it completes.
     #[inline]
     pub fn push(&mut self, token: u32) {
-        self.tokens += 1;
-        self.block.extend_from_slice(&token.to_le_bytes());
-        if self.block.len() >= self.block_bytes {
+        let f = self.fill;
+        if let Some(slot) = self.block.get_mut(f) {
+            *slot = token.to_le_bytes();
+        }
+        self.fill = f + 1;
+        if self.fill >= self.block.len() {
             self.flush();
         }
     }
 
+    /// Appends the ids `next` yields until it yields None; the same as a [`SequenceBuilder::push`]
+    /// of each. Why: the scanner's id window hands over its ids here so that the fill mark and the
+    /// block's place stay in locals for the run, instead of a load and a store of the mark a push
+    /// (the store of the id may alias the builder's fields as far as the compiler knows, so each
+    /// push reloaded them, and the mark's store-then-load was a chain from one id to the next).
+    #[inline]
+    pub fn extend_with(&mut self, mut next: impl FnMut() -> Option<u32>) {
+        let Self {
+            seed,
+            block,
+            fill,
+            prev,
+            hashes,
+        } = self;
+        let block: &mut [[u8; 4]] = block;
+        let mut f = *fill;
+        while let Some(token) = next() {
+            if let Some(slot) = block.get_mut(f) {
+                *slot = token.to_le_bytes();
+            }
+            f += 1;
+            if f >= block.len() {
+                f = 0;
+                link(block, *seed, prev, hashes);
+            }
+        }
+        *fill = f;
+    }
+
     fn flush(&mut self) {
-        let local = xxh3_64_with_seed(&self.block, self.seed);
-        let seq = match self.prev {
-            None => local,
-            Some(p) => chain(p, local, self.seed),
-        };
-        self.hashes.push(SeqHash(seq));
-        self.prev = Some(seq);
-        self.block.clear();
+        link(&self.block, self.seed, &mut self.prev, &mut self.hashes);
+        self.fill = 0;
     }
 
     /// Token ids pushed so far.
     pub fn tokens(&self) -> u64 {
-        self.tokens
+        self.hashes.len() as u64 * self.block.len() as u64 + self.fill as u64
     }
 
     /// Reserves room for the hashes of `tokens` more token ids.
     pub fn reserve_tokens(&mut self, tokens: usize) {
-        self.hashes.reserve(tokens / (self.block_bytes / 4).max(1));
+        self.hashes.reserve(tokens / self.block.len());
     }
 
     /// The sequence hashes of the full blocks pushed (a partial tail block is not hashed).
     pub fn finish(self) -> Vec<SeqHash> {
         self.hashes
     }
+}
+
+/// Hashes a full block and chains it onto the sequence (`prev`: the last sequence hash).
+#[inline(never)]
+fn link(block: &[[u8; 4]], seed: u64, prev: &mut Option<u64>, hashes: &mut Vec<SeqHash>) {
+    let local = xxh3_64_with_seed(block.as_flattened(), seed);
+    let seq = match *prev {
+        None => local,
+        Some(p) => chain(p, local, seed),
+    };
+    hashes.push(SeqHash(seq));
+    *prev = Some(seq);
 }
 
 /// Computes approximate identities for text prompts: chained hashes over chunks of
@@ -651,6 +690,32 @@ mod tests {
                 }
                 assert_eq!(b.tokens(), n as u64);
                 assert_eq!(b.finish(), h.sequence_hashes(&toks));
+            }
+        }
+    }
+
+    /// Runs handed over with `extend_with`, of every length and mixed with single pushes (as the
+    /// scanner mixes its id window and its one-id-at-a-time path), give what pushes give.
+    #[test]
+    fn runs_extend_like_pushes() {
+        for block_size in [1, 3, 16, 17, 64] {
+            let h = BlockHasher::new(block_size).unwrap();
+            let toks: Vec<u32> = (0..700u32).map(|i| i.wrapping_mul(2654435761)).collect();
+            for run in [1usize, 2, 5, 15, 16, 33] {
+                let mut b = h.builder();
+                let mut i = 0;
+                while i < toks.len() {
+                    let end = (i + run).min(toks.len());
+                    let mut it = toks[i..end].iter().copied();
+                    b.extend_with(|| it.next());
+                    i = end;
+                    if let Some(&t) = toks.get(i) {
+                        b.push(t);
+                        i += 1;
+                    }
+                    assert_eq!(b.tokens(), i as u64);
+                }
+                assert_eq!(b.finish(), h.sequence_hashes(&toks), "{block_size} {run}");
             }
         }
     }

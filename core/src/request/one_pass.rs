@@ -343,25 +343,29 @@ fn token_id_window(b: &[u8], i: usize, ids: &mut SequenceBuilder) -> usize {
     }
     starts &= starts - 1;
     let mut s = 0usize;
-    while starts != 0 {
+    ids.extend_with(|| {
+        if starts == 0 {
+            return None;
+        }
         let next = starts.trailing_zeros() as usize;
         let last = ends.trailing_zeros() as usize;
         let n = last + 1 - s;
-        // What follows the id: "," then the next id, or ", " then the next id.
-        let after = at(last + 1);
+        // What follows the id: "," then the next id, or ", " then the next id. `sep` is zero in
+        // the low byte iff a comma follows, and in the low two bytes iff a comma and a space do;
+        // shifted up by a byte when the gap is one byte, its low two bytes are zero iff it holds.
         let gap = next - last - 1;
-        let sep_ok = (gap == 1 && after as u8 == b',')
-            | (gap == 2 && after as u16 == u16::from_le_bytes(*b", "));
+        let sep = (at(last + 1) ^ u16::from_le_bytes(*b", ") as u64) & 0xFFFF;
+        let sep_ok = gap <= 2 && (sep << (8 * (2 - gap) as u32)) & 0xFFFF == 0;
         let x = at(s) ^ (0x30 * ONES);
         // Eight digits or more, or a leading zero: left to `token_id`.
         if !sep_ok || n > 7 || (n > 1 && x & 0xFF == 0) {
-            break;
+            return None;
         }
-        ids.push(eight_digits(x << (64 - 8 * n as u32)) as u32);
         s = next;
         starts &= starts - 1;
         ends &= ends - 1;
-    }
+        Some(eight_digits(x << (64 - 8 * n as u32)) as u32)
+    });
     i + s
 }
 
