@@ -176,16 +176,84 @@ struct Tracked {
     admitted_ms: u64,
 }
 
+/// One replica's active prompt blocks: block hash -> active requests holding it. A block whose last
+/// holder is released stays in the map with a count of zero (idle) until there are many such, and
+/// is then swept out with the others: the next request usually books the same prefix again (a
+/// shared system prompt, a conversation's history), which finds the idle entry and counts it up
+/// instead of inserting it anew, and a release decrements in place instead of removing. Removing
+/// each block at release and inserting it again at the next admission took about 310 us of guest
+/// time per 131,072-token request in filter-bench (124 admitting, 187 releasing); in place, about
+/// 210 (108 and 105). Idle entries never count: a block is active iff its count is above zero,
+/// exactly as when it was removed.
+#[derive(Clone, Debug, Default)]
+struct ActiveBlocks {
+    counts: HashMap<u64, u32>,
+    /// Blocks with a count above zero.
+    live: usize,
+    /// The most live blocks since the last sweep: the map may hold twice that (plus a floor)
+    /// before idle entries are swept, so it stays in proportion to what was really active.
+    peak: usize,
+}
+
+impl ActiveBlocks {
+    /// Idle entries always allowed before a sweep, so that a small set is not swept on every
+    /// release.
+    const IDLE_FLOOR: usize = 4096;
+
+    fn contains(&self, h: u64) -> bool {
+        self.counts.get(&h).is_some_and(|&n| n > 0)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    /// One more holder of `h`; true when it was not active before.
+    fn book(&mut self, h: u64) -> bool {
+        let n = self.counts.entry(h).or_insert(0);
+        *n += 1;
+        let new = *n == 1;
+        self.live += new as usize;
+        new
+    }
+
+    fn note_peak(&mut self) {
+        self.peak = self.peak.max(self.live);
+    }
+
+    /// One holder of `h` fewer; true when that was its last (a block not booked is left alone).
+    fn unbook(&mut self, h: u64) -> bool {
+        match self.counts.get_mut(&h) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                let gone = *n == 0;
+                self.live -= gone as usize;
+                gone
+            }
+            _ => false,
+        }
+    }
+
+    /// Sweeps the idle entries out once the map holds more than twice the peak of live ones (plus
+    /// the floor).
+    fn tidy(&mut self) {
+        if self.counts.len() > 2 * self.peak + Self::IDLE_FLOOR {
+            self.counts.retain(|_, n| *n > 0);
+            self.peak = self.live;
+        }
+    }
+}
+
 /// Per-replica tracked load and the requests behind it.
 #[derive(Clone, Debug)]
 pub struct LoadTable {
     block_size: u64,
     accounting: Accounting,
     totals: Vec<LoadTotals>,
-    /// Per replica, with `assume_kv_reuse`: prompt block hash -> active requests holding it. The set
-    /// is closed under prefixes (a sequence hash names its whole prefix, and every request books all
+    /// Per replica, with `assume_kv_reuse`: the prompt blocks active requests hold. The set is
+    /// closed under prefixes (a sequence hash names its whole prefix, and every request books all
     /// its leading blocks), which lets [`LoadTable::active_prefix`] binary-search it.
-    active_blocks: Vec<HashMap<u64, u32>>,
+    active_blocks: Vec<ActiveBlocks>,
     requests: HashMap<u64, Tracked>,
     release_anomalies: u64,
     untracked: u64,
@@ -197,7 +265,7 @@ impl LoadTable {
             block_size: block_size.max(1) as u64,
             accounting,
             totals: vec![LoadTotals::default(); replicas],
-            active_blocks: vec![HashMap::new(); replicas],
+            active_blocks: vec![ActiveBlocks::default(); replicas],
             requests: HashMap::new(),
             release_anomalies: 0,
             untracked: 0,
@@ -239,7 +307,7 @@ impl LoadTable {
         let (mut lo, mut hi) = (0, n);
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
-            if set.contains_key(&key(mid)) {
+            if set.contains(key(mid)) {
                 lo = mid + 1;
             } else {
                 hi = mid;
@@ -327,18 +395,17 @@ impl LoadTable {
 
     /// Books the request's shared prompt blocks on its replica through the replica's set (each
     /// counted once), once; its own blocks are booked by [`LoadTable::recharge`].
-    fn book_prompt(set: &mut HashMap<u64, u32>, t: &mut LoadTotals, r: &mut Tracked) {
+    fn book_prompt(set: &mut ActiveBlocks, t: &mut LoadTotals, r: &mut Tracked) {
         if r.prompt_charged {
             return;
         }
         r.prompt_charged = true;
-        for h in &r.shared {
-            let n = set.entry(*h).or_insert(0);
-            if *n == 0 {
+        for &h in &r.shared {
+            if set.book(h) {
                 t.decode_blocks = t.decode_blocks.saturating_add(1);
             }
-            *n += 1;
         }
+        set.note_peak();
     }
 
     /// The first output token arrived: prefill load becomes decode load.
@@ -421,15 +488,12 @@ impl LoadTable {
         t.active_requests = t.active_requests.saturating_sub(1);
         if r.prompt_charged {
             let set = &mut self.active_blocks[r.replica];
-            for h in &r.shared {
-                if let Some(n) = set.get_mut(h) {
-                    *n -= 1;
-                    if *n == 0 {
-                        set.remove(h);
-                        t.decode_blocks = t.decode_blocks.saturating_sub(1);
-                    }
+            for &h in &r.shared {
+                if set.unbook(h) {
+                    t.decode_blocks = t.decode_blocks.saturating_sub(1);
                 }
             }
+            set.tidy();
         }
         Some(released)
     }
@@ -615,6 +679,66 @@ mod tests {
         );
         t.release(1);
         assert_eq!(t.totals()[0], LoadTotals::default());
+    }
+
+    /// Idle blocks kept after release (and swept when many) give exactly what removing them gave:
+    /// checked against a set that removes each block with its last holder, over requests that
+    /// share prefixes, overlap, and release in a scrambled order, across several sweeps.
+    #[test]
+    fn idle_blocks_count_as_removed_ones() {
+        let mut t = LoadTable::new(1, 16, Accounting::default());
+        let mut model: HashMap<u64, u32> = HashMap::new();
+        let mut held: Vec<(u64, Vec<u64>)> = Vec::new();
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        let chain =
+            |root: u64, len: u64| -> Vec<u64> { (0..len).map(|i| root * 1_000_003 + i).collect() };
+        let mut swept = 0;
+        for id in 0..3000u64 {
+            // Roots repeat, so prefixes are shared; many roots and long chains, so the idle blocks
+            // pass the floor and get swept.
+            let blocks = chain(next() % 40, 1 + next() % 900);
+            let probe = match held.last() {
+                Some((_, b)) if next() % 2 == 0 => chain(b[0] / 1_000_003, 1 + next() % 900),
+                _ => chain(next() % 40, 1 + next() % 900),
+            };
+            let want = probe.iter().take_while(|h| model.contains_key(*h)).count();
+            assert_eq!(t.active_prefix(0, &probe), want);
+            t.admit(
+                id,
+                0,
+                blocks.len() as u64 * 16,
+                0,
+                None,
+                blocks.iter().copied(),
+            );
+            for h in &blocks {
+                *model.entry(*h).or_insert(0) += 1;
+            }
+            held.push((id, blocks));
+            if held.len() > 3 || next() % 3 == 0 {
+                let (rid, gone) = held.swap_remove((next() % held.len() as u64) as usize);
+                let before = t.active_blocks[0].counts.len();
+                t.release(rid);
+                swept += (t.active_blocks[0].counts.len() < before) as u32;
+                for h in &gone {
+                    let n = model.get_mut(h).unwrap();
+                    *n -= 1;
+                    if *n == 0 {
+                        model.remove(h);
+                    }
+                }
+            }
+            // Each prompt is whole blocks, all shared: the decode load is the distinct blocks.
+            assert_eq!(t.totals()[0].decode_blocks, model.len() as u64);
+            assert_eq!(t.active_blocks[0].live, model.len());
+        }
+        assert!(swept > 2, "the test reached the sweep ({swept})");
     }
 
     #[test]
