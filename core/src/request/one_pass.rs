@@ -350,15 +350,20 @@ fn token_id_window(b: &[u8], i: usize, ids: &mut SequenceBuilder) -> usize {
         let next = starts.trailing_zeros() as usize;
         let last = ends.trailing_zeros() as usize;
         let n = last + 1 - s;
-        // What follows the id: "," then the next id, or ", " then the next id. `sep` is zero in
-        // the low byte iff a comma follows, and in the low two bytes iff a comma and a space do;
-        // shifted up by a byte when the gap is one byte, its low two bytes are zero iff it holds.
-        let gap = next - last - 1;
-        let sep = (at(last + 1) ^ u16::from_le_bytes(*b", ") as u64) & 0xFFFF;
-        let sep_ok = gap <= 2 && (sep << (8 * (2 - gap) as u32)) & 0xFFFF == 0;
         let x = at(s) ^ (0x30 * ONES);
         // Eight digits or more, or a leading zero: left to `token_id`.
-        if !sep_ok || n > 7 || (n > 1 && x & 0xFF == 0) {
+        if n > 7 || (n > 1 && x & 0xFF == 0) {
+            return None;
+        }
+        // What follows the id: "," then the next id, or ", " then the next id, read from the
+        // id's own word (digits and separators XORed with b'0' alike). `sep` is zero in the low
+        // byte iff a comma follows, and in the low two bytes iff a comma and a space do (an id of
+        // seven digits has no room for the space in its word: zero shifted in, so it fails and
+        // `token_id` reads it); shifted up by a byte when the gap is one byte, its low two bytes
+        // are zero iff the separator holds.
+        let gap = next - last - 1;
+        let sep = ((x >> (8 * n as u32)) ^ (u16::from_le_bytes(*b", ") ^ 0x3030) as u64) & 0xFFFF;
+        if gap > 2 || (sep << (8 * (2 - gap) as u32)) & 0xFFFF != 0 {
             return None;
         }
         s = next;
@@ -1062,6 +1067,39 @@ mod tests {
             assert_eq!(i, end, "{body}");
             assert!(end > 0 && end < 64, "{body}: {end}");
             assert_eq!(fast.finish(), slow.finish(), "{body}");
+        }
+    }
+
+    /// Whole arrays of ids of every length up to ten digits (the window reads up to seven, and its
+    /// separator check reads the space of ", " from the id's own word, which a seven-digit id has
+    /// no room for), in mixed order, joined by "," or ", ": every id is read, hashed as
+    /// `sequence_hashes` hashes them.
+    #[test]
+    fn arrays_of_every_id_length_read_whole() {
+        let mut seed = 3u64;
+        for sep in [",", ", "] {
+            for _ in 0..50 {
+                let ids: Vec<u32> = (0..300)
+                    .map(|_| {
+                        seed = seed
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        let digits = (seed >> 60) % 10 + 1;
+                        ((seed >> 20) % 10u64.pow(digits as u32)).min(u32::MAX as u64) as u32
+                    })
+                    .collect();
+                let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+                let body = format!("[{}]", list.join(sep));
+                let h = BlockHasher::new(16).unwrap();
+                let mut sc = Scanner {
+                    b: body.as_bytes(),
+                    i: 0,
+                };
+                let got = sc.token_ids(h.builder()).unwrap();
+                assert_eq!(sc.i, body.len(), "{body}");
+                assert_eq!(got.tokens(), ids.len() as u64);
+                assert_eq!(got.finish(), h.sequence_hashes(&ids), "{body}");
+            }
         }
     }
 
