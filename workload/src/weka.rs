@@ -55,6 +55,15 @@ pub struct WekaParams {
     /// running the same conversation would. Copies come after all originals, so a closed loop works
     /// through the originals first. Lets concurrency levels above the session count mean something.
     pub copies: usize,
+    /// Each turn's think time is multiplied by a factor drawn uniformly from `[1 - j, 1 + j]` (0: the
+    /// recorded times), the draw fixed by [`WekaParams::jitter_seed`] and the turn. The trace's
+    /// structure is otherwise fixed, so without it two seeds of a closed-loop replay differ only in
+    /// tie-breaks, and a policy that breaks few ties replays the same run every seed: one sample of
+    /// a system whose figures jump with small changes (docs/results.md). Jitter makes the seeds
+    /// independent draws of the same users.
+    pub think_jitter: f64,
+    /// Seed of the think-time jitter.
+    pub jitter_seed: u64,
 }
 
 /// File name of the vendored trace in `traces/` (see `traces/README.md`).
@@ -75,6 +84,8 @@ impl Default for WekaParams {
             concurrency: 16,
             max_sessions: None,
             copies: 1,
+            think_jitter: 0.0,
+            jitter_seed: 0,
         }
     }
 }
@@ -175,6 +186,9 @@ pub fn read(p: &WekaParams) -> Result<Workload, WorkloadError> {
 
 /// Parses trace text (one session per line).
 pub fn parse(text: &str, p: &WekaParams) -> Result<Workload, WorkloadError> {
+    if !(0.0..=1.0).contains(&p.think_jitter) {
+        return Err(WorkloadError::Param("think_jitter must be in 0..=1".into()));
+    }
     if !(p.think_scale >= 0.0 && p.max_think_s >= 0.0) {
         return Err(WorkloadError::Param(
             "think_scale and max_think_s must be >= 0".into(),
@@ -300,6 +314,7 @@ pub fn parse(text: &str, p: &WekaParams) -> Result<Workload, WorkloadError> {
             ("max_think_s".into(), p.max_think_s.to_string()),
             ("concurrency".into(), p.concurrency.to_string()),
             ("copies".into(), p.copies.to_string()),
+            ("think_jitter".into(), p.think_jitter.to_string()),
         ],
         block_size: block_size.unwrap_or(64),
         default_mode: Mode::Closed {
@@ -393,7 +408,14 @@ fn push_turn(
         r.out.min(u64::from(u32::MAX)) as u32
     };
     let think_s = if think_s.is_finite() { think_s } else { 0.0 };
-    let think_us = ((think_s * p.think_scale).min(p.max_think_s) * 1e6) as u64;
+    let jitter = if p.think_jitter > 0.0 {
+        // 53 bits of the turn's own key mixed with the seed: a uniform draw in [0, 1).
+        let u = (sub_key(pad_key, &[p.jitter_seed]) >> 11) as f64 / (1u64 << 53) as f64;
+        1.0 + p.think_jitter * (2.0 * u - 1.0)
+    } else {
+        1.0
+    };
+    let think_us = ((think_s * p.think_scale * jitter).min(p.max_think_s) * 1e6) as u64;
     turns.push(Turn {
         prompt: Prompt::Blocks(BlockPrompt {
             keys,
@@ -462,5 +484,39 @@ mod tests {
         assert_eq!(w.total_requests(), 2);
         assert_eq!(w.note(NOTE_TRUNCATED), 1);
         assert_eq!(w.sessions[0].turns[1].fixed_prompt_len(), Some(10));
+    }
+
+    #[test]
+    fn think_jitter_draws_each_turn_within_its_band_by_seed() {
+        let line = r#"{"id":"a","block_size":4,"requests":[{"type":"n","in":8,"out":2,"hash_ids":[1,2],"think_time":0},{"type":"n","in":8,"out":2,"hash_ids":[1,2],"think_time":10},{"type":"n","in":8,"out":2,"hash_ids":[1,2],"think_time":10},{"type":"n","in":8,"out":2,"hash_ids":[1,2],"think_time":10}]}"#;
+        let thinks = |j: f64, seed: u64| -> Vec<u64> {
+            let p = WekaParams {
+                think_jitter: j,
+                jitter_seed: seed,
+                ..Default::default()
+            };
+            let w = parse(line, &p).unwrap();
+            w.sessions[0].turns.iter().map(|t| t.think_us).collect()
+        };
+        assert_eq!(thinks(0.0, 7), vec![0, 10_000_000, 10_000_000, 10_000_000]);
+        let a = thinks(0.2, 1);
+        assert_eq!(a, thinks(0.2, 1), "the same seed draws the same");
+        assert_ne!(a, thinks(0.2, 2), "another seed draws again");
+        assert_eq!(a[0], 0);
+        assert!(
+            a[1..]
+                .iter()
+                .all(|&t| (8_000_000..=12_000_000).contains(&t)),
+            "{a:?}"
+        );
+        assert!(
+            a[1] != a[2] || a[2] != a[3],
+            "each turn draws its own: {a:?}"
+        );
+        let bad = WekaParams {
+            think_jitter: 1.5,
+            ..Default::default()
+        };
+        assert!(matches!(parse(line, &bad), Err(WorkloadError::Param(_))));
     }
 }

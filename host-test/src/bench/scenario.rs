@@ -47,6 +47,9 @@ pub enum Source {
         concurrency: usize,
         copies: usize,
         max_sessions: Option<usize>,
+        /// [`WekaParams::think_jitter`], drawn by the scenario's seed (0 everywhere but
+        /// [`jitter_matrix`]).
+        think_jitter: f64,
     },
     Mooncake {
         speed: f64,
@@ -114,11 +117,14 @@ impl Scenario {
                 concurrency,
                 copies,
                 max_sessions,
+                think_jitter,
             } => weka::read(&WekaParams {
                 path: traces.join(weka::FILE),
                 concurrency: *concurrency,
                 copies: *copies,
                 max_sessions: *max_sessions,
+                think_jitter: *think_jitter,
+                jitter_seed: seed,
                 ..Default::default()
             })
             .map_err(err)?,
@@ -241,6 +247,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
                 concurrency: c,
                 copies,
                 max_sessions,
+                think_jitter: 0.0,
             },
             proxies: 1,
             spread: ProxySpread::PerRequest,
@@ -298,6 +305,29 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
     v
 }
 
+/// Think-time jitter of [`jitter_matrix`]: each think time within 20% of the recorded one.
+pub const THINK_JITTER: f64 = 0.2;
+
+/// The coding-agent levels of [`matrix`] with each seed drawing the think times anew
+/// ([`THINK_JITTER`]): ids `weka-c<C>-j`, group `weka-jitter`. In the matrix a seed changes only the
+/// engines' seeds and the routers' tie-breaks, so a policy that breaks few ties (kv_load's costs are
+/// rarely equal) replays the same run on every seed, while session_hash draws a new ring; these
+/// scenarios give every policy independent draws. Not in [`matrix`]: only `--only` selects them.
+pub fn jitter_matrix(scale: Scale) -> Vec<Scenario> {
+    matrix(scale)
+        .into_iter()
+        .filter(|s| s.group == "weka")
+        .map(|mut s| {
+            if let Source::Weka { think_jitter, .. } = &mut s.source {
+                *think_jitter = THINK_JITTER;
+            }
+            s.id = format!("{}-j", s.id);
+            s.group = "weka-jitter";
+            s
+        })
+        .collect()
+}
+
 /// The many-proxies scenarios (issue 15, docs/proxies.md): RL and the coding-agent trace at 16 and 32
 /// in flight, through 1, 2 and 4 independent proxies. Ids `rl-p<N>`, `weka-c<C>-p<N>` (requests
 /// spread across the proxies at random, group `proxies`) and the same ending in `s` (every session
@@ -337,6 +367,7 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
                         concurrency: c,
                         copies,
                         max_sessions,
+                        think_jitter: 0.0,
                     },
                     proxies,
                     spread,
@@ -389,6 +420,7 @@ pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
                 concurrency: c,
                 copies,
                 max_sessions,
+                think_jitter: 0.0,
             },
         ));
     }
@@ -434,6 +466,7 @@ pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
                 concurrency: c,
                 copies,
                 max_sessions,
+                think_jitter: 0.0,
             },
         ));
     }
@@ -450,6 +483,7 @@ pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
                 concurrency: top,
                 copies,
                 max_sessions,
+                think_jitter: 0.0,
             },
         )
     });
@@ -492,6 +526,36 @@ mod tests {
             panic!("not flattened")
         };
         assert_eq!(a[..256], b[..256], "the shared system prompt survives");
+    }
+
+    #[test]
+    fn jitter_scenarios_mirror_the_coding_agent_levels_apart_from_the_matrix() {
+        for scale in [Scale::Full, Scale::Quick, Scale::Smoke] {
+            let m = matrix(scale);
+            let j = jitter_matrix(scale);
+            let weka: Vec<&Scenario> = m.iter().filter(|s| s.group == "weka").collect();
+            assert_eq!(j.len(), weka.len(), "{scale:?}");
+            for (s, w) in j.iter().zip(weka) {
+                assert_eq!(s.id, format!("{}-j", w.id));
+                assert_eq!(s.group, "weka-jitter");
+                assert!(!m.iter().any(|x| x.id == s.id || x.group == s.group));
+                match (&s.source, &w.source) {
+                    (
+                        Source::Weka {
+                            concurrency: a,
+                            think_jitter: ja,
+                            ..
+                        },
+                        Source::Weka {
+                            concurrency: b,
+                            think_jitter: jb,
+                            ..
+                        },
+                    ) => assert_eq!((a, *ja, *jb), (b, THINK_JITTER, 0.0)),
+                    _ => panic!("{} is not a coding-agent scenario", s.id),
+                }
+            }
+        }
     }
 
     #[test]

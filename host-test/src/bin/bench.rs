@@ -18,7 +18,9 @@
 //! 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`, `pd-weka-c24`; group `pd-shape`:
 //! `pd-weka-c24-3p3d`, the same 6 engines split 3 + 3), replayed by `kvsteer_host_test::pd`
 //! through the filter's two-leg P/D path (one worker VM), `@pd.KEY=NUMBER` setting its
-//! coefficients; docs/pd.md),
+//! coefficients; docs/pd.md; and group `weka-jitter` (`weka-c16-j`, ...): the coding-agent levels
+//! with each seed drawing every think time within 20% of the recorded one, so that seeds are
+//! independent draws for every policy),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
 //! `--traces DIR` (default `traces`), `--notes-only` (put `DIR/results/notes.md`, the analysis
@@ -33,7 +35,7 @@ use kvsteer_host_test::bench::report::{
 };
 use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay_fleet};
 use kvsteer_host_test::bench::scenario::{
-    Scale, Scenario, Source, dp_matrix, matrix, pd_matrix, proxy_matrix,
+    Scale, Scenario, Source, dp_matrix, jitter_matrix, matrix, pd_matrix, proxy_matrix,
 };
 use kvsteer_host_test::pd::replay_pd_spec;
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
@@ -190,6 +192,7 @@ fn run(args: &Args) -> Result<(), String> {
         let mut v = proxy_matrix(scale);
         v.extend(dp_matrix(scale));
         v.extend(pd_matrix(scale));
+        v.extend(jitter_matrix(scale));
         v
     };
     let scenarios: Vec<Scenario> = matrix(scale)
@@ -207,6 +210,8 @@ fn run(args: &Args) -> Result<(), String> {
         workspace_root().join("out/dp")
     } else if args.out.is_none() && scenarios.iter().any(|s| s.group.starts_with("pd")) {
         workspace_root().join("out/pd")
+    } else if args.out.is_none() && scenarios.iter().any(|s| s.group == "weka-jitter") {
+        workspace_root().join("out/weka-jitter")
     } else {
         out_dir(args)
     };
@@ -733,6 +738,10 @@ fn write_outputs(
     for (group, title) in [
         ("rl", "RL rollouts with stragglers"),
         ("weka", "Coding-agent traces (weka_cc_sample36)"),
+        (
+            "weka-jitter",
+            "Coding-agent traces, think times drawn anew each seed (within 20%)",
+        ),
         ("mooncake", "Mooncake"),
         ("azure", "Azure conversations (no-reuse control)"),
         ("slice", "The Envoy slice, in the harness"),
