@@ -14,7 +14,7 @@
 //! usable destination is sent where the proxy's own load balancer would send it (round robin over the
 //! replicas; counted as `fallback`), as Envoy's override_host policy does.
 
-use crate::abi::Action;
+use crate::abi::{Action, Pairs};
 use crate::host::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, Proxy, ProxyOptions, StreamState,
     WorkerVm,
@@ -537,6 +537,8 @@ pub struct Harness {
     rr_fallback: usize,
     /// Per proxy: the next worker a peer poll goes to (round robin, apart from the requests').
     rr_peer: Vec<usize>,
+    /// Per proxy: how peer polls to it are answered instead of through it ([`Harness::set_peer_fault`]).
+    peer_faults: Vec<Option<CallOutcome>>,
     next_sample_us: u64,
     events: Vec<EngineEvent>,
     driver: Option<Driver>,
@@ -642,6 +644,7 @@ impl Harness {
             proxy_rng: 0x9E37_79B9_7F4A_7C15,
             rr_fallback: 0,
             rr_peer: vec![0; proxy_count],
+            peer_faults: vec![None; proxy_count],
             next_sample_us: 0,
             events: Vec::new(),
             driver: None,
@@ -1430,17 +1433,17 @@ impl Harness {
                 b"no such proxy".to_vec(),
             ));
         }
-        let n = self.cfg.workers;
-        let w = q * n + self.rr_peer[q] % n;
-        self.rr_peer[q] += 1;
         self.stats.peer_polls += 1;
-        let worker = &mut self.workers[w];
-        if worker.is_dead() {
-            return Ok(CallOutcome::Reset);
+        if let Some(fault) = self.peer_faults.get(q).cloned().flatten() {
+            return Ok(fault);
         }
-        let stream = worker.new_stream()?;
-        worker.request_headers(stream, call.headers.clone(), true)?;
-        let st = worker.end_stream(stream)?;
+        let Some(st) = self.request_through(q, call.headers.clone())? else {
+            return Ok(CallOutcome::Reset);
+        };
+        if st.released {
+            self.stats.peer_polls_forwarded += 1;
+            return Ok(CallOutcome::ok(502, "text/plain", b"forwarded".to_vec()));
+        }
         Ok(match st.local_response {
             Some(r) => {
                 let ct = r
@@ -1452,11 +1455,36 @@ impl Harness {
                     });
                 CallOutcome::ok(r.status as u16, &ct, r.body)
             }
-            None => {
-                self.stats.peer_polls_forwarded += 1;
-                CallOutcome::ok(502, "text/plain", b"forwarded".to_vec())
-            }
+            None => CallOutcome::ok(502, "text/plain", b"no answer".to_vec()),
         })
+    }
+
+    /// A bodiless request with `headers` through one of proxy `q`'s workers (round robin, apart from
+    /// the driven requests'), ended at once: the stream's record (`released`: the filter let it go
+    /// upstream; `local_response`: it answered itself). `None` when that worker is dead.
+    pub fn request_through(
+        &mut self,
+        q: usize,
+        headers: Pairs,
+    ) -> Result<Option<StreamState>, HarnessError> {
+        let n = self.cfg.workers;
+        let w = q * n + self.rr_peer[q] % n;
+        self.rr_peer[q] += 1;
+        let worker = &mut self.workers[w];
+        if worker.is_dead() {
+            return Ok(None);
+        }
+        let stream = worker.new_stream()?;
+        worker.request_headers(stream, headers, true)?;
+        Ok(Some(worker.end_stream(stream)?))
+    }
+
+    /// Makes every peer poll to proxy `q` be answered with `fault` instead of through its filter
+    /// (`None`: through the filter again): a hostile or broken peer.
+    pub fn set_peer_fault(&mut self, q: usize, fault: Option<CallOutcome>) {
+        if let Some(f) = self.peer_faults.get_mut(q) {
+            *f = fault;
+        }
     }
 
     /// Sums the filters' exchange counters over the proxies into [`HarnessStats`].
