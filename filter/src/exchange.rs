@@ -289,3 +289,139 @@ fn bundle(
     }
     encode_bundle(parts.iter().map(|(w, j)| (*w, j.as_slice())))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::tests::MemStore;
+    use kvsteer_core::config::RoutingConfig;
+    use kvsteer_core::working_set::{WorkingSet, decode_bundle};
+
+    const TOKEN: &str = "0123456789abcdef";
+
+    fn cfg(peers: bool) -> FilterConfig {
+        let mut json = serde_json::json!({"replicas": [
+            {"name": "r0", "endpoint": "127.0.0.1:8000", "feed_cluster": "f0"},
+            {"name": "r1", "endpoint": "127.0.0.1:8001", "feed_cluster": "f1"}]});
+        if peers {
+            json["peers"] = serde_json::json!({"proxies": [{"cluster": "b"}, {"cluster": "c",
+                "authority": "c.local"}], "token": TOKEN, "poll_ms": 200});
+        }
+        FilterConfig::from_json(json.to_string().as_bytes()).unwrap()
+    }
+
+    fn router() -> Router {
+        let mut r = Router::new(RoutingConfig::default(), 2).unwrap();
+        r.share_working_set();
+        r
+    }
+
+    #[test]
+    fn polls_each_peer_once_per_period_with_one_in_flight() {
+        let (c, mut r) = (cfg(true), router());
+        let mut x = Exchange::new(&c);
+        assert!(x.plan(&c, &r, false, 0).is_empty(), "not sharing yet");
+        let calls = x.plan(&c, &r, true, 0);
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[1].authority, "c.local");
+        assert_eq!(calls[0].path, "/.kvsteer/working-set?after=");
+        x.started(&c, 0, 7, 0);
+        x.not_started(&c, 1, 0);
+        assert!(x.plan(&c, &r, true, 100).is_empty(), "in flight / not due");
+        assert!(x.owns(7) && !x.owns(8));
+        // Peer 0 answers with a journal of one entry; its mark goes into the next poll's query.
+        let mut peer = WorkingSet::new(2, 10_000, 1 << 20);
+        peer.start_journal();
+        peer.record(1, &[8, 16, 24], 50);
+        let j = peer.encode_journal(60, 1_000).unwrap();
+        let bundle = encode_bundle([(3, &j[..])]);
+        x.answered(&mut r, 7, Some(200), Some(&bundle), false, 150);
+        assert_eq!(x.stats.applied, 1);
+        let calls = x.plan(&c, &r, true, 200);
+        assert_eq!(calls[0].path, "/.kvsteer/working-set?after=3:1");
+        // Refusals: another status, oversized, garbage; a late answer for an unknown token.
+        x.started(&c, 0, 8, 200);
+        x.answered(&mut r, 8, Some(503), None, false, 210);
+        x.started(&c, 0, 9, 400);
+        x.answered(&mut r, 9, Some(200), None, true, 410);
+        x.started(&c, 0, 10, 600);
+        x.answered(&mut r, 10, Some(200), Some(b"garbage"), false, 610);
+        x.answered(&mut r, 99, Some(200), Some(&bundle), false, 620);
+        assert_eq!((x.stats.failed, x.stats.refused), (2, 2));
+        // A poll the proxy never answers is given up after twice its timeout and a second.
+        x.started(&c, 1, 11, 1_000);
+        assert!(x.plan(&c, &r, true, 1_500).iter().all(|p| p.peer != 1));
+        assert!(x.plan(&c, &r, true, 4_000).iter().any(|p| p.peer == 1));
+        assert!(!x.owns(11));
+    }
+
+    #[test]
+    fn serves_its_workers_journals_to_the_token_only() {
+        let (c, _) = (cfg(true), ());
+        let store = MemStore::default();
+        let mut w = [
+            WorkingSet::new(2, 10_000, 1 << 20),
+            WorkingSet::new(2, 10_000, 1 << 20),
+        ];
+        for (i, ws) in w.iter_mut().enumerate() {
+            ws.start_journal();
+            ws.record(i, &[8, 16], 10);
+            ws.record(i, &[32], 20);
+            peers::claim_worker_id(&store, "kvsteer");
+            let j = ws.encode_journal(30, 1_000).unwrap();
+            peers::publish_working_set(&store, "kvsteer", i as u32, &j);
+        }
+        let mut x = Exchange::new(&c);
+        let path = b"/.kvsteer/working-set?after=1:1";
+        let tok = Some(TOKEN.as_bytes());
+        for (method, token, status) in [
+            (&b"GET"[..], None, 403),
+            (b"GET", Some(&b"0123456789abcdeF"[..]), 403),
+            (b"GET", Some(&b"0123456789abcde"[..]), 403),
+            (b"POST", tok, 405),
+        ] {
+            let r = x.serve(&c, Some(&store), method, path, token, 40);
+            assert_eq!(r.status, status);
+            assert!(decode_bundle(&r.body).is_none(), "no journal");
+        }
+        let bad = x.serve(
+            &c,
+            Some(&store),
+            b"GET",
+            b"/.kvsteer/working-set?after=1",
+            tok,
+            40,
+        );
+        assert_eq!(bad.status, 400);
+        assert_eq!(x.stats.requests_refused, 5);
+        let r = x.serve(&c, Some(&store), b"GET", path, tok, 40);
+        assert_eq!(r.status, 200);
+        let parts = decode_bundle(&r.body).unwrap();
+        assert_eq!(parts.len(), 2);
+        assert!(
+            parts[1].1.len() < parts[0].1.len(),
+            "worker 1 trimmed after 1"
+        );
+        // Without shared data: an empty bundle; without the section: 404.
+        let r = x.serve(&c, None, b"GET", path, tok, 40);
+        assert_eq!(decode_bundle(&r.body), Some(vec![]));
+        let off = cfg(false);
+        assert_eq!(
+            x.serve(&off, Some(&store), b"GET", path, tok, 40).status,
+            404
+        );
+        assert!(is_reserved(
+            b"/.kvsteer/working-set",
+            "/.kvsteer/working-set"
+        ));
+        assert!(is_reserved(
+            b"/.kvsteer/working-set?x",
+            "/.kvsteer/working-set"
+        ));
+        assert!(!is_reserved(
+            b"/.kvsteer/working-setx",
+            "/.kvsteer/working-set"
+        ));
+        assert!(!is_reserved(b"/v1/completions", "/.kvsteer/working-set"));
+    }
+}
