@@ -207,7 +207,6 @@ impl Exchange {
     /// header's value. Only a `GET` with the configured token is served: this proxy's workers'
     /// journals from `store` (none without shared data), each trimmed to what the asker has not
     /// applied, and as many as fit in `max_response_bytes`.
-    #[allow(clippy::too_many_arguments)]
     pub fn serve(
         &mut self,
         cfg: &FilterConfig,
