@@ -1119,6 +1119,12 @@ impl Router {
             .apply_remote(peer, bundle, now_ms)
     }
 
+    /// Whether the working-set term is on (kv_load with `overflow_weight` > 0): with it off there
+    /// is no working set to share or to take in.
+    pub fn has_working_set(&self) -> bool {
+        self.working_set.is_some()
+    }
+
     /// What this router has applied from each worker of peer proxy `peer` (its `after` query).
     pub fn remote_working_set_marks(&self, peer: u32) -> Vec<(u32, u64)> {
         self.working_set

@@ -582,6 +582,19 @@ impl RootContext for Root {
                 String::from_utf8_lossy(&node_id)
             ),
         );
+        if state.config().peers.is_some()
+            && state.config().routing.policy == kvsteer_core::config::PolicyKind::KvLoad
+            && state.config().routing.kv_load.reported_load
+                != kvsteer_core::config::ReportedLoad::Merge
+        {
+            // Measured (docs/proxies.md): the peers' working set without their load gathers cold
+            // sessions on replicas whose queues this proxy cannot see.
+            log(
+                LogLevel::Warn,
+                "kvsteer: peers is meant for routing.kv_load.reported_load merge: without it this \
+                 proxy sees every proxy's sessions but only its own load",
+            );
+        }
         self.vm = Some(Rc::new(RefCell::new(Vm { state, metrics })));
         if let Err(e) = abi::set_tick_period(tick) {
             // Requests are still routed, with what the filter knows without ticks.

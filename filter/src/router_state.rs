@@ -556,10 +556,10 @@ impl RouterState {
 
     // --- The working-set exchange with other proxies ([`crate::exchange`]) ---
 
-    /// The peer polls due at `now_ms` (none without `peers`, or before this worker shares its
-    /// working set: a worker number in shared data and the term on).
+    /// The peer polls due at `now_ms` (none without `peers`, or while this worker has no working
+    /// set to share: before it has a number in shared data, or with the term off).
     pub fn plan_peer_polls(&mut self, now_ms: u64) -> Vec<PeerCall> {
-        let sharing = self.worker_id.is_some();
+        let sharing = self.worker_id.is_some() && self.router.has_working_set();
         self.exchange.plan(&self.cfg, &self.router, sharing, now_ms)
     }
 
@@ -1470,6 +1470,28 @@ mod tests {
 
     fn worker(policy: &str) -> RouterState {
         worker_routing(&format!(r#"{{"policy":"{policy}"}}"#))
+    }
+
+    #[test]
+    fn peers_are_polled_only_with_a_working_set_to_share() {
+        let with = |policy: &str| {
+            let json = format!(
+                r#"{{"replicas":[{{"name":"r0","endpoint":"10.0.0.1:8000","feed_cluster":"f0"}}],
+                    "routing":{{"policy":"{policy}"}},
+                    "peers":{{"proxies":[{{"cluster":"b"}}],"token":"0123456789abcdef"}}}}"#
+            );
+            RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+        };
+        let store = crate::store::tests::MemStore::default();
+        let mut kv = with("kv_load");
+        assert!(kv.plan_peer_polls(0).is_empty(), "no worker number yet");
+        kv.claim_worker_id(&store);
+        assert_eq!(kv.plan_peer_polls(0).len(), 1);
+        // Without the working-set term there is nothing to exchange: no polls, no empty answers
+        // counted as refused.
+        let mut rr = with("round_robin");
+        rr.claim_worker_id(&store);
+        assert!(rr.plan_peer_polls(0).is_empty());
     }
 
     fn pd_worker() -> RouterState {
