@@ -497,6 +497,8 @@ pub struct HarnessStats {
     /// the filter let through instead of answering (never: the reserved path is not forwarded).
     pub peer_polls: u64,
     pub peer_polls_forwarded: u64,
+    /// Body bytes of the peer polls' answers (what the exchange puts on the wire, headers aside).
+    pub peer_answer_bytes: u64,
     /// The filters' own exchange counters over every proxy (`kvsteer_peer_entries_applied`,
     /// `kvsteer_peer_answers_refused`), as of [`Harness::collect_peer_counters`].
     pub peer_entries_applied: u64,
@@ -1446,6 +1448,7 @@ impl Harness {
         }
         Ok(match st.local_response {
             Some(r) => {
+                self.stats.peer_answer_bytes += r.body.len() as u64;
                 let ct = r
                     .headers
                     .iter()

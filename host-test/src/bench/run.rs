@@ -46,6 +46,7 @@ impl Outcome {
             "response_body_chunks": s.response_body_chunks,
             "peer_polls": s.peer_polls,
             "peer_polls_forwarded": s.peer_polls_forwarded,
+            "peer_answer_bytes": s.peer_answer_bytes,
             "peer_entries_applied": s.peer_entries_applied,
             "peer_answers_refused": s.peer_answers_refused,
             "request_filter_us_mean": if s.requests > 0 {
