@@ -133,8 +133,12 @@ def rewrite(
     wasm_overrides: dict | None = None,
     feeds: dict[str, str] | None = None,
     replica_overrides: dict | None = None,
+    extra_clusters: dict[str, str] | None = None,
 ) -> dict:
     """A copy of `doc` for these replicas (name, `IP:port`), ports and wasm path.
+
+    `extra_clusters` (name -> `IP:port`) adds single-host clusters built like the feed clusters:
+    the working-set exchange's peer proxies (`peers.proxies[].cluster`, docs/proxies.md).
 
     Per-replica clusters (`kvsteer_feed_<name>`, `replica_<name>`, `kvsteer_prefill_<name>`) are
     rebuilt from the first one in the file, so the committed four-replica files serve any replica
@@ -202,5 +206,7 @@ def rewrite(
             if prefix == PREFILL_PREFIX and name not in prefill_names:
                 continue
             out_clusters.append(_single_host_cluster(tmpl, prefix + name, ep))
+    for name, ep in (extra_clusters or {}).items():
+        out_clusters.append(_single_host_cluster(templates[FEED_PREFIX], name, ep))
     doc["static_resources"]["clusters"] = out_clusters
     return doc

@@ -387,6 +387,7 @@ class Stack:
         wasm_overrides: dict | None = None,
         replica_overrides: dict | None = None,
         node_id: str = "",
+        extra_clusters: dict[str, str] | None = None,
     ) -> None:
         """Envoy with `envoy/<variant>.yaml`, rewritten for this stack's ports and the built wasm.
         `node_id` is passed as `--service-node` (Envoy's node id, which the filter mixes into its
@@ -411,6 +412,7 @@ class Stack:
             wasm_overrides=wasm_overrides or {},
             feeds=self.feed_endpoints(),
             replica_overrides=replica_overrides or {},
+            extra_clusters=extra_clusters,
         )
         path = self.workdir / f"{variant}.json"
         path.write_text(json.dumps(doc, indent=1))
@@ -441,7 +443,7 @@ class Stack:
                     listen_port=self.listen_port, admin_port=self.admin_port, wasm=str(wasm),
                     plugin_overrides=plugin_overrides or {}, wasm_overrides=wasm_overrides or {},
                     feeds=self.feed_endpoints(),
-                    replica_overrides=replica_overrides or {})
+                    replica_overrides=replica_overrides or {}, extra_clusters=extra_clusters)
                 path.write_text(json.dumps(doc, indent=1))
         else:
             raise StackError(f"envoy did not become ready:\n{last}")

@@ -2,7 +2,9 @@
 shared data) in front of the same two simulated replicas (issue 15, docs/proxies.md). Nothing passes
 between the Envoys but the replicas' feeds: proxy B learns of a long decode sent through proxy A only
 from the replica's report. `RestartOneProxy`: B is drained, stopped and started again under client
-traffic split over both (docs/proxies.md, "Restarting a proxy").
+traffic split over both (docs/proxies.md, "Restarting a proxy"). `WorkingSetExchange`: with `peers`
+configured, each Envoy polls the other for its working-set journals (docs/proxies.md, "Working set
+across proxies").
 
 Run by scripts/e2e (`scripts/e2e test_proxies`); needs the release wasm and the sim binary.
 """
@@ -20,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from client import Client, Result, tokens
-from stack import Stack
+from stack import Stack, free_ports
 
 TIME_SCALE = os.environ.get("E2E_TIME_SCALE", "10")
 # A feed poll of B (every 200 ms) after the long decode started, plus the relay to B's other worker
@@ -126,6 +128,93 @@ class TwoEnvoysOneFleet(unittest.TestCase):
     def test_ignore_cannot_see_the_other_proxys_decode(self):
         busy, landed = self.run_case("ignore")
         self.assertIn(busy, landed, f"B balanced its own four over both replicas: {landed}")
+
+
+# -- the working-set exchange between the two Envoys ----------------------------------------------
+
+PEER_TOKEN = "e2e-peer-token-0123456789"
+
+
+def exchanging_envoys(peers: bool) -> tuple[Stack, Stack]:
+    """Two Envoys over the same two replicas; with `peers`, each lists the other as its peer proxy
+    (a STATIC cluster to the other's listener) with a shared token (docs/proxies.md, "Working set
+    across proxies"). Ports are taken up front: each Envoy's configuration names the other's."""
+    a, b = Stack(), Stack()
+    try:
+        a.start_replicas(2, extra=["--time-scale", TIME_SCALE])
+        b.replicas = a.replicas
+        ports = {"a": free_ports(2), "b": free_ports(2)}
+        for stack, me, other, node in ((a, "a", "b", "proxy-a"), (b, "b", "a", "proxy-b")):
+            overrides = overrides_for("merge")
+            clusters = None
+            if peers:
+                overrides["peers"] = {
+                    "proxies": [{"cluster": f"kvsteer_peer_{other}"}],
+                    "token": PEER_TOKEN,
+                }
+                clusters = {f"kvsteer_peer_{other}": f"127.0.0.1:{ports[other][0]}"}
+            stack.start_envoy("envoy", concurrency=2, plugin_overrides=overrides, node_id=node,
+                              listen_port=ports[me][0], admin_port=ports[me][1],
+                              extra_clusters=clusters)
+    except BaseException:
+        b.close()
+        a.close()
+        raise
+    return a, b
+
+
+class WorkingSetExchange(unittest.TestCase):
+    """Eight sessions, each turn 1 through Envoy A and turn 2 through Envoy B. With the exchange on,
+    B applies A's admissions and so sees the sessions' contexts as reused: a working set; without
+    it B saw each session once and estimates none. A client's request for the reserved path is
+    answered by the filter (403 without the token) and never reaches a replica."""
+
+    def run_case(self, peers: bool) -> tuple[int, int, int]:
+        a, b = exchanging_envoys(peers)
+        try:
+            ca = Client("127.0.0.1", a.listen_port, timeout_s=60)
+            cb = Client("127.0.0.1", b.listen_port, timeout_s=60)
+            prompts = [tokens(2048, 90_000 + s) for s in range(8)]
+            for s, p in enumerate(prompts):
+                r = ca.complete(p, max_tokens=8, session=f"s{s}")
+                self.assertTrue(r.ok, r)
+            # A's journals reach B within a tick plus a poll.
+            time.sleep(1.0)
+            for s, p in enumerate(prompts):
+                r = cb.complete(p + tokens(64, 91_000 + s), max_tokens=8, session=f"s{s}")
+                self.assertTrue(r.ok, r)
+            time.sleep(0.5)
+            applied = stat_sum(b, "kvsteer_peer_entries_applied")
+            ws = stat_sum(b, "kvsteer_working_set_blocks")
+            # A client asking for the reserved path: refused by the filter, never forwarded.
+            for headers in ({}, {"x-kvsteer-peer-token": "wrong-token-0123456789"}):
+                status, _, body = ca.request("GET", "/.kvsteer/working-set?after=", headers=headers)
+                self.assertEqual(status, 403 if peers else 404, body)
+                self.assertLess(len(body), 64, "no journal")
+            ca.close()
+            cb.close()
+            time.sleep(0.3)  # the counters are brought up to date on the next tick
+            refused = stat_sum(a, "kvsteer_peer_requests_refused")
+            self.assertEqual(a.vm_failures() + b.vm_failures(), [])
+            if peers:
+                self.assertGreater(stat_sum(a, "kvsteer_peer_requests_served"), 0)
+                self.assertEqual(stat_sum(b, "kvsteer_peer_answers_refused"), 0)
+            return applied, ws, refused
+        finally:
+            b.close()
+            a.close()
+
+    def test_with_the_exchange_the_other_proxy_sees_the_sessions(self):
+        applied, ws, refused = self.run_case(True)
+        self.assertGreater(applied, 0)
+        self.assertGreater(ws, 0, "B sees A's first turns as its sessions' contexts")
+        self.assertGreaterEqual(refused, 2)
+
+    def test_without_it_the_other_proxy_sees_each_session_once(self):
+        applied, ws, refused = self.run_case(False)
+        self.assertEqual(applied, 0)
+        self.assertEqual(ws, 0)
+        self.assertGreaterEqual(refused, 2)
 
 
 # -- restarting one proxy ------------------------------------------------------------------------

@@ -1105,6 +1105,33 @@ impl Router {
         self.working_set.as_mut()?.apply_peer(peer, journal)
     }
 
+    /// Applies another proxy's answer (its workers' journals, [`working_set::encode_bundle`]) from
+    /// its peer number `peer`, at `now_ms`; `None`, nothing applied, for one that is malformed or
+    /// for another replica count, or while not sharing ([`working_set::WorkingSet::apply_remote`]).
+    pub fn apply_remote_working_set(
+        &mut self,
+        peer: u32,
+        bundle: &[u8],
+        now_ms: u64,
+    ) -> Option<working_set::Applied> {
+        self.working_set
+            .as_mut()?
+            .apply_remote(peer, bundle, now_ms)
+    }
+
+    /// Whether the working-set term is on (kv_load with `overflow_weight` > 0): with it off there
+    /// is no working set to share or to take in.
+    pub fn has_working_set(&self) -> bool {
+        self.working_set.is_some()
+    }
+
+    /// What this router has applied from each worker of peer proxy `peer` (its `after` query).
+    pub fn remote_working_set_marks(&self, peer: u32) -> Vec<(u32, u64)> {
+        self.working_set
+            .as_ref()
+            .map_or_else(Vec::new, |ws| ws.remote_marks(peer))
+    }
+
     /// Counts a replica's stored GPU blocks in its working set (`kv_load.working_set_from_feed`).
     fn note_stored(&mut self, replica: usize, tier: Tier, hashes: &[u64]) {
         if tier == Tier::Gpu

@@ -86,6 +86,14 @@ struct Metrics {
     working_set_missed: Option<u32>,
     working_set_refused: Option<u32>,
     last_working_set_sharing: (u64, u64),
+    /// The working-set exchange with other proxies ([`crate::exchange`]) and its last counts.
+    peer_polls: Option<u32>,
+    peer_poll_failures: Option<u32>,
+    peer_answers_refused: Option<u32>,
+    peer_entries_applied: Option<u32>,
+    peer_requests_refused: Option<u32>,
+    peer_requests_served: Option<u32>,
+    last_exchange: crate::exchange::ExchangeStats,
     health_probes: Vec<Option<u32>>,
     last_failures: Vec<u64>,
     last_probes: Vec<u64>,
@@ -224,6 +232,13 @@ impl Metrics {
             working_set_missed: define(Counter, "kvsteer_working_set_missed"),
             working_set_refused: define(Counter, "kvsteer_working_set_refused"),
             last_working_set_sharing: (0, 0),
+            peer_polls: define(Counter, "kvsteer_peer_polls"),
+            peer_poll_failures: define(Counter, "kvsteer_peer_poll_failures"),
+            peer_answers_refused: define(Counter, "kvsteer_peer_answers_refused"),
+            peer_entries_applied: define(Counter, "kvsteer_peer_entries_applied"),
+            peer_requests_refused: define(Counter, "kvsteer_peer_requests_refused"),
+            peer_requests_served: define(Counter, "kvsteer_peer_requests_served"),
+            last_exchange: Default::default(),
             index_blocks: define(Gauge, "kvsteer_index_blocks"),
             index_evictions: define(Counter, "kvsteer_index_evictions"),
             release_anomalies: define(Counter, "kvsteer_release_anomalies"),
@@ -294,6 +309,27 @@ impl Root {
                         .poll_not_started(replica, &format!("{status:?}"), now);
                     Self::report_feed(vm, &r);
                 }
+            }
+        }
+    }
+
+    /// Polls the peer proxies that are due for their working-set journals (`peers`).
+    fn poll_peers(vm: &mut Vm, now: u64) {
+        let Some(p) = vm.state.config().peers.clone() else {
+            return;
+        };
+        let timeout = Duration::from_millis(p.timeout_ms);
+        for call in vm.state.plan_peer_polls(now) {
+            let headers = vec![
+                (":method", "GET"),
+                (":path", call.path.as_str()),
+                (":authority", call.authority.as_str()),
+                ("accept", crate::exchange::BUNDLE_CONTENT_TYPE),
+                (p.token_header.as_str(), p.token.as_str()),
+            ];
+            match abi::dispatch_http_call(&call.upstream, headers, None, timeout) {
+                Ok(token) => vm.state.peer_poll_started(call.peer, token, now),
+                Err(_) => vm.state.peer_poll_not_started(call.peer, now),
             }
         }
     }
@@ -375,6 +411,25 @@ impl Root {
         inc(m.working_set_missed, missed.saturating_sub(last_missed));
         inc(m.working_set_refused, refused.saturating_sub(last_refused));
         m.last_working_set_sharing = (missed, refused);
+        let x = vm.state.exchange_stats();
+        let last = m.last_exchange;
+        inc(m.peer_polls, x.polls.saturating_sub(last.polls));
+        inc(m.peer_poll_failures, x.failed.saturating_sub(last.failed));
+        inc(
+            m.peer_answers_refused,
+            x.refused.saturating_sub(last.refused),
+        );
+        inc(
+            m.peer_entries_applied,
+            x.applied.saturating_sub(last.applied),
+        );
+        inc(m.working_set_missed, x.missed.saturating_sub(last.missed));
+        inc(
+            m.peer_requests_refused,
+            x.requests_refused.saturating_sub(last.requests_refused),
+        );
+        inc(m.peer_requests_served, x.served.saturating_sub(last.served));
+        m.last_exchange = x;
         #[cfg(feature = "tokenizer")]
         if let (Some(tm), Some(t)) = (m.tokenizer.as_mut(), vm.state.tokenizer_stats()) {
             tm.update(t);
@@ -427,6 +482,20 @@ impl Context for Root {
                 .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
         };
         let mut vm = vm.borrow_mut();
+        if vm.state.is_peer_poll(token) {
+            // A peer proxy's answer: refused unread when too large, checked whole before use.
+            let fits = vm.state.peer_answer_fits(body_size);
+            let body = if fits && body_size > 0 && status == Some(200) {
+                abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                    .ok()
+                    .flatten()
+            } else {
+                None
+            };
+            vm.state
+                .on_peer_answer(token, status, body.as_deref(), !fits, now_ms());
+            return;
+        }
         let store = vm.state.shared(&HostStore);
         let r = if body_size > vm.state.config().feed_max_bytes {
             // Refused before it is copied into the VM, let alone parsed.
@@ -513,6 +582,19 @@ impl RootContext for Root {
                 String::from_utf8_lossy(&node_id)
             ),
         );
+        if state.config().peers.is_some()
+            && state.config().routing.policy == kvsteer_core::config::PolicyKind::KvLoad
+            && state.config().routing.kv_load.reported_load
+                != kvsteer_core::config::ReportedLoad::Merge
+        {
+            // Measured (docs/proxies.md): the peers' working set without their load gathers cold
+            // sessions on replicas whose queues this proxy cannot see.
+            log(
+                LogLevel::Warn,
+                "kvsteer: peers is meant for routing.kv_load.reported_load merge: without it this \
+                 proxy sees every proxy's sessions but only its own load",
+            );
+        }
         self.vm = Some(Rc::new(RefCell::new(Vm { state, metrics })));
         if let Err(e) = abi::set_tick_period(tick) {
             // Requests are still routed, with what the filter knows without ticks.
@@ -536,6 +618,7 @@ impl RootContext for Root {
         // This tick's feed budget, spent first on batches earlier ticks left half applied.
         vm.state.start_tick(now);
         Self::poll_feeds(&mut vm, now);
+        Self::poll_peers(&mut vm, now);
         Self::update_gauges(&mut vm);
     }
 
@@ -1018,6 +1101,30 @@ impl Stream {
     }
 
     /// Answers the client with a JSON error in place of the upstream.
+    /// Answers a request for the reserved peer path itself ([`crate::exchange`]): served to a peer
+    /// proxy with the token, refused otherwise, never forwarded.
+    fn serve_peer(&mut self, vm: &Shared, method: &[u8], path: &[u8]) -> Action {
+        let mut vm = vm.borrow_mut();
+        let token = header(MapType::HttpRequestHeaders, vm.state.peer_token_header());
+        let r = vm
+            .state
+            .serve_peer(&HostStore, method, path, token.as_deref(), now_ms());
+        self.phase = Phase::Released;
+        let ct = if r.status == 200 {
+            crate::exchange::BUNDLE_CONTENT_TYPE
+        } else {
+            "text/plain"
+        };
+        if abi::send_local_response(r.status, &[("content-type", ct)], &r.body).is_err() {
+            // The stream stays paused: it must not go upstream either way.
+            log(
+                LogLevel::Warn,
+                "kvsteer: the proxy refused a local response to a peer poll",
+            );
+        }
+        Action::Pause
+    }
+
     fn send_error(status: u32, body: &[u8]) {
         if abi::send_local_response(status, &[("content-type", "application/json")], body).is_err()
         {
@@ -1136,6 +1243,9 @@ impl HttpContext for Stream {
         }
         let method = header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
         let path = header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        if vm.borrow().state.is_peer_path(&path) {
+            return self.serve_peer(&vm, &method, &path);
+        }
         if method != b"POST" || !is_inference_path(&path) {
             return Action::Continue;
         }

@@ -16,6 +16,7 @@
 //! sees) is listed there too.
 
 pub mod config;
+pub mod exchange;
 pub mod pd;
 pub mod peers;
 pub mod relay;

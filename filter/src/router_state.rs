@@ -4,6 +4,7 @@
 //! methods, one per thing that happened or is to be done, and only move bytes to and from the host.
 
 use crate::config::{ConfigError, FilterConfig, OutputMode};
+use crate::exchange::{Exchange, ExchangeStats, PeerCall, PeerResponse};
 use crate::peers;
 use crate::relay;
 use crate::store::SharedStore;
@@ -321,6 +322,8 @@ pub struct RouterState {
     /// over its workers) differ once traffic stops has leaked load.
     bookings: u64,
     releases: u64,
+    /// The working-set exchange with other proxies (`peers`; [`crate::exchange`]).
+    exchange: Exchange,
 }
 
 impl RouterState {
@@ -356,7 +359,9 @@ impl RouterState {
         let roles = cfg.roles();
         let disaggregated = cfg.disaggregated();
         let pd_params = cfg.pd.params();
+        let exchange = Exchange::new(&cfg);
         Ok(RouterState {
+            exchange,
             roles,
             disaggregated,
             pd_params,
@@ -485,8 +490,14 @@ impl RouterState {
         };
         peers::publish(store, prefix, me, now_ms, &rec);
         peers::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
-        // Kept for a few ticks, so every worker reads each entry at least once (ticks drift).
-        let keep = self.cfg.tick_ms.saturating_mul(WORKING_SET_KEEP_TICKS);
+        // Kept for a few ticks, so every worker reads each entry at least once (ticks drift), and
+        // with peer proxies for a few of their polls too (they read the same records).
+        let poll_ms = self.cfg.peers.as_ref().map_or(0, |p| p.poll_ms);
+        let keep = self
+            .cfg
+            .tick_ms
+            .max(poll_ms)
+            .saturating_mul(WORKING_SET_KEEP_TICKS);
         if let Some(journal) = self.router.working_set_journal(now_ms, keep) {
             peers::publish_working_set(store, prefix, me, &journal);
         }
@@ -541,6 +552,79 @@ impl RouterState {
     /// Other workers' working-set entries missed and journals refused (counters since start).
     pub fn working_set_sharing(&self) -> (u64, u64) {
         (self.working_set_missed, self.working_set_refused)
+    }
+
+    // --- The working-set exchange with other proxies ([`crate::exchange`]) ---
+
+    /// The peer polls due at `now_ms` (none without `peers`, or while this worker has no working
+    /// set to share: before it has a number in shared data, or with the term off).
+    pub fn plan_peer_polls(&mut self, now_ms: u64) -> Vec<PeerCall> {
+        let sharing = self.worker_id.is_some() && self.router.has_working_set();
+        self.exchange.plan(&self.cfg, &self.router, sharing, now_ms)
+    }
+
+    pub fn peer_poll_started(&mut self, peer: usize, token: u32, now_ms: u64) {
+        self.exchange.started(&self.cfg, peer, token, now_ms);
+    }
+
+    pub fn peer_poll_not_started(&mut self, peer: usize, now_ms: u64) {
+        self.exchange.not_started(&self.cfg, peer, now_ms);
+    }
+
+    /// Whether a callout's answer is a peer poll's (not a feed's).
+    pub fn is_peer_poll(&self, token: u32) -> bool {
+        self.exchange.owns(token)
+    }
+
+    /// Whether a peer's answer of `body_size` bytes may be read.
+    pub fn peer_answer_fits(&self, body_size: usize) -> bool {
+        Exchange::accepts_size(&self.cfg, body_size)
+    }
+
+    /// A peer poll's answer ([`Exchange::answered`]).
+    pub fn on_peer_answer(
+        &mut self,
+        token: u32,
+        status: Option<u16>,
+        body: Option<&[u8]>,
+        oversized: bool,
+        now_ms: u64,
+    ) {
+        self.exchange
+            .answered(&mut self.router, token, status, body, oversized, now_ms);
+    }
+
+    /// Whether a request's path is the reserved one peers poll: the filter answers it and never
+    /// forwards it.
+    pub fn is_peer_path(&self, path: &[u8]) -> bool {
+        crate::exchange::is_reserved(path, self.cfg.peer_path())
+    }
+
+    /// The header a peer's poll carries the shared token in.
+    pub fn peer_token_header(&self) -> &str {
+        self.cfg
+            .peers
+            .as_ref()
+            .map_or("x-kvsteer-peer-token", |p| p.token_header.as_str())
+    }
+
+    /// Answers a request for the reserved path ([`Exchange::serve`]).
+    pub fn serve_peer(
+        &mut self,
+        store: &dyn SharedStore,
+        method: &[u8],
+        path: &[u8],
+        token: Option<&[u8]>,
+        now_ms: u64,
+    ) -> PeerResponse {
+        let store = self.worker_id.map(|_| store);
+        self.exchange
+            .serve(&self.cfg, store, method, path, token, now_ms)
+    }
+
+    /// The exchange's counters since start.
+    pub fn exchange_stats(&self) -> ExchangeStats {
+        self.exchange.stats
     }
 
     /// Feed answers refused because they named another DP rank than the unit polled.
@@ -1386,6 +1470,28 @@ mod tests {
 
     fn worker(policy: &str) -> RouterState {
         worker_routing(&format!(r#"{{"policy":"{policy}"}}"#))
+    }
+
+    #[test]
+    fn peers_are_polled_only_with_a_working_set_to_share() {
+        let with = |policy: &str| {
+            let json = format!(
+                r#"{{"replicas":[{{"name":"r0","endpoint":"10.0.0.1:8000","feed_cluster":"f0"}}],
+                    "routing":{{"policy":"{policy}"}},
+                    "peers":{{"proxies":[{{"cluster":"b"}}],"token":"0123456789abcdef"}}}}"#
+            );
+            RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+        };
+        let store = crate::store::tests::MemStore::default();
+        let mut kv = with("kv_load");
+        assert!(kv.plan_peer_polls(0).is_empty(), "no worker number yet");
+        kv.claim_worker_id(&store);
+        assert_eq!(kv.plan_peer_polls(0).len(), 1);
+        // Without the working-set term there is nothing to exchange: no polls, no empty answers
+        // counted as refused.
+        let mut rr = with("round_robin");
+        rr.claim_worker_id(&store);
+        assert!(rr.plan_peer_polls(0).is_empty());
     }
 
     fn pd_worker() -> RouterState {

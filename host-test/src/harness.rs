@@ -14,7 +14,7 @@
 //! usable destination is sent where the proxy's own load balancer would send it (round robin over the
 //! replicas; counted as `fallback`), as Envoy's override_host policy does.
 
-use crate::abi::Action;
+use crate::abi::{Action, Pairs};
 use crate::host::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, Proxy, ProxyOptions, StreamState,
     WorkerVm,
@@ -107,6 +107,20 @@ pub struct Replica {
     pub polls: u64,
     /// `(:method, :path, :authority)` of the last feed callout.
     pub last_poll: Option<(String, String, String)>,
+}
+
+/// The cluster name through which one proxy's filter reaches proxy `q`'s (the working-set exchange,
+/// `peers`): the harness answers a callout to it with a request through proxy `q`.
+pub fn peer_cluster(q: usize) -> String {
+    format!("kvsteer-peer-{q}")
+}
+
+/// The shared token [`HarnessConfig::proxy_plugin_config`] gives every proxy.
+pub const HARNESS_PEER_TOKEN: &str = "harness-peer-token-0123456789";
+
+/// The proxy a peer cluster ([`peer_cluster`]) names.
+fn proxy_of_peer_cluster(upstream: &str) -> Option<usize> {
+    upstream.strip_prefix("kvsteer-peer-")?.parse().ok()
 }
 
 /// How requests are spread across the proxies when there are several ([`HarnessConfig::proxies`]).
@@ -227,6 +241,30 @@ impl HarnessConfig {
     }
 
     /// The plugin configuration JSON the filter receives in `on_configure`.
+    /// Proxy `p`'s plugin configuration: [`HarnessConfig::plugin_config`], with the working-set
+    /// exchange's `peers` section (from `filter_extra["peers"]`: `"on"` or a section without
+    /// `proxies`) completed with every other proxy's peer cluster ([`peer_cluster`]) and a shared
+    /// token unless one is given.
+    pub fn proxy_plugin_config(&self, p: usize) -> Value {
+        let mut cfg = self.plugin_config();
+        let Some(section) = self.filter_extra.get("peers") else {
+            return cfg;
+        };
+        let mut section = match section {
+            Value::Object(_) => section.clone(),
+            _ => json!({}),
+        };
+        section["proxies"] = (0..self.proxies)
+            .filter(|&q| q != p)
+            .map(|q| json!({"cluster": peer_cluster(q), "authority": format!("proxy-{q}")}))
+            .collect();
+        if section.get("token").is_none() {
+            section["token"] = json!(HARNESS_PEER_TOKEN);
+        }
+        cfg["peers"] = section;
+        cfg
+    }
+
     pub fn plugin_config(&self) -> Value {
         let replicas: Vec<Value> = self
             .replica_specs()
@@ -455,6 +493,16 @@ pub struct HarnessStats {
     /// balancer (no header, or not a rank of the endpoint).
     pub rank_from_header: u64,
     pub rank_from_balancer: u64,
+    /// Peer polls (the working-set exchange) answered through the peer proxy's filter, and those
+    /// the filter let through instead of answering (never: the reserved path is not forwarded).
+    pub peer_polls: u64,
+    pub peer_polls_forwarded: u64,
+    /// Body bytes of the peer polls' answers (what the exchange puts on the wire, headers aside).
+    pub peer_answer_bytes: u64,
+    /// The filters' own exchange counters over every proxy (`kvsteer_peer_entries_applied`,
+    /// `kvsteer_peer_answers_refused`), as of [`Harness::collect_peer_counters`].
+    pub peer_entries_applied: u64,
+    pub peer_answers_refused: u64,
 }
 
 /// Ids of requests submitted straight to an engine (not through the filter) start here.
@@ -489,6 +537,10 @@ pub struct Harness {
     /// Draws the proxy of each request (seeded, so runs repeat).
     proxy_rng: u64,
     rr_fallback: usize,
+    /// Per proxy: the next worker a peer poll goes to (round robin, apart from the requests').
+    rr_peer: Vec<usize>,
+    /// Per proxy: how peer polls to it are answered instead of through it ([`Harness::set_peer_fault`]).
+    peer_faults: Vec<Option<CallOutcome>>,
     next_sample_us: u64,
     events: Vec<EngineEvent>,
     driver: Option<Driver>,
@@ -512,6 +564,7 @@ impl Harness {
                 specs
                     .iter()
                     .flat_map(|(_, _, feed, cluster)| [feed.clone(), cluster.clone()])
+                    .chain((0..cfg.proxies).map(peer_cluster))
                     .collect(),
             );
         }
@@ -519,6 +572,7 @@ impl Harness {
         let mut workers = Vec::new();
         for p in 0..cfg.proxies {
             let mut o = options.clone();
+            o.plugin_config = cfg.proxy_plugin_config(p).to_string().into_bytes();
             // Each proxy's VMs draw their own random bytes, as separate processes would.
             o.seed = options.seed ^ (p as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
             // With several proxies each has its own node id, as separate Envoys would (Istio names
@@ -591,6 +645,8 @@ impl Harness {
             rr_worker: vec![0; proxy_count],
             proxy_rng: 0x9E37_79B9_7F4A_7C15,
             rr_fallback: 0,
+            rr_peer: vec![0; proxy_count],
+            peer_faults: vec![None; proxy_count],
             next_sample_us: 0,
             events: Vec::new(),
             driver: None,
@@ -1242,6 +1298,16 @@ impl Harness {
         for w in 0..self.workers.len() {
             for call in self.workers[w].take_callouts() {
                 self.stats.callouts += 1;
+                if proxy_of_peer_cluster(&call.upstream).is_some() {
+                    // Answered through the peer proxy when due ([`Harness::answer_peer`]).
+                    self.calls.push(PendingCall {
+                        worker: w,
+                        call,
+                        due_us: self.now_us + self.cfg.callout_latency_us,
+                        outcome: None,
+                    });
+                    continue;
+                }
                 let replica = self.replica_of_callout(&call);
                 let mut due = self.now_us + self.cfg.callout_latency_us;
                 let mut outcome = None;
@@ -1304,7 +1370,11 @@ impl Harness {
 
     /// Answers a callout from the replica's engine at the current virtual time.
     fn answer(&mut self, p: PendingCall) -> Result<(), HarnessError> {
-        let outcome = match p.outcome {
+        let peer = match (&p.outcome, proxy_of_peer_cluster(&p.call.upstream)) {
+            (None, Some(q)) => Some(self.answer_peer(q, &p.call)?),
+            _ => None,
+        };
+        let outcome = match p.outcome.or(peer) {
             Some(o) => o,
             None => match self.replica_of_callout(&p.call) {
                 None => CallOutcome::ok(404, "text/plain", b"no such upstream".to_vec()),
@@ -1352,6 +1422,85 @@ impl Harness {
         let ns = started.elapsed().as_nanos() as u64;
         self.stats.max_feed_call_ns = self.stats.max_feed_call_ns.max(ns);
         Ok(())
+    }
+
+    /// A peer poll to proxy `q`: the callout's request goes through one of `q`'s workers (round
+    /// robin) and its filter's local response is the answer; a request the filter let through
+    /// (it must not) is counted and answered 502, as an upstream with no such path would.
+    fn answer_peer(&mut self, q: usize, call: &Callout) -> Result<CallOutcome, HarnessError> {
+        if q >= self.proxies.len() {
+            return Ok(CallOutcome::ok(
+                503,
+                "text/plain",
+                b"no such proxy".to_vec(),
+            ));
+        }
+        self.stats.peer_polls += 1;
+        if let Some(fault) = self.peer_faults.get(q).cloned().flatten() {
+            return Ok(fault);
+        }
+        let Some(st) = self.request_through(q, call.headers.clone())? else {
+            return Ok(CallOutcome::Reset);
+        };
+        if st.released {
+            self.stats.peer_polls_forwarded += 1;
+            return Ok(CallOutcome::ok(502, "text/plain", b"forwarded".to_vec()));
+        }
+        Ok(match st.local_response {
+            Some(r) => {
+                self.stats.peer_answer_bytes += r.body.len() as u64;
+                let ct = r
+                    .headers
+                    .iter()
+                    .find(|(k, _)| k.eq_ignore_ascii_case(b"content-type"))
+                    .map_or("application/octet-stream".into(), |(_, v)| {
+                        String::from_utf8_lossy(v).into_owned()
+                    });
+                CallOutcome::ok(r.status as u16, &ct, r.body)
+            }
+            None => CallOutcome::ok(502, "text/plain", b"no answer".to_vec()),
+        })
+    }
+
+    /// A bodiless request with `headers` through one of proxy `q`'s workers (round robin, apart from
+    /// the driven requests'), ended at once: the stream's record (`released`: the filter let it go
+    /// upstream; `local_response`: it answered itself). `None` when that worker is dead.
+    pub fn request_through(
+        &mut self,
+        q: usize,
+        headers: Pairs,
+    ) -> Result<Option<StreamState>, HarnessError> {
+        let n = self.cfg.workers;
+        let w = q * n + self.rr_peer[q] % n;
+        self.rr_peer[q] += 1;
+        let worker = &mut self.workers[w];
+        if worker.is_dead() {
+            return Ok(None);
+        }
+        let stream = worker.new_stream()?;
+        worker.request_headers(stream, headers, true)?;
+        Ok(Some(worker.end_stream(stream)?))
+    }
+
+    /// Makes every peer poll to proxy `q` be answered with `fault` instead of through its filter
+    /// (`None`: through the filter again): a hostile or broken peer.
+    pub fn set_peer_fault(&mut self, q: usize, fault: Option<CallOutcome>) {
+        if let Some(f) = self.peer_faults.get_mut(q) {
+            *f = fault;
+        }
+    }
+
+    /// Sums the filters' exchange counters over the proxies into [`HarnessStats`].
+    pub fn collect_peer_counters(&mut self) {
+        let sum = |name: &str| -> u64 {
+            self.proxies
+                .iter()
+                .filter_map(|p| p.metric(name))
+                .map(|m| m.value.max(0) as u64)
+                .sum()
+        };
+        self.stats.peer_entries_applied = sum("kvsteer_peer_entries_applied");
+        self.stats.peer_answers_refused = sum("kvsteer_peer_answers_refused");
     }
 
     /// Requests the filter paused: released since? local response? Still paused is fine until the run

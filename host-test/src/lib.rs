@@ -29,8 +29,8 @@ mod wasi;
 pub use abi::{Action, LogLevel, Pairs, Status};
 pub use artifact::filter_wasm_path;
 pub use harness::{
-    FeedFault, Harness, HarnessConfig, HarnessError, HarnessStats, Output, ProxySpread,
-    RequestRecord, RequestSpec, ResponseFault, flood_hash,
+    FeedFault, HARNESS_PEER_TOKEN, Harness, HarnessConfig, HarnessError, HarnessStats, Output,
+    ProxySpread, RequestRecord, RequestSpec, ResponseFault, flood_hash, peer_cluster,
 };
 pub use host::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, LocalResponse, Proxy, ProxyOptions,

@@ -44,6 +44,11 @@ impl Outcome {
             "oracle_placed": s.oracle_placed,
             "oracle_moved": s.oracle_moved,
             "response_body_chunks": s.response_body_chunks,
+            "peer_polls": s.peer_polls,
+            "peer_polls_forwarded": s.peer_polls_forwarded,
+            "peer_answer_bytes": s.peer_answer_bytes,
+            "peer_entries_applied": s.peer_entries_applied,
+            "peer_answers_refused": s.peer_answers_refused,
             "request_filter_us_mean": if s.requests > 0 {
                 s.request_filter_ns as f64 / s.requests as f64 / 1e3
             } else {
@@ -271,6 +276,7 @@ pub fn replay_fleet(
     let mut h = Harness::new(module, cfg).map_err(|e| format!("{policy}: {e}"))?;
     h.run_workload(Driver::new(workload, mode), progress)
         .map_err(|e| format!("{policy}: {e}"))?;
+    h.collect_peer_counters();
     Ok(Outcome {
         policy: policy.to_string(),
         seed,
