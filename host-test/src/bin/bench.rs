@@ -225,7 +225,12 @@ fn run(args: &Args) -> Result<(), String> {
     let mut jobs = Vec::new();
     for (si, sc) in scenarios.iter().enumerate() {
         first_workload.push(workloads.len());
-        let per_seed = matches!(sc.source, Source::Rl(_) | Source::Slice(_));
+        // Workloads the seed reaches are built per seed; trace replays are the same for every seed.
+        let per_seed = match sc.source {
+            Source::Rl(_) | Source::Slice(_) => true,
+            Source::Weka { think_jitter, .. } => think_jitter > 0.0,
+            _ => false,
+        };
         for seed in 0..seeds {
             if seed == 0 || per_seed {
                 workloads.push(sc.build(&args.traces, seed)?);
