@@ -63,6 +63,12 @@ pub struct KvLoadParams {
     /// 1, a move must save more than the prefill it adds, because the queue ahead is work the fleet
     /// does anyway while a move adds work (and evicts another session's cache to hold it).
     pub queue_weight: f64,
+    /// The queue's weight for a request no replica holds any of; `None` (the default): `queue_weight`
+    /// for every request. `queue_weight` below 1 protects a session's cache against a move, and a
+    /// request nothing is cached for has nothing to protect, so its wait can count in full. Between
+    /// the two by the share of the request the best-placed replica holds: `queue_weight + (cold -
+    /// queue_weight) * (1 - best overlap / request blocks)`.
+    pub cold_queue_weight: Option<f64>,
     /// Price prefill in decode time (kvsteer's cost, docs/design.md section 2): the prefill term is
     /// scaled by `(1 + context / attention_context_tokens) * 256 / expected_output`, so a block of
     /// prefill weighs more for a long context (attention grows with it) and less for a request that
@@ -178,6 +184,7 @@ struct KvLoadSection {
     overlap_credit: Option<f64>,
     overlap_credit_decay: Option<f64>,
     queue_weight: Option<f64>,
+    cold_queue_weight: Option<f64>,
     time_cost: Option<bool>,
     attention_context_tokens: Option<f64>,
     active_request_weight: Option<f64>,
@@ -204,6 +211,7 @@ impl From<KvLoadSection> for KvLoadParams {
             overlap_credit: s.overlap_credit.unwrap_or(base.overlap_credit),
             overlap_credit_decay: s.overlap_credit_decay.unwrap_or(base.overlap_credit_decay),
             queue_weight: s.queue_weight.unwrap_or(base.queue_weight),
+            cold_queue_weight: s.cold_queue_weight.or(base.cold_queue_weight),
             time_cost: s.time_cost.unwrap_or(base.time_cost),
             attention_context_tokens: s
                 .attention_context_tokens
@@ -267,6 +275,7 @@ impl Default for KvLoadParams {
             overlap_credit: 1.0,
             overlap_credit_decay: 0.0,
             queue_weight: 0.25,
+            cold_queue_weight: None,
             time_cost: true,
             attention_context_tokens: 25_000.0,
             active_request_weight: 0.0,
@@ -430,6 +439,9 @@ impl RoutingConfig {
         nonneg("kv_load.overlap_credit", k.overlap_credit)?;
         nonneg("kv_load.overlap_credit_decay", k.overlap_credit_decay)?;
         nonneg("kv_load.queue_weight", k.queue_weight)?;
+        if let Some(c) = k.cold_queue_weight {
+            nonneg("kv_load.cold_queue_weight", c)?;
+        }
         nonneg("kv_load.replica_cache_tokens", k.replica_cache_tokens)?;
         nonneg("kv_load.working_set_window_ms", k.working_set_window_ms)?;
         nonneg("kv_load.overflow_weight", k.overflow_weight)?;

@@ -35,6 +35,7 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
         .fold(f64::INFINITY, f64::min);
     let request_blocks = input.request_blocks;
     let prefill_scale = prefill_weight(input, k);
+    let queue_weight = queue_weight(input, k);
     input
         .load
         .iter()
@@ -47,7 +48,7 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
             } else {
                 k.overlap_credit
             };
-            let prefill = (k.queue_weight * queued[r] + request_blocks - credit * o).max(0.0);
+            let prefill = (queue_weight * queued[r] + request_blocks - credit * o).max(0.0);
             let new_active = if k.assume_kv_reuse {
                 let active = input.active_prefix.get(r).copied().unwrap_or(0.0);
                 (request_blocks - active).max(0.0)
@@ -68,6 +69,23 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
                 + k.active_request_weight * e.active_requests as f64
         })
         .collect()
+}
+
+/// The queue's weight for this request: `queue_weight`, or with `cold_queue_weight` set, rising
+/// towards it as the best-placed replica's share of the request falls (a request nothing is cached
+/// for has no cache to protect by staying behind a queue).
+pub fn queue_weight(input: &Input, k: &KvLoadParams) -> f64 {
+    match k.cold_queue_weight {
+        Some(cold) if input.request_blocks > 0.0 => {
+            let best = (0..input.overlap.len())
+                .filter(|&r| !input.avoided.get(r).copied().unwrap_or(false))
+                .map(|r| input.overlap[r])
+                .fold(0.0, f64::max);
+            let held = (best / input.request_blocks).clamp(0.0, 1.0);
+            k.queue_weight + (cold - k.queue_weight) * (1.0 - held)
+        }
+        _ => k.queue_weight,
+    }
 }
 
 /// Blocks of a replica's working set `ws` its LRU cache of `cap` blocks keeps for their next use:
@@ -252,6 +270,38 @@ mod tests {
             ..k.clone()
         };
         assert_eq!(prefill_weight(&i, &off), off.prefill_scale);
+    }
+
+    #[test]
+    fn a_cold_request_can_weigh_the_queue_in_full() {
+        let load = [
+            LoadTotals {
+                prefill_tokens: 4 * 16,
+                ..Default::default()
+            },
+            LoadTotals::default(),
+        ];
+        let k = KvLoadParams {
+            time_cost: false,
+            assume_kv_reuse: false,
+            prefill_scale: 1.0,
+            overflow_weight: 0.0,
+            cold_queue_weight: Some(1.0),
+            ..KvLoadParams::default()
+        };
+        // Nothing held anywhere: the whole queue counts (4 + 10 against 10).
+        assert_eq!(queue_weight(&input(&load, &[0.0, 0.0], &[]), &k), 1.0);
+        assert_eq!(costs(&input(&load, &[0.0, 0.0], &[]), &k), vec![14.0, 10.0]);
+        // All held on replica 0: the configured quarter (1 + 0 against 10).
+        assert_eq!(queue_weight(&input(&load, &[10.0, 0.0], &[]), &k), 0.25);
+        // Half held: half way between.
+        assert!((queue_weight(&input(&load, &[5.0, 0.0], &[]), &k) - 0.625).abs() < 1e-12);
+        // Unset: queue_weight for every request.
+        let unset = KvLoadParams {
+            cold_queue_weight: None,
+            ..k.clone()
+        };
+        assert_eq!(queue_weight(&input(&load, &[0.0, 0.0], &[]), &unset), 0.25);
     }
 
     #[test]
