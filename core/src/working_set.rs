@@ -152,6 +152,19 @@ struct Entry {
     keys: Vec<u64>,
 }
 
+impl Entry {
+    /// The entry as a journal carries it: number, time, replica, key count, keys (little endian).
+    fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.seq.to_le_bytes());
+        out.extend_from_slice(&self.at_ms.to_le_bytes());
+        out.extend_from_slice(&self.replica.to_le_bytes());
+        out.extend_from_slice(&(self.keys.len() as u32).to_le_bytes());
+        for k in &self.keys {
+            out.extend_from_slice(&k.to_le_bytes());
+        }
+    }
+}
+
 /// This router's recent admissions for the other workers, and how far it read theirs.
 #[derive(Clone, Debug, Default)]
 struct Journal {
@@ -248,15 +261,7 @@ impl WorkingSet {
         out.extend_from_slice(&now_ms.to_le_bytes());
         out.extend_from_slice(&(self.replicas.len() as u32).to_le_bytes());
         out.extend_from_slice(&(j.entries.len() as u32).to_le_bytes());
-        for e in &j.entries {
-            out.extend_from_slice(&e.seq.to_le_bytes());
-            out.extend_from_slice(&e.at_ms.to_le_bytes());
-            out.extend_from_slice(&e.replica.to_le_bytes());
-            out.extend_from_slice(&(e.keys.len() as u32).to_le_bytes());
-            for k in &e.keys {
-                out.extend_from_slice(&k.to_le_bytes());
-            }
-        }
+        j.entries.iter().for_each(|e| e.write(&mut out));
         Some(out)
     }
 
@@ -658,15 +663,7 @@ pub fn journal_after(bytes: &[u8], replicas: usize, after: u64) -> Option<Vec<u8
     let mut out = Vec::with_capacity(JOURNAL_HEADER + entries.len() * ENTRY_HEADER + keys * 8);
     out.extend_from_slice(bytes.get(..12)?);
     out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
-    for e in &entries {
-        out.extend_from_slice(&e.seq.to_le_bytes());
-        out.extend_from_slice(&e.at_ms.to_le_bytes());
-        out.extend_from_slice(&e.replica.to_le_bytes());
-        out.extend_from_slice(&(e.keys.len() as u32).to_le_bytes());
-        for k in &e.keys {
-            out.extend_from_slice(&k.to_le_bytes());
-        }
-    }
+    entries.iter().for_each(|e| e.write(&mut out));
     Some(out)
 }
 
