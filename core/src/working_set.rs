@@ -111,6 +111,18 @@ impl ReplicaSet {
         }
     }
 
+    /// After blocks joined: [`ReplicaSet::expire`], then [`ReplicaSet::compact`].
+    fn settle(
+        &mut self,
+        before_ms: u64,
+        max_sampled: usize,
+        holders: &mut HashMap<u64, Holders>,
+        bit: u64,
+    ) {
+        self.expire(before_ms, max_sampled, holders, bit);
+        self.compact();
+    }
+
     /// Drops entries older than `before_ms`, and the oldest past `max_sampled`, from this replica
     /// (whose bit is `bit`) and from `holders`.
     fn expire(
@@ -279,15 +291,10 @@ impl WorkingSet {
     fn decode_new(&self, peer: u32, bytes: &[u8]) -> Option<(Vec<Entry>, Option<u64>)> {
         // `None` until this router has seen one of the peer's entries: what the peer dropped before
         // then (before this worker started, say) was never this worker's to miss.
-        let mut last = self.journal.as_ref()?.applied.get(&peer).copied();
-        let (mut entries, newest) = decode_journal(bytes, self.replicas.len(), last.unwrap_or(0))?;
-        if entries.is_empty() && last.is_some_and(|l| newest < l) && newest > 0 {
-            // Numbers below the mark: the peer restarted and numbers from 1 again (a whole other
-            // proxy can; a worker of this one cannot). Start over with what it sends now.
-            last = None;
-            entries = decode_journal(bytes, self.replicas.len(), 0)?.0;
-        }
-        Some((entries, last))
+        let last = self.journal.as_ref()?.applied.get(&peer).copied();
+        let (entries, restarted) = decode_since(bytes, self.replicas.len(), last.unwrap_or(0))?;
+        // After a restart the peer's numbers start over: so does this router's mark.
+        Some((entries, if restarted { None } else { last }))
     }
 
     /// Applies decoded entries of `peer` as [`WorkingSet::apply_peer`] does; with `now_ms` (a
@@ -413,13 +420,12 @@ impl WorkingSet {
         }
         self.requested = self.requested * REUSE_DECAY + sampled_keys.len() as f64;
         self.reused = self.reused * REUSE_DECAY + reused as f64;
-        set.expire(
+        set.settle(
             now_ms.saturating_sub(self.window_ms),
             self.max_sampled,
             &mut self.holders,
             bit,
         );
-        set.compact();
     }
 
     /// Records blocks `replica` stored (its feed, `kv_load.working_set_from_feed`): those another
@@ -443,13 +449,12 @@ impl WorkingSet {
             h.held |= bit;
             set.order.push_back((now_ms, key));
         }
-        set.expire(
+        set.settle(
             now_ms.saturating_sub(self.window_ms),
             self.max_sampled,
             &mut self.holders,
             bit,
         );
-        set.compact();
     }
 
     /// Forgets what fell out of the window.
@@ -649,16 +654,24 @@ pub fn decode_bundle(bytes: &[u8]) -> Option<Vec<(u32, &[u8])>> {
     (at == bytes.len()).then_some(out)
 }
 
+/// The entries of a journal numbered after `after`, checked whole ([`decode_journal`]); when all of
+/// its numbers are below `after` the writer restarted and numbers from 1 again (a whole other proxy
+/// can; a worker of this one cannot), and all its entries are returned, with `true`.
+fn decode_since(bytes: &[u8], replicas: usize, after: u64) -> Option<(Vec<Entry>, bool)> {
+    let (entries, newest) = decode_journal(bytes, replicas, after)?;
+    if entries.is_empty() && newest > 0 && newest < after {
+        return Some((decode_journal(bytes, replicas, 0)?.0, true));
+    }
+    Some((entries, false))
+}
+
 /// A worker's published journal with only the entries numbered after `after` (what the asking
 /// proxy has applied already), for `replicas` replicas; `None` for a journal that does not decode.
 /// An `after` beyond the journal's newest entry means the asker's mark is from before this worker
 /// restarted: the whole journal is returned, and the asker starts over
 /// ([`WorkingSet::apply_remote`]).
 pub fn journal_after(bytes: &[u8], replicas: usize, after: u64) -> Option<Vec<u8>> {
-    let (mut entries, newest) = decode_journal(bytes, replicas, after)?;
-    if entries.is_empty() && newest < after {
-        entries = decode_journal(bytes, replicas, 0)?.0;
-    }
+    let (entries, _) = decode_since(bytes, replicas, after)?;
     let keys: usize = entries.iter().map(|e| e.keys.len()).sum();
     let mut out = Vec::with_capacity(JOURNAL_HEADER + entries.len() * ENTRY_HEADER + keys * 8);
     out.extend_from_slice(bytes.get(..12)?);

@@ -278,8 +278,11 @@ pub const DEFAULT_PEER_PATH: &str = "/.kvsteer/working-set";
 fn d_peer_path() -> String {
     DEFAULT_PEER_PATH.into()
 }
+/// The header a peer's poll carries the token in when `peers.token_header` is not set.
+pub const DEFAULT_PEER_TOKEN_HEADER: &str = "x-kvsteer-peer-token";
+
 fn d_peer_token_header() -> String {
-    "x-kvsteer-peer-token".into()
+    DEFAULT_PEER_TOKEN_HEADER.into()
 }
 fn d_peer_poll() -> u64 {
     100
@@ -649,6 +652,13 @@ impl FilterConfig {
     /// The reserved path peers poll (answered by the filter, never forwarded).
     pub fn peer_path(&self) -> &str {
         self.peers.as_ref().map_or(DEFAULT_PEER_PATH, |p| &p.path)
+    }
+
+    /// The header a peer's poll carries the shared token in.
+    pub fn peer_token_header(&self) -> &str {
+        self.peers
+            .as_ref()
+            .map_or(DEFAULT_PEER_TOKEN_HEADER, |p| &p.token_header)
     }
 
     fn validate_pd(&self) -> Result<(), ConfigError> {

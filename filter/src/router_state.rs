@@ -602,10 +602,7 @@ impl RouterState {
 
     /// The header a peer's poll carries the shared token in.
     pub fn peer_token_header(&self) -> &str {
-        self.cfg
-            .peers
-            .as_ref()
-            .map_or("x-kvsteer-peer-token", |p| p.token_header.as_str())
+        self.cfg.peer_token_header()
     }
 
     /// Answers a request for the reserved path ([`Exchange::serve`]).
