@@ -47,8 +47,8 @@ pub enum Source {
         concurrency: usize,
         copies: usize,
         max_sessions: Option<usize>,
-        /// [`WekaParams::think_jitter`], drawn by the scenario's seed (0 everywhere but
-        /// [`jitter_matrix`]).
+        /// [`WekaParams::think_jitter`], drawn by the scenario's seed ([`THINK_JITTER`] in
+        /// [`matrix`], 0 in [`fixed_matrix`] and the fleets built on the recorded timing).
         think_jitter: f64,
     },
     Mooncake {
@@ -103,9 +103,10 @@ impl Scenario {
 
     /// Builds the workload for one seed, and how to drive it.
     ///
-    /// The seed reaches the RL generator (it changes every token, not the structure). Trace workloads
-    /// have a fixed structure; their seed only reaches the engines and the router's tie-breaks (see
-    /// [`crate::bench::run`]).
+    /// The seed reaches the RL generator (it changes every token, not the structure) and the
+    /// coding-agent trace's think-time draw (when the scenario jitters them). Otherwise trace
+    /// workloads have a fixed structure; their seed only reaches the engines and the router's
+    /// tie-breaks (see [`crate::bench::run`]).
     pub fn build(&self, traces: &Path, seed: u64) -> Result<(Workload, Mode), String> {
         let err = |e: kvsteer_workload::WorkloadError| format!("{}: {e}", self.id);
         let w = match &self.source {
@@ -239,6 +240,8 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         Scale::Quick => (&[8, 16], 1, Some(16)),
         Scale::Smoke => (&[1], 1, Some(1)),
     };
+    // Each seed draws every think time anew (THINK_JITTER): with the recorded timing a seed changed
+    // only tie-breaks, and kv_load replayed one run on every seed (see `fixed_matrix`).
     for &c in levels {
         v.push(Scenario {
             id: format!("weka-c{c}"),
@@ -247,7 +250,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
                 concurrency: c,
                 copies,
                 max_sessions,
-                think_jitter: 0.0,
+                think_jitter: THINK_JITTER,
             },
             proxies: 1,
             spread: ProxySpread::PerRequest,
@@ -305,24 +308,25 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
     v
 }
 
-/// Think-time jitter of [`jitter_matrix`]: each think time within 20% of the recorded one.
+/// Think-time jitter of the coding-agent scenarios in [`matrix`]: each seed draws every think time
+/// within 20% of the recorded one.
 pub const THINK_JITTER: f64 = 0.2;
 
-/// The coding-agent levels of [`matrix`] with each seed drawing the think times anew
-/// ([`THINK_JITTER`]): ids `weka-c<C>-j`, group `weka-jitter`. In the matrix a seed changes only the
-/// engines' seeds and the routers' tie-breaks, so a policy that breaks few ties (kv_load's costs are
-/// rarely equal) replays the same run on every seed, while session_hash draws a new ring; these
-/// scenarios give every policy independent draws. Not in [`matrix`]: only `--only` selects them.
-pub fn jitter_matrix(scale: Scale) -> Vec<Scenario> {
+/// The coding-agent levels of [`matrix`] on the trace's recorded timing (no jitter): ids
+/// `weka-c<C>-fixed`, group `weka-fixed`. There a seed changes only the engines' seeds and the
+/// routers' tie-breaks, so a policy that breaks few ties (kv_load's costs are rarely equal) replays
+/// the same run on every seed while session_hash draws a new ring: the matrix up to 2026-12-01 was
+/// built so, and these scenarios reproduce it. Not in [`matrix`]: only `--only` selects them.
+pub fn fixed_matrix(scale: Scale) -> Vec<Scenario> {
     matrix(scale)
         .into_iter()
         .filter(|s| s.group == "weka")
         .map(|mut s| {
             if let Source::Weka { think_jitter, .. } = &mut s.source {
-                *think_jitter = THINK_JITTER;
+                *think_jitter = 0.0;
             }
-            s.id = format!("{}-j", s.id);
-            s.group = "weka-jitter";
+            s.id = format!("{}-fixed", s.id);
+            s.group = "weka-fixed";
             s
         })
         .collect()
@@ -529,15 +533,15 @@ mod tests {
     }
 
     #[test]
-    fn jitter_scenarios_mirror_the_coding_agent_levels_apart_from_the_matrix() {
+    fn fixed_scenarios_mirror_the_jittered_coding_agent_levels_apart_from_the_matrix() {
         for scale in [Scale::Full, Scale::Quick, Scale::Smoke] {
             let m = matrix(scale);
-            let j = jitter_matrix(scale);
+            let j = fixed_matrix(scale);
             let weka: Vec<&Scenario> = m.iter().filter(|s| s.group == "weka").collect();
             assert_eq!(j.len(), weka.len(), "{scale:?}");
             for (s, w) in j.iter().zip(weka) {
-                assert_eq!(s.id, format!("{}-j", w.id));
-                assert_eq!(s.group, "weka-jitter");
+                assert_eq!(s.id, format!("{}-fixed", w.id));
+                assert_eq!(s.group, "weka-fixed");
                 assert!(!m.iter().any(|x| x.id == s.id || x.group == s.group));
                 match (&s.source, &w.source) {
                     (
@@ -551,7 +555,7 @@ mod tests {
                             think_jitter: jb,
                             ..
                         },
-                    ) => assert_eq!((a, *ja, *jb), (b, THINK_JITTER, 0.0)),
+                    ) => assert_eq!((a, *ja, *jb), (b, 0.0, THINK_JITTER)),
                     _ => panic!("{} is not a coding-agent scenario", s.id),
                 }
             }

@@ -18,9 +18,10 @@
 //! 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`, `pd-weka-c24`; group `pd-shape`:
 //! `pd-weka-c24-3p3d`, the same 6 engines split 3 + 3), replayed by `kvsteer_host_test::pd`
 //! through the filter's two-leg P/D path (one worker VM), `@pd.KEY=NUMBER` setting its
-//! coefficients; docs/pd.md; and group `weka-jitter` (`weka-c16-j`, ...): the coding-agent levels
-//! with each seed drawing every think time within 20% of the recorded one, so that seeds are
-//! independent draws for every policy),
+//! coefficients; docs/pd.md; and group `weka-fixed` (`weka-c16-fixed`, ...): the coding-agent levels
+//! on the trace's recorded timing, where a seed changes only tie-breaks; the matrix's own
+//! coding-agent scenarios draw every think time within 20% of the recorded one per seed, so that
+//! seeds are independent draws for every policy),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
 //! `--traces DIR` (default `traces`), `--notes-only` (put `DIR/results/notes.md`, the analysis
@@ -35,7 +36,7 @@ use kvsteer_host_test::bench::report::{
 };
 use kvsteer_host_test::bench::run::{Outcome, ROUTER_SEED, replay_fleet};
 use kvsteer_host_test::bench::scenario::{
-    Scale, Scenario, Source, dp_matrix, jitter_matrix, matrix, pd_matrix, proxy_matrix,
+    Scale, Scenario, Source, dp_matrix, fixed_matrix, matrix, pd_matrix, proxy_matrix,
 };
 use kvsteer_host_test::pd::replay_pd_spec;
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
@@ -192,7 +193,7 @@ fn run(args: &Args) -> Result<(), String> {
         let mut v = proxy_matrix(scale);
         v.extend(dp_matrix(scale));
         v.extend(pd_matrix(scale));
-        v.extend(jitter_matrix(scale));
+        v.extend(fixed_matrix(scale));
         v
     };
     let scenarios: Vec<Scenario> = matrix(scale)
@@ -210,15 +211,16 @@ fn run(args: &Args) -> Result<(), String> {
         workspace_root().join("out/dp")
     } else if args.out.is_none() && scenarios.iter().any(|s| s.group.starts_with("pd")) {
         workspace_root().join("out/pd")
-    } else if args.out.is_none() && scenarios.iter().any(|s| s.group == "weka-jitter") {
-        workspace_root().join("out/weka-jitter")
+    } else if args.out.is_none() && scenarios.iter().any(|s| s.group == "weka-fixed") {
+        workspace_root().join("out/weka-fixed")
     } else {
         out_dir(args)
     };
     let path = filter_wasm_path().map_err(|e| e.to_string())?;
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
 
-    // Workloads: traces have a fixed structure (built once, cloned per replay); RL is built per seed.
+    // Workloads: traces have a fixed structure (built once, cloned per replay); RL and the jittered
+    // coding-agent scenarios are built per seed.
     eprintln!("== building {} workloads", scenarios.len());
     let mut workloads: Vec<(Workload, Mode)> = Vec::new();
     let mut first_workload = Vec::new();
@@ -694,8 +696,9 @@ fn write_outputs(
          harness, virtual time. The engines' KV block size and the filter's `routing.block_size` \
          follow each workload (16 for RL and Azure, 64 for the coding-agent trace, 512 for \
          Mooncake); the KV memory is the same at every block size. Seed `s` sets the engines' seeds, \
-         the router's tie-break seed (`routing.seed` = default + s) and, for RL, every token; the \
-         traces' structure does not depend on it.\n",
+         the router's tie-break seed (`routing.seed` = default + s), for RL every token and for \
+         the coding-agent trace every think time (each drawn within 20% of the recorded one, so \
+         every policy gets independent draws); the traces' structure does not depend on it.\n",
         engine.profile.name,
         engine.kv_blocks as u64 * 16,
         engine.max_batch_tokens,
@@ -742,10 +745,14 @@ fn write_outputs(
     }
     for (group, title) in [
         ("rl", "RL rollouts with stragglers"),
-        ("weka", "Coding-agent traces (weka_cc_sample36)"),
         (
-            "weka-jitter",
-            "Coding-agent traces, think times drawn anew each seed (within 20%)",
+            "weka",
+            "Coding-agent traces (weka_cc_sample36; each seed draws every think time within 20% \
+             of the recorded one)",
+        ),
+        (
+            "weka-fixed",
+            "Coding-agent traces on the recorded timing (a seed changes tie-breaks only)",
         ),
         ("mooncake", "Mooncake"),
         ("azure", "Azure conversations (no-reuse control)"),
