@@ -48,7 +48,8 @@ pub enum Source {
         copies: usize,
         max_sessions: Option<usize>,
         /// [`WekaParams::think_jitter`], drawn by the scenario's seed ([`THINK_JITTER`] in
-        /// [`matrix`], 0 in [`fixed_matrix`] and the fleets built on the recorded timing).
+        /// [`matrix`], [`dp_matrix`] and [`pd_matrix`]; 0 in [`fixed_matrix`] and
+        /// [`proxy_matrix`], which keep the recorded timing).
         think_jitter: f64,
     },
     Mooncake {
@@ -391,6 +392,7 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
 /// sessions in flight (4 and 6 per engine, as 16 and 24 are on 4 replicas). Ids `dp-rl`,
 /// `dp-weka-c<C>`, group `dp`. Not in [`matrix`]: only `--only dp` (or an id) runs them; the policy
 /// spec suffix `@rank_blind` ([`crate::bench::run::is_rank_blind`]) gives the rank-blind baseline.
+/// The coding-agent scenarios draw their think times per seed, as [`matrix`]'s do.
 pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
     let mut v = Vec::new();
     let rl = match scale {
@@ -424,7 +426,7 @@ pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
                 concurrency: c,
                 copies,
                 max_sessions,
-                think_jitter: 0.0,
+                think_jitter: THINK_JITTER,
             },
         ));
     }
@@ -436,7 +438,8 @@ pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
 /// of the 4-replica matrix (6 engines) and on the coding-agent trace at 12 and 24 sessions in flight
 /// (2 and 4 per engine; 24 saturates the two prefill engines). Ids `pd-rl`, `pd-weka-c<C>`, group
 /// `pd`. Not in [`matrix`]: only
-/// `--only pd` (or an id) runs them.
+/// `--only pd` (or an id) runs them. The coding-agent scenarios draw their think times per seed, as
+/// [`matrix`]'s do.
 pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
     let mut v = Vec::new();
     let rl = match scale {
@@ -470,7 +473,7 @@ pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
                 concurrency: c,
                 copies,
                 max_sessions,
-                think_jitter: 0.0,
+                think_jitter: THINK_JITTER,
             },
         ));
     }
@@ -487,7 +490,7 @@ pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
                 concurrency: top,
                 copies,
                 max_sessions,
-                think_jitter: 0.0,
+                think_jitter: THINK_JITTER,
             },
         )
     });
