@@ -47,9 +47,8 @@ pub enum Source {
         concurrency: usize,
         copies: usize,
         max_sessions: Option<usize>,
-        /// [`WekaParams::think_jitter`], drawn by the scenario's seed ([`THINK_JITTER`] in
-        /// [`matrix`], [`dp_matrix`] and [`pd_matrix`]; 0 in [`fixed_matrix`] and
-        /// [`proxy_matrix`], which keep the recorded timing).
+        /// [`WekaParams::think_jitter`], drawn by the scenario's seed ([`THINK_JITTER`]
+        /// everywhere but [`fixed_matrix`], which keeps the recorded timing).
         think_jitter: f64,
     },
     Mooncake {
@@ -337,7 +336,9 @@ pub fn fixed_matrix(scale: Scale) -> Vec<Scenario> {
 /// in flight, through 1, 2 and 4 independent proxies. Ids `rl-p<N>`, `weka-c<C>-p<N>` (requests
 /// spread across the proxies at random, group `proxies`) and the same ending in `s` (every session
 /// through one proxy, group `proxies-session`). Not in [`matrix`]: the bench runs them only when
-/// `--only` names them or their group.
+/// `--only` names them or their group. The coding-agent scenarios draw their think times per seed, as
+/// [`matrix`]'s do: with the recorded timing a 1-proxy run replayed one draw on every seed while the
+/// random spread across several proxies drew anew.
 pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
     let mut v = Vec::new();
     let rl = match scale {
@@ -372,7 +373,7 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
                         concurrency: c,
                         copies,
                         max_sessions,
-                        think_jitter: 0.0,
+                        think_jitter: THINK_JITTER,
                     },
                     proxies,
                     spread,
