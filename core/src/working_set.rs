@@ -40,9 +40,10 @@
 //! the entries it has not seen yet ([`WorkingSet::apply_peer`]) as if it had admitted them itself.
 //! Each worker's view then lags the others' admissions by about a tick, and converges.
 
-use hashbrown::HashMap;
-use hashbrown::hash_map::Entry as MapEntry;
+use hashbrown::hash_table::Entry as TableEntry;
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use std::collections::VecDeque;
+use std::hash::BuildHasher;
 
 /// One block in `2^SAMPLE_BITS` is sampled.
 pub const SAMPLE_BITS: u32 = 3;
@@ -196,6 +197,123 @@ impl Slot {
     }
 }
 
+/// Slab positions a chunk holds: the slab grows a chunk at a time and never moves what it holds (a
+/// `Vec` that doubles would copy megabytes on one request).
+const SLAB_CHUNK: usize = 4096;
+
+/// Every sampled block some replica holds, with its [`Slot`]: a slab of (block, slot) and a hash
+/// table of slab positions. The table keeps each block's 32-bit hash beside its position (8-byte
+/// buckets: a few megabytes, where buckets holding the slots themselves made tens), so probing and
+/// growing it never read the slab. Positions freed by expiry are reused latest first: a request's
+/// new blocks are written where the blocks it just expired were (still in cache), not to a cold
+/// bucket of a large table.
+#[derive(Clone, Debug, Default)]
+struct Slots {
+    table: HashTable<(u32, u32)>,
+    hasher: DefaultHashBuilder,
+    chunks: Vec<Box<[(u64, Slot)]>>,
+    free: Vec<u32>,
+    /// Slab positions ever taken (the next fresh one).
+    used: u32,
+}
+
+/// The table's hash from a block's 32-bit hash: the low bits pick the bucket, the top ones tag it.
+fn wide(h: u32) -> u64 {
+    (h as u64) << 32 | h as u64
+}
+
+fn slab_at(chunks: &[Box<[(u64, Slot)]>], i: u32) -> &(u64, Slot) {
+    &chunks[i as usize / SLAB_CHUNK][i as usize % SLAB_CHUNK]
+}
+
+fn slab_at_mut(chunks: &mut [Box<[(u64, Slot)]>], i: u32) -> &mut (u64, Slot) {
+    &mut chunks[i as usize / SLAB_CHUNK][i as usize % SLAB_CHUNK]
+}
+
+impl Slots {
+    /// The block's hash (seeded per instance: blocks come from clients).
+    fn hash(&self, key: u64) -> u32 {
+        self.hasher.hash_one(key) as u32
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    fn get(&self, key: u64) -> Option<&Slot> {
+        let h = self.hash(key);
+        let chunks = &self.chunks;
+        let &(i, _) = self
+            .table
+            .find(wide(h), |&(i, hh)| hh == h && slab_at(chunks, i).0 == key)?;
+        Some(&slab_at(chunks, i).1)
+    }
+
+    /// The block's slot, an empty one (`n == 0`) if no replica holds it: the caller adds a holder.
+    fn get_or_insert(&mut self, key: u64) -> &mut Slot {
+        let h = self.hash(key);
+        let Slots {
+            table,
+            chunks,
+            free,
+            used,
+            ..
+        } = self;
+        let i = match table.entry(
+            wide(h),
+            |&(i, hh)| hh == h && slab_at(chunks, i).0 == key,
+            |&(_, hh)| wide(hh),
+        ) {
+            TableEntry::Occupied(o) => o.get().0,
+            TableEntry::Vacant(v) => {
+                let i = free.pop().unwrap_or_else(|| {
+                    *used += 1;
+                    *used - 1
+                });
+                v.insert((i, h));
+                if i as usize / SLAB_CHUNK == chunks.len() {
+                    chunks.push(vec![(0, Slot::default()); SLAB_CHUNK].into_boxed_slice());
+                }
+                *slab_at_mut(chunks, i) = (key, Slot::default());
+                i
+            }
+        };
+        &mut slab_at_mut(chunks, i).1
+    }
+
+    /// Removes `replica`'s holder of the block if its time is `at` (else the queue entry naming it
+    /// is stale), and the block with its last holder.
+    fn remove_holder(&mut self, key: u64, replica: u32, at: u64) -> Option<Holder> {
+        let h = self.hash(key);
+        let Slots {
+            table,
+            chunks,
+            free,
+            ..
+        } = self;
+        let entry = table
+            .find_entry(wide(h), |&(i, hh)| hh == h && slab_at(chunks, i).0 == key)
+            .ok()?;
+        let i = entry.get().0;
+        let slot = &mut slab_at_mut(chunks, i).1;
+        let pos = slot
+            .holders()
+            .position(|x| x.replica == replica && x.at == at)?;
+        let removed = slot.remove(pos);
+        if slot.n == 0 {
+            entry.remove();
+            free.push(i);
+        }
+        removed
+    }
+
+    #[cfg(test)]
+    fn values(&self) -> impl Iterator<Item = &Slot> {
+        self.table.iter().map(|&(i, _)| &slab_at(&self.chunks, i).1)
+    }
+}
+
 /// A replica's side of the working set: its blocks' queue of (time, block) in request order
 /// (entries older than the window leave from the front; a block requested again leaves a stale
 /// entry behind, whose time is not the block's any more), and how many blocks it holds and counts.
@@ -208,11 +326,11 @@ struct ReplicaSet {
 
 impl ReplicaSet {
     /// Re-touched blocks leave stale queue entries behind; compacts when they dominate.
-    fn compact(&mut self, replica: u32, slots: &HashMap<u64, Slot>) {
+    fn compact(&mut self, replica: u32, slots: &Slots) {
         if self.order.len() > 2 * self.len + 1024 {
             self.order.retain(|(t, k)| {
                 slots
-                    .get(k)
+                    .get(*k)
                     .and_then(|s| s.holders().find(|h| h.replica == replica))
                     .is_some_and(|h| h.at == *t)
             });
@@ -220,51 +338,29 @@ impl ReplicaSet {
     }
 
     /// After blocks joined: [`ReplicaSet::expire`], then [`ReplicaSet::compact`].
-    fn settle(
-        &mut self,
-        replica: u32,
-        before_ms: u64,
-        max_sampled: usize,
-        slots: &mut HashMap<u64, Slot>,
-    ) {
+    fn settle(&mut self, replica: u32, before_ms: u64, max_sampled: usize, slots: &mut Slots) {
         self.expire(replica, before_ms, max_sampled, slots);
         self.compact(replica, slots);
     }
 
     /// Drops entries older than `before_ms`, and the oldest past `max_sampled`, from this replica
     /// (number `replica`): its holder leaves the block's slot, and the slot goes with its last.
-    fn expire(
-        &mut self,
-        replica: u32,
-        before_ms: u64,
-        max_sampled: usize,
-        slots: &mut HashMap<u64, Slot>,
-    ) {
+    fn expire(&mut self, replica: u32, before_ms: u64, max_sampled: usize, slots: &mut Slots) {
         while let Some(&(t, key)) = self.order.front() {
             if t >= before_ms && self.len <= max_sampled {
                 break;
             }
             self.order.pop_front();
-            // One lookup: the slot is read, and removed, through the entry.
-            let MapEntry::Occupied(mut slot) = slots.entry(key) else {
-                continue;
-            };
-            let s = slot.get_mut();
-            // A stale queue entry: the block was requested here again since (or left, and came
-            // back).
-            let Some(i) = s.holders().position(|h| h.replica == replica && h.at == t) else {
-                continue;
-            };
-            if let Some(h) = s.remove(i) {
+            // One lookup; nothing for a stale queue entry (the block was requested here again
+            // since, or left and came back).
+            if let Some(h) = slots.remove_holder(key, replica, t) {
                 self.len -= 1;
                 self.counted -= h.counted as usize;
-            }
-            if s.n == 0 {
-                slot.remove();
             }
         }
     }
 }
+
 /// One admission in the journal: its number, time, replica and sampled keys.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Entry {
@@ -304,7 +400,7 @@ pub struct WorkingSet {
     max_sampled: usize,
     replicas: Vec<ReplicaSet>,
     /// Every block some replica's set holds, with its holders (kept with `replicas`' queues).
-    slots: HashMap<u64, Slot>,
+    slots: Slots,
     /// Decayed counts of sampled blocks requested, and of those requested before (the reuse share).
     requested: f64,
     reused: f64,
@@ -329,7 +425,7 @@ impl WorkingSet {
             window_ms,
             max_sampled: (max_blocks >> SAMPLE_BITS).max(1),
             replicas: vec![ReplicaSet::default(); replicas],
-            slots: HashMap::new(),
+            slots: Slots::default(),
             requested: 0.0,
             reused: 0.0,
             journal: None,
@@ -502,7 +598,7 @@ impl WorkingSet {
         for &key in sampled_keys {
             // One lookup answers whether any replica holds the block (asked for before) and what
             // this one holds, and keeps both current.
-            let slot = self.slots.entry(key).or_default();
+            let slot = self.slots.get_or_insert(key);
             let seen = slot.n > 0;
             reused += seen as usize;
             // A peer's entry can be older than what this router recorded since: keep the newest.
@@ -548,7 +644,7 @@ impl WorkingSet {
         let r = replica as u32;
         let set = &mut self.replicas[replica];
         for &key in keys.iter().filter(|k| is_sampled(k)) {
-            let slot = self.slots.entry(key).or_default();
+            let slot = self.slots.get_or_insert(key);
             if slot.position(r).is_some() {
                 continue;
             }
@@ -606,7 +702,7 @@ impl WorkingSet {
         let mut own = [0.0f64; MASK_REPLICAS];
         let mut active = 0u64;
         for k in sampled_keys {
-            let Some(slot) = self.slots.get(k) else {
+            let Some(slot) = self.slots.get(*k) else {
                 absent += p;
                 each_bit(active, |r| own[r] += p);
                 continue;
@@ -636,7 +732,7 @@ impl WorkingSet {
         let mut added = vec![0.0f64; self.replicas.len()];
         let mut terms = vec![1.0f64; self.replicas.len()];
         for k in sampled_keys {
-            let Some(slot) = self.slots.get(k) else {
+            let Some(slot) = self.slots.get(*k) else {
                 added.iter_mut().for_each(|a| *a += p);
                 continue;
             };
@@ -1210,7 +1306,10 @@ mod tests {
                 assert_eq!((set.len, set.counted), (entries.len(), *counted), "{what}");
                 assert_eq!(&set.order, order, "{what}: replica {r}'s queue");
                 for (k, &(at, c)) in entries {
-                    let h = ws.slots[k]
+                    let h = ws
+                        .slots
+                        .get(*k)
+                        .unwrap()
                         .holders()
                         .find(|h| h.replica == r as u32)
                         .copied();
@@ -1288,7 +1387,7 @@ mod tests {
             }
             assert!(ws.sampled_entries() > 0);
             ws.expire(now + window + 1);
-            assert!(ws.slots.is_empty() && ws.sampled_entries() == 0);
+            assert!(ws.slots.len() == 0 && ws.sampled_entries() == 0);
         }
     }
 
