@@ -373,24 +373,53 @@ struct Entry {
 impl Entry {
     /// The entry as a journal carries it: number, time, replica, key count, keys (little endian).
     fn write(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.seq.to_le_bytes());
-        out.extend_from_slice(&self.at_ms.to_le_bytes());
-        out.extend_from_slice(&self.replica.to_le_bytes());
-        out.extend_from_slice(&(self.keys.len() as u32).to_le_bytes());
-        for k in &self.keys {
-            out.extend_from_slice(&k.to_le_bytes());
-        }
+        write_entry(out, self.seq, self.at_ms, self.replica, &self.keys);
+    }
+}
+
+/// Writes a journal entry: number, time, replica, key count, keys (little endian).
+fn write_entry(out: &mut Vec<u8>, seq: u64, at_ms: u64, replica: u32, keys: &[u64]) {
+    out.reserve(ENTRY_HEADER + keys.len() * 8);
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&at_ms.to_le_bytes());
+    out.extend_from_slice(&replica.to_le_bytes());
+    out.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+    for k in keys {
+        out.extend_from_slice(&k.to_le_bytes());
     }
 }
 
 /// This router's recent admissions for the other workers, and how far it read theirs.
 #[derive(Clone, Debug, Default)]
 struct Journal {
-    entries: VecDeque<Entry>,
+    /// Per entry kept, oldest first: its time, keys and encoded length. The encodings follow each
+    /// other in `bytes[start..]`: written once when recorded, so publishing the journal each tick
+    /// is one copy of them (encoding every kept entry again each tick was most of the admitting
+    /// worker's tick).
+    entries: VecDeque<(u64, usize, usize)>,
+    bytes: Vec<u8>,
+    start: usize,
     keys: usize,
     next_seq: u64,
     /// Per peer worker: the highest entry number applied.
     applied: HashMap<u32, u64>,
+}
+
+impl Journal {
+    /// Drops the oldest entry; `false` when there is none. The bytes of dropped entries are
+    /// reclaimed once they are half of the buffer (each byte moved once on average).
+    fn drop_oldest(&mut self) -> bool {
+        let Some((_, keys, len)) = self.entries.pop_front() else {
+            return false;
+        };
+        self.keys -= keys;
+        self.start += len;
+        if self.start > self.bytes.len() / 2 {
+            self.bytes.drain(..self.start);
+            self.start = 0;
+        }
+        true
+    }
 }
 
 /// Recent distinct blocks per replica (estimated from a sample).
@@ -450,17 +479,17 @@ impl WorkingSet {
         }
         j.next_seq += 1;
         j.keys += sampled_keys.len();
-        j.entries.push_back(Entry {
-            seq: j.next_seq,
-            at_ms: now_ms,
-            replica: replica as u32,
-            keys: sampled_keys.to_vec(),
-        });
-        while j.keys > JOURNAL_MAX_KEYS
-            && let Some(old) = j.entries.pop_front()
-        {
-            j.keys -= old.keys.len();
-        }
+        let len = j.bytes.len();
+        write_entry(
+            &mut j.bytes,
+            j.next_seq,
+            now_ms,
+            replica as u32,
+            sampled_keys,
+        );
+        j.entries
+            .push_back((now_ms, sampled_keys.len(), j.bytes.len() - len));
+        while j.keys > JOURNAL_MAX_KEYS && j.drop_oldest() {}
     }
 
     /// The journal for the other workers, stamped `now_ms`, after dropping entries older than
@@ -469,17 +498,13 @@ impl WorkingSet {
     pub fn encode_journal(&mut self, now_ms: u64, keep_ms: u64) -> Option<Vec<u8>> {
         let j = self.journal.as_mut()?;
         let from = now_ms.saturating_sub(keep_ms);
-        while j.entries.front().is_some_and(|e| e.at_ms < from) {
-            if let Some(old) = j.entries.pop_front() {
-                j.keys -= old.keys.len();
-            }
-        }
-        let mut out =
-            Vec::with_capacity(JOURNAL_HEADER + j.entries.len() * ENTRY_HEADER + j.keys * 8);
+        while j.entries.front().is_some_and(|e| e.0 < from) && j.drop_oldest() {}
+        let kept = j.bytes.get(j.start..).unwrap_or_default();
+        let mut out = Vec::with_capacity(JOURNAL_HEADER + kept.len());
         out.extend_from_slice(&now_ms.to_le_bytes());
         out.extend_from_slice(&(self.replicas.len() as u32).to_le_bytes());
         out.extend_from_slice(&(j.entries.len() as u32).to_le_bytes());
-        j.entries.iter().for_each(|e| e.write(&mut out));
+        out.extend_from_slice(kept);
         Some(out)
     }
 
@@ -1154,6 +1179,47 @@ mod tests {
         }
         let j = a.encode_journal(u64::MAX / 2, u64::MAX).unwrap();
         assert!(j.len() <= JOURNAL_MAX_KEYS * 8 + 16_384, "{}", j.len());
+    }
+
+    #[test]
+    fn the_journal_publishes_its_entries_as_recorded() {
+        // Against the kept entries encoded one by one at each publication (as the journal did
+        // before it kept them encoded), through drops by age and by size and the reclaiming of
+        // dropped bytes.
+        let mut a = WorkingSet::new(3, u64::MAX, 1 << 24);
+        a.start_journal();
+        let mut kept: VecDeque<Entry> = VecDeque::new();
+        let mut rng = crate::rng::SplitMix64::new(5);
+        let mut seq = 0;
+        for t in 0..300u64 {
+            let n = rng.next_u64() % if t % 50 < 10 { 1_000_000 } else { 3_000 };
+            let k = keys(t * 1_000_000..t * 1_000_000 + n);
+            let r = (rng.next_u64() % 4) as usize;
+            a.record(r, &k, t);
+            if r < 3 && !k.is_empty() {
+                seq += 1;
+                kept.push_back(Entry {
+                    seq,
+                    at_ms: t,
+                    replica: r as u32,
+                    keys: k,
+                });
+                while kept.iter().map(|e| e.keys.len()).sum::<usize>() > JOURNAL_MAX_KEYS {
+                    kept.pop_front();
+                }
+            }
+            if t % 3 == 0 {
+                let keep = rng.next_u64() % 40;
+                kept.retain(|e| e.at_ms >= t.saturating_sub(keep));
+                let mut want = t.to_le_bytes().to_vec();
+                want.extend_from_slice(&3u32.to_le_bytes());
+                want.extend_from_slice(&(kept.len() as u32).to_le_bytes());
+                kept.iter().for_each(|e| e.write(&mut want));
+                assert_eq!(a.encode_journal(t, keep).unwrap(), want, "at {t}");
+            }
+        }
+        let j = a.journal.as_ref().unwrap();
+        assert!(j.start <= j.bytes.len() / 2 + 1, "dropped bytes reclaimed");
     }
 
     /// The working set as it was before its one map of slots: a map per replica (block -> last
