@@ -18,19 +18,26 @@
 //! blocks, so the estimate is within a few percent, and the per-request work (a hash test per block,
 //! a map operation per sampled block and replica) and the memory are an eighth of an exact count's.
 //!
-//! Per replica: a map sampled block -> (last time requested, counted) and a queue of (time, block)
-//! in request order; entries older than the window leave from the queue's front. The size is
+//! One table over all replicas: sampled block -> its holders, each with the time the block was last
+//! requested there and whether it is counted there (asked for before, here or elsewhere); per
+//! replica, a queue of (time, block) in request order and its counts. Entries older than the window
+//! leave from the queue's front; a block requested again leaves a stale queue entry behind (its time
+//! is not the holder's any more), and the queue is compacted when those dominate. The size is
 //! bounded: past `max_sampled` entries a replica drops its oldest, so hostile or unusual traffic
-//! costs bounded memory (about 50 bytes an entry at worst, with the queue's stale entries).
+//! costs bounded memory: per sampled block 48 bytes in the slab (wasm32; two holders inline, more on
+//! the heap) and 10-20 in the hash table, per holder 16 bytes in its queue, up to three times that
+//! with stale entries.
 //!
-//! Beside them, one map over all replicas: sampled block -> the replicas holding it and those where
-//! it is counted, as bitmasks (for up to 64 replicas), with the number of holders. Scoring a request
-//! ([`WorkingSet::added`]) and recording it ask, per sampled block, whether any replica holds it and
-//! what each holds; with only the per-replica maps that was a lookup in every replica's map (twice
-//! in scoring: about 8 lookups a block with 16 replicas), now it is one. A fleet of more than 64
-//! routing units (the filter allows 256 replicas, and data-parallel ranks multiply them) keeps the
-//! number of holders only, which still answers "seen anywhere" in one lookup, and reads each
-//! replica's map for the rest.
+//! Scoring a request ([`WorkingSet::added`]) and recording it ask, per sampled block, whether any
+//! replica holds it and what each holds: one lookup. Recording a block is one lookup, its expiry
+//! one. This layout is the working set's cost in a proxy (docs/envoy.md, "the working set's cost"):
+//! with up to a few hundred thousand sampled blocks, every lookup misses the caches, and each
+//! worker applies every other worker's admissions on its tick, so the cost per block is the cost
+//! of the term. It replaced a map per replica (block -> time, counted) beside a map of holders
+//! (block -> bitmasks), where recording a block took three lookups and its expiry three more; it
+//! keeps exactly their times, counts, queues and estimates (tested against them), so decisions did
+//! not change. A fleet of more than 64 routing units (the filter allows 256 replicas, and
+//! data-parallel ranks multiply them) is scored by a pass over every replica per block seen.
 //!
 //! A proxy runs one router per worker thread, and each sees only the requests its worker admitted:
 //! with 8 workers, each would see an eighth of every replica's working set and of its reuse. So the
@@ -94,13 +101,8 @@ struct Holder {
 const INLINE_HOLDERS: usize = 2;
 
 /// One sampled block: the replicas holding it, each with its time and counted flag, in no
-/// particular order. Present only while some replica holds the block (`n > 0`).
-///
-/// This one map replaces a map per replica (block -> time, counted) beside a map of holders (block
-/// -> bitmasks): with those, recording a block was three random lookups (holders, the replica's
-/// map read then written) and its expiry three more (the replica's map read then removed, the
-/// holders'), each a likely cache miss in maps of a few hundred thousand entries; now each is one
-/// lookup (docs/envoy.md: the working set's cost).
+/// particular order. In [`Slots`] only while some replica holds the block (`n > 0`). Everything
+/// recording, scoring or expiring a block needs is here, so each is one lookup (the module docs).
 #[derive(Clone, Debug, Default)]
 struct Slot {
     inline: [Holder; INLINE_HOLDERS],
