@@ -18,19 +18,26 @@
 //! blocks, so the estimate is within a few percent, and the per-request work (a hash test per block,
 //! a map operation per sampled block and replica) and the memory are an eighth of an exact count's.
 //!
-//! Per replica: a map sampled block -> (last time requested, counted) and a queue of (time, block)
-//! in request order; entries older than the window leave from the queue's front. The size is
+//! One table over all replicas: sampled block -> its holders, each with the time the block was last
+//! requested there and whether it is counted there (asked for before, here or elsewhere); per
+//! replica, a queue of (time, block) in request order and its counts. Entries older than the window
+//! leave from the queue's front; a block requested again leaves a stale queue entry behind (its time
+//! is not the holder's any more), and the queue is compacted when those dominate. The size is
 //! bounded: past `max_sampled` entries a replica drops its oldest, so hostile or unusual traffic
-//! costs bounded memory (about 50 bytes an entry at worst, with the queue's stale entries).
+//! costs bounded memory: per sampled block 48 bytes in the slab (wasm32; two holders inline, more on
+//! the heap) and 10-20 in the hash table, per holder 16 bytes in its queue, up to three times that
+//! with stale entries.
 //!
-//! Beside them, one map over all replicas: sampled block -> the replicas holding it and those where
-//! it is counted, as bitmasks (for up to 64 replicas), with the number of holders. Scoring a request
-//! ([`WorkingSet::added`]) and recording it ask, per sampled block, whether any replica holds it and
-//! what each holds; with only the per-replica maps that was a lookup in every replica's map (twice
-//! in scoring: about 8 lookups a block with 16 replicas), now it is one. A fleet of more than 64
-//! routing units (the filter allows 256 replicas, and data-parallel ranks multiply them) keeps the
-//! number of holders only, which still answers "seen anywhere" in one lookup, and reads each
-//! replica's map for the rest.
+//! Scoring a request ([`WorkingSet::added`]) and recording it ask, per sampled block, whether any
+//! replica holds it and what each holds: one lookup. Recording a block is one lookup, its expiry
+//! one. This layout is the working set's cost in a proxy (docs/envoy.md, "the working set's cost"):
+//! with up to a few hundred thousand sampled blocks, every lookup misses the caches, and each
+//! worker applies every other worker's admissions on its tick, so the cost per block is the cost
+//! of the term. It replaced a map per replica (block -> time, counted) beside a map of holders
+//! (block -> bitmasks), where recording a block took three lookups and its expiry three more; it
+//! keeps exactly their times, counts, queues and estimates (tested against them), so decisions did
+//! not change. A fleet of more than 64 routing units (the filter allows 256 replicas, and
+//! data-parallel ranks multiply them) is scored by a pass over every replica per block seen.
 //!
 //! A proxy runs one router per worker thread, and each sees only the requests its worker admitted:
 //! with 8 workers, each would see an eighth of every replica's working set and of its reuse. So the
@@ -40,8 +47,10 @@
 //! the entries it has not seen yet ([`WorkingSet::apply_peer`]) as if it had admitted them itself.
 //! Each worker's view then lags the others' admissions by about a tick, and converges.
 
-use hashbrown::HashMap;
+use hashbrown::hash_table::Entry as TableEntry;
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use std::collections::VecDeque;
+use std::hash::BuildHasher;
 
 /// One block in `2^SAMPLE_BITS` is sampled.
 pub const SAMPLE_BITS: u32 = 3;
@@ -78,78 +87,277 @@ pub fn sample(keys: impl Iterator<Item = u64>) -> Vec<u64> {
     keys.filter(is_sampled).collect()
 }
 
+/// One replica holding a sampled block: when the block was last requested there, and whether it is
+/// counted there (asked for before, here or elsewhere).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Holder {
+    at: u64,
+    replica: u32,
+    counted: bool,
+}
+
+/// Holders a [`Slot`] keeps inline; more go to the heap. Most sampled blocks are held by one
+/// replica, a session's by one or two; a prompt prefix common to every session by many.
+const INLINE_HOLDERS: usize = 2;
+
+/// One sampled block: the replicas holding it, each with its time and counted flag, in no
+/// particular order. In [`Slots`] only while some replica holds the block (`n > 0`). Everything
+/// recording, scoring or expiring a block needs is here, so each is one lookup (the module docs).
+#[derive(Clone, Debug, Default)]
+struct Slot {
+    inline: [Holder; INLINE_HOLDERS],
+    n: u32,
+    /// Holders past the inline ones (`n - INLINE_HOLDERS` of them); `None` when there are none.
+    /// Boxed: 8 bytes in every slot rather than a `Vec`'s 24, for the few blocks that spill.
+    #[allow(clippy::box_collection)]
+    more: Option<Box<Vec<Holder>>>,
+}
+
+impl Slot {
+    fn len(&self) -> usize {
+        self.n as usize
+    }
+
+    fn holders(&self) -> impl Iterator<Item = &Holder> {
+        self.inline[..self.len().min(INLINE_HOLDERS)]
+            .iter()
+            .chain(self.more.iter().flat_map(|m| m.iter()))
+    }
+
+    /// `replica`'s holder, if it holds the block.
+    fn find_mut(&mut self, replica: u32) -> Option<&mut Holder> {
+        let n = self.len().min(INLINE_HOLDERS);
+        if let Some(h) = self.inline[..n].iter_mut().find(|h| h.replica == replica) {
+            return Some(h);
+        }
+        self.more
+            .as_mut()?
+            .iter_mut()
+            .find(|h| h.replica == replica)
+    }
+
+    /// `replica`'s place among the holders.
+    fn position(&self, replica: u32) -> Option<usize> {
+        self.holders().position(|h| h.replica == replica)
+    }
+
+    fn get(&self, i: usize) -> Option<&Holder> {
+        match i.checked_sub(INLINE_HOLDERS) {
+            None => self.inline[..self.len().min(INLINE_HOLDERS)].get(i),
+            Some(j) => self.more.as_ref()?.get(j),
+        }
+    }
+
+    fn get_mut(&mut self, i: usize) -> Option<&mut Holder> {
+        let n = self.len().min(INLINE_HOLDERS);
+        match i.checked_sub(INLINE_HOLDERS) {
+            None => self.inline[..n].get_mut(i),
+            Some(j) => self.more.as_mut()?.get_mut(j),
+        }
+    }
+
+    fn push(&mut self, h: Holder) {
+        let n = self.len();
+        match self.inline.get_mut(n) {
+            Some(slot) => *slot = h,
+            None => self.more.get_or_insert_with(Default::default).push(h),
+        }
+        self.n += 1;
+    }
+
+    /// Removes holder `i` (the last one takes its place).
+    fn remove(&mut self, i: usize) -> Option<Holder> {
+        let removed = *self.get(i)?;
+        let last = self.len() - 1;
+        let moved = match last.checked_sub(INLINE_HOLDERS) {
+            None => self.inline[last],
+            Some(_) => {
+                let more = self.more.as_mut()?;
+                let h = more.pop()?;
+                if more.is_empty() {
+                    self.more = None;
+                }
+                h
+            }
+        };
+        self.n -= 1;
+        if i < last
+            && let Some(slot) = self.get_mut(i)
+        {
+            *slot = moved;
+        }
+        Some(removed)
+    }
+
+    /// The bitmasks of the replicas holding the block and of those where it is counted (bit `r`
+    /// for replica `r`, for fleets of at most [`MASK_REPLICAS`] replicas).
+    fn masks(&self) -> (u64, u64) {
+        self.holders().fold((0, 0), |(held, counted), h| {
+            let b = 1u64 << h.replica;
+            (held | b, if h.counted { counted | b } else { counted })
+        })
+    }
+}
+
+/// Slab positions a chunk holds: the slab grows a chunk at a time and never moves what it holds (a
+/// `Vec` that doubles would copy megabytes on one request).
+const SLAB_CHUNK: usize = 4096;
+
+/// Every sampled block some replica holds, with its [`Slot`]: a slab of (block, slot) and a hash
+/// table of slab positions. The table keeps each block's 32-bit hash beside its position (8-byte
+/// buckets: a few megabytes, where buckets holding the slots themselves made tens), so probing and
+/// growing it never read the slab. Positions freed by expiry are reused latest first: a request's
+/// new blocks are written where the blocks it just expired were (still in cache), not to a cold
+/// bucket of a large table.
+#[derive(Clone, Debug, Default)]
+struct Slots {
+    table: HashTable<(u32, u32)>,
+    hasher: DefaultHashBuilder,
+    chunks: Vec<Box<[(u64, Slot)]>>,
+    free: Vec<u32>,
+    /// Slab positions ever taken (the next fresh one).
+    used: u32,
+}
+
+/// The table's hash from a block's 32-bit hash: the low bits pick the bucket, the top ones tag it.
+fn wide(h: u32) -> u64 {
+    (h as u64) << 32 | h as u64
+}
+
+fn slab_at(chunks: &[Box<[(u64, Slot)]>], i: u32) -> &(u64, Slot) {
+    &chunks[i as usize / SLAB_CHUNK][i as usize % SLAB_CHUNK]
+}
+
+fn slab_at_mut(chunks: &mut [Box<[(u64, Slot)]>], i: u32) -> &mut (u64, Slot) {
+    &mut chunks[i as usize / SLAB_CHUNK][i as usize % SLAB_CHUNK]
+}
+
+impl Slots {
+    /// The block's hash (seeded per instance: blocks come from clients).
+    fn hash(&self, key: u64) -> u32 {
+        self.hasher.hash_one(key) as u32
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    fn get(&self, key: u64) -> Option<&Slot> {
+        let h = self.hash(key);
+        let chunks = &self.chunks;
+        let &(i, _) = self
+            .table
+            .find(wide(h), |&(i, hh)| hh == h && slab_at(chunks, i).0 == key)?;
+        Some(&slab_at(chunks, i).1)
+    }
+
+    /// The block's slot, an empty one (`n == 0`) if no replica holds it: the caller adds a holder.
+    fn get_or_insert(&mut self, key: u64) -> &mut Slot {
+        let h = self.hash(key);
+        let Slots {
+            table,
+            chunks,
+            free,
+            used,
+            ..
+        } = self;
+        let i = match table.entry(
+            wide(h),
+            |&(i, hh)| hh == h && slab_at(chunks, i).0 == key,
+            |&(_, hh)| wide(hh),
+        ) {
+            TableEntry::Occupied(o) => o.get().0,
+            TableEntry::Vacant(v) => {
+                let i = free.pop().unwrap_or_else(|| {
+                    *used += 1;
+                    *used - 1
+                });
+                v.insert((i, h));
+                if i as usize / SLAB_CHUNK == chunks.len() {
+                    chunks.push(vec![(0, Slot::default()); SLAB_CHUNK].into_boxed_slice());
+                }
+                *slab_at_mut(chunks, i) = (key, Slot::default());
+                i
+            }
+        };
+        &mut slab_at_mut(chunks, i).1
+    }
+
+    /// Removes `replica`'s holder of the block if its time is `at` (else the queue entry naming it
+    /// is stale), and the block with its last holder.
+    fn remove_holder(&mut self, key: u64, replica: u32, at: u64) -> Option<Holder> {
+        let h = self.hash(key);
+        let Slots {
+            table,
+            chunks,
+            free,
+            ..
+        } = self;
+        let entry = table
+            .find_entry(wide(h), |&(i, hh)| hh == h && slab_at(chunks, i).0 == key)
+            .ok()?;
+        let i = entry.get().0;
+        let slot = &mut slab_at_mut(chunks, i).1;
+        let pos = slot
+            .holders()
+            .position(|x| x.replica == replica && x.at == at)?;
+        let removed = slot.remove(pos);
+        if slot.n == 0 {
+            entry.remove();
+            free.push(i);
+        }
+        removed
+    }
+
+    #[cfg(test)]
+    fn values(&self) -> impl Iterator<Item = &Slot> {
+        self.table.iter().map(|&(i, _)| &slab_at(&self.chunks, i).1)
+    }
+}
+
+/// A replica's side of the working set: its blocks' queue of (time, block) in request order
+/// (entries older than the window leave from the front; a block requested again leaves a stale
+/// entry behind, whose time is not the block's any more), and how many blocks it holds and counts.
 #[derive(Clone, Debug, Default)]
 struct ReplicaSet {
-    /// Sampled block -> (last requested, counted: asked for before, here or elsewhere).
-    entries: HashMap<u64, (u64, bool)>,
     order: VecDeque<(u64, u64)>,
+    len: usize,
     counted: usize,
-}
-
-/// One sampled block over all replicas: how many hold it and, where there are at most
-/// [`MASK_REPLICAS`] replicas, which hold it and where it is counted (bit `r` for replica `r`; both
-/// masks 0 beyond that). Present only while some replica holds the block (`n > 0`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Holders {
-    held: u64,
-    counted: u64,
-    n: u32,
-}
-
-/// Replica `r`'s bit in [`Holders`]' masks; 0 for a fleet too wide for them.
-fn bit(r: usize, replicas: usize) -> u64 {
-    if replicas <= MASK_REPLICAS { 1 << r } else { 0 }
 }
 
 impl ReplicaSet {
     /// Re-touched blocks leave stale queue entries behind; compacts when they dominate.
-    fn compact(&mut self) {
-        if self.order.len() > 2 * self.entries.len() + 1024 {
-            let entries = &self.entries;
-            self.order
-                .retain(|(t, k)| entries.get(k).is_some_and(|&(last, _)| last == *t));
+    fn compact(&mut self, replica: u32, slots: &Slots) {
+        if self.order.len() > 2 * self.len + 1024 {
+            self.order.retain(|(t, k)| {
+                slots
+                    .get(*k)
+                    .and_then(|s| s.holders().find(|h| h.replica == replica))
+                    .is_some_and(|h| h.at == *t)
+            });
         }
     }
 
     /// After blocks joined: [`ReplicaSet::expire`], then [`ReplicaSet::compact`].
-    fn settle(
-        &mut self,
-        before_ms: u64,
-        max_sampled: usize,
-        holders: &mut HashMap<u64, Holders>,
-        bit: u64,
-    ) {
-        self.expire(before_ms, max_sampled, holders, bit);
-        self.compact();
+    fn settle(&mut self, replica: u32, before_ms: u64, max_sampled: usize, slots: &mut Slots) {
+        self.expire(replica, before_ms, max_sampled, slots);
+        self.compact(replica, slots);
     }
 
     /// Drops entries older than `before_ms`, and the oldest past `max_sampled`, from this replica
-    /// (whose bit is `bit`) and from `holders`.
-    fn expire(
-        &mut self,
-        before_ms: u64,
-        max_sampled: usize,
-        holders: &mut HashMap<u64, Holders>,
-        bit: u64,
-    ) {
+    /// (number `replica`): its holder leaves the block's slot, and the slot goes with its last.
+    fn expire(&mut self, replica: u32, before_ms: u64, max_sampled: usize, slots: &mut Slots) {
         while let Some(&(t, key)) = self.order.front() {
-            if t >= before_ms && self.entries.len() <= max_sampled {
+            if t >= before_ms && self.len <= max_sampled {
                 break;
             }
             self.order.pop_front();
-            if let Some(&(last, counted)) = self.entries.get(&key)
-                && last == t
-            {
-                self.entries.remove(&key);
-                self.counted -= counted as usize;
-                if let Some(h) = holders.get_mut(&key) {
-                    h.n -= 1;
-                    h.held &= !bit;
-                    h.counted &= !bit;
-                    if h.n == 0 {
-                        holders.remove(&key);
-                    }
-                }
+            // One lookup; nothing for a stale queue entry (the block was requested here again
+            // since, or left and came back).
+            if let Some(h) = slots.remove_holder(key, replica, t) {
+                self.len -= 1;
+                self.counted -= h.counted as usize;
             }
         }
     }
@@ -167,24 +375,53 @@ struct Entry {
 impl Entry {
     /// The entry as a journal carries it: number, time, replica, key count, keys (little endian).
     fn write(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.seq.to_le_bytes());
-        out.extend_from_slice(&self.at_ms.to_le_bytes());
-        out.extend_from_slice(&self.replica.to_le_bytes());
-        out.extend_from_slice(&(self.keys.len() as u32).to_le_bytes());
-        for k in &self.keys {
-            out.extend_from_slice(&k.to_le_bytes());
-        }
+        write_entry(out, self.seq, self.at_ms, self.replica, &self.keys);
+    }
+}
+
+/// Writes a journal entry: number, time, replica, key count, keys (little endian).
+fn write_entry(out: &mut Vec<u8>, seq: u64, at_ms: u64, replica: u32, keys: &[u64]) {
+    out.reserve(ENTRY_HEADER + keys.len() * 8);
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&at_ms.to_le_bytes());
+    out.extend_from_slice(&replica.to_le_bytes());
+    out.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+    for k in keys {
+        out.extend_from_slice(&k.to_le_bytes());
     }
 }
 
 /// This router's recent admissions for the other workers, and how far it read theirs.
 #[derive(Clone, Debug, Default)]
 struct Journal {
-    entries: VecDeque<Entry>,
+    /// Per entry kept, oldest first: its time, keys and encoded length. The encodings follow each
+    /// other in `bytes[start..]`: written once when recorded, so publishing the journal each tick
+    /// is one copy of them (encoding every kept entry again each tick was most of the admitting
+    /// worker's tick).
+    entries: VecDeque<(u64, usize, usize)>,
+    bytes: Vec<u8>,
+    start: usize,
     keys: usize,
     next_seq: u64,
     /// Per peer worker: the highest entry number applied.
     applied: HashMap<u32, u64>,
+}
+
+impl Journal {
+    /// Drops the oldest entry; `false` when there is none. The bytes of dropped entries are
+    /// reclaimed once they are half of the buffer (each byte moved once on average).
+    fn drop_oldest(&mut self) -> bool {
+        let Some((_, keys, len)) = self.entries.pop_front() else {
+            return false;
+        };
+        self.keys -= keys;
+        self.start += len;
+        if self.start > self.bytes.len() / 2 {
+            self.bytes.drain(..self.start);
+            self.start = 0;
+        }
+        true
+    }
 }
 
 /// Recent distinct blocks per replica (estimated from a sample).
@@ -193,8 +430,8 @@ pub struct WorkingSet {
     window_ms: u64,
     max_sampled: usize,
     replicas: Vec<ReplicaSet>,
-    /// Every block some replica's set holds, with its holders (kept with `replicas`' maps).
-    holders: HashMap<u64, Holders>,
+    /// Every block some replica's set holds, with its holders (kept with `replicas`' queues).
+    slots: Slots,
     /// Decayed counts of sampled blocks requested, and of those requested before (the reuse share).
     requested: f64,
     reused: f64,
@@ -219,7 +456,7 @@ impl WorkingSet {
             window_ms,
             max_sampled: (max_blocks >> SAMPLE_BITS).max(1),
             replicas: vec![ReplicaSet::default(); replicas],
-            holders: HashMap::new(),
+            slots: Slots::default(),
             requested: 0.0,
             reused: 0.0,
             journal: None,
@@ -244,17 +481,17 @@ impl WorkingSet {
         }
         j.next_seq += 1;
         j.keys += sampled_keys.len();
-        j.entries.push_back(Entry {
-            seq: j.next_seq,
-            at_ms: now_ms,
-            replica: replica as u32,
-            keys: sampled_keys.to_vec(),
-        });
-        while j.keys > JOURNAL_MAX_KEYS
-            && let Some(old) = j.entries.pop_front()
-        {
-            j.keys -= old.keys.len();
-        }
+        let len = j.bytes.len();
+        write_entry(
+            &mut j.bytes,
+            j.next_seq,
+            now_ms,
+            replica as u32,
+            sampled_keys,
+        );
+        j.entries
+            .push_back((now_ms, sampled_keys.len(), j.bytes.len() - len));
+        while j.keys > JOURNAL_MAX_KEYS && j.drop_oldest() {}
     }
 
     /// The journal for the other workers, stamped `now_ms`, after dropping entries older than
@@ -263,17 +500,13 @@ impl WorkingSet {
     pub fn encode_journal(&mut self, now_ms: u64, keep_ms: u64) -> Option<Vec<u8>> {
         let j = self.journal.as_mut()?;
         let from = now_ms.saturating_sub(keep_ms);
-        while j.entries.front().is_some_and(|e| e.at_ms < from) {
-            if let Some(old) = j.entries.pop_front() {
-                j.keys -= old.keys.len();
-            }
-        }
-        let mut out =
-            Vec::with_capacity(JOURNAL_HEADER + j.entries.len() * ENTRY_HEADER + j.keys * 8);
+        while j.entries.front().is_some_and(|e| e.0 < from) && j.drop_oldest() {}
+        let kept = j.bytes.get(j.start..).unwrap_or_default();
+        let mut out = Vec::with_capacity(JOURNAL_HEADER + kept.len());
         out.extend_from_slice(&now_ms.to_le_bytes());
         out.extend_from_slice(&(self.replicas.len() as u32).to_le_bytes());
         out.extend_from_slice(&(j.entries.len() as u32).to_le_bytes());
-        j.entries.iter().for_each(|e| e.write(&mut out));
+        out.extend_from_slice(kept);
         Some(out)
     }
 
@@ -386,45 +619,43 @@ impl WorkingSet {
         if replica >= self.replicas.len() {
             return;
         }
-        let bit = bit(replica, self.replicas.len());
+        let r = replica as u32;
         let set = &mut self.replicas[replica];
         let mut reused = 0usize;
         for &key in sampled_keys {
-            // One lookup answers both whether any replica holds the block (asked for before) and,
-            // below, keeps the holders current.
-            let h = self.holders.entry(key).or_default();
-            let seen = h.n > 0;
+            // One lookup answers whether any replica holds the block (asked for before) and what
+            // this one holds, and keeps both current.
+            let slot = self.slots.get_or_insert(key);
+            let seen = slot.n > 0;
             reused += seen as usize;
             // A peer's entry can be older than what this router recorded since: keep the newest.
-            let at = match set.entries.get_mut(&key) {
-                Some(e) => {
-                    let at = e.0.max(now_ms);
-                    set.counted -= e.1 as usize;
-                    *e = (at, seen);
-                    at
+            let at = match slot.find_mut(r) {
+                Some(h) => {
+                    h.at = h.at.max(now_ms);
+                    set.counted -= h.counted as usize;
+                    h.counted = seen;
+                    h.at
                 }
                 None => {
-                    set.entries.insert(key, (now_ms, seen));
-                    h.n += 1;
+                    slot.push(Holder {
+                        at: now_ms,
+                        replica: r,
+                        counted: seen,
+                    });
+                    set.len += 1;
                     now_ms
                 }
             };
             set.counted += seen as usize;
-            h.held |= bit;
-            if seen {
-                h.counted |= bit;
-            } else {
-                h.counted &= !bit;
-            }
             set.order.push_back((at, key));
         }
         self.requested = self.requested * REUSE_DECAY + sampled_keys.len() as f64;
         self.reused = self.reused * REUSE_DECAY + reused as f64;
         set.settle(
+            r,
             now_ms.saturating_sub(self.window_ms),
             self.max_sampled,
-            &mut self.holders,
-            bit,
+            &mut self.slots,
         );
     }
 
@@ -437,32 +668,34 @@ impl WorkingSet {
         if replica >= self.replicas.len() {
             return;
         }
-        let bit = bit(replica, self.replicas.len());
+        let r = replica as u32;
         let set = &mut self.replicas[replica];
         for &key in keys.iter().filter(|k| is_sampled(k)) {
-            if set.entries.contains_key(&key) {
+            let slot = self.slots.get_or_insert(key);
+            if slot.position(r).is_some() {
                 continue;
             }
-            set.entries.insert(key, (now_ms, false));
-            let h = self.holders.entry(key).or_default();
-            h.n += 1;
-            h.held |= bit;
+            slot.push(Holder {
+                at: now_ms,
+                replica: r,
+                counted: false,
+            });
+            set.len += 1;
             set.order.push_back((now_ms, key));
         }
         set.settle(
+            r,
             now_ms.saturating_sub(self.window_ms),
             self.max_sampled,
-            &mut self.holders,
-            bit,
+            &mut self.slots,
         );
     }
 
     /// Forgets what fell out of the window.
     pub fn expire(&mut self, now_ms: u64) {
         let before = now_ms.saturating_sub(self.window_ms);
-        let n = self.replicas.len();
         for (r, set) in self.replicas.iter_mut().enumerate() {
-            set.expire(before, self.max_sampled, &mut self.holders, bit(r, n));
+            set.expire(r as u32, before, self.max_sampled, &mut self.slots);
         }
     }
 
@@ -470,7 +703,7 @@ impl WorkingSet {
     /// for before in full, those asked for once weighted by the reuse share.
     pub fn blocks(&self, replica: usize) -> f64 {
         self.replicas.get(replica).map_or(0.0, |s| {
-            let once = s.entries.len() - s.counted;
+            let once = s.len - s.counted;
             (s.counted as f64 + self.reuse_share() * once as f64) * (1u64 << SAMPLE_BITS) as f64
         })
     }
@@ -496,18 +729,19 @@ impl WorkingSet {
         let mut own = [0.0f64; MASK_REPLICAS];
         let mut active = 0u64;
         for k in sampled_keys {
-            let Some(h) = self.holders.get(k) else {
+            let Some(slot) = self.slots.get(*k) else {
                 absent += p;
                 each_bit(active, |r| own[r] += p);
                 continue;
             };
-            each_bit(h.held & !active, |r| own[r] = absent);
-            active |= h.held;
+            let (held, counted) = slot.masks();
+            each_bit(held & !active, |r| own[r] = absent);
+            active |= held;
             absent += 1.0;
             each_bit(active, |r| {
-                own[r] += if h.held >> r & 1 == 0 {
+                own[r] += if held >> r & 1 == 0 {
                     1.0
-                } else if h.counted >> r & 1 == 1 {
+                } else if counted >> r & 1 == 1 {
                     0.0
                 } else {
                     1.0 - p
@@ -519,21 +753,22 @@ impl WorkingSet {
             .collect()
     }
 
-    /// [`WorkingSet::added`] for a fleet too wide for the holders' masks: the holders say whether a
-    /// block was seen anywhere, each replica's map what it holds.
+    /// [`WorkingSet::added`] for a fleet too wide for bitmasks: per block, every replica takes its
+    /// term (1 where it does not hold the block), in key order as in [`WorkingSet::added`].
     fn added_by_replica(&self, sampled_keys: &[u64], p: f64, scale: f64) -> Vec<f64> {
         let mut added = vec![0.0f64; self.replicas.len()];
+        let mut terms = vec![1.0f64; self.replicas.len()];
         for k in sampled_keys {
-            if !self.holders.contains_key(k) {
+            let Some(slot) = self.slots.get(*k) else {
                 added.iter_mut().for_each(|a| *a += p);
                 continue;
+            };
+            for h in slot.holders() {
+                terms[h.replica as usize] = if h.counted { 0.0 } else { 1.0 - p };
             }
-            for (a, set) in added.iter_mut().zip(&self.replicas) {
-                *a += match set.entries.get(k) {
-                    Some(&(_, true)) => 0.0,
-                    Some(&(_, false)) => 1.0 - p,
-                    None => 1.0,
-                };
+            added.iter_mut().zip(&terms).for_each(|(a, t)| *a += t);
+            for h in slot.holders() {
+                terms[h.replica as usize] = 1.0;
             }
         }
         added.into_iter().map(|a| a * scale).collect()
@@ -541,7 +776,7 @@ impl WorkingSet {
 
     /// Sampled entries held over all replicas (for the memory figure).
     pub fn sampled_entries(&self) -> usize {
-        self.replicas.iter().map(|s| s.entries.len()).sum()
+        self.replicas.iter().map(|s| s.len).sum()
     }
 }
 
@@ -948,90 +1183,307 @@ mod tests {
         assert!(j.len() <= JOURNAL_MAX_KEYS * 8 + 16_384, "{}", j.len());
     }
 
-    /// [`WorkingSet::added`] as it was before the holders map: a lookup in every replica's map.
-    fn added_by_lookup(ws: &WorkingSet, sampled_keys: &[u64]) -> Vec<f64> {
-        let p = ws.reuse_share();
-        let mut added = vec![0.0f64; ws.replicas.len()];
-        for k in sampled_keys {
-            if !ws.replicas.iter().any(|s| s.entries.contains_key(k)) {
-                added.iter_mut().for_each(|a| *a += p);
-                continue;
+    #[test]
+    fn the_journal_publishes_its_entries_as_recorded() {
+        // Against the kept entries encoded one by one at each publication (as the journal did
+        // before it kept them encoded), through drops by age and by size and the reclaiming of
+        // dropped bytes.
+        let mut a = WorkingSet::new(3, u64::MAX, 1 << 24);
+        a.start_journal();
+        let mut kept: VecDeque<Entry> = VecDeque::new();
+        let mut rng = crate::rng::SplitMix64::new(5);
+        let mut seq = 0;
+        for t in 0..300u64 {
+            let n = rng.next_u64() % if t % 50 < 10 { 1_000_000 } else { 3_000 };
+            let k = keys(t * 1_000_000..t * 1_000_000 + n);
+            let r = (rng.next_u64() % 4) as usize;
+            a.record(r, &k, t);
+            if r < 3 && !k.is_empty() {
+                seq += 1;
+                kept.push_back(Entry {
+                    seq,
+                    at_ms: t,
+                    replica: r as u32,
+                    keys: k,
+                });
+                while kept.iter().map(|e| e.keys.len()).sum::<usize>() > JOURNAL_MAX_KEYS {
+                    kept.pop_front();
+                }
             }
-            for (a, set) in added.iter_mut().zip(&ws.replicas) {
-                *a += match set.entries.get(k) {
-                    Some(&(_, true)) => 0.0,
-                    Some(&(_, false)) => 1.0 - p,
-                    None => 1.0,
-                };
+            if t % 3 == 0 {
+                let keep = rng.next_u64() % 40;
+                kept.retain(|e| e.at_ms >= t.saturating_sub(keep));
+                let mut want = t.to_le_bytes().to_vec();
+                want.extend_from_slice(&3u32.to_le_bytes());
+                want.extend_from_slice(&(kept.len() as u32).to_le_bytes());
+                kept.iter().for_each(|e| e.write(&mut want));
+                assert_eq!(a.encode_journal(t, keep).unwrap(), want, "at {t}");
             }
         }
-        added.into_iter().map(|a| a * 8.0).collect()
+        let j = a.journal.as_ref().unwrap();
+        assert!(j.start <= j.bytes.len() / 2 + 1, "dropped bytes reclaimed");
     }
 
-    /// The holders map, rebuilt from the per-replica maps.
-    fn holders_by_lookup(ws: &WorkingSet) -> HashMap<u64, Holders> {
-        let n = ws.replicas.len();
-        let mut out: HashMap<u64, Holders> = HashMap::new();
-        for (r, set) in ws.replicas.iter().enumerate() {
-            for (&k, &(_, counted)) in &set.entries {
-                let h = out.entry(k).or_default();
-                h.n += 1;
-                h.held |= bit(r, n);
-                if counted {
-                    h.counted |= bit(r, n);
+    /// The working set as it was before its one map of slots: a map per replica (block -> last
+    /// requested, counted) beside the queues, scored by a lookup in every replica's map. The slots
+    /// must agree with it bit for bit (times, counts, queues, estimates), so that decisions do not
+    /// change.
+    /// A replica's map (block -> last requested, counted), queue and count of counted blocks.
+    type RefSet = (HashMap<u64, (u64, bool)>, VecDeque<(u64, u64)>, usize);
+
+    struct Reference {
+        window_ms: u64,
+        max_sampled: usize,
+        sets: Vec<RefSet>,
+        requested: f64,
+        reused: f64,
+    }
+
+    impl Reference {
+        fn new(replicas: usize, window_ms: u64, max_blocks: usize) -> Reference {
+            Reference {
+                window_ms,
+                max_sampled: (max_blocks >> SAMPLE_BITS).max(1),
+                sets: vec![Default::default(); replicas],
+                requested: 0.0,
+                reused: 0.0,
+            }
+        }
+
+        fn reuse_share(&self) -> f64 {
+            if self.requested > 0.0 {
+                (self.reused / self.requested).clamp(0.0, 1.0)
+            } else {
+                0.0
+            }
+        }
+
+        fn touch(&mut self, r: usize, sampled_keys: &[u64], now_ms: u64) {
+            if r >= self.sets.len() {
+                return;
+            }
+            let mut reused = 0;
+            for &key in sampled_keys {
+                let seen = self.sets.iter().any(|s| s.0.contains_key(&key));
+                reused += seen as usize;
+                let (entries, order, counted) = &mut self.sets[r];
+                let at = match entries.get_mut(&key) {
+                    Some(e) => {
+                        let at = e.0.max(now_ms);
+                        *counted -= e.1 as usize;
+                        *e = (at, seen);
+                        at
+                    }
+                    None => {
+                        entries.insert(key, (now_ms, seen));
+                        now_ms
+                    }
+                };
+                *counted += seen as usize;
+                order.push_back((at, key));
+            }
+            self.requested = self.requested * REUSE_DECAY + sampled_keys.len() as f64;
+            self.reused = self.reused * REUSE_DECAY + reused as f64;
+            self.settle(r, now_ms);
+        }
+
+        fn stored(&mut self, r: usize, keys: &[u64], now_ms: u64) {
+            if r >= self.sets.len() {
+                return;
+            }
+            let (entries, order, _) = &mut self.sets[r];
+            for &key in keys.iter().filter(|k| is_sampled(k)) {
+                if entries.contains_key(&key) {
+                    continue;
+                }
+                entries.insert(key, (now_ms, false));
+                order.push_back((now_ms, key));
+            }
+            self.settle(r, now_ms);
+        }
+
+        fn settle(&mut self, r: usize, now_ms: u64) {
+            self.expire_one(r, now_ms);
+            let (entries, order, _) = &mut self.sets[r];
+            if order.len() > 2 * entries.len() + 1024 {
+                order.retain(|(t, k)| entries.get(k).is_some_and(|&(last, _)| last == *t));
+            }
+        }
+
+        fn expire_one(&mut self, r: usize, now_ms: u64) {
+            let before = now_ms.saturating_sub(self.window_ms);
+            let (entries, order, counted) = &mut self.sets[r];
+            while let Some(&(t, key)) = order.front() {
+                if t >= before && entries.len() <= self.max_sampled {
+                    break;
+                }
+                order.pop_front();
+                if let Some(&(last, c)) = entries.get(&key)
+                    && last == t
+                {
+                    entries.remove(&key);
+                    *counted -= c as usize;
                 }
             }
         }
-        out
+
+        fn expire(&mut self, now_ms: u64) {
+            (0..self.sets.len()).for_each(|r| self.expire_one(r, now_ms));
+        }
+
+        fn blocks(&self, r: usize) -> f64 {
+            let (entries, _, counted) = &self.sets[r];
+            let once = entries.len() - counted;
+            (*counted as f64 + self.reuse_share() * once as f64) * 8.0
+        }
+
+        /// [`WorkingSet::added`] as it was before the holders map: a lookup in every replica's map.
+        fn added(&self, sampled_keys: &[u64]) -> Vec<f64> {
+            let p = self.reuse_share();
+            let mut added = vec![0.0f64; self.sets.len()];
+            for k in sampled_keys {
+                if !self.sets.iter().any(|s| s.0.contains_key(k)) {
+                    added.iter_mut().for_each(|a| *a += p);
+                    continue;
+                }
+                for (a, set) in added.iter_mut().zip(&self.sets) {
+                    *a += match set.0.get(k) {
+                        Some(&(_, true)) => 0.0,
+                        Some(&(_, false)) => 1.0 - p,
+                        None => 1.0,
+                    };
+                }
+            }
+            added.into_iter().map(|a| a * 8.0).collect()
+        }
+
+        /// Asserts that `ws` holds what this reference holds, and estimates the same to the bit.
+        fn check(&self, ws: &WorkingSet, probe: &[u64], what: &str) {
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&ws.added(probe)), bits(&self.added(probe)), "{what}");
+            let blocks = |f: &dyn Fn(usize) -> f64| (0..self.sets.len()).map(f).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&blocks(&|r| ws.blocks(r))),
+                bits(&blocks(&|r| self.blocks(r))),
+                "{what}"
+            );
+            assert_eq!(ws.reuse_share().to_bits(), self.reuse_share().to_bits());
+            let mut held = 0;
+            for (r, (entries, order, counted)) in self.sets.iter().enumerate() {
+                let set = &ws.replicas[r];
+                assert_eq!((set.len, set.counted), (entries.len(), *counted), "{what}");
+                assert_eq!(&set.order, order, "{what}: replica {r}'s queue");
+                for (k, &(at, c)) in entries {
+                    let h = ws
+                        .slots
+                        .get(*k)
+                        .unwrap()
+                        .holders()
+                        .find(|h| h.replica == r as u32)
+                        .copied();
+                    let want = Holder {
+                        at,
+                        replica: r as u32,
+                        counted: c,
+                    };
+                    assert_eq!(h, Some(want), "{what}: replica {r}, block {k}");
+                }
+                held += entries.len();
+            }
+            // Nothing else: no holder the reference lacks, no empty slot.
+            let slots: usize = ws.slots.values().map(Slot::len).sum();
+            assert_eq!(slots, held, "{what}");
+            assert!(ws.slots.values().all(|s| s.n > 0), "{what}");
+        }
     }
 
     #[test]
-    fn the_holders_agree_with_the_replicas_maps() {
-        // Random touches (a small key space, so blocks recur on several replicas), peers' entries
-        // older than what was recorded, expiry by time and by size; fleets under and over the
-        // masks' 64 replicas.
-        for replicas in [1, 3, 16, 64, 65, 200] {
-            let mut ws = WorkingSet::new(replicas, 50, 300 * 8);
-            let mut peer = WorkingSet::new(replicas, 50, 300 * 8);
+    fn the_slots_agree_with_per_replica_maps() {
+        // Random touches (a small key space, so blocks recur on several replicas, and queues fill
+        // with stale entries until compacted), stores, peers' entries older than what was recorded,
+        // expiry by time and by size (a long window: by size only, and the queues compacted);
+        // fleets under and over the masks' 64 replicas.
+        let fleets = [1, 2, 3, 16, 64, 65, 200];
+        for (replicas, window) in fleets
+            .map(|r| (r, 50))
+            .into_iter()
+            .chain([(1, 1 << 40), (3, 1 << 40)])
+        {
+            let mut ws = WorkingSet::new(replicas, window, 300 * 8);
+            let mut reference = Reference::new(replicas, window, 300 * 8);
+            let mut peer = WorkingSet::new(replicas, window, 300 * 8);
             peer.start_journal();
+            ws.start_journal();
             let mut rng = crate::rng::SplitMix64::new(replicas as u64);
             let mut now = 0u64;
-            for step in 0..600 {
+            let steps = if replicas > 16 { 600 } else { 2_000 };
+            for step in 0..steps {
                 now += rng.next_u64() % 4;
-                let r = (rng.next_u64() % replicas as u64) as usize;
+                let r = (rng.next_u64() % (replicas as u64 + 1)) as usize;
                 let n = (rng.next_u64() % 40) as usize;
-                let k: Vec<u64> = (0..n).map(|_| (rng.next_u64() % 800) * 8).collect();
-                if step % 5 == 0 {
-                    peer.record(r, &k, now.saturating_sub(30));
-                    let j = peer.encode_journal(now, 1_000).unwrap();
-                    ws.start_journal();
-                    ws.apply_peer(9, &j).unwrap();
-                } else {
-                    let want = added_by_lookup(&ws, &k);
-                    let got = ws.added(&k);
-                    assert!(
-                        want.iter()
-                            .zip(&got)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{replicas} replicas, step {step}: {want:?} {got:?}"
-                    );
-                    ws.touch(r, &k, now);
+                // Phases of few blocks (retouched: stale queue entries) and of many (expiry by size).
+                let space = if (step / 250) % 2 == 0 { 100 } else { 800 };
+                let k: Vec<u64> = (0..n).map(|_| (rng.next_u64() % space) * 8).collect();
+                match step % 5 {
+                    0 => {
+                        let at = now.saturating_sub(30);
+                        peer.record(r, &k, at);
+                        let j = peer.encode_journal(now, 1_000).unwrap();
+                        ws.apply_peer(9, &j).unwrap();
+                        // Journalled (so applied) when it names a replica and carries blocks.
+                        if r < replicas && !k.is_empty() {
+                            reference.touch(r, &k, at);
+                        }
+                    }
+                    1 => {
+                        let mut all = k.clone();
+                        all.extend(k.iter().map(|x| x + 1));
+                        ws.stored(r, &all, now);
+                        reference.stored(r, &all, now);
+                    }
+                    _ => {
+                        reference.check(&ws, &k, &format!("{replicas} replicas, step {step}"));
+                        ws.touch(r, &k, now);
+                        reference.touch(r, &k, now);
+                    }
                 }
                 if step % 7 == 0 {
                     ws.expire(now);
+                    reference.expire(now);
                 }
-                assert_eq!(
-                    ws.holders,
-                    holders_by_lookup(&ws),
-                    "{replicas}, step {step}"
-                );
+                reference.check(&ws, &k, &format!("{replicas} replicas, step {step}"));
             }
             assert!(ws.sampled_entries() > 0);
-            ws.expire(now + 1_000);
-            assert!(ws.holders.is_empty() && ws.sampled_entries() == 0);
+            ws.expire(now + window + 1);
+            assert!(ws.slots.len() == 0 && ws.sampled_entries() == 0);
         }
     }
 
+    #[test]
+    fn a_slot_keeps_any_number_of_holders() {
+        let mut s = Slot::default();
+        let h = |r: u32| Holder {
+            at: r as u64 * 10,
+            replica: r,
+            counted: r.is_multiple_of(2),
+        };
+        for r in 0..6 {
+            s.push(h(r));
+        }
+        assert_eq!(s.len(), 6);
+        assert_eq!(s.masks(), (0b111111, 0b010101));
+        // Removing from the inline ones, the spilled ones and the last; each place taken by the last.
+        for (r, left) in [(0, 5), (4, 4), (3, 3), (1, 2), (5, 1), (2, 0)] {
+            let i = s.position(r).unwrap();
+            assert_eq!(s.remove(i), Some(h(r)));
+            assert_eq!(s.len(), left);
+            assert_eq!(s.position(r), None);
+            assert_eq!(s.holders().count(), left);
+            assert!(s.holders().all(|x| *x == h(x.replica)));
+            assert_eq!(s.more.is_some(), left > INLINE_HOLDERS);
+        }
+        assert_eq!(s.remove(0), None);
+    }
     #[test]
     fn stored_blocks_join_as_asked_for_once() {
         let mut ws = WorkingSet::new(2, 1_000, 1 << 20);

@@ -4,8 +4,11 @@
 //! time, requests alternating between the workers, each worker ticking every 100 ms. Prints the
 //! request path's and the ticks' wall times (p50, p99, max) and the slowest requests' places.
 //!
-//! `cargo run --release -p kvsteer-host-test --example working_set_ticks -- [overflow_weight] [requests]`
-//! (defaults 0.3 and 6000; 0 turns the term off for comparison).
+//! `cargo run --release -p kvsteer-host-test --example working_set_ticks -- [overflow_weight] [requests] [gap_us] [one]`
+//! (defaults 0.3, 6000 and 3300; 0 turns the term off for comparison). With `one`, every request
+//! goes to worker 0, as `scripts/envoy-latency --inflight 1` does (one keep-alive connection: one
+//! Envoy worker admits everything, the other applies all of it on its ticks); ticks are then also
+//! printed per worker.
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
     Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, filter_wasm_path,
@@ -28,6 +31,8 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 fn main() {
     let ow: f64 = std::env::args().nth(1).map_or(0.3, |s| s.parse().unwrap());
     let n: usize = std::env::args().nth(2).map_or(6000, |s| s.parse().unwrap());
+    let gap_us: u64 = std::env::args().nth(3).map_or(3300, |s| s.parse().unwrap());
+    let one = std::env::args().nth(4).is_some_and(|s| s == "one");
     let module = FilterModule::load_unmetered(&filter_wasm_path().unwrap()).unwrap();
     let replicas: Vec<_> = (0..4)
         .map(|i| json!({"name": format!("r{i}"), "endpoint": format!("10.0.0.{}:8000", i + 1), "feed_cluster": format!("feed_r{i}")}))
@@ -38,23 +43,25 @@ fn main() {
     let mut ws = [proxy.start_worker().unwrap(), proxy.start_worker().unwrap()];
     let mut req_us = Vec::new();
     let mut tick_us = Vec::new();
+    let mut worker_tick_us = [Vec::new(), Vec::new()];
     let mut next_tick = 0u64;
     let mut seed = 7u64;
     for i in 0..n {
-        let now_us = proxy.now_ns() / 1000 + 3300;
+        let now_us = proxy.now_ns() / 1000 + gap_us;
         proxy.set_now_ns(now_us * 1000);
         if now_us >= next_tick {
-            for w in ws.iter_mut() {
+            for (k, w) in ws.iter_mut().enumerate() {
                 let t = Instant::now();
                 w.tick().unwrap();
                 tick_us.push(t.elapsed().as_secs_f64() * 1e6);
+                worker_tick_us[k].push(t.elapsed().as_secs_f64() * 1e6);
                 for call in w.take_callouts() {
                     w.answer_callout(&call, CallOutcome::timeout()).unwrap();
                 }
             }
             next_tick = now_us + 100_000;
         }
-        let w = &mut ws[i % 2];
+        let w = &mut ws[if one { 0 } else { i % 2 }];
         let ids: Vec<String> = (0..8192)
             .map(|_| (lcg(&mut seed) % 128_000).to_string())
             .collect();
@@ -92,6 +99,17 @@ fn main() {
         tick_us.iter().sum::<f64>() / 1e3,
         req_us.iter().sum::<f64>() / 1e3
     );
+    if one {
+        for (k, t) in worker_tick_us.iter_mut().enumerate() {
+            let total = t.iter().sum::<f64>() / 1e3;
+            println!(
+                "worker {k} ticks: p50 {:.1} p99 {:.1} max {:.1} us, total {total:.1} ms",
+                pct(t, 0.5),
+                pct(t, 0.99),
+                pct(t, 1.0)
+            );
+        }
+    }
     // The slowest requests: where in the run.
     let mut idx: Vec<usize> = (0..req_us.len()).collect();
     idx.sort_by(|&a, &b| req_us[b].partial_cmp(&req_us[a]).unwrap());
