@@ -257,6 +257,13 @@ pub enum ReportedLoad {
     /// traffic up to the poll, and this proxy's own since, each counted once (docs/design.md,
     /// "Many proxies"). For fleets of independent proxies in front of the same replicas.
     Merge,
+    /// This proxy's own bookings, as `ignore` scores them, plus the part of each replica's report
+    /// that is not this proxy's: the report less this proxy's requests it holds (admitted before the
+    /// poll that produced it, as they stood when the report was accepted), field by field, never
+    /// below zero. With one proxy the rest is about nothing and the policy scores as `ignore` does (with
+    /// Dynamo's accounting of its own requests: shared blocks once, output progress); with several,
+    /// the other proxies' load comes from the reports. For fleets of independent proxies.
+    Others,
 }
 
 impl Default for KvLoadParams {

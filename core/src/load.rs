@@ -518,6 +518,24 @@ impl LoadTable {
         out
     }
 
+    /// What this table's requests admitted before `marks[replica]` (ms), and still tracked, add to
+    /// their replica in the report's units (as [`LoadTable::since`] counts them): the part of the
+    /// replica's report that is this table's, with what was released since (`reported_load`
+    /// `others`). A replica whose mark is `u64::MAX` (or missing: no report yet) gets nothing.
+    pub fn held(&self, marks: &[u64]) -> Vec<LoadTotals> {
+        let mut out = vec![LoadTotals::default(); self.totals.len()];
+        for (id, r) in &self.requests {
+            let mark = marks.get(r.replica).copied().unwrap_or(u64::MAX);
+            if mark == u64::MAX || r.admitted_ms >= mark {
+                continue;
+            }
+            if let Some((_, _, share)) = self.reported_share(*id) {
+                out[r.replica].add(&share);
+            }
+        }
+        out
+    }
+
     /// A tracked request's replica, admission time and share of load in the units a replica reports
     /// (as [`LoadTable::since`] counts it), or None for an unknown request.
     pub fn reported_share(&self, request_id: u64) -> Option<(usize, u64, LoadTotals)> {

@@ -8,7 +8,11 @@
 //! - `merge`: the report plus the bookings this proxy (this worker and its peers) made since the poll
 //!   that produced the report went out ([`LoadTable::since`]), each field added: the report holds
 //!   every proxy's traffic up to the poll, the bookings this proxy's since, so nothing counts twice
-//!   (docs/design.md, "Many proxies").
+//!   (docs/design.md, "Many proxies");
+//! - `others`: the router-tracked totals, as `ignore`, plus the rest of the report: the report less
+//!   this proxy's requests it holds ([`LoadTable::held`], as they stood when the report came), so
+//!   this proxy's own requests are counted once, by its own accounting, and the other proxies' by
+//!   the replica.
 //!
 //! A *stale* replica (its feed failing) has its report ignored, and so does one that has not reported
 //! yet: it is scored on the tracked totals. A stale replica's KV overlap is treated as zero.
@@ -123,6 +127,11 @@ pub struct Router {
     /// Per peer worker: its bookings since each replica's report was polled, and what it released
     /// since then of requests the report holds (`merge`).
     peers_since: HashMap<u32, (Vec<LoadTotals>, Vec<LoadTotals>)>,
+    /// Per peer worker: its requests each replica's current report holds (`others`).
+    peers_held: HashMap<u32, Vec<LoadTotals>>,
+    /// Per replica: this router's requests its current report holds, as they stood when the report
+    /// was accepted (`others` takes them off the report: the report describes them then, not now).
+    held_at_report: Vec<LoadTotals>,
     /// Per replica: this router's requests the current report holds (admitted before its poll) and
     /// that have been released since: `merge` takes them off the report.
     released_since: Vec<LoadTotals>,
@@ -192,6 +201,8 @@ impl Router {
             address_groups: Vec::new(),
             peers: HashMap::new(),
             peers_since: HashMap::new(),
+            peers_held: HashMap::new(),
+            held_at_report: vec![LoadTotals::default(); replicas],
             reported: vec![None; replicas],
             report_polled_ms: vec![u64::MAX; replicas],
             released_since: vec![LoadTotals::default(); replicas],
@@ -290,20 +301,33 @@ impl Router {
         if mode == ReportedLoad::Ignore {
             return eff;
         }
-        let (since, released) = if mode == ReportedLoad::Merge {
-            let mut v = self.load.since(&self.report_polled_ms);
-            let mut gone = self.released_since.clone();
-            for (p, g) in self.peers_since.values() {
-                for (o, t) in v.iter_mut().zip(p) {
-                    o.add(t);
+        // Per replica, what meets the report: for `merge` this proxy's bookings since the poll and
+        // what it released since of the report's requests; for `others` its requests the report
+        // holds (as accepted).
+        let (since, released) = match mode {
+            ReportedLoad::Merge => {
+                let mut v = self.load.since(&self.report_polled_ms);
+                let mut gone = self.released_since.clone();
+                for (p, g) in self.peers_since.values() {
+                    for (o, t) in v.iter_mut().zip(p) {
+                        o.add(t);
+                    }
+                    for (o, t) in gone.iter_mut().zip(g) {
+                        o.add(t);
+                    }
                 }
-                for (o, t) in gone.iter_mut().zip(g) {
-                    o.add(t);
-                }
+                (v, gone)
             }
-            (v, gone)
-        } else {
-            (Vec::new(), Vec::new())
+            ReportedLoad::Others => {
+                let mut held = self.held_at_report.clone();
+                for p in self.peers_held.values() {
+                    for (o, t) in held.iter_mut().zip(p) {
+                        o.add(t);
+                    }
+                }
+                (held, Vec::new())
+            }
+            _ => (Vec::new(), Vec::new()),
         };
         for (r, e) in eff.iter_mut().enumerate() {
             if self.stale[r] {
@@ -319,15 +343,22 @@ impl Router {
                     rep.decode_blocks
                 };
                 let active = rep.running.saturating_add(rep.waiting);
+                let report = LoadTotals {
+                    prefill_tokens: rep.prefill_tokens,
+                    decode_blocks: decode,
+                    active_requests: active,
+                };
                 if mode == ReportedLoad::Merge {
-                    let mut m = LoadTotals {
-                        prefill_tokens: rep.prefill_tokens,
-                        decode_blocks: decode,
-                        active_requests: active,
-                    };
+                    let mut m = report;
                     m.add(&since[r]);
                     m.sub(&released[r]);
                     *e = m;
+                } else if mode == ReportedLoad::Others {
+                    // `since` holds this proxy's requests the report holds: the rest is the other
+                    // proxies' (and what the report counts that the bookings do not).
+                    let mut rest = report;
+                    rest.sub(&since[r]);
+                    e.add(&rest);
                 } else {
                     e.prefill_tokens = e.prefill_tokens.max(rep.prefill_tokens);
                     e.decode_blocks = e.decode_blocks.max(decode);
@@ -1011,6 +1042,9 @@ impl Router {
         self.reported[replica] = Some(batch.load);
         self.report_polled_ms[replica] = polled_ms;
         self.released_since[replica] = LoadTotals::default();
+        if self.cfg.kv_load.reported_load == ReportedLoad::Others {
+            self.held_at_report[replica] = self.load.held(&self.report_polled_ms)[replica];
+        }
         match self.cursors[replica].accept(batch) {
             CursorVerdict::Gap => {
                 self.stats.feed_gaps += 1;
@@ -1292,9 +1326,26 @@ impl Router {
         self.peers_since.insert(peer, (v, g));
     }
 
+    /// Replaces a peer worker's requests each replica's current report holds (what its
+    /// [`Router::local_held`] says), for `reported_load` `others`.
+    pub fn set_peer_held(&mut self, peer: u32, held: &[LoadTotals]) {
+        let mut v = held.to_vec();
+        v.resize(self.replicas, LoadTotals::default());
+        self.peers_held.insert(peer, v);
+    }
+
     pub fn clear_peer(&mut self, peer: u32) {
         self.peers.remove(&peer);
         self.peers_since.remove(&peer);
+        self.peers_held.remove(&peer);
+    }
+
+    /// This router's requests each replica's current report holds (admitted before its poll), in
+    /// the report's units ([`LoadTable::held`]) as they stood when the report was accepted; zero
+    /// for a replica that has not reported, and while `reported_load` is not `others`. What a
+    /// worker publishes for its peers' `others`.
+    pub fn local_held(&self) -> Vec<LoadTotals> {
+        self.held_at_report.clone()
     }
 
     /// This router's bookings made since each replica's report was polled, in the report's units

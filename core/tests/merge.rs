@@ -239,3 +239,69 @@ fn another_proxys_long_request_steers_this_proxy_away_once_reported() {
         }
     }
 }
+
+/// `others`: this proxy's own requests by its own bookings, and of the report only what is not this
+/// proxy's, so nothing counts twice and one proxy alone scores as `ignore` does.
+#[test]
+fn others_adds_only_the_part_of_the_report_that_is_not_this_proxys() {
+    let mut r = Router::new(cfg(ReportedLoad::Others), 2).unwrap();
+    let shared: Vec<u32> = (0..24).collect();
+    let mut p1 = shared.clone();
+    p1.extend(100..108);
+    let mut p2 = shared.clone();
+    p2.extend(200..208);
+    admit_on(&mut r, 1, 0, &p1, 100);
+    admit_on(&mut r, 2, 0, &p2, 100);
+    let own = r.local_load()[0];
+    assert_eq!(
+        own.decode_blocks,
+        6 + 2 + 2,
+        "the shared prefix booked once"
+    );
+    // The replica reports exactly these two (32 + 32 tokens to prefill, 8 + 8 blocks, 2 running).
+    r.accept_feed_polled_at(0, &report(load(64, 16, 2)), 200);
+    assert_eq!(r.local_held()[0], totals(64, 16, 2));
+    assert_eq!(
+        r.effective_load()[0],
+        own,
+        "one proxy: the report is all this proxy's, the bookings stand"
+    );
+    // Another proxy's request in the next report: 40 tokens, 10 blocks, 1 running.
+    r.accept_feed_polled_at(0, &report(load(64 + 40, 16 + 10, 3)), 300);
+    let mut want = own;
+    want.add(&totals(40, 10, 1));
+    assert_eq!(r.effective_load()[0], want);
+    // This proxy's request 1 ends: off its bookings and off the report's rest at once.
+    r.first_token(1);
+    r.first_token(2);
+    assert!(r.release(1));
+    let mut want = r.local_load()[0];
+    want.add(&totals(40, 10, 1));
+    assert_eq!(r.effective_load()[0], want);
+    // A request admitted after the poll is this proxy's bookings alone (the report cannot hold it).
+    let c: Vec<u32> = (500..520).collect();
+    admit_on(&mut r, 3, 0, &c, 350);
+    let mut want = r.local_load()[0];
+    want.add(&totals(40, 10, 1));
+    assert_eq!(r.effective_load()[0], want);
+    // The next report no longer holds request 1, and holds requests 2 and 3 as they are now.
+    assert_eq!(r.local_held()[0], totals(64, 16, 2), "as accepted at 300");
+    let now = r.local_load()[0];
+    r.accept_feed_polled_at(0, &report(load(20 + 40, 8 + 5 + 10, 3)), 400);
+    assert_eq!(r.local_held()[0], totals(20, 8 + 5, 2));
+    let mut want = now;
+    want.add(&totals(40, 10, 1));
+    assert_eq!(r.effective_load()[0], want);
+    // A peer worker's requests the report holds are taken off it too.
+    r.set_peer_load(7, &[totals(0, 6, 1), LoadTotals::default()]);
+    r.set_peer_held(7, &[totals(0, 6, 1), LoadTotals::default()]);
+    let mut want = r.local_load()[0];
+    want.add(&totals(0, 6, 1));
+    want.add(&totals(40, 10 - 6, 0));
+    assert_eq!(r.effective_load()[0], want);
+    // A report below this proxy's own share leaves nothing for the others (never below zero).
+    r.accept_feed_polled_at(0, &report(load(0, 0, 0)), 500);
+    let mut want = r.local_load()[0];
+    want.add(&totals(0, 6, 1));
+    assert_eq!(r.effective_load()[0], want);
+}

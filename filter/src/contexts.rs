@@ -584,15 +584,18 @@ impl RootContext for Root {
         );
         if state.config().peers.is_some()
             && state.config().routing.policy == kvsteer_core::config::PolicyKind::KvLoad
-            && state.config().routing.kv_load.reported_load
-                != kvsteer_core::config::ReportedLoad::Merge
+            && !matches!(
+                state.config().routing.kv_load.reported_load,
+                kvsteer_core::config::ReportedLoad::Merge
+                    | kvsteer_core::config::ReportedLoad::Others
+            )
         {
             // Measured (docs/proxies.md): the peers' working set without their load gathers cold
             // sessions on replicas whose queues this proxy cannot see.
             log(
                 LogLevel::Warn,
-                "kvsteer: peers is meant for routing.kv_load.reported_load merge: without it this \
-                 proxy sees every proxy's sessions but only its own load",
+                "kvsteer: peers is meant for routing.kv_load.reported_load merge or others: without \
+                 either this proxy sees every proxy's sessions but only its own load",
             );
         }
         self.vm = Some(Rc::new(RefCell::new(Vm { state, metrics })));

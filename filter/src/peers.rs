@@ -15,7 +15,9 @@
 //! Record layout: `published_ms u64` (little-endian), then the core's `LoadTotals::encode_all` bytes of
 //! the worker's bookings, then (optional, for `reported_load` `merge`) the same encoding of its
 //! bookings made since each replica's report was polled (`Router::local_load_since`) and of what it
-//! released since of requests that report holds (`Router::local_released_since`).
+//! released since of requests that report holds (`Router::local_released_since`), and (for
+//! `reported_load` `others`) of its requests that report holds (`Router::local_held`); a record
+//! without the last part (an older filter) reads as holding nothing.
 //!
 //! The working set (`kvsteer_core::working_set`): each worker publishes the journal of its recent
 //! admissions under `<prefix>:ws:<worker>` (the core's encoding, which starts with `published_ms`)
@@ -34,6 +36,7 @@ pub fn encode(published_ms: u64, rec: &PeerLoad) -> Vec<u8> {
     out.extend_from_slice(&LoadTotals::encode_all(&rec.totals));
     out.extend_from_slice(&LoadTotals::encode_all(&rec.since));
     out.extend_from_slice(&LoadTotals::encode_all(&rec.released));
+    out.extend_from_slice(&LoadTotals::encode_all(&rec.held));
     out
 }
 
@@ -44,6 +47,8 @@ pub struct PeerLoad {
     pub totals: Vec<LoadTotals>,
     pub since: Vec<LoadTotals>,
     pub released: Vec<LoadTotals>,
+    /// Its requests each replica's current report holds (`Router::local_held`), for `others`.
+    pub held: Vec<LoadTotals>,
 }
 
 /// Decodes a peer record (its publication time and load); `None` for anything malformed or for a
@@ -53,7 +58,7 @@ pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, PeerLoad)> {
     let ts = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
     let mut parts = Vec::new();
     let mut rest = &bytes[8..];
-    while !rest.is_empty() && parts.len() < 3 {
+    while !rest.is_empty() && parts.len() < 4 {
         let count = u32::from_le_bytes(rest.get(4..8)?.try_into().ok()?) as usize;
         let len = count.checked_mul(load::LOAD_TOTALS_LEN)?.checked_add(8)?;
         let v = LoadTotals::decode_all(rest.get(..len)?).ok()?;
@@ -63,7 +68,7 @@ pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, PeerLoad)> {
         parts.push(v);
         rest = &rest[len..];
     }
-    if !rest.is_empty() || !(parts.len() == 1 || parts.len() == 3) {
+    if !rest.is_empty() || !matches!(parts.len(), 1 | 3 | 4) {
         return None;
     }
     let zeros = vec![LoadTotals::default(); replicas];
@@ -74,7 +79,8 @@ pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, PeerLoad)> {
         PeerLoad {
             totals,
             since: it.next().unwrap_or_else(|| zeros.clone()),
-            released: it.next().unwrap_or(zeros),
+            released: it.next().unwrap_or_else(|| zeros.clone()),
+            held: it.next().unwrap_or(zeros),
         },
     ))
 }
@@ -262,22 +268,29 @@ mod tests {
             totals: t.clone(),
             since: vec![t[1], t[0]],
             released: vec![t[0], t[0]],
+            held: vec![t[0], t[1]],
         };
         let b = encode(99, &rec);
         assert_eq!(decode(&b, 2), Some((99, rec.clone())));
         assert_eq!(decode(&b, 3), None);
-        let first = 8 + 8 + 2 * load::LOAD_TOTALS_LEN;
-        for cut in (0..b.len()).filter(|&c| c != first) {
+        let part = 8 + 2 * load::LOAD_TOTALS_LEN;
+        let first = 8 + part;
+        let third = 8 + 3 * part;
+        for cut in (0..b.len()).filter(|&c| c != first && c != third) {
             assert_eq!(decode(&b[..cut], 2), None, "cut at {cut}");
         }
         // A record with the bookings alone (an older filter): nothing since the polls.
         let zeros = vec![LoadTotals::default(); 2];
         let old = PeerLoad {
-            totals: t,
+            totals: t.clone(),
             since: zeros.clone(),
-            released: zeros,
+            released: zeros.clone(),
+            held: zeros.clone(),
         };
         assert_eq!(decode(&b[..first], 2), Some((99, old)));
+        // One without the held part (the filter before `others`): holding nothing.
+        let before = PeerLoad { held: zeros, ..rec };
+        assert_eq!(decode(&b[..third], 2), Some((99, before)));
     }
 
     fn totals(prefill: u64) -> Vec<LoadTotals> {
@@ -303,6 +316,7 @@ mod tests {
             totals: totals(7),
             since: totals(3),
             released: totals(1),
+            held: totals(2),
         };
         publish(&s, "k", 0, 1_000, &rec);
         assert_eq!(read_fresh(&s, "k", 0, 2, 1_500, 500), Some(rec));

@@ -487,6 +487,7 @@ impl RouterState {
             totals: self.router.local_load(),
             since: self.router.local_load_since(),
             released: self.router.local_released_since(),
+            held: self.router.local_held(),
         };
         peers::publish(store, prefix, me, now_ms, &rec);
         peers::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
@@ -510,6 +511,7 @@ impl RouterState {
                     self.router.set_peer_load(peer, &rec.totals);
                     self.router
                         .set_peer_load_since(peer, &rec.since, &rec.released);
+                    self.router.set_peer_held(peer, &rec.held);
                 }
                 None => self.router.clear_peer(peer),
             }
