@@ -20,12 +20,17 @@ fn two_proxies(reported_load: &str) -> HarnessConfig {
 }
 
 /// A long decode sent through proxy 0; then four short requests through proxy 1 (two per worker, at
-/// the same instant). Under `merge` (and `max`) proxy 1 learns the long decode from the replica's
-/// report and keeps all four off that replica; under `ignore` it sees only its own bookings and
-/// balances its four across both replicas.
+/// the same instant). Under `merge`, `others` (and `max`) proxy 1 learns the long decode from the
+/// replica's report and keeps all four off that replica; under `ignore` it sees only its own
+/// bookings and balances its four across both replicas.
 #[test]
 fn a_long_decode_through_one_proxy_steers_the_other_away_once_reported() {
-    for (mode, avoids) in [("merge", true), ("max", true), ("ignore", false)] {
+    for (mode, avoids) in [
+        ("merge", true),
+        ("others", true),
+        ("max", true),
+        ("ignore", false),
+    ] {
         let mut h = harness_with(two_proxies(mode));
         assert_eq!(h.workers().len(), 4);
         assert_eq!(h.proxy_of_worker(3), 1);
