@@ -518,19 +518,14 @@ impl LoadTable {
         out
     }
 
-    /// What this table's requests admitted before `marks[replica]` (ms), and still tracked, add to
-    /// their replica in the report's units (as [`LoadTable::since`] counts them): the part of the
-    /// replica's report that is this table's, with what was released since (`reported_load`
-    /// `others`). A replica whose mark is `u64::MAX` (or missing: no report yet) gets nothing.
-    pub fn held(&self, marks: &[u64]) -> Vec<LoadTotals> {
-        let mut out = vec![LoadTotals::default(); self.totals.len()];
-        for (id, r) in &self.requests {
-            let mark = marks.get(r.replica).copied().unwrap_or(u64::MAX);
-            if mark == u64::MAX || r.admitted_ms >= mark {
-                continue;
-            }
-            if let Some((_, _, share)) = self.reported_share(*id) {
-                out[r.replica].add(&share);
+    /// What this table's requests on `replica` admitted before `mark` (ms), and still tracked, add to
+    /// it in the report's units (as [`LoadTable::since`] counts them): this table's part of a report
+    /// produced by a poll sent at `mark` (`reported_load` `others`). O(tracked requests).
+    pub fn held(&self, replica: usize, mark: u64) -> LoadTotals {
+        let mut out = LoadTotals::default();
+        for r in self.requests.values() {
+            if r.replica == replica && r.admitted_ms < mark {
+                out.add(&self.share_of(r));
             }
         }
         out

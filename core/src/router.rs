@@ -1043,7 +1043,7 @@ impl Router {
         self.report_polled_ms[replica] = polled_ms;
         self.released_since[replica] = LoadTotals::default();
         if self.cfg.kv_load.reported_load == ReportedLoad::Others {
-            self.held_at_report[replica] = self.load.held(&self.report_polled_ms)[replica];
+            self.held_at_report[replica] = self.load.held(replica, polled_ms);
         }
         match self.cursors[replica].accept(batch) {
             CursorVerdict::Gap => {
