@@ -37,7 +37,8 @@ pub struct Released {
     pub replica: usize,
     /// When it was admitted (router clock, ms).
     pub admitted_ms: u64,
-    /// What it contributed to its replica's load ([`LoadTable::reported_share`]).
+    /// What it contributed to its replica's load, in the report's units (as [`LoadTable::since`]
+    /// counts it).
     pub share: LoadTotals,
 }
 
@@ -77,6 +78,14 @@ impl LoadTotals {
         self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);
         self.decode_blocks = self.decode_blocks.saturating_add(o.decode_blocks);
         self.active_requests = self.active_requests.saturating_add(o.active_requests);
+    }
+
+    /// Adds `other`'s per-replica totals to `totals`, replica by replica (extra entries of either
+    /// side are left alone).
+    pub fn add_each(totals: &mut [LoadTotals], other: &[LoadTotals]) {
+        for (o, t) in totals.iter_mut().zip(other) {
+            o.add(t);
+        }
     }
 
     /// Compact encoding of a per-replica vector for proxy shared data: `KVLT`, a u32 count, then
@@ -468,8 +477,8 @@ impl LoadTable {
         self.release_entry(request_id).is_some()
     }
 
-    /// [`LoadTable::release`], returning what the request was (its output so far and its share as
-    /// [`LoadTable::reported_share`] gives it) from the one lookup that removes it.
+    /// [`LoadTable::release`], returning what the request was (its output so far and its share in
+    /// the report's units) from the one lookup that removes it.
     pub fn release_entry(&mut self, request_id: u64) -> Option<Released> {
         let Some(r) = self.requests.remove(&request_id) else {
             self.release_anomalies += 1;
@@ -506,13 +515,10 @@ impl LoadTable {
     /// `u64::MAX` (or missing) gets nothing. O(tracked requests).
     pub fn since(&self, marks: &[u64]) -> Vec<LoadTotals> {
         let mut out = vec![LoadTotals::default(); self.totals.len()];
-        for (id, r) in &self.requests {
+        for r in self.requests.values() {
             let mark = marks.get(r.replica).copied().unwrap_or(u64::MAX);
-            if r.admitted_ms < mark {
-                continue;
-            }
-            if let Some((_, _, share)) = self.reported_share(*id) {
-                out[r.replica].add(&share);
+            if r.admitted_ms >= mark {
+                out[r.replica].add(&self.share_of(r));
             }
         }
         out
@@ -531,13 +537,8 @@ impl LoadTable {
         out
     }
 
-    /// A tracked request's replica, admission time and share of load in the units a replica reports
-    /// (as [`LoadTable::since`] counts it), or None for an unknown request.
-    pub fn reported_share(&self, request_id: u64) -> Option<(usize, u64, LoadTotals)> {
-        let r = self.requests.get(&request_id)?;
-        Some((r.replica, r.admitted_ms, self.share_of(r)))
-    }
-
+    /// A tracked request's share of load in the units a replica reports (as [`LoadTable::since`]
+    /// and [`LoadTable::held`] count it).
     fn share_of(&self, r: &Tracked) -> LoadTotals {
         let blocks = if r.prompt_charged {
             r.prompt_blocks + r.generated / self.block_size
@@ -555,9 +556,7 @@ impl LoadTable {
     pub fn combined<'a>(&self, peers: impl Iterator<Item = &'a [LoadTotals]>) -> Vec<LoadTotals> {
         let mut out = self.totals.clone();
         for p in peers {
-            for (o, t) in out.iter_mut().zip(p) {
-                o.add(t);
-            }
+            LoadTotals::add_each(&mut out, p);
         }
         out
     }

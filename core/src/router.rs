@@ -301,29 +301,23 @@ impl Router {
         if mode == ReportedLoad::Ignore {
             return eff;
         }
-        // Per replica, what meets the report: for `merge` this proxy's bookings since the poll and
-        // what it released since of the report's requests; for `others` its requests the report
-        // holds (as accepted).
-        let (since, released) = match mode {
+        // Per replica, what meets the report: for `merge` this proxy's bookings since the poll
+        // (added) and what it released since of the report's requests (taken off); for `others`
+        // its requests the report holds, as accepted (taken off).
+        let (own, released) = match mode {
             ReportedLoad::Merge => {
-                let mut v = self.load.since(&self.report_polled_ms);
+                let mut since = self.load.since(&self.report_polled_ms);
                 let mut gone = self.released_since.clone();
                 for (p, g) in self.peers_since.values() {
-                    for (o, t) in v.iter_mut().zip(p) {
-                        o.add(t);
-                    }
-                    for (o, t) in gone.iter_mut().zip(g) {
-                        o.add(t);
-                    }
+                    LoadTotals::add_each(&mut since, p);
+                    LoadTotals::add_each(&mut gone, g);
                 }
-                (v, gone)
+                (since, gone)
             }
             ReportedLoad::Others => {
                 let mut held = self.held_at_report.clone();
                 for p in self.peers_held.values() {
-                    for (o, t) in held.iter_mut().zip(p) {
-                        o.add(t);
-                    }
+                    LoadTotals::add_each(&mut held, p);
                 }
                 (held, Vec::new())
             }
@@ -350,14 +344,14 @@ impl Router {
                 };
                 if mode == ReportedLoad::Merge {
                     let mut m = report;
-                    m.add(&since[r]);
+                    m.add(&own[r]);
                     m.sub(&released[r]);
                     *e = m;
                 } else if mode == ReportedLoad::Others {
-                    // `since` holds this proxy's requests the report holds: the rest is the other
-                    // proxies' (and what the report counts that the bookings do not).
+                    // Less this proxy's requests the report holds, the rest is the other proxies'
+                    // (and what the report counts that the bookings do not).
                     let mut rest = report;
-                    rest.sub(&since[r]);
+                    rest.sub(&own[r]);
                     e.add(&rest);
                 } else {
                     e.prefill_tokens = e.prefill_tokens.max(rep.prefill_tokens);
