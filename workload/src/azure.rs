@@ -24,6 +24,11 @@ pub struct AzureParams {
     /// Block size reported to the consumer (nothing is shared, so it only affects block accounting).
     pub block_size: u32,
     pub max_prompt_tokens: u32,
+    /// Each gap between consecutive arrivals drawn within this share of the recorded one
+    /// ([`crate::arrivals::jitter_gaps`]); 0 (the default) replays the recorded times.
+    pub arrival_jitter: f64,
+    /// The draw of `arrival_jitter`.
+    pub jitter_seed: u64,
 }
 
 impl Default for AzureParams {
@@ -34,6 +39,8 @@ impl Default for AzureParams {
             max_rows: None,
             block_size: 16,
             max_prompt_tokens: 1 << 20,
+            arrival_jitter: 0.0,
+            jitter_seed: 0,
         }
     }
 }
@@ -88,6 +95,7 @@ pub fn parse(text: &str, p: &AzureParams) -> Result<Workload, WorkloadError> {
             "speed must be > 0 and block_size >= 1".into(),
         ));
     }
+    crate::arrivals::check_jitter(p.arrival_jitter)?;
     let mut rows = Vec::new();
     let mut lines = text.lines().enumerate();
     match lines.next() {
@@ -134,7 +142,7 @@ pub fn parse(text: &str, p: &AzureParams) -> Result<Workload, WorkloadError> {
         rows.push((ln, ts, ctx as u32, gen_));
     }
     let t0 = rows.iter().map(|r| r.1).min().unwrap_or(0);
-    let sessions = rows
+    let mut sessions: Vec<Session> = rows
         .into_iter()
         .map(|(ln, ts, ctx, out)| {
             let prompt = BlockPrompt {
@@ -147,11 +155,21 @@ pub fn parse(text: &str, p: &AzureParams) -> Result<Workload, WorkloadError> {
             Session::single_request(format!("az-{ln}"), prompt, out, arrival_us)
         })
         .collect();
-    let params = vec![
+    crate::arrivals::jitter_gaps(
+        &mut sessions,
+        p.arrival_jitter,
+        p.jitter_seed,
+        "azure-arrival",
+    );
+    let mut params = vec![
         ("path".into(), p.path.display().to_string()),
         ("speed".into(), p.speed.to_string()),
         ("max_rows".into(), format!("{:?}", p.max_rows)),
     ];
+    if p.arrival_jitter > 0.0 {
+        params.push(("arrival_jitter".into(), p.arrival_jitter.to_string()));
+        params.push(("jitter_seed".into(), p.jitter_seed.to_string()));
+    }
     Ok(Workload::open_trace(
         "azure",
         params,
@@ -209,5 +227,31 @@ mod tests {
             parse(bad, &p),
             Err(WorkloadError::Parse { line: 2, .. })
         ));
+    }
+
+    #[test]
+    fn arrival_jitter_moves_the_times_within_the_band() {
+        let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,40,4\n\
+                    2023-11-16 18:15:48.0,40,2\n2023-11-16 18:15:49.0,40,2\n";
+        let p = AzureParams {
+            arrival_jitter: 0.2,
+            jitter_seed: 5,
+            ..Default::default()
+        };
+        let w = parse(text, &p).unwrap();
+        let t: Vec<u64> = w
+            .sessions
+            .iter()
+            .map(|s| s.turns[0].arrival_us.unwrap())
+            .collect();
+        assert_eq!(t[0], 0);
+        assert!((1_600_000..=2_400_000).contains(&t[1]), "{t:?}");
+        assert!((800_000..=1_200_000).contains(&(t[2] - t[1])), "{t:?}");
+        assert_ne!(t, vec![0, 2_000_000, 3_000_000]);
+        let bad = AzureParams {
+            arrival_jitter: -0.5,
+            ..Default::default()
+        };
+        assert!(matches!(parse(text, &bad), Err(WorkloadError::Param(_))));
     }
 }

@@ -6,6 +6,7 @@
 //! the consumer's event loop reports completions; a [`measure::Recorder`] turns what the consumer saw into
 //! a [`measure::Summary`]; [`report`] prints summaries side by side and draws SVG plots.
 
+pub mod arrivals;
 pub mod azure;
 pub mod catalog;
 pub mod driver;

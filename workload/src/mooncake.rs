@@ -27,6 +27,11 @@ pub struct MooncakeParams {
     pub max_requests: Option<usize>,
     /// Rows with a longer prompt are skipped (counted). The trace's longest is 191,378 tokens.
     pub max_prompt_tokens: u32,
+    /// Each gap between consecutive arrivals drawn within this share of the recorded one
+    /// ([`crate::arrivals::jitter_gaps`]); 0 (the default) replays the recorded times.
+    pub arrival_jitter: f64,
+    /// The draw of `arrival_jitter`.
+    pub jitter_seed: u64,
 }
 
 impl Default for MooncakeParams {
@@ -36,6 +41,8 @@ impl Default for MooncakeParams {
             speed: 1.0,
             max_requests: None,
             max_prompt_tokens: 1 << 20,
+            arrival_jitter: 0.0,
+            jitter_seed: 0,
         }
     }
 }
@@ -60,6 +67,7 @@ pub fn parse(text: &str, p: &MooncakeParams) -> Result<Workload, WorkloadError> 
             p.speed
         )));
     }
+    crate::arrivals::check_jitter(p.arrival_jitter)?;
     let mut sessions = Vec::new();
     let mut skipped = 0u64;
     let mut rows = 0usize;
@@ -99,11 +107,21 @@ pub fn parse(text: &str, p: &MooncakeParams) -> Result<Workload, WorkloadError> 
             arrival_us,
         ));
     }
-    let params = vec![
+    crate::arrivals::jitter_gaps(
+        &mut sessions,
+        p.arrival_jitter,
+        p.jitter_seed,
+        "mooncake-arrival",
+    );
+    let mut params = vec![
         ("path".into(), p.path.display().to_string()),
         ("speed".into(), p.speed.to_string()),
         ("max_prompt_tokens".into(), p.max_prompt_tokens.to_string()),
     ];
+    if p.arrival_jitter > 0.0 {
+        params.push(("arrival_jitter".into(), p.arrival_jitter.to_string()));
+        params.push(("jitter_seed".into(), p.jitter_seed.to_string()));
+    }
     Ok(Workload::open_trace(
         "mooncake", params, BLOCK_SIZE, sessions, skipped,
     ))
@@ -154,5 +172,52 @@ mod tests {
             ..Default::default()
         };
         assert!(matches!(parse("", &p0), Err(WorkloadError::Param(_))));
+        let wild = MooncakeParams {
+            arrival_jitter: 1.5,
+            ..Default::default()
+        };
+        assert!(matches!(parse("", &wild), Err(WorkloadError::Param(_))));
+    }
+
+    #[test]
+    fn arrival_jitter_redraws_the_gaps_per_seed_and_keeps_the_rest() {
+        let text: String = (0..20)
+            .map(|i| {
+                format!(
+                    "{{\"timestamp\": {}, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [0, {i}]}}\n",
+                    i * 100
+                )
+            })
+            .collect();
+        let at = |jitter, seed| {
+            let p = MooncakeParams {
+                arrival_jitter: jitter,
+                jitter_seed: seed,
+                ..Default::default()
+            };
+            let w = parse(&text, &p).unwrap();
+            let t: Vec<u64> = w
+                .sessions
+                .iter()
+                .map(|s| s.turns[0].arrival_us.unwrap())
+                .collect();
+            (
+                t,
+                w.sessions
+                    .iter()
+                    .map(|s| s.turns[0].prompt.clone())
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let (recorded, prompts) = at(0.0, 0);
+        let (a, pa) = at(0.2, 1);
+        let (b, _) = at(0.2, 2);
+        assert_ne!(a, recorded);
+        assert_ne!(a, b);
+        assert_eq!(pa, prompts, "only the times move");
+        for i in 1..a.len() {
+            let gap = (a[i] - a[i - 1]) as f64;
+            assert!((79_000.0..=121_000.0).contains(&gap), "{a:?}");
+        }
     }
 }

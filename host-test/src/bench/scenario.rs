@@ -54,10 +54,15 @@ pub enum Source {
     Mooncake {
         speed: f64,
         max_requests: Option<usize>,
+        /// [`MooncakeParams::arrival_jitter`], drawn by the scenario's seed ([`ARRIVAL_JITTER`] in
+        /// [`matrix`], 0 in [`fixed_matrix`]).
+        arrival_jitter: f64,
     },
     Azure {
         speed: f64,
         max_rows: Option<usize>,
+        /// [`AzureParams::arrival_jitter`], as for Mooncake.
+        arrival_jitter: f64,
     },
 }
 
@@ -132,17 +137,26 @@ impl Scenario {
             Source::Mooncake {
                 speed,
                 max_requests,
+                arrival_jitter,
             } => mooncake::read(&MooncakeParams {
                 path: traces.join(mooncake::FILE),
                 speed: *speed,
                 max_requests: *max_requests,
+                arrival_jitter: *arrival_jitter,
+                jitter_seed: seed,
                 ..Default::default()
             })
             .map_err(err)?,
-            Source::Azure { speed, max_rows } => azure::read(&AzureParams {
+            Source::Azure {
+                speed,
+                max_rows,
+                arrival_jitter,
+            } => azure::read(&AzureParams {
                 path: traces.join(azure::FILE),
                 speed: *speed,
                 max_rows: *max_rows,
+                arrival_jitter: *arrival_jitter,
+                jitter_seed: seed,
                 ..Default::default()
             })
             .map_err(err)?,
@@ -271,6 +285,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
             source: Source::Mooncake {
                 speed,
                 max_requests: mc_rows,
+                arrival_jitter: ARRIVAL_JITTER,
             },
             proxies: 1,
             spread: ProxySpread::PerRequest,
@@ -298,6 +313,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
         source: Source::Azure {
             speed: 1.0,
             max_rows: az_rows,
+            arrival_jitter: ARRIVAL_JITTER,
         },
         proxies: 1,
         spread: ProxySpread::PerRequest,
@@ -312,22 +328,40 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
 /// within 20% of the recorded one.
 pub const THINK_JITTER: f64 = 0.2;
 
-/// The coding-agent levels of [`matrix`] on the trace's recorded timing (no jitter): ids
-/// `weka-c<C>-fixed`, group `weka-fixed`. There a seed changes only the engines' seeds and the
-/// routers' tie-breaks, so a policy that breaks few ties (kv_load's costs are rarely equal) replays
-/// the same run on every seed while session_hash draws a new ring: the matrix up to 2026-12-01 was
-/// built so, and these scenarios reproduce it. Not in [`matrix`]: only `--only` selects them.
+/// Arrival jitter of the open-loop traces (Mooncake, Azure) in [`matrix`]: each seed draws every gap
+/// between consecutive arrivals within 20% of the recorded one, so that, as on the coding-agent
+/// trace, every policy's seeds are independent draws (with the recorded times a seed changed only
+/// tie-breaks, and kv_load replayed one run on every seed).
+pub const ARRIVAL_JITTER: f64 = 0.2;
+
+/// The trace scenarios of [`matrix`] on their recorded timing (no jitter): the coding-agent levels
+/// (ids `weka-c<C>-fixed`, group `weka-fixed`), Mooncake and Azure (`mooncake-x<S>-fixed`,
+/// `azure-fixed`; groups `mooncake-fixed`, `azure-fixed`). There a seed changes only the engines'
+/// seeds and the routers' tie-breaks, so a policy that breaks few ties (kv_load's costs are rarely
+/// equal) replays the same run on every seed while session_hash draws a new ring: the matrix up to
+/// 2026-12-01 was built so, and these scenarios reproduce it. Not in [`matrix`]: only `--only`
+/// selects them.
 pub fn fixed_matrix(scale: Scale) -> Vec<Scenario> {
     matrix(scale)
         .into_iter()
-        .filter(|s| s.group == "weka")
-        .map(|mut s| {
-            if let Source::Weka { think_jitter, .. } = &mut s.source {
-                *think_jitter = 0.0;
-            }
+        .filter_map(|mut s| {
+            s.group = match &mut s.source {
+                Source::Weka { think_jitter, .. } => {
+                    *think_jitter = 0.0;
+                    "weka-fixed"
+                }
+                Source::Mooncake { arrival_jitter, .. } => {
+                    *arrival_jitter = 0.0;
+                    "mooncake-fixed"
+                }
+                Source::Azure { arrival_jitter, .. } => {
+                    *arrival_jitter = 0.0;
+                    "azure-fixed"
+                }
+                _ => return None,
+            };
             s.id = format!("{}-fixed", s.id);
-            s.group = "weka-fixed";
-            s
+            Some(s)
         })
         .collect()
 }
@@ -537,15 +571,18 @@ mod tests {
     }
 
     #[test]
-    fn fixed_scenarios_mirror_the_jittered_coding_agent_levels_apart_from_the_matrix() {
+    fn fixed_scenarios_mirror_the_jittered_trace_scenarios_apart_from_the_matrix() {
         for scale in [Scale::Full, Scale::Quick, Scale::Smoke] {
             let m = matrix(scale);
             let j = fixed_matrix(scale);
-            let weka: Vec<&Scenario> = m.iter().filter(|s| s.group == "weka").collect();
-            assert_eq!(j.len(), weka.len(), "{scale:?}");
-            for (s, w) in j.iter().zip(weka) {
+            let traces: Vec<&Scenario> = m
+                .iter()
+                .filter(|s| matches!(s.group, "weka" | "mooncake" | "azure"))
+                .collect();
+            assert_eq!(j.len(), traces.len(), "{scale:?}");
+            for (s, w) in j.iter().zip(traces) {
                 assert_eq!(s.id, format!("{}-fixed", w.id));
-                assert_eq!(s.group, "weka-fixed");
+                assert_eq!(s.group, format!("{}-fixed", w.group));
                 assert!(!m.iter().any(|x| x.id == s.id || x.group == s.group));
                 match (&s.source, &w.source) {
                     (
@@ -560,7 +597,27 @@ mod tests {
                             ..
                         },
                     ) => assert_eq!((a, *ja, *jb), (b, 0.0, THINK_JITTER)),
-                    _ => panic!("{} is not a coding-agent scenario", s.id),
+                    (
+                        Source::Mooncake {
+                            speed: a,
+                            arrival_jitter: ja,
+                            ..
+                        },
+                        Source::Mooncake {
+                            speed: b,
+                            arrival_jitter: jb,
+                            ..
+                        },
+                    ) => assert_eq!((a, *ja, *jb), (b, 0.0, ARRIVAL_JITTER)),
+                    (
+                        Source::Azure {
+                            arrival_jitter: ja, ..
+                        },
+                        Source::Azure {
+                            arrival_jitter: jb, ..
+                        },
+                    ) => assert_eq!((*ja, *jb), (0.0, ARRIVAL_JITTER)),
+                    _ => panic!("{} does not mirror {}", s.id, w.id),
                 }
             }
         }

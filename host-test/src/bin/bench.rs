@@ -18,10 +18,11 @@
 //! 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`, `pd-weka-c24`; group `pd-shape`:
 //! `pd-weka-c24-3p3d`, the same 6 engines split 3 + 3), replayed by `kvsteer_host_test::pd`
 //! through the filter's two-leg P/D path (one worker VM), `@pd.KEY=NUMBER` setting its
-//! coefficients; docs/pd.md; and group `weka-fixed` (`weka-c16-fixed`, ...): the coding-agent levels
-//! on the trace's recorded timing, where a seed changes only tie-breaks; the matrix's own
-//! coding-agent scenarios draw every think time within 20% of the recorded one per seed, so that
-//! seeds are independent draws for every policy),
+//! coefficients; docs/pd.md; and groups `weka-fixed`, `mooncake-fixed`, `azure-fixed`
+//! (`weka-c16-fixed`, `mooncake-x1-fixed`, `azure-fixed`, ...): the trace scenarios on their recorded
+//! timing, where a seed changes only tie-breaks; the matrix's own coding-agent scenarios draw every
+//! think time, and its Mooncake and Azure scenarios every gap between arrivals, within 20% of the
+//! recorded one per seed, so that seeds are independent draws for every policy),
 //! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
 //! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
 //! `--traces DIR` (default `traces`), `--notes-only` (put `DIR/results/notes.md`, the analysis
@@ -211,27 +212,30 @@ fn run(args: &Args) -> Result<(), String> {
         workspace_root().join("out/dp")
     } else if args.out.is_none() && scenarios.iter().any(|s| s.group.starts_with("pd")) {
         workspace_root().join("out/pd")
-    } else if args.out.is_none() && scenarios.iter().any(|s| s.group == "weka-fixed") {
-        workspace_root().join("out/weka-fixed")
+    } else if args.out.is_none() && scenarios.iter().any(|s| s.group.ends_with("-fixed")) {
+        workspace_root().join("out/fixed")
     } else {
         out_dir(args)
     };
     let path = filter_wasm_path().map_err(|e| e.to_string())?;
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
 
-    // Workloads: traces have a fixed structure (built once, cloned per replay); RL and the jittered
-    // coding-agent scenarios are built per seed.
+    // Workloads: traces on their recorded timing are built once and cloned per replay; RL and the
+    // jittered trace scenarios are built per seed.
     eprintln!("== building {} workloads", scenarios.len());
     let mut workloads: Vec<(Workload, Mode)> = Vec::new();
     let mut first_workload = Vec::new();
     let mut jobs = Vec::new();
     for (si, sc) in scenarios.iter().enumerate() {
         first_workload.push(workloads.len());
-        // Workloads the seed reaches are built per seed; trace replays are the same for every seed.
+        // Workloads the seed reaches are built per seed; recorded-timing replays are the same for every
+        // seed.
         let per_seed = match sc.source {
             Source::Rl(_) | Source::Slice(_) => true,
             Source::Weka { think_jitter, .. } => think_jitter > 0.0,
-            _ => false,
+            Source::Mooncake { arrival_jitter, .. } | Source::Azure { arrival_jitter, .. } => {
+                arrival_jitter > 0.0
+            }
         };
         for seed in 0..seeds {
             if seed == 0 || per_seed {
@@ -754,8 +758,23 @@ fn write_outputs(
             "weka-fixed",
             "Coding-agent traces on the recorded timing (a seed changes tie-breaks only)",
         ),
-        ("mooncake", "Mooncake"),
-        ("azure", "Azure conversations (no-reuse control)"),
+        (
+            "mooncake",
+            "Mooncake (each seed draws every gap between arrivals within 20% of the recorded one)",
+        ),
+        (
+            "mooncake-fixed",
+            "Mooncake on the recorded arrival times (a seed changes tie-breaks only)",
+        ),
+        (
+            "azure",
+            "Azure conversations (no-reuse control; each seed draws every gap between arrivals \
+             within 20% of the recorded one)",
+        ),
+        (
+            "azure-fixed",
+            "Azure conversations on the recorded arrival times (a seed changes tie-breaks only)",
+        ),
         ("slice", "The Envoy slice, in the harness"),
         (
             "dp",
