@@ -38,14 +38,14 @@ def decode_blocks(endpoint: str) -> float:
                if ln.startswith("kvsteer_sim:decode_blocks"))
 
 
-def overrides_for(reported_load: str) -> dict:
-    return {"routing": {"kv_load": {"reported_load": reported_load}}}
+def overrides_for(reported_load: str, **kv_load) -> dict:
+    return {"routing": {"kv_load": {"reported_load": reported_load, **kv_load}}}
 
 
-def two_envoys(reported_load: str) -> tuple[Stack, Stack]:
+def two_envoys(reported_load: str, **kv_load) -> tuple[Stack, Stack]:
     """Replicas and Envoy A in one stack; Envoy B in a second stack sharing A's replicas (B stops
-    only its own Envoy)."""
-    overrides = overrides_for(reported_load)
+    only its own Envoy). `kv_load` adds other `routing.kv_load` fields."""
+    overrides = overrides_for(reported_load, **kv_load)
     a, b = Stack(), Stack()
     try:
         a.start_replicas(2, extra=["--time-scale", TIME_SCALE])
@@ -63,11 +63,12 @@ def two_envoys(reported_load: str) -> tuple[Stack, Stack]:
 
 class TwoEnvoysOneFleet(unittest.TestCase):
     """A long decode through Envoy A; then four short requests at once through Envoy B. With
-    `reported_load: merge` B keeps all four off the replica decoding A's request; with `ignore` it
+    `reported_load: merge`, or `others` without the working-set term (the configuration recommended
+    for several proxies), B keeps all four off the replica decoding A's request; with `ignore` it
     balances them over both replicas as if both were idle (it sees only its own bookings)."""
 
-    def run_case(self, reported_load: str) -> tuple[str, list[str]]:
-        a, b = two_envoys(reported_load)
+    def run_case(self, reported_load: str, **kv_load) -> tuple[str, list[str]]:
+        a, b = two_envoys(reported_load, **kv_load)
         long_result: list[Result] = []
         try:
             client = Client("127.0.0.1", a.listen_port, timeout_s=120)
@@ -123,6 +124,11 @@ class TwoEnvoysOneFleet(unittest.TestCase):
 
     def test_merge_steers_the_other_proxy_away_from_a_reported_decode(self):
         busy, landed = self.run_case("merge")
+        self.assertNotIn(busy, landed, f"B sent to the replica decoding A's request: {landed}")
+
+    def test_others_without_the_working_set_term_steers_the_other_proxy_away(self):
+        # The configuration docs/proxies.md recommends for several proxies.
+        busy, landed = self.run_case("others", overflow_weight=0)
         self.assertNotIn(busy, landed, f"B sent to the replica decoding A's request: {landed}")
 
     def test_ignore_cannot_see_the_other_proxys_decode(self):
