@@ -22,6 +22,30 @@ pub fn check_jitter(jitter: f64) -> Result<(), WorkloadError> {
     }
 }
 
+/// A factor drawn uniformly in `[1 - jitter, 1 + jitter]` from `key` and `seed`: 53 bits of the key
+/// mixed with the seed. The one draw behind every timing jitter of the workloads: the gaps here and
+/// the coding-agent trace's think times (`weka::WekaParams::think_jitter`).
+pub fn band_factor(key: u64, seed: u64, jitter: f64) -> f64 {
+    let u = (sub_key(key, &[seed]) >> 11) as f64 / (1u64 << 53) as f64;
+    1.0 + jitter * (2.0 * u - 1.0)
+}
+
+/// [`jitter_gaps`] with the draw recorded in the workload's `params` (when there is one), so a
+/// report names the jitter and seed a replay used.
+pub fn redraw(
+    sessions: &mut [Session],
+    params: &mut Vec<(String, String)>,
+    jitter: f64,
+    seed: u64,
+    namespace: &str,
+) {
+    if jitter > 0.0 {
+        jitter_gaps(sessions, jitter, seed, namespace);
+        params.push(("arrival_jitter".into(), jitter.to_string()));
+        params.push(("jitter_seed".into(), seed.to_string()));
+    }
+}
+
 /// Redraws the arrival times of `sessions` (each turn with an `arrival_us`, in any order): taken in
 /// arrival order, each gap to the previous arrival is multiplied by a factor drawn uniformly in
 /// `[1 - jitter, 1 + jitter]` from `namespace`, the request's position in the trace and `seed`. The
@@ -50,10 +74,7 @@ pub fn jitter_gaps(sessions: &mut [Session], jitter: f64, seed: u64, namespace: 
     for (i, &(recorded, s, t)) in slots.iter().enumerate() {
         let gap = (recorded - prev_recorded) as f64;
         prev_recorded = recorded;
-        // 53 bits of the request's own key mixed with the seed: a uniform draw in [0, 1).
-        let key = block_key(namespace, i as u64);
-        let u = (sub_key(key, &[seed]) >> 11) as f64 / (1u64 << 53) as f64;
-        now += gap * (1.0 + jitter * (2.0 * u - 1.0));
+        now += gap * band_factor(block_key(namespace, i as u64), seed, jitter);
         sessions[s].turns[t].arrival_us = Some(now.round() as u64);
     }
 }

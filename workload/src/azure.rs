@@ -155,21 +155,18 @@ pub fn parse(text: &str, p: &AzureParams) -> Result<Workload, WorkloadError> {
             Session::single_request(format!("az-{ln}"), prompt, out, arrival_us)
         })
         .collect();
-    crate::arrivals::jitter_gaps(
-        &mut sessions,
-        p.arrival_jitter,
-        p.jitter_seed,
-        "azure-arrival",
-    );
     let mut params = vec![
         ("path".into(), p.path.display().to_string()),
         ("speed".into(), p.speed.to_string()),
         ("max_rows".into(), format!("{:?}", p.max_rows)),
     ];
-    if p.arrival_jitter > 0.0 {
-        params.push(("arrival_jitter".into(), p.arrival_jitter.to_string()));
-        params.push(("jitter_seed".into(), p.jitter_seed.to_string()));
-    }
+    crate::arrivals::redraw(
+        &mut sessions,
+        &mut params,
+        p.arrival_jitter,
+        p.jitter_seed,
+        "azure-arrival",
+    );
     Ok(Workload::open_trace(
         "azure",
         params,

@@ -107,21 +107,18 @@ pub fn parse(text: &str, p: &MooncakeParams) -> Result<Workload, WorkloadError> 
             arrival_us,
         ));
     }
-    crate::arrivals::jitter_gaps(
-        &mut sessions,
-        p.arrival_jitter,
-        p.jitter_seed,
-        "mooncake-arrival",
-    );
     let mut params = vec![
         ("path".into(), p.path.display().to_string()),
         ("speed".into(), p.speed.to_string()),
         ("max_prompt_tokens".into(), p.max_prompt_tokens.to_string()),
     ];
-    if p.arrival_jitter > 0.0 {
-        params.push(("arrival_jitter".into(), p.arrival_jitter.to_string()));
-        params.push(("jitter_seed".into(), p.jitter_seed.to_string()));
-    }
+    crate::arrivals::redraw(
+        &mut sessions,
+        &mut params,
+        p.arrival_jitter,
+        p.jitter_seed,
+        "mooncake-arrival",
+    );
     Ok(Workload::open_trace(
         "mooncake", params, BLOCK_SIZE, sessions, skipped,
     ))

@@ -409,9 +409,7 @@ fn push_turn(
     };
     let think_s = if think_s.is_finite() { think_s } else { 0.0 };
     let jitter = if p.think_jitter > 0.0 {
-        // 53 bits of the turn's own key mixed with the seed: a uniform draw in [0, 1).
-        let u = (sub_key(pad_key, &[p.jitter_seed]) >> 11) as f64 / (1u64 << 53) as f64;
-        1.0 + p.think_jitter * (2.0 * u - 1.0)
+        crate::arrivals::band_factor(pad_key, p.jitter_seed, p.think_jitter)
     } else {
         1.0
     };
