@@ -115,6 +115,10 @@ pub struct KvLoadParams {
     /// asked for once: what other proxies send it, which this proxy cannot see otherwise (and the
     /// blocks of generated outputs). For several proxies in front of one fleet (docs/proxies.md).
     pub working_set_from_feed: bool,
+    /// Scale `overflow_weight` by how far the traffic's reuse share (the share of recently requested
+    /// blocks that had been requested before) is above this floor: nothing at or below it, all of
+    /// it at a share of 1 ([`crate::policy::kv_load::reuse_ramp`]). Unset: the weight as given.
+    pub overflow_reuse_floor: Option<f64>,
 }
 
 /// Named `kv_load` settings from routers users would otherwise pick (docs/configuration.md).
@@ -200,6 +204,7 @@ struct KvLoadSection {
     overflow_weight: Option<f64>,
     overflow_softness: Option<f64>,
     working_set_from_feed: Option<bool>,
+    overflow_reuse_floor: Option<f64>,
 }
 
 impl From<KvLoadSection> for KvLoadParams {
@@ -237,6 +242,7 @@ impl From<KvLoadSection> for KvLoadParams {
             working_set_from_feed: s
                 .working_set_from_feed
                 .unwrap_or(base.working_set_from_feed),
+            overflow_reuse_floor: s.overflow_reuse_floor.or(base.overflow_reuse_floor),
         }
     }
 }
@@ -298,6 +304,7 @@ impl Default for KvLoadParams {
             overflow_weight: 0.3,
             overflow_softness: 0.25,
             working_set_from_feed: false,
+            overflow_reuse_floor: None,
         }
     }
 }
@@ -468,6 +475,10 @@ impl RoutingConfig {
             ("kv_load.host_tier_credit", k.host_tier_credit),
             ("kv_load.disk_tier_credit", k.disk_tier_credit),
             (
+                "kv_load.overflow_reuse_floor",
+                k.overflow_reuse_floor.unwrap_or(0.0),
+            ),
+            (
                 "prefix_affinity.match_threshold",
                 self.prefix_affinity.match_threshold,
             ),
@@ -536,6 +547,9 @@ mod tests {
         assert_eq!(e.field, "kv_load.reported_load", "{e}");
         let e = RoutingConfig::from_json(r#"{"kv_load":{"overlap_credit_decay":-1}}"#).unwrap_err();
         assert_eq!(e.field, "kv_load.overlap_credit_decay", "{e}");
+        let e =
+            RoutingConfig::from_json(r#"{"kv_load":{"overflow_reuse_floor":1.5}}"#).unwrap_err();
+        assert_eq!(e.field, "kv_load.overflow_reuse_floor", "{e}");
     }
 
     #[test]

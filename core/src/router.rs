@@ -470,8 +470,13 @@ impl Router {
             }
             _ => Vec::new(),
         };
+        let working_set_scale = match (&self.working_set, self.cfg.kv_load.overflow_reuse_floor) {
+            (Some(ws), Some(floor)) => kv_load::reuse_ramp(ws.reuse_share(), floor),
+            _ => 1.0,
+        };
         let input = Input {
             working_set: &working_set,
+            working_set_scale,
             request_blocks,
             block_size: bs,
             load: &eff,

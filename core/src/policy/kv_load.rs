@@ -58,7 +58,10 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
             let overflow = match input.working_set.get(r) {
                 Some(&(ws, add, cap)) if cap > 0.0 => {
                     let kept = |w: f64| resident_value(w, cap, k.overflow_softness);
-                    k.overflow_weight * prefill_scale * (kept(ws) - kept(ws + add)).max(0.0)
+                    input.working_set_scale
+                        * k.overflow_weight
+                        * prefill_scale
+                        * (kept(ws) - kept(ws + add)).max(0.0)
                 }
                 _ => 0.0,
             };
@@ -97,6 +100,21 @@ pub fn resident_value(ws: f64, cap: f64, softness: f64) -> f64 {
         ws
     } else if softness > 0.0 && cap > 0.0 {
         cap * (-(ws - cap) / (softness * cap)).exp()
+    } else {
+        0.0
+    }
+}
+
+/// The working-set term's share of its weight at reuse share `share` with `kv_load.overflow_reuse_floor`
+/// `floor`: none at or below the floor, rising linearly to all of it when every block recently asked
+/// for had been asked for before. Below the floor most of what is asked for is asked for once, and
+/// what comes back is a few shared prefixes that every replica keeps hot whatever the placement:
+/// protecting working sets there gains no cache and only unbalances the fleet.
+pub fn reuse_ramp(share: f64, floor: f64) -> f64 {
+    if share >= 1.0 {
+        1.0
+    } else if share > floor {
+        (share - floor) / (1.0 - floor)
     } else {
         0.0
     }
@@ -162,6 +180,7 @@ mod tests {
             avoided: &[false, false],
             expected_output_tokens: 256.0,
             working_set: &[],
+            working_set_scale: 1.0,
         }
     }
 
@@ -205,6 +224,24 @@ mod tests {
             ..k.clone()
         };
         assert_eq!(costs(&i, &off), vec![10.0, 10.0]);
+        // The reuse floor's scale multiplies the term: half of it, or none.
+        i.working_set_scale = 0.5;
+        assert_eq!(costs(&i, &k), vec![10.0 + 95.0, 10.0]);
+        i.working_set_scale = 0.0;
+        assert_eq!(costs(&i, &k), vec![10.0, 10.0]);
+    }
+
+    #[test]
+    fn the_reuse_ramp_rises_from_the_floor_to_the_whole_weight() {
+        assert_eq!(reuse_ramp(0.3, 0.5), 0.0);
+        assert_eq!(reuse_ramp(0.5, 0.5), 0.0);
+        assert_eq!(reuse_ramp(0.75, 0.5), 0.5);
+        assert_eq!(reuse_ramp(1.0, 0.5), 1.0);
+        assert_eq!(reuse_ramp(0.2, 0.0), 0.2);
+        // A floor of 1 leaves the term on only when everything was asked for before.
+        assert_eq!(reuse_ramp(0.99, 1.0), 0.0);
+        assert_eq!(reuse_ramp(1.0, 1.0), 1.0);
+        assert_eq!(reuse_ramp(f64::NAN, 0.5), 0.0);
     }
 
     #[test]

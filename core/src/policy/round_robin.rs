@@ -43,6 +43,7 @@ mod tests {
             avoided: &avoided,
             expected_output_tokens: 256.0,
             working_set: &[],
+            working_set_scale: 1.0,
         };
         let mut next = 0;
         let picks: Vec<usize> = (0..4).map(|_| choose(&input, &mut next).replica).collect();
