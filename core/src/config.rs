@@ -117,8 +117,8 @@ pub struct KvLoadParams {
     pub working_set_from_feed: bool,
     /// Scale `overflow_weight` by how far the traffic's reuse share (the share of recently requested
     /// blocks that had been requested before) is above this floor: nothing at or below it, all of
-    /// it at a share of 1 ([`crate::policy::kv_load::reuse_ramp`]). Unset: the weight as given.
-    pub overflow_reuse_floor: Option<f64>,
+    /// it at a share of 1 ([`crate::policy::kv_load::reuse_ramp`]). 0: the weight as given.
+    pub overflow_reuse_floor: f64,
 }
 
 /// Named `kv_load` settings from routers users would otherwise pick (docs/configuration.md).
@@ -242,7 +242,7 @@ impl From<KvLoadSection> for KvLoadParams {
             working_set_from_feed: s
                 .working_set_from_feed
                 .unwrap_or(base.working_set_from_feed),
-            overflow_reuse_floor: s.overflow_reuse_floor.or(base.overflow_reuse_floor),
+            overflow_reuse_floor: s.overflow_reuse_floor.unwrap_or(base.overflow_reuse_floor),
         }
     }
 }
@@ -304,7 +304,7 @@ impl Default for KvLoadParams {
             overflow_weight: 0.3,
             overflow_softness: 0.25,
             working_set_from_feed: false,
-            overflow_reuse_floor: None,
+            overflow_reuse_floor: 0.0,
         }
     }
 }
@@ -474,10 +474,7 @@ impl RoutingConfig {
         for (name, v) in [
             ("kv_load.host_tier_credit", k.host_tier_credit),
             ("kv_load.disk_tier_credit", k.disk_tier_credit),
-            (
-                "kv_load.overflow_reuse_floor",
-                k.overflow_reuse_floor.unwrap_or(0.0),
-            ),
+            ("kv_load.overflow_reuse_floor", k.overflow_reuse_floor),
             (
                 "prefix_affinity.match_threshold",
                 self.prefix_affinity.match_threshold,

@@ -470,8 +470,9 @@ impl Router {
             }
             _ => Vec::new(),
         };
-        let working_set_scale = match (&self.working_set, self.cfg.kv_load.overflow_reuse_floor) {
-            (Some(ws), Some(floor)) => kv_load::reuse_ramp(ws.reuse_share(), floor),
+        let floor = self.cfg.kv_load.overflow_reuse_floor;
+        let working_set_scale = match &self.working_set {
+            Some(ws) if floor > 0.0 => kv_load::reuse_ramp(ws.reuse_share(), floor),
             _ => 1.0,
         };
         let input = Input {

@@ -69,7 +69,7 @@ pub struct Input<'a> {
     /// when the working-set term is off.
     pub working_set: &'a [(f64, f64, f64)],
     /// What the working-set term's weight is multiplied by: 1, or with
-    /// `kv_load.overflow_reuse_floor` set, how far the traffic's reuse share is above the floor
+    /// `kv_load.overflow_reuse_floor` above 0, how far the traffic's reuse share is above the floor
     /// ([`crate::policy::kv_load::reuse_ramp`]).
     pub working_set_scale: f64,
 }
