@@ -558,18 +558,20 @@ fn released_requests_teach_the_expected_output() {
 /// sampled blocks requested were requested before). Once replica 0's feed shows it evicting, its
 /// cache size is known (1,800 blocks here), and C's next turn, which would grow that working set to
 /// 2,000 blocks, goes to the empty replica instead, although replica 0 holds all of C's prompt.
-#[test]
-fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
+/// The router of [`working_set_term_keeps_a_fitting_replica_under_its_learned_cache`] before replica
+/// 0 evicts (A's context asked for twice there, C's once), with `overflow_reuse_floor` `floor`, and C's
+/// request.
+fn two_sessions_on_replica_0(floor: f64) -> (Router, kvsteer_core::request::RouteRequest) {
     let mut c = cfg(PolicyKind::KvLoad);
     c.kv_load.overflow_weight = 1.0;
     c.kv_load.overflow_softness = 0.0;
+    c.kv_load.overflow_reuse_floor = floor;
     c.kv_load.reported_load = ReportedLoad::Ignore;
     let mut r = Router::new(c, 2).unwrap();
     let a: Vec<u32> = (0..4_800).collect();
     let s: Vec<u32> = (100_000..103_200).collect();
-    let filler: Vec<u32> = (200_000..204_000).collect();
     let mut stored = hashes(&s);
-    stored.extend(hashes(&filler));
+    stored.extend(hashes(&filler()));
     r.apply_feed(
         0,
         &batch(
@@ -590,14 +592,17 @@ fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
         r.admit(id, req, &d, 1_000);
         assert!(r.release(id));
     }
-    // Replica 0 has not evicted yet, so its size is unknown and the term is off: C's cache wins
-    // (replica 0: 0 uncached + 800 new active = 800; replica 1: 800 + 800 = 1,600).
-    let d = r.route(&req_c, 1_000);
-    assert_eq!((d.replica, d.costs.clone()), (0, vec![800.0, 1_600.0]));
-    // The engine evicts one block: it held 1,800, so that is its size. C's 800 blocks would join
-    // the 1,200 of A's in full, and the whole working set (about 1,200 + 0.38 * 800 = 1,500 blocks
-    // now) would stop fitting: about 800 + 1,500.
-    let evicted = hashes(&filler)[..1].to_vec();
+    (r, req_c)
+}
+
+/// Blocks replica 0 caches besides the sessions' (so that it has a size to learn once it evicts).
+fn filler() -> Vec<u32> {
+    (200_000..204_000).collect()
+}
+
+/// Replica 0's feed reports one block evicted: it held 1,800, so that is its cache size.
+fn evict_one_on_replica_0(r: &mut Router) {
+    let evicted = hashes(&filler())[..1].to_vec();
     r.apply_feed(
         0,
         &batch(
@@ -610,10 +615,39 @@ fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
             }],
         ),
     );
+}
+
+#[test]
+fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
+    let (mut r, req_c) = two_sessions_on_replica_0(0.0);
+    // Replica 0 has not evicted yet, so its size is unknown and the term is off: C's cache wins
+    // (replica 0: 0 uncached + 800 new active = 800; replica 1: 800 + 800 = 1,600).
+    let d = r.route(&req_c, 1_000);
+    assert_eq!((d.replica, d.costs.clone()), (0, vec![800.0, 1_600.0]));
+    // The engine evicts one block: it held 1,800, so that is its size. C's 800 blocks would join
+    // the 1,200 of A's in full, and the whole working set (about 1,200 + 0.38 * 800 = 1,500 blocks
+    // now) would stop fitting: about 800 + 1,500.
+    evict_one_on_replica_0(&mut r);
     let d = r.route(&req_c, 1_000);
     assert_eq!(d.replica, 1, "{:?}", d.costs);
     assert!((2_100.0..2_500.0).contains(&d.costs[0]), "{:?}", d.costs);
     assert_eq!(d.costs[1], 1_600.0);
     // Outside the window (120 s by default) nothing is in the working set, and C goes home.
     assert_eq!(r.route(&req_c, 200_000).replica, 0);
+}
+
+/// `overflow_reuse_floor`: the same traffic has a reuse share of about 0.38. Above a floor of 0.5 it
+/// is not, so the term weighs nothing and C stays where its cache is; with a floor of 0.2 the term
+/// weighs (0.38 - 0.2) / 0.8 of itself, about a quarter of the 1,500 blocks it charged above.
+#[test]
+fn the_reuse_floor_turns_the_working_set_term_down_for_traffic_that_rarely_comes_back() {
+    let (mut r, req_c) = two_sessions_on_replica_0(0.5);
+    evict_one_on_replica_0(&mut r);
+    let d = r.route(&req_c, 1_000);
+    assert_eq!((d.replica, d.costs.clone()), (0, vec![800.0, 1_600.0]));
+    let (mut r, req_c) = two_sessions_on_replica_0(0.2);
+    evict_one_on_replica_0(&mut r);
+    let d = r.route(&req_c, 1_000);
+    assert_eq!(d.replica, 0, "{:?}", d.costs);
+    assert!((1_050.0..1_300.0).contains(&d.costs[0]), "{:?}", d.costs);
 }
