@@ -119,6 +119,10 @@ pub struct KvLoadParams {
     /// blocks that had been requested before) is above this floor: nothing at or below it, all of
     /// it at a share of 1 ([`crate::policy::kv_load::reuse_ramp`]). 0: the weight as given.
     pub overflow_reuse_floor: f64,
+    /// Book queued prefill in time ([`crate::load::prefill_work`]: each uncached token weighted by
+    /// its attention over its context) and price a replica's queue by that, not by the incoming
+    /// request's attention. With `time_cost` only (otherwise the queue is in tokens, as before).
+    pub queue_in_time: bool,
 }
 
 /// Named `kv_load` settings from routers users would otherwise pick (docs/configuration.md).
@@ -205,6 +209,7 @@ struct KvLoadSection {
     overflow_softness: Option<f64>,
     working_set_from_feed: Option<bool>,
     overflow_reuse_floor: Option<f64>,
+    queue_in_time: Option<bool>,
 }
 
 impl From<KvLoadSection> for KvLoadParams {
@@ -243,6 +248,7 @@ impl From<KvLoadSection> for KvLoadParams {
                 .working_set_from_feed
                 .unwrap_or(base.working_set_from_feed),
             overflow_reuse_floor: s.overflow_reuse_floor.unwrap_or(base.overflow_reuse_floor),
+            queue_in_time: s.queue_in_time.unwrap_or(base.queue_in_time),
         }
     }
 }
@@ -305,6 +311,7 @@ impl Default for KvLoadParams {
             overflow_softness: 0.25,
             working_set_from_feed: false,
             overflow_reuse_floor: 0.0,
+            queue_in_time: false,
         }
     }
 }

@@ -24,6 +24,23 @@ pub struct LoadTotals {
     pub active_requests: u32,
 }
 
+/// Queued prefill in time, counted in tokens of a short prompt (the linear layers' cost per token):
+/// each of the `uncached` tokens at the end of a `prompt`-token prompt also attends to its context,
+/// costing `context / attention_context_tokens` more (the time-cost model, docs/design.md section
+/// 2), and the uncached tokens' contexts average the cached part plus half the uncached part. A
+/// queue of long cold prefills takes several times its token count to clear, which counting tokens
+/// hides. Saturates for hostile sizes; `attention_context_tokens` 0 counts plain tokens.
+pub fn prefill_work(prompt: u64, uncached: u64, attention_context_tokens: u64) -> u64 {
+    let uncached = uncached.min(prompt);
+    if attention_context_tokens == 0 {
+        return uncached;
+    }
+    let mid_context = (prompt - uncached) as f64 + uncached as f64 / 2.0;
+    let work = uncached as f64 * (1.0 + mid_context / attention_context_tokens as f64);
+    // u64::MAX / 8 keeps the table's sums (saturating) far from wrapping in f64 round trips.
+    work.min((u64::MAX / 8) as f64) as u64
+}
+
 /// Most requests tracked at once. A proxy that loses completions (a bug, or a host that never calls
 /// `on_done`) would otherwise grow the table forever; past this, new requests are routed but not
 /// tracked, and counted.
@@ -150,6 +167,9 @@ pub struct Accounting {
     /// (Ray Serve LLM's decode progress): a request about to finish weighs little. With
     /// `assume_kv_reuse` only its exclusive blocks (not the shared prefix) are weighted.
     pub use_output_hint: bool,
+    /// With `Some(a)`, queued prefill is booked in time rather than tokens ([`prefill_work`] with
+    /// `attention_context_tokens` = `a`: `kv_load.queue_in_time`); `None`: in tokens.
+    pub prefill_in_time: Option<u64>,
 }
 
 impl Default for Accounting {
@@ -158,6 +178,7 @@ impl Default for Accounting {
             prompt_blocks_at_admission: true,
             assume_kv_reuse: true,
             use_output_hint: false,
+            prefill_in_time: None,
         }
     }
 }
@@ -369,7 +390,11 @@ impl LoadTable {
             return false;
         }
         let t = &mut self.totals[replica];
-        let prefill = uncached_tokens.min(prompt_tokens);
+        let uncached = uncached_tokens.min(prompt_tokens);
+        let prefill = match self.accounting.prefill_in_time {
+            Some(a) => prefill_work(prompt_tokens, uncached, a),
+            None => uncached,
+        };
         t.prefill_tokens = t.prefill_tokens.saturating_add(prefill);
         t.active_requests = t.active_requests.saturating_add(1);
         let prompt_blocks = prompt_tokens.div_ceil(self.block_size);
@@ -571,7 +596,38 @@ mod tests {
         prompt_blocks_at_admission: false,
         assume_kv_reuse: false,
         use_output_hint: false,
+        prefill_in_time: None,
     };
+
+    #[test]
+    fn prefill_work_weighs_each_uncached_token_by_its_context() {
+        // Short prompts cost about their tokens; a cold 100K-token prompt three times its tokens
+        // (its tokens attend to 50K of context on average); the same tokens at the end of a cached
+        // 100K context cost more again.
+        assert_eq!(prefill_work(1_000, 1_000, 25_000), 1_020);
+        assert_eq!(prefill_work(100_000, 100_000, 25_000), 300_000);
+        assert_eq!(prefill_work(200_000, 100_000, 25_000), 700_000);
+        assert_eq!(prefill_work(5_000, 0, 25_000), 0);
+        // Hostile sizes saturate instead of overflowing; a zero scale books plain tokens.
+        assert!(prefill_work(u64::MAX, u64::MAX, 1) >= u64::MAX / 8);
+        assert_eq!(prefill_work(100_000, 100_000, 0), 100_000);
+    }
+
+    #[test]
+    fn prefill_in_time_books_and_releases_work() {
+        let mut t = LoadTable::new(
+            1,
+            16,
+            Accounting {
+                prefill_in_time: Some(25_000),
+                ..FIRST_TOKEN
+            },
+        );
+        t.admit(1, 0, 100_000, 100_000, None, []);
+        assert_eq!(t.totals()[0].prefill_tokens, 300_000);
+        t.first_token(1);
+        assert_eq!(t.totals()[0].prefill_tokens, 0);
+    }
 
     #[test]
     fn life_cycle_moves_load_and_releases_all() {

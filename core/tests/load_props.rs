@@ -40,12 +40,13 @@ proptest! {
     #[test]
     fn releasing_everything_returns_to_zero(
         evs in prop::collection::vec(ev(), 0..200),
-        flags in any::<(bool, bool, bool)>(),
+        flags in any::<(bool, bool, bool, bool)>(),
     ) {
         let accounting = Accounting {
             prompt_blocks_at_admission: flags.0,
             assume_kv_reuse: flags.1,
             use_output_hint: flags.2,
+            prefill_in_time: flags.3.then_some(25_000),
         };
         // Replica 3 is out of range for a 3-replica table: refused, never a panic.
         let mut t = LoadTable::new(3, 16, accounting);

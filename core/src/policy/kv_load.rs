@@ -48,7 +48,14 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
             } else {
                 k.overlap_credit
             };
-            let prefill = (queue_weight * queued[r] + request_blocks - credit * o).max(0.0);
+            // With `queue_in_time` the queue is booked in time already (`load::prefill_work`), and
+            // `prefill_scale` below carries this request's attention: the queue is taken out of it.
+            let queue = if k.queue_in_time && k.time_cost {
+                queued[r] / attention_factor(input, k)
+            } else {
+                queued[r]
+            };
+            let prefill = (queue_weight * queue + request_blocks - credit * o).max(0.0);
             let new_active = if k.assume_kv_reuse {
                 let active = input.active_prefix.get(r).copied().unwrap_or(0.0);
                 (request_blocks - active).max(0.0)
@@ -133,10 +140,14 @@ pub fn prefill_weight(input: &Input, k: &KvLoadParams) -> f64 {
     if !k.time_cost {
         return k.prefill_scale;
     }
-    let context = input.request_blocks * input.block_size;
-    let attention = 1.0 + context / k.attention_context_tokens;
     let output = input.expected_output_tokens.max(16.0);
-    k.prefill_scale * attention * REFERENCE_OUTPUT_TOKENS / output
+    k.prefill_scale * attention_factor(input, k) * REFERENCE_OUTPUT_TOKENS / output
+}
+
+/// What a token of this request's prefill costs against a short prompt's: its linear layers plus
+/// attention over the request's context.
+fn attention_factor(input: &Input, k: &KvLoadParams) -> f64 {
+    1.0 + input.request_blocks * input.block_size / k.attention_context_tokens
 }
 
 pub fn choose(input: &Input, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
@@ -273,6 +284,48 @@ mod tests {
             "{decayed:?}"
         );
         assert_eq!(decayed[1], 10.0);
+    }
+
+    /// With `queue_in_time` the queue is booked in time, so this request's own attention no longer
+    /// multiplies it: a long request sees the same queue as a short one.
+    #[test]
+    fn a_queue_in_time_is_not_weighted_by_the_requests_attention() {
+        let load = [
+            LoadTotals {
+                prefill_tokens: 16_000,
+                ..Default::default()
+            },
+            LoadTotals::default(),
+        ];
+        let k = KvLoadParams {
+            assume_kv_reuse: false,
+            overflow_weight: 0.0,
+            ..KvLoadParams::default()
+        };
+        let timed = KvLoadParams {
+            queue_in_time: true,
+            ..k.clone()
+        };
+        let mut i = input(&load, &[0.0, 0.0], &[]);
+        // 4,000 blocks of context: attention factor 1 + 64,000 / 25,000 = 3.56.
+        i.request_blocks = 4_000.0;
+        let gap = |k: &KvLoadParams| {
+            let c = costs(&i, k);
+            c[0] - c[1]
+        };
+        let att = 1.0 + 64_000.0 / 25_000.0;
+        let ratio = gap(&k) / gap(&timed);
+        assert!((ratio - att).abs() < 1e-9, "{ratio}");
+        // Without the time cost the option changes nothing.
+        let blocks = KvLoadParams {
+            time_cost: false,
+            ..k.clone()
+        };
+        let blocks_timed = KvLoadParams {
+            queue_in_time: true,
+            ..blocks.clone()
+        };
+        assert_eq!(costs(&i, &blocks), costs(&i, &blocks_timed));
     }
 
     #[test]
