@@ -7,11 +7,14 @@
 //!
 //! where the middle term is the working-set term: `ws` the replica's recent working set, `added` the
 //! request's blocks not in it, `kept` what an LRU cache of the replica's size keeps of a working set
-//! ([`resident_value`]); 0 while the replica's cache size is unknown.
+//! ([`resident_value`]); 0 while the replica's cache size is unknown; with `overflow_reuse_floor` its
+//! weight is scaled by how much of the traffic comes back ([`reuse_ramp`]).
 //!
 //! where `weight` is `prefill_scale`, or with `time_cost` (the default) `prefill_scale` scaled by what a
 //! prefill block costs against a decode block for this request ([`prefill_weight`]), and `q` discounts
-//! the prefill already queued on the replica against the request's own uncached blocks;
+//! the prefill already queued on the replica against the request's own uncached blocks (with
+//! `queue_in_time` the queue is booked in time, [`crate::load::prefill_work`], and taken out of this
+//! request's attention factor);
 //! where `credit = c / (1 + d * excess / request_blocks)` decays the overlap credit `c` on a replica
 //! whose queued prefill exceeds the least-loaded candidate's by `excess` blocks (`d` = 0 keeps it
 //! whole), and *new active blocks* are the request's blocks not already active there (with
