@@ -289,6 +289,11 @@ pub struct LoadTable {
 }
 
 impl LoadTable {
+    /// How this table books load.
+    pub fn accounting(&self) -> &Accounting {
+        &self.accounting
+    }
+
     pub fn new(replicas: usize, block_size: usize, accounting: Accounting) -> Self {
         Self {
             block_size: block_size.max(1) as u64,

@@ -117,7 +117,10 @@ impl core::fmt::Display for PdError {
 
 impl std::error::Error for PdError {}
 
-/// Prefill-side scores; infinite for a replica that cannot prefill.
+/// Prefill-side scores; infinite for a replica that cannot prefill. With `queue_in_time` (the
+/// attention scale of `kv_load.queue_in_time`, whose queues are booked in time) the request's own
+/// uncached blocks are counted in time too ([`crate::load::prefill_work`]), so queue and request
+/// are in the same units.
 pub fn prefill_costs(
     request_blocks: f64,
     block_size: f64,
@@ -125,6 +128,7 @@ pub fn prefill_costs(
     load: &[LoadTotals],
     roles: &[Role],
     p: &PdParams,
+    queue_in_time: Option<u64>,
 ) -> Vec<f64> {
     (0..roles.len())
         .map(|r| {
@@ -133,7 +137,16 @@ pub fn prefill_costs(
             }
             let queued = load.get(r).map_or(0.0, |e| e.prefill_tokens as f64) / block_size;
             let o = overlap.get(r).copied().unwrap_or(0.0);
-            p.prefill_queue_weight * queued + (request_blocks - o).max(0.0)
+            let uncached = (request_blocks - o).max(0.0);
+            let own = match queue_in_time {
+                Some(a) => {
+                    let prompt = (request_blocks * block_size) as u64;
+                    let work = crate::load::prefill_work(prompt, (uncached * block_size) as u64, a);
+                    work as f64 / block_size
+                }
+                None => uncached,
+            };
+            p.prefill_queue_weight * queued + own
         })
         .collect()
 }
@@ -208,14 +221,34 @@ mod tests {
         let p = PdParams::default();
         // Replica 0 holds 90 of the 100 blocks but has 50 blocks queued; replica 1 none, nothing.
         let l = [load(800, 0), load(0, 0), load(0, 0), load(0, 0)];
-        let c = prefill_costs(100.0, 16.0, &[90.0, 0.0, 0.0, 0.0], &l, &ROLES, &p);
+        let c = prefill_costs(100.0, 16.0, &[90.0, 0.0, 0.0, 0.0], &l, &ROLES, &p, None);
         assert_eq!(c[0], 50.0 + 10.0);
         assert_eq!(c[1], 100.0);
         assert!(c[2].is_infinite() && c[3].is_infinite());
         // With 200 blocks queued the empty replica wins.
         let l = [load(3200, 0), load(0, 0), load(0, 0), load(0, 0)];
-        let c = prefill_costs(100.0, 16.0, &[90.0, 0.0, 0.0, 0.0], &l, &ROLES, &p);
+        let c = prefill_costs(100.0, 16.0, &[90.0, 0.0, 0.0, 0.0], &l, &ROLES, &p, None);
         assert!(c[1] < c[0]);
+    }
+
+    #[test]
+    fn prefill_side_in_time_counts_the_requests_own_blocks_in_time() {
+        let p = PdParams::default();
+        // 100 blocks of 16 tokens (1,600), attention scale 1,600 tokens: the 10 uncached blocks at
+        // the end of a 90-block cached prefix average 1,520 tokens of context (x 1.95); the 100
+        // cold blocks 800 (x 1.5). The queue is taken as booked.
+        let l = [load(800, 0), load(0, 0), load(0, 0), load(0, 0)];
+        let c = prefill_costs(
+            100.0,
+            16.0,
+            &[90.0, 0.0, 0.0, 0.0],
+            &l,
+            &ROLES,
+            &p,
+            Some(1_600),
+        );
+        assert!((c[0] - (50.0 + 19.5)).abs() < 1e-9, "{c:?}");
+        assert!((c[1] - 150.0).abs() < 1e-9, "{c:?}");
     }
 
     #[test]

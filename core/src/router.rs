@@ -580,20 +580,22 @@ impl Router {
         };
         let p_avoided = side_avoided(&|r: Role| r.prefills());
         let d_avoided = side_avoided(&|r: Role| r.decodes());
-        let (prefill, decode, prefill_costs, decode_costs) =
-            if self.cfg.policy == PolicyKind::RoundRobin {
-                let n = self.replicas;
-                let p = round_robin_among(n, &mut self.pd_rr.0, |r| !p_avoided[r]);
-                let d = round_robin_among(n, &mut self.pd_rr.1, |r| !d_avoided[r]);
-                (p, d, Vec::new(), Vec::new())
-            } else {
-                let eff = self.effective_load();
-                let pc = pd::prefill_costs(request_blocks, bs, &overlap, &eff, roles, params);
-                let dc = pd::decode_costs(request_blocks, &overlap, &eff, roles, params);
-                let p = argmin_random_tie(&masked(&pc, &p_avoided), &mut self.rng);
-                let d = argmin_random_tie(&masked(&dc, &d_avoided), &mut self.rng);
-                (p, d, pc, dc)
-            };
+        let (prefill, decode, prefill_costs, decode_costs) = if self.cfg.policy
+            == PolicyKind::RoundRobin
+        {
+            let n = self.replicas;
+            let p = round_robin_among(n, &mut self.pd_rr.0, |r| !p_avoided[r]);
+            let d = round_robin_among(n, &mut self.pd_rr.1, |r| !d_avoided[r]);
+            (p, d, Vec::new(), Vec::new())
+        } else {
+            let eff = self.effective_load();
+            let in_time = self.load.accounting().prefill_in_time;
+            let pc = pd::prefill_costs(request_blocks, bs, &overlap, &eff, roles, params, in_time);
+            let dc = pd::decode_costs(request_blocks, &overlap, &eff, roles, params);
+            let p = argmin_random_tie(&masked(&pc, &p_avoided), &mut self.rng);
+            let d = argmin_random_tie(&masked(&dc, &d_avoided), &mut self.rng);
+            (p, d, pc, dc)
+        };
         // Both sides have an eligible replica (checked above), so neither is None; stay total anyway.
         let prefill = prefill.ok_or(PdError::NoPrefillReplica)?;
         let decode = decode.ok_or(PdError::NoDecodeReplica)?;
