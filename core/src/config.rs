@@ -125,6 +125,14 @@ pub struct KvLoadParams {
     pub queue_in_time: bool,
 }
 
+impl KvLoadParams {
+    /// Whether queued prefill is booked and priced in time: `queue_in_time`, which needs the time
+    /// cost. The router's bookings and `kv_load`'s pricing both ask here, so they cannot disagree.
+    pub fn queue_in_time_active(&self) -> bool {
+        self.queue_in_time && self.time_cost
+    }
+}
+
 /// Named `kv_load` settings from routers users would otherwise pick (docs/configuration.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -196,9 +196,8 @@ impl Router {
                     assume_kv_reuse: cfg.kv_load.assume_kv_reuse,
                     use_output_hint: cfg.kv_load.use_output_hint,
                     prefill_in_time: (cfg.policy == PolicyKind::KvLoad
-                        && cfg.kv_load.queue_in_time
-                        && cfg.kv_load.time_cost)
-                        .then_some(cfg.kv_load.attention_context_tokens as u64),
+                        && cfg.kv_load.queue_in_time_active())
+                    .then_some(cfg.kv_load.attention_context_tokens as u64),
                 },
             ),
             outputs: OutputEstimate::new(),

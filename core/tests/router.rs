@@ -552,12 +552,6 @@ fn released_requests_teach_the_expected_output() {
     assert_eq!(r.expected_output_tokens(), 2000.0);
 }
 
-/// The working-set term (`kv_load.overflow_weight`). Session A's context (1,200 blocks) has been
-/// asked for twice on replica 0, so it is replica 0's working set; session C's (800 blocks) was asked
-/// for once there and is cached there, counted with the reuse share (about 0.38: 150 of the 400
-/// sampled blocks requested were requested before). Once replica 0's feed shows it evicting, its
-/// cache size is known (1,800 blocks here), and C's next turn, which would grow that working set to
-/// 2,000 blocks, goes to the empty replica instead, although replica 0 holds all of C's prompt.
 /// The router of [`working_set_term_keeps_a_fitting_replica_under_its_learned_cache`] before replica
 /// 0 evicts (A's context asked for twice there, C's once), with `overflow_reuse_floor` `floor`, and C's
 /// request.
@@ -617,6 +611,12 @@ fn evict_one_on_replica_0(r: &mut Router) {
     );
 }
 
+/// The working-set term (`kv_load.overflow_weight`). Session A's context (1,200 blocks) has been
+/// asked for twice on replica 0, so it is replica 0's working set; session C's (800 blocks) was asked
+/// for once there and is cached there, counted with the reuse share (about 0.38: 150 of the 400
+/// sampled blocks requested were requested before). Once replica 0's feed shows it evicting, its
+/// cache size is known (1,800 blocks here), and C's next turn, which would grow that working set to
+/// 2,000 blocks, goes to the empty replica instead, although replica 0 holds all of C's prompt.
 #[test]
 fn working_set_term_keeps_a_fitting_replica_under_its_learned_cache() {
     let (mut r, req_c) = two_sessions_on_replica_0(0.0);

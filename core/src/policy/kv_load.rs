@@ -39,6 +39,13 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
     let request_blocks = input.request_blocks;
     let prefill_scale = prefill_weight(input, k);
     let queue_weight = queue_weight(input, k);
+    // With `queue_in_time` the queue is booked in time already (`load::prefill_work`), and
+    // `prefill_scale` below carries this request's attention: the queue is taken out of it.
+    let queue_attention = if k.queue_in_time_active() {
+        attention_factor(input, k)
+    } else {
+        1.0
+    };
     input
         .load
         .iter()
@@ -51,13 +58,7 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
             } else {
                 k.overlap_credit
             };
-            // With `queue_in_time` the queue is booked in time already (`load::prefill_work`), and
-            // `prefill_scale` below carries this request's attention: the queue is taken out of it.
-            let queue = if k.queue_in_time && k.time_cost {
-                queued[r] / attention_factor(input, k)
-            } else {
-                queued[r]
-            };
+            let queue = queued[r] / queue_attention;
             let prefill = (queue_weight * queue + request_blocks - credit * o).max(0.0);
             let new_active = if k.assume_kv_reuse {
                 let active = input.active_prefix.get(r).copied().unwrap_or(0.0);
