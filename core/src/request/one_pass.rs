@@ -572,11 +572,17 @@ impl<'a> Scanner<'a> {
                     match *b.get(i + 1)? {
                         b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => i += 2,
                         b'u' => {
-                            let hex = b.get(i + 2..i + 6)?;
-                            if !hex.iter().all(u8::is_ascii_hexdigit) {
-                                return None;
+                            // A surrogate must come as a pair, high then low, as serde_json reads
+                            // it into a string (a skipped string too: the general reader builds
+                            // every value).
+                            match hex_escape(b, i)? {
+                                0xD800..=0xDBFF => match hex_escape(b, i + 6)? {
+                                    0xDC00..=0xDFFF => i += 12,
+                                    _ => return None,
+                                },
+                                0xDC00..=0xDFFF => return None,
+                                _ => i += 6,
                             }
-                            i += 6;
                         }
                         _ => return None,
                     }
@@ -965,6 +971,14 @@ fn unescape(raw: &str) -> Option<String> {
     }
     out.push_str(rest);
     Some(out)
+}
+
+/// The code unit of the `\uXXXX` escape at `b[at..]`; None when there is none.
+fn hex_escape(b: &[u8], at: usize) -> Option<u32> {
+    if b.get(at..at + 2)? != b"\\u" {
+        return None;
+    }
+    hex4(core::str::from_utf8(b.get(at + 2..at + 6)?).ok()?)
 }
 
 fn hex4(s: &str) -> Option<u32> {
