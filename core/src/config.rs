@@ -109,6 +109,11 @@ pub struct KvLoadParams {
     pub replica_cache_tokens: f64,
     /// The working set's window: prompt blocks requested on a replica within this many ms.
     pub working_set_window_ms: f64,
+    /// The working set keeps one prompt block in this many (a power of two, 1 to 1,024) and scales
+    /// its counts back up ([`crate::working_set::Sampling`]). Every worker applies every other
+    /// worker's sampled admissions on its tick, so this sets the term's cost in a proxy; every
+    /// proxy exchanging working sets must use the same value.
+    pub working_set_sample: u64,
     /// How the cache's value falls past its size ([`crate::policy::kv_load::resident_value`]).
     pub overflow_softness: f64,
     /// Also count the blocks each replica's feed reports stored (GPU tier) in its working set, as
@@ -130,6 +135,13 @@ impl KvLoadParams {
     /// cost. The router's bookings and `kv_load`'s pricing both ask here, so they cannot disagree.
     pub fn queue_in_time_active(&self) -> bool {
         self.queue_in_time && self.time_cost
+    }
+
+    /// The working set's sample (`working_set_sample`; a value the config check would refuse falls
+    /// back to one in 8).
+    pub fn sampling(&self) -> crate::working_set::Sampling {
+        crate::working_set::Sampling::one_in(self.working_set_sample)
+            .unwrap_or(crate::working_set::Sampling::DEFAULT)
     }
 }
 
@@ -213,6 +225,7 @@ struct KvLoadSection {
     reported_load: Option<ReportedLoad>,
     replica_cache_tokens: Option<f64>,
     working_set_window_ms: Option<f64>,
+    working_set_sample: Option<u64>,
     overflow_weight: Option<f64>,
     overflow_softness: Option<f64>,
     working_set_from_feed: Option<bool>,
@@ -250,6 +263,7 @@ impl From<KvLoadSection> for KvLoadParams {
             working_set_window_ms: s
                 .working_set_window_ms
                 .unwrap_or(base.working_set_window_ms),
+            working_set_sample: s.working_set_sample.unwrap_or(base.working_set_sample),
             overflow_weight: s.overflow_weight.unwrap_or(base.overflow_weight),
             overflow_softness: s.overflow_softness.unwrap_or(base.overflow_softness),
             working_set_from_feed: s
@@ -315,6 +329,7 @@ impl Default for KvLoadParams {
             reported_load: ReportedLoad::Ignore,
             replica_cache_tokens: 0.0,
             working_set_window_ms: 120_000.0,
+            working_set_sample: 8,
             overflow_weight: 0.3,
             overflow_softness: 0.25,
             working_set_from_feed: false,
@@ -473,6 +488,16 @@ impl RoutingConfig {
         }
         nonneg("kv_load.replica_cache_tokens", k.replica_cache_tokens)?;
         nonneg("kv_load.working_set_window_ms", k.working_set_window_ms)?;
+        if crate::working_set::Sampling::one_in(k.working_set_sample).is_none() {
+            return Err(err(
+                "kv_load.working_set_sample",
+                format!(
+                    "must be a power of two from 1 to {}, got {}",
+                    crate::working_set::Sampling::MAX_ONE_IN,
+                    k.working_set_sample
+                ),
+            ));
+        }
         nonneg("kv_load.overflow_weight", k.overflow_weight)?;
         nonneg("kv_load.overflow_softness", k.overflow_softness)?;
         if !(k.attention_context_tokens.is_finite() && k.attention_context_tokens >= 1.0) {
@@ -562,6 +587,14 @@ mod tests {
         let e =
             RoutingConfig::from_json(r#"{"kv_load":{"overflow_reuse_floor":1.5}}"#).unwrap_err();
         assert_eq!(e.field, "kv_load.overflow_reuse_floor", "{e}");
+        for bad in ["0", "12", "2048", "-8", "8.5"] {
+            let json = format!(r#"{{"kv_load":{{"working_set_sample":{bad}}}}}"#);
+            let e = RoutingConfig::from_json(&json).unwrap_err();
+            assert!(e.to_string().contains("working_set_sample"), "{bad}: {e}");
+        }
+        let c = RoutingConfig::from_json(r#"{"kv_load":{"working_set_sample":32}}"#).unwrap();
+        assert_eq!(c.kv_load.sampling().one_in_n(), 32);
+        assert_eq!(RoutingConfig::default().kv_load.sampling().one_in_n(), 8);
     }
 
     #[test]

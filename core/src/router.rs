@@ -157,7 +157,7 @@ pub struct Router {
     stats: RouterStats,
     scratch_tiers: Vec<TierCounts>,
     scratch_approx: Vec<u32>,
-    /// The request's working-set sample ([`working_set::sample`]), kept from route to admit by
+    /// The request's working-set sample ([`working_set::Sampling`]), kept from route to admit by
     /// [`Router::route_and_admit`] so the blocks are sampled once, in a buffer that is reused.
     scratch_sampled: Vec<u64>,
     /// Recent prompt blocks per replica, kept when `kv_load.overflow_weight` is set.
@@ -241,6 +241,7 @@ impl Router {
                         replicas,
                         cfg.kv_load.working_set_window_ms as u64,
                         max_blocks,
+                        cfg.kv_load.sampling(),
                     )
                 }),
             replicas,
@@ -415,7 +416,8 @@ impl Router {
         out.clear();
         if self.working_set.is_some() {
             // Over the slice itself: `PromptIdentity::key` would match on the kind at every block.
-            let keep = working_set::is_sampled;
+            let sampling = self.cfg.kv_load.sampling();
+            let keep = |k: &u64| sampling.keeps(*k);
             match &req.identity {
                 PromptIdentity::Exact(h) => out.extend(h.iter().map(|h| h.0).filter(keep)),
                 PromptIdentity::Approximate(h) => out.extend(h.iter().map(|h| h.0).filter(keep)),

@@ -13,10 +13,12 @@
 //! them in full made a replica that served distinct prompts look full of live contexts, which it was
 //! then kept from receiving (a replica back from an outage did not get its share back).
 //!
-//! Only a sample of the blocks is kept: those whose hash has its low [`SAMPLE_BITS`] bits zero (one
-//! in 8; block hashes are uniform), and counts are scaled back up. A working set is thousands of
-//! blocks, so the estimate is within a few percent, and the per-request work (a hash test per block,
-//! a map operation per sampled block and replica) and the memory are an eighth of an exact count's.
+//! Only a sample of the blocks is kept ([`Sampling`]): those whose hash has its low bits zero (one
+//! in `kv_load.working_set_sample`; block hashes are uniform), and counts are scaled back up. A
+//! working set is thousands of blocks, so the estimate is within a few percent, and the per-request
+//! work (a hash test per block, a map operation per sampled block) and the memory are that fraction
+//! of an exact count's. In a proxy the fraction matters most where no request sees it: every worker
+//! applies every other worker's sampled admissions on its tick (below).
 //!
 //! One table over all replicas: sampled block -> its holders, each with the time the block was last
 //! requested there and whether it is counted there (asked for before, here or elsewhere); per
@@ -52,11 +54,8 @@ use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
 
-/// One block in `2^SAMPLE_BITS` is sampled.
-pub const SAMPLE_BITS: u32 = 3;
 /// The reuse share's memory: its counts decay by this factor per request (about 50 requests).
 const REUSE_DECAY: f64 = 0.98;
-const SAMPLE_MASK: u64 = (1 << SAMPLE_BITS) - 1;
 
 /// The journal keeps at most this many sampled keys (about 3,000 coding-agent requests); past it the
 /// oldest entries go, and a worker that had not read them yet misses them.
@@ -77,14 +76,39 @@ fn each_bit(mut mask: u64, mut f: impl FnMut(usize)) {
     }
 }
 
-/// Whether the working set samples this block key.
-pub fn is_sampled(key: &u64) -> bool {
-    key & SAMPLE_MASK == 0
+/// Which blocks the working set keeps: one in `2^k`, those whose hash has its low `k` bits zero.
+/// Block hashes are uniform, so any one in `2^k` is as good a sample as another, and the samples
+/// nest: a block kept at one in 32 is kept at one in 8 too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sampling {
+    mask: u64,
 }
 
-/// The keys the working set samples, in order.
-pub fn sample(keys: impl Iterator<Item = u64>) -> Vec<u64> {
-    keys.filter(is_sampled).collect()
+impl Sampling {
+    /// The coarsest sample allowed: one block in this many.
+    pub const MAX_ONE_IN: u64 = 1024;
+    /// One block in 8, `kv_load.working_set_sample`'s default.
+    pub const DEFAULT: Sampling = Sampling { mask: 7 };
+
+    /// One block in `n`; `None` unless `n` is a power of two from 1 to [`Sampling::MAX_ONE_IN`].
+    pub fn one_in(n: u64) -> Option<Sampling> {
+        (n.is_power_of_two() && n <= Self::MAX_ONE_IN).then_some(Sampling { mask: n - 1 })
+    }
+
+    /// Whether this sample keeps the block `key`.
+    pub fn keeps(self, key: u64) -> bool {
+        key & self.mask == 0
+    }
+
+    /// `n` of one block in `n`: what a sampled count is multiplied by.
+    pub fn one_in_n(self) -> u64 {
+        self.mask + 1
+    }
+
+    /// The keys this sample keeps, in order.
+    pub fn sample(self, keys: impl Iterator<Item = u64>) -> Vec<u64> {
+        keys.filter(|&k| self.keeps(k)).collect()
+    }
 }
 
 /// One replica holding a sampled block: when the block was last requested there, and whether it is
@@ -428,6 +452,7 @@ impl Journal {
 #[derive(Clone, Debug)]
 pub struct WorkingSet {
     window_ms: u64,
+    sampling: Sampling,
     max_sampled: usize,
     replicas: Vec<ReplicaSet>,
     /// Every block some replica's set holds, with its holders (kept with `replicas`' queues).
@@ -450,11 +475,18 @@ pub struct Applied {
 }
 
 impl WorkingSet {
-    /// `max_blocks`: the most blocks one replica's set describes (an eighth of that is kept).
-    pub fn new(replicas: usize, window_ms: u64, max_blocks: usize) -> WorkingSet {
+    /// `max_blocks`: the most blocks one replica's set describes (the `sampling`'s share of that is
+    /// kept).
+    pub fn new(
+        replicas: usize,
+        window_ms: u64,
+        max_blocks: usize,
+        sampling: Sampling,
+    ) -> WorkingSet {
         WorkingSet {
             window_ms,
-            max_sampled: (max_blocks >> SAMPLE_BITS).max(1),
+            sampling,
+            max_sampled: (max_blocks / sampling.one_in_n() as usize).max(1),
             replicas: vec![ReplicaSet::default(); replicas],
             slots: Slots::default(),
             requested: 0.0,
@@ -525,7 +557,8 @@ impl WorkingSet {
         // `None` until this router has seen one of the peer's entries: what the peer dropped before
         // then (before this worker started, say) was never this worker's to miss.
         let last = self.journal.as_ref()?.applied.get(&peer).copied();
-        let (entries, restarted) = decode_since(bytes, self.replicas.len(), last.unwrap_or(0))?;
+        let (entries, restarted) =
+            decode_since(bytes, self.replicas.len(), last.unwrap_or(0), self.sampling)?;
         // After a restart the peer's numbers start over: so does this router's mark.
         Some((entries, if restarted { None } else { last }))
     }
@@ -670,7 +703,7 @@ impl WorkingSet {
         }
         let r = replica as u32;
         let set = &mut self.replicas[replica];
-        for &key in keys.iter().filter(|k| is_sampled(k)) {
+        for &key in keys.iter().filter(|&&k| self.sampling.keeps(k)) {
             let slot = self.slots.get_or_insert(key);
             if slot.position(r).is_some() {
                 continue;
@@ -704,7 +737,7 @@ impl WorkingSet {
     pub fn blocks(&self, replica: usize) -> f64 {
         self.replicas.get(replica).map_or(0.0, |s| {
             let once = s.len - s.counted;
-            (s.counted as f64 + self.reuse_share() * once as f64) * (1u64 << SAMPLE_BITS) as f64
+            (s.counted as f64 + self.reuse_share() * once as f64) * self.sampling.one_in_n() as f64
         })
     }
 
@@ -714,7 +747,7 @@ impl WorkingSet {
     /// reuse share's weight.
     pub fn added(&self, sampled_keys: &[u64]) -> Vec<f64> {
         let p = self.reuse_share();
-        let scale = (1u64 << SAMPLE_BITS) as f64;
+        let scale = self.sampling.one_in_n() as f64;
         if self.replicas.len() > MASK_REPLICAS {
             return self.added_by_replica(sampled_keys, p, scale);
         }
@@ -781,10 +814,16 @@ impl WorkingSet {
 }
 
 /// Decodes a journal for `replicas` replicas, checking every length; entries must be numbered in
-/// increasing order, name a replica in range, and carry sampled keys only. The whole journal is
+/// increasing order, name a replica in range, and carry only keys `sampling` keeps (a journal
+/// written with a finer sample, by a proxy configured otherwise, is refused). The whole journal is
 /// checked, but only the entries numbered after `after` are returned (the rest were applied on an
 /// earlier tick, and their keys are not copied again).
-fn decode_journal(bytes: &[u8], replicas: usize, after: u64) -> Option<(Vec<Entry>, u64)> {
+fn decode_journal(
+    bytes: &[u8],
+    replicas: usize,
+    after: u64,
+    sampling: Sampling,
+) -> Option<(Vec<Entry>, u64)> {
     let u32_at = |b: &[u8], i: usize| -> Option<u32> {
         Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?))
     };
@@ -807,7 +846,7 @@ fn decode_journal(bytes: &[u8], replicas: usize, after: u64) -> Option<(Vec<Entr
         let keys = body
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([1; 8])));
-        if seq <= prev || replica as usize >= replicas || !keys.clone().all(|k| is_sampled(&k)) {
+        if seq <= prev || replica as usize >= replicas || !keys.clone().all(|k| sampling.keeps(k)) {
             return None;
         }
         prev = seq;
@@ -892,21 +931,31 @@ pub fn decode_bundle(bytes: &[u8]) -> Option<Vec<(u32, &[u8])>> {
 /// The entries of a journal numbered after `after`, checked whole ([`decode_journal`]); when all of
 /// its numbers are below `after` the writer restarted and numbers from 1 again (a whole other proxy
 /// can; a worker of this one cannot), and all its entries are returned, with `true`.
-fn decode_since(bytes: &[u8], replicas: usize, after: u64) -> Option<(Vec<Entry>, bool)> {
-    let (entries, newest) = decode_journal(bytes, replicas, after)?;
+fn decode_since(
+    bytes: &[u8],
+    replicas: usize,
+    after: u64,
+    sampling: Sampling,
+) -> Option<(Vec<Entry>, bool)> {
+    let (entries, newest) = decode_journal(bytes, replicas, after, sampling)?;
     if entries.is_empty() && newest > 0 && newest < after {
-        return Some((decode_journal(bytes, replicas, 0)?.0, true));
+        return Some((decode_journal(bytes, replicas, 0, sampling)?.0, true));
     }
     Some((entries, false))
 }
 
 /// A worker's published journal with only the entries numbered after `after` (what the asking
-/// proxy has applied already), for `replicas` replicas; `None` for a journal that does not decode.
-/// An `after` beyond the journal's newest entry means the asker's mark is from before this worker
-/// restarted: the whole journal is returned, and the asker starts over
-/// ([`WorkingSet::apply_remote`]).
-pub fn journal_after(bytes: &[u8], replicas: usize, after: u64) -> Option<Vec<u8>> {
-    let (entries, _) = decode_since(bytes, replicas, after)?;
+/// proxy has applied already), for `replicas` replicas and this proxy's `sampling`; `None` for a
+/// journal that does not decode. An `after` beyond the journal's newest entry means the asker's
+/// mark is from before this worker restarted: the whole journal is returned, and the asker starts
+/// over ([`WorkingSet::apply_remote`]).
+pub fn journal_after(
+    bytes: &[u8],
+    replicas: usize,
+    after: u64,
+    sampling: Sampling,
+) -> Option<Vec<u8>> {
+    let (entries, _) = decode_since(bytes, replicas, after, sampling)?;
     let keys: usize = entries.iter().map(|e| e.keys.len()).sum();
     let mut out = Vec::with_capacity(JOURNAL_HEADER + entries.len() * ENTRY_HEADER + keys * 8);
     out.extend_from_slice(bytes.get(..12)?);
@@ -945,7 +994,7 @@ mod tests {
 
     /// Keys `0..n` scattered over the hash space like block hashes, sampled.
     fn keys(range: std::ops::Range<u64>) -> Vec<u64> {
-        sample(range.map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+        Sampling::DEFAULT.sample(range.map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
     }
 
     fn near(got: f64, want: f64) -> bool {
@@ -954,7 +1003,7 @@ mod tests {
 
     #[test]
     fn estimates_the_working_set_within_the_window() {
-        let mut ws = WorkingSet::new(2, 1_000, 1 << 20);
+        let mut ws = WorkingSet::new(2, 1_000, 1 << 20, Sampling::DEFAULT);
         ws.touch(0, &keys(0..4_000), 0);
         // Nothing was asked for twice yet: no reuse, no working set.
         assert_eq!((ws.reuse_share(), ws.blocks(0)), (0.0, 0.0));
@@ -990,7 +1039,7 @@ mod tests {
 
     #[test]
     fn distinct_prompts_make_no_working_set() {
-        let mut ws = WorkingSet::new(2, u64::MAX, 1 << 22);
+        let mut ws = WorkingSet::new(2, u64::MAX, 1 << 22, Sampling::DEFAULT);
         for i in 0..100 {
             ws.touch(
                 i % 2,
@@ -1004,8 +1053,49 @@ mod tests {
     }
 
     #[test]
+    fn samples_are_powers_of_two_that_nest_and_scale_back_up() {
+        for bad in [0, 3, 12, 2_048, u64::MAX] {
+            assert_eq!(Sampling::one_in(bad), None, "{bad}");
+        }
+        assert_eq!(Sampling::one_in(8), Some(Sampling::DEFAULT));
+        assert!(Sampling::one_in(1).unwrap().keeps(12_345));
+        let (eighth, coarse) = (Sampling::DEFAULT, Sampling::one_in(32).unwrap());
+        let all: Vec<u64> = (0..64_000u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
+        let fine = eighth.sample(all.iter().copied());
+        let few = coarse.sample(all.iter().copied());
+        assert_eq!((fine.len(), few.len()), (8_000, 2_000));
+        assert!(
+            few.iter().all(|&k| eighth.keeps(k)),
+            "one in 32 is within one in 8"
+        );
+        // Either sample estimates the same working set: 20,000 blocks asked for twice.
+        for s in [eighth, coarse] {
+            let mut ws = WorkingSet::new(1, u64::MAX, 1 << 20, s);
+            let session = s.sample(all[..20_000].iter().copied());
+            ws.touch(0, &session, 0);
+            ws.touch(0, &session, 1);
+            assert!(near(ws.blocks(0), 20_000.0), "{s:?}: {}", ws.blocks(0));
+        }
+        // A journal carries the keys its writer sampled: one written at one in 8 has keys one in
+        // 32 does not keep, and a reader sampling one in 32 refuses it whole (a misconfigured fleet
+        // shows in the refusal counters rather than in skewed estimates).
+        let mut writer = WorkingSet::new(1, 10_000, 1 << 20, eighth);
+        writer.start_journal();
+        writer.record(0, &fine[..64], 5);
+        let j = writer.encode_journal(10, 1_000).unwrap();
+        let mut reader = WorkingSet::new(1, 10_000, 1 << 20, coarse);
+        reader.start_journal();
+        assert_eq!(reader.apply_peer(1, &j), None);
+        let mut same = WorkingSet::new(1, 10_000, 1 << 20, eighth);
+        same.start_journal();
+        assert_eq!(same.apply_peer(1, &j).map(|a| a.entries), Some(1));
+    }
+
+    #[test]
     fn a_session_that_moves_counts_where_it_is_asked_for() {
-        let mut ws = WorkingSet::new(3, 10_000, 1 << 20);
+        let mut ws = WorkingSet::new(3, 10_000, 1 << 20, Sampling::DEFAULT);
         let session = keys(0..8_000);
         ws.touch(0, &session, 0);
         ws.touch(0, &session, 5);
@@ -1014,16 +1104,16 @@ mod tests {
         // until the window forgets it (its cache still holds it).
         ws.touch(1, &session, 10);
         assert!(near(ws.blocks(0), 8_000.0) && near(ws.blocks(1), 8_000.0));
-        let n = (session.len() << SAMPLE_BITS) as f64;
+        let n = (session.len() << 3) as f64;
         assert_eq!(ws.added(&session), vec![0.0, 0.0, n]);
     }
 
     #[test]
     fn only_one_block_in_eight_is_kept() {
-        let mut ws = WorkingSet::new(1, u64::MAX, 1 << 20);
+        let mut ws = WorkingSet::new(1, u64::MAX, 1 << 20, Sampling::DEFAULT);
         let all: Vec<u64> = (0..6_400).collect();
-        assert_eq!(sample(all.iter().copied()).len(), 800);
-        let k = sample(all.into_iter());
+        assert_eq!(Sampling::DEFAULT.sample(all.iter().copied()).len(), 800);
+        let k = Sampling::DEFAULT.sample(all.into_iter());
         ws.touch(0, &k, 0);
         ws.touch(0, &k, 1);
         assert_eq!(ws.sampled_entries(), 800);
@@ -1032,7 +1122,7 @@ mod tests {
 
     #[test]
     fn size_is_bounded_and_out_of_range_replicas_are_ignored() {
-        let mut ws = WorkingSet::new(2, u64::MAX, 64 * 8);
+        let mut ws = WorkingSet::new(2, u64::MAX, 64 * 8, Sampling::DEFAULT);
         let k: Vec<u64> = (0..1_000).map(|i| i * 8).collect();
         ws.touch(0, &k, 5);
         ws.touch(0, &k, 6);
@@ -1047,10 +1137,10 @@ mod tests {
     #[test]
     fn workers_sharing_their_journals_see_what_one_router_sees() {
         let session = |i: u64| keys(i * 10_000..i * 10_000 + 3_000);
-        let mut one = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut one = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         let mut w = [
-            WorkingSet::new(2, 10_000, 1 << 20),
-            WorkingSet::new(2, 10_000, 1 << 20),
+            WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT),
+            WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT),
         ];
         w.iter_mut().for_each(WorkingSet::start_journal);
         // Two sessions, two turns each; the turns of each session alternate between the workers.
@@ -1076,7 +1166,7 @@ mod tests {
             }
         }
         // Alone, each worker sees each session once: no reuse, no working set.
-        let mut alone = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut alone = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         alone.touch(0, &session(0), 0);
         alone.touch(1, &session(1), 10);
         assert_eq!(alone.blocks(0) + alone.blocks(1), 0.0);
@@ -1084,8 +1174,8 @@ mod tests {
 
     #[test]
     fn a_journal_is_applied_once_and_dropped_entries_are_counted() {
-        let mut a = WorkingSet::new(2, 10_000, 1 << 20);
-        let mut b = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut a = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
+        let mut b = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         assert_eq!(a.encode_journal(0, 100), None, "not sharing");
         a.start_journal();
         b.start_journal();
@@ -1123,7 +1213,7 @@ mod tests {
             a.sampled_entries() - keys(1_600..2_400).len()
         );
         // A first read of an empty journal sets no mark either.
-        let mut late = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut late = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         late.start_journal();
         let empty = a.encode_journal(10_000, 100).unwrap();
         assert_eq!(late.apply_peer(0, &empty).unwrap(), Applied::default());
@@ -1140,12 +1230,12 @@ mod tests {
 
     #[test]
     fn a_bad_journal_is_refused_whole() {
-        let mut a = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut a = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         a.start_journal();
         a.record(0, &keys(0..800), 0);
         a.record(1, &keys(800..1_600), 1);
         let j = a.encode_journal(1, 100).unwrap();
-        let mut b = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut b = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         assert_eq!(b.apply_peer(0, &j), None, "not sharing: nothing applied");
         b.start_journal();
         let mut bad = vec![j[..j.len() - 1].to_vec(), j[..20].to_vec(), Vec::new()];
@@ -1164,7 +1254,7 @@ mod tests {
         for b_ in &bad {
             assert_eq!(b.apply_peer(0, b_), None);
         }
-        let mut three = WorkingSet::new(3, 10_000, 1 << 20);
+        let mut three = WorkingSet::new(3, 10_000, 1 << 20, Sampling::DEFAULT);
         three.start_journal();
         assert_eq!(three.apply_peer(0, &j), None, "another replica count");
         assert_eq!(b.sampled_entries(), 0);
@@ -1173,7 +1263,7 @@ mod tests {
 
     #[test]
     fn the_journal_is_bounded() {
-        let mut a = WorkingSet::new(1, u64::MAX, 1 << 24);
+        let mut a = WorkingSet::new(1, u64::MAX, 1 << 24, Sampling::DEFAULT);
         a.start_journal();
         let k = keys(0..8_000);
         for t in 0..(2 * JOURNAL_MAX_KEYS / k.len()) as u64 {
@@ -1188,7 +1278,7 @@ mod tests {
         // Against the kept entries encoded one by one at each publication (as the journal did
         // before it kept them encoded), through drops by age and by size and the reclaiming of
         // dropped bytes.
-        let mut a = WorkingSet::new(3, u64::MAX, 1 << 24);
+        let mut a = WorkingSet::new(3, u64::MAX, 1 << 24, Sampling::DEFAULT);
         a.start_journal();
         let mut kept: VecDeque<Entry> = VecDeque::new();
         let mut rng = crate::rng::SplitMix64::new(5);
@@ -1243,7 +1333,7 @@ mod tests {
         fn new(replicas: usize, window_ms: u64, max_blocks: usize) -> Reference {
             Reference {
                 window_ms,
-                max_sampled: (max_blocks >> SAMPLE_BITS).max(1),
+                max_sampled: (max_blocks >> 3).max(1),
                 sets: vec![Default::default(); replicas],
                 requested: 0.0,
                 reused: 0.0,
@@ -1292,7 +1382,7 @@ mod tests {
                 return;
             }
             let (entries, order, _) = &mut self.sets[r];
-            for &key in keys.iter().filter(|k| is_sampled(k)) {
+            for &key in keys.iter().filter(|&&k| Sampling::DEFAULT.keeps(k)) {
                 if entries.contains_key(&key) {
                     continue;
                 }
@@ -1409,9 +1499,9 @@ mod tests {
             .into_iter()
             .chain([(1, 1 << 40), (3, 1 << 40)])
         {
-            let mut ws = WorkingSet::new(replicas, window, 300 * 8);
+            let mut ws = WorkingSet::new(replicas, window, 300 * 8, Sampling::DEFAULT);
             let mut reference = Reference::new(replicas, window, 300 * 8);
-            let mut peer = WorkingSet::new(replicas, window, 300 * 8);
+            let mut peer = WorkingSet::new(replicas, window, 300 * 8, Sampling::DEFAULT);
             peer.start_journal();
             ws.start_journal();
             let mut rng = crate::rng::SplitMix64::new(replicas as u64);
@@ -1486,7 +1576,7 @@ mod tests {
     }
     #[test]
     fn stored_blocks_join_as_asked_for_once() {
-        let mut ws = WorkingSet::new(2, 1_000, 1 << 20);
+        let mut ws = WorkingSet::new(2, 1_000, 1 << 20, Sampling::DEFAULT);
         // Some reuse, so blocks asked for once weigh something.
         ws.touch(0, &keys(0..800), 0);
         ws.touch(0, &keys(0..800), 1);
@@ -1528,11 +1618,11 @@ mod tests {
         let session = |i: u64| keys(i * 10_000..i * 10_000 + 3_000);
         // Proxy A's two workers publish journals; proxy B applies A's bundle.
         let mut a = [
-            WorkingSet::new(2, 10_000, 1 << 20),
-            WorkingSet::new(2, 10_000, 1 << 20),
+            WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT),
+            WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT),
         ];
         a.iter_mut().for_each(WorkingSet::start_journal);
-        let mut b = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut b = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         b.start_journal();
         a[0].record(0, &session(0), 100);
         a[1].record(1, &session(1), 110);
@@ -1555,21 +1645,21 @@ mod tests {
         let j0 = a[0].encode_journal(300, 1_000).unwrap();
         let after = parse_after(&format_after(&b.remote_marks(3))).unwrap();
         assert_eq!(after, vec![(0, 1), (1, 1)]);
-        let t0 = journal_after(&j0, 2, 1).unwrap();
+        let t0 = journal_after(&j0, 2, 1, Sampling::DEFAULT).unwrap();
         assert!(t0.len() < j0.len());
-        let t1 = journal_after(&j1, 2, 1).unwrap();
+        let t1 = journal_after(&j1, 2, 1, Sampling::DEFAULT).unwrap();
         assert_eq!(t1.len(), JOURNAL_HEADER, "nothing new");
         let bundle = encode_bundle([(0, &t0[..]), (1, &t1[..])]);
         assert_eq!(b.apply_remote(3, &bundle, 310).unwrap().entries, 1);
         // A mark past the journal's newest: the asker's mark is from before a restart: all of it.
-        assert_eq!(journal_after(&j0, 2, 99).unwrap(), j0);
+        assert_eq!(journal_after(&j0, 2, 99, Sampling::DEFAULT).unwrap(), j0);
     }
 
     #[test]
     fn a_restarted_peer_proxy_is_read_from_its_new_numbers() {
-        let mut b = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut b = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         b.start_journal();
-        let mut a = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut a = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         a.start_journal();
         for t in 0..5 {
             a.record(0, &keys(t * 1_000..t * 1_000 + 800), t);
@@ -1581,7 +1671,7 @@ mod tests {
                 .entries,
             5
         );
-        let mut again = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut again = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         again.start_journal();
         again.record(1, &keys(50_000..50_800), 20);
         let j = again.encode_journal(20, 1_000).unwrap();
@@ -1600,12 +1690,12 @@ mod tests {
 
     #[test]
     fn a_peer_proxys_clock_cannot_reach_past_this_ones() {
-        let mut b = WorkingSet::new(1, 1_000, 1 << 20);
+        let mut b = WorkingSet::new(1, 1_000, 1 << 20, Sampling::DEFAULT);
         b.start_journal();
         b.record(0, &keys(0..800), 5_000);
         b.record(0, &keys(0..800), 5_001);
         let mine = b.blocks(0);
-        let mut a = WorkingSet::new(1, 1_000, 1 << 20);
+        let mut a = WorkingSet::new(1, 1_000, 1 << 20, Sampling::DEFAULT);
         a.start_journal();
         // Far in the future (would expire everything B holds), and far in the past (out of the window).
         a.record(0, &keys(800..1_600), u64::MAX / 2);
@@ -1623,7 +1713,7 @@ mod tests {
             0,
             "clamped to now: expires with the window"
         );
-        let mut old = WorkingSet::new(1, 1_000, 1 << 20);
+        let mut old = WorkingSet::new(1, 1_000, 1 << 20, Sampling::DEFAULT);
         old.start_journal();
         old.record(0, &keys(0..800), 1);
         let j = old.encode_journal(1, 1_000).unwrap();
@@ -1636,13 +1726,13 @@ mod tests {
 
     #[test]
     fn a_bad_bundle_is_refused_whole() {
-        let mut a = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut a = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         a.start_journal();
         a.record(0, &keys(0..800), 0);
         let good = a.encode_journal(1, 100).unwrap();
         let mut bad_journal = good.clone();
         bad_journal.push(0);
-        let mut b = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut b = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         assert_eq!(
             b.apply_remote(0, &encode_bundle([(0, &good[..])]), 1),
             None,
@@ -1686,7 +1776,7 @@ mod tests {
 
     #[test]
     fn retouching_does_not_grow_the_queue_without_bound() {
-        let mut ws = WorkingSet::new(1, u64::MAX, 1 << 20);
+        let mut ws = WorkingSet::new(1, u64::MAX, 1 << 20, Sampling::DEFAULT);
         let k: Vec<u64> = (0..100).map(|i| i * 8).collect();
         for t in 0..1_000 {
             ws.touch(0, &k, t);

@@ -275,7 +275,7 @@ fn bundle(
                 continue;
             };
             let mark = after.iter().find(|&&(x, _)| x == w).map_or(0, |&(_, s)| s);
-            let Some(t) = journal_after(&j, replicas, mark) else {
+            let Some(t) = journal_after(&j, replicas, mark, cfg.routing.kv_load.sampling()) else {
                 continue;
             };
             // A journal that does not fit now is sent on a later poll (the asker's mark stays).
@@ -294,7 +294,7 @@ mod tests {
     use super::*;
     use crate::store::tests::MemStore;
     use kvsteer_core::config::RoutingConfig;
-    use kvsteer_core::working_set::{WorkingSet, decode_bundle};
+    use kvsteer_core::working_set::{Sampling, WorkingSet, decode_bundle};
 
     const TOKEN: &str = "0123456789abcdef";
 
@@ -329,7 +329,7 @@ mod tests {
         assert!(x.plan(&c, &r, true, 100).is_empty(), "in flight / not due");
         assert!(x.owns(7) && !x.owns(8));
         // Peer 0 answers with a journal of one entry; its mark goes into the next poll's query.
-        let mut peer = WorkingSet::new(2, 10_000, 1 << 20);
+        let mut peer = WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT);
         peer.start_journal();
         peer.record(1, &[8, 16, 24], 50);
         let j = peer.encode_journal(60, 1_000).unwrap();
@@ -359,8 +359,8 @@ mod tests {
         let (c, _) = (cfg(true), ());
         let store = MemStore::default();
         let mut w = [
-            WorkingSet::new(2, 10_000, 1 << 20),
-            WorkingSet::new(2, 10_000, 1 << 20),
+            WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT),
+            WorkingSet::new(2, 10_000, 1 << 20, Sampling::DEFAULT),
         ];
         for (i, ws) in w.iter_mut().enumerate() {
             ws.start_journal();

@@ -173,8 +173,10 @@ pub fn routing(spec: &str) -> Result<Value, String> {
         let (k, v) = kv
             .split_once('=')
             .ok_or_else(|| format!("policy spec {spec:?}: {kv:?} is not KEY=VALUE"))?;
-        // A number, a boolean, or a name (a preset, an enum value); the filter checks the field.
+        // A number (an integer stays one, for integer fields), a boolean, or a name (a preset, an
+        // enum value); the filter checks the field.
         let v = match (v.parse::<f64>(), v) {
+            (Ok(_), _) if v.parse::<u64>().is_ok() => json!(v.parse::<u64>().unwrap_or_default()),
             (Ok(n), _) => json!(n),
             (Err(_), "true") => json!(true),
             (Err(_), "false") => json!(false),
