@@ -501,7 +501,7 @@ impl WorkingSet {
         self.journal.get_or_insert_with(Journal::default);
     }
 
-    /// Records that this router sent `sampled_keys` (from [`sample`]) to `replica` at `now_ms`:
+    /// Records that this router sent `sampled_keys` (from [`Sampling::sample`]) to `replica` at `now_ms`:
     /// [`WorkingSet::touch`], and a journal entry when sharing.
     pub fn record(&mut self, replica: usize, sampled_keys: &[u64], now_ms: u64) {
         self.touch(replica, sampled_keys, now_ms);
@@ -647,7 +647,7 @@ impl WorkingSet {
         }
     }
 
-    /// Records that `sampled_keys` (from [`sample`]) were requested on `replica` at `now_ms`.
+    /// Records that `sampled_keys` (from [`Sampling::sample`]) were requested on `replica` at `now_ms`.
     pub fn touch(&mut self, replica: usize, sampled_keys: &[u64], now_ms: u64) {
         if replica >= self.replicas.len() {
             return;
@@ -741,7 +741,7 @@ impl WorkingSet {
         })
     }
 
-    /// Per replica, how much the request's blocks (`sampled_keys`, from [`sample`]) would grow its
+    /// Per replica, how much the request's blocks (`sampled_keys`, from [`Sampling::sample`]) would grow its
     /// working set, estimated: a block asked for before joins in full where it is not held yet, and
     /// completes its weight where it is held as asked for once; a block never seen joins with the
     /// reuse share's weight.
