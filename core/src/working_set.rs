@@ -741,10 +741,10 @@ impl WorkingSet {
         })
     }
 
-    /// Per replica, how much the request's blocks (`sampled_keys`, from [`Sampling::sample`]) would grow its
-    /// working set, estimated: a block asked for before joins in full where it is not held yet, and
-    /// completes its weight where it is held as asked for once; a block never seen joins with the
-    /// reuse share's weight.
+    /// Per replica, how much the request's blocks (`sampled_keys`, from [`Sampling::sample`]) would
+    /// grow its working set, estimated: a block asked for before joins in full where it is not held
+    /// yet, and completes its weight where it is held as asked for once; a block never seen joins
+    /// with the reuse share's weight.
     pub fn added(&self, sampled_keys: &[u64]) -> Vec<f64> {
         let p = self.reuse_share();
         let scale = self.sampling.one_in_n() as f64;
