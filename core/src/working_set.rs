@@ -501,8 +501,8 @@ impl WorkingSet {
         self.journal.get_or_insert_with(Journal::default);
     }
 
-    /// Records that this router sent `sampled_keys` (from [`Sampling::sample`]) to `replica` at `now_ms`:
-    /// [`WorkingSet::touch`], and a journal entry when sharing.
+    /// Records that this router sent `sampled_keys` (from [`Sampling::sample`]) to `replica` at
+    /// `now_ms`: [`WorkingSet::touch`], and a journal entry when sharing.
     pub fn record(&mut self, replica: usize, sampled_keys: &[u64], now_ms: u64) {
         self.touch(replica, sampled_keys, now_ms);
         let Some(j) = &mut self.journal else {
@@ -647,7 +647,8 @@ impl WorkingSet {
         }
     }
 
-    /// Records that `sampled_keys` (from [`Sampling::sample`]) were requested on `replica` at `now_ms`.
+    /// Records that `sampled_keys` (from [`Sampling::sample`]) were requested on `replica` at
+    /// `now_ms`.
     pub fn touch(&mut self, replica: usize, sampled_keys: &[u64], now_ms: u64) {
         if replica >= self.replicas.len() {
             return;
