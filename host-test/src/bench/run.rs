@@ -317,9 +317,14 @@ mod tests {
     fn policy_specs_become_routing_sections() {
         assert_eq!(routing("kv_load").unwrap(), json!({"policy": "kv_load"}));
         assert_eq!(
-            routing("kv_load@overlap_credit=2@active_request_weight=32").unwrap(),
+            routing("kv_load@overlap_credit=2.5@active_request_weight=32").unwrap(),
             json!({"policy": "kv_load",
-                   "kv_load": {"overlap_credit": 2.0, "active_request_weight": 32.0}})
+                   "kv_load": {"overlap_credit": 2.5, "active_request_weight": 32}})
+        );
+        // An integer stays one, so integer fields take it; float fields read it as a float.
+        assert_eq!(
+            routing("kv_load@working_set_sample=16").unwrap()["kv_load"]["working_set_sample"],
+            json!(16)
         );
         assert!(routing("kv_load@overlap_credit").is_err());
         assert!(routing("kv_load@overlap_credit=lots").is_err());
@@ -343,7 +348,7 @@ mod tests {
         assert_eq!(c.plugin_config()["feed_period_ms"], json!(50));
         assert_eq!(c.plugin_config()["tick_ms"], json!(50));
         let cfg = config("kv_load@prefill_scale=4", 64, 2, 1);
-        assert_eq!(cfg.routing["kv_load"]["prefill_scale"], json!(4.0));
+        assert_eq!(cfg.routing["kv_load"]["prefill_scale"], json!(4));
         assert_eq!(cfg.routing["block_size"], json!(64));
         assert_eq!(cfg.routing["seed"], json!(ROUTER_SEED + 2));
     }
