@@ -524,7 +524,8 @@ impl RouterState {
             // elsewhere is another. Applying every other worker's admissions costs each such VM as
             // much as a routing one (docs/envoy.md, "Where the p99 goes"); a worker starts with its
             // first request, from what the journals still hold (a few ticks' worth), and its
-            // estimate fills in over the window.
+            // estimate fills in over the window. (Peer proxies' working sets are still polled from
+            // the start: `plan_peer_polls`.)
             if self.bookings == 0 {
                 continue;
             }
@@ -570,9 +571,10 @@ impl RouterState {
     /// The peer polls due at `now_ms` (none without `peers`, or while this worker has no working
     /// set to share: before it has a number in shared data, or with the term off).
     pub fn plan_peer_polls(&mut self, now_ms: u64) -> Vec<PeerCall> {
-        // Not before this VM routes a request (see `share_load`).
-        let sharing =
-            self.worker_id.is_some() && self.router.has_working_set() && self.bookings > 0;
+        // From the start, unlike the other workers' journals (`share_load`): a proxy that takes
+        // traffic later needs what the others served before, and their journals keep only a few
+        // polls' worth.
+        let sharing = self.worker_id.is_some() && self.router.has_working_set();
         self.exchange.plan(&self.cfg, &self.router, sharing, now_ms)
     }
 
@@ -1496,9 +1498,7 @@ mod tests {
         let mut kv = with("kv_load");
         assert!(kv.plan_peer_polls(0).is_empty(), "no worker number yet");
         kv.claim_worker_id(&store);
-        assert!(kv.plan_peer_polls(0).is_empty(), "no request routed yet");
-        kv.route_fallback(1, BodyFallback::TooLarge, 100, 0);
-        assert_eq!(kv.plan_peer_polls(0).len(), 1);
+        assert_eq!(kv.plan_peer_polls(0).len(), 1, "before any request too");
         // Without the working-set term there is nothing to exchange: no polls, no empty answers
         // counted as refused.
         let mut rr = with("round_robin");
