@@ -414,9 +414,9 @@ impl Router {
     /// The request's blocks the working set samples, into `out` (left empty with the term off).
     fn sample_blocks(&self, req: &RouteRequest, out: &mut Vec<u64>) {
         out.clear();
-        if self.working_set.is_some() {
+        if let Some(ws) = &self.working_set {
             // Over the slice itself: `PromptIdentity::key` would match on the kind at every block.
-            let sampling = self.cfg.kv_load.sampling();
+            let sampling = ws.sampling();
             let keep = |k: &u64| sampling.keeps(*k);
             match &req.identity {
                 PromptIdentity::Exact(h) => out.extend(h.iter().map(|h| h.0).filter(keep)),

@@ -495,6 +495,12 @@ impl WorkingSet {
         }
     }
 
+    /// Which blocks this working set keeps: a request's keys are sampled by it before
+    /// [`WorkingSet::added`] and [`WorkingSet::record`].
+    pub fn sampling(&self) -> Sampling {
+        self.sampling
+    }
+
     /// Starts keeping recorded admissions for the proxy's other workers (the filter calls it once
     /// the worker has a number in shared data).
     pub fn start_journal(&mut self) {

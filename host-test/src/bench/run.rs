@@ -175,12 +175,12 @@ pub fn routing(spec: &str) -> Result<Value, String> {
             .ok_or_else(|| format!("policy spec {spec:?}: {kv:?} is not KEY=VALUE"))?;
         // A number (an integer stays one, for integer fields), a boolean, or a name (a preset, an
         // enum value); the filter checks the field.
-        let v = match (v.parse::<f64>(), v) {
-            (Ok(_), _) if v.parse::<u64>().is_ok() => json!(v.parse::<u64>().unwrap_or_default()),
-            (Ok(n), _) => json!(n),
-            (Err(_), "true") => json!(true),
-            (Err(_), "false") => json!(false),
-            (Err(_), name) if !name.is_empty() => json!(name),
+        let v = match (v.parse::<u64>(), v.parse::<f64>(), v) {
+            (Ok(n), _, _) => json!(n),
+            (_, Ok(n), _) => json!(n),
+            (_, _, "true") => json!(true),
+            (_, _, "false") => json!(false),
+            (_, _, name) if !name.is_empty() => json!(name),
             _ => return Err(format!("policy spec {spec:?}: {k} has no value")),
         };
         section.insert(k.to_string(), v);
