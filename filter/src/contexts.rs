@@ -394,6 +394,7 @@ impl Root {
         );
         m.last_resets = stats.feed_resets;
         let (booked, released) = vm.state.bookings();
+        let routes = booked > 0;
         inc(m.bookings, booked.saturating_sub(m.last_bookings.0));
         inc(m.releases, released.saturating_sub(m.last_bookings.1));
         m.last_bookings = (booked, released);
@@ -445,7 +446,12 @@ impl Root {
                 vm.state.is_ejected(i) as u64,
             );
             let (ws, cap) = vm.state.working_set(i);
-            gauge(m.working_set_blocks.get(i).copied().flatten(), ws as u64);
+            // Only a VM that routes applies the other workers' admissions (`share_load`); one that
+            // has routed nothing (Envoy's main thread, an idle worker) knows part of the working set
+            // and must not overwrite the stat the routing workers write.
+            if routes {
+                gauge(m.working_set_blocks.get(i).copied().flatten(), ws as u64);
+            }
             gauge(m.cache_size_blocks.get(i).copied().flatten(), cap as u64);
         }
         let health = vm.state.health();

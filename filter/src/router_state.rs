@@ -519,6 +519,16 @@ impl RouterState {
                 Some((at, counts)) => self.router.set_peer_health(peer, at, &counts),
                 None => self.router.clear_peer_health(peer),
             }
+            // A VM that has routed nothing yet needs no working set: Envoy's main thread runs one
+            // (it gets ticks and callouts, never a stream), and a worker whose connections are all
+            // elsewhere is another. Applying every other worker's admissions costs each such VM as
+            // much as a routing one (docs/envoy.md, "Where the p99 goes"); a worker starts with its
+            // first request, from what the journals still hold (a few ticks' worth), and its
+            // estimate fills in over the window. (Peer proxies' working sets are still polled from
+            // the start: `plan_peer_polls`.)
+            if self.bookings == 0 {
+                continue;
+            }
             if let Some(journal) = peers::read_working_set_fresh(store, prefix, peer, now_ms, ttl) {
                 match self.router.apply_peer_working_set(peer, &journal) {
                     Some(applied) => self.working_set_missed += applied.missed,
@@ -561,6 +571,9 @@ impl RouterState {
     /// The peer polls due at `now_ms` (none without `peers`, or while this worker has no working
     /// set to share: before it has a number in shared data, or with the term off).
     pub fn plan_peer_polls(&mut self, now_ms: u64) -> Vec<PeerCall> {
+        // From the start, unlike the other workers' journals (`share_load`): a proxy that takes
+        // traffic later needs what the others served before, and their journals keep only a few
+        // polls' worth.
         let sharing = self.worker_id.is_some() && self.router.has_working_set();
         self.exchange.plan(&self.cfg, &self.router, sharing, now_ms)
     }
@@ -1485,7 +1498,7 @@ mod tests {
         let mut kv = with("kv_load");
         assert!(kv.plan_peer_polls(0).is_empty(), "no worker number yet");
         kv.claim_worker_id(&store);
-        assert_eq!(kv.plan_peer_polls(0).len(), 1);
+        assert_eq!(kv.plan_peer_polls(0).len(), 1, "before any request too");
         // Without the working-set term there is nothing to exchange: no polls, no empty answers
         // counted as refused.
         let mut rr = with("round_robin");
@@ -1662,6 +1675,32 @@ mod tests {
         assert!(!w.is_ejected(0));
         // Out of range: ignored, never a panic.
         w.request_outcome(7, Some(b"127.0.0.1:8000"), Outcome::Failure, 4);
+    }
+
+    #[test]
+    fn a_worker_applies_the_others_working_sets_from_its_first_request() {
+        let store = crate::store::tests::MemStore::default();
+        let (mut a, mut b) = (worker("kv_load"), worker("kv_load"));
+        a.claim_worker_id(&store);
+        b.claim_worker_id(&store);
+        let ids: Vec<String> = (0..4_000).map(|i| i.to_string()).collect();
+        let body = format!(r#"{{"prompt":[{}]}}"#, ids.join(","));
+        for id in 0..2 {
+            a.route_body(id, "/v1/completions", body.as_bytes(), Some("s"), 5);
+            a.release(id);
+        }
+        let held = |w: &RouterState| w.working_set(0).0 + w.working_set(1).0;
+        assert!(held(&a) > 0.0, "a asked for its prompt twice");
+        a.share_load(&store, 10);
+        b.share_load(&store, 10);
+        assert_eq!(held(&b), 0.0, "b has routed nothing: it applies nothing");
+        b.route_body(1, "/v1/completions", br#"{"prompt":[7,8,9]}"#, None, 15);
+        b.share_load(&store, 20);
+        assert_eq!(
+            held(&b),
+            held(&a),
+            "from its first request on, b applies a's journal"
+        );
     }
 
     #[test]
