@@ -604,7 +604,11 @@ fn dp_ranks_are_picked_by_header_and_fed_apart() {
         name: "dp".into(),
         host: "127.0.0.1".into(),
         port: 0,
-        time_scale: 100.0,
+        // Real time: the balancer's load figures refresh every 100 ms of engine time, and it spreads
+        // back-to-back requests only while they arrive within one period (its local increments).
+        // At time scale 100 that period was 1 ms of wall time, shorter than one HTTP round trip on
+        // a loaded CI machine, and every request then saw both ranks idle and went to rank 0.
+        time_scale: 1.0,
         model: "sim".into(),
         engine: EngineConfig {
             kv_blocks: 1000,
