@@ -394,7 +394,6 @@ impl Root {
         );
         m.last_resets = stats.feed_resets;
         let (booked, released) = vm.state.bookings();
-        let routes = booked > 0;
         inc(m.bookings, booked.saturating_sub(m.last_bookings.0));
         inc(m.releases, released.saturating_sub(m.last_bookings.1));
         m.last_bookings = (booked, released);
@@ -449,7 +448,7 @@ impl Root {
             // Only a VM that routes applies the other workers' admissions (`share_load`); one that
             // has routed nothing (Envoy's main thread, an idle worker) knows part of the working set
             // and must not overwrite the stat the routing workers write.
-            if routes {
+            if vm.state.has_routed() {
                 gauge(m.working_set_blocks.get(i).copied().flatten(), ws as u64);
             }
             gauge(m.cache_size_blocks.get(i).copied().flatten(), cap as u64);

@@ -526,7 +526,7 @@ impl RouterState {
             // first request, from what the journals still hold (a few ticks' worth), and its
             // estimate fills in over the window. (Peer proxies' working sets are still polled from
             // the start: `plan_peer_polls`.)
-            if self.bookings == 0 {
+            if !self.has_routed() {
                 continue;
             }
             if let Some(journal) = peers::read_working_set_fresh(store, prefix, peer, now_ms, ttl) {
@@ -839,6 +839,12 @@ impl RouterState {
         let released = self.router.release(request_id);
         self.releases += released as u64;
         released
+    }
+
+    /// Whether this VM has routed a request: only such a VM applies the other workers'
+    /// working-set journals (`share_load`) and so only it has a working set worth reporting.
+    pub fn has_routed(&self) -> bool {
+        self.bookings > 0
     }
 
     /// Bookings made and released so far (requests, and each leg of a P/D request).
