@@ -69,6 +69,15 @@ pub struct KvLoadParams {
     /// the two by the share of the request the best-placed replica holds: `queue_weight + (cold -
     /// queue_weight) * (1 - best overlap / request blocks)`.
     pub cold_queue_weight: Option<f64>,
+    /// The queue's weight for a short prompt; `None` (the default): as for any other. `queue_weight`
+    /// below 1 stands for what a move costs beyond the request's own uncached blocks: the contexts it
+    /// pushes out of the destination's cache to hold the request. A short prompt pushes out little,
+    /// and its time to first token is mostly the queue it waits behind, so its wait can count more.
+    /// Applies in full to prompts of at most `short_prompt_tokens`, fading linearly to the other
+    /// weights at twice that.
+    pub short_queue_weight: Option<f64>,
+    /// With `short_queue_weight`: the prompt length (tokens) up to which it applies in full.
+    pub short_prompt_tokens: f64,
     /// Price prefill in decode time (kvsteer's cost, docs/design.md section 2): the prefill term is
     /// scaled by `(1 + context / attention_context_tokens) * 256 / expected_output`, so a block of
     /// prefill weighs more for a long context (attention grows with it) and less for a request that
@@ -213,6 +222,8 @@ struct KvLoadSection {
     overlap_credit_decay: Option<f64>,
     queue_weight: Option<f64>,
     cold_queue_weight: Option<f64>,
+    short_queue_weight: Option<f64>,
+    short_prompt_tokens: Option<f64>,
     time_cost: Option<bool>,
     attention_context_tokens: Option<f64>,
     active_request_weight: Option<f64>,
@@ -243,6 +254,8 @@ impl From<KvLoadSection> for KvLoadParams {
             overlap_credit_decay: s.overlap_credit_decay.unwrap_or(base.overlap_credit_decay),
             queue_weight: s.queue_weight.unwrap_or(base.queue_weight),
             cold_queue_weight: s.cold_queue_weight.or(base.cold_queue_weight),
+            short_queue_weight: s.short_queue_weight.or(base.short_queue_weight),
+            short_prompt_tokens: s.short_prompt_tokens.unwrap_or(base.short_prompt_tokens),
             time_cost: s.time_cost.unwrap_or(base.time_cost),
             attention_context_tokens: s
                 .attention_context_tokens
@@ -317,6 +330,8 @@ impl Default for KvLoadParams {
             overlap_credit_decay: 0.0,
             queue_weight: 0.25,
             cold_queue_weight: None,
+            short_queue_weight: None,
+            short_prompt_tokens: 16_384.0,
             time_cost: true,
             attention_context_tokens: 25_000.0,
             active_request_weight: 0.0,
@@ -486,6 +501,10 @@ impl RoutingConfig {
         if let Some(c) = k.cold_queue_weight {
             nonneg("kv_load.cold_queue_weight", c)?;
         }
+        if let Some(c) = k.short_queue_weight {
+            nonneg("kv_load.short_queue_weight", c)?;
+        }
+        nonneg("kv_load.short_prompt_tokens", k.short_prompt_tokens)?;
         nonneg("kv_load.replica_cache_tokens", k.replica_cache_tokens)?;
         nonneg("kv_load.working_set_window_ms", k.working_set_window_ms)?;
         if crate::working_set::Sampling::one_in(k.working_set_sample).is_none() {

@@ -87,9 +87,11 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
 
 /// The queue's weight for this request: `queue_weight`, or with `cold_queue_weight` set, rising
 /// towards it as the best-placed replica's share of the request falls (a request nothing is cached
-/// for has no cache to protect by staying behind a queue).
+/// for has no cache to protect by staying behind a queue); then, with `short_queue_weight` set,
+/// moved towards that for a short prompt (it pushes little out of a destination's cache, and its
+/// time to first token is mostly its wait).
 pub fn queue_weight(input: &Input, k: &KvLoadParams) -> f64 {
-    match k.cold_queue_weight {
+    let base = match k.cold_queue_weight {
         Some(cold) if input.request_blocks > 0.0 => {
             let best = (0..input.overlap.len())
                 .filter(|&r| !input.avoided.get(r).copied().unwrap_or(false))
@@ -99,6 +101,15 @@ pub fn queue_weight(input: &Input, k: &KvLoadParams) -> f64 {
             k.queue_weight + (cold - k.queue_weight) * (1.0 - held)
         }
         _ => k.queue_weight,
+    };
+    match k.short_queue_weight {
+        Some(short) if k.short_prompt_tokens > 0.0 => {
+            let tokens = input.request_blocks * input.block_size;
+            // 1 up to `short_prompt_tokens`, 0 from twice that.
+            let shortness = (2.0 - tokens / k.short_prompt_tokens).clamp(0.0, 1.0);
+            base + (short - base) * shortness
+        }
+        _ => base,
     }
 }
 
@@ -396,6 +407,37 @@ mod tests {
             ..k.clone()
         };
         assert_eq!(queue_weight(&input(&load, &[0.0, 0.0], &[]), &unset), 0.25);
+    }
+
+    #[test]
+    fn a_short_prompt_can_weigh_the_queue_more() {
+        let load = [LoadTotals::default(); 2];
+        let k = KvLoadParams {
+            short_queue_weight: Some(0.5),
+            short_prompt_tokens: 1_000.0,
+            ..KvLoadParams::default()
+        };
+        let mut i = input(&load, &[0.0, 0.0], &[]);
+        let at = |i: &mut Input, tokens: f64| {
+            i.request_blocks = tokens / 16.0;
+            queue_weight(i, &k)
+        };
+        // In full up to the threshold, half way at 1.5x, the configured weight from 2x.
+        assert_eq!(at(&mut i, 160.0), 0.5);
+        assert_eq!(at(&mut i, 1_000.0), 0.5);
+        assert!((at(&mut i, 1_500.0) - 0.375).abs() < 1e-12);
+        assert_eq!(at(&mut i, 2_000.0), 0.25);
+        assert_eq!(at(&mut i, 100_000.0), 0.25);
+        // It blends with the cold request's weight rather than replacing it.
+        let cold = KvLoadParams {
+            cold_queue_weight: Some(1.0),
+            ..k.clone()
+        };
+        i.request_blocks = 1_500.0 / 16.0;
+        assert!((queue_weight(&i, &cold) - 0.75).abs() < 1e-12);
+        // Unset: no change.
+        i.request_blocks = 10.0;
+        assert_eq!(queue_weight(&i, &KvLoadParams::default()), 0.25);
     }
 
     #[test]
