@@ -10,6 +10,8 @@ tearDown.
 Paths come from the environment so CI and developers can point at their builds:
 - `CARGO_TARGET_DIR` (default `<repo>/target`): where the release wasm and sim binary are.
 - `KVSTEER_WASM`, `KVSTEER_SIM`, `KVSTEER_FLOOD_FEED`, `ENVOY_BIN`: explicit overrides.
+- `ENVOY_CPUS` (a `taskset -c` list, e.g. `1`): run Envoy on those CPUs only (benchmarks that keep
+  Envoy off the cores of the client and the simulated replicas, as a deployment would).
 """
 
 from __future__ import annotations
@@ -426,6 +428,8 @@ class Stack:
                     "--component-log-level", os.environ.get("E2E_ENVOY_LOG", "wasm:info")]
             if node_id:
                 argv += ["--service-node", node_id]
+            if os.environ.get("ENVOY_CPUS"):
+                argv = ["taskset", "-c", os.environ["ENVOY_CPUS"], *argv]
             self.envoy = self.spawn(f"envoy-{variant}-{attempt}", argv)
             try:
                 wait_http(f"http://127.0.0.1:{self.admin_port}/ready", 30, self.envoy)

@@ -294,7 +294,21 @@ impl Root {
                 upstream,
                 authority,
                 path,
+                took_lease,
             } = poll;
+            if took_lease {
+                let name = vm.state.replica_name(replica);
+                let id = vm.state.worker_id().unwrap_or(0);
+                let role = if vm.state.has_routed() {
+                    "routing requests"
+                } else {
+                    "routing none yet"
+                };
+                log(
+                    LogLevel::Info,
+                    &format!("kvsteer: VM {id} ({role}) now polls {name}'s feed for the proxy"),
+                );
+            }
             let headers = vec![
                 (":method", "GET"),
                 (":path", path.as_str()),

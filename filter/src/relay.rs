@@ -38,6 +38,14 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
 }
 
 /// Takes or renews the lease on a replica's feed; `true` when this worker may poll it now.
+///
+/// `routing`: whether this VM routes requests. A VM that does not (Envoy's main thread runs one of
+/// the plugin: ticks and callouts, never a stream; an idle worker is another) takes a lease from a
+/// routing holder at once, and a routing VM takes a lease only once it has expired. So where the
+/// proxy has such a VM, the feed polls (the callouts, their answers handed into the VM, the
+/// relaying) run there, off the threads that serve requests, which then only apply the relayed
+/// batches; where it has none, the routing workers poll as before. A non-routing VM never takes a
+/// lease from another non-routing holder, so the lease stays put once there.
 pub fn try_lease(
     store: &dyn SharedStore,
     prefix: &str,
@@ -45,6 +53,7 @@ pub fn try_lease(
     me: u32,
     now_ms: u64,
     hold_ms: u64,
+    routing: bool,
 ) -> bool {
     let key = lease_key(prefix, replica);
     let current = store.get(&key);
@@ -55,7 +64,11 @@ pub fn try_lease(
                 .and_then(|b| b.try_into().ok())
                 .map(u32::from_le_bytes);
             let expires = u64_at(v, 4).unwrap_or(0);
-            if holder != Some(me) && expires > now_ms {
+            // A value without the flag (written by an older filter) counts as not routing: never
+            // taken before it expires.
+            let holder_routing = v.get(12).is_some_and(|&b| b == 1);
+            let preempt = !routing && holder_routing;
+            if holder != Some(me) && expires > now_ms && !preempt {
                 return false;
             }
             Some(*cas)
@@ -64,6 +77,7 @@ pub fn try_lease(
     };
     let mut value = me.to_le_bytes().to_vec();
     value.extend_from_slice(&now_ms.saturating_add(hold_ms).to_le_bytes());
+    value.push(routing as u8);
     // Without a CAS token (absent entry) two workers may both write; the later one wins the lease and
     // both poll once: harmless.
     store.set(&key, &value, cas)
@@ -176,13 +190,35 @@ mod tests {
     #[test]
     fn one_holder_at_a_time_and_expiry_hands_over() {
         let s = MemStore::default();
-        assert!(try_lease(&s, "k", 0, 1, 0, 600));
-        assert!(!try_lease(&s, "k", 0, 2, 100, 600), "held by worker 1");
-        assert!(try_lease(&s, "k", 0, 1, 200, 600), "holder renews");
-        assert!(try_lease(&s, "k", 1, 2, 200, 600), "leases are per replica");
-        assert!(!try_lease(&s, "k", 0, 2, 799, 600));
-        assert!(try_lease(&s, "k", 0, 2, 801, 600), "expired: taken over");
-        assert!(!try_lease(&s, "k", 0, 1, 900, 600));
+        for routing in [false, true] {
+            let s = MemStore::default();
+            let r = routing;
+            assert!(try_lease(&s, "k", 0, 1, 0, 600, r));
+            assert!(!try_lease(&s, "k", 0, 2, 100, 600, r), "held by worker 1");
+            assert!(try_lease(&s, "k", 0, 1, 200, 600, r), "holder renews");
+            assert!(try_lease(&s, "k", 1, 2, 200, 600, r), "leases are per replica");
+            assert!(!try_lease(&s, "k", 0, 2, 799, 600, r));
+            assert!(try_lease(&s, "k", 0, 2, 801, 600, r), "expired: taken over");
+            assert!(!try_lease(&s, "k", 0, 1, 900, 600, r));
+        }
+    }
+
+    #[test]
+    fn a_vm_that_routes_nothing_takes_the_lease_from_one_that_routes() {
+        let s = MemStore::default();
+        assert!(try_lease(&s, "k", 0, 1, 0, 600, true), "a routing worker takes a free lease");
+        assert!(!try_lease(&s, "k", 0, 3, 100, 600, true), "another routing worker waits");
+        assert!(try_lease(&s, "k", 0, 2, 100, 600, false), "a VM routing nothing takes it");
+        assert!(!try_lease(&s, "k", 0, 1, 200, 600, true), "and keeps it from the routing one");
+        assert!(!try_lease(&s, "k", 0, 4, 200, 600, false), "and from another idle VM");
+        assert!(try_lease(&s, "k", 0, 2, 300, 600, false), "renewing it");
+        // Once the holder routes, the next idle VM takes it over.
+        assert!(try_lease(&s, "k", 0, 2, 400, 600, true));
+        assert!(try_lease(&s, "k", 0, 4, 500, 600, false));
+        // A value from an older filter (no flag) is never taken before it expires.
+        s.set(&lease_key("k", 1), &[1, 0, 0, 0, 0x58, 2, 0, 0, 0, 0, 0, 0], None);
+        assert!(!try_lease(&s, "k", 1, 2, 100, 600, false));
+        assert!(try_lease(&s, "k", 1, 2, 601, 600, false));
     }
 
     #[test]

@@ -121,6 +121,9 @@ pub struct FeedPoll {
     pub upstream: String,
     pub authority: String,
     pub path: String,
+    /// This VM has just taken the replica's lease from no one or from another VM (worth a log line:
+    /// it happens once per replica at start and at each handover).
+    pub took_lease: bool,
 }
 
 /// Where a routing decision is written for the proxy to read it, and what.
@@ -946,10 +949,13 @@ impl RouterState {
                 continue;
             }
             let q = self.router.feed_query(i, self.cfg.feed_max_events);
+            let mut took_lease = false;
             let poll = match (store, self.worker_id) {
                 (Some(s), Some(me)) if q.epoch != 0 => {
                     let prefix = &self.cfg.shared_key_prefix;
-                    let got = relay::try_lease(s, prefix, i, me, now_ms, hold);
+                    let routing = self.has_routed();
+                    let got = relay::try_lease(s, prefix, i, me, now_ms, hold, routing);
+                    took_lease = got && !self.feeds[i].leased;
                     self.feeds[i].leased = got;
                     got
                 }
@@ -967,6 +973,7 @@ impl RouterState {
                         Some(r) => format!("{}{}&rank={r}", self.cfg.feed_path_prefix, q.to_path()),
                         None => format!("{}{}", self.cfg.feed_path_prefix, q.to_path()),
                     },
+                    took_lease,
                 });
             } else {
                 self.feeds[i].next_poll_ms = now_ms.saturating_add(self.cfg.feed_period_ms);
