@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 import unittest
@@ -144,6 +145,28 @@ class KvsteerBehindEnvoy(unittest.TestCase):
         self.assertEqual(status, 200)
         removed = stat_sum(self.stack, "kvsteer_spoofed_headers_removed") - before
         self.assertGreaterEqual(removed, len(spoofs) + 1)
+
+    def test_feed_polls_run_on_the_main_thread(self):
+        # Envoy's main thread runs a VM of the plugin that ticks but never routes; it holds every
+        # feed lease (taking it from a worker that routes, filter/src/relay.rs), so the callouts stay
+        # off the threads serving requests. Requests on fresh connections reach both workers.
+        for k in range(16):
+            self.assertTrue(send(self.stack, tokens(64, 40_000 + k)).ok)
+        time.sleep(1.0)  # longer than a poll period (200 ms) plus a tick: any handover is done
+        text = "\n".join(self.stack.envoy_logs())
+        line = r"^\[[^\]]*\]\[(\d+)\]\[info\]\[wasm\].*kvsteer: "
+        configured = re.findall(line + r"configured ", text, re.M)
+        self.assertTrue(configured, "no 'configured' line with a thread id in Envoy's log")
+        # Envoy configures the plugin on its main thread first, then on each worker.
+        main = configured[0]
+        holders = {}
+        for tid, name in re.findall(line + r"VM \d+ \([^)]*\) now polls (\S+)'s feed", text,
+                                    re.M):
+            holders[name] = tid
+        self.assertEqual(set(holders), {r.name for r in self.stack.replicas}, text[-2000:])
+        for name, tid in holders.items():
+            self.assertEqual(tid, main, f"{name}'s feed is polled by thread {tid}, not the main "
+                             f"thread {main}")
 
     def test_filter_metrics_appear_in_envoy_stats(self):
         before = stat_sum(self.stack, "kvsteer_requests_routed")
