@@ -189,14 +189,16 @@ mod tests {
 
     #[test]
     fn one_holder_at_a_time_and_expiry_hands_over() {
-        let s = MemStore::default();
         for routing in [false, true] {
             let s = MemStore::default();
             let r = routing;
             assert!(try_lease(&s, "k", 0, 1, 0, 600, r));
             assert!(!try_lease(&s, "k", 0, 2, 100, 600, r), "held by worker 1");
             assert!(try_lease(&s, "k", 0, 1, 200, 600, r), "holder renews");
-            assert!(try_lease(&s, "k", 1, 2, 200, 600, r), "leases are per replica");
+            assert!(
+                try_lease(&s, "k", 1, 2, 200, 600, r),
+                "leases are per replica"
+            );
             assert!(!try_lease(&s, "k", 0, 2, 799, 600, r));
             assert!(try_lease(&s, "k", 0, 2, 801, 600, r), "expired: taken over");
             assert!(!try_lease(&s, "k", 0, 1, 900, 600, r));
@@ -206,17 +208,36 @@ mod tests {
     #[test]
     fn a_vm_that_routes_nothing_takes_the_lease_from_one_that_routes() {
         let s = MemStore::default();
-        assert!(try_lease(&s, "k", 0, 1, 0, 600, true), "a routing worker takes a free lease");
-        assert!(!try_lease(&s, "k", 0, 3, 100, 600, true), "another routing worker waits");
-        assert!(try_lease(&s, "k", 0, 2, 100, 600, false), "a VM routing nothing takes it");
-        assert!(!try_lease(&s, "k", 0, 1, 200, 600, true), "and keeps it from the routing one");
-        assert!(!try_lease(&s, "k", 0, 4, 200, 600, false), "and from another idle VM");
+        assert!(
+            try_lease(&s, "k", 0, 1, 0, 600, true),
+            "a routing worker takes a free lease"
+        );
+        assert!(
+            !try_lease(&s, "k", 0, 3, 100, 600, true),
+            "another routing worker waits"
+        );
+        assert!(
+            try_lease(&s, "k", 0, 2, 100, 600, false),
+            "a VM routing nothing takes it"
+        );
+        assert!(
+            !try_lease(&s, "k", 0, 1, 200, 600, true),
+            "and keeps it from the routing one"
+        );
+        assert!(
+            !try_lease(&s, "k", 0, 4, 200, 600, false),
+            "and from another idle VM"
+        );
         assert!(try_lease(&s, "k", 0, 2, 300, 600, false), "renewing it");
         // Once the holder routes, the next idle VM takes it over.
         assert!(try_lease(&s, "k", 0, 2, 400, 600, true));
         assert!(try_lease(&s, "k", 0, 4, 500, 600, false));
         // A value from an older filter (no flag) is never taken before it expires.
-        s.set(&lease_key("k", 1), &[1, 0, 0, 0, 0x58, 2, 0, 0, 0, 0, 0, 0], None);
+        s.set(
+            &lease_key("k", 1),
+            &[1, 0, 0, 0, 0x58, 2, 0, 0, 0, 0, 0, 0],
+            None,
+        );
         assert!(!try_lease(&s, "k", 1, 2, 100, 600, false));
         assert!(try_lease(&s, "k", 1, 2, 601, 600, false));
     }
