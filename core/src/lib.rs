@@ -22,5 +22,7 @@ pub mod working_set;
 
 pub use config::{ConfigError, PolicyKind, RoutingConfig};
 pub use load::LoadTotals;
-pub use request::{ChatTurn, PromptIdentity, PromptTokenizer, RequestError, RouteRequest};
+pub use request::{
+    ChatTurn, EarlyScan, PromptIdentity, PromptTokenizer, RequestError, RouteRequest,
+};
 pub use router::{Decision, FallbackReason, FeedOutcome, Router, RouterStats};

@@ -37,7 +37,8 @@ use crate::policy::{
     pick_lowest, prefix_affinity, round_robin, session_hash,
 };
 use crate::request::{
-    PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request, read_request_with,
+    EarlyScan, PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request,
+    read_request_early, read_request_with,
 };
 use crate::rng::SplitMix64;
 use crate::working_set::{self, WorkingSet};
@@ -871,7 +872,32 @@ impl Router {
         tokenizer: Option<&mut dyn PromptTokenizer>,
         now_ms: u64,
     ) -> (Decision, Option<RequestError>) {
-        match self.read_request_with(path, body, session_key, tokenizer) {
+        self.route_body_early(request_id, path, body, session_key, tokenizer, None, now_ms)
+    }
+
+    /// [`Router::route_body`] for a body an [`EarlyScan`] followed as it arrived (the same decision;
+    /// the ids the scan read are not read again).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_body_early(
+        &mut self,
+        request_id: u64,
+        path: &str,
+        body: &[u8],
+        session_key: Option<&str>,
+        tokenizer: Option<&mut dyn PromptTokenizer>,
+        early: Option<EarlyScan>,
+        now_ms: u64,
+    ) -> (Decision, Option<RequestError>) {
+        let read = read_request_early(
+            path,
+            body,
+            session_key,
+            self.cfg.block_size,
+            self.cfg.max_body_bytes,
+            tokenizer,
+            early,
+        );
+        match read {
             Ok(req) => (self.route_and_admit(request_id, &req, now_ms), None),
             Err(e) => (self.route_unread(request_id, body.len(), now_ms), Some(e)),
         }

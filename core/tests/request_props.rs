@@ -109,8 +109,8 @@ proptest! {
 
 mod against_reference {
     use kvsteer_core::request::{
-        ChatTurn, PromptTokenizer, RequestError, RouteRequest, read_request_reference,
-        read_request_with,
+        ChatTurn, EarlyScan, PromptTokenizer, RequestError, RouteRequest, read_request_early,
+        read_request_reference, read_request_with,
     };
     use proptest::prelude::*;
 
@@ -158,6 +158,23 @@ mod against_reference {
         }
     }
 
+    /// Reads `body` after an early scan that saw it arrive `step` bytes at a time (not the last
+    /// slice: the final read takes over from where the scan got to before it).
+    fn read_early(
+        path: &str,
+        body: &[u8],
+        block_size: usize,
+        step: usize,
+    ) -> Result<RouteRequest, RequestError> {
+        let mut scan = EarlyScan::new(block_size);
+        let mut n = 0;
+        while n + step < body.len() {
+            n += step;
+            scan.advance(&body[..n]);
+        }
+        read_request_early(path, body, Some("s"), block_size, 1 << 20, None, Some(scan))
+    }
+
     /// Reads `body` both ways on both endpoints, with and without a tokenizer, and compares.
     fn check(body: &[u8]) -> Result<(), TestCaseError> {
         for path in ["/v1/completions", "/v1/chat/completions"] {
@@ -169,6 +186,14 @@ mod against_reference {
                     "{path} bs {block_size} {:?}: one-pass {fast:?} vs reference {slow:?}",
                     String::from_utf8_lossy(body)
                 );
+                for step in [1, 7, 64, 500] {
+                    let early = read_early(path, body, block_size, step);
+                    prop_assert!(
+                        same(&early, &fast),
+                        "{path} bs {block_size} step {step} {:?}: early {early:?} vs one-pass {fast:?}",
+                        String::from_utf8_lossy(body)
+                    );
+                }
             }
             let (mut t1, mut t2) = (Recording::default(), Recording::default());
             let fast = read_request_with(path, body, None, 4, 1 << 20, Some(&mut t1));
@@ -420,6 +445,39 @@ mod against_reference {
                 b.truncate(cut.index(b.len()));
             }
             check(&b)?;
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// Long token-id prompts (the bodies the early scan is for) arriving in slices of any size:
+        /// the same result as reading the body whole, with a byte changed now and then.
+        #[test]
+        fn long_id_prompts_read_the_same_after_an_early_scan(
+            ids in prop::collection::vec(prop_oneof![50 => 0u32..200_000, 1 => any::<u32>()], 0..3000),
+            sep in prop::sample::select(vec![",", ", ", " , ", ",\n", ",\t "]),
+            head in prop::sample::select(vec!["", "\"model\":\"m\",", "\"cache_salt\":\"s\",", "\"model\":\"m\",\"cache_salt\":null,"]),
+            step in 1usize..5000,
+            edit in prop::option::weighted(0.2, (any::<prop::sample::Index>(), any::<u8>())),
+        ) {
+            let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+            let mut body = format!("{{{head}\"prompt\": [{}], \"stream\": true}}", list.join(sep)).into_bytes();
+            if let Some((at, byte)) = edit {
+                let i = at.index(body.len());
+                body[i] = byte;
+            }
+            for path in ["/v1/completions", "/v1/chat/completions"] {
+                let whole = read_request_with(path, &body, Some("s"), 16, 1 << 24, None);
+                let mut scan = EarlyScan::new(16);
+                let mut n = 0;
+                while n + step < body.len() {
+                    n += step;
+                    scan.advance(&body[..n]);
+                }
+                let early = read_request_early(path, &body, Some("s"), 16, 1 << 24, None, Some(scan));
+                prop_assert!(same(&early, &whole), "{path} step {step}: early {early:?} vs whole {whole:?}");
+            }
         }
     }
 

@@ -17,8 +17,11 @@
 //! error). Both give the same result for every body; the property tests in `core/tests` hold the
 //! one-pass reader to the general one ([`read_request_reference`]).
 
+mod early;
 mod general;
 mod one_pass;
+
+pub use early::EarlyScan;
 
 use crate::block::{BlockHasher, SeqHash, TextHash, TextHasher};
 
@@ -158,9 +161,34 @@ pub fn read_request_with(
     session_key: Option<&str>,
     block_size: usize,
     max_body_bytes: usize,
+    tokenizer: Option<&mut dyn PromptTokenizer>,
+) -> Result<RouteRequest, RequestError> {
+    read_request_early(
+        path,
+        body,
+        session_key,
+        block_size,
+        max_body_bytes,
+        tokenizer,
+        None,
+    )
+}
+
+/// [`read_request_with`] for a body an [`EarlyScan`] followed as it arrived (`body` begins with every
+/// byte the scan was given): the same result, with the prompt's ids the scan read not read again.
+pub fn read_request_early(
+    path: &str,
+    body: &[u8],
+    session_key: Option<&str>,
+    block_size: usize,
+    max_body_bytes: usize,
     mut tokenizer: Option<&mut dyn PromptTokenizer>,
+    early: Option<EarlyScan>,
 ) -> Result<RouteRequest, RequestError> {
     let endpoint = check(path, body, max_body_bytes)?;
+    let resume = early
+        .and_then(EarlyScan::into_resume)
+        .filter(|r| r.block_size == block_size);
     if let Some(r) = one_pass::read(
         endpoint,
         body,
@@ -169,6 +197,7 @@ pub fn read_request_with(
         tokenizer
             .as_mut()
             .map(|t| &mut **t as &mut dyn PromptTokenizer),
+        resume,
     ) {
         return r;
     }

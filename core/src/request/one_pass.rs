@@ -20,6 +20,7 @@
 
 use std::borrow::Cow;
 
+use super::early::Resume;
 use super::{
     ChatTurn, Endpoint, PromptRead, PromptTokenizer, RequestError, RouteRequest, finish, identify,
 };
@@ -39,9 +40,14 @@ pub(super) fn read(
     session_key: Option<&str>,
     block_size: usize,
     tokenizer: Option<&mut dyn PromptTokenizer>,
+    early: Option<Resume>,
 ) -> Option<Result<RouteRequest, RequestError>> {
     let plain = BlockHasher::new(block_size).ok()?;
-    let mut s = Scanner { b: body, i: 0 };
+    let mut s = Scanner {
+        b: body,
+        i: 0,
+        early,
+    };
     let f = s.body(&plain)?;
     let salt = f.cache_salt.flatten();
     let hasher = plain.namespaced(None, salt.as_deref());
@@ -138,7 +144,11 @@ fn rehash(
     hasher: &BlockHasher,
     first_list: bool,
 ) -> Option<SequenceBuilder> {
-    let mut s = Scanner { b: body, i: at };
+    let mut s = Scanner {
+        b: body,
+        i: at,
+        early: None,
+    };
     if first_list {
         s.i += 1;
         s.ws();
@@ -374,6 +384,68 @@ fn token_id_window(b: &[u8], i: usize, ids: &mut SequenceBuilder) -> usize {
     i + s
 }
 
+/// Where [`id_run`] stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum IdStop {
+    /// The array closed; the index past its `]`.
+    Closed(usize),
+    /// At the pause mark: the index where the next step starts (the first digit of an id, in a
+    /// well-formed array).
+    Paused(usize),
+}
+
+/// The token-id array's loop from `i` (where an id starts, after `[` or a separator), each id
+/// pushed into `ids` (so hashed block by block): the hot loop of a token-id body. Stops when the
+/// array closes, or before a step that would start at or past `pause` (`usize::MAX`: never), so
+/// that [`super::early`] can run it over the part of a body that has arrived and go on from the
+/// same place later; None where the one-pass reader leaves the body to serde_json. Each step looks
+/// at most 72 bytes past where it starts, except the whitespace and digit runs, which stop at the
+/// end of `b` (the early scan only pauses where that cannot have cut them short). `ids` is taken
+/// and given back by value so that its fields can live in registers through the loop (through a
+/// `&mut` they were stored on every id; measured slower natively).
+#[inline]
+pub(super) fn id_run(
+    b: &[u8],
+    mut i: usize,
+    mut ids: SequenceBuilder,
+    pause: usize,
+) -> Option<(SequenceBuilder, IdStop)> {
+    loop {
+        if i >= pause {
+            return Some((ids, IdStop::Paused(i)));
+        }
+        let next = token_id_window(b, i, &mut ids);
+        if next > i {
+            i = next;
+            continue;
+        }
+        let (v, next) = token_id(b, i)?;
+        ids.push(v);
+        i = next;
+        match *b.get(i)? {
+            b',' => {
+                i += 1;
+                // `[1,2]` or `[1, 2]`; anything else takes the general whitespace loop.
+                if b.get(i) == Some(&b' ') {
+                    i += 1;
+                }
+                while b.get(i).is_some_and(|&c| is_ws(c)) {
+                    i += 1;
+                }
+            }
+            b']' => return Some((ids, IdStop::Closed(i + 1))),
+            c if is_ws(c) => {
+                let mut s = Scanner { b, i, early: None };
+                if !s.next_or_close(b']')? {
+                    return Some((ids, IdStop::Closed(s.i)));
+                }
+                i = s.i;
+            }
+            _ => return None,
+        }
+    }
+}
+
 /// Where a string's bytes end: the first `"`, `\` or control character among the eight bytes of
 /// `w` (as a mask with the high bit of each such byte; the lowest set bit is exact).
 #[inline]
@@ -384,24 +456,27 @@ fn string_stops(w: u64) -> u64 {
     (zero(quote) | zero(backslash) | w.wrapping_sub(0x20 * ONES) & !w) & HIGH
 }
 
-struct Scanner<'a> {
-    b: &'a [u8],
-    i: usize,
+pub(super) struct Scanner<'a> {
+    pub(super) b: &'a [u8],
+    pub(super) i: usize,
+    /// What an early scan read of the prompt's token ids while the body arrived, taken by the
+    /// prompt it belongs to ([`super::early`]).
+    pub(super) early: Option<Resume>,
 }
 
 impl<'a> Scanner<'a> {
-    fn ws(&mut self) {
+    pub(super) fn ws(&mut self) {
         while self.b.get(self.i).is_some_and(|&c| is_ws(c)) {
             self.i += 1;
         }
     }
 
-    fn peek(&self) -> Option<u8> {
+    pub(super) fn peek(&self) -> Option<u8> {
         self.b.get(self.i).copied()
     }
 
     /// After a member or element: `,` (true: another follows) or `close` (false).
-    fn next_or_close(&mut self, close: u8) -> Option<bool> {
+    pub(super) fn next_or_close(&mut self, close: u8) -> Option<bool> {
         self.ws();
         match self.peek()? {
             b',' => {
@@ -479,7 +554,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// An object key without escapes and the `:` after it; returns the key's bytes.
-    fn key(&mut self) -> Option<&'a [u8]> {
+    pub(super) fn key(&mut self) -> Option<&'a [u8]> {
         if self.peek()? != b'"' {
             return None;
         }
@@ -497,7 +572,10 @@ impl<'a> Scanner<'a> {
     }
 
     /// `null` (Some(None)) or what `value` reads.
-    fn nullable<T>(&mut self, value: impl FnOnce(&mut Self) -> Option<T>) -> Option<Option<T>> {
+    pub(super) fn nullable<T>(
+        &mut self,
+        value: impl FnOnce(&mut Self) -> Option<T>,
+    ) -> Option<Option<T>> {
         if self.peek()? == b'n' {
             self.literal(b"null")?;
             return Some(None);
@@ -602,7 +680,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// A string's value: borrowed from the body when it has no escapes.
-    fn string(&mut self) -> Option<Cow<'a, str>> {
+    pub(super) fn string(&mut self) -> Option<Cow<'a, str>> {
         if self.peek()? != b'"' {
             return None;
         }
@@ -627,6 +705,31 @@ impl<'a> Scanner<'a> {
         match self.peek()? {
             b']' | b'0'..=b'9' => {
                 self.i = at;
+                if let Some(r) = self
+                    .early
+                    .take_if(|r| r.at == at && r.seed == hasher.seed())
+                {
+                    let ids = match r.stop {
+                        IdStop::Closed(end) => {
+                            self.i = end;
+                            r.builder
+                        }
+                        IdStop::Paused(i) => match id_run(self.b, i, r.builder, usize::MAX)? {
+                            (ids, IdStop::Closed(end)) => {
+                                self.i = end;
+                                ids
+                            }
+                            (_, IdStop::Paused(_)) => return None,
+                        },
+                    };
+                    return Some(PromptScan::Tokens {
+                        at,
+                        ids: Hashed {
+                            seed: hasher.seed(),
+                            builder: ids,
+                        },
+                    });
+                }
                 let mut ids = hasher.builder();
                 // Room for the hashes of ids of four bytes or more, at most 2^18 ids' worth: enough
                 // for most prompts without one regrowth, and a body of anything else (4 MiB of
@@ -671,11 +774,8 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    /// A flat array of token ids at `[`, each pushed into `ids` (so hashed block by block). The hot
-    /// loop of a token-id body. `ids` is taken and given back by value so that its fields can live in
-    /// registers through the loop (through a `&mut` they were stored on every id; measured slower
-    /// natively).
-    fn token_ids(&mut self, mut ids: SequenceBuilder) -> Option<SequenceBuilder> {
+    /// A flat array of token ids at `[`, each pushed into `ids` (so hashed block by block).
+    fn token_ids(&mut self, ids: SequenceBuilder) -> Option<SequenceBuilder> {
         let b = self.b;
         self.i += 1;
         self.ws();
@@ -683,40 +783,13 @@ impl<'a> Scanner<'a> {
             self.i += 1;
             return Some(ids);
         }
-        let mut i = self.i;
-        loop {
-            let next = token_id_window(b, i, &mut ids);
-            if next > i {
-                i = next;
-                continue;
+        match id_run(b, self.i, ids, usize::MAX)? {
+            (ids, IdStop::Closed(end)) => {
+                self.i = end;
+                Some(ids)
             }
-            let (v, next) = token_id(b, i)?;
-            ids.push(v);
-            i = next;
-            match *b.get(i)? {
-                b',' => {
-                    i += 1;
-                    // `[1,2]` or `[1, 2]`; anything else takes the general whitespace loop.
-                    if b.get(i) == Some(&b' ') {
-                        i += 1;
-                    }
-                    while b.get(i).is_some_and(|&c| is_ws(c)) {
-                        i += 1;
-                    }
-                }
-                b']' => {
-                    self.i = i + 1;
-                    return Some(ids);
-                }
-                c if is_ws(c) => {
-                    self.i = i;
-                    if !self.next_or_close(b']')? {
-                        return Some(ids);
-                    }
-                    i = self.i;
-                }
-                _ => return None,
-            }
+            // Never with no pause mark.
+            (_, IdStop::Paused(_)) => None,
         }
     }
 
@@ -855,7 +928,7 @@ impl<'a> Scanner<'a> {
 
     /// Skips any JSON value nested `depth` deep, validating it as serde_json does when it ignores a
     /// value (string escapes and control characters, number syntax, literals, structure).
-    fn skip(&mut self, depth: usize) -> Option<()> {
+    pub(super) fn skip(&mut self, depth: usize) -> Option<()> {
         match self.peek()? {
             b'"' => self.string_span(true).map(|_| ()),
             b'{' => self.object(depth + 1, |s, _| s.skip(depth + 1)),
@@ -1033,7 +1106,7 @@ mod tests {
             (Endpoint::Completions, r#"{"prompt":["one","two é"]}"#.to_string()),
             (Endpoint::ChatCompletions, r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}}]},{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}],"max_completion_tokens":5,"stream_options":{"include_usage":true}}"#.to_string()),
         ] {
-            let r = read(endpoint, body.as_bytes(), None, 16, None);
+            let r = read(endpoint, body.as_bytes(), None, 16, None, None);
             assert!(matches!(r, Some(Ok(_))), "{body}: {r:?}");
         }
     }
@@ -1108,6 +1181,7 @@ mod tests {
                 let mut sc = Scanner {
                     b: body.as_bytes(),
                     i: 0,
+                    early: None,
                 };
                 let got = sc.token_ids(h.builder()).unwrap();
                 assert_eq!(sc.i, body.len(), "{body}");
@@ -1128,6 +1202,7 @@ mod tests {
             let mut sc = Scanner {
                 b: s.as_bytes(),
                 i: 0,
+                early: None,
             };
             let want: String = serde_json::from_str(s).unwrap();
             assert_eq!(sc.string().as_deref(), Some(want.as_str()), "{s}");
@@ -1144,6 +1219,7 @@ mod tests {
             let mut sc = Scanner {
                 b: s.as_bytes(),
                 i: 0,
+                early: None,
             };
             assert!(sc.string().is_none(), "{s}");
         }
