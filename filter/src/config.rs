@@ -257,6 +257,12 @@ pub struct FilterConfig {
     /// override_host policy retries there.
     #[serde(default = "d_true")]
     pub retry_backup: bool,
+    /// Read a request body's slices as they arrive (Envoy hands each one over while the body is
+    /// buffered) and follow a token-id prompt's ids as they come, so that little of the read is
+    /// left for after the last byte (docs/filter.md, "The body as it arrives"). false: read the
+    /// body only once it has all arrived.
+    #[serde(default = "d_true")]
+    pub early_body_scan: bool,
     /// Tokenize text prompts as the engine does (chat template + BPE) for the exact KV identity.
     /// Absent: text prompts keep the approximate identity (see docs/tokenizer.md).
     #[serde(default)]

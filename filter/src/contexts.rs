@@ -11,6 +11,7 @@ use crate::router_state::{
 use crate::sse::SseTracker;
 use crate::store::SharedStore;
 use kvsteer_core::health::Outcome;
+use kvsteer_core::request::EarlyScan;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use std::cell::{Cell, RefCell};
@@ -691,6 +692,12 @@ pub struct Stream {
     body_len: usize,
     /// P/D: the prefill leg in flight (phase `Prefilling`).
     prefill: Option<PrefillLeg>,
+    /// The request body as far as it has arrived, read slice by slice while it is buffered
+    /// (docs/filter.md, "The body as it arrives"); empty when it is read only at the end.
+    arrived: Vec<u8>,
+    /// The early scan over `arrived`; None when the body is read only once it has all arrived
+    /// (`early_body_scan` false, a P/D fleet, or the host handed over something inconsistent).
+    early: Option<EarlyScan>,
 }
 
 /// A P/D request's prefill leg while its callout is out.
@@ -826,14 +833,60 @@ impl Stream {
     /// it and admits it; every way the body cannot be read is routed by load instead (refused in a
     /// P/D fleet, [`Stream::refuse_unread_pd`]). In a P/D fleet
     /// the request is split into its two legs ([`Stream::route_pd`]) and may be held (`Pause`).
+    /// Reads the slice of the body that arrived since the last call (the host's buffer holds
+    /// `body_size` bytes so far, from the start) and lets the early scan go on. Anything
+    /// inconsistent (a buffer shorter than what was read, a host error, fewer bytes than asked)
+    /// turns the early reading off for this request: the body is then read whole at the end.
+    fn read_arrived(&mut self, body_size: usize) {
+        let Some(scan) = self.early.as_mut() else {
+            return;
+        };
+        let have = self.arrived.len();
+        if body_size == have {
+            return;
+        }
+        let want = body_size.saturating_sub(have);
+        match abi::get_buffer(BufferType::HttpRequestBody, have, want) {
+            Ok(Some(slice)) if body_size > have && slice.len() == want => {
+                if have == 0 {
+                    self.arrived = slice;
+                } else {
+                    self.arrived.extend_from_slice(&slice);
+                }
+                scan.advance(&self.arrived);
+            }
+            _ => {
+                self.early = None;
+                self.arrived = Vec::new();
+            }
+        }
+    }
+
+    /// The whole request body, up to `max` bytes: the rest after what [`Stream::read_arrived`]
+    /// read, or all of it from the start.
+    fn take_body(&mut self, max: usize) -> Result<Vec<u8>, u32> {
+        let mut body = std::mem::take(&mut self.arrived);
+        if body.is_empty() || self.early.is_none() || max < body.len() {
+            self.early = None;
+            return abi::get_buffer(BufferType::HttpRequestBody, 0, max)
+                .map(Option::unwrap_or_default);
+        }
+        if let Some(rest) =
+            abi::get_buffer(BufferType::HttpRequestBody, body.len(), max - body.len())?
+        {
+            body.extend_from_slice(&rest);
+        }
+        Ok(body)
+    }
+
     fn route_buffered(&mut self, max: usize) -> Action {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
         let limit = vm.borrow().state.max_body_bytes();
         let pd = vm.borrow().state.disaggregated();
-        let body = match abi::get_buffer(BufferType::HttpRequestBody, 0, max) {
-            Ok(b) => b.unwrap_or_default(),
+        let body = match self.take_body(max) {
+            Ok(b) => b,
             Err(_) if pd => {
                 return self.refuse_unread_pd(500, "the proxy did not hand over the request body");
             }
@@ -864,9 +917,14 @@ impl Stream {
         let now = now_ms();
         let store = vm.state.shared(&HostStore);
         vm.state.claim_probe(store, now);
-        let d = vm
-            .state
-            .route_body(self.id, &self.path, &body, self.session.as_deref(), now);
+        let d = vm.state.route_body_early(
+            self.id,
+            &self.path,
+            &body,
+            self.session.as_deref(),
+            self.early.take(),
+            now,
+        );
         Self::record_decision(&mut vm, &d);
         Self::write_destination(&vm, &d);
         self.replica = Some(d.replica);
@@ -1283,6 +1341,7 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         self.phase = Phase::Buffering;
+        self.early = vm.borrow().state.early_scan();
         Action::Pause
     }
 
@@ -1302,11 +1361,14 @@ impl HttpContext for Stream {
                 );
             }
             // Stop buffering a body we will not read; route it by load and let it flow.
+            self.early = None;
+            self.arrived = Vec::new();
             self.route_fallback(BodyFallback::TooLarge, body_size);
             return Action::Continue;
         }
         if !end_of_stream {
             // The rest of the body, or trailers (HTTP/2, gRPC-style clients), end the request.
+            self.read_arrived(body_size);
             return Action::Pause;
         }
         self.route_buffered(body_size)

@@ -11,7 +11,7 @@ use crate::store::SharedStore;
 use kvsteer_core::feed::FeedFrame;
 use kvsteer_core::health::{Health, Outcome};
 use kvsteer_core::pd::{PdParams, Role};
-use kvsteer_core::request::{PromptTokenizer, RouteRequest};
+use kvsteer_core::request::{EarlyScan, PromptTokenizer, RouteRequest};
 use kvsteer_core::router::{Decision, FeedOutcome, Router, RouterStats};
 #[cfg(feature = "tokenizer")]
 use kvsteer_tokenizer::TextTokenizer;
@@ -676,6 +676,27 @@ impl RouterState {
         session: Option<&str>,
         now_ms: u64,
     ) -> Decision {
+        self.route_body_early(request_id, path, body, session, None, now_ms)
+    }
+
+    /// A scan for a request body that will arrive in slices, when the configuration wants one
+    /// (`early_body_scan`) and the body will be routed by [`RouterState::route_body_early`] (not in
+    /// a P/D fleet, whose bodies are split rather than routed whole).
+    pub fn early_scan(&self) -> Option<EarlyScan> {
+        (self.cfg.early_body_scan && !self.disaggregated())
+            .then(|| EarlyScan::new(self.cfg.routing.block_size))
+    }
+
+    /// [`RouterState::route_body`] for a body an [`EarlyScan`] followed as it arrived.
+    pub fn route_body_early(
+        &mut self,
+        request_id: u64,
+        path: &str,
+        body: &[u8],
+        session: Option<&str>,
+        early: Option<EarlyScan>,
+        now_ms: u64,
+    ) -> Decision {
         if body.len() > self.cfg.routing.max_body_bytes {
             return self.route_fallback(request_id, BodyFallback::TooLarge, body.len(), now_ms);
         }
@@ -689,7 +710,7 @@ impl RouterState {
         let tok: Option<&mut dyn PromptTokenizer> = None;
         let (d, unread) = self
             .router
-            .route_body(request_id, path, body, session, tok, now_ms);
+            .route_body_early(request_id, path, body, session, tok, early, now_ms);
         self.bookings += 1;
         if unread.is_some() {
             self.body_fallbacks[BodyFallback::Unreadable as usize] += 1;

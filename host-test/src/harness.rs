@@ -1008,8 +1008,13 @@ impl Harness {
             ignore_eos: true,
             min_tokens: 0,
         };
-        let submit = if spec.raw_body.is_some() {
-            // A hand-made body is not a prompt the engine could run: the upstream refuses it.
+        let submit = if spec
+            .raw_body
+            .as_deref()
+            .is_some_and(|b| !carries_prompt(b, &spec.prompt))
+        {
+            // A hand-made body that is not a completions request for the spec's prompt is not a
+            // prompt the engine could run: the upstream refuses it.
             Err("the request body is not a completions request".to_string())
         } else {
             self.replicas[replica]
@@ -1728,4 +1733,21 @@ fn feed_answer(engine: &mut Engine, call: &Callout) -> CallOutcome {
         Ok(q) => CallOutcome::ok(200, FEED_CONTENT_TYPE, engine.feed(&q).encode()),
         Err(e) => CallOutcome::ok(400, "text/plain", e.into_bytes()),
     }
+}
+
+/// Whether a hand-made body is a completions request whose `prompt` is exactly `prompt`'s token ids
+/// (another spelling of the body the harness would build): the engine runs it as that prompt.
+fn carries_prompt(body: &[u8], prompt: &[u32]) -> bool {
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return false;
+    };
+    v.get("prompt")
+        .and_then(Value::as_array)
+        .is_some_and(|ids| {
+            ids.len() == prompt.len()
+                && ids
+                    .iter()
+                    .zip(prompt)
+                    .all(|(a, &b)| a.as_u64() == Some(u64::from(b)))
+        })
 }

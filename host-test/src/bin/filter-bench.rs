@@ -15,11 +15,15 @@
 //! body in the same engine (`kvsteer_host_test::byte_pass`), timed right after each request, and the
 //! ratio of the two medians.
 //!
+//! "After the last byte": the call that hands over the body's last chunk alone, which is what the
+//! filter adds to a request's latency once its body has arrived (with the early body scan, most of
+//! the prompt was read during the chunks before it; `--no-early-scan` turns it off for comparison).
+//!
 //! Requests arrive 1 ms apart in virtual time (1,000 requests/s) and the filter's ticks run between
 //! them as they would in a proxy (not timed).
 //!
 //! Usage: `filter-bench [--requests N] [--replicas R] [--index-blocks B] [--policy P]
-//! [--kv-load JSON] [--sizes 8192,131072] [--ids-only]`; `--kv-load '{"overflow_weight":0.2}'` sets
+//! [--kv-load JSON] [--sizes 8192,131072] [--ids-only] [--no-early-scan]`; `--kv-load '{"overflow_weight":0.2}'` sets
 //! `routing.kv_load` fields. `--sizes` and `--ids-only` narrow the run to some rows, so that a
 //! profile (`KVSTEER_PERFMAP=1 perf record`) shows one path and not the mix of all sizes.
 
@@ -43,6 +47,8 @@ struct Args {
     sizes: Vec<usize>,
     /// Token-id rows only (no chat text, no headers-only row).
     ids_only: bool,
+    /// `early_body_scan` in the filter's configuration (`--no-early-scan`: false).
+    early_scan: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -54,6 +60,7 @@ fn parse_args() -> Result<Args, String> {
         kv_load: json!({}),
         sizes: SIZES.to_vec(),
         ids_only: false,
+        early_scan: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -80,11 +87,12 @@ fn parse_args() -> Result<Args, String> {
                     .ok_or(format!("--sizes: each of {SIZES:?}, comma-separated"))?;
             }
             "--ids-only" => a.ids_only = true,
+            "--no-early-scan" => a.early_scan = false,
             other => {
                 return Err(format!(
                     "unknown argument {other:?}; usage: filter-bench [--requests N] [--replicas R] \
                      [--index-blocks B] [--policy P] [--kv-load JSON] [--sizes 8192,131072] \
-                     [--ids-only]"
+                     [--ids-only] [--no-early-scan]"
                 ));
             }
         }
@@ -210,6 +218,9 @@ fn seed_index(
 
 struct Measured {
     request_us: Vec<f64>,
+    /// The last body chunk's call alone (the one that ends the stream): what the filter adds after
+    /// the request's last byte has arrived.
+    last_us: Vec<f64>,
     end_us: Vec<f64>,
     /// The plain byte pass over the same body, right after the request.
     pass_us: Vec<f64>,
@@ -230,6 +241,7 @@ fn bench(
 ) -> Result<Measured, String> {
     let mut m = Measured {
         request_us: Vec::with_capacity(n),
+        last_us: Vec::with_capacity(n),
         end_us: Vec::with_capacity(n),
         pass_us: Vec::with_capacity(n),
         body_bytes: 0,
@@ -258,16 +270,23 @@ fn bench(
             .request_headers(id, headers, body.is_empty())
             .map_err(|e| e.to_string())?;
         let mut last = a;
+        let mut last_us = 0.0;
         let mut chunks = body.chunks(16 * 1024).peekable();
         while let Some(c) = chunks.next() {
+            let ends = chunks.peek().is_none();
+            let tc = Instant::now();
             if let Some(x) = worker
-                .request_body(id, c, chunks.peek().is_none())
+                .request_body(id, c, ends)
                 .map_err(|e| e.to_string())?
             {
                 last = x;
             }
+            if ends {
+                last_us = tc.elapsed().as_secs_f64() * 1e6;
+            }
         }
         let req = t.elapsed().as_secs_f64() * 1e6;
+        m.last_us.push(last_us);
         if last != Action::Continue {
             return Err(format!("request {i} was not released ({last:?})"));
         }
@@ -314,6 +333,7 @@ fn run() -> Result<(), String> {
                     "kv_load": args.kv_load},
         "feed_period_ms": 3_600_000,
         "tick_ms": 100,
+        "early_body_scan": args.early_scan,
     });
     let proxy = Proxy::new(&module, ProxyOptions::new(HostMode::Envoy, cfg.to_string()));
     let mut worker = proxy.start_worker().map_err(|e| e.to_string())?;
@@ -438,19 +458,21 @@ fn run() -> Result<(), String> {
 
     println!(
         "filter: {} ({:.0} KB), compiled in {compile_ms:.0} ms; {} replicas, index seeded with {} \
-         blocks in {seed_ms:.0} ms (filter reports {index_blocks}); policy {}; {} requests each",
+         blocks in {seed_ms:.0} ms (filter reports {index_blocks}); policy {}; {} requests each; \
+         early body scan {}",
         path.display(),
         module.size() as f64 / 1024.0,
         args.replicas,
         args.index_blocks,
         args.policy,
-        args.requests
+        args.requests,
+        if args.early_scan { "on" } else { "off" }
     );
     println!();
     println!(
-        "| request | body | headers+body+decision p50 us | p99 us | mean us | byte pass p50 us | p50 / byte pass | stream end p50 us | p99 us |"
+        "| request | body | headers+body+decision p50 us | p99 us | mean us | byte pass p50 us | p50 / byte pass | after the last byte p50 us | p99 us | stream end p50 us | p99 us |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (name, m) in &rows {
         let sorted = |v: &[f64]| {
             let mut v = v.to_vec();
@@ -458,6 +480,7 @@ fn run() -> Result<(), String> {
             v
         };
         let (r, e, p) = (sorted(&m.request_us), sorted(&m.end_us), sorted(&m.pass_us));
+        let l = sorted(&m.last_us);
         let mean = r.iter().sum::<f64>() / r.len().max(1) as f64;
         let p50 = percentile(&r, 50.0);
         let pass50 = percentile(&p, 50.0);
@@ -467,9 +490,11 @@ fn run() -> Result<(), String> {
             "-".into()
         };
         println!(
-            "| {name} | {:.1} KB | {p50:.1} | {:.1} | {mean:.1} | {pass50:.1} | {ratio} | {:.1} | {:.1} |",
+            "| {name} | {:.1} KB | {p50:.1} | {:.1} | {mean:.1} | {pass50:.1} | {ratio} | {:.1} | {:.1} | {:.1} | {:.1} |",
             m.body_bytes as f64 / 1024.0,
             percentile(&r, 99.0),
+            percentile(&l, 50.0),
+            percentile(&l, 99.0),
             percentile(&e, 50.0),
             percentile(&e, 99.0)
         );

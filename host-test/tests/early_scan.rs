@@ -1,0 +1,114 @@
+//! The early body scan (docs/filter.md, "The body as it arrives"): the filter reads each slice of a
+//! request body as the host hands it over and follows a token-id prompt's ids as they come. It must
+//! route every request exactly as reading the body once it has all arrived does, whatever the slice
+//! size, and a body it does not follow (text, odd whitespace, a salt after the prompt) must be read as
+//! before.
+
+mod common;
+use common::*;
+use kvsteer_host_test::{Harness, HarnessConfig, RequestSpec};
+
+const IDLE: u64 = 600_000_000;
+
+/// Sends the same sessions (shared prefixes, follow-ups, bodies of several shapes) through a harness
+/// with `early_body_scan` set as asked and bodies in `chunk`-byte slices; returns each request's
+/// replica, cached tokens and destination, in order.
+fn replay(early: bool, chunk: usize) -> (Vec<(Option<usize>, u32, Option<String>)>, Harness) {
+    let mut cfg = HarnessConfig::small("kv_load");
+    cfg.body_chunk_bytes = chunk;
+    cfg.filter_extra
+        .insert("early_body_scan".into(), serde_json::json!(early));
+    let mut h = harness_with(cfg);
+    let mut ids = Vec::new();
+    for s in 0..6u64 {
+        let prefix = tokens(40 + s, 1500 + 700 * s as usize);
+        for turn in 0..3u64 {
+            let prompt = extend(&prefix, 100 * s + turn, 64 * (turn as usize + 1));
+            let spec = match (s + turn) % 4 {
+                // Compact ids: `[1,2,3]`.
+                0 => RequestSpec {
+                    raw_body: Some(
+                        format!(
+                            "{{\"model\":\"m\",\"prompt\":[{}],\"max_tokens\":16}}",
+                            prompt
+                                .iter()
+                                .map(u32::to_string)
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        )
+                        .into_bytes(),
+                    ),
+                    ..RequestSpec::new(prompt.clone(), 16)
+                },
+                // A salt before the prompt (its own namespace).
+                1 => RequestSpec {
+                    raw_body: Some(
+                        format!(
+                            "{{\"cache_salt\":\"t{s}\",\"prompt\":[{}],\"max_tokens\":16}}",
+                            prompt
+                                .iter()
+                                .map(u32::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )
+                        .into_bytes(),
+                    ),
+                    ..RequestSpec::new(prompt.clone(), 16)
+                },
+                // Newlines between the ids: followed too.
+                2 => RequestSpec {
+                    raw_body: Some(
+                        format!(
+                            "{{\"prompt\":[\n{}\n],\"max_tokens\":16}}",
+                            prompt
+                                .iter()
+                                .map(u32::to_string)
+                                .collect::<Vec<_>>()
+                                .join(",\n  ")
+                        )
+                        .into_bytes(),
+                    ),
+                    ..RequestSpec::new(prompt.clone(), 16)
+                },
+                // The harness's own body.
+                _ => RequestSpec::new(prompt.clone(), 16),
+            }
+            .session(&format!("s{s}"));
+            ids.push(h.send(&spec).unwrap());
+            h.run_until_idle(IDLE).unwrap();
+            h.run_for(400_000).unwrap();
+        }
+    }
+    let out = ids
+        .iter()
+        .map(|id| {
+            let r = h.record(*id).unwrap();
+            assert!(r.released && !r.fallback && !r.failed, "{r:?}");
+            (
+                r.replica,
+                r.cached_tokens,
+                r.upstream_header("x-gateway-destination-endpoint")
+                    .map(str::to_string),
+            )
+        })
+        .collect();
+    (out, h)
+}
+
+#[test]
+fn the_early_scan_routes_every_request_as_reading_the_whole_body_does() {
+    let (whole, _) = replay(false, 16 * 1024);
+    assert!(
+        whole.iter().filter(|(_, cached, _)| *cached > 0).count() >= 8,
+        "the follow-ups find their prefixes: {whole:?}"
+    );
+    for chunk in [16 * 1024, 997, 64] {
+        let (early, h) = replay(true, chunk);
+        assert_eq!(early, whole, "slices of {chunk} bytes");
+        assert_eq!(
+            h.proxy().metric("kvsteer_fallbacks").map_or(0, |m| m.value),
+            0
+        );
+        assert_clean(&h);
+    }
+}
