@@ -187,6 +187,10 @@ fn d_prefix() -> String {
 fn d_peer_ttl() -> u64 {
     5000
 }
+fn d_early_max() -> usize {
+    64 << 20
+}
+
 fn d_feed_path_prefix() -> String {
     String::new()
 }
@@ -263,6 +267,11 @@ pub struct FilterConfig {
     /// body only once it has all arrived.
     #[serde(default = "d_true")]
     pub early_body_scan: bool,
+    /// Bytes of request bodies one VM may hold for the early scan, all its streams together (each
+    /// counted by its buffer's capacity). A stream whose next slice would pass it is read only at
+    /// the end, as without the scan, so slow uploads cannot make the VM's memory grow past it.
+    #[serde(default = "d_early_max")]
+    pub early_body_scan_max_bytes: usize,
     /// Tokenize text prompts as the engine does (chat template + BPE) for the exact KV identity.
     /// Absent: text prompts keep the approximate identity (see docs/tokenizer.md).
     #[serde(default)]

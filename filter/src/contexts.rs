@@ -116,6 +116,7 @@ struct Metrics {
     pd_unavailable: Option<u32>,
     pd_plain_decodes: Option<u32>,
     pd_whole: Option<u32>,
+    early_declined: Option<u32>,
     bookings: Option<u32>,
     releases: Option<u32>,
     /// Host calls the proxy refused ([`abi`]: each has a fallback; docs/filter.md).
@@ -249,6 +250,7 @@ impl Metrics {
             pd_unavailable: define(Counter, "kvsteer_pd_unavailable"),
             pd_plain_decodes: define(Counter, "kvsteer_pd_plain_decodes"),
             pd_whole: define(Counter, "kvsteer_pd_whole_requests"),
+            early_declined: define(Counter, "kvsteer_early_scan_declined"),
             bookings: define(Counter, "kvsteer_bookings"),
             releases: define(Counter, "kvsteer_releases"),
             host_call_refusals: define(Counter, "kvsteer_host_call_refusals"),
@@ -263,6 +265,9 @@ impl Metrics {
 struct Vm {
     state: RouterState,
     metrics: Metrics,
+    /// Bytes of request bodies this VM's streams hold for the early scan (their buffers'
+    /// capacity), kept under `early_body_scan_max_bytes`.
+    early_held: usize,
 }
 
 type Shared = Rc<RefCell<Vm>>;
@@ -618,7 +623,11 @@ impl RootContext for Root {
                  either this proxy sees every proxy's sessions but only its own load",
             );
         }
-        self.vm = Some(Rc::new(RefCell::new(Vm { state, metrics })));
+        self.vm = Some(Rc::new(RefCell::new(Vm {
+            state,
+            metrics,
+            early_held: 0,
+        })));
         if let Err(e) = abi::set_tick_period(tick) {
             // Requests are still routed, with what the filter knows without ticks.
             log(
@@ -696,8 +705,11 @@ pub struct Stream {
     /// (docs/filter.md, "The body as it arrives"); empty when it is read only at the end.
     arrived: Vec<u8>,
     /// The early scan over `arrived`; None when the body is read only once it has all arrived
-    /// (`early_body_scan` false, a P/D fleet, or the host handed over something inconsistent).
+    /// (`early_body_scan` false, a P/D fleet, the VM's share for held bodies spent, or the host
+    /// handed over something inconsistent).
     early: Option<EarlyScan>,
+    /// The capacity of `arrived` counted in the VM's `early_held`.
+    held: usize,
 }
 
 /// A P/D request's prefill leg while its callout is out.
@@ -835,10 +847,11 @@ impl Stream {
     /// the request is split into its two legs ([`Stream::route_pd`]) and may be held (`Pause`).
     /// Reads the slice of the body that arrived since the last call (the host's buffer holds
     /// `body_size` bytes so far, from the start) and lets the early scan go on. Anything
-    /// inconsistent (a buffer shorter than what was read, a host error, fewer bytes than asked)
-    /// turns the early reading off for this request: the body is then read whole at the end.
+    /// inconsistent (a buffer shorter than what was read, a host error, fewer bytes than asked) or
+    /// the VM's share for held bodies spent turns the early reading off for this request: the body
+    /// is then read whole at the end, as without the scan.
     fn read_arrived(&mut self, body_size: usize) {
-        let Some(scan) = self.early.as_mut() else {
+        let (Some(vm), Some(_)) = (self.vm.clone(), self.early.as_ref()) else {
             return;
         };
         let have = self.arrived.len();
@@ -846,19 +859,47 @@ impl Stream {
             return;
         }
         let want = body_size.saturating_sub(have);
-        match abi::get_buffer(BufferType::HttpRequestBody, have, want) {
-            Ok(Some(slice)) if body_size > have && slice.len() == want => {
-                if have == 0 {
-                    self.arrived = slice;
-                } else {
-                    self.arrived.extend_from_slice(&slice);
-                }
-                scan.advance(&self.arrived);
+        let slice = match abi::get_buffer(BufferType::HttpRequestBody, have, want) {
+            Ok(Some(slice)) if body_size > have && slice.len() == want => slice,
+            _ => return self.drop_arrived(),
+        };
+        if have == 0 {
+            self.arrived = slice;
+        } else {
+            self.arrived.extend_from_slice(&slice);
+        }
+        let capacity = self.arrived.capacity();
+        {
+            let mut vm = vm.borrow_mut();
+            let others = vm.early_held.saturating_sub(self.held);
+            if others + capacity > vm.state.config().early_body_scan_max_bytes {
+                inc(vm.metrics.early_declined, 1);
+                drop(vm);
+                return self.drop_arrived();
             }
-            _ => {
-                self.early = None;
-                self.arrived = Vec::new();
-            }
+            vm.early_held = others + capacity;
+            self.held = capacity;
+        }
+        if let Some(scan) = self.early.as_mut() {
+            scan.advance(&self.arrived);
+        }
+    }
+
+    /// Gives up the early reading of this request's body (the body is read whole at the end) and
+    /// returns its buffer's share to the VM.
+    fn drop_arrived(&mut self) {
+        self.early = None;
+        self.arrived = Vec::new();
+        self.return_held();
+    }
+
+    fn return_held(&mut self) {
+        if self.held > 0
+            && let Some(vm) = &self.vm
+            && let Ok(mut vm) = vm.try_borrow_mut()
+        {
+            vm.early_held = vm.early_held.saturating_sub(self.held);
+            self.held = 0;
         }
     }
 
@@ -866,6 +907,7 @@ impl Stream {
     /// read, or all of it from the start.
     fn take_body(&mut self, max: usize) -> Result<Vec<u8>, u32> {
         let mut body = std::mem::take(&mut self.arrived);
+        self.return_held();
         if body.is_empty() || self.early.is_none() || max < body.len() {
             self.early = None;
             return abi::get_buffer(BufferType::HttpRequestBody, 0, max)
@@ -1254,6 +1296,8 @@ impl Stream {
 impl Context for Stream {
     fn on_done(&mut self) -> bool {
         self.release();
+        // A stream that ends before its body has (a client gone mid-upload) gives back its share.
+        self.drop_arrived();
         true
     }
 
@@ -1361,8 +1405,7 @@ impl HttpContext for Stream {
                 );
             }
             // Stop buffering a body we will not read; route it by load and let it flow.
-            self.early = None;
-            self.arrived = Vec::new();
+            self.drop_arrived();
             self.route_fallback(BodyFallback::TooLarge, body_size);
             return Action::Continue;
         }

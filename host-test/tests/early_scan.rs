@@ -13,11 +13,19 @@ const IDLE: u64 = 600_000_000;
 /// Sends the same sessions (shared prefixes, follow-ups, bodies of several shapes) through a harness
 /// with `early_body_scan` set as asked and bodies in `chunk`-byte slices; returns each request's
 /// replica, cached tokens and destination, in order.
-fn replay(early: bool, chunk: usize) -> (Vec<(Option<usize>, u32, Option<String>)>, Harness) {
+fn replay(
+    early: bool,
+    chunk: usize,
+    held_max: Option<usize>,
+) -> (Vec<(Option<usize>, u32, Option<String>)>, Harness) {
     let mut cfg = HarnessConfig::small("kv_load");
     cfg.body_chunk_bytes = chunk;
     cfg.filter_extra
         .insert("early_body_scan".into(), serde_json::json!(early));
+    if let Some(m) = held_max {
+        cfg.filter_extra
+            .insert("early_body_scan_max_bytes".into(), serde_json::json!(m));
+    }
     let mut h = harness_with(cfg);
     let mut ids = Vec::new();
     for s in 0..6u64 {
@@ -97,17 +105,28 @@ fn replay(early: bool, chunk: usize) -> (Vec<(Option<usize>, u32, Option<String>
 
 #[test]
 fn the_early_scan_routes_every_request_as_reading_the_whole_body_does() {
-    let (whole, _) = replay(false, 16 * 1024);
+    let (whole, _) = replay(false, 16 * 1024, None);
     assert!(
         whole.iter().filter(|(_, cached, _)| *cached > 0).count() >= 8,
         "the follow-ups find their prefixes: {whole:?}"
     );
-    for chunk in [16 * 1024, 997, 64] {
-        let (early, h) = replay(true, chunk);
-        assert_eq!(early, whole, "slices of {chunk} bytes");
+    // The last: a VM share for held bodies (4 KiB) smaller than most bodies, which are then read
+    // at the end.
+    for (chunk, held_max) in [
+        (16 * 1024, None),
+        (997, None),
+        (64, None),
+        (997, Some(4096)),
+    ] {
+        let (early, h) = replay(true, chunk, held_max);
+        assert_eq!(early, whole, "slices of {chunk} bytes, share {held_max:?}");
+        let metric = |n: &str| h.proxy().metric(n).map_or(0, |m| m.value);
+        assert_eq!(metric("kvsteer_fallbacks"), 0);
+        // Bodies over the VM's share are read at the end instead (and counted), the others early.
         assert_eq!(
-            h.proxy().metric("kvsteer_fallbacks").map_or(0, |m| m.value),
-            0
+            metric("kvsteer_early_scan_declined") > 0,
+            held_max.is_some(),
+            "share {held_max:?}"
         );
         assert_clean(&h);
     }

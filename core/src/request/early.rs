@@ -248,7 +248,7 @@ impl EarlyScan {
             self.state = State::Ids(r);
             return;
         }
-        match id_run(body, i, r.builder, pause) {
+        match id_run::<true>(body, i, r.builder, pause) {
             // A pause at the very end: a whitespace run reached it and may go on past it.
             Some((builder, stop @ IdStop::Paused(j))) if j < body.len() => {
                 self.state = State::Ids(Resume { builder, stop, ..r })

@@ -398,20 +398,21 @@ pub(super) enum IdStop {
 /// pushed into `ids` (so hashed block by block): the hot loop of a token-id body. Stops when the
 /// array closes, or before a step that would start at or past `pause` (`usize::MAX`: never), so
 /// that [`super::early`] can run it over the part of a body that has arrived and go on from the
-/// same place later; None where the one-pass reader leaves the body to serde_json. Each step looks
+/// same place later (`PAUSES`: whether to look at `pause` at all; the final read's loop does
+/// not); None where the one-pass reader leaves the body to serde_json. Each step looks
 /// at most 72 bytes past where it starts, except the whitespace and digit runs, which stop at the
 /// end of `b` (the early scan only pauses where that cannot have cut them short). `ids` is taken
 /// and given back by value so that its fields can live in registers through the loop (through a
 /// `&mut` they were stored on every id; measured slower natively).
 #[inline]
-pub(super) fn id_run(
+pub(super) fn id_run<const PAUSES: bool>(
     b: &[u8],
     mut i: usize,
     mut ids: SequenceBuilder,
     pause: usize,
 ) -> Option<(SequenceBuilder, IdStop)> {
     loop {
-        if i >= pause {
+        if PAUSES && i >= pause {
             return Some((ids, IdStop::Paused(i)));
         }
         let next = token_id_window(b, i, &mut ids);
@@ -714,13 +715,15 @@ impl<'a> Scanner<'a> {
                             self.i = end;
                             r.builder
                         }
-                        IdStop::Paused(i) => match id_run(self.b, i, r.builder, usize::MAX)? {
-                            (ids, IdStop::Closed(end)) => {
-                                self.i = end;
-                                ids
+                        IdStop::Paused(i) => {
+                            match id_run::<false>(self.b, i, r.builder, usize::MAX)? {
+                                (ids, IdStop::Closed(end)) => {
+                                    self.i = end;
+                                    ids
+                                }
+                                (_, IdStop::Paused(_)) => return None,
                             }
-                            (_, IdStop::Paused(_)) => return None,
-                        },
+                        }
                     };
                     return Some(PromptScan::Tokens {
                         at,
@@ -783,7 +786,7 @@ impl<'a> Scanner<'a> {
             self.i += 1;
             return Some(ids);
         }
-        match id_run(b, self.i, ids, usize::MAX)? {
+        match id_run::<false>(b, self.i, ids, usize::MAX)? {
             (ids, IdStop::Closed(end)) => {
                 self.i = end;
                 Some(ids)

@@ -326,15 +326,18 @@ fn run() -> Result<(), String> {
                    "feed_cluster": format!("feed_r{i}")})
         })
         .collect();
-    let cfg = json!({
+    let mut cfg = json!({
         "replicas": replicas,
         "routing": {"policy": args.policy, "block_size": 16,
                     "index_capacity_blocks": (args.index_blocks + 100_000).max(1_000_000),
                     "kv_load": args.kv_load},
         "feed_period_ms": 3_600_000,
         "tick_ms": 100,
-        "early_body_scan": args.early_scan,
     });
+    // Only when turned off, so that a filter from before the option can be measured by default.
+    if !args.early_scan {
+        cfg["early_body_scan"] = json!(false);
+    }
     let proxy = Proxy::new(&module, ProxyOptions::new(HostMode::Envoy, cfg.to_string()));
     let mut worker = proxy.start_worker().map_err(|e| e.to_string())?;
 
