@@ -108,6 +108,21 @@ class KvsteerBehindEnvoy(unittest.TestCase):
             self.assertTrue(res.ok, res)
             self.assertEqual(replica_of(self.stack, res), holder, f"after pause {k}: {res}")
 
+    def test_a_long_prompt_is_read_as_it_arrives(self):
+        # A 20K-token prompt is about 130 KB of JSON: Envoy hands it to the filter in several
+        # slices, and the filter's early scan reads the ids of all but the last before the body
+        # has arrived (docs/filter.md, "The body as it arrives"). The follow-up still lands on the
+        # replica that holds the prefix, as the whole-body read would send it.
+        before = stat_sum(self.stack, "kvsteer_early_scan_bodies")
+        prefix, holder = self.seed_prefix(25_000, n=20_000)
+        time.sleep(FEED_SETTLE_S)
+        res = send(self.stack, prefix + tokens(32, 25_100))
+        self.assertTrue(res.ok, res)
+        self.assertEqual(replica_of(self.stack, res), holder, res)
+        self.assertGreaterEqual(res.cached_tokens, 20_000 - 16, res)
+        after = stat_sum(self.stack, "kvsteer_early_scan_bodies")
+        self.assertGreaterEqual(after - before, 2, "both bodies were read as they arrived")
+
     def test_streamed_and_non_streamed_requests_both_work(self):
         prompt = tokens(300, 777)
         for chat in (False, True):

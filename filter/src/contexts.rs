@@ -117,6 +117,7 @@ struct Metrics {
     pd_plain_decodes: Option<u32>,
     pd_whole: Option<u32>,
     early_declined: Option<u32>,
+    early_bodies: Option<u32>,
     bookings: Option<u32>,
     releases: Option<u32>,
     /// Host calls the proxy refused ([`abi`]: each has a fallback; docs/filter.md).
@@ -251,6 +252,7 @@ impl Metrics {
             pd_plain_decodes: define(Counter, "kvsteer_pd_plain_decodes"),
             pd_whole: define(Counter, "kvsteer_pd_whole_requests"),
             early_declined: define(Counter, "kvsteer_early_scan_declined"),
+            early_bodies: define(Counter, "kvsteer_early_scan_bodies"),
             bookings: define(Counter, "kvsteer_bookings"),
             releases: define(Counter, "kvsteer_releases"),
             host_call_refusals: define(Counter, "kvsteer_host_call_refusals"),
@@ -959,6 +961,9 @@ impl Stream {
         let now = now_ms();
         let store = vm.state.shared(&HostStore);
         vm.state.claim_probe(store, now);
+        if self.early.as_ref().is_some_and(|s| s.tokens() > 0) {
+            inc(vm.metrics.early_bodies, 1);
+        }
         let d = vm.state.route_body_early(
             self.id,
             &self.path,
@@ -1385,7 +1390,7 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         self.phase = Phase::Buffering;
-        self.early = vm.borrow().state.early_scan();
+        self.early = vm.borrow().state.early_scan(&self.path);
         Action::Pause
     }
 

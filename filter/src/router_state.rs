@@ -680,10 +680,16 @@ impl RouterState {
     }
 
     /// A scan for a request body that will arrive in slices, when the configuration wants one
-    /// (`early_body_scan`) and the body will be routed by [`RouterState::route_body_early`] (not in
-    /// a P/D fleet, whose bodies are split rather than routed whole).
-    pub fn early_scan(&self) -> Option<EarlyScan> {
-        (self.cfg.early_body_scan && !self.disaggregated())
+    /// (`early_body_scan`), the body will be routed by [`RouterState::route_body_early`] (not in
+    /// a P/D fleet, whose bodies are split rather than routed whole) and it is for
+    /// `/v1/completions`, the one endpoint whose prompt can be token ids (a chat body's would be
+    /// copied slice by slice for nothing).
+    pub fn early_scan(&self, path: &str) -> Option<EarlyScan> {
+        let completions = matches!(
+            kvsteer_core::request::endpoint(path),
+            Ok(kvsteer_core::request::Endpoint::Completions)
+        );
+        (self.cfg.early_body_scan && completions && !self.disaggregated())
             .then(|| EarlyScan::new(self.cfg.routing.block_size))
     }
 
