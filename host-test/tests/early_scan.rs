@@ -32,52 +32,24 @@ fn replay(
         let prefix = tokens(40 + s, 1500 + 700 * s as usize);
         for turn in 0..3u64 {
             let prompt = extend(&prefix, 100 * s + turn, 64 * (turn as usize + 1));
+            // The same prompt spelled as a hand-made body: `head` before it, `sep` between ids.
+            let spelled = |head: &str, sep: &str| {
+                let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+                RequestSpec {
+                    raw_body: Some(
+                        format!("{{{head}\"prompt\":[{}],\"max_tokens\":16}}", ids.join(sep))
+                            .into_bytes(),
+                    ),
+                    ..RequestSpec::new(prompt.clone(), 16)
+                }
+            };
             let spec = match (s + turn) % 4 {
                 // Compact ids: `[1,2,3]`.
-                0 => RequestSpec {
-                    raw_body: Some(
-                        format!(
-                            "{{\"model\":\"m\",\"prompt\":[{}],\"max_tokens\":16}}",
-                            prompt
-                                .iter()
-                                .map(u32::to_string)
-                                .collect::<Vec<_>>()
-                                .join(",")
-                        )
-                        .into_bytes(),
-                    ),
-                    ..RequestSpec::new(prompt.clone(), 16)
-                },
+                0 => spelled("\"model\":\"m\",", ","),
                 // A salt before the prompt (its own namespace).
-                1 => RequestSpec {
-                    raw_body: Some(
-                        format!(
-                            "{{\"cache_salt\":\"t{s}\",\"prompt\":[{}],\"max_tokens\":16}}",
-                            prompt
-                                .iter()
-                                .map(u32::to_string)
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        )
-                        .into_bytes(),
-                    ),
-                    ..RequestSpec::new(prompt.clone(), 16)
-                },
+                1 => spelled(&format!("\"cache_salt\":\"t{s}\","), ", "),
                 // Newlines between the ids: followed too.
-                2 => RequestSpec {
-                    raw_body: Some(
-                        format!(
-                            "{{\"prompt\":[\n{}\n],\"max_tokens\":16}}",
-                            prompt
-                                .iter()
-                                .map(u32::to_string)
-                                .collect::<Vec<_>>()
-                                .join(",\n  ")
-                        )
-                        .into_bytes(),
-                    ),
-                    ..RequestSpec::new(prompt.clone(), 16)
-                },
+                2 => spelled("", ",\n  "),
                 // The harness's own body.
                 _ => RequestSpec::new(prompt.clone(), 16),
             }

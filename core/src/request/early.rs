@@ -276,6 +276,11 @@ mod tests {
         )
     }
 
+    /// The final read of `body` after `scan`.
+    fn read_after(scan: EarlyScan, body: &[u8]) -> Result<RouteRequest, crate::RequestError> {
+        read_request_early("/v1/completions", body, None, 16, 1 << 24, None, Some(scan))
+    }
+
     /// Feeds `body` to a scan in slices of `step` bytes (all but the last), then reads it.
     fn scan_then_read(body: &[u8], step: usize) -> (EarlyScan, RouteRequest) {
         let mut scan = EarlyScan::new(16);
@@ -295,9 +300,7 @@ mod tests {
                 State::Off => State::Off,
             },
         };
-        let r = read_request_early("/v1/completions", body, None, 16, 1 << 24, None, Some(scan))
-            .unwrap();
-        (seen, r)
+        (seen, read_after(scan, body).unwrap())
     }
 
     #[test]
@@ -363,15 +366,7 @@ mod tests {
                     n += step;
                     scan.advance(&body.as_bytes()[..n]);
                 }
-                let r = read_request_early(
-                    "/v1/completions",
-                    body.as_bytes(),
-                    None,
-                    16,
-                    1 << 24,
-                    None,
-                    Some(scan),
-                );
+                let r = read_after(scan, body.as_bytes());
                 assert_eq!(
                     format!("{r:?}"),
                     format!("{plain:?}"),
@@ -407,15 +402,6 @@ mod tests {
         }
         assert!(tries < 40, "the members were read again {tries} times");
         let plain = read_request("/v1/completions", body.as_bytes(), None, 16, 1 << 24).unwrap();
-        let r = read_request_early(
-            "/v1/completions",
-            body.as_bytes(),
-            None,
-            16,
-            1 << 24,
-            None,
-            Some(scan),
-        );
-        assert_eq!(r.unwrap(), plain);
+        assert_eq!(read_after(scan, body.as_bytes()).unwrap(), plain);
     }
 }
