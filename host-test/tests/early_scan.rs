@@ -10,14 +10,13 @@ use kvsteer_host_test::{Harness, HarnessConfig, RequestSpec};
 
 const IDLE: u64 = 600_000_000;
 
+/// A request's replica, the tokens its engine found cached, and the destination header written.
+type Routed = (Option<usize>, u32, Option<String>);
+
 /// Sends the same sessions (shared prefixes, follow-ups, bodies of several shapes) through a harness
 /// with `early_body_scan` set as asked and bodies in `chunk`-byte slices; returns each request's
 /// replica, cached tokens and destination, in order.
-fn replay(
-    early: bool,
-    chunk: usize,
-    held_max: Option<usize>,
-) -> (Vec<(Option<usize>, u32, Option<String>)>, Harness) {
+fn replay(early: bool, chunk: usize, held_max: Option<usize>) -> (Vec<Routed>, Harness) {
     let mut cfg = HarnessConfig::small("kv_load");
     cfg.body_chunk_bytes = chunk;
     cfg.filter_extra
