@@ -100,7 +100,8 @@ impl EarlyScan {
         }
     }
 
-    /// Token ids read so far (0 before the prompt is found); for tests and benchmarks.
+    /// Token ids read so far (0 before the prompt is found): the filter counts a body as read
+    /// early (`kvsteer_early_scan_bodies`) when this is above 0 at its last slice.
     pub fn tokens(&self) -> u64 {
         match &self.state {
             State::Ids(r) => r.builder.tokens(),
