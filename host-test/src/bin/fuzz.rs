@@ -1121,6 +1121,8 @@ fn add_metrics(vm: &Vm, t: &mut Totals) {
             "kvsteer_spoofed_headers_removed",
             "kvsteer_feed_resets",
             "kvsteer_release_anomalies",
+            "kvsteer_early_scan_bodies",
+            "kvsteer_early_scan_declined",
         ]
         .contains(&m.name.as_str())
         {
