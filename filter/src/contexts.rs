@@ -843,10 +843,6 @@ impl Stream {
         Action::Pause
     }
 
-    /// Reads the whole buffered request body (at most `max` bytes asked for), routes the request by
-    /// it and admits it; every way the body cannot be read is routed by load instead (refused in a
-    /// P/D fleet, [`Stream::refuse_unread_pd`]). In a P/D fleet
-    /// the request is split into its two legs ([`Stream::route_pd`]) and may be held (`Pause`).
     /// Reads the slice of the body that arrived since the last call (the host's buffer holds
     /// `body_size` bytes so far, from the start) and lets the early scan go on. Anything
     /// inconsistent (a buffer shorter than what was read, a host error, fewer bytes than asked) or
@@ -923,6 +919,10 @@ impl Stream {
         Ok(body)
     }
 
+    /// Reads the whole buffered request body (at most `max` bytes asked for), routes the request by
+    /// it and admits it; every way the body cannot be read is routed by load instead (refused in a
+    /// P/D fleet, [`Stream::refuse_unread_pd`]). In a P/D fleet
+    /// the request is split into its two legs ([`Stream::route_pd`]) and may be held (`Pause`).
     fn route_buffered(&mut self, max: usize) -> Action {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;

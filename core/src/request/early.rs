@@ -114,17 +114,6 @@ impl EarlyScan {
         !matches!(self.state, State::Off)
     }
 
-    /// Whether the scan has read the whole prompt array.
-    pub fn is_complete(&self) -> bool {
-        matches!(
-            self.state,
-            State::Ids(Resume {
-                stop: IdStop::Closed(_),
-                ..
-            })
-        )
-    }
-
     /// What the final read takes over (None when the scan found no prompt to follow).
     pub(super) fn into_resume(self) -> Option<Resume> {
         match self.state {
@@ -251,15 +240,11 @@ impl EarlyScan {
         }
         match id_run::<true>(body, i, r.builder, pause) {
             // A pause at the very end: a whitespace run reached it and may go on past it.
-            Some((builder, stop @ IdStop::Paused(j))) if j < body.len() => {
-                self.state = State::Ids(Resume { builder, stop, ..r })
-            }
-            Some((builder, stop @ IdStop::Closed(_))) => {
-                self.state = State::Ids(Resume { builder, stop, ..r })
-            }
+            Some((_, IdStop::Paused(j))) if j >= body.len() => {}
+            Some((builder, stop)) => self.state = State::Ids(Resume { builder, stop, ..r }),
             // Not a body the one-pass reader reads through, or cut short by the end: off, and
             // the final read reads the prompt from its start.
-            _ => {}
+            None => {}
         }
     }
 }

@@ -715,15 +715,7 @@ impl<'a> Scanner<'a> {
                             self.i = end;
                             r.builder
                         }
-                        IdStop::Paused(i) => {
-                            match id_run::<false>(self.b, i, r.builder, usize::MAX)? {
-                                (ids, IdStop::Closed(end)) => {
-                                    self.i = end;
-                                    ids
-                                }
-                                (_, IdStop::Paused(_)) => return None,
-                            }
-                        }
+                        IdStop::Paused(i) => self.ids_from(i, r.builder)?,
                     };
                     return Some(PromptScan::Tokens {
                         at,
@@ -779,19 +771,23 @@ impl<'a> Scanner<'a> {
 
     /// A flat array of token ids at `[`, each pushed into `ids` (so hashed block by block).
     fn token_ids(&mut self, ids: SequenceBuilder) -> Option<SequenceBuilder> {
-        let b = self.b;
         self.i += 1;
         self.ws();
         if self.peek()? == b']' {
             self.i += 1;
             return Some(ids);
         }
-        match id_run::<false>(b, self.i, ids, usize::MAX)? {
+        self.ids_from(self.i, ids)
+    }
+
+    /// The id loop ([`id_run`]) from `i` to the array's end, which it leaves the scanner past.
+    fn ids_from(&mut self, i: usize, ids: SequenceBuilder) -> Option<SequenceBuilder> {
+        match id_run::<false>(self.b, i, ids, usize::MAX)? {
             (ids, IdStop::Closed(end)) => {
                 self.i = end;
                 Some(ids)
             }
-            // Never with no pause mark.
+            // Never without a pause mark.
             (_, IdStop::Paused(_)) => None,
         }
     }
