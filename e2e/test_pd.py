@@ -7,8 +7,9 @@ What it shows: the filter makes the prefill leg itself (a callout to the prefill
 sends the client's request on to a decode replica with the prefill answer's `kv_transfer_params`;
 multi-turn sessions, streamed and not, all complete; a session's later turns find their prefix cached
 on the prefill side (the prefill replica's own prefix-cache counters) and the decode replica reads
-the prompt over the link (the sim's `kvsteer_sim:remote_prefill_tokens`); prefill replicas that
-answer 500 give the client a 502 naming the prefill leg, prefill replicas that are down a 503; the
+the prompt over the link (the sim's `kvsteer_sim:remote_prefill_tokens`); a prefill replica that
+answers 500 costs the clients nothing (each failed leg is sent once more, to the other prefill
+replica); both answering 500 give the client a 502 naming the prefill leg, both down a 503; the
 filter's bookings and releases agree once traffic stops (no load left booked).
 """
 
@@ -167,6 +168,41 @@ class PdPrefillFailures(unittest.TestCase):
     def error_of(self, res: Result) -> dict:
         return json.loads(res.error)["error"]
 
+    def prefill_legs(self) -> dict[str, int]:
+        """Prefill legs Envoy sent to each prefill replica's cluster (retries included)."""
+        st = self.stack.stats("kvsteer_prefill_")
+        return {n: st.get(f"cluster.kvsteer_prefill_{n}.upstream_rq_total", 0) for n in PREFILL}
+
+    def test_a_failing_prefill_replica_costs_clients_nothing(self) -> None:
+        # Runs first (name order). A session's first turn caches its prompt on one prefill replica,
+        # which then answers 500: each later turn's prefill leg, drawn there by the cache, is sent
+        # once more to the other prefill replica and the client is served; once the failing replica
+        # is ejected its legs go to the other one directly.
+        s = self.stack
+        before = self.prefill_legs()
+        prompt = tokens(3000, 35_000)
+        first = send(s, prompt, max_tokens=4, session="f")
+        self.assertTrue(first.ok, first)
+        after = self.prefill_legs()
+        (cached,) = [n for n in PREFILL if after[n] > before[n]]
+        time.sleep(FEED_SETTLE_S)
+        self.set_fault(cached, {"error_rate": 1.0})
+        try:
+            for turn in range(5):
+                prompt = prompt + tokens(100, 35_100 + turn)
+                res = send(s, prompt, max_tokens=4, session="f", stream=turn % 2 == 0)
+                self.assertTrue(res.ok, f"turn {turn}: {res}")
+                self.assertIn(s.by_sim_name(res.replica).name, DECODE, res)
+        finally:
+            self.set_fault(cached, {"error_rate": 0.0})
+        self.assertGreaterEqual(stat_sum(s, "kvsteer_pd_prefill_retries"), 1)
+        self.assertEqual(stat_sum(s, "kvsteer_pd_prefill_failures"), 0)
+        (other,) = [n for n in PREFILL if n != cached]
+        self.assertGreaterEqual(self.prefill_legs()[other] - after[other], 5,
+                                "every turn's prefill leg ended on the other replica")
+        booked, released = settled_bookings(s)
+        self.assertEqual(booked, released, "no load left booked")
+
     def test_prefill_500s_give_502_and_a_dead_prefill_side_503(self) -> None:
         s = self.stack
         ok = send(s, tokens(100, 34_000), max_tokens=4)
@@ -180,6 +216,7 @@ class PdPrefillFailures(unittest.TestCase):
             self.assertEqual(err["leg"], "prefill", err)
             self.assertIn(err["replica"], PREFILL, err)
             self.assertIn("status 500", err["message"], err)
+        # One failure a client request, whether or not its leg was sent on to the other replica.
         self.assertEqual(stat_sum(s, "kvsteer_pd_prefill_failures"), 4)
         for n in PREFILL:
             self.set_fault(n, {"error_rate": 0.0})

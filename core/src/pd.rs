@@ -81,11 +81,16 @@ pub struct PdDecision {
     /// Per replica (infinite where the side excludes it); empty under round robin.
     pub prefill_costs: Vec<f64>,
     pub decode_costs: Vec<f64>,
+    /// Where the prefill leg goes if it fails on `prefill` (a 5xx or no answer), with its cached
+    /// prompt tokens: for a probe, the side's own choice; otherwise the next cheapest replica that
+    /// prefills (the next one under round robin), never one down or ejected while another is
+    /// usable, and on another address (not a rank of the same endpoint) whenever one is usable.
+    /// None when no other replica prefills.
+    pub prefill_backup: Option<(usize, u64)>,
     /// The prefill side is an ejected replica's health probe (`crate::health`: a replica ejected for
     /// failing gets one request per probe interval, else nothing would ever restore it): `prefill`
-    /// is the probed replica, `prefill_backup` the side's own choice, to send the prefill leg to if
-    /// the probe fails, with its cached prompt tokens.
-    pub prefill_backup: Option<(usize, u64)>,
+    /// is the probed replica and `prefill_backup` the side's own choice.
+    pub prefill_probe: bool,
     /// The decode side is a probe: `decode` is the probed replica, this the side's own choice (the
     /// retry backup).
     pub decode_backup: Option<usize>,
@@ -407,6 +412,7 @@ mod tests {
             let d = router.route_pd(&req, &ROLES, &p, 1100).unwrap();
             assert_eq!((d.prefill, d.decode), (0, 2), "{d:?}");
             assert_eq!(d.prefill_backup.map(|b| b.0), Some(1));
+            assert!(d.prefill_probe);
             assert_eq!(d.decode_backup, Some(3));
             let dd = router.pd_decode_decision(&d, &ROLES);
             assert!(dd.probe && dd.backup == Some(3));
@@ -422,6 +428,49 @@ mod tests {
             router.admit_prefill_leg(7, &req, 1, 0, 1300);
             assert_eq!(router.local_load()[1].active_requests, 1);
             assert!(router.release(7));
+        }
+
+        /// Every prefill leg has a backup on its side for when it fails: the next cheapest replica
+        /// that prefills (the next one under round robin), with its cached tokens; never a
+        /// decode-only replica, never an ejected one, a rank of another endpoint before one of the
+        /// chosen endpoint's own, and none when no other replica prefills.
+        #[test]
+        fn prefill_legs_get_a_backup_on_their_side() {
+            let (mut router, req, hashes) = setup("kv_load");
+            router.apply_feed(1, &batch(7, hashes[..32].to_vec()));
+            let p = PdParams::default();
+            let d = router.route_pd(&req, &ROLES, &p, 0).unwrap();
+            assert_eq!(d.prefill, 1);
+            assert_eq!(d.prefill_backup, Some((0, 0)));
+            assert!(!d.prefill_probe);
+            let (mut rr, req, _) = setup("round_robin");
+            for want in [(0, Some(1)), (1, Some(0)), (0, Some(1))] {
+                let d = rr.route_pd(&req, &ROLES, &p, 0).unwrap();
+                assert_eq!((d.prefill, d.prefill_backup.map(|b| b.0)), want);
+            }
+            // Three replicas prefill; 0 and 1 are ranks of one endpoint: the backup of 0 is 2 even
+            // though 1 holds the prompt.
+            let three = [Role::Prefill, Role::Prefill, Role::Prefill, Role::Decode];
+            let (mut router, req, hashes) = setup("kv_load");
+            router.set_address_groups(vec![0, 0, 2, 3]);
+            router.apply_feed(0, &batch(7, hashes.clone()));
+            router.apply_feed(1, &batch(8, hashes.clone()));
+            let d = router.route_pd(&req, &three, &p, 0).unwrap();
+            assert_eq!(
+                d.prefill_backup.map(|b| b.0),
+                Some(if d.prefill == 2 { 0 } else { 2 })
+            );
+            // Replica 0 ejected, 1 chosen: no other usable replica prefills, so no backup.
+            let (mut router, req, _) = setup("kv_load");
+            for _ in 0..3 {
+                router.record_outcome(0, crate::health::Outcome::Failure, 10);
+            }
+            let d = router.route_pd(&req, &ROLES, &p, 20).unwrap();
+            assert_eq!((d.prefill, d.prefill_backup), (1, None));
+            // One replica prefills: no backup.
+            let one = [Role::Prefill, Role::Decode, Role::Decode, Role::Decode];
+            let d = router.route_pd(&req, &one, &p, 30).unwrap();
+            assert_eq!((d.prefill, d.prefill_backup), (0, None));
         }
 
         #[test]

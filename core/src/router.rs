@@ -610,10 +610,14 @@ impl Router {
             .health
             .take_probe(now_ms, |r| roles[r].prefills() && up(r))
             .filter(|&p| p != prefill);
-        let (prefill, prefill_backup) = match p_probe {
-            Some(p) => (p, Some((prefill, matched(prefill)))),
-            None => (prefill, None),
+        let (prefill, prefill_backup, prefill_probe) = match p_probe {
+            Some(p) => (p, Some(prefill), true),
+            None => {
+                let retry = self.backup_among(prefill, &prefill_costs, |r| roles[r].prefills());
+                (prefill, retry, false)
+            }
         };
+        let prefill_backup = prefill_backup.map(|b| (b, matched(b)));
         let d_probe = self
             .health
             .take_probe(now_ms, |r| roles[r].decodes() && up(r) && r != prefill)
@@ -633,6 +637,7 @@ impl Router {
             prefill_costs,
             decode_costs,
             prefill_backup,
+            prefill_probe,
             decode_backup,
         })
     }
@@ -799,18 +804,31 @@ impl Router {
     }
 
     fn backup_for(&self, chosen: usize, costs: &[f64]) -> Option<usize> {
+        self.backup_among(chosen, costs, |_| true)
+    }
+
+    /// The backup for `chosen` among the replicas `eligible` accepts: the cheapest by `costs` (the
+    /// next one cyclically when there are no costs, as under round robin), never an avoided one,
+    /// and on another address whenever one is usable.
+    fn backup_among(
+        &self,
+        chosen: usize,
+        costs: &[f64],
+        eligible: impl Fn(usize) -> bool,
+    ) -> Option<usize> {
         let avoided = self.avoided();
         let group = |r: usize| self.address_groups.get(r).copied().unwrap_or(r);
-        let elsewhere =
-            (0..self.replicas).any(|r| r != chosen && !avoided[r] && group(r) != group(chosen));
-        let candidates = (0..self.replicas)
-            .filter(|&r| r != chosen && !avoided[r] && (!elsewhere || group(r) != group(chosen)));
+        let ok = |r: usize| r != chosen && !avoided[r] && eligible(r);
+        let elsewhere = (0..self.replicas).any(|r| ok(r) && group(r) != group(chosen));
+        let fits = |r: usize| ok(r) && (!elsewhere || group(r) != group(chosen));
         if costs.len() == self.replicas {
-            candidates.min_by(|&a, &b| costs[a].total_cmp(&costs[b]))
+            (0..self.replicas)
+                .filter(|&r| fits(r))
+                .min_by(|&a, &b| costs[a].total_cmp(&costs[b]))
         } else {
             (1..self.replicas)
                 .map(|i| (chosen + i) % self.replicas)
-                .find(|&r| !avoided[r] && (!elsewhere || group(r) != group(chosen)))
+                .find(|&r| fits(r))
         }
     }
 

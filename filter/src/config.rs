@@ -109,6 +109,12 @@ pub struct PdSection {
     /// `kv_transfer_params` lists a block id per prompt block: about 50 KB for a 128K-token prompt.
     #[serde(default = "d_prefill_max_bytes")]
     pub max_prefill_response_bytes: usize,
+    /// A prefill leg that fails with a 5xx or no answer (refused, reset, timed out) is sent once more,
+    /// to its side's backup (the next cheapest replica that prefills, on another endpoint when one
+    /// is usable), before the client gets a 502: what Envoy's retry policy does for a plain request.
+    /// A failed health probe's leg always goes on to the side's own choice, whatever this says.
+    #[serde(default = "d_true")]
+    pub retry_prefill: bool,
     /// `q`: weight of a queued prefill block on a prefill replica against one of the request's own.
     #[serde(default = "d_pd_queue_weight")]
     pub prefill_queue_weight: f64,
@@ -125,6 +131,7 @@ impl Default for PdSection {
         PdSection {
             prefill_timeout_ms: d_prefill_timeout(),
             max_prefill_response_bytes: d_prefill_max_bytes(),
+            retry_prefill: true,
             prefill_queue_weight: d_pd_queue_weight(),
             transfer_weight: d_pd_transfer_weight(),
             active_request_weight: d_pd_active_weight(),
@@ -957,6 +964,7 @@ mod tests {
         assert_eq!(plain.pd, PdSection::default());
         assert_eq!(plain.pd.prefill_timeout_ms, 60_000);
         assert_eq!(plain.pd.max_prefill_response_bytes, 1 << 20);
+        assert!(plain.pd.retry_prefill);
         assert_eq!(plain.pd.params(), PdParams::default());
 
         let c = FilterConfig::from_json(PD.as_bytes()).unwrap();
@@ -1018,11 +1026,12 @@ mod tests {
         assert!(refused(&typo).contains("timeout"));
         let tuned = PD.replacen(
             "{\"replicas\"",
-            "{\"pd\":{\"transfer_weight\":0.25,\"prefill_timeout_ms\":5000},\"replicas\"",
+            "{\"pd\":{\"transfer_weight\":0.25,\"prefill_timeout_ms\":5000,\"retry_prefill\":false},\"replicas\"",
             1,
         );
         let c = FilterConfig::from_json(tuned.as_bytes()).unwrap();
         assert_eq!(c.pd.params().transfer_weight, 0.25);
+        assert!(!c.pd.retry_prefill);
         assert_eq!(c.pd.prefill_timeout_ms, 5000);
         // DP ranks copy the role and prefill cluster to every rank.
         let dp = PD.replacen(

@@ -110,12 +110,14 @@ struct Metrics {
     feed_resets: Option<u32>,
     /// P/D (docs/pd.md): requests split into two legs, prefill legs that failed (502), requests
     /// with no prefill replica up (503), decode legs sent without `kv_transfer_params` (the prefill
-    /// answer had none), and requests sent whole to a decode replica (body not splittable).
+    /// answer had none), requests sent whole to a decode replica (body not splittable), and
+    /// prefill legs sent on to their side's backup after a failure.
     pd_split: Option<u32>,
     pd_prefill_failures: Option<u32>,
     pd_unavailable: Option<u32>,
     pd_plain_decodes: Option<u32>,
     pd_whole: Option<u32>,
+    pd_prefill_retries: Option<u32>,
     early_declined: Option<u32>,
     early_bodies: Option<u32>,
     bookings: Option<u32>,
@@ -251,6 +253,7 @@ impl Metrics {
             pd_unavailable: define(Counter, "kvsteer_pd_unavailable"),
             pd_plain_decodes: define(Counter, "kvsteer_pd_plain_decodes"),
             pd_whole: define(Counter, "kvsteer_pd_whole_requests"),
+            pd_prefill_retries: define(Counter, "kvsteer_pd_prefill_retries"),
             early_declined: define(Counter, "kvsteer_early_scan_declined"),
             early_bodies: define(Counter, "kvsteer_early_scan_bodies"),
             bookings: define(Counter, "kvsteer_bookings"),
@@ -1133,11 +1136,23 @@ impl Stream {
             Err(LegFailure::NoAnswer | LegFailure::Status(500..))
         );
         if replica_failed && let Some((backup, matched, req)) = leg.backup.as_ref() {
-            // A probe of an ejected prefill replica that fails (5xx, no answer: what Envoy's retry
-            // policy retries for a plain request) costs the client nothing: the leg goes on to the
-            // prefill side's own choice.
+            // A prefill leg that fails where Envoy's retry policy would retry a plain request (5xx,
+            // no answer) goes once more, to its side's backup (for a failed health probe, the
+            // side's own choice), under the same request id; the failure counts against the
+            // replica's health as any other.
             vm.state
                 .request_outcome(leg.replica, None, Outcome::Failure, now);
+            inc(vm.metrics.pd_prefill_retries, 1);
+            let name = vm.state.replica_name(leg.replica);
+            let why = answer.as_ref().err().map(ToString::to_string);
+            log(
+                LogLevel::Info,
+                &format!(
+                    "kvsteer: the prefill leg on {name} {}; sent on to {}",
+                    why.unwrap_or_default(),
+                    vm.state.replica_name(*backup)
+                ),
+            );
             vm.state
                 .rebook_prefill(prefill_id(self.id), req, *backup, *matched, now);
             let body = pd::prefill_body(&leg.client);

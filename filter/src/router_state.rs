@@ -228,9 +228,10 @@ pub enum PdRoute {
         client: serde_json::Map<String, serde_json::Value>,
         prefill_body: Vec<u8>,
         prefill_matched_tokens: u64,
-        /// The prefill leg is an ejected replica's health probe: where to send it instead if the
-        /// probe fails (the side's own choice, its cached prompt tokens) and the request, to book it
-        /// there ([`RouterState::rebook_prefill`]).
+        /// Where to send the prefill leg if it fails with a 5xx or no answer (the side's backup, its
+        /// cached prompt tokens) and the request, to book it there
+        /// ([`RouterState::rebook_prefill`]): for a health probe the side's own choice, otherwise
+        /// the next cheapest replica that prefills when `pd.retry_prefill` is on.
         prefill_backup: Option<(usize, u64, Box<RouteRequest>)>,
     },
     /// The body is not a request the filter can split (too large, not JSON, no prompt): sent whole,
@@ -833,12 +834,13 @@ impl RouterState {
             prefill_matched_tokens: d.prefill_matched_tokens,
             prefill_backup: d
                 .prefill_backup
+                .filter(|_| d.prefill_probe || self.cfg.pd.retry_prefill)
                 .map(|(r, matched)| (r, matched, Box::new(req))),
         }
     }
 
-    /// A prefill leg that probed an ejected replica failed: it is released there and booked again
-    /// under the same id on `replica` (the prefill side's own choice), where it is sent next.
+    /// A prefill leg failed (a health probe, or a leg retried on its side's backup): it is released
+    /// there and booked again under the same id on `replica`, where it is sent next.
     pub fn rebook_prefill(
         &mut self,
         prefill_id: u64,

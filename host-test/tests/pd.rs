@@ -317,8 +317,8 @@ impl Fleet {
         }
     }
 
-    /// Requests the filter has booked, all replicas together, as it published them at its last tick.
-    fn booked(&mut self) -> u64 {
+    /// The filter's bookings per replica, as it published them at a tick it is given now.
+    fn loads(&mut self) -> Vec<LoadTotals> {
         self.tick(60_000);
         let (bytes, _) = self
             .proxy
@@ -327,11 +327,12 @@ impl Fleet {
         let totals = &bytes[8..];
         let count = u32::from_le_bytes(totals[4..8].try_into().unwrap()) as usize;
         let len = 8 + count * kvsteer_core::load::LOAD_TOTALS_LEN;
-        LoadTotals::decode_all(&totals[..len])
-            .unwrap()
-            .iter()
-            .map(|t| t.active_requests as u64)
-            .sum()
+        LoadTotals::decode_all(&totals[..len]).unwrap()
+    }
+
+    /// Requests the filter has booked, all replicas together.
+    fn booked(&mut self) -> u64 {
+        self.loads().iter().map(|t| t.active_requests as u64).sum()
     }
 
     fn counter(&self, name: &str) -> u64 {
@@ -411,6 +412,75 @@ fn round_robin_alternates_each_side() {
     f.assert_clean();
 }
 
+/// A prefill leg answered 500 goes once more, to the other prefill replica, with the same body and
+/// request id and its booking moved there; the client's request then goes on to its decode replica
+/// as if nothing had failed. With `pd.retry_prefill` off the client gets the 502 at once.
+#[test]
+fn a_failed_prefill_leg_is_sent_once_more_to_the_other_prefill_replica() {
+    let mut f = Fleet::with("kv_load");
+    let body = json!({"prompt": tokens(900, 300), "max_tokens": 4});
+    let (id, call) = f.send(&body, &[]);
+    let call = call.unwrap();
+    f.w.answer_callout(&call, bad(503, b"")).unwrap();
+    let st = f.w.stream(id).unwrap();
+    assert!(st.local_response.is_none() && !st.released);
+    let retry = f.w.take_callouts();
+    assert_eq!(retry.len(), 1);
+    let other = if call.upstream == "prefill_r0" {
+        "prefill_r1"
+    } else {
+        "prefill_r0"
+    };
+    assert_eq!(retry[0].upstream, other);
+    assert_eq!(retry[0].body, call.body);
+    assert_eq!(retry[0].header("x-request-id"), call.header("x-request-id"));
+    let p_other = endpoint_index(retry[0].header(":authority").unwrap());
+    let loads = f.loads();
+    let p_first = endpoint_index(call.header(":authority").unwrap());
+    assert_eq!(
+        loads[p_other].active_requests, 1,
+        "booked on the backup: {loads:?}"
+    );
+    assert_eq!(
+        loads[p_first].active_requests, 0,
+        "released where it failed: {loads:?}"
+    );
+    assert_eq!(f.booked(), 2, "the prefill leg moved, not doubled");
+    let (answer, _, _) = f.prefill_answer(&retry[0], 1);
+    f.w.answer_callout(&retry[0], answer).unwrap();
+    let st = f.w.stream(id).unwrap();
+    assert!(st.released && st.local_response.is_none());
+    assert!(endpoint_index(st.upstream_header(DEST).unwrap()) >= PREFILL);
+    let up: Value = serde_json::from_slice(&st.upstream_body).unwrap();
+    assert_eq!(up["kv_transfer_params"]["do_remote_prefill"], json!(true));
+    f.w.response_headers(id, pairs(&[(":status", "200")]), true)
+        .unwrap();
+    f.w.end_stream(id).unwrap();
+    assert_eq!(f.counter("kvsteer_pd_prefill_retries"), 1);
+    assert_eq!(f.counter("kvsteer_pd_prefill_failures"), 0);
+    assert_eq!(f.booked(), 0);
+    f.assert_clean();
+
+    let mut f = Fleet::new(ProxyOptions::new(
+        HostMode::Envoy,
+        plugin_config(
+            "kv_load",
+            json!({"pd": {"prefill_timeout_ms": 5000, "max_prefill_response_bytes": 4096,
+                "retry_prefill": false}}),
+        ),
+    ));
+    let (id, call) = f.send(&body, &[]);
+    f.w.answer_callout(&call.unwrap(), bad(503, b"")).unwrap();
+    assert!(f.w.take_callouts().is_empty(), "no retry when it is off");
+    let st = f.w.stream(id).unwrap();
+    assert_eq!(st.local_response.as_ref().unwrap().status, 502);
+    f.w.end_stream(id).unwrap();
+    assert_eq!(f.counter("kvsteer_pd_prefill_retries"), 0);
+    assert_eq!(f.counter("kvsteer_pd_prefill_failures"), 1);
+    assert_eq!(f.booked(), 0);
+    f.assert_clean();
+}
+
 fn bad(status: u16, body: &[u8]) -> CallOutcome {
     CallOutcome::ok(status, "application/json", body.to_vec())
 }
@@ -446,7 +516,20 @@ fn hostile_prefill_answers_never_trap_and_release_everything() {
             2,
             "{what}: both legs booked while the prefill leg is out"
         );
-        f.w.answer_callout(&call, outcome).unwrap();
+        f.w.answer_callout(&call, outcome.clone()).unwrap();
+        // A 5xx or no answer is sent once more, to the other prefill replica, under the same
+        // request id; it fails there too.
+        let retried = matches!(what, "500" | "reset" | "timeout");
+        let retry = f.w.take_callouts();
+        assert_eq!(retry.len(), retried as usize, "{what}: {retry:?}");
+        if let Some(again) = retry.first() {
+            assert_ne!(again.upstream, call.upstream, "{what}");
+            assert!(again.upstream.starts_with("prefill_r"), "{what}");
+            assert_eq!(again.header("x-request-id"), call.header("x-request-id"));
+            assert_eq!(again.body, call.body, "{what}: the same prefill leg");
+            assert_eq!(f.booked(), 2, "{what}: the prefill leg moved, not doubled");
+            f.w.answer_callout(again, outcome).unwrap();
+        }
         let st = f.w.stream(id).unwrap();
         let local = st
             .local_response
@@ -460,6 +543,7 @@ fn hostile_prefill_answers_never_trap_and_release_everything() {
         assert_eq!(f.booked(), 0, "{what}: both legs released");
     }
     assert_eq!(f.counter("kvsteer_pd_prefill_failures"), n);
+    assert_eq!(f.counter("kvsteer_pd_prefill_retries"), 3);
 
     // A 2xx JSON answer without (or with a non-object) kv_transfer_params: plain decode leg.
     for answer in [&br#"{"choices": []}"#[..], br#"{"kv_transfer_params": 7}"#] {
@@ -508,7 +592,8 @@ fn a_late_prefill_answer_for_a_finished_stream_is_ignored() {
     f.w.answer_callout(&call, answer).unwrap();
     assert!(f.w.stream(id).unwrap().released);
     assert!(!f.w.stream(a).unwrap().released);
-    f.w.answer_callout(&call_a, bad(500, b"")).unwrap();
+    f.w.answer_callout(&call_a, bad(200, b"<html>oops</html>"))
+        .unwrap();
     assert_eq!(
         f.w.stream(a)
             .unwrap()
@@ -640,8 +725,8 @@ fn a_fleet_without_roles_makes_no_prefill_callout() {
 }
 
 /// A prefill replica that keeps failing is ejected (its failures count against its health) and then
-/// probed once per probe interval: a failed probe's leg goes on to the other prefill replica, so the
-/// client never sees it; a successful one restores the replica.
+/// probed once per probe interval. Its failed legs, the probe's among them, go on to the other
+/// prefill replica, so no client sees them; a successful probe restores the replica.
 #[test]
 fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing() {
     let mut f = Fleet::with("round_robin");
@@ -651,23 +736,23 @@ fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing(
             .unwrap();
         f.w.end_stream(id).unwrap();
     };
-    // Round robin alternates r0, r1; r0 answers 500 three times in a row: ejected.
+    // Round robin alternates r0, r1; r0 answers 500 three times in a row: ejected. Each of its
+    // failed legs goes on to r1, so no client sees them.
     let mut r0_failures = 0;
     for i in 0..6 {
         let (id, call) = f.send(&body(i), &[]);
         let call = call.unwrap();
         if call.upstream == "prefill_r0" {
             f.w.answer_callout(&call, bad(500, b"")).unwrap();
-            assert_eq!(
-                f.w.stream(id)
-                    .unwrap()
-                    .local_response
-                    .as_ref()
-                    .unwrap()
-                    .status,
-                502
-            );
-            f.w.end_stream(id).unwrap();
+            let st = f.w.stream(id).unwrap();
+            assert!(st.local_response.is_none() && !st.released);
+            let retry = f.w.take_callouts();
+            assert_eq!(retry.len(), 1);
+            assert_eq!(retry[0].upstream, "prefill_r1");
+            let (answer, _, _) = f.prefill_answer(&retry[0], 500 + i);
+            f.w.answer_callout(&retry[0], answer).unwrap();
+            assert!(f.w.stream(id).unwrap().released);
+            finish(&mut f, id);
             r0_failures += 1;
         } else {
             let (answer, _, _) = f.prefill_answer(&call, 1000 + i);
@@ -682,7 +767,8 @@ fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing(
         1,
         "the gauge follows at the tick"
     );
-    assert_eq!(f.counter("kvsteer_pd_prefill_failures"), 3);
+    assert_eq!(f.counter("kvsteer_pd_prefill_failures"), 0);
+    assert_eq!(f.counter("kvsteer_pd_prefill_retries"), 3);
     // Ejected: every prefill leg goes to r1 until a probe is due.
     for i in 6..9 {
         let (id, call) = f.send(&body(i), &[]);
@@ -720,9 +806,10 @@ fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing(
     finish(&mut f, id);
     assert_eq!(
         f.counter("kvsteer_pd_prefill_failures"),
-        3,
+        0,
         "the failed probe is not a failure"
     );
+    assert_eq!(f.counter("kvsteer_pd_prefill_retries"), 4);
     // Later, a probe that succeeds restores r0 (once its failures have decayed).
     f.tick(9_000_000);
     let (id, call) = f.send(&body(30), &[]);
