@@ -835,3 +835,85 @@ fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing(
     assert_eq!(f.booked(), 0);
     f.assert_clean();
 }
+
+/// A prefill replica with data-parallel ranks (docs/dp.md): each rank is a prefill unit of its own,
+/// its leg carries the rank header, and a failed leg is sent on to another endpoint, not to another
+/// rank of the same engine (whose address is the same). Round robin over the prefill units r0 rank
+/// 0, r0 rank 1, r1; every first leg answers 500.
+#[test]
+fn prefill_ranks_carry_the_rank_header_and_retry_on_another_endpoint() {
+    let replicas: Vec<Value> = (0..REPLICAS)
+        .map(|i| {
+            let mut r = json!({"name": format!("r{i}"), "endpoint": format!("127.0.0.1:{}", 18000 + i),
+                "feed_cluster": format!("kvsteer_feed_r{i}")});
+            if i < PREFILL {
+                r["role"] = json!("prefill");
+                r["prefill_cluster"] = json!(format!("prefill_r{i}"));
+            } else {
+                r["role"] = json!("decode");
+            }
+            if i == 0 {
+                r["dp_ranks"] = json!(2);
+            }
+            r
+        })
+        .collect();
+    let cfg = json!({"replicas": replicas, "routing": {"policy": "round_robin", "block_size": 16},
+        "feed_period_ms": 100, "tick_ms": 50});
+    let proxy = Proxy::new(
+        module(),
+        ProxyOptions::new(HostMode::Envoy, cfg.to_string()),
+    );
+    let mut w = proxy.start_worker().expect("worker");
+    let rank = "x-data-parallel-rank";
+    // (first leg's cluster, its rank header, the retry's cluster, its rank header)
+    let want = [
+        ("prefill_r0", Some("0"), "prefill_r1", None),
+        ("prefill_r0", Some("1"), "prefill_r1", None),
+        ("prefill_r1", None, "prefill_r0", Some("0")),
+    ];
+    for (i, (first, first_rank, second, second_rank)) in want.into_iter().enumerate() {
+        let bytes = json!({"prompt": tokens(950 + i as u64, 64), "max_tokens": 2})
+            .to_string()
+            .into_bytes();
+        let id = w.new_stream().unwrap();
+        let client_rank = [(rank.to_string(), "1".to_string())];
+        w.request_headers(
+            id,
+            request_headers("/v1/completions", bytes.len(), None, &client_rank),
+            false,
+        )
+        .unwrap();
+        w.request_body(id, &bytes, true).unwrap();
+        let calls = w.take_callouts();
+        assert_eq!(calls.len(), 1, "request {i}: {calls:?}");
+        assert_eq!(calls[0].upstream, first, "request {i}");
+        assert_eq!(calls[0].header(rank), first_rank, "request {i}");
+        w.answer_callout(&calls[0], bad(500, b"")).unwrap();
+        let retry = w.take_callouts();
+        assert_eq!(retry.len(), 1, "request {i}: {retry:?}");
+        assert_eq!(retry[0].upstream, second, "request {i}");
+        assert_eq!(retry[0].header(rank), second_rank, "request {i}");
+        let params = json!({"kv_transfer_params": {"do_remote_prefill": true,
+            "remote_engine_id": "e", "remote_block_ids": [1, 2, 3, 4]}});
+        w.answer_callout(&retry[0], bad(200, params.to_string().as_bytes()))
+            .unwrap();
+        let st = w.stream(id).unwrap();
+        assert!(st.released && st.local_response.is_none(), "request {i}");
+        assert!(endpoint_index(st.upstream_header(DEST).unwrap()) >= PREFILL);
+        assert_eq!(
+            st.upstream_header(rank),
+            None,
+            "request {i}: the decode replicas have no ranks, and the client's header is gone"
+        );
+        w.response_headers(id, pairs(&[(":status", "200")]), true)
+            .unwrap();
+        w.end_stream(id).unwrap();
+    }
+    assert_eq!(
+        proxy
+            .metric("kvsteer_pd_prefill_retries")
+            .map_or(0, |m| m.value as u64),
+        3
+    );
+}
