@@ -242,7 +242,7 @@ class RealStack(Stack):
             "DO_NOT_TRACK": "1",
         }
 
-    def start_engine(self, e: Engine) -> None:
+    def start_engine(self, e: Engine, extra: list[str] | None = None) -> None:
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://127.0.0.1:{e.zmq_port}",
                   "replay_endpoint": f"tcp://127.0.0.1:{e.replay_port}", "topic": "kv-events"}
@@ -253,17 +253,19 @@ class RealStack(Stack):
                 "--max-model-len", str(self.max_model_len), "--kv-events-config", json.dumps(events)]
         if self.gpu_blocks is not None:
             argv += ["--num-gpu-blocks-override", str(self.gpu_blocks)]
+        argv += extra or []
         e.engine = self.spawn_env(f"vllm-{e.name}-{e.starts}", argv, self.engine_env(e))
         e.starts += 1
 
-    def start_adapter(self, e: Engine) -> None:
+    def start_adapter(self, e: Engine, extra: list[str] | None = None) -> None:
         feed = Path(os.environ.get("KVSTEER_FEED") or target_dir() / "release" / "kvsteer-feed")
         if not feed.exists():
             raise StackError(f"{feed} not built: cargo build --release --bin kvsteer-feed")
         argv = [str(feed), "--listen", f"127.0.0.1:{e.adapter_port}",
                 "--zmq-endpoint", f"tcp://127.0.0.1:{e.zmq_port}", "--topic", "kv-events",
                 "--replay-endpoint", f"tcp://127.0.0.1:{e.replay_port}",
-                "--metrics-url", f"http://{e.endpoint}/metrics", "--block-size", str(BLOCK)]
+                "--metrics-url", f"http://{e.endpoint}/metrics", "--block-size", str(BLOCK),
+                *(extra or [])]
         env = {"RUST_LOG": os.environ.get("RUST_LOG", "info")}
         e.adapter = self.spawn_env(f"feed-{e.name}-{e.adapter_starts}", argv, env)
         e.adapter_starts += 1
@@ -273,7 +275,8 @@ class RealStack(Stack):
         assert e.engine is not None
         wait_http(f"http://{e.endpoint}/health", timeout_s, e.engine)
 
-    def start_envoy_real(self, plugin_overrides: dict | None = None) -> None:
+    def start_envoy_real(self, plugin_overrides: dict | None = None,
+                         replica_overrides: dict | None = None) -> None:
         wasm = wasm_path()
         if not wasm.exists():
             raise StackError(f"filter not built at {wasm}")
@@ -284,6 +287,7 @@ class RealStack(Stack):
             replicas=[(e.name, e.endpoint) for e in self.engines],
             listen_port=self.listen_port, admin_port=self.admin_port, wasm=str(wasm),
             plugin_overrides=plugin_overrides or {"routing": {"policy": "kv_load", "block_size": BLOCK}},
+            replica_overrides=replica_overrides,
         )
         # Feed callouts go to the adapters, not the engines (docs/feed-adapter.md).
         adapters = {envoy_config.FEED_PREFIX + e.name: e.adapter_port for e in self.engines}
@@ -309,6 +313,16 @@ class RealStack(Stack):
         wait_http(f"http://127.0.0.1:{self.admin_port}/ready", 30, self.envoy)
         self.wait_healthy(30)
         self.wait_feeds(30)
+
+
+def feed_polls(stack: Stack, e: Engine) -> int:
+    """Feed polls of `e`'s adapter the filter has completed with a 2xx (callouts count under
+    `internal.`)."""
+    prefix = f"cluster.{envoy_config.FEED_PREFIX}{e.name}."
+    s = stack.stats(prefix)
+    # Not summed: Envoy counts a callout under both names (e2e/stack.py, `feed_polls`).
+    return max(s.get(prefix + "upstream_rq_2xx", 0),
+               s.get(prefix + "internal.upstream_rq_2xx", 0))
 
 
 @unittest.skipUnless(ENABLED, "real vLLM engines: run scripts/e2e-vllm (sets KVSTEER_E2E_VLLM=1)")
@@ -420,13 +434,7 @@ class RealVllm(unittest.TestCase):
         self.settle(e)
 
     def feed_polls(self, e: Engine) -> int:
-        """Feed polls of `e`'s adapter the filter has completed with a 2xx (callouts count under
-        `internal.`)."""
-        prefix = f"cluster.{envoy_config.FEED_PREFIX}{e.name}."
-        s = self.stack.stats(prefix)
-        # Not summed: Envoy counts a callout under both names (e2e/stack.py, `feed_polls`).
-        return max(s.get(prefix + "upstream_rq_2xx", 0),
-                   s.get(prefix + "internal.upstream_rq_2xx", 0))
+        return feed_polls(self.stack, e)
 
     def settle(self, e: Engine) -> None:
         """Until the filter has polled `e`'s feed twice more (what the adapter holds now has been
