@@ -315,6 +315,11 @@ class RealStack(Stack):
         self.wait_feeds(30)
 
 
+def require_vllm() -> None:
+    if not VLLM_BIN.exists() or not (MODEL_DIR / "config.json").exists():
+        raise StackError(f"no vLLM at {VLLM_BIN} / {MODEL_DIR}: run scripts/vllm-install")
+
+
 def feed_polls(stack: Stack, e: Engine) -> int:
     """Feed polls of `e`'s adapter the filter has completed with a 2xx (callouts count under
     `internal.`)."""
@@ -325,15 +330,26 @@ def feed_polls(stack: Stack, e: Engine) -> int:
                s.get(prefix + "internal.upstream_rq_2xx", 0))
 
 
-@unittest.skipUnless(ENABLED, "real vLLM engines: run scripts/e2e-vllm (sets KVSTEER_E2E_VLLM=1)")
-class RealVllm(unittest.TestCase):
+class VllmCase(unittest.TestCase):
+    """What the real-engine classes share: a stack their setUpClass starts (checking for vLLM with
+    `require_vllm`), stopped at the end with the timings they noted logged. No tests of its own."""
+
     stack: RealStack
+    timings: dict[str, float]
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        log("timings: " + ", ".join(f"{k} {v:.1f}" for k, v in cls.timings.items()))
+        cls.stack.close_checked()
+
+
+@unittest.skipUnless(ENABLED, "real vLLM engines: run scripts/e2e-vllm (sets KVSTEER_E2E_VLLM=1)")
+class RealVllm(VllmCase):
     timings: dict[str, float] = {}
 
     @classmethod
     def setUpClass(cls) -> None:
-        if not VLLM_BIN.exists() or not (MODEL_DIR / "config.json").exists():
-            raise StackError(f"no vLLM at {VLLM_BIN} / {MODEL_DIR}: run scripts/vllm-install")
+        require_vllm()
         s = cls.stack = RealStack()
         try:
             ports = free_ports(8)
@@ -361,11 +377,6 @@ class RealVllm(unittest.TestCase):
         except BaseException:
             s.close()
             raise
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        log("timings: " + ", ".join(f"{k} {v:.1f}" for k, v in cls.timings.items()))
-        cls.stack.close_checked()
 
     def setUp(self) -> None:
         self.t0 = time.monotonic()

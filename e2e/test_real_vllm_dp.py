@@ -22,9 +22,10 @@ import time
 import unittest
 
 from client import Client, Result, tokens
-from stack import Replica, StackError, free_ports
-from test_real_vllm import (BLOCK, ENABLED, ENGINE_START_S, MODEL_DIR, PEER_SETTLE_S, REPLICA_HEADER,
-                            VLLM_BIN, Engine, RealStack, feed_polls, http, log, prom, wait_until)
+from stack import Replica, free_ports
+from test_real_vllm import (BLOCK, ENABLED, ENGINE_START_S, PEER_SETTLE_S, REPLICA_HEADER, Engine,
+                            RealStack, VllmCase, feed_polls, http, log, prom, require_vllm,
+                            wait_until)
 
 RANKS = 2
 RANK_HEADER = "x-data-parallel-rank"
@@ -69,14 +70,13 @@ class DpStack(RealStack):
 
 
 @unittest.skipUnless(ENABLED, "real vLLM engines: run scripts/e2e-vllm (sets KVSTEER_E2E_VLLM=1)")
-class RealVllmDp(unittest.TestCase):
+class RealVllmDp(VllmCase):
     stack: DpStack
     timings: dict[str, float] = {}
 
     @classmethod
     def setUpClass(cls) -> None:
-        if not VLLM_BIN.exists() or not (MODEL_DIR / "config.json").exists():
-            raise StackError(f"no vLLM at {VLLM_BIN} / {MODEL_DIR}: run scripts/vllm-install")
+        require_vllm()
         s = cls.stack = DpStack()
         try:
             zmq, replay = port_pairs(2)
@@ -98,11 +98,6 @@ class RealVllmDp(unittest.TestCase):
         except BaseException:
             s.close()
             raise
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        log("timings: " + ", ".join(f"{k} {v:.1f}" for k, v in cls.timings.items()))
-        cls.stack.close_checked()
 
     # -- helpers --------------------------------------------------------------------------------
 

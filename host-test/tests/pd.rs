@@ -842,24 +842,8 @@ fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing(
 /// 0, r0 rank 1, r1; every first leg answers 500.
 #[test]
 fn prefill_ranks_carry_the_rank_header_and_retry_on_another_endpoint() {
-    let replicas: Vec<Value> = (0..REPLICAS)
-        .map(|i| {
-            let mut r = json!({"name": format!("r{i}"), "endpoint": format!("127.0.0.1:{}", 18000 + i),
-                "feed_cluster": format!("kvsteer_feed_r{i}")});
-            if i < PREFILL {
-                r["role"] = json!("prefill");
-                r["prefill_cluster"] = json!(format!("prefill_r{i}"));
-            } else {
-                r["role"] = json!("decode");
-            }
-            if i == 0 {
-                r["dp_ranks"] = json!(2);
-            }
-            r
-        })
-        .collect();
-    let cfg = json!({"replicas": replicas, "routing": {"policy": "round_robin", "block_size": 16},
-        "feed_period_ms": 100, "tick_ms": 50});
+    let mut cfg: Value = serde_json::from_str(&plugin_config("round_robin", json!({}))).unwrap();
+    cfg["replicas"][0]["dp_ranks"] = json!(2);
     let proxy = Proxy::new(
         module(),
         ProxyOptions::new(HostMode::Envoy, cfg.to_string()),
