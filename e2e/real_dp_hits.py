@@ -36,11 +36,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client import Client, tokens  # noqa: E402
-from stack import Replica, free_ports  # noqa: E402
-from test_real_vllm import ENGINE_START_S, Engine, http, log, prom, require_vllm  # noqa: E402
-from test_real_vllm_dp import RANKS, DpStack, port_pairs  # noqa: E402
+from test_real_vllm import http, log, prom, require_vllm  # noqa: E402
+from test_real_vllm_dp import RANKS, DpStack  # noqa: E402
 
 FIRST, GROW = 512, 64
+
+
+def rank_counters(text: str) -> list[tuple[float, float]]:
+    """Per rank: prompt tokens looked up in its prefix cache, and those found (vLLM's counters,
+    labelled with the engine index, the rank)."""
+    return [(prom(text, "vllm:prefix_cache_queries_total", engine=str(r)),
+             prom(text, "vllm:prefix_cache_hits_total", engine=str(r))) for r in range(RANKS)]
 
 
 def run_pass(target: tuple[str, int], sessions: int, turns: int, clients: int, seed: int,
@@ -97,33 +103,18 @@ def main() -> int:
     s = DpStack()
     rows = []
     try:
-        zmq, replay = port_pairs(2)
-        port, adapter = free_ports(2)
-        e = Engine("v0", 0, port, zmq, replay, adapter)
-        s.engines.append(e)
-        s.start_adapter(e)
-        s.start_engine(e)
-        s.wait_engine(e, ENGINE_START_S)
-        s.replicas = [Replica(e.name, e.port, e.engine)]
-        time.sleep(2)
-        s.start_envoy_real(replica_overrides={"dp_ranks": RANKS})
+        e = s.start_all()
         for mode, target, base in [("rank-aware (kvsteer)", ("127.0.0.1", s.listen_port), 200_000),
                                    ("rank-blind (vLLM's balancer)", ("127.0.0.1", e.port), 600_000)]:
             http(f"http://{e.endpoint}/reset_prefix_cache", "POST", b"{}")
             time.sleep(1)
-            text = e.engine_metrics()
-            before = [(prom(text, "vllm:prefix_cache_queries_total", engine=str(r)),
-                       prom(text, "vllm:prefix_cache_hits_total", engine=str(r)))
-                      for r in range(RANKS)]
+            before = rank_counters(e.engine_metrics())
             t0 = time.monotonic()
             prompt, cached, failed = run_pass(target, a.sessions, a.turns, a.clients, a.seed, base)
             took = time.monotonic() - t0
-            text = e.engine_metrics()
-            per_rank = []
-            for r in range(RANKS):
-                q = prom(text, "vllm:prefix_cache_queries_total", engine=str(r)) - before[r][0]
-                h = prom(text, "vllm:prefix_cache_hits_total", engine=str(r)) - before[r][1]
-                per_rank.append(f"rank {r}: {int(h)}/{int(q)}")
+            after = rank_counters(e.engine_metrics())
+            per_rank = [f"rank {r}: {int(h - hb)}/{int(q - qb)}"
+                        for r, ((q, h), (qb, hb)) in enumerate(zip(after, before))]
             rows.append((mode, prompt, cached, failed, ", ".join(per_rank), took))
             log(f"{mode}: {cached}/{prompt} cached, {failed} failed, {took:.1f} s")
     finally:

@@ -68,6 +68,31 @@ class DpStack(RealStack):
     def start_adapter(self, e: Engine) -> None:
         super().start_adapter(e, extra=["--dp-ranks", str(RANKS)])
 
+    def adapter_metrics(self, rank: int) -> str:
+        """The adapter's `/metrics` for one rank's view."""
+        return http(f"{self.engines[0].adapter_url}/metrics?rank={rank}").decode()
+
+    def start_all(self) -> Engine:
+        """Starts the adapter, the engine (its start time in `engine_start_s`), and, once the adapter
+        knows every rank's block count, Envoy with the replica declared `dp_ranks`."""
+        zmq, replay = port_pairs(2)
+        port, adapter = free_ports(2)
+        e = Engine("v0", 0, port, zmq, replay, adapter)
+        self.engines.append(e)
+        # The adapter first: it binds the ZMQ endpoints the ranks connect their PUB sockets to.
+        self.start_adapter(e)
+        t0 = time.monotonic()
+        self.start_engine(e)
+        self.wait_engine(e, ENGINE_START_S)
+        self.engine_start_s = time.monotonic() - t0
+        log(f"vLLM with {RANKS} DP ranks ready in {self.engine_start_s:.1f} s")
+        self.replicas = [Replica(e.name, e.port, e.engine)]
+        for r in range(RANKS):
+            wait_until(f"the adapter learns rank {r}'s block count",
+                       lambda r=r: prom(self.adapter_metrics(r), "kvsteer_feed_max_blocks") > 0, 20)
+        self.start_envoy_real(replica_overrides={"dp_ranks": RANKS})
+        return e
+
 
 @unittest.skipUnless(ENABLED, "real vLLM engines: run scripts/e2e-vllm (sets KVSTEER_E2E_VLLM=1)")
 class RealVllmDp(VllmCase):
@@ -79,31 +104,16 @@ class RealVllmDp(VllmCase):
         require_vllm()
         s = cls.stack = DpStack()
         try:
-            zmq, replay = port_pairs(2)
-            port, adapter = free_ports(2)
-            e = Engine("v0", 0, port, zmq, replay, adapter)
-            s.engines.append(e)
-            s.start_adapter(e)
-            t0 = time.monotonic()
-            s.start_engine(e)
-            s.wait_engine(e, ENGINE_START_S)
-            cls.timings["engine_start_s"] = time.monotonic() - t0
-            log(f"vLLM with {RANKS} DP ranks ready in {cls.timings['engine_start_s']:.1f} s")
-            s.replicas = [Replica(e.name, e.port, e.engine)]
-            for r in range(RANKS):
-                wait_until(f"the adapter learns rank {r}'s block count",
-                           lambda r=r: prom(cls.adapter_metrics(r), "kvsteer_feed_max_blocks") > 0,
-                           20)
-            s.start_envoy_real(replica_overrides={"dp_ranks": RANKS})
+            s.start_all()
+            cls.timings["engine_start_s"] = s.engine_start_s
         except BaseException:
             s.close()
             raise
 
     # -- helpers --------------------------------------------------------------------------------
 
-    @classmethod
-    def adapter_metrics(cls, rank: int) -> str:
-        return http(f"{cls.stack.engines[0].adapter_url}/metrics?rank={rank}").decode()
+    def adapter_metrics(self, rank: int) -> str:
+        return self.stack.adapter_metrics(rank)
 
     def engine(self) -> Engine:
         return self.stack.engines[0]
