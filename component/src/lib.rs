@@ -219,6 +219,7 @@ fn policy(p: PolicyKind) -> Policy {
         PolicyKind::PrefixAffinity => Policy::PrefixAffinity,
         PolicyKind::KvAffinity => Policy::KvAffinity,
         PolicyKind::KvLoad => Policy::KvLoad,
+        PolicyKind::KvTime => Policy::KvTime,
     }
 }
 

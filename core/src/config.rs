@@ -17,16 +17,18 @@ pub enum PolicyKind {
     KvAffinity,
     #[default]
     KvLoad,
+    KvTime,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 6] = [
+    pub const ALL: [PolicyKind; 7] = [
         PolicyKind::RoundRobin,
         PolicyKind::LeastLoad,
         PolicyKind::SessionHash,
         PolicyKind::PrefixAffinity,
         PolicyKind::KvAffinity,
         PolicyKind::KvLoad,
+        PolicyKind::KvTime,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -37,6 +39,7 @@ impl PolicyKind {
             PolicyKind::PrefixAffinity => "prefix_affinity",
             PolicyKind::KvAffinity => "kv_affinity",
             PolicyKind::KvLoad => "kv_load",
+            PolicyKind::KvTime => "kv_time",
         }
     }
 }
@@ -288,6 +291,97 @@ impl From<KvLoadSection> for KvLoadParams {
     }
 }
 
+/// The engine profile `kv_time` starts from: a built-in name or the coefficients themselves.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum ProfileSpec {
+    Named(String),
+    Custom(crate::speed::EngineProfile),
+}
+
+impl ProfileSpec {
+    /// The profile (the default for an unknown name, which [`KvTimeParams::validate`] refuses).
+    pub fn profile(&self) -> crate::speed::EngineProfile {
+        match self {
+            ProfileSpec::Named(n) => crate::speed::EngineProfile::named(n).unwrap_or_default(),
+            ProfileSpec::Custom(p) => p.clone(),
+        }
+    }
+}
+
+/// The `kv_time` section: the cost in seconds (docs/design.md, "The cost in seconds";
+/// [`crate::policy::kv_time`]). Five tunables, each with its unit.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvTimeParams {
+    /// The engine profile predictions start from: `llama-3.1-8b-h100` (the default),
+    /// `llama-3.1-70b-h100-tp4`, `llama-3.1-8b-a100-40gb`, or an object with the coefficients
+    /// (`scripts/fit-profile`'s output).
+    pub profile: ProfileSpec,
+    /// Seconds of this request's time to first token that one second of delay to the requests
+    /// already running on a replica is worth (s/s).
+    pub stall_weight: f64,
+    /// Seconds of this request's time to first token that one second of re-prefill of the contexts
+    /// a placement pushes out of a cache (times the share that comes back) is worth (s/s).
+    pub evict_weight: f64,
+    /// Seconds of this request's time to first token that one second more of its own decode time
+    /// is worth (s/s).
+    pub decode_weight: f64,
+    /// Observed first tokens after which an older observation of a replica's speed weighs half
+    /// (requests); 0: speeds are not learned.
+    pub speed_halflife: f64,
+    /// How many times faster or slower than its profile a replica may be learned to be (x, >= 1).
+    pub speed_bound: f64,
+}
+
+impl Default for KvTimeParams {
+    fn default() -> Self {
+        Self {
+            profile: ProfileSpec::Named(crate::speed::PROFILE_NAMES[0].to_string()),
+            stall_weight: 0.1,
+            evict_weight: 1.0,
+            decode_weight: 0.1,
+            speed_halflife: 32.0,
+            speed_bound: 4.0,
+        }
+    }
+}
+
+impl KvTimeParams {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        match &self.profile {
+            ProfileSpec::Named(n) if crate::speed::EngineProfile::named(n).is_none() => {
+                return Err(err(
+                    "kv_time.profile",
+                    format!(
+                        "unknown profile {n:?} (known: {})",
+                        crate::speed::PROFILE_NAMES.join(", ")
+                    ),
+                ));
+            }
+            ProfileSpec::Custom(p) => p.validate().map_err(|m| err("kv_time.profile", m))?,
+            _ => {}
+        }
+        for (name, v) in [
+            ("kv_time.stall_weight", self.stall_weight),
+            ("kv_time.evict_weight", self.evict_weight),
+            ("kv_time.decode_weight", self.decode_weight),
+            ("kv_time.speed_halflife", self.speed_halflife),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(err(name, format!("must be a finite number >= 0, got {v}")));
+            }
+        }
+        if !(self.speed_bound.is_finite() && self.speed_bound >= 1.0) {
+            return Err(err(
+                "kv_time.speed_bound",
+                format!("must be a finite number >= 1, got {}", self.speed_bound),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// How a replica's reported load (the feed's `load`) meets the router's own bookings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -410,6 +504,7 @@ pub struct RoutingConfig {
     /// Seed of the tie-break / softmax generator.
     pub seed: u64,
     pub kv_load: KvLoadParams,
+    pub kv_time: KvTimeParams,
     pub session_hash: SessionHashParams,
     pub prefix_affinity: PrefixAffinityParams,
     /// Replica health learned from completions (`crate::health`).
@@ -426,6 +521,7 @@ impl Default for RoutingConfig {
             index_capacity_blocks: 1_000_000,
             seed: 0x006B_7673_7465_6572, // "kvsteer"
             kv_load: KvLoadParams::default(),
+            kv_time: KvTimeParams::default(),
             session_hash: SessionHashParams::default(),
             prefix_affinity: PrefixAffinityParams::default(),
             health: HealthParams::default(),
@@ -486,6 +582,7 @@ impl RoutingConfig {
             return Err(err("index_capacity_blocks", "must be 1..=4294967295"));
         }
         self.health.validate()?;
+        self.kv_time.validate()?;
         let k = &self.kv_load;
         let nonneg = |name: &str, v: f64| {
             if v.is_finite() && v >= 0.0 {

@@ -18,6 +18,7 @@ pub mod policy;
 pub mod request;
 pub mod rng;
 pub mod router;
+pub mod speed;
 pub mod working_set;
 
 pub use config::{ConfigError, PolicyKind, RoutingConfig};

@@ -32,6 +32,7 @@ use crate::load::{Accounting, LoadTable, LoadTotals};
 use crate::output::OutputEstimate;
 use crate::pd::{self, PdDecision, PdError, PdParams, Role, round_robin_among};
 pub use crate::policy::FallbackReason;
+use crate::policy::kv_time::{self, Terms};
 use crate::policy::{
     Choice, HashRing, Input, argmin_random_tie, kv_affinity, kv_load, least_load, masked,
     pick_lowest, prefix_affinity, round_robin, session_hash,
@@ -41,6 +42,7 @@ use crate::request::{
     read_request_early, read_request_with,
 };
 use crate::rng::SplitMix64;
+use crate::speed::{EngineProfile, Speeds};
 use crate::working_set::{self, WorkingSet};
 
 /// A routing decision.
@@ -165,7 +167,23 @@ pub struct Router {
     working_set: Option<WorkingSet>,
     /// Per replica: its cache's size as learned from the feed.
     cache_blocks: Vec<CacheSize>,
+    /// `kv_time`'s engine profile and each replica's learned speed against it.
+    profile: EngineProfile,
+    speeds: Speeds,
+    /// `kv_time`: every replica's cost terms for the last request routed (for the admit that
+    /// follows, and for explaining the decision).
+    last_terms: Vec<Terms>,
+    /// `kv_time`: requests admitted and not yet at their first token: replica, predicted time to
+    /// first token at the profile's speed (s), admission time (ms). Bounded by
+    /// [`MAX_PENDING_PREDICTIONS`].
+    pending: HashMap<u64, (usize, f64, u64)>,
+    /// `last_terms` belong to a request not admitted yet.
+    terms_unadmitted: bool,
 }
+
+/// Most admitted requests whose first token `kv_time` waits for to learn a speed: past it, new
+/// requests are not learned from (a proxy that loses stream ends would otherwise grow it forever).
+pub const MAX_PENDING_PREDICTIONS: usize = 1 << 16;
 
 /// A replica's cache size as the feed shows it: the most blocks it has held, which is its size once
 /// it has evicted (before that, only a lower bound).
@@ -185,7 +203,29 @@ impl Router {
             });
         }
         let pa = &cfg.prefix_affinity;
+        let profile = cfg.kv_time.profile.profile();
+        let in_time = match cfg.policy {
+            PolicyKind::KvLoad if cfg.kv_load.queue_in_time_active() => {
+                Some(cfg.kv_load.attention_context_tokens as u64)
+            }
+            PolicyKind::KvTime => Some(profile.attention_context_tokens().min(1e15) as u64),
+            _ => None,
+        };
+        let working_set_on = match cfg.policy {
+            PolicyKind::KvLoad => cfg.kv_load.overflow_weight > 0.0,
+            PolicyKind::KvTime => cfg.kv_time.evict_weight > 0.0,
+            _ => false,
+        };
         Ok(Router {
+            speeds: Speeds::new(
+                replicas,
+                cfg.kv_time.speed_halflife,
+                cfg.kv_time.speed_bound,
+            ),
+            profile,
+            last_terms: Vec::new(),
+            terms_unadmitted: false,
+            pending: HashMap::new(),
             index: KvIndex::new(cfg.index_capacity_blocks, replicas, cfg.seed ^ 0xA5A5_5A5A),
             approx_seq: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
             approx_text: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
@@ -196,9 +236,7 @@ impl Router {
                     prompt_blocks_at_admission: cfg.kv_load.prompt_blocks_at_admission,
                     assume_kv_reuse: cfg.kv_load.assume_kv_reuse,
                     use_output_hint: cfg.kv_load.use_output_hint,
-                    prefill_in_time: (cfg.policy == PolicyKind::KvLoad
-                        && cfg.kv_load.queue_in_time_active())
-                    .then_some(cfg.kv_load.attention_context_tokens as u64),
+                    prefill_in_time: in_time,
                 },
             ),
             outputs: OutputEstimate::new(),
@@ -232,19 +270,18 @@ impl Router {
             scratch_approx: Vec::new(),
             scratch_sampled: Vec::new(),
             cache_blocks: vec![CacheSize::default(); replicas],
-            working_set: (cfg.policy == PolicyKind::KvLoad && cfg.kv_load.overflow_weight > 0.0)
-                .then(|| {
-                    // A working set is described up to twice the index's share of a replica (the
-                    // index holds no more of its cache): a quarter of the index's entries in all,
-                    // being sampled.
-                    let max_blocks = 2 * (cfg.index_capacity_blocks / replicas).max(1024);
-                    WorkingSet::new(
-                        replicas,
-                        cfg.kv_load.working_set_window_ms as u64,
-                        max_blocks,
-                        cfg.kv_load.sampling(),
-                    )
-                }),
+            working_set: working_set_on.then(|| {
+                // A working set is described up to twice the index's share of a replica (the
+                // index holds no more of its cache): a quarter of the index's entries in all,
+                // being sampled.
+                let max_blocks = 2 * (cfg.index_capacity_blocks / replicas).max(1024);
+                WorkingSet::new(
+                    replicas,
+                    cfg.kv_load.working_set_window_ms as u64,
+                    max_blocks,
+                    cfg.kv_load.sampling(),
+                )
+            }),
             replicas,
             cfg,
         })
@@ -459,22 +496,30 @@ impl Router {
                 }
             }
         }
-        if policy == PolicyKind::KvLoad
-            && let Some(ws) = &mut self.working_set
-        {
+        if let Some(ws) = &mut self.working_set {
             ws.expire(now_ms);
         }
         let working_set: Vec<(f64, f64, f64)> = match &self.working_set {
-            Some(ws) if policy == PolicyKind::KvLoad => {
+            Some(ws) => {
                 let added = ws.added(sampled);
                 (0..self.replicas)
                     .map(|r| {
                         let add = added.get(r).copied().unwrap_or(0.0);
-                        (ws.blocks(r), add, self.cache_size_blocks(r))
+                        let cap = if policy == PolicyKind::KvTime {
+                            self.kv_time_cache_blocks(r)
+                        } else {
+                            self.cache_size_blocks(r)
+                        };
+                        (ws.blocks(r), add, cap)
                     })
                     .collect()
             }
             _ => Vec::new(),
+        };
+        let (speed, reuse_share) = match (policy, &self.working_set) {
+            (PolicyKind::KvTime, Some(ws)) => (self.speeds.factors(), ws.reuse_share()),
+            (PolicyKind::KvTime, None) => (self.speeds.factors(), 0.0),
+            _ => (Vec::new(), 0.0),
         };
         let floor = self.cfg.kv_load.overflow_reuse_floor;
         let working_set_scale = match &self.working_set {
@@ -494,6 +539,8 @@ impl Router {
             session_key: req.session_key.as_deref(),
             avoided: &avoided,
             expected_output_tokens: self.outputs.expected(),
+            speed: &speed,
+            reuse_share,
         };
         let k = &self.cfg.kv_load;
         let rng = &mut self.rng;
@@ -510,6 +557,12 @@ impl Router {
             }
             PolicyKind::KvAffinity => kv_affinity::choose(&input, rng),
             PolicyKind::KvLoad => kv_load::choose(&input, k, rng),
+            PolicyKind::KvTime => {
+                let (c, terms) = kv_time::choose(&input, &self.cfg.kv_time, &self.profile, rng);
+                self.last_terms = terms;
+                self.terms_unadmitted = true;
+                c
+            }
         };
         self.scratch_approx = affinity;
         // An ejected replica's probe, when one is due, takes this request; the policy's choice
@@ -972,6 +1025,16 @@ impl Router {
         }
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
+        if let Some(t) = self.last_terms.get(d.replica)
+            && std::mem::take(&mut self.terms_unadmitted)
+            && self.pending.len() < MAX_PENDING_PREDICTIONS
+        {
+            // The prediction at the profile's speed, so the observation measures the factor.
+            let at_profile = t.ttft() / self.speeds.factor(d.replica);
+            self.pending
+                .insert(request_id, (d.replica, at_profile, now_ms));
+        }
+
         self.load.admit_at(
             request_id,
             d.replica,
@@ -1017,6 +1080,39 @@ impl Router {
         self.load.first_token(request_id);
     }
 
+    /// The first token arrived at `now_ms`: [`Router::first_token`], and `kv_time` learns the
+    /// replica's speed from it (observed time to first token against the prediction at admission).
+    pub fn first_token_at(&mut self, request_id: u64, now_ms: u64) {
+        self.load.first_token(request_id);
+        if let Some((replica, predicted_s, admitted_ms)) = self.pending.remove(&request_id) {
+            let observed_s = now_ms.saturating_sub(admitted_ms) as f64 / 1e3;
+            self.speeds.observe(replica, predicted_s, observed_s);
+        }
+    }
+
+    /// `kv_time`: every replica's cost terms for the last request routed (empty under another
+    /// policy): what an operator reads to see why a replica won.
+    pub fn last_terms(&self) -> &[Terms] {
+        &self.last_terms
+    }
+
+    /// `kv_time`: each replica's learned time factor against the profile (2: twice as slow).
+    pub fn speed_factors(&self) -> Vec<f64> {
+        self.speeds.factors()
+    }
+
+    /// `kv_time`'s view of a replica's cache in blocks: as learned from its feed once it has evicted,
+    /// else the larger of what it has held and the profile's cache (a replica that has not shown
+    /// its size yet is priced like one of its profile, not as one with room for everything).
+    fn kv_time_cache_blocks(&self, replica: usize) -> f64 {
+        let profile = self.profile.kv_cache_tokens / self.cfg.block_size as f64;
+        match self.cache_blocks.get(replica) {
+            Some(c) if c.evicted => c.most_held as f64,
+            Some(c) => profile.max(c.most_held as f64),
+            None => profile,
+        }
+    }
+
     /// `generated_tokens`: cumulative output tokens so far.
     pub fn decode_progress(&mut self, request_id: u64, generated_tokens: u64) {
         self.load.decode_progress(request_id, generated_tokens);
@@ -1029,6 +1125,7 @@ impl Router {
 
     /// Completion or abort. False (and counted) for an unknown or already released request.
     pub fn release(&mut self, request_id: u64) -> bool {
+        self.pending.remove(&request_id);
         let Some(gone) = self.load.release_entry(request_id) else {
             return false;
         };

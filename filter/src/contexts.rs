@@ -1501,7 +1501,7 @@ impl HttpContext for Stream {
             if p.tokens > 0 {
                 let mut vm = vm.borrow_mut();
                 if self.phase == Phase::Admitted {
-                    vm.state.first_token(self.id);
+                    vm.state.first_token(self.id, now_ms());
                     self.phase = Phase::Decoding;
                 }
                 vm.state.decode_progress(self.id, tracker.generated());

@@ -855,9 +855,10 @@ impl RouterState {
         self.bookings += 1;
     }
 
-    /// The request's first token arrived: its prefill load becomes decode load.
-    pub fn first_token(&mut self, request_id: u64) {
-        self.router.first_token(request_id);
+    /// The request's first token arrived at `now_ms`: its prefill load becomes decode load (and
+    /// `kv_time` learns its replica's speed from when it came).
+    pub fn first_token(&mut self, request_id: u64, now_ms: u64) {
+        self.router.first_token_at(request_id, now_ms);
     }
 
     /// The request has generated this many tokens so far.

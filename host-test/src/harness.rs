@@ -191,6 +191,10 @@ pub struct HarnessConfig {
     /// A slow machine ([`ProxyOptions::clock_ns_per_fuel`]): the filter's clock runs ahead with the
     /// work it does inside a callback. 0: it stands still during a callback.
     pub clock_ns_per_fuel: u64,
+    /// Engines made slower during the run, as a noisy neighbour or a throttled GPU makes a real
+    /// one: `(replica, factor, from_us)`, the engine's steps taking `factor` times as long from
+    /// `from_us` of virtual time (0: from the start; a heterogeneous fleet).
+    pub slowdowns: Vec<(usize, f64, u64)>,
 }
 
 impl HarnessConfig {
@@ -223,6 +227,7 @@ impl HarnessConfig {
             retry_5xx: true,
             oracle: None,
             clock_ns_per_fuel: 0,
+            slowdowns: Vec::new(),
         }
     }
 
@@ -1658,7 +1663,15 @@ impl Harness {
     ) -> Result<(), HarnessError> {
         let total = driver.workload().total_requests() as u64;
         self.driver = Some(driver);
+        let mut slowdowns = self.cfg.slowdowns.clone();
+        slowdowns.sort_by_key(|s| std::cmp::Reverse(s.2));
         loop {
+            while slowdowns.last().is_some_and(|s| s.2 <= self.now_us()) {
+                let (r, factor, _) = slowdowns.pop().unwrap_or_default();
+                if let Some(rep) = self.replicas.get_mut(r) {
+                    rep.engine.set_slowdown(factor);
+                }
+            }
             let done = self.stats.requests - self.in_flight() as u64;
             progress(done, total);
             let driver_idle = self

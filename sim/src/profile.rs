@@ -90,6 +90,40 @@ impl Profile {
         }
     }
 
+    /// A built-in profile by name: the default, Llama-3.1-70B with tensor parallelism 4 on H100s,
+    /// or Llama-3.1-8B on a 40 GB A100 (a small cache that evicts). Derived as the default is, from
+    /// each GPU's published peaks at the same efficiencies; the router's built-in profiles of the
+    /// same names (`kvsteer_core::speed::EngineProfile::named`) carry the same figures.
+    pub fn named(name: &str) -> Option<Profile> {
+        let base = Profile::llama31_8b_h100();
+        match name {
+            "llama-3.1-8b-h100" => Some(base),
+            "llama-3.1-70b-h100-tp4" => Some(Profile {
+                name: name.into(),
+                step_overhead_us: 600.0,
+                weights_us: 13_000.0,
+                kv_read_us_per_token: 0.031,
+                compute_us_per_token: 59.0,
+                attn_us_per_pair: 0.00133,
+                // 430,000 tokens of KV (about 35 GB per GPU at 320 KiB a token over 4 GPUs).
+                kv_blocks_16: 26_875,
+                ..base
+            }),
+            "llama-3.1-8b-a100-40gb" => Some(Profile {
+                name: name.into(),
+                weights_us: 12_900.0,
+                kv_read_us_per_token: 0.106,
+                compute_us_per_token: 86.0,
+                attn_us_per_pair: 0.00336,
+                host_load_us_per_token: 6.6,
+                // About 18 GB of KV: 147,000 tokens.
+                kv_blocks_16: 9_187,
+                ..base
+            }),
+            _ => None,
+        }
+    }
+
     /// A profile from its JSON form (every field but `additive` and `request_overhead_us` required,
     /// unknown fields refused), checked: coefficients finite and not negative, a context limit.
     pub fn from_json(text: &str) -> Result<Profile, String> {

@@ -9,6 +9,7 @@
 pub mod arrivals;
 pub mod azure;
 pub mod catalog;
+pub mod chat;
 pub mod driver;
 pub mod error;
 pub mod measure;

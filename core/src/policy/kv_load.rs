@@ -207,6 +207,8 @@ mod tests {
             expected_output_tokens: 256.0,
             working_set: &[],
             working_set_scale: 1.0,
+            speed: &[],
+            reuse_share: 0.0,
         }
     }
 

@@ -13,11 +13,13 @@
 //! | `session_hash` | [`session_hash`] | consistent hash of the session key; least load without one |
 //! | `prefix_affinity` | [`prefix_affinity`] | replica this router last sent the longest prefix to |
 //! | `kv_affinity` | [`kv_affinity`] | largest KV overlap reported by the replicas |
-//! | `kv_load` | [`kv_load`] | lowest prefill-after-overlap plus decode load (the default) |
+//! | `kv_load` | [`kv_load`] | lowest prefill-after-overlap plus decode load in blocks (kvsteer's first default) |
+//! | `kv_time` | [`kv_time`] | lowest cost in seconds from each replica's learned speed (docs/design.md) |
 
 pub mod choose;
 pub mod kv_affinity;
 pub mod kv_load;
+pub mod kv_time;
 pub mod least_load;
 pub mod prefix_affinity;
 pub mod ring;
@@ -72,6 +74,12 @@ pub struct Input<'a> {
     /// `kv_load.overflow_reuse_floor` above 0, how far the traffic's reuse share is above the floor
     /// ([`crate::policy::kv_load::reuse_ramp`]).
     pub working_set_scale: f64,
+    /// Per replica: its learned time factor against the engine profile (`kv_time`,
+    /// [`crate::speed::Speeds`]); empty: 1 for every replica.
+    pub speed: &'a [f64],
+    /// Share of recently requested prompt blocks that had been requested before (`kv_time`'s chance
+    /// that a context pushed out of a cache comes back); 0 when not tracked.
+    pub reuse_share: f64,
 }
 
 /// A policy's decision.

@@ -44,6 +44,8 @@ mod tests {
             expected_output_tokens: 256.0,
             working_set: &[],
             working_set_scale: 1.0,
+            speed: &[],
+            reuse_share: 0.0,
         };
         let mut next = 0;
         let picks: Vec<usize> = (0..4).map(|_| choose(&input, &mut next).replica).collect();

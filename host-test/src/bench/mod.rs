@@ -8,6 +8,7 @@
 //! - [`args`]: the command-line reading the `bench` and `demo` binaries share.
 
 pub mod args;
+pub mod model_eval;
 pub mod report;
 pub mod run;
 pub mod scenario;

@@ -40,6 +40,8 @@ impl Scale {
 #[derive(Clone, Debug)]
 pub enum Source {
     Rl(RlParams),
+    /// Multi-turn chat behind one shared system prompt ([`kvsteer_workload::chat`]); the seed draws it.
+    Chat(kvsteer_workload::chat::ChatParams),
     /// The Envoy slice: an RL workload with every prompt written out ([`flatten`]), so the harness
     /// and the Envoy run replay exactly the same requests.
     Slice(RlParams),
@@ -116,6 +118,13 @@ impl Scenario {
         let err = |e: kvsteer_workload::WorkloadError| format!("{}: {e}", self.id);
         let w = match &self.source {
             Source::Rl(p) => rl::generate(&RlParams { seed, ..p.clone() }).map_err(err)?,
+            Source::Chat(p) => {
+                kvsteer_workload::chat::generate(&kvsteer_workload::chat::ChatParams {
+                    seed,
+                    ..p.clone()
+                })
+                .map_err(err)?
+            }
             Source::Slice(p) => {
                 flatten(&rl::generate(&RlParams { seed, ..p.clone() }).map_err(err)?)
             }

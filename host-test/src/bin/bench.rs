@@ -231,7 +231,7 @@ fn run(args: &Args) -> Result<(), String> {
         // Workloads the seed reaches are built per seed; recorded-timing replays are the same for every
         // seed.
         let per_seed = match sc.source {
-            Source::Rl(_) | Source::Slice(_) => true,
+            Source::Rl(_) | Source::Slice(_) | Source::Chat(_) => true,
             Source::Weka { think_jitter, .. } => think_jitter > 0.0,
             Source::Mooncake { arrival_jitter, .. } | Source::Azure { arrival_jitter, .. } => {
                 arrival_jitter > 0.0

@@ -1,0 +1,228 @@
+//! `kv_time`: the cost of sending a request to a replica, in seconds (docs/design.md, "The cost in
+//! seconds"). Per candidate replica r, with `s_r` its learned speed factor ([`crate::speed::Speeds`]),
+//! `u_r` the request's prompt tokens r does not cache, `c_r` those it does, `n_r` the requests r
+//! runs, `K_r` the KV tokens they hold, `o` the expected output tokens and `P` the prompt's tokens:
+//!
+//! ```text
+//! cost_r = wait_r + prefill_r + decode_weight * decode_r + stall_weight * stall_r + evict_weight * evict_r
+//! wait_r    = s_r * work_s(queued prefill work on r)          each booked request priced by its own
+//!                                                             uncached tokens and context
+//! prefill_r = s_r * prefill_s(u_r, c_r)                       linear layers + attention + step overhead
+//! decode_r  = s_r * o * step_extra(n_r, K_r)                  what r's batch adds to each of the
+//!                                                             request's own decode steps
+//! stall_r   = n_r * prefill_r + s_r * n_r * o * step_extra(1, P + o/2)
+//!                                                             what the requests already on r lose:
+//!                                                             the steps this prefill takes, then the
+//!                                                             request's KV read at each of its steps
+//! evict_r   = s_r * reuse * work_s(tokens pushed out of r's cache)
+//!                                                             re-prefill of the contexts the placement
+//!                                                             pushes out, times the share that comes back
+//! ```
+//!
+//! `wait_r + prefill_r` is the predicted time to first token on r. A replica with nothing queued,
+//! nothing running and no cache costs exactly `prefill_s(P, 0)`: whenever the prefill it would do
+//! takes less time than the wait elsewhere, it wins, so no replica can be starved by the others
+//! holding a shared prefix. The weights are an operator's exchange rates (seconds of this request's
+//! first token one second of the named delay is worth), not fitted constants.
+
+use super::{Choice, Input, pick_lowest};
+use crate::config::KvTimeParams;
+use crate::rng::SplitMix64;
+use crate::speed::EngineProfile;
+
+/// One replica's cost, term by term (seconds; the weights not yet applied).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Terms {
+    pub wait: f64,
+    pub prefill: f64,
+    pub decode: f64,
+    pub stall: f64,
+    pub evict: f64,
+}
+
+impl Terms {
+    /// The cost the policy minimises.
+    pub fn cost(&self, k: &KvTimeParams) -> f64 {
+        self.wait
+            + self.prefill
+            + k.decode_weight * self.decode
+            + k.stall_weight * self.stall
+            + k.evict_weight * self.evict
+    }
+
+    /// The predicted time to first token.
+    pub fn ttft(&self) -> f64 {
+        self.wait + self.prefill
+    }
+}
+
+/// Every replica's [`Terms`] for the request.
+pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
+    let bs = input.block_size;
+    let prompt = input.request_blocks * bs;
+    let out = input.expected_output_tokens.max(1.0);
+    let reuse = input.reuse_share.clamp(0.0, 1.0);
+    input
+        .load
+        .iter()
+        .enumerate()
+        .map(|(r, e)| {
+            let s = input.speed.get(r).copied().unwrap_or(1.0);
+            let cached = (input.overlap.get(r).copied().unwrap_or(0.0) * bs)
+                .max(0.0)
+                .min(prompt);
+            let uncached = prompt - cached;
+            let n = e.active_requests as f64;
+            let context = e.decode_blocks as f64 * bs;
+            let wait = s * profile.work_s(e.prefill_tokens as f64);
+            let prefill = s * profile.prefill_s(uncached, cached);
+            let decode = s * out * profile.decode_step_extra_s(n, context);
+            let stall =
+                n * prefill + s * n * out * profile.decode_step_extra_s(1.0, prompt + out / 2.0);
+            let evict = match input.working_set.get(r) {
+                Some(&(ws, add, cap)) if cap > 0.0 => {
+                    let pushed = add.min((ws + add - cap).max(0.0));
+                    s * reuse * profile.work_s(pushed * bs)
+                }
+                _ => 0.0,
+            };
+            Terms {
+                wait,
+                prefill,
+                decode,
+                stall,
+                evict,
+            }
+        })
+        .collect()
+}
+
+/// The lowest cost, ties broken at random; also returns every replica's terms.
+pub fn choose(
+    input: &Input,
+    k: &KvTimeParams,
+    profile: &EngineProfile,
+    rng: &mut SplitMix64,
+) -> (Choice, Vec<Terms>) {
+    let terms = terms(input, profile);
+    let costs: Vec<f64> = terms.iter().map(|t| t.cost(k)).collect();
+    let replica = pick_lowest(&costs, input.avoided, rng);
+    (
+        Choice {
+            replica,
+            costs,
+            fallback: None,
+        },
+        terms,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::LoadTotals;
+
+    fn input<'a>(load: &'a [LoadTotals], overlap: &'a [f64], avoided: &'a [bool]) -> Input<'a> {
+        Input {
+            request_blocks: 256.0,
+            block_size: 16.0,
+            load,
+            overlap,
+            active_prefix: &[],
+            affinity: &[],
+            identity_blocks: 256,
+            session_key: None,
+            avoided,
+            expected_output_tokens: 256.0,
+            working_set: &[],
+            working_set_scale: 1.0,
+            speed: &[],
+            reuse_share: 0.0,
+        }
+    }
+
+    fn busy(prefill_work: u64, running: u32, context_tokens: u64) -> LoadTotals {
+        LoadTotals {
+            prefill_tokens: prefill_work,
+            decode_blocks: context_tokens / 16,
+            active_requests: running,
+        }
+    }
+
+    #[test]
+    fn an_idle_cold_replica_costs_exactly_its_prefill() {
+        let p = EngineProfile::default();
+        let load = [LoadTotals::default(), busy(50_000, 20, 200_000)];
+        let t = terms(&input(&load, &[0.0, 256.0], &[false; 2]), &p);
+        assert_eq!(
+            t[0].cost(&KvTimeParams::default()),
+            p.prefill_s(4096.0, 0.0)
+        );
+        assert_eq!(t[0].wait + t[0].decode + t[0].stall + t[0].evict, 0.0);
+    }
+
+    /// Issue-42's shape: three replicas hold a shared prefix and queue work; the fourth holds
+    /// nothing and is idle. When its prefill takes less time than the others' wait, it wins.
+    #[test]
+    fn a_replica_without_the_shared_prefix_wins_once_the_holders_queue_up() {
+        let p = EngineProfile::default();
+        let k = KvTimeParams::default();
+        let overlap = [0.0, 250.0, 250.0, 250.0];
+        let mut rng = SplitMix64::new(1);
+        // Holders idle: the cached prefix wins.
+        let idle = [LoadTotals::default(); 4];
+        let (c, _) = choose(&input(&idle, &overlap, &[false; 4]), &k, &p, &mut rng);
+        assert_ne!(c.replica, 0);
+        // Holders each with more queued prefill than the cold prefill takes: replica 0 wins.
+        let cold = p.prefill_s(4096.0, 0.0);
+        let queued = (cold / p.work_s(1.0) * 1.5) as u64;
+        let load = [
+            LoadTotals::default(),
+            busy(queued, 0, 0),
+            busy(queued, 0, 0),
+            busy(queued, 0, 0),
+        ];
+        let (c, t) = choose(&input(&load, &overlap, &[false; 4]), &k, &p, &mut rng);
+        assert_eq!(c.replica, 0, "{t:?}");
+    }
+
+    #[test]
+    fn a_slower_replica_costs_more_for_the_same_work() {
+        let p = EngineProfile::default();
+        let load = [busy(1000, 4, 10_000); 2];
+        let mut i = input(&load, &[0.0, 0.0], &[false; 2]);
+        let speed = [2.0, 1.0];
+        i.speed = &speed;
+        let t = terms(&i, &p);
+        assert!((t[0].ttft() - 2.0 * t[1].ttft()).abs() < 1e-12);
+        assert!(t[0].cost(&KvTimeParams::default()) > t[1].cost(&KvTimeParams::default()));
+    }
+
+    #[test]
+    fn eviction_is_priced_only_past_the_cache_and_by_the_share_that_returns() {
+        let p = EngineProfile::default();
+        let load = [LoadTotals::default(); 2];
+        let mut i = input(&load, &[0.0, 0.0], &[false; 2]);
+        // Replica 0: 95 of 100 blocks, adds 10 (5 pushed out); replica 1: fits.
+        let ws = [(95.0, 10.0, 100.0), (50.0, 10.0, 100.0)];
+        i.working_set = &ws;
+        i.reuse_share = 0.5;
+        let t = terms(&i, &p);
+        assert!((t[0].evict - 0.5 * p.work_s(5.0 * 16.0)).abs() < 1e-15);
+        assert_eq!(t[1].evict, 0.0);
+        i.reuse_share = 0.0;
+        assert_eq!(terms(&i, &p)[0].evict, 0.0);
+    }
+
+    #[test]
+    fn hostile_loads_give_finite_costs() {
+        let p = EngineProfile::default();
+        let load = [busy(u64::MAX, u32::MAX, u64::MAX), LoadTotals::default()];
+        let mut i = input(&load, &[f64::MAX, -3.0], &[false; 2]);
+        i.expected_output_tokens = f64::NAN;
+        let mut rng = SplitMix64::new(3);
+        let (c, t) = choose(&i, &KvTimeParams::default(), &p, &mut rng);
+        assert!(t.iter().all(|t| !t.cost(&KvTimeParams::default()).is_nan()));
+        assert_eq!(c.replica, 1);
+    }
+}

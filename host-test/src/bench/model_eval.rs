@@ -1,0 +1,341 @@
+//! The routing model's judge (docs/model-eval.md): training cells (the matrix the old default was
+//! tuned on) and validation cells (fleets, engines and workloads it never saw, fixed before any
+//! tuning against them), each replayed for every policy over paired draws, compared as median
+//! ratios with bootstrap 95% intervals beside a no-op change's spread.
+//!
+//! A draw is one seed: the workload's own draw (RL tokens, think times, arrival gaps, the chat
+//! generator), the engines' seeds and the router's tie-breaks. Every policy replays the same draws,
+//! so ratios are paired. The no-op change is the candidate again with only its tie-break generator
+//! reseeded (`NOOP`): a change that should do nothing, whose spread says how far a ratio moves by
+//! chance alone.
+
+use super::run;
+use super::scenario::{ARRIVAL_JITTER, OUTPUT_ALLOWANCE, Scenario, Source, THINK_JITTER};
+use crate::{FilterModule, Harness};
+use kvsteer_sim::{EngineConfig, Profile};
+use kvsteer_workload::chat::ChatParams;
+use kvsteer_workload::rl::RlParams;
+use kvsteer_workload::{Driver, Summary};
+use serde::Serialize;
+use serde_json::json;
+use std::path::Path;
+
+/// Which set a cell belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Set {
+    Training,
+    Validation,
+}
+
+/// One cell: a workload on a fleet.
+#[derive(Clone, Debug)]
+pub struct Cell {
+    pub id: String,
+    pub set: Set,
+    pub source: Source,
+    pub replicas: usize,
+    /// The engines' profile (the simulator's and the router's built-in of the same name).
+    pub profile: &'static str,
+    /// `(replica, factor, from_us)`: engines slower than their profile ([`crate::HarnessConfig::slowdowns`]).
+    pub slowdowns: Vec<(usize, f64, u64)>,
+}
+
+/// The suffix that makes a policy spec the no-op change: the same policy, its tie-breaks reseeded.
+pub const NOOP: &str = "#noop";
+
+/// The policies every cell compares: the baselines of the goals, the old default, the candidate
+/// and its no-op twin.
+pub const POLICIES: [&str; 7] = [
+    "round_robin",
+    "least_load",
+    "session_hash",
+    "kv_load@preset=dynamo",
+    "kv_load",
+    "kv_time",
+    "kv_time#noop",
+];
+
+fn cell(id: &str, set: Set, source: Source, replicas: usize, profile: &'static str) -> Cell {
+    Cell {
+        id: id.into(),
+        set,
+        source,
+        replicas,
+        profile,
+        slowdowns: Vec::new(),
+    }
+}
+
+const H100_8B: &str = "llama-3.1-8b-h100";
+
+fn weka(concurrency: usize, copies: usize, max_sessions: Option<usize>) -> Source {
+    Source::Weka {
+        concurrency,
+        copies,
+        max_sessions,
+        think_jitter: THINK_JITTER,
+    }
+}
+
+fn rl(concurrency: usize) -> Source {
+    Source::Rl(RlParams {
+        concurrency,
+        ..RlParams::default()
+    })
+}
+
+/// The training matrix: docs/results.md's cells (4 replicas of Llama-3.1-8B on H100s). `quick`
+/// cuts the coding-agent trace to 16 sessions and the open traces to their first rows.
+pub fn training(quick: bool) -> Vec<Cell> {
+    let t = Set::Training;
+    let (copies, max) = if quick { (1, Some(16)) } else { (2, None) };
+    let mut v = vec![cell("rl", t, rl(16), 4, H100_8B)];
+    for c in [8, 16, 24, 32, 40] {
+        v.push(cell(
+            &format!("weka-c{c}"),
+            t,
+            weka(c, copies, max),
+            4,
+            H100_8B,
+        ));
+    }
+    for speed in [1.0, 2.0] {
+        let src = Source::Mooncake {
+            speed,
+            max_requests: quick.then_some(600),
+            arrival_jitter: ARRIVAL_JITTER,
+        };
+        v.push(cell(&format!("mooncake-x{speed}"), t, src, 4, H100_8B));
+    }
+    let az = Source::Azure {
+        speed: 1.0,
+        max_rows: quick.then_some(2000),
+        arrival_jitter: ARRIVAL_JITTER,
+    };
+    v.push(cell("azure", t, az, 4, H100_8B));
+    v
+}
+
+/// The validation set, as written in docs/model-eval.md before any tuning against it: other fleet
+/// sizes, two other engines, heterogeneous fleets and the shared-system-prompt chat workload.
+pub fn validation() -> Vec<Cell> {
+    let v = Set::Validation;
+    let chat = |sessions_per_s: f64| {
+        Source::Chat(ChatParams {
+            sessions_per_s,
+            ..ChatParams::default()
+        })
+    };
+    let slow_half = |mut c: Cell| {
+        c.slowdowns = (c.replicas / 2..c.replicas).map(|r| (r, 2.0, 0)).collect();
+        c
+    };
+    let slow_mid = |mut c: Cell| {
+        c.slowdowns = vec![(0, 2.0, 60_000_000)];
+        c
+    };
+    vec![
+        cell("v-chat-4", v, chat(4.0), 4, H100_8B),
+        cell("v-chat-8", v, chat(8.0), 8, H100_8B),
+        cell("v-rl-2", v, rl(8), 2, H100_8B),
+        cell("v-rl-8", v, rl(32), 8, H100_8B),
+        cell("v-weka-c32-8", v, weka(32, 2, None), 8, H100_8B),
+        cell(
+            "v-mooncake-x4-16",
+            v,
+            Source::Mooncake {
+                speed: 4.0,
+                max_requests: None,
+                arrival_jitter: ARRIVAL_JITTER,
+            },
+            16,
+            H100_8B,
+        ),
+        cell(
+            "v-70b-weka-c24",
+            v,
+            weka(24, 2, None),
+            4,
+            "llama-3.1-70b-h100-tp4",
+        ),
+        cell("v-70b-rl", v, rl(16), 4, "llama-3.1-70b-h100-tp4"),
+        cell(
+            "v-a100-weka-c16",
+            v,
+            weka(16, 2, None),
+            4,
+            "llama-3.1-8b-a100-40gb",
+        ),
+        cell("v-a100-chat", v, chat(4.0), 4, "llama-3.1-8b-a100-40gb"),
+        slow_half(cell(
+            "v-half-slow-weka-c24",
+            v,
+            weka(24, 2, None),
+            4,
+            H100_8B,
+        )),
+        slow_half(cell("v-half-slow-rl", v, rl(16), 4, H100_8B)),
+        slow_mid(cell("v-slows-mid-rl", v, rl(16), 4, H100_8B)),
+    ]
+}
+
+/// The engine of a cell: its profile with its KV memory cut into the workload's blocks.
+fn engine(profile: &str, block_size: u32, seed: u64) -> EngineConfig {
+    let base = EngineConfig::default();
+    let profile = Profile::named(profile).unwrap_or_default();
+    let bs = block_size.max(1);
+    EngineConfig {
+        max_model_len: profile.max_model_len + OUTPUT_ALLOWANCE,
+        block_size: bs as usize,
+        kv_blocks: (profile.kv_blocks_16 as u64 * 16 / bs as u64).max(1) as u32,
+        seed,
+        profile,
+        ..base
+    }
+}
+
+/// What one replay measured, as the goals read it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Measured {
+    pub cell: String,
+    pub policy: String,
+    pub seed: u64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub tpot_p99_ms: f64,
+    pub output_tok_s: f64,
+    pub session_p99_s: f64,
+    pub hit_rate: f64,
+    pub failed: usize,
+    pub requests_per_replica: Vec<u64>,
+}
+
+impl Measured {
+    fn from(cell: &str, policy: &str, seed: u64, s: &Summary) -> Measured {
+        Measured {
+            cell: cell.into(),
+            policy: policy.into(),
+            seed,
+            ttft_p50_ms: s.ttft_ms.p50,
+            ttft_p99_ms: s.ttft_ms.p99,
+            tpot_p99_ms: s.tpot_ms.p99,
+            output_tok_s: s.output_tokens_per_s,
+            session_p99_s: s.session_e2e_s.p99,
+            hit_rate: s.hit_rate,
+            failed: s.failed,
+            requests_per_replica: s.requests_per_replica.clone(),
+        }
+    }
+}
+
+/// Replays one cell under one policy spec for one seed.
+pub fn replay(
+    module: &FilterModule,
+    traces: &Path,
+    c: &Cell,
+    spec: &str,
+    seed: u64,
+) -> Result<Measured, String> {
+    let scenario = Scenario {
+        id: c.id.clone(),
+        group: "eval",
+        source: c.source.clone(),
+        proxies: 1,
+        spread: crate::ProxySpread::PerRequest,
+        endpoints: c.replicas,
+        dp_ranks: 1,
+        pd_prefill: 0,
+    };
+    let (workload, mode) = scenario.build(traces, seed)?;
+    let (policy, noop) = match spec.strip_suffix(NOOP) {
+        Some(p) => (p, true),
+        None => (spec, false),
+    };
+    let mut cfg = run::config(policy, workload.block_size, seed, 2);
+    cfg.replicas = c.replicas;
+    cfg.engine = engine(c.profile, workload.block_size, seed);
+    cfg.slowdowns = c.slowdowns.clone();
+    if policy.starts_with("kv_time") {
+        // The operator names the engine the fleet runs, as the configuration reference says.
+        if !cfg.routing["kv_time"].is_object() {
+            cfg.routing["kv_time"] = json!({});
+        }
+        cfg.routing["kv_time"]["profile"] = json!(c.profile);
+    }
+    if noop {
+        let s = cfg.routing["seed"].as_u64().unwrap_or(0);
+        cfg.routing["seed"] = json!(s ^ 0x5EED_0000_0000);
+    }
+    let mut h = Harness::new(module, cfg).map_err(|e| format!("{}: {spec}: {e}", c.id))?;
+    h.run_workload(Driver::new(workload, mode), |_, _| {})
+        .map_err(|e| format!("{}: {spec}: {e}", c.id))?;
+    let s = h.summary(spec);
+    Ok(Measured::from(&c.id, spec, seed, &s))
+}
+
+/// The median of `v` (NaN for an empty slice).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s.sort_by(|a, b| a.total_cmp(b));
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// The median of paired ratios and its bootstrap 95% interval (2,000 resamples of the draws,
+/// a fixed generator so a report regenerates identically).
+pub fn median_ratio_ci(ratios: &[f64]) -> (f64, f64, f64) {
+    let r: Vec<f64> = ratios.iter().copied().filter(|x| x.is_finite()).collect();
+    if r.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    let mut rng = kvsteer_core::rng::SplitMix64::new(0xB007);
+    let mut meds: Vec<f64> = (0..2000)
+        .map(|_| {
+            let sample: Vec<f64> = (0..r.len())
+                .map(|_| r[(rng.next_u64() % r.len() as u64) as usize])
+                .collect();
+            median(&sample)
+        })
+        .collect();
+    meds.sort_by(|a, b| a.total_cmp(b));
+    (median(&r), meds[50], meds[1949])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_interval_holds_the_median_and_narrows_with_agreement() {
+        let (m, lo, hi) = median_ratio_ci(&[0.9, 0.95, 1.0, 0.92, 0.97, 0.93, 0.99, 0.91, 0.96]);
+        assert!(lo <= m && m <= hi && hi <= 1.0);
+        let (m, lo, hi) = median_ratio_ci(&[1.0; 9]);
+        assert_eq!((m, lo, hi), (1.0, 1.0, 1.0));
+        assert!(median_ratio_ci(&[]).0.is_nan());
+    }
+
+    #[test]
+    fn cells_are_unique_and_the_sets_apart() {
+        let mut ids: Vec<String> = training(false)
+            .into_iter()
+            .chain(validation())
+            .map(|c| c.id)
+            .collect();
+        let n = ids.len();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), n);
+        assert!(validation().iter().all(|c| c.set == Set::Validation));
+        for c in validation() {
+            assert!(Profile::named(c.profile).is_some(), "{}", c.profile);
+        }
+    }
+}
