@@ -140,13 +140,13 @@ pub fn validation() -> Vec<Cell> {
         cell("v-chat-8", v, chat(8.0), 8, H100_8B),
         cell("v-rl-2", v, rl(8), 2, H100_8B),
         cell("v-rl-8", v, rl(32), 8, H100_8B),
-        cell("v-weka-c32-8", v, weka(32, 2, None), 8, H100_8B),
+        cell("v-weka-c32-8", v, weka(32, 1, Some(24)), 8, H100_8B),
         cell(
             "v-mooncake-x4-16",
             v,
             Source::Mooncake {
                 speed: 4.0,
-                max_requests: None,
+                max_requests: Some(2000),
                 arrival_jitter: ARRIVAL_JITTER,
             },
             16,
@@ -155,7 +155,7 @@ pub fn validation() -> Vec<Cell> {
         cell(
             "v-70b-weka-c24",
             v,
-            weka(24, 2, None),
+            weka(24, 1, Some(16)),
             4,
             "llama-3.1-70b-h100-tp4",
         ),
@@ -163,7 +163,7 @@ pub fn validation() -> Vec<Cell> {
         cell(
             "v-a100-weka-c16",
             v,
-            weka(16, 2, None),
+            weka(16, 1, Some(16)),
             4,
             "llama-3.1-8b-a100-40gb",
         ),
@@ -171,7 +171,7 @@ pub fn validation() -> Vec<Cell> {
         slow_half(cell(
             "v-half-slow-weka-c24",
             v,
-            weka(24, 2, None),
+            weka(24, 1, Some(16)),
             4,
             H100_8B,
         )),
