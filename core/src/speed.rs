@@ -159,6 +159,14 @@ impl EngineProfile {
         (linear + attention + self.step_overhead_us * chunks) * 1e-6
     }
 
+    /// Seconds of one decode step of `seqs` sequences holding `context_tokens` of KV: overhead,
+    /// sampling, and the weights' and the KV's read (decode is bound by memory).
+    pub fn step_s(&self, seqs: f64, context_tokens: f64) -> f64 {
+        self.step_overhead_us * 1e-6
+            + self.weights_us * 1e-6
+            + self.decode_step_extra_s(seqs, context_tokens)
+    }
+
     /// Seconds a decode step grows by for `seqs` sequences holding `context_tokens` of KV beside a
     /// request: their sampling and their KV read.
     pub fn decode_step_extra_s(&self, seqs: f64, context_tokens: f64) -> f64 {

@@ -7,6 +7,9 @@
 //! cost_r = wait_r + prefill_r + decode_weight * decode_r + stall_weight * stall_r + evict_weight * evict_r
 //! wait_r    = s_r * work_s(queued prefill work on r)          each booked request priced by its own
 //!                                                             uncached tokens and context
+//!             + memory_r                                      and, when r's KV cache cannot hold the
+//!                                                             request beside what runs there, the
+//!                                                             time for enough of it to finish
 //! prefill_r = s_r * prefill_s(u_r, c_r)                       linear layers + attention + step overhead
 //! decode_r  = s_r * o * step_extra(n_r, K_r)                  what r's batch adds to each of the
 //!                                                             request's own decode steps
@@ -74,7 +77,8 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
             let uncached = prompt - cached;
             let n = e.active_requests as f64;
             let context = e.decode_blocks as f64 * bs;
-            let wait = s * profile.work_s(e.prefill_tokens as f64);
+            let wait = s * profile.work_s(e.prefill_tokens as f64)
+                + memory_wait(profile, s, n, context, uncached, out);
             let prefill = s * profile.prefill_s(uncached, cached);
             let decode = s * out * profile.decode_step_extra_s(n, context);
             let stall =
@@ -95,6 +99,28 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
             }
         })
         .collect()
+}
+
+/// Seconds a request needing `uncached` tokens of new KV waits for room on a replica whose `n`
+/// running requests hold `context` tokens of a `profile.kv_cache_tokens` cache: nothing while it
+/// fits; past that, the engine admits it only as running requests finish and free their blocks,
+/// and with their remaining outputs spread evenly over `0..out` tokens, a share `f` of their KV is
+/// free after about `f * out` steps of r's current step time (`f = excess / context`, at most 1). Without it a replica whose cache is full of decodes looks as cheap as its prefill
+/// queue, and draws the requests that then wait behind its decodes.
+fn memory_wait(
+    profile: &EngineProfile,
+    s: f64,
+    n: f64,
+    context: f64,
+    uncached: f64,
+    out: f64,
+) -> f64 {
+    let excess = context + uncached - profile.kv_cache_tokens;
+    if excess <= 0.0 || context <= 0.0 {
+        return 0.0;
+    }
+    let step = profile.step_s(n, context);
+    s * (excess / context).min(1.0) * out * step
 }
 
 /// The lowest cost, ties broken at random; also returns every replica's terms.
@@ -212,6 +238,17 @@ mod tests {
         assert_eq!(t[1].evict, 0.0);
         i.reuse_share = 0.0;
         assert_eq!(terms(&i, &p)[0].evict, 0.0);
+    }
+
+    #[test]
+    fn a_replica_whose_cache_is_full_of_decodes_waits_for_room() {
+        let p = EngineProfile::default();
+        // Both idle in prefill; replica 0's running requests fill its cache, replica 1's half of it.
+        let full = busy(0, 100, p.kv_cache_tokens as u64);
+        let half = busy(0, 50, p.kv_cache_tokens as u64 / 2);
+        let t = terms(&input(&[full, half], &[0.0, 0.0], &[false; 2]), &p);
+        assert!(t[0].wait > 0.05, "{t:?}");
+        assert_eq!(t[1].wait, 0.0);
     }
 
     #[test]
