@@ -279,6 +279,11 @@ pub struct FilterConfig {
     /// the end, as without the scan, so slow uploads cannot make the VM's memory grow past it.
     #[serde(default = "d_early_max")]
     pub early_body_scan_max_bytes: usize,
+    /// A response header that carries, for each request `kv_time` routes, every candidate's cost
+    /// terms and the winner (docs/configuration.md); absent (the default): none. Set only here: a
+    /// client cannot ask for it, and an upstream's header of the same name is replaced.
+    #[serde(default)]
+    pub explain_header: Option<String>,
     /// Tokenize text prompts as the engine does (chat template + BPE) for the exact KV identity.
     /// Absent: text prompts keep the approximate identity (see docs/tokenizer.md).
     #[serde(default)]

@@ -715,6 +715,8 @@ pub struct Stream {
     early: Option<EarlyScan>,
     /// The capacity of `arrived` counted in the VM's `early_held`.
     held: usize,
+    /// The decision explained for the configured `explain_header`, written on the response.
+    explain: Option<String>,
 }
 
 /// A P/D request's prefill leg while its callout is out.
@@ -977,6 +979,7 @@ impl Stream {
         );
         Self::record_decision(&mut vm, &d);
         Self::write_destination(&vm, &d);
+        self.explain = vm.state.explanation(d.replica);
         self.replica = Some(d.replica);
         self.phase = Phase::Admitted;
         Action::Continue
@@ -1452,6 +1455,11 @@ impl HttpContext for Stream {
         self.route_buffered(limit.saturating_add(1))
     }
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if let (Some(text), Some(vm)) = (self.explain.take(), self.vm.as_ref())
+            && let Some(name) = vm.borrow().state.config().explain_header.clone()
+        {
+            let _ = abi::set_header(MapType::HttpResponseHeaders, &name, text.as_bytes());
+        }
         if !matches!(self.phase, Phase::Admitted | Phase::Decoding) {
             return Action::Continue;
         }

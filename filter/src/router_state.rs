@@ -416,6 +416,30 @@ impl RouterState {
         self.router.set_proxy_identity(identity);
     }
 
+    /// `kv_time`'s explanation of the last decision, for the configured `explain_header`: the winner,
+    /// then each candidate's cost and terms in seconds. None without the header or the terms.
+    pub fn explanation(&self, winner: usize) -> Option<String> {
+        self.cfg.explain_header.as_ref()?;
+        let terms = self.router.last_terms();
+        if terms.is_empty() {
+            return None;
+        }
+        let k = &self.cfg.routing.kv_time;
+        let mut out = format!("winner={winner}");
+        for (r, t) in terms.iter().enumerate() {
+            out.push_str(&format!(
+                "; {r}: cost={:.4} wait={:.4} prefill={:.4} decode={:.4} stall={:.4} evict={:.4}",
+                t.cost(k),
+                t.wait,
+                t.prefill,
+                t.decode,
+                t.stall,
+                t.evict
+            ));
+        }
+        Some(out)
+    }
+
     pub fn config(&self) -> &FilterConfig {
         &self.cfg
     }
