@@ -1101,6 +1101,11 @@ impl Router {
         self.speeds.factors()
     }
 
+    /// One replica's learned time factor (1 for an unknown replica or under another policy).
+    pub fn speed_factor(&self, replica: usize) -> f64 {
+        self.speeds.factor(replica)
+    }
+
     /// `kv_time`'s view of a replica's cache in blocks: as learned from its feed once it has evicted,
     /// else the larger of what it has held and the profile's cache (a replica that has not shown
     /// its size yet is priced like one of its profile, not as one with room for everything).

@@ -83,6 +83,8 @@ struct Metrics {
     /// and its cache size, in blocks (0: unknown, the term is off for it).
     working_set_blocks: Vec<Option<u32>>,
     cache_size_blocks: Vec<Option<u32>>,
+    /// `kv_time`: each replica's observed against predicted time to first token, in thousandths.
+    speed_milli: Vec<Option<u32>>,
     /// Other workers' working-set entries missed and journals refused, and the totals last counted.
     working_set_missed: Option<u32>,
     working_set_refused: Option<u32>,
@@ -225,6 +227,7 @@ impl Metrics {
             ejected: per(Gauge, "ejected"),
             working_set_blocks: per(Gauge, "working_set_blocks"),
             cache_size_blocks: per(Gauge, "cache_size_blocks"),
+            speed_milli: per(Gauge, "ttft_observed_per_predicted_milli"),
             health_probes: per(Counter, "health_probes"),
             last_failures: vec![0; cfg.replicas.len()],
             last_probes: vec![0; cfg.replicas.len()],
@@ -477,6 +480,13 @@ impl Root {
                 gauge(m.working_set_blocks.get(i).copied().flatten(), ws as u64);
             }
             gauge(m.cache_size_blocks.get(i).copied().flatten(), cap as u64);
+            if vm.state.has_routed() {
+                let speed = vm.state.speed_factor(i);
+                gauge(
+                    m.speed_milli.get(i).copied().flatten(),
+                    (speed * 1e3) as u64,
+                );
+            }
         }
         let health = vm.state.health();
         for (i, (&f, &p)) in health.failures().iter().zip(health.probes()).enumerate() {

@@ -466,6 +466,11 @@ impl RouterState {
         )
     }
 
+    /// `kv_time`'s learned time factor of a replica against its profile (1 under other policies).
+    pub fn speed_factor(&self, replica: usize) -> f64 {
+        self.router.speed_factor(replica)
+    }
+
     /// The router's counters and sizes.
     pub fn stats(&self) -> RouterStats {
         self.router.stats()
