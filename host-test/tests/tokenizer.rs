@@ -39,7 +39,7 @@ fn engine_tokens(text: &str) -> Vec<u32> {
     tokenize(text)
 }
 
-/// The simulator's chat framing (sim/src/server.rs), which its engine tokenizes.
+/// The simulator's chat framing (sim/src/server/openai.rs), which its engine tokenizes.
 fn sim_render(messages: &[(&str, String)]) -> String {
     let mut t = String::new();
     for (role, content) in messages {

@@ -21,6 +21,5 @@ pub use engine::{
 };
 pub use output::{OutputLen, output_token};
 pub use profile::{Profile, StepWork};
-pub mod http;
 pub mod metrics;
 pub mod server;
