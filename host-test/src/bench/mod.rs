@@ -5,9 +5,11 @@
 //! - [`scenario`]: the matrix (which workloads at which sizes) and the engine for a block size.
 //! - [`run`]: one replay (also what the demo runs).
 //! - [`report`]: tables over seeds, the published claims checked, plots.
-//! - [`args`]: the command-line reading the `bench` and `demo` binaries share.
+//! - [`args`]: the command lines of the `bench` and `demo` binaries.
+//! - [`progress`]: their replays on a few threads, with one progress bar.
 
 pub mod args;
+pub mod progress;
 pub mod report;
 pub mod run;
 pub mod scenario;

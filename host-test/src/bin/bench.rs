@@ -31,7 +31,8 @@
 //! summary) and the SVG plots under `DIR/results/`.
 
 use kvsteer_host_test::artifact::workspace_root;
-use kvsteer_host_test::bench::args::{ArgReader, POLICIES, bench_policies, or_usage_exit, unknown};
+use kvsteer_host_test::bench::args::{BenchArgs as Args, POLICIES};
+use kvsteer_host_test::bench::progress::run_jobs;
 use kvsteer_host_test::bench::report::{
     ScenarioRuns, claims, hit_cv_plot, limit_gap, scenario_plots, scenario_table,
 };
@@ -41,80 +42,11 @@ use kvsteer_host_test::bench::scenario::{
 };
 use kvsteer_host_test::pd::replay_pd_spec;
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
-use kvsteer_workload::report::Progress;
 use kvsteer_workload::{Mode, Summary, Workload};
 use serde_json::{Value, json};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
-
-struct Args {
-    scale: Scale,
-    seeds: Option<u64>,
-    policies: Vec<String>,
-    only: Vec<String>,
-    jobs: usize,
-    workers: usize,
-    out: Option<PathBuf>,
-    traces: PathBuf,
-    export_slice: Option<PathBuf>,
-    notes_only: bool,
-    /// Where to write every replay's per-request rows (CSV), for diagnosing a policy.
-    rows: Option<PathBuf>,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        scale: Scale::Full,
-        seeds: None,
-        policies: bench_policies(),
-        only: Vec::new(),
-        jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        workers: 2,
-        out: None,
-        traces: workspace_root().join(kvsteer_workload::catalog::DEFAULT_TRACES),
-        export_slice: None,
-        notes_only: false,
-        rows: None,
-    };
-    let mut args = ArgReader::from_env();
-    while let Some(arg) = args.next_flag() {
-        match arg.as_str() {
-            "--quick" => a.scale = Scale::Quick,
-            "--smoke" => a.scale = Scale::Smoke,
-            "--seeds" => a.seeds = Some(args.number("--seeds")?),
-            "--policies" => a.policies = args.list("--policies")?,
-            "--only" => a.only = args.list("--only")?,
-            "--jobs" => a.jobs = args.number("--jobs")? as usize,
-            "--workers" => a.workers = args.number("--workers")? as usize,
-            "--out" => a.out = Some(PathBuf::from(args.value("--out")?)),
-            "--traces" => a.traces = PathBuf::from(args.value("--traces")?),
-            "--export-slice" => a.export_slice = Some(PathBuf::from(args.value("--export-slice")?)),
-            "--notes-only" => a.notes_only = true,
-            "--rows" => a.rows = Some(PathBuf::from(args.value("--rows")?)),
-            "-h" | "--help" => {
-                return Err(
-                    "usage: bench [--quick | --smoke] [--seeds N] [--policies a,b] \
-                            [--only id|group,..] [--jobs N] [--workers N] [--out DIR] \
-                            [--traces DIR] [--export-slice FILE] [--notes-only] [--rows DIR]"
-                        .into(),
-                );
-            }
-            other => return Err(unknown(other)),
-        }
-    }
-    for p in &a.policies {
-        kvsteer_host_test::bench::run::check_spec(p)?;
-    }
-    if a.workers == 0 || a.jobs == 0 || a.seeds == Some(0) || a.policies.is_empty() {
-        return Err(
-            "--workers, --jobs and --seeds must be at least 1, --policies non-empty".into(),
-        );
-    }
-    Ok(a)
-}
 
 /// One replay to do.
 struct Job {
@@ -127,8 +59,55 @@ struct Job {
     weight: u64,
 }
 
+/// One replay of the matrix through the filter: a P/D fleet through the filter's two-leg path
+/// (host-test/src/pd.rs), any other through the fleet replay; with `--rows`, its per-request rows
+/// written under `rows_dir`.
+fn replay_job(
+    module: &FilterModule,
+    sc: &Scenario,
+    j: &Job,
+    workloads: &[(Workload, Mode)],
+    workers: usize,
+    rows_dir: Option<&Path>,
+    tick: &dyn Fn(u64),
+) -> Result<Outcome, String> {
+    let (w, mode) = workloads[j.workload].clone();
+    let topology = (workers, sc.proxies, sc.spread);
+    let fleet = (sc.endpoints, sc.dp_ranks);
+    let tick = |done, _| tick(done);
+    let mut r = if sc.pd_prefill > 0 {
+        let split = (sc.pd_prefill, sc.endpoints - sc.pd_prefill);
+        replay_pd_spec(module, w, mode, &j.policy, j.seed, split, tick).map(|(o, st)| {
+            eprintln!(
+                "pd {} {} seed {}: {} requests, {} failed, decode legs read \
+                 {:.1}% of their prompt tokens over the link, {} of them held \
+                 part of it",
+                sc.id,
+                j.policy,
+                j.seed,
+                st.requests,
+                st.failed,
+                100.0 * st.transferred_tokens as f64 / st.decode_prompt_tokens.max(1) as f64,
+                st.decode_local_hits
+            );
+            o
+        })
+    } else {
+        replay_fleet(module, w, mode, &j.policy, j.seed, topology, fleet, tick)
+    };
+    if let Ok(o) = &mut r {
+        let rows = std::mem::take(&mut o.rows);
+        if let Some(dir) = rows_dir
+            && let Err(e) = write_rows(dir, &sc.id, o, &rows)
+        {
+            eprintln!("--rows: {e}");
+        }
+    }
+    r
+}
+
 fn main() {
-    let args = or_usage_exit(parse_args());
+    let args = Args::parse();
     let r = match &args.export_slice {
         Some(file) => export_slice(&args, file),
         None if args.notes_only => refresh_notes(&args),
@@ -279,98 +258,22 @@ fn run(args: &Args) -> Result<(), String> {
         args.jobs
     );
 
-    let progress = Mutex::new(vec![0u64; jobs.len()]);
-    let queue = Mutex::new(order.into_iter().rev().collect::<Vec<usize>>());
-    let finished = AtomicBool::new(false);
-    let results: Mutex<Vec<(usize, Result<Outcome, String>)>> = Mutex::new(Vec::new());
-    std::thread::scope(|s| {
-        for _ in 0..args.jobs.min(jobs.len()) {
-            let (queue, progress, results) = (&queue, &progress, &results);
-            let (module, jobs, workloads, workers) = (&module, &jobs, &workloads, args.workers);
-            let scenarios = &scenarios;
-            let rows_dir = args.rows.as_deref();
-            s.spawn(move || {
-                loop {
-                    let next = queue.lock().ok().and_then(|mut q| q.pop());
-                    let Some(i) = next else { break };
-                    let j = &jobs[i];
-                    let (w, mode) = workloads[j.workload].clone();
-                    let sc = &scenarios[j.scenario];
-                    let topology = (workers, sc.proxies, sc.spread);
-                    let fleet = (sc.endpoints, sc.dp_ranks);
-                    let tick = |done, _| {
-                        if let Ok(mut p) = progress.lock() {
-                            p[i] = done;
-                        }
-                    };
-                    // A P/D fleet runs through the filter's two-leg path (host-test/src/pd.rs).
-                    let mut r = if sc.pd_prefill > 0 {
-                        let split = (sc.pd_prefill, sc.endpoints - sc.pd_prefill);
-                        replay_pd_spec(module, w, mode, &j.policy, j.seed, split, tick).map(
-                            |(o, st)| {
-                                eprintln!(
-                                    "pd {} {} seed {}: {} requests, {} failed, decode legs read \
-                                 {:.1}% of their prompt tokens over the link, {} of them held \
-                                 part of it",
-                                    sc.id,
-                                    j.policy,
-                                    j.seed,
-                                    st.requests,
-                                    st.failed,
-                                    100.0 * st.transferred_tokens as f64
-                                        / st.decode_prompt_tokens.max(1) as f64,
-                                    st.decode_local_hits
-                                );
-                                o
-                            },
-                        )
-                    } else {
-                        replay_fleet(module, w, mode, &j.policy, j.seed, topology, fleet, tick)
-                    };
-                    if let Ok(o) = &mut r {
-                        let rows = std::mem::take(&mut o.rows);
-                        if let Some(dir) = rows_dir
-                            && let Err(e) = write_rows(dir, &sc.id, o, &rows)
-                        {
-                            eprintln!("--rows: {e}");
-                        }
-                    }
-                    if let Ok(mut res) = results.lock() {
-                        res.push((i, r));
-                    }
-                }
-            });
-        }
-        let (progress, finished) = (&progress, &finished);
-        let bar = s.spawn(move || {
-            let mut bar = Progress::new("requests", total);
-            while !finished.load(Ordering::Relaxed) {
-                if let Ok(p) = progress.lock() {
-                    bar.set(p.iter().sum());
-                }
-                std::thread::sleep(std::time::Duration::from_millis(200));
-            }
-            if let Ok(p) = progress.lock() {
-                bar.set(p.iter().sum());
-            }
-            bar.finish();
-        });
-        // The replay threads are joined when the scope ends; stop the bar once they are done.
-        while queue.lock().map(|q| !q.is_empty()).unwrap_or(false)
-            || results
-                .lock()
-                .map(|r| r.len() < jobs.len())
-                .unwrap_or(false)
-        {
-            std::thread::sleep(std::time::Duration::from_millis(200));
-        }
-        finished.store(true, Ordering::Relaxed);
-        let _ = bar.join();
+    let results = run_jobs(&order, args.jobs, total, |i, tick| {
+        let sc = &scenarios[jobs[i].scenario];
+        replay_job(
+            &module,
+            sc,
+            &jobs[i],
+            &workloads,
+            args.workers,
+            args.rows.as_deref(),
+            tick,
+        )
     });
     let wall = started.elapsed().as_secs_f64();
     let mut per_scenario: Vec<Vec<Outcome>> = scenarios.iter().map(|_| Vec::new()).collect();
     let mut failures = Vec::new();
-    for (i, r) in results.into_inner().unwrap_or_default() {
+    for (i, r) in results {
         match r {
             Ok(o) => per_scenario[jobs[i].scenario].push(o),
             Err(e) => failures.push(format!(
