@@ -66,7 +66,7 @@ impl WorkingSet {
         }
     }
 
-    /// Records that `sampled_keys` (from [`Sampling::sample`]) were requested on `replica` at
+    /// Records that `sampled_keys` (from [`super::Sampling::sample`]) were requested on `replica` at
     /// `now_ms`.
     pub fn touch(&mut self, replica: usize, sampled_keys: &[u64], now_ms: u64) {
         if replica >= self.replicas.len() {
@@ -161,7 +161,7 @@ impl WorkingSet {
         })
     }
 
-    /// Per replica, how much the request's blocks (`sampled_keys`, from [`Sampling::sample`]) would
+    /// Per replica, how much the request's blocks (`sampled_keys`, from [`super::Sampling::sample`]) would
     /// grow its working set, estimated: a block asked for before joins in full where it is not held
     /// yet, and completes its weight where it is held as asked for once; a block never seen joins
     /// with the reuse share's weight.
