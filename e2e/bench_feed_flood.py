@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Request latency and Envoy's memory with one replica flooding 8 MB feed snapshots (issue 17 goal:
+"""Request latency and Envoy's memory with one replica flooding 8 MB feed snapshots (the goal:
 "with one replica sending 8 MB snapshots on every poll, requests through Envoy keep their p99 within
 10% of the baseline; Envoy's memory stays within the documented bound").
 

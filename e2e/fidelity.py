@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_envoy import commit, pct, replay, summarize  # noqa: E402
 from client import Client, tokens  # noqa: E402
-from stack import Stack, StackError, free_ports, sim_path, wasm_path  # noqa: E402
+from stack import Stack, StackError, free_ports, report_path, sim_path, wasm_path  # noqa: E402
 from test_real_vllm import BLOCK, Engine, RealStack, prom, wait_until  # noqa: E402
 from test_real_vllm import http as http_req  # noqa: E402
 
@@ -365,7 +365,7 @@ def main() -> int:
     params["prompt_tokens"] = sum(len(t["prompt"]) for s in doc["sessions"] for t in s["turns"])
     params["output_tokens"] = sum(t["max_tokens"] for s in doc["sessions"] for t in s["turns"])
     results = {"commit": commit(), "params": params, "policies": policies, "real": {}, "sim": {},
-               "wasm": str(wasm_path()), "sim_bin": str(sim_path())}
+               "wasm": report_path(wasm_path()), "sim_bin": report_path(sim_path())}
     out = Path(a.out) / "fidelity.json"
     if a.merge and out.exists():
         old = json.loads(out.read_text())

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Envoy's resident memory with the kvsteer filter's block index empty and full, at several worker
-counts (issue 17 item 6: every worker VM, and the main thread's, holds its own index).
+counts (every worker VM, and the main thread's, holds its own index).
 
     .venv/bin/python e2e/index_memory_envoy.py [--concurrency 1,2,4,8] [--replicas 4]
                                               [--cap 1000000] [--settle 20]

@@ -1,5 +1,5 @@
 """End-to-end: two independent Envoy processes (each `--concurrency 2`, each its own filter VMs and
-shared data) in front of the same two simulated replicas (issue 15, docs/proxies.md). Nothing passes
+shared data) in front of the same two simulated replicas (docs/proxies.md). Nothing passes
 between the Envoys but the replicas' feeds: proxy B learns of a long decode sent through proxy A only
 from the replica's report. `RestartOneProxy`: B is drained, stopped and started again under client
 traffic split over both (docs/proxies.md, "Restarting a proxy"). `WorkingSetExchange`: with `peers`

@@ -10,8 +10,8 @@
 //!   (a replica can hold the same block on GPU and in host memory at once); a block held by more than
 //!   four replicas moves its holder list to an overflow map.
 //!
-//! Memory (issue 17: every proxy worker VM holds its own index, and WebAssembly memory never shrinks,
-//! so what counts is the peak): the slab grows in chunks of [`SLAB_CHUNK`] slots that are never moved,
+//! Memory (every proxy worker VM holds its own index, and WebAssembly memory never shrinks, so what
+//! counts is the peak): the slab grows in chunks of [`SLAB_CHUNK`] slots that are never moved,
 //! sized so that the chunks together never exceed the cap, instead of a `Vec` that doubles (a doubling
 //! `Vec` holds its old and new copies at once, 1.5x the final size, and leaves the old ones behind as
 //! holes). Free slots form a list threaded through their own `key` field, so freeing a replica's

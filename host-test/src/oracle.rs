@@ -1,4 +1,4 @@
-//! The oracle: the limit the benchmark measures kvsteer's policies against (issue 19).
+//! The oracle: the limit the benchmark measures kvsteer's policies against.
 //!
 //! The policies rank against each other in docs/results.md; nothing there says how far the best of
 //! them is from what routing could achieve at all. The oracle is that reference point. It lives in

@@ -30,7 +30,7 @@
 //! Writes `DIR/results.md`, `DIR/results/harness.json` (configuration, seeds, commit, every run's
 //! summary) and the SVG plots under `DIR/results/`.
 
-use kvsteer_host_test::artifact::workspace_root;
+use kvsteer_host_test::artifact::{report_path, workspace_root};
 use kvsteer_host_test::bench::args::{BenchArgs as Args, POLICIES};
 use kvsteer_host_test::bench::progress::run_jobs;
 use kvsteer_host_test::bench::report::{
@@ -539,7 +539,7 @@ fn write_outputs(
             "max_batch_tokens": engine.max_batch_tokens, "max_running": engine.max_running,
             "max_model_len": engine.max_model_len,
         },
-        "filter": {"path": meta.filter.display().to_string(), "bytes": meta.filter_bytes},
+        "filter": {"path": report_path(meta.filter), "bytes": meta.filter_bytes},
         "wall_s": meta.wall_s,
         "scenarios": scen_json,
         "workloads": workloads_json,
