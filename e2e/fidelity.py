@@ -1,9 +1,9 @@
-"""The fidelity check (docs/fidelity.md): one small RL-like workload through 4 real vLLM CPU engines
+"""The fidelity check (docs/reports/fidelity.md): one small RL-like workload through 4 real vLLM CPU engines
 and through 4 simulated replicas fitted to them (`kvsteer-sim serve --profile`, real time), both
 behind Envoy with the filter, for round_robin, session_hash, kv_affinity and kv_load; hit rates,
 TTFT p50/p99 and output tok/s side by side.
 
-Real side: 4 engines of docs/real-vllm.md (tiny random-weight Llama, block size 32, the engine's own
+Real side: 4 engines of docs/guide/real-vllm.md (tiny random-weight Llama, block size 32, the engine's own
 KV block count, `--enforce-eager`), two pinned to each core (`VLLM_CPU_OMP_THREADS_BIND` 0, 1, 0, 1),
 a `kvsteer-feed` beside each (e2e/test_real_vllm.py's RealStack); the engines stay up across
 policies, each policy starting on empty caches (`POST /reset_prefix_cache`, then a one-block request

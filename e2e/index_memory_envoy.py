@@ -12,7 +12,7 @@ blocks. It waits until the index gauge reaches CAP and Envoy's resident set stop
 for 5 s, at most --settle s after that), and prints VmRSS and VmHWM (peak) of the Envoy process.
 Build first: the filter (`cargo build -p kvsteer-filter --target wasm32-wasip1 --release`, or
 KVSTEER_WASM=path) and `cargo build --release -p kvsteer-sim --example flood-feed`. Not a test: it
-prints figures (docs/filter.md quotes them).
+prints figures (docs/design/filter.md quotes them).
 """
 
 import argparse

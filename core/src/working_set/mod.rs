@@ -3,7 +3,7 @@
 //! blocks, and LRU keeps almost nothing of a set of sessions that cycle through more context than the
 //! cache holds: every session's next turn finds its context evicted by the others. Knowing how much
 //! recent context each replica is asked to hold lets `kv_load` avoid pushing a replica whose sessions
-//! still fit over its cache (`kv_load.overflow_weight`, docs/design.md section 2.6).
+//! still fit over its cache (`kv_load.overflow_weight`, docs/design/design.md section 2.6).
 //!
 //! A block asked for before (on any replica) within the window counts in full. A block asked for
 //! only once so far counts with the probability that such a block is asked for again, learned from
@@ -32,10 +32,10 @@
 //!
 //! Scoring a request ([`WorkingSet::added`]) and recording it ask, per sampled block, whether any
 //! replica holds it and what each holds: one lookup. Recording a block is one lookup, its expiry
-//! one. This layout is the working set's cost in a proxy (docs/envoy.md, "the working set's cost"):
-//! with up to a few hundred thousand sampled blocks, every lookup misses the caches, and each
-//! worker applies every other worker's admissions on its tick, so the cost per block is the cost
-//! of the term. It replaced a map per replica (block -> time, counted) beside a map of holders
+//! one. This layout is the working set's cost in a proxy (docs/guide/envoy.md, "the working set's
+//! cost"): with up to a few hundred thousand sampled blocks, every lookup misses the caches, and
+//! each worker applies every other worker's admissions on its tick, so the cost per block is the
+//! cost of the term. It replaced a map per replica (block -> time, counted) beside a map of holders
 //! (block -> bitmasks), where recording a block took three lookups and its expiry three more; it
 //! keeps exactly their times, counts, queues and estimates (tested against them), so decisions did
 //! not change. A fleet of more than 64 routing units (the filter allows 256 replicas, and

@@ -24,8 +24,8 @@ pub fn default_policies() -> Vec<String> {
     POLICIES.iter().map(|s| s.to_string()).collect()
 }
 
-/// `kv_load` as the routers users would otherwise pick set it (the presets of docs/configuration.md):
-/// the report measures kvsteer's default against each.
+/// `kv_load` as the routers users would otherwise pick set it (the presets of
+/// docs/reference/configuration.md): the report measures kvsteer's default against each.
 pub const PRESET_VARIANTS: [&str; 3] = [
     "kv_load@preset=dynamo",
     "kv_load@preset=ray_balanced",
@@ -90,8 +90,8 @@ struct BenchCli {
     #[arg(long, value_name = "a,b", value_parser = list)]
     policies: Option<List>,
     /// Scenario ids or groups (rl, weka, mooncake, azure); also the groups only this flag selects:
-    /// proxies and proxies-session (docs/proxies.md), dp (docs/dp.md), pd and pd-shape
-    /// (docs/pd.md), weka-fixed, mooncake-fixed, azure-fixed (recorded timing).
+    /// proxies and proxies-session (docs/reports/proxies.md), dp (docs/design/dp.md), pd and
+    /// pd-shape (docs/design/pd.md), weka-fixed, mooncake-fixed, azure-fixed (recorded timing).
     #[arg(long, value_name = "id|group,..", value_parser = list)]
     only: Option<List>,
     /// Replays run in parallel (default: available cores).
@@ -101,7 +101,7 @@ struct BenchCli {
     #[arg(long, value_name = "N", default_value_t = 2,
         value_parser = clap::value_parser!(u64).range(1..))]
     workers: u64,
-    /// Where to write (default: docs/ for a full run, out/bench-<scale>/ otherwise).
+    /// Where to write (default: docs/reports/ for a full run, out/bench-<scale>/ otherwise).
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
     /// The traces' folder (default: the repository's traces/).

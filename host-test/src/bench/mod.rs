@@ -1,6 +1,6 @@
-//! The benchmark behind docs/results.md (`scripts/bench`, binary `bench`): every filter policy on
-//! every workload of docs/design.md section 7, through the compiled filter in the wasmtime harness,
-//! in virtual time, on identical simulated replicas, over several seeds.
+//! The benchmark behind docs/reports/results.md (`scripts/bench`, binary `bench`): every filter
+//! policy on every workload of docs/design/design.md section 7, through the compiled filter in the
+//! wasmtime harness, in virtual time, on identical simulated replicas, over several seeds.
 //!
 //! - [`scenario`]: the matrix (which workloads at which sizes) and the engine for a block size.
 //! - [`run`]: one replay (also what the demo runs).

@@ -1,9 +1,10 @@
-//! The benchmark behind docs/results.md: every filter policy on the RL straggler workload, the
-//! coding-agent traces at 8..40 sessions in flight, Mooncake at its arrival times (and twice as fast)
-//! and the Azure no-reuse control, through `kvsteer_filter.wasm` in the wasmtime harness, on four
-//! identical simulated replicas in virtual time, over several seeds; and beside them the `oracle`,
-//! the limit (the harness places each request from the true output lengths and the engines' exact
-//! state: `kvsteer_host_test::oracle`), which the report labels as such and never ranks.
+//! The benchmark behind docs/reports/results.md: every filter policy on the RL straggler workload,
+//! the coding-agent traces at 8..40 sessions in flight, Mooncake at its arrival times (and twice as
+//! fast) and the Azure no-reuse control, through `kvsteer_filter.wasm` in the wasmtime harness, on
+//! four identical simulated replicas in virtual time, over several seeds; and beside them the
+//! `oracle`, the limit (the harness places each request from the true output lengths and the
+//! engines' exact state: `kvsteer_host_test::oracle`), which the report labels as such and never
+//! ranks.
 //!
 //! `scripts/bench` builds everything and runs this. Options:
 //! `--quick` (cut-down workloads, one seed: minutes), `--smoke` (tiny slices, seconds; checks that the
@@ -12,23 +13,23 @@
 //! own section; `oracle` or `oracle@decode=1@stall=1` for the limit), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure; also the
 //! many-proxies scenarios, which only `--only` selects: group `proxies` (`rl-p1`, `rl-p2`, `rl-p4`,
 //! `weka-c16-p4`, ...: requests spread across 1, 2 or 4 independent proxies at random) and group
-//! `proxies-session` (the same ids ending in `s`: each session through one proxy); docs/proxies.md;
-//! and group `dp`, 2 endpoints x 4 data-parallel ranks (`dp-rl`, `dp-weka-c32`, `dp-weka-c48`), where
-//! a policy spec ending in `@rank_blind` routes to endpoints only; docs/dp.md; and group `pd`,
-//! 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`, `pd-weka-c24`; group `pd-shape`:
-//! `pd-weka-c24-3p3d`, the same 6 engines split 3 + 3), replayed by `kvsteer_host_test::pd`
-//! through the filter's two-leg P/D path (one worker VM), `@pd.KEY=NUMBER` setting its
-//! coefficients; docs/pd.md; and groups `weka-fixed`, `mooncake-fixed`, `azure-fixed`
-//! (`weka-c16-fixed`, `mooncake-x1-fixed`, `azure-fixed`, ...): the trace scenarios on their recorded
-//! timing, where a seed changes only tie-breaks; the matrix's own coding-agent scenarios draw every
-//! think time, and its Mooncake and Azure scenarios every gap between arrivals, within 20% of the
-//! recorded one per seed, so that seeds are independent draws for every policy),
-//! `--jobs N` (replays in parallel, default: available cores), `--workers N` (proxy worker VMs, 2),
-//! `--out DIR` (default: the repository's `docs/` for a full run, `out/bench-<scale>/` otherwise),
-//! `--traces DIR` (default `traces`), `--notes-only` (put `DIR/results/notes.md`, the analysis
-//! written after looking at a run, into the existing `DIR/results.md`; runs nothing).
-//! Writes `DIR/results.md`, `DIR/results/harness.json` (configuration, seeds, commit, every run's
-//! summary) and the SVG plots under `DIR/results/`.
+//! `proxies-session` (the same ids ending in `s`: each session through one proxy);
+//! docs/reports/proxies.md; and group `dp`, 2 endpoints x 4 data-parallel ranks (`dp-rl`,
+//! `dp-weka-c32`, `dp-weka-c48`), where a policy spec ending in `@rank_blind` routes to endpoints
+//! only; docs/design/dp.md; and group `pd`, 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`,
+//! `pd-weka-c24`; group `pd-shape`: `pd-weka-c24-3p3d`, the same 6 engines split 3 + 3), replayed
+//! by `kvsteer_host_test::pd` through the filter's two-leg P/D path (one worker VM),
+//! `@pd.KEY=NUMBER` setting its coefficients; docs/design/pd.md; and groups `weka-fixed`,
+//! `mooncake-fixed`, `azure-fixed` (`weka-c16-fixed`, `mooncake-x1-fixed`, `azure-fixed`, ...): the
+//! trace scenarios on their recorded timing, where a seed changes only tie-breaks; the matrix's own
+//! coding-agent scenarios draw every think time, and its Mooncake and Azure scenarios every gap
+//! between arrivals, within 20% of the recorded one per seed, so that seeds are independent draws
+//! for every policy), `--jobs N` (replays in parallel, default: available cores), `--workers N`
+//! (proxy worker VMs, 2), `--out DIR` (default: the repository's `docs/reports/` for a full run,
+//! `out/bench-<scale>/` otherwise), `--traces DIR` (default `traces`), `--notes-only` (put
+//! `DIR/results/notes.md`, the analysis written after looking at a run, into the existing
+//! `DIR/results.md`; runs nothing). Writes `DIR/results.md`, `DIR/results/harness.json`
+//! (configuration, seeds, commit, every run's summary) and the SVG plots under `DIR/results/`.
 
 use kvsteer_host_test::artifact::{report_path, workspace_root};
 use kvsteer_host_test::bench::args::{BenchArgs as Args, POLICIES};
@@ -119,10 +120,10 @@ fn main() {
     }
 }
 
-/// Where a run writes: `--out`, else `docs/` at full scale, else `out/bench-<scale>/`.
+/// Where a run writes: `--out`, else `docs/reports/` at full scale, else `out/bench-<scale>/`.
 fn out_dir(args: &Args) -> PathBuf {
     args.out.clone().unwrap_or_else(|| match args.scale {
-        Scale::Full => workspace_root().join("docs"),
+        Scale::Full => workspace_root().join("docs/reports"),
         _ => workspace_root().join(format!("out/bench-{}", args.scale.name())),
     })
 }
@@ -585,8 +586,8 @@ fn write_outputs(
         md,
         "# Results: routing quality by policy, workload and concurrency\n\n\
          Generated by `scripts/bench{}` on {date} from commit `{commit}` ({} seeds, wall time \
-         {:.0} s). Do not edit by hand: the analysis is in `docs/results/notes.md` and is \
-         included below; every figure comes from `docs/results/harness.json`.\n",
+         {:.0} s). Do not edit by hand: the analysis is in `docs/reports/results/notes.md` and is \
+         included below; every figure comes from `docs/reports/results/harness.json`.\n",
         match meta.scale {
             Scale::Full => "",
             Scale::Quick => " --quick",
@@ -681,17 +682,17 @@ fn write_outputs(
         ("slice", "The Envoy slice, in the harness"),
         (
             "dp",
-            "Data-parallel fleet: 2 endpoints x 4 ranks (docs/dp.md; `@rank_blind`: the router \
+            "Data-parallel fleet: 2 endpoints x 4 ranks (docs/design/dp.md; `@rank_blind`: the router \
              sees endpoints, vLLM's internal balancer picks the rank)",
         ),
         (
             "pd",
-            "P/D fleet: 2 prefill + 4 decode engines (docs/pd.md; through the filter's two-leg \
+            "P/D fleet: 2 prefill + 4 decode engines (docs/design/pd.md; through the filter's two-leg \
              path, one worker VM; the hit rate is the prefill side's)",
         ),
         (
             "pd-shape",
-            "P/D fleet split 3 prefill + 3 decode (docs/pd.md)",
+            "P/D fleet split 3 prefill + 3 decode (docs/design/pd.md)",
         ),
     ] {
         let gs: Vec<&ScenarioRuns> = grouped
@@ -765,19 +766,19 @@ const HOW_TO_READ: &str = "## How to read this\n\n\
   (RL: a rollout's 10 turns, the RL headline). **output tok/s** is all generated tokens over the \
   run's span. **hit rate** is engine-reported cached prompt tokens over prompt tokens. **decode \
   CV** is the spread of KV blocks held by decoding requests across replicas (0: perfectly even; \
-  docs/design.md section 7). Lower is better except tok/s and hit rate.\n\
+  docs/design/design.md section 7). Lower is better except tok/s and hit rate.\n\
 - The `oracle` row of a table is **the limit, not a policy**: the harness places each request \
   itself, knowing every request's true output length and the simulated engines' exact state (queues, \
-  remaining tokens, KV cache contents), which no router can know (docs/harness.md, \"The oracle\"). \
+  remaining tokens, KV cache contents), which no router can know (docs/design/harness.md, \"The oracle\"). \
   It is left out wherever policies are ranked (the claims, the goals), and the section \"The default \
   against the limit\" gives `kv_load`'s distance to it.\n\
 - A high hit rate is not the goal: a policy can hit the cache every time by sending everything to \
   one replica. The claims below are about trading hit rate for even decode load.\n\
 - Everything runs in virtual time: the engines are a model of vLLM on an H100 \
-  (`docs/simulator.md`), the filter is the real `.wasm`. Absolute figures are the model's; the \
+  (`docs/design/simulator.md`), the filter is the real `.wasm`. Absolute figures are the model's; the \
   comparison between policies is the point.\n\
 - Commands: `scripts/bench` (everything: the Envoy slice 3 times per configuration, this full \
-  matrix with 3 seeds and every trace whole, then the sensitivity runs in `docs/sensitivity/`; \
+  matrix with 3 seeds and every trace whole, then the sensitivity runs in `docs/reports/sensitivity/`; \
   about 45 minutes on 2 cores, of which the matrix is about 25), `scripts/bench --quick` \
   (minutes, writes `out/bench-quick/`), `scripts/bench --smoke` (seconds, the CI check), \
   `scripts/bench-envoy-slice` (the Envoy slice alone). `--only` and `--policies` run part of the \

@@ -1,6 +1,6 @@
-//! The main job: replays the RL straggler workload (docs/design.md section 7) through the compiled
-//! filter, once per policy, in front of four simulated replicas in virtual time, and compares the
-//! policies.
+//! The main job: replays the RL straggler workload (docs/design/design.md section 7) through the
+//! compiled filter, once per policy, in front of four simulated replicas in virtual time, and
+//! compares the policies.
 //!
 //! `scripts/demo` builds the filter and runs this in release. Options:
 //! `--small` (the scaled-down workload, seconds), `--policies a,b,..`, `--workers N` (default 2),
@@ -113,7 +113,7 @@ fn summaries(outcomes: &[Outcome]) -> Vec<Summary> {
     outcomes.iter().map(|o| o.summary.clone()).collect()
 }
 
-/// The headline table: the metrics of docs/design.md section 7, one row per policy.
+/// The headline table: the metrics of docs/design/design.md section 7, one row per policy.
 fn comparison_table(outcomes: &[Outcome]) -> String {
     let mut s = String::from(
         "| policy | TTFT p50 / p99 ms | TPOT p50 / p99 ms | rollout p99 s | output tok/s | hit rate \

@@ -1,6 +1,7 @@
 //! The routes, OpenAI-style errors, and every answer but generation: health, models, `/metrics`, the
-//! feed, the fault knobs, and what the peer routers of docs/results/peers.md ask a replica besides
-//! generation (vLLM's tokenizer and renderer endpoints, SGLang's server, model and load reports).
+//! feed, the fault knobs, and what the peer routers of docs/reports/results/peers.md ask a replica
+//! besides generation (vLLM's tokenizer and renderer endpoints, SGLang's server, model and load
+//! reports).
 
 use super::openai::{Api, body_object, get_bool, get_u32, request_prompt};
 use super::{REPLICA_HEADER, Shared, admin, generate, unix_now};
@@ -195,8 +196,8 @@ async fn prometheus(State(s): S, RawQuery(q): RawQuery) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-/// `GET /kvsteer/feed` (docs/feed.md): one rank's feed with `rank=R`, the union of the ranks'
-/// caches without it; 503 while the `feed_outage` fault is set.
+/// `GET /kvsteer/feed` (docs/reference/feed.md): one rank's feed with `rank=R`, the union of the
+/// ranks' caches without it; 503 while the `feed_outage` fault is set.
 async fn feed(State(s): S, RawQuery(q): RawQuery) -> Response {
     let q = q.unwrap_or_default();
     match feed_body(&s, &q) {

@@ -203,9 +203,10 @@ async fn whole(
     json_response(&v)
 }
 
-/// The `kv_transfer_params` a prefill leg answers with, in the NIXL producer's shape (docs/pd.md).
-/// The simulator moves no real KV: the block ids are stand-ins (one per full prompt block), the side
-/// channel host and port are null, and the decode leg only reads the `do_remote_prefill` flag.
+/// The `kv_transfer_params` a prefill leg answers with, in the NIXL producer's shape
+/// (docs/design/pd.md). The simulator moves no real KV: the block ids are stand-ins (one per full
+/// prompt block), the side channel host and port are null, and the decode leg only reads the
+/// `do_remote_prefill` flag.
 fn prefill_answer(shared: &Shared, rid: &str, prompt: &[u32]) -> Value {
     let bs = shared.lock().engines[0].config().block_size.max(1);
     let blocks: Vec<usize> = (0..prompt.len() / bs).collect();

@@ -57,7 +57,7 @@ pub struct ReplicaConfig {
     /// Data-parallel ranks behind this endpoint (1: one engine). Each rank is its own engine (own
     /// cache and queue, seeds derived from the rank); a request's rank comes from the
     /// `x-data-parallel-rank` header, else from vLLM's internal balancer
-    /// ([`crate::dp::DpBalancer`]). docs/dp.md.
+    /// ([`crate::dp::DpBalancer`]). docs/design/dp.md.
     pub dp_ranks: usize,
 }
 

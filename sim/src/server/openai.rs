@@ -22,8 +22,8 @@ pub(super) struct GenParams {
     pub min_tokens: u32,
     pub stream: bool,
     pub return_token_ids: bool,
-    /// `kv_transfer_params.do_remote_decode`: a P/D prefill leg (docs/pd.md); its answer carries
-    /// `kv_transfer_params` for the decode leg.
+    /// `kv_transfer_params.do_remote_decode`: a P/D prefill leg (docs/design/pd.md); its answer
+    /// carries `kv_transfer_params` for the decode leg.
     pub remote_decode: bool,
     /// `kv_transfer_params.do_remote_prefill`: a P/D decode leg; the prompt's KV is read over the
     /// modelled link ([`crate::Engine::submit_remote`]) instead of computed.
