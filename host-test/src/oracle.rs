@@ -36,10 +36,10 @@
 //!    generating there adds `min(remaining_j, output) * (kv_read * (context_j + context +
 //!    min(remaining_j, output)) + 2 * per_seq)`, true remaining lengths on both sides (two long
 //!    stragglers on one replica cost what they will really cost). Measured on one seed
-//! (docs/design/harness.md,    "The oracle"), weight 1 lowers RL's rollout p99 and TPOT p99 but
-//! raises TTFT p99 by half and    costs cache hits on the coding-agent trace, where TTFT p50 gets
-//! worse than `kv_load`'s: the term    prices latency summed over requests, not the TTFT the tables
-//! lead with, so the default leaves it    out (`oracle@decode=1` in the bench puts it back).
+//!    (docs/design/harness.md, "The oracle"), weight 1 lowers RL's rollout p99 and TPOT p99 but
+//!    raises TTFT p99 by half and costs cache hits on the coding-agent trace, where TTFT p50 gets
+//!    worse than `kv_load`'s: the term prices latency summed over requests, not the TTFT the tables
+//!    lead with, so the default leaves it out (`oracle@decode=1` in the bench puts it back).
 //!
 //! Term 1 is a lower bound of the total, so a replica whose fork has already run past the best total
 //! found is abandoned early: candidates are tried in order of queued plus uncached prefill tokens,
