@@ -221,7 +221,7 @@ mod tests {
             r#"{"prompt": [1, -2]}"#,
             r#"{"prompt": 7}"#,
         ] {
-            let e = ids(bad).err().expect(bad);
+            let e = ids(bad).expect_err(bad);
             assert_eq!((e.status, e.param), (400, Some("prompt")), "{bad}");
         }
     }
