@@ -1,11 +1,11 @@
-"""The Envoy slice of the benchmark report (docs/results.md): the same requests the harness replays
+"""The Envoy slice of the benchmark report (docs/reports/results.md): the same requests the harness replays
 as `slice-rl`, through a real Envoy in front of 4 time-scaled simulated replicas, for the filter's
 `kv_load` and `session_hash` and Envoy's own `round_robin`, `least_request` and `ring_hash` (on the
 session header). Each configuration gets fresh replicas (cold caches) and a fresh Envoy.
 
 Run by scripts/bench-envoy-slice (which installs Envoy and builds the binaries); see its header for
 options. Writes <out>/envoy.json (configuration, commit, every request) and <out>/envoy.md (the table
-and the ranking check against the harness), which `bench` includes in docs/results.md.
+and the ranking check against the harness), which `bench` includes in docs/reports/results.md.
 
 Times: the client measures wall time; the replicas run `time_scale` times faster than the engine
 model, so wall times are multiplied by `time_scale` to read as engine time, comparable with the
@@ -52,7 +52,7 @@ def pct(xs: list[float], p: float) -> float:
 
 class Sampler(threading.Thread):
     """Reads every replica's `kvsteer_sim:decode_blocks` gauge every `period_s` (wall) for the
-    decode-block CV, as docs/design.md section 7 defines it: population std / mean across replicas
+    decode-block CV, as docs/design/design.md section 7 defines it: population std / mean across replicas
     per sample, averaged over samples whose mean is not 0."""
 
     def __init__(self, endpoints: list[str], period_s: float):
@@ -310,7 +310,7 @@ def main() -> int:
     ap.add_argument("--time-scale", type=float, default=5.0)
     ap.add_argument("--sample-s", type=float, default=0.2)
     ap.add_argument("--smoke", action="store_true", help="the tiny RL slice (seconds)")
-    ap.add_argument("--out", default=str(REPO / "docs" / "results"))
+    ap.add_argument("--out", default=str(REPO / "docs" / "reports" / "results"))
     ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per configuration (fresh replicas and Envoy each); figures are medians")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Request latency and Envoy's memory with one replica flooding 8 MB feed snapshots (issue 17 goal:
+"""Request latency and Envoy's memory with one replica flooding 8 MB feed snapshots (the goal:
 "with one replica sending 8 MB snapshots on every poll, requests through Envoy keep their p99 within
 10% of the baseline; Envoy's memory stays within the documented bound").
 
@@ -18,8 +18,8 @@ the first flood snapshot has been served; a baseline phase after a flood starts 
 nothing left to apply. Envoy's VmRSS is read after every phase, VmHWM (peak) at the end.
 
 Prints one table row per phase and level (p50, p99, max, Envoy RSS, snapshots the flood feed served)
-and the flood / baseline ratios, and the memory bound docs/filter.md and docs/feed.md give. Not a
-test: timing on a shared machine; docs/feed.md quotes its figures. Build first: the filter, the sim
+and the flood / baseline ratios, and the memory bound docs/design/filter.md and docs/reference/feed.md give. Not a
+test: timing on a shared machine; docs/reference/feed.md quotes its figures. Build first: the filter, the sim
 and `cargo build -p kvsteer-sim --release --example flood-feed`; Envoy from scripts/envoy-install.
 """
 
@@ -288,12 +288,13 @@ def main() -> int:
         per = ", ".join(f"{f['p99'] / b['p99']:.2f}" for b, f in zip(base, flood))
         print(f"| {level} | {bp50:.3f} | {fp50:.3f} | {bp99:.3f} | {fp99:.3f} | "
               f"{fp99 / bp99:.2f} | {per} |")
-    # The bounds documented in docs/filter.md ("Memory per worker VM": the index at most 26.6 MB at
-    # the 1M cap in each VM, every worker's and the main thread's; each VM holds at most one feed
-    # answer per replica while applying it, each at most feed_max_bytes) and docs/feed.md (the relay
-    # ring holds at most 8 answers per replica in the proxy's shared data). The worst case has every
-    # replica answering at the limit; this scenario has one replica doing so, where docs/filter.md
-    # measured 35 MB per VM with a full index and small answers.
+    # The bounds documented in docs/design/filter.md ("Memory per worker VM": the index at most 26.6
+    # MB at the 1M cap in each VM, every worker's and the main thread's; each VM holds at most one
+    # feed answer per replica while applying it, each at most feed_max_bytes) and
+    # docs/reference/feed.md (the relay ring holds at most 8 answers per replica in the proxy's
+    # shared data). The worst case has every replica answering at the limit; this scenario has one
+    # replica doing so, where docs/design/filter.md measured 35 MB per VM with a full index and
+    # small answers.
     vms, replicas, answer_mib, index_mib = 3, 4, 8.0, 26.6e6 / MIB
     start_mib = cfg_rss_empty / 1024
     worst = start_mib + vms * (index_mib + replicas * answer_mib) + replicas * 8 * answer_mib

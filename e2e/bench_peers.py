@@ -1,4 +1,4 @@
-"""The peer routers of the benchmark report (docs/results/peers.md): the routers users would pick
+"""The peer routers of the benchmark report (docs/reports/results/peers.md): the routers users would pick
 instead of kvsteer, run as real processes in front of the same simulated replicas, next to Envoy with
 kvsteer's default policy (`kv_load`), through the same client.
 
@@ -6,7 +6,7 @@ kvsteer's default policy (`kv_load`), through the same client.
   `x-smg-routing-key` header pins a key to a replica) and `power_of_two`;
 - vllm-router: `cache_aware`, `consistent_hash` (on the `x-session-id` header) and `power_of_two`;
 - Envoy 1.40 with kvsteer_filter.wasm, `kv_load`, with the o200k tokenizer configured
-  (docs/tokenizer.md), so text prompts get the exact block identity.
+  (docs/design/tokenizer.md), so text prompts get the exact block identity.
 
 Three slices, text prompts for everyone (sglang-router refuses token-id prompts):
 - `rl`: the harness's `slice-rl` requests (`bench --export-slice`, as scripts/bench-envoy-slice),
@@ -324,7 +324,7 @@ def report(results: dict) -> str:
         f"client's wall times x {results['time_scale']:g} (engine time; the router's and client's "
         f"own overhead is magnified as much). Commit `{results['commit']}`, wall "
         f"{results['wall_s']:.0f} s on this 2-core machine.\n")
-    md.append(f"Reproduce: `scripts/bench-peers --repeat {results['repeat']} --out docs/results` "
+    md.append(f"Reproduce: `scripts/bench-peers --repeat {results['repeat']} --out docs/reports/results` "
               f"(or `scripts/bench`, part 4). Every request carries its session in `x-session-id` "
               f"(vllm-router's `consistent_hash` hashes it) and in `x-smg-routing-key` "
               f"(sglang-router's `manual` pins it to a replica); the other policies ignore both. "

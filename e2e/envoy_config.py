@@ -138,7 +138,7 @@ def rewrite(
     """A copy of `doc` for these replicas (name, `IP:port`), ports and wasm path.
 
     `extra_clusters` (name -> `IP:port`) adds single-host clusters built like the feed clusters:
-    the working-set exchange's peer proxies (`peers.proxies[].cluster`, docs/proxies.md).
+    the working-set exchange's peer proxies (`peers.proxies[].cluster`, docs/reports/proxies.md).
 
     Per-replica clusters (`kvsteer_feed_<name>`, `replica_<name>`, `kvsteer_prefill_<name>`) are
     rebuilt from the first one in the file, so the committed four-replica files serve any replica

@@ -1,9 +1,9 @@
-"""The fidelity check (docs/fidelity.md): one small RL-like workload through 4 real vLLM CPU engines
+"""The fidelity check (docs/reports/fidelity.md): one small RL-like workload through 4 real vLLM CPU engines
 and through 4 simulated replicas fitted to them (`kvsteer-sim serve --profile`, real time), both
 behind Envoy with the filter, for round_robin, session_hash, kv_affinity and kv_load; hit rates,
 TTFT p50/p99 and output tok/s side by side.
 
-Real side: 4 engines of docs/real-vllm.md (tiny random-weight Llama, block size 32, the engine's own
+Real side: 4 engines of docs/guide/real-vllm.md (tiny random-weight Llama, block size 32, the engine's own
 KV block count, `--enforce-eager`), two pinned to each core (`VLLM_CPU_OMP_THREADS_BIND` 0, 1, 0, 1),
 a `kvsteer-feed` beside each (e2e/test_real_vllm.py's RealStack); the engines stay up across
 policies, each policy starting on empty caches (`POST /reset_prefix_cache`, then a one-block request
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_envoy import commit, pct, replay, summarize  # noqa: E402
 from client import Client, tokens  # noqa: E402
-from stack import Stack, StackError, free_ports, sim_path, wasm_path  # noqa: E402
+from stack import Stack, StackError, free_ports, report_path, sim_path, wasm_path  # noqa: E402
 from test_real_vllm import BLOCK, Engine, RealStack, prom, wait_until  # noqa: E402
 from test_real_vllm import http as http_req  # noqa: E402
 
@@ -365,7 +365,7 @@ def main() -> int:
     params["prompt_tokens"] = sum(len(t["prompt"]) for s in doc["sessions"] for t in s["turns"])
     params["output_tokens"] = sum(t["max_tokens"] for s in doc["sessions"] for t in s["turns"])
     results = {"commit": commit(), "params": params, "policies": policies, "real": {}, "sim": {},
-               "wasm": str(wasm_path()), "sim_bin": str(sim_path())}
+               "wasm": report_path(wasm_path()), "sim_bin": report_path(sim_path())}
     out = Path(a.out) / "fidelity.json"
     if a.merge and out.exists():
         old = json.loads(out.read_text())

@@ -1,6 +1,6 @@
-"""Fits a `kvsteer-sim` step-time profile to a real vLLM CPU engine (docs/fidelity.md).
+"""Fits a `kvsteer-sim` step-time profile to a real vLLM CPU engine (docs/reports/fidelity.md).
 
-One vLLM 0.32 CPU engine serving the tiny random-weight Llama of docs/real-vllm.md (block size 32,
+One vLLM 0.32 CPU engine serving the tiny random-weight Llama of docs/guide/real-vllm.md (block size 32,
 `--enforce-eager`, prefix caching, one core: `VLLM_CPU_OMP_THREADS_BIND`), with a `kvsteer-feed`
 adapter beside it as in the fidelity run (publishing KV events costs the engine time too). Measured
 from the client, straight to the engine:

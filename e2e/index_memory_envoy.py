@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Envoy's resident memory with the kvsteer filter's block index empty and full, at several worker
-counts (issue 17 item 6: every worker VM, and the main thread's, holds its own index).
+counts (every worker VM, and the main thread's, holds its own index).
 
     .venv/bin/python e2e/index_memory_envoy.py [--concurrency 1,2,4,8] [--replicas 4]
                                               [--cap 1000000] [--settle 20]
@@ -12,7 +12,7 @@ blocks. It waits until the index gauge reaches CAP and Envoy's resident set stop
 for 5 s, at most --settle s after that), and prints VmRSS and VmHWM (peak) of the Envoy process.
 Build first: the filter (`cargo build -p kvsteer-filter --target wasm32-wasip1 --release`, or
 KVSTEER_WASM=path) and `cargo build --release -p kvsteer-sim --example flood-feed`. Not a test: it
-prints figures (docs/filter.md quotes them).
+prints figures (docs/design/filter.md quotes them).
 """
 
 import argparse

@@ -1,5 +1,5 @@
 """How much of a multi-turn workload a real vLLM engine with data-parallel ranks answers from cache,
-routed by kvsteer with rank awareness against rank-blind (run by hand; docs/real-vllm.md).
+routed by kvsteer with rank awareness against rank-blind (run by hand; docs/guide/real-vllm.md).
 
 One vLLM 0.32 CPU server with `--data-parallel-size 2` (each rank its own core and KV cache, 128
 blocks of 32 tokens), `kvsteer-feed --dp-ranks 2` beside it, and Envoy with the release filter
@@ -10,7 +10,7 @@ nothing of the first), the prefix caches reset in between:
 - `rank-aware`: through Envoy: the filter picks the rank and writes `x-data-parallel-rank`;
 - `rank-blind`: straight to the engine's port without a rank header: with one endpoint this is what
   any router that does not know the ranks amounts to (it can only pick the endpoint); vLLM's own
-  balancer picks the rank from its queue counts (docs/dp.md).
+  balancer picks the rank from its queue counts (docs/design/dp.md).
 
 Workload: SESSIONS multi-turn sessions, TURNS turns each; a turn's prompt is the previous turn's
 prompt plus GROW new tokens (first turn FIRST tokens); turns are sent turn by turn across the

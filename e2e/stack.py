@@ -61,6 +61,19 @@ def target_dir() -> Path:
     return p if p.is_absolute() else REPO / p
 
 
+def report_path(p: Path) -> str:
+    """How a committed report names a file it used, so it carries no machine's paths: relative to the
+    repository; a build output under `CARGO_TARGET_DIR` as the same path under `target/`; anything
+    else by its file name alone (as `kvsteer_host_test::artifact::report_path` does)."""
+    p = Path(p)
+    for base, prefix in ((target_dir(), Path("target")), (REPO, Path("."))):
+        try:
+            return str(prefix / p.resolve().relative_to(base.resolve()))
+        except ValueError:
+            pass
+    return str(p) if not p.is_absolute() else p.name
+
+
 def wasm_path() -> Path:
     return Path(
         os.environ.get("KVSTEER_WASM")

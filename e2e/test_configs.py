@@ -1,4 +1,4 @@
-"""The committed Envoy configurations (envoy/*.yaml): what docs/envoy.md promises is in them, and Envoy
+"""The committed Envoy configurations (envoy/*.yaml): what docs/guide/envoy.md promises is in them, and Envoy
 1.40 itself accepts each one with the built filter loaded and configured from its plugin JSON."""
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class EveryVariant(unittest.TestCase):
                     self.assertIn("connect-failure", retry_on)
                     if route["route"].get("cluster") == "replicas":
                         # A replica failing fast costs the client nothing: the retry goes to the
-                        # next host (docs/envoy.md). Not on a one-host cluster_header route, where
-                        # it would go back to the replica that failed.
+                        # next host (docs/guide/envoy.md). Not on a one-host cluster_header route,
+                        # where it would go back to the replica that failed.
                         self.assertIn("5xx", retry_on)
                         self.assertEqual(
                             route["route"]["retry_policy"]["retry_host_predicate"][0]["name"],

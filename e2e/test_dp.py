@@ -1,4 +1,4 @@
-"""End-to-end: data-parallel ranks through a real Envoy (docs/dp.md). Two simulated endpoints, each
+"""End-to-end: data-parallel ranks through a real Envoy (docs/design/dp.md). Two simulated endpoints, each
 serving 4 DP ranks (`kvsteer-sim serve --dp-ranks 4`: 4 engines behind one port, the rank taken from
 `x-data-parallel-rank`, else vLLM's internal balancer), and the filter told so (`dp_ranks: 4`).
 

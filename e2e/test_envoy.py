@@ -111,8 +111,8 @@ class KvsteerBehindEnvoy(unittest.TestCase):
     def test_a_long_prompt_is_read_as_it_arrives(self):
         # A 20K-token prompt is about 130 KB of JSON: Envoy hands it to the filter in several
         # slices, and the filter's early scan reads the ids of all but the last before the body
-        # has arrived (docs/filter.md, "The body as it arrives"). The follow-up still lands on the
-        # replica that holds the prefix, as the whole-body read would send it.
+        # has arrived (docs/design/filter.md, "The body as it arrives"). The follow-up still lands
+        # on the replica that holds the prefix, as the whole-body read would send it.
         before = stat_sum(self.stack, "kvsteer_early_scan_bodies")
         prefix, holder = self.seed_prefix(25_000, n=20_000)
         time.sleep(FEED_SETTLE_S)
@@ -386,8 +386,8 @@ class EnvoyVariants(unittest.TestCase):
 
     def test_without_allow_on_headers_stop_iteration_requests_stall(self):
         # Why envoy.yaml sets the flag, and why Istio's WasmPlugin (which cannot set it) is not the
-        # way to install kvsteer on Envoy >= 1.35 (docs/istio.md): the filter pauses on the request
-        # headers to read the body, and without the flag Envoy never resumes the request.
+        # way to install kvsteer on Envoy >= 1.35 (docs/guide/istio.md): the filter pauses on the
+        # request headers to read the body, and without the flag Envoy never resumes the request.
         self.with_envoy("envoy", wasm_overrides={"allow_on_headers_stop_iteration": False})
         c = Client("127.0.0.1", self.stack.listen_port, timeout_s=3)
         stalled = c.complete(tokens(64, 85_000))

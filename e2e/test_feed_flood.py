@@ -1,6 +1,5 @@
 """End-to-end: replicas whose feed floods, stalls or overflows, through Envoy 1.40 (`--concurrency
-2`) with envoy/envoy.yaml, the built filter and simulated replicas, all on 127.0.0.1 (issue 17 items
-1-3).
+2`) with envoy/envoy.yaml, the built filter and simulated replicas, all on 127.0.0.1.
 
 Each flooding replica is a normal simulated replica for completions whose feed cluster points at a
 feed-only process of its own (`sim/examples/flood-feed.rs`, made-up blocks; `Stack.start_flood_feed`).

@@ -1,5 +1,5 @@
 """End-to-end: a replica that fails fast loses its share of the filter's choices and gets it back
-when it recovers (issue 17 item 4), through Envoy 1.40 (`--concurrency 2`) with envoy/envoy.yaml, the
+when it recovers, through Envoy 1.40 (`--concurrency 2`) with envoy/envoy.yaml, the
 built filter and 4 simulated replicas.
 
 Six clients send short non-streamed completions of distinct prompts (so only load and health steer

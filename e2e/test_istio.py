@@ -1,7 +1,7 @@
 """The Istio manifests (istio/*.yaml): every document parses and is a well-formed Kubernetes object, the
 pieces agree with each other (names, ports, headers, clusters), and the Envoy configuration they embed
 is accepted by Envoy 1.40 with the built filter configured from the manifests' own plugin JSON. No
-cluster runs here: what Istio itself would do with them is documented in docs/istio.md, not tested."""
+cluster runs here: what Istio itself would do with them is documented in docs/guide/istio.md, not tested."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""End-to-end: prefill/decode disaggregation through a real Envoy (docs/pd.md), with the committed
+"""End-to-end: prefill/decode disaggregation through a real Envoy (docs/design/pd.md), with the committed
 `envoy/envoy-pd.yaml`. Four simulated replicas, r0 and r1 prefill, r2 and r3 decode (`kvsteer-sim
 serve` answers `kv_transfer_params` on a prefill leg and reads the prompt over its modelled link on a
 decode leg with `do_remote_prefill`).

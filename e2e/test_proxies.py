@@ -1,9 +1,9 @@
 """End-to-end: two independent Envoy processes (each `--concurrency 2`, each its own filter VMs and
-shared data) in front of the same two simulated replicas (issue 15, docs/proxies.md). Nothing passes
+shared data) in front of the same two simulated replicas (docs/reports/proxies.md). Nothing passes
 between the Envoys but the replicas' feeds: proxy B learns of a long decode sent through proxy A only
 from the replica's report. `RestartOneProxy`: B is drained, stopped and started again under client
-traffic split over both (docs/proxies.md, "Restarting a proxy"). `WorkingSetExchange`: with `peers`
-configured, each Envoy polls the other for its working-set journals (docs/proxies.md, "Working set
+traffic split over both (docs/reports/proxies.md, "Restarting a proxy"). `WorkingSetExchange`: with `peers`
+configured, each Envoy polls the other for its working-set journals (docs/reports/proxies.md, "Working set
 across proxies").
 
 Run by scripts/e2e (`scripts/e2e test_proxies`); needs the release wasm and the sim binary.
@@ -50,7 +50,7 @@ def two_envoys(reported_load: str, **kv_load) -> tuple[Stack, Stack]:
     try:
         a.start_replicas(2, extra=["--time-scale", TIME_SCALE])
         # Distinct node ids, as separate proxies of a fleet have: each filter mixes its own into the
-        # tie-break seed (docs/proxies.md, "Tie-breaks").
+        # tie-break seed (docs/reports/proxies.md, "Tie-breaks").
         a.start_envoy("envoy", concurrency=2, plugin_overrides=overrides, node_id="proxy-a")
         b.replicas = a.replicas
         b.start_envoy("envoy", concurrency=2, plugin_overrides=overrides, node_id="proxy-b")
@@ -127,7 +127,7 @@ class TwoEnvoysOneFleet(unittest.TestCase):
         self.assertNotIn(busy, landed, f"B sent to the replica decoding A's request: {landed}")
 
     def test_others_without_the_working_set_term_steers_the_other_proxy_away(self):
-        # The configuration docs/proxies.md recommends for several proxies.
+        # The configuration docs/reports/proxies.md recommends for several proxies.
         busy, landed = self.run_case("others", overflow_weight=0)
         self.assertNotIn(busy, landed, f"B sent to the replica decoding A's request: {landed}")
 
@@ -143,7 +143,7 @@ PEER_TOKEN = "e2e-peer-token-0123456789"
 
 def exchanging_envoys(peers: bool) -> tuple[Stack, Stack]:
     """Two Envoys over the same two replicas; with `peers`, each lists the other as its peer proxy
-    (a STATIC cluster to the other's listener) with a shared token (docs/proxies.md, "Working set
+    (a STATIC cluster to the other's listener) with a shared token (docs/reports/proxies.md, "Working set
     across proxies"). Ports are taken up front: each Envoy's configuration names the other's."""
     a, b = Stack(), Stack()
     try:

@@ -1,6 +1,6 @@
 """End-to-end against real engines: two vLLM 0.32 CPU engines (tiny random-weight Llama, block size
 32, one core each), a `kvsteer-feed` adapter beside each, and Envoy with the release filter in front,
-all on 127.0.0.1. Run by scripts/e2e-vllm (docs/real-vllm.md), which installs vLLM into .vllm/ and
+all on 127.0.0.1. Run by scripts/e2e-vllm (docs/guide/real-vllm.md), which installs vLLM into .vllm/ and
 sets KVSTEER_E2E_VLLM=1; without it every test here is skipped (scripts/e2e discovers this file too,
 and the engines cost minutes and 6 GB).
 
@@ -289,7 +289,7 @@ class RealStack(Stack):
             plugin_overrides=plugin_overrides or {"routing": {"policy": "kv_load", "block_size": BLOCK}},
             replica_overrides=replica_overrides,
         )
-        # Feed callouts go to the adapters, not the engines (docs/feed-adapter.md).
+        # Feed callouts go to the adapters, not the engines (docs/guide/feed-adapter.md).
         adapters = {envoy_config.FEED_PREFIX + e.name: e.adapter_port for e in self.engines}
         for c in doc["static_resources"]["clusters"]:
             if c["name"] in adapters:

@@ -1,4 +1,4 @@
-"""End-to-end against a real engine with data-parallel ranks (docs/dp.md): one vLLM 0.32 CPU server
+"""End-to-end against a real engine with data-parallel ranks (docs/design/dp.md): one vLLM 0.32 CPU server
 with `--data-parallel-size 2` (two engine cores, one per CPU core, each its own KV cache, behind one
 HTTP port), a `kvsteer-feed --dp-ranks 2` beside it, and Envoy with the release filter in front, the
 replica declared with `dp_ranks: 2`; all on 127.0.0.1. Run by scripts/e2e-vllm after

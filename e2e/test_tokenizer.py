@@ -1,4 +1,4 @@
-"""End-to-end: exact routing for chat prompts through a real Envoy (docs/tokenizer.md).
+"""End-to-end: exact routing for chat prompts through a real Envoy (docs/design/tokenizer.md).
 
 The replicas run the real o200k_harmony BPE (`kvsteer-sim --tokenizer o200k_harmony`) and the filter
 is configured with the same vocabulary and the `kvsteer_sim` chat template (the simulator's chat

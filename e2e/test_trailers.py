@@ -1,4 +1,4 @@
-"""End-to-end: HTTP/2 requests that end with trailers are routed like any other (issue 17 item 5),
+"""End-to-end: HTTP/2 requests that end with trailers are routed like any other,
 through Envoy 1.40 (`--concurrency 2`) with envoy/envoy.yaml, the built filter and 4 simulated
 replicas. The client speaks cleartext HTTP/2 with prior knowledge (the `h2` package, installed into
 .venv by scripts/e2e): headers, the JSON body in DATA frames that do not end the stream, then a

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent block-identity vectors for kvsteer-core (docs/design.md section 4).
+"""Independent block-identity vectors for kvsteer-core (docs/design/design.md section 4).
 
 Recomputes Dynamo-style block hashes with the Python `xxhash` package (a C binding of the reference
 xxHash library, not the Rust `xxhash-rust` crate the core uses) and writes them to

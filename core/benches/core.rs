@@ -1,5 +1,6 @@
-//! Figures for the bars of docs/design.md section 8 (no criterion: plain timing loops that print a
-//! table). Run: `cargo bench -p kvsteer-core --bench core` (add `-- --quick` for a short run).
+//! Figures for the bars of docs/design/design.md section 8 (no criterion: plain timing loops that
+//! print a table). Run: `cargo bench -p kvsteer-core --bench core` (add `-- --quick` for a short
+//! run).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -86,7 +87,7 @@ fn main() {
     );
     println!(
         "| {:<58} | {:>16} | {:<28} |",
-        "measure", "value", "bar (docs/design.md s.8)"
+        "measure", "value", "bar (docs/design/design.md s.8)"
     );
     println!("|{:-<60}|{:-<18}|{:-<30}|", "", "", "");
 

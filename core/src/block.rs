@@ -1,4 +1,4 @@
-//! Block identity (docs/design.md section 4).
+//! Block identity (docs/design/design.md section 4).
 //!
 //! The index speaks NVIDIA Dynamo's language so that any engine-side publisher that follows it can feed
 //! kvsteer: a block is `block_size` token ids; its *local hash* is XXH3-64 (seed 1337) over the token ids

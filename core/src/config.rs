@@ -44,7 +44,7 @@ impl PolicyKind {
     }
 }
 
-/// Coefficients of the `kv_load` cost (docs/design.md section 2.1; defaults are NVIDIA Dynamo's KV
+/// Coefficients of the `kv_load` cost (docs/design/design.md section 2.1; defaults are NVIDIA Dynamo's KV
 /// router's).
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(from = "KvLoadSection")]
@@ -81,7 +81,7 @@ pub struct KvLoadParams {
     pub short_queue_weight: Option<f64>,
     /// With `short_queue_weight`: the prompt length (tokens) up to which it applies in full.
     pub short_prompt_tokens: f64,
-    /// Price prefill in decode time (kvsteer's cost, docs/design.md section 2): the prefill term is
+    /// Price prefill in decode time (kvsteer's cost, docs/design/design.md section 2): the prefill term is
     /// scaled by `(1 + context / attention_context_tokens) * 256 / expected_output`, so a block of
     /// prefill weighs more for a long context (attention grows with it) and less for a request that
     /// will decode for long (it pays every decode block beside it at every step). `prefill_scale` is
@@ -130,7 +130,7 @@ pub struct KvLoadParams {
     pub overflow_softness: f64,
     /// Also count the blocks each replica's feed reports stored (GPU tier) in its working set, as
     /// asked for once: what other proxies send it, which this proxy cannot see otherwise (and the
-    /// blocks of generated outputs). For several proxies in front of one fleet (docs/proxies.md).
+    /// blocks of generated outputs). For several proxies in front of one fleet (docs/reports/proxies.md).
     pub working_set_from_feed: bool,
     /// Scale `overflow_weight` by how far the traffic's reuse share (the share of recently requested
     /// blocks that had been requested before) is above this floor: nothing at or below it, all of
@@ -157,7 +157,7 @@ impl KvLoadParams {
     }
 }
 
-/// Named `kv_load` settings from routers users would otherwise pick (docs/configuration.md).
+/// Named `kv_load` settings from routers users would otherwise pick (docs/reference/configuration.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KvLoadPreset {
@@ -309,7 +309,7 @@ impl ProfileSpec {
     }
 }
 
-/// The `kv_time` section: the cost in seconds (docs/design.md, "The cost in seconds";
+/// The `kv_time` section: the cost in seconds (docs/design/design.md section 2.7;
 /// [`crate::policy::kv_time`]). Five tunables, each with its unit.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -395,7 +395,7 @@ pub enum ReportedLoad {
     Ignore,
     /// The replica's report plus this proxy's bookings the report cannot reflect yet (requests it
     /// admitted since the poll that produced the report was sent), field by field: every proxy's
-    /// traffic up to the poll, and this proxy's own since, each counted once (docs/design.md,
+    /// traffic up to the poll, and this proxy's own since, each counted once (docs/design/design.md,
     /// "Many proxies"). For fleets of independent proxies in front of the same replicas.
     Merge,
     /// This proxy's own bookings, as `ignore` scores them, plus the part of each replica's report
@@ -416,7 +416,7 @@ impl Default for KvLoadParams {
         // gains most from a lightly loaded replica. The queue already on a replica weighs a quarter
         // of the request's own uncached blocks: the fleet computes that queue wherever this request
         // goes, but a move adds its prefill and evicts another session's cache to hold it. Measured
-        // in docs/results.md (the ablation table walks from the dynamo preset to these).
+        // in docs/reports/results.md (the ablation table walks from the dynamo preset to these).
         Self {
             preset: None,
             prefill_scale: 16.0,

@@ -2,11 +2,11 @@
 //!
 //! One engine endpoint can serve several data-parallel (DP) ranks, each an independent engine with its
 //! own KV cache and its own queue (vLLM's `--data-parallel-size` behind one API server: every rank is a
-//! separate engine-core process; docs/dp.md). A router that sees only the endpoint cannot know which
-//! rank holds a session's prefix, and the engine's own balancer (vLLM's `DPLBAsyncMPClient`) picks a
-//! rank by queue length alone, so a prefix cached on rank 2 is recomputed on rank 0. Routing to the
-//! rank needs the rank to be the unit everything is kept for: its blocks in the index, its load in the
-//! load table, its candidacy in every policy.
+//! separate engine-core process; docs/design/dp.md). A router that sees only the endpoint cannot
+//! know which rank holds a session's prefix, and the engine's own balancer (vLLM's
+//! `DPLBAsyncMPClient`) picks a rank by queue length alone, so a prefix cached on rank 2 is
+//! recomputed on rank 0. Routing to the rank needs the rank to be the unit everything is kept for:
+//! its blocks in the index, its load in the load table, its candidacy in every policy.
 //!
 //! [`Units`] lays the fleet's units out in one index space: endpoint 0's ranks first, then endpoint
 //! 1's, and so on. An endpoint with one rank is one unit with no rank ([`Unit::rank`] `None`), so a

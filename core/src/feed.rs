@@ -1,5 +1,5 @@
-//! The replica feed: what a replica tells the router on each poll (docs/design.md section 5; the
-//! wire format is specified in docs/feed.md).
+//! The replica feed: what a replica tells the router on each poll (docs/design/design.md section 5;
+//! the wire format is specified in docs/reference/feed.md).
 //!
 //! The router polls `GET /kvsteer/feed?epoch=E&cursor=C&max_events=N` on every replica. The answer is a
 //! compact little-endian binary batch ("KVSF" version 1): block identities travel as 8-byte sequence
@@ -236,7 +236,8 @@ impl FeedBatch {
 
     /// [`FeedBatch::encode`] with the data-parallel rank the batch describes in header bytes 6-7
     /// (version 1 called them reserved and wrote 0, which is rank 0: a decoder that ignores them, as
-    /// every version 1 decoder does, reads the same batch). docs/feed.md, "Data-parallel ranks".
+    /// every version 1 decoder does, reads the same batch). docs/reference/feed.md, "Data-parallel
+    /// ranks".
     pub fn encode_for_rank(&self, rank: u16) -> Vec<u8> {
         let mut out = self.encode();
         out[6..8].copy_from_slice(&rank.to_le_bytes());

@@ -1,7 +1,7 @@
-//! The replica's side of the feed (docs/feed.md): a bounded, sequenced log of cache changes that
-//! answers the router's polls, with a snapshot whenever the router's epoch or cursor cannot be served.
-//! Pure (no I/O): the simulator (`kvsteer-sim`) and the feed adapter beside real engines
-//! (`kvsteer-feed`) both serve `/kvsteer/feed` from it.
+//! The replica's side of the feed (docs/reference/feed.md): a bounded, sequenced log of cache
+//! changes that answers the router's polls, with a snapshot whenever the router's epoch or cursor
+//! cannot be served. Pure (no I/O): the simulator (`kvsteer-sim`) and the feed adapter beside real
+//! engines (`kvsteer-feed`) both serve `/kvsteer/feed` from it.
 //!
 //! Changes are first gathered in a *pending* list where consecutive changes of the same kind and tier
 //! merge into one event; [`FeedLog::publish`] gives them sequence numbers. Merging never touches a

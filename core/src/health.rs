@@ -1,5 +1,6 @@
-//! Replica health learned from completions (docs/design.md section 2.4): a replica whose requests
-//! fail loses its share of traffic within a few failures, and gets it back once it answers again.
+//! Replica health learned from completions (docs/design/design.md section 2.4): a replica whose
+//! requests fail loses its share of traffic within a few failures, and gets it back once it answers
+//! again.
 //!
 //! The filter reports how each request it routed ended ([`Outcome`]): a success (a 2xx answer that
 //! ended without an engine error), or a failure (an HTTP 5xx, or an engine error event inside a 200

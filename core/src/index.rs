@@ -1,5 +1,5 @@
-//! The KV block index: which replica holds which block, on which tier (docs/design.md sections 2
-//! and 4).
+//! The KV block index: which replica holds which block, on which tier (docs/design/design.md
+//! sections 2 and 4).
 //!
 //! Layout, chosen for a few tens of bytes per block and no allocation per block:
 //! - a slab of 16-byte [`Slot`]s: the sequence hash and up to four holders inline;
@@ -10,8 +10,8 @@
 //!   (a replica can hold the same block on GPU and in host memory at once); a block held by more than
 //!   four replicas moves its holder list to an overflow map.
 //!
-//! Memory (issue 17: every proxy worker VM holds its own index, and WebAssembly memory never shrinks,
-//! so what counts is the peak): the slab grows in chunks of [`SLAB_CHUNK`] slots that are never moved,
+//! Memory (every proxy worker VM holds its own index, and WebAssembly memory never shrinks, so what
+//! counts is the peak): the slab grows in chunks of [`SLAB_CHUNK`] slots that are never moved,
 //! sized so that the chunks together never exceed the cap, instead of a `Vec` that doubles (a doubling
 //! `Vec` holds its old and new copies at once, 1.5x the final size, and leaves the old ones behind as
 //! holes). Free slots form a list threaded through their own `key` field, so freeing a replica's
@@ -316,8 +316,8 @@ impl KvIndex {
     /// held by more than four replicas (the overflow map) aside: 16 bytes a slot up to the cap, one
     /// bit a slot, the hash table sized for the cap (5 bytes a bucket, buckets the next power of two
     /// of 8/7 of the cap: 10.5 bytes a block at a cap of 1M, 5.7 at 900k), 16 bytes a replica, and
-    /// the recently matched slots (4 bytes an entry, 256 KiB at most). Each worker VM pays it once; docs/filter.md has the
-    /// figures.
+    /// the recently matched slots (4 bytes an entry, 256 KiB at most). Each worker VM pays it once;
+    /// docs/design/filter.md has the figures.
     pub fn memory_bound(capacity_blocks: usize, replicas: usize) -> usize {
         let cap = capacity_blocks.clamp(1, u32::MAX as usize);
         let replicas = replicas.clamp(1, MAX_REPLICAS);
@@ -1130,8 +1130,8 @@ mod tests {
                 );
             }
         }
-        // At the default cap, the figure docs/filter.md and docs/configuration.md quote.
-        // 16 MB of slots, 16 chunk handles, 125 KB of bits, 2^21 buckets, 16 replicas, the
+        // At the default cap, the figure docs/design/filter.md and docs/reference/configuration.md
+        // quote. 16 MB of slots, 16 chunk handles, 125 KB of bits, 2^21 buckets, 16 replicas, the
         // recently matched slots.
         assert_eq!(
             KvIndex::memory_bound(1_000_000, 16),

@@ -1,4 +1,4 @@
-//! The token-load table (docs/design.md section 2): the work each replica still has to do, tracked
+//! The token-load table (docs/design/design.md section 2): the work each replica still has to do, tracked
 //! through every request's life as this router sees it.
 //!
 //! Transitions (with the default [`Accounting`], Dynamo's):
@@ -26,7 +26,7 @@ pub struct LoadTotals {
 
 /// Queued prefill in time, counted in tokens of a short prompt (the linear layers' cost per token):
 /// each of the `uncached` tokens at the end of a `prompt`-token prompt also attends to its context,
-/// costing `context / attention_context_tokens` more (the time-cost model, docs/design.md section
+/// costing `context / attention_context_tokens` more (the time-cost model, docs/design/design.md section
 /// 2), and the uncached tokens' contexts average the cached part plus half the uncached part. A
 /// queue of long cold prefills takes several times its token count to clear, which counting tokens
 /// hides. Saturates for hostile sizes; `attention_context_tokens` 0 counts plain tokens.
@@ -156,7 +156,7 @@ impl LoadTotals {
 /// starts, and a prefill-phase request occupies the batch too), and a prefix block active on a replica
 /// counts once however many requests share it (`router_assume_kv_reuse`: the engine's prefix cache
 /// holds one copy). kvsteer's earlier accounting (prompt blocks from the first token, every request's
-/// prompt counted whole) stays available for comparison (docs/configuration.md).
+/// prompt counted whole) stays available for comparison (docs/reference/configuration.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Accounting {
     /// Charge a request's prompt blocks as decode load from admission rather than from its first token.
@@ -537,7 +537,7 @@ impl LoadTable {
     }
 
     /// What this table's requests admitted at or after `marks[replica]` (ms) add to their replica, in
-    /// the units a replica reports its own load (docs/feed.md), for `reported_load` `merge`: their
+    /// the units a replica reports its own load (docs/reference/feed.md), for `reported_load` `merge`: their
     /// prefill tokens still to compute (zero once the first token came), their blocks counted whole,
     /// as the engine counts each sequence's blocks (prompt blocks plus one per `block_size` generated
     /// tokens, no sharing discount, no output-hint weight; booked from admission or from the first

@@ -1,4 +1,5 @@
-//! Prefill/decode disaggregation (docs/pd.md): replicas with a role, and the two-sided choice.
+//! Prefill/decode disaggregation (docs/design/pd.md): replicas with a role, and the two-sided
+//! choice.
 //!
 //! For one request the router picks a **prefill** replica, which computes the prompt (vLLM: the
 //! 1-token request asking for remote decode), and a **decode** replica, which reads that KV and

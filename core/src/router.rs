@@ -1,5 +1,5 @@
 //! The router: the KV index, the approximate indexes, the token-load table and the policies together,
-//! behind the API the proxy-wasm filter calls (see docs/core.md).
+//! behind the API the proxy-wasm filter calls (see docs/design/core.md).
 //!
 //! Effective load of a replica, the input to every load-aware policy, by `kv_load.reported_load`:
 //! - `ignore`: the router-tracked totals (this worker's plus its peers');
@@ -8,7 +8,7 @@
 //! - `merge`: the report plus the bookings this proxy (this worker and its peers) made since the poll
 //!   that produced the report went out ([`LoadTable::since`]), each field added: the report holds
 //!   every proxy's traffic up to the poll, the bookings this proxy's since, so nothing counts twice
-//!   (docs/design.md, "Many proxies");
+//!   (docs/design/design.md, "Many proxies");
 //! - `others`: the router-tracked totals, as `ignore`, plus the rest of the report: the report less
 //!   this proxy's requests it holds ([`LoadTable::held`], as they stood when the report came), so
 //!   this proxy's own requests are counted once, by its own accounting, and the other proxies' by
@@ -598,7 +598,7 @@ impl Router {
         }
     }
 
-    /// Chooses both ends of a P/D request (crate::pd, docs/pd.md): a prefill replica among those
+    /// Chooses both ends of a P/D request (crate::pd, docs/design/pd.md): a prefill replica among those
     /// whose role prefills, a decode replica among those whose role decodes. Replicas down or
     /// ejected are avoided while the side has another. Does not admit: call [`Router::admit_pd`].
     pub fn route_pd(
@@ -1397,7 +1397,7 @@ impl Router {
         self.down.get(replica).copied().unwrap_or(false)
     }
 
-    /// Records how a request on `replica` ended (docs/design.md section 2.4): failures eject a
+    /// Records how a request on `replica` ended (docs/design/design.md section 2.4): failures eject a
     /// replica from every policy's choices until probes succeed again. Out of range: counted.
     pub fn record_outcome(&mut self, replica: usize, outcome: Outcome, now_ms: u64) {
         if replica >= self.replicas {

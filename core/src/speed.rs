@@ -67,7 +67,7 @@ pub const PROFILE_NAMES: [&str; 3] = [
 impl EngineProfile {
     /// A built-in profile by name. The coefficients are derived from each GPU's published peak
     /// figures and the model's shape, at the same efficiencies as the simulator's default
-    /// (docs/simulator.md): 80% of memory bandwidth, 60% of dense BF16 for linear layers, 50% for
+    /// (docs/design/simulator.md): 80% of memory bandwidth, 60% of dense BF16 for linear layers, 50% for
     /// attention.
     pub fn named(name: &str) -> Option<EngineProfile> {
         let p = |name: &str, overhead, weights, kv_read, compute, attn, kv_tokens| EngineProfile {

@@ -1,6 +1,6 @@
-//! Health from completions through the Router (docs/design.md section 2.5): every policy stops
-//! choosing a replica whose requests fail, except for one probe per interval, and takes it back once
-//! its probes succeed.
+//! Health from completions through the Router (docs/design/design.md section 2.5): every policy
+//! stops choosing a replica whose requests fail, except for one probe per interval, and takes it
+//! back once its probes succeed.
 
 use kvsteer_core::health::Outcome;
 use kvsteer_core::{PolicyKind, Router, RoutingConfig};

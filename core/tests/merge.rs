@@ -1,5 +1,5 @@
 //! `kv_load.reported_load = merge`: a replica's report plus this proxy's bookings since the poll that
-//! produced it, each counted once (docs/design.md, "Many proxies").
+//! produced it, each counted once (docs/design/design.md, "Many proxies").
 
 use kvsteer_core::config::{KvLoadParams, ReportedLoad};
 use kvsteer_core::feed::{FeedBatch, ReplicaLoad};

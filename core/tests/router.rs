@@ -374,9 +374,9 @@ fn bad_replica_counts() {
     assert_eq!(r.stats().release_anomalies, 1);
 }
 
-/// The herding docs/design.md section 1 describes: pure overlap piles every request sharing a
-/// popular prefix onto the replica that caches it; token load spreads them once that replica's load
-/// outweighs the prefill it saves.
+/// The herding docs/design/design.md section 1 describes: pure overlap piles every request sharing
+/// a popular prefix onto the replica that caches it; token load spreads them once that replica's
+/// load outweighs the prefill it saves.
 #[test]
 fn kv_load_spreads_what_kv_affinity_herds() {
     let system: Vec<u32> = (0..256).collect();

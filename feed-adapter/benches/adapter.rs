@@ -1,5 +1,6 @@
 //! `cargo bench -p kvsteer-feed --bench adapter [-- --quick]`: engine events decoded and applied per
-//! second on one core, and heap bytes per block held. Prints a table (docs/feed-adapter.md records it).
+//! second on one core, and heap bytes per block held. Prints a table (docs/guide/feed-adapter.md
+//! records it).
 
 use kvsteer_core::feed::FeedQuery;
 use kvsteer_feed::encode::{Event, batch};

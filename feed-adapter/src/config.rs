@@ -17,7 +17,7 @@ pub enum ZmqMode {
 
 /// Runs beside one engine replica (vLLM, SGLang): subscribes to its ZMQ KV cache events, computes
 /// kvsteer's block identities from their token ids, scrapes the engine's /metrics for load, and serves
-/// the kvsteer feed (GET /kvsteer/feed) that the router polls. See docs/feed-adapter.md.
+/// the kvsteer feed (GET /kvsteer/feed) that the router polls. See docs/guide/feed-adapter.md.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "kvsteer-feed", version)]
 pub struct Args {

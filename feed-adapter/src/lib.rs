@@ -1,5 +1,6 @@
 //! kvsteer-feed: the feed adapter that runs beside a real engine (vLLM, SGLang) and serves kvsteer's
-//! replica feed (docs/feed.md) from the engine's ZMQ KV cache events and Prometheus metrics.
+//! replica feed (docs/reference/feed.md) from the engine's ZMQ KV cache events and Prometheus
+//! metrics.
 //!
 //! - [`wire`]: decoding the engine's msgpack event batches;
 //! - [`state`]: the pure view (engine hash -> kvsteer hash, tiers, cap, epochs) and the feed it serves;
@@ -7,7 +8,7 @@
 //! - [`run`]: the tasks (ZMQ subscriber with replay, scraper, HTTP server); [`config`]: the flags;
 //! - [`obs`]: the adapter's own Prometheus metrics; [`encode`]: vLLM-shaped payloads for tests and bench.
 //!
-//! docs/feed-adapter.md has the operator's view.
+//! docs/guide/feed-adapter.md has the operator's view.
 
 pub mod config;
 pub mod encode;

@@ -1,5 +1,5 @@
 //! `kvsteer-feed`: the feed adapter beside one engine replica. `kvsteer-feed --help` lists the flags;
-//! docs/feed-adapter.md explains them.
+//! docs/guide/feed-adapter.md explains them.
 
 use clap::Parser;
 use kvsteer_feed::config::{Args, LogFormat};

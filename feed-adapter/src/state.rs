@@ -204,7 +204,7 @@ pub struct StateConfig {
     pub limits: Limits,
     /// The data-parallel rank this view is for (`None`: a single engine, rank 0 in the feed): batches
     /// stamped with another rank are dropped and counted, never applied to this rank's cache, and
-    /// feed answers carry the rank (docs/feed.md).
+    /// feed answers carry the rank (docs/reference/feed.md).
     pub dp_rank: Option<u32>,
 }
 
@@ -712,7 +712,7 @@ impl AdapterState {
         self.load = load;
     }
 
-    /// The load part of a feed answer (docs/feed-adapter.md says what an engine cannot give).
+    /// The load part of a feed answer (docs/guide/feed-adapter.md says what an engine cannot give).
     pub fn replica_load(&self) -> ReplicaLoad {
         let total = self.load.num_gpu_blocks.unwrap_or(0);
         let referenced = match (self.load.kv_usage, total) {

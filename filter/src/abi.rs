@@ -6,7 +6,7 @@
 //! phase it does not allow them in, and a host may answer `Unimplemented` for a call it lacks. (The
 //! SDK also declares the status as a Rust enum, so a code outside that enum is not even a valid
 //! value.) Here every status is a plain `u32`, and the callers in [`crate::contexts`] each have a
-//! fallback, listed in docs/filter.md ("Host-call failures").
+//! fallback, listed in docs/design/filter.md ("Host-call failures").
 //!
 //! Every refusal (a status the call does not document as a normal answer) is counted, and published
 //! on the next tick as `kvsteer_host_call_refusals`; the first refusal of each call is also logged,
@@ -134,7 +134,7 @@ fn refused(call: &'static str, status: u32) -> u32 {
     }
     let msg = format!(
         "kvsteer: the proxy refused {call} (status {status}); the filter goes on without it \
-         (docs/filter.md, host-call failures); further refusals are counted in \
+         (docs/design/filter.md, host-call failures); further refusals are counted in \
          kvsteer_host_call_refusals"
     );
     if try_log(LogLevel::Warn, &msg) {
@@ -422,7 +422,7 @@ pub fn resume_request() -> Result<(), u32> {
 /// know, so a callout sent through the ABI directly would trap the VM when its answer came. The
 /// wrapper panics on a status other than `Ok`, `BadArgument` and `InternalFailure`; Envoy answers
 /// only those (an unknown cluster or missing pseudo-header is `BadArgument`). A host that answers
-/// anything else here still traps the VM, which the filter cannot prevent (docs/filter.md).
+/// anything else here still traps the VM, which the filter cannot prevent (docs/design/filter.md).
 pub fn dispatch_http_call(
     upstream: &str,
     headers: Vec<(&str, &str)>,

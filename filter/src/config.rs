@@ -47,13 +47,14 @@ pub struct ReplicaSpec {
     pub cluster: Option<String>,
     /// Data-parallel ranks the endpoint serves, each with its own KV cache and queue (vLLM
     /// `--data-parallel-size`); 1 (the default) is an ordinary replica. An entry with N > 1 becomes N
-    /// routing units, `NAME_dp0` .. `NAME_dp{N-1}`, at configure time (docs/dp.md).
+    /// routing units, `NAME_dp0` .. `NAME_dp{N-1}`, at configure time (docs/design/dp.md).
     #[serde(default = "d_one")]
     pub dp_ranks: u32,
-    /// What the replica does in a prefill/decode (P/D) fleet (docs/pd.md): `prefill`, `decode` or
-    /// `both` (the default). A fleet where every replica is `both` routes one request to one replica,
-    /// exactly as without the field; any other role makes the filter split each request into a
-    /// prefill leg (a callout to a replica that prefills) and a decode leg (the request itself).
+    /// What the replica does in a prefill/decode (P/D) fleet (docs/design/pd.md): `prefill`,
+    /// `decode` or `both` (the default). A fleet where every replica is `both` routes one request
+    /// to one replica, exactly as without the field; any other role makes the filter split each
+    /// request into a prefill leg (a callout to a replica that prefills) and a decode leg (the
+    /// request itself).
     #[serde(default = "d_role")]
     pub role: String,
     /// P/D: the Envoy cluster the prefill leg is sent to for this replica (`dispatch_http_call` names
@@ -94,15 +95,15 @@ fn d_pd_active_weight() -> f64 {
     PdParams::default().active_request_weight
 }
 
-/// The `pd` section: the prefill leg's limits and the P/D scores' coefficients (docs/pd.md). Read
-/// only when some replica has a `prefill` or `decode` role.
+/// The `pd` section: the prefill leg's limits and the P/D scores' coefficients (docs/design/pd.md).
+/// Read only when some replica has a `prefill` or `decode` role.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PdSection {
     /// How long the prefill leg may take, queueing on the prefill replica included. A prefill leg
     /// computes the whole uncached prompt and waits behind every prefill queued there: tens of
-    /// seconds on a saturated prefill engine with long prompts (docs/pd.md's coding-agent runs), so
-    /// the default is generous; past it the client gets a 502.
+    /// seconds on a saturated prefill engine with long prompts (docs/design/pd.md's coding-agent
+    /// runs), so the default is generous; past it the client gets a 502.
     #[serde(default = "d_prefill_timeout")]
     pub prefill_timeout_ms: u64,
     /// The prefill answer's body is refused unread over this many bytes (502). Its
@@ -206,7 +207,8 @@ fn d_feed_path_prefix() -> String {
 #[serde(deny_unknown_fields)]
 pub struct FilterConfig {
     pub replicas: Vec<ReplicaSpec>,
-    /// Policy, coefficients, block size, index cap: see the routing section of docs/configuration.md.
+    /// Policy, coefficients, block size, index cap: see the routing section of
+    /// docs/reference/configuration.md.
     #[serde(default)]
     pub routing: RoutingConfig,
     /// How often each replica's feed is polled.
@@ -270,8 +272,8 @@ pub struct FilterConfig {
     pub retry_backup: bool,
     /// Read a request body's slices as they arrive (Envoy hands each one over while the body is
     /// buffered) and follow a token-id prompt's ids as they come, so that little of the read is
-    /// left for after the last byte (docs/filter.md, "The body as it arrives"). false: read the
-    /// body only once it has all arrived.
+    /// left for after the last byte (docs/design/filter.md, "The body as it arrives"). false: read
+    /// the body only once it has all arrived.
     #[serde(default = "d_true")]
     pub early_body_scan: bool,
     /// Bytes of request bodies one VM may hold for the early scan, all its streams together (each
@@ -280,20 +282,20 @@ pub struct FilterConfig {
     #[serde(default = "d_early_max")]
     pub early_body_scan_max_bytes: usize,
     /// A response header that carries, for each request `kv_time` routes, every candidate's cost
-    /// terms and the winner (docs/configuration.md); absent (the default): none. Set only here: a
+    /// terms and the winner (docs/reference/configuration.md); absent (the default): none. Set only here: a
     /// client cannot ask for it, and an upstream's header of the same name is replaced.
     #[serde(default)]
     pub explain_header: Option<String>,
     /// Tokenize text prompts as the engine does (chat template + BPE) for the exact KV identity.
-    /// Absent: text prompts keep the approximate identity (see docs/tokenizer.md).
+    /// Absent: text prompts keep the approximate identity (see docs/design/tokenizer.md).
     #[serde(default)]
     pub tokenizer: Option<TokenizerSection>,
     /// Prefill/decode disaggregation settings (used only when some replica has a role other than
     /// `both`).
     #[serde(default)]
     pub pd: PdSection,
-    /// The working-set exchange with other proxies (docs/proxies.md). Absent (the default): this
-    /// proxy polls no peer and answers the reserved path with 404.
+    /// The working-set exchange with other proxies (docs/reports/proxies.md). Absent (the default):
+    /// this proxy polls no peer and answers the reserved path with 404.
     #[serde(default)]
     pub peers: Option<PeersSection>,
 }
@@ -333,7 +335,7 @@ pub struct PeerSpec {
 }
 
 /// The `peers` section: other proxies in front of the same replicas, polled for their working-set
-/// journals off the request path (docs/proxies.md, "Working set across proxies").
+/// journals off the request path (docs/reports/proxies.md, "Working set across proxies").
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct PeersSection {

@@ -79,7 +79,7 @@ struct Metrics {
     down: Vec<Option<u32>>,
     upstream_failures: Vec<Option<u32>>,
     ejected: Vec<Option<u32>>,
-    /// The working-set term's view per replica (docs/design.md section 2.6): its recent working set
+    /// The working-set term's view per replica (docs/design/design.md section 2.6): its recent working set
     /// and its cache size, in blocks (0: unknown, the term is off for it).
     working_set_blocks: Vec<Option<u32>>,
     cache_size_blocks: Vec<Option<u32>>,
@@ -110,7 +110,7 @@ struct Metrics {
     index_evictions: Option<u32>,
     release_anomalies: Option<u32>,
     feed_resets: Option<u32>,
-    /// P/D (docs/pd.md): requests split into two legs, prefill legs that failed (502), requests
+    /// P/D (docs/design/pd.md): requests split into two legs, prefill legs that failed (502), requests
     /// with no prefill replica up (503), decode legs sent without `kv_transfer_params` (the prefill
     /// answer had none), requests sent whole to a decode replica (body not splittable), and
     /// prefill legs sent on to their side's backup after a failure.
@@ -124,7 +124,7 @@ struct Metrics {
     early_bodies: Option<u32>,
     bookings: Option<u32>,
     releases: Option<u32>,
-    /// Host calls the proxy refused ([`abi`]: each has a fallback; docs/filter.md).
+    /// Host calls the proxy refused ([`abi`]: each has a fallback; docs/design/filter.md).
     host_call_refusals: Option<u32>,
     last_refusals: u64,
     last_bookings: (u64, u64),
@@ -630,7 +630,7 @@ impl RootContext for Root {
                     | kvsteer_core::config::ReportedLoad::Others
             )
         {
-            // Measured (docs/proxies.md): the peers' working set without their load gathers cold
+            // Measured (docs/reports/proxies.md): the peers' working set without their load gathers cold
             // sessions on replicas whose queues this proxy cannot see.
             log(
                 LogLevel::Warn,
@@ -717,7 +717,7 @@ pub struct Stream {
     /// P/D: the prefill leg in flight (phase `Prefilling`).
     prefill: Option<PrefillLeg>,
     /// The request body as far as it has arrived, read slice by slice while it is buffered
-    /// (docs/filter.md, "The body as it arrives"); empty when it is read only at the end.
+    /// (docs/design/filter.md, "The body as it arrives"); empty when it is read only at the end.
     arrived: Vec<u8>,
     /// The early scan over `arrived`; None when the body is read only once it has all arrived
     /// (`early_body_scan` false, a P/D fleet, the VM's share for held bodies spent, or the host
@@ -995,7 +995,7 @@ impl Stream {
         Action::Continue
     }
 
-    /// A P/D request (docs/pd.md): books both legs and sends the prefill leg as a callout, holding
+    /// A P/D request (docs/design/pd.md): books both legs and sends the prefill leg as a callout, holding
     /// the request until it answers ([`Stream::on_prefill_answer`]); a body that cannot be split goes
     /// whole to a decode replica; with no prefill replica up the client gets a 503.
     fn route_pd(&mut self, body: &[u8]) -> Action {

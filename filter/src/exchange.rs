@@ -1,4 +1,4 @@
-//! The working-set exchange between proxies (`peers` in the configuration; docs/proxies.md,
+//! The working-set exchange between proxies (`peers` in the configuration; docs/reports/proxies.md,
 //! "Working set across proxies").
 //!
 //! The workers of one proxy share their working-set journals in shared data ([`crate::peers`]);

@@ -11,9 +11,9 @@
 //! Nothing here may panic: a panic is a wasm trap that kills the VM and every request on it. Host calls
 //! go through the ABI itself (`abi`: the SDK's `hostcalls` wrappers panic on any status they do not
 //! expect), with bytes, so a non-UTF-8 header cannot trip a conversion; every error has a fallback
-//! (docs/filter.md, "Host-call failures"); request and feed bytes go through the core's typed
-//! parsers. What the SDK itself can still panic on (its dispatcher, on host input the filter never
-//! sees) is listed there too.
+//! (docs/design/filter.md, "Host-call failures"); request and feed bytes go through the core's
+//! typed parsers. What the SDK itself can still panic on (its dispatcher, on host input the filter
+//! never sees) is listed there too.
 
 pub mod config;
 pub mod exchange;

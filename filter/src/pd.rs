@@ -1,6 +1,6 @@
-//! The two legs of a prefill/decode (P/D) request, as the filter carries them out (docs/pd.md):
-//! the bodies it sends and how it reads the prefill replica's answer. Free of host calls, so every
-//! way a client or a replica can get these bytes wrong is tested natively.
+//! The two legs of a prefill/decode (P/D) request, as the filter carries them out
+//! (docs/design/pd.md): the bodies it sends and how it reads the prefill replica's answer. Free of
+//! host calls, so every way a client or a replica can get these bytes wrong is tested natively.
 //!
 //! vLLM's protocol: the **prefill leg** is the client's request with `stream` off, a 1-token limit and
 //! `kv_transfer_params` asking for remote decode; the prefill engine computes the prompt and answers

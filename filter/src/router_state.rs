@@ -216,7 +216,7 @@ impl Destinations {
     }
 }
 
-/// How a request in a P/D fleet goes (docs/pd.md), from [`RouterState::route_pd`].
+/// How a request in a P/D fleet goes (docs/design/pd.md), from [`RouterState::route_pd`].
 #[derive(Clone, Debug, PartialEq)]
 pub enum PdRoute {
     /// Both legs booked, the prefill leg under `prefill_id`, the decode leg under `decode_id`: send
@@ -411,7 +411,7 @@ impl RouterState {
     /// The plugin configuration (read-only).
     /// Gives the router this proxy's identity (Envoy's node id) for its tie-breaks, so proxies sharing
     /// one configuration do not draw the same tie-break sequence (`kvsteer_core::rng::proxy_seed`;
-    /// docs/proxies.md). Empty: the configured `routing.seed` alone, as a lone proxy always had.
+    /// docs/reports/proxies.md). Empty: the configured `routing.seed` alone, as a lone proxy always had.
     pub fn set_proxy_identity(&mut self, identity: &[u8]) {
         self.router.set_proxy_identity(identity);
     }
@@ -555,7 +555,7 @@ impl RouterState {
             // A VM that has routed nothing yet needs no working set: Envoy's main thread runs one
             // (it gets ticks and callouts, never a stream), and a worker whose connections are all
             // elsewhere is another. Applying every other worker's admissions costs each such VM as
-            // much as a routing one (docs/envoy.md, "Where the p99 goes"); a worker starts with its
+            // much as a routing one (docs/guide/envoy.md, "Where the p99 goes"); a worker starts with its
             // first request, from what the journals still hold (a few ticks' worth), and its
             // estimate fills in over the window. (Peer proxies' working sets are still polled from
             // the start: `plan_peer_polls`.)
@@ -773,7 +773,7 @@ impl RouterState {
         self.router.route_unread(request_id, body_bytes, now_ms)
     }
 
-    // --- Prefill/decode disaggregation (docs/pd.md) ---
+    // --- Prefill/decode disaggregation (docs/design/pd.md) ---
 
     /// Whether requests are split into a prefill and a decode leg: some replica's role is not `both`.
     pub fn disaggregated(&self) -> bool {

@@ -1,5 +1,5 @@
 //! How long the filter holds a worker thread for feed work while one replica answers every poll with
-//! a huge valid snapshot (issue 17): the longest single `on_tick` or feed answer, in wall time, with
+//! a huge valid snapshot: the longest single `on_tick` or feed answer, in wall time, with
 //! and without the flood. Requests that arrive meanwhile wait that long in a real proxy.
 //!
 //! `cargo run --release -p kvsteer-host-test --example feed-flood -- [BLOCKS] [SECONDS] [EXTRA_JSON]`

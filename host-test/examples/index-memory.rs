@@ -1,4 +1,4 @@
-//! Memory one filter VM holds with a full KV block index (issue 17 item 6): every proxy worker (and
+//! Memory one filter VM holds with a full KV block index: every proxy worker (and
 //! Envoy's main thread) runs its own VM with its own index, so this is paid once per VM.
 //!
 //! `cargo run --release -p kvsteer-host-test --example index-memory -- [CAP] [REPLICAS,...] [WORKERS]`

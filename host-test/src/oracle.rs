@@ -1,8 +1,8 @@
-//! The oracle: the limit the benchmark measures kvsteer's policies against (issue 19).
+//! The oracle: the limit the benchmark measures kvsteer's policies against.
 //!
-//! The policies rank against each other in docs/results.md; nothing there says how far the best of
-//! them is from what routing could achieve at all. The oracle is that reference point. It lives in
-//! the harness, never in the filter, because it cheats twice over:
+//! The policies rank against each other in docs/reports/results.md; nothing there says how far the
+//! best of them is from what routing could achieve at all. The oracle is that reference point. It
+//! lives in the harness, never in the filter, because it cheats twice over:
 //!
 //! - it knows every request's **true output length** (the harness sends the workload's length as
 //!   `max_tokens` with `ignore_eos`, and the engine draws the length of every request it holds at
@@ -16,7 +16,7 @@
 //! arrives, best for that moment, and knows nothing of requests still to come. A greedy oracle can be
 //! beaten on a metric it does not optimise, or by a policy that happens to keep room for later
 //! arrivals (measured: `kv_load` keeps better TTFT and TPOT tails on Mooncake and a better RL rollout
-//! p99; docs/harness.md, "The oracle"), and the report says so where it happens.
+//! p99; docs/design/harness.md, "The oracle"), and the report says so where it happens.
 //!
 //! **How it decides.** For every replica that is not down (the harness passes which are usable), it
 //! predicts, in microseconds of engine time, what placing the request there costs, and picks the
@@ -35,11 +35,11 @@
 //!    both decode, every step on that replica reads its KV and the other's, so each request `j` still
 //!    generating there adds `min(remaining_j, output) * (kv_read * (context_j + context +
 //!    min(remaining_j, output)) + 2 * per_seq)`, true remaining lengths on both sides (two long
-//!    stragglers on one replica cost what they will really cost). Measured on one seed (docs/harness.md,
-//!    "The oracle"), weight 1 lowers RL's rollout p99 and TPOT p99 but raises TTFT p99 by half and
-//!    costs cache hits on the coding-agent trace, where TTFT p50 gets worse than `kv_load`'s: the term
-//!    prices latency summed over requests, not the TTFT the tables lead with, so the default leaves it
-//!    out (`oracle@decode=1` in the bench puts it back).
+//!    stragglers on one replica cost what they will really cost). Measured on one seed
+//!    (docs/design/harness.md, "The oracle"), weight 1 lowers RL's rollout p99 and TPOT p99 but
+//!    raises TTFT p99 by half and costs cache hits on the coding-agent trace, where TTFT p50 gets
+//!    worse than `kv_load`'s: the term prices latency summed over requests, not the TTFT the tables
+//!    lead with, so the default leaves it out (`oracle@decode=1` in the bench puts it back).
 //!
 //! Term 1 is a lower bound of the total, so a replica whose fork has already run past the best total
 //! found is abandoned early: candidates are tried in order of queued plus uncached prefill tokens,

@@ -1,7 +1,7 @@
-//! A prefill/decode (P/D) fleet in virtual time (docs/pd.md): prefill-role and decode-role simulated
-//! engines in front of the **compiled filter**, which carries out vLLM's two-leg protocol for each
-//! request: the same `.wasm`, host and engines as the wasm harness, each engine's feed polled by the
-//! filter on its own timer and answered from the engine.
+//! A prefill/decode (P/D) fleet in virtual time (docs/design/pd.md): prefill-role and decode-role
+//! simulated engines in front of the **compiled filter**, which carries out vLLM's two-leg protocol
+//! for each request: the same `.wasm`, host and engines as the wasm harness, each engine's feed
+//! polled by the filter on its own timer and answered from the engine.
 //!
 //! Per request: the filter reads the client's request (a streamed completion), picks a prefill
 //! replica and a decode replica, books both legs and sends the prefill leg as a callout; the host

@@ -177,8 +177,9 @@ impl ComponentRouter {
 }
 
 /// A scripted replica feed: a log of events with sequence numbers, an epoch, and the blocks it holds.
-/// Answers a query as `docs/feed.md` says a replica must: a snapshot when the epoch differs or the
-/// cursor is outside the log, else the events after the cursor, at most `max_events`.
+/// Answers a query as `docs/reference/feed.md` says a replica must: a snapshot when the epoch
+/// differs or the cursor is outside the log, else the events after the cursor, at most
+/// `max_events`.
 struct ScriptedFeed {
     epoch: u64,
     log: Vec<FeedEvent>,

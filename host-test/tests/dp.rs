@@ -1,7 +1,7 @@
-//! Data-parallel ranks through the compiled filter (docs/dp.md): endpoints serving several ranks,
-//! each its own engine. The filter routes to (endpoint, rank) units and writes the rank header; a
-//! client's rank header never reaches the engine; a feed answer for the wrong rank is refused and
-//! counted, never a trap.
+//! Data-parallel ranks through the compiled filter (docs/design/dp.md): endpoints serving several
+//! ranks, each its own engine. The filter routes to (endpoint, rank) units and writes the rank
+//! header; a client's rank header never reaches the engine; a feed answer for the wrong rank is
+//! refused and counted, never a trap.
 
 mod common;
 use common::*;

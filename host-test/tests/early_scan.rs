@@ -1,8 +1,8 @@
-//! The early body scan (docs/filter.md, "The body as it arrives"): the filter reads each slice of a
-//! request body as the host hands it over and follows a token-id prompt's ids as they come. It must
-//! route every request exactly as reading the body once it has all arrived does, whatever the slice
-//! size, and a body it does not follow (text, odd whitespace, a salt after the prompt) must be read as
-//! before.
+//! The early body scan (docs/design/filter.md, "The body as it arrives"): the filter reads each
+//! slice of a request body as the host hands it over and follows a token-id prompt's ids as they
+//! come. It must route every request exactly as reading the body once it has all arrived does,
+//! whatever the slice size, and a body it does not follow (text, odd whitespace, a salt after the
+//! prompt) must be read as before.
 
 mod common;
 use common::*;

@@ -1,4 +1,4 @@
-//! Feed work bounded whatever a replica sends (issue 17), through the compiled filter: a huge valid
+//! Feed work bounded whatever a replica sends, through the compiled filter: a huge valid
 //! snapshot on every poll is applied in slices across ticks while requests keep flowing, one
 //! replica's flood does not evict the others' blocks, an oversized answer is refused unread, and a
 //! slow or timed-out feed makes a replica stale, never down.

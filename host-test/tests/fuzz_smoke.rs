@@ -1,4 +1,4 @@
-//! A smoke run of the fuzz campaign (issue 17; `scripts/fuzz` runs the full count): the `fuzz` binary
+//! A smoke run of the fuzz campaign (`scripts/fuzz` runs the full count): the `fuzz` binary
 //! pushes 20,000 mutated request bodies and feed answers (2,000 in a debug build) through the compiled
 //! filter and must report no trap and no broken check, and the inputs must have reached the reader
 //! and the feed decoder (the filter counted fallbacks for unreadable bodies and errors for malformed

@@ -1,4 +1,4 @@
-//! A replica that fails fast loses its share, and gets it back when it recovers (issue 17 item 4),
+//! A replica that fails fast loses its share, and gets it back when it recovers,
 //! through the real `.wasm`, two workers, four replicas, virtual time. Open loop: a request every
 //! 20 ms (50 a second), distinct prompts, so only load and health steer them. Replica 1 fails every
 //! request from 2 s to 32 s (an HTTP 5xx at once, or an engine error event inside a 200 stream), then

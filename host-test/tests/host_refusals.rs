@@ -1,9 +1,9 @@
 //! A proxy may refuse any host call: nginx's module refuses calls in a phase it does not allow them
 //! in, and a host may lack one (`Unimplemented`). The SDK's `hostcalls` wrappers panic on a status
 //! they do not expect, which traps the VM; the filter calls the ABI itself and falls back instead
-//! (docs/filter.md, "Host-call failures"). Here the host refuses the filter's calls with statuses the
-//! SDK does not expect, through the real `.wasm`: nothing traps, every request is still answered,
-//! and the same VMs route normally once the host accepts the calls again.
+//! (docs/design/filter.md, "Host-call failures"). Here the host refuses the filter's calls with
+//! statuses the SDK does not expect, through the real `.wasm`: nothing traps, every request is
+//! still answered, and the same VMs route normally once the host accepts the calls again.
 
 mod common;
 use common::*;

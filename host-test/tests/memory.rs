@@ -1,4 +1,4 @@
-//! A worker VM's memory with a full block index, through the compiled filter (issue 17 item 6): every
+//! A worker VM's memory with a full block index, through the compiled filter: every
 //! proxy worker holds its own index, and WebAssembly memory never shrinks, so what a VM ever held at
 //! once is what the proxy keeps per worker. It must stay within the index's bound for the cap
 //! (`KvIndex::memory_bound`) plus the feed answers it was handed, with no room for the doubling

@@ -1,7 +1,7 @@
-//! Prefill/decode disaggregation through the compiled filter (docs/pd.md): a fleet of 2 prefill and
-//! 2 decode simulated engines. The host answers the filter's prefill callout from a prefill engine (a
-//! 1-token request, answering `kv_transfer_params` in the NIXL producer's shape) and sends the decode
-//! leg the filter released to the decode engine it names, with remote KV
+//! Prefill/decode disaggregation through the compiled filter (docs/design/pd.md): a fleet of 2
+//! prefill and 2 decode simulated engines. The host answers the filter's prefill callout from a
+//! prefill engine (a 1-token request, answering `kv_transfer_params` in the NIXL producer's shape)
+//! and sends the decode leg the filter released to the decode engine it names, with remote KV
 //! ([`kvsteer_sim::Engine::submit_remote`]). Hostile prefill answers (not JSON, oversized, without
 //! `kv_transfer_params`, a 500, a reset, a timeout), a callout that cannot be sent, every prefill
 //! replica down and a client leaving mid-prefill never trap and leave no load booked.
@@ -836,10 +836,10 @@ fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing(
     f.assert_clean();
 }
 
-/// A prefill replica with data-parallel ranks (docs/dp.md): each rank is a prefill unit of its own,
-/// its leg carries the rank header, and a failed leg is sent on to another endpoint, not to another
-/// rank of the same engine (whose address is the same). Round robin over the prefill units r0 rank
-/// 0, r0 rank 1, r1; every first leg answers 500.
+/// A prefill replica with data-parallel ranks (docs/design/dp.md): each rank is a prefill unit of
+/// its own, its leg carries the rank header, and a failed leg is sent on to another endpoint, not
+/// to another rank of the same engine (whose address is the same). Round robin over the prefill
+/// units r0 rank 0, r0 rank 1, r1; every first leg answers 500.
 #[test]
 fn prefill_ranks_carry_the_rank_header_and_retry_on_another_endpoint() {
     let mut cfg: Value = serde_json::from_str(&plugin_config("round_robin", json!({}))).unwrap();

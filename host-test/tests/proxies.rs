@@ -1,4 +1,4 @@
-//! Several independent proxies in front of the same replicas (issue 15): each its own VMs and shared
+//! Several independent proxies in front of the same replicas: each its own VMs and shared
 //! data, so one proxy learns another's traffic only from the replicas' feeds.
 
 mod common;

@@ -1,9 +1,9 @@
-//! Exact routing for chat prompts in the real `.wasm` (docs/tokenizer.md): a filter configured with
-//! the o200k_harmony tokenizer and the simulator's chat template computes the same token ids as the
-//! simulator (`kvsteer_sim::tokenize` with the same BPE), so a multi-turn conversation is matched
-//! against the replica's KV feed and routed to the replica holding its prefix; without the
-//! tokenizer the same conversation has only the approximate identity, which the feed cannot match.
-//! Bad input never traps: it falls back with a counted reason.
+//! Exact routing for chat prompts in the real `.wasm` (docs/design/tokenizer.md): a filter
+//! configured with the o200k_harmony tokenizer and the simulator's chat template computes the same
+//! token ids as the simulator (`kvsteer_sim::tokenize` with the same BPE), so a multi-turn
+//! conversation is matched against the replica's KV feed and routed to the replica holding its
+//! prefix; without the tokenizer the same conversation has only the approximate identity, which the
+//! feed cannot match. Bad input never traps: it falls back with a counted reason.
 
 use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, ReplicaLoad, Tier};
@@ -39,7 +39,7 @@ fn engine_tokens(text: &str) -> Vec<u32> {
     tokenize(text)
 }
 
-/// The simulator's chat framing (sim/src/server.rs), which its engine tokenizes.
+/// The simulator's chat framing (sim/src/server/openai.rs), which its engine tokenizes.
 fn sim_render(messages: &[(&str, String)]) -> String {
     let mut t = String::new();
     for (role, content) in messages {

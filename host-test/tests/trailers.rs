@@ -1,6 +1,6 @@
 //! HTTP/2 requests that end with trailers: end of stream arrives on `proxy_on_request_trailers`, not on
-//! the last body chunk. They must be routed, admitted and counted like any other request (issue 17:
-//! before, the filter kept them paused until the trailers, then let them go with no decision).
+//! the last body chunk. They must be routed, admitted and counted like any other request, not
+//! kept paused until the trailers and then let go with no decision.
 
 mod common;
 use common::*;

@@ -1,11 +1,11 @@
-//! The working-set term's gauges through the real `.wasm` (docs/design.md section 2.6): an operator
-//! checks `kvsteer_cache_size_blocks_<replica>` (the cache size the filter learned from the feed, 0
-//! while unknown) and `kvsteer_working_set_blocks_<replica>` (the recent working set it estimates)
-//! to see whether the term is at work. Four replicas of 2,048 KV blocks, two workers; eight sessions
-//! ask for the same 2,048-token context four times each, between distinct 4,096-token prompts that
-//! push the caches into eviction. The workers of a proxy share their admissions through shared data,
-//! so a session whose turns go through different workers is still seen as reused; separate proxies
-//! (no shared data) are not.
+//! The working-set term's gauges through the real `.wasm` (docs/design/design.md section 2.6): an
+//! operator checks `kvsteer_cache_size_blocks_<replica>` (the cache size the filter learned from
+//! the feed, 0 while unknown) and `kvsteer_working_set_blocks_<replica>` (the recent working set it
+//! estimates) to see whether the term is at work. Four replicas of 2,048 KV blocks, two workers;
+//! eight sessions ask for the same 2,048-token context four times each, between distinct
+//! 4,096-token prompts that push the caches into eviction. The workers of a proxy share their
+//! admissions through shared data, so a session whose turns go through different workers is still
+//! seen as reused; separate proxies (no shared data) are not.
 
 mod common;
 use common::*;

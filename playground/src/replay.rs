@@ -25,8 +25,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum WorkloadChoice {
-    /// The RL rollouts with stragglers of docs/design.md section 7, scaled: `steps` x 8 rollouts x
-    /// `turns`.
+    /// The RL rollouts with stragglers of docs/design/design.md section 7, scaled: `steps` x 8
+    /// rollouts x `turns`.
     Rl {
         steps: usize,
         turns: usize,
@@ -69,7 +69,7 @@ fn default_feed_period_ms() -> u64 {
     200
 }
 
-/// Decode-load sampling period (docs/design.md section 7: every 0.5 s).
+/// Decode-load sampling period (docs/design/design.md section 7: every 0.5 s).
 pub const SAMPLE_US: u64 = 500_000;
 /// Points kept for the TTFT CDF drawn in the page.
 pub const CDF_POINTS: usize = 200;

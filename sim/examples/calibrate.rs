@@ -1,5 +1,5 @@
 //! Prints the simulator's latency shape for the default profile (Llama-3.1-8B, one H100), for the
-//! calibration table in docs/simulator.md.
+//! calibration table in docs/design/simulator.md.
 //!
 //! `cargo run --release -p kvsteer-sim --example calibrate`
 

@@ -1,5 +1,5 @@
 //! A replica that only serves a feed holding `BLOCKS` made-up blocks, to fill the filter's block
-//! index through a real proxy, or to flood it (issue 17 items 1-3 and 6: `e2e/index_memory_envoy.py`,
+//! index through a real proxy, or to flood it (`e2e/index_memory_envoy.py`,
 //! `e2e/test_feed_flood.py` and `e2e/bench_feed_flood.py` drive it). A real engine or
 //! `kvsteer-sim serve` would need millions of prompt tokens sent through it to hold a million blocks.
 //!

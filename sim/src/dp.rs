@@ -1,4 +1,4 @@
-//! Data-parallel ranks behind one endpoint (docs/dp.md): what a vLLM API server with
+//! Data-parallel ranks behind one endpoint (docs/design/dp.md): what a vLLM API server with
 //! `--data-parallel-size N` does that a router can see.
 //!
 //! Each rank is its own [`Engine`] (own KV cache, own queue); the endpoint only decides which rank a

@@ -576,13 +576,13 @@ impl Engine {
     }
 
     /// Queues a decode-role request whose prompt KV was computed by a prefill engine (vLLM's
-    /// `kv_transfer_params` with `do_remote_prefill`, docs/pd.md): the part of the prompt not in this
-    /// engine's own prefix cache now is read over `link` before the request can be scheduled (the read
-    /// runs beside the engine's steps, as NIXL's does, so it costs no step time); once admitted, every
-    /// prompt token but the last counts as computed and the last is computed to sample the first
-    /// token, as vLLM does after a remote load. Returns the tokens read over the link.
-    /// Simplification: the decode engine's blocks are allocated at admission, after the read, not
-    /// before it as vLLM does.
+    /// `kv_transfer_params` with `do_remote_prefill`, docs/design/pd.md): the part of the prompt
+    /// not in this engine's own prefix cache now is read over `link` before the request can be
+    /// scheduled (the read runs beside the engine's steps, as NIXL's does, so it costs no step
+    /// time); once admitted, every prompt token but the last counts as computed and the last is
+    /// computed to sample the first token, as vLLM does after a remote load. Returns the tokens
+    /// read over the link. Simplification: the decode engine's blocks are allocated at admission,
+    /// after the read, not before it as vLLM does.
     pub fn submit_remote(
         &mut self,
         now_us: u64,
@@ -689,11 +689,11 @@ impl Engine {
         self.log.publish();
     }
 
-    /// Load as the replica reports it in the feed (field meanings: docs/feed.md). Prefill tokens are
-    /// the prompt tokens the engine will really compute: what running sequences have left, plus each
-    /// waiting request's prompt minus the prefix it would find cached (GPU or host tier) if scheduled
-    /// now. Counting a waiting prompt whole would charge the replica that holds a session's cache
-    /// for tokens it will never compute, exactly when queues form.
+    /// Load as the replica reports it in the feed (field meanings: docs/reference/feed.md). Prefill
+    /// tokens are the prompt tokens the engine will really compute: what running sequences have
+    /// left, plus each waiting request's prompt minus the prefix it would find cached (GPU or host
+    /// tier) if scheduled now. Counting a waiting prompt whole would charge the replica that holds
+    /// a session's cache for tokens it will never compute, exactly when queues form.
     pub fn load(&self) -> ReplicaLoad {
         let mut prefill = 0u64;
         for &s in &self.running {
@@ -743,7 +743,7 @@ impl Engine {
         self.kv.referenced_blocks() as u64 * bs + waiting
     }
 
-    /// KV blocks held by decoding sequences (the decode-block CV, docs/design.md section 7).
+    /// KV blocks held by decoding sequences (the decode-block CV, docs/design/design.md section 7).
     pub fn decode_blocks(&self) -> u64 {
         self.running
             .iter()

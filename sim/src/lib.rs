@@ -1,10 +1,10 @@
-//! kvsteer-sim: a simulated vLLM-like engine replica (docs/simulator.md; docs/design.md sections 5
-//! and 6).
+//! kvsteer-sim: a simulated vLLM-like engine replica (docs/design/simulator.md;
+//! docs/design/design.md sections 5 and 6).
 //!
 //! The [`engine`] model runs in virtual time for the local harness (fast and deterministic for a seed)
 //! and behind the OpenAI-compatible [`server`] in real, optionally scaled, time. It shares block
 //! identity and the feed format with the routing core (`kvsteer_core::block`, `kvsteer_core::feed`).
-//! docs/simulator.md describes the model, its parameters and their sources.
+//! docs/design/simulator.md describes the model, its parameters and their sources.
 
 pub mod dp;
 pub mod engine;
@@ -21,6 +21,5 @@ pub use engine::{
 };
 pub use output::{OutputLen, output_token};
 pub use profile::{Profile, StepWork};
-pub mod http;
 pub mod metrics;
 pub mod server;

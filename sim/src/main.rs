@@ -7,9 +7,9 @@
 //!     [--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json] [--dp-ranks 1]
 //! ```
 //! `--dp-ranks N` puts N data-parallel ranks (N engines) behind each replica's port, chosen by the
-//! `x-data-parallel-rank` header or vLLM's internal balancer (docs/dp.md).
+//! `x-data-parallel-rank` header or vLLM's internal balancer (docs/design/dp.md).
 //! `--profile` replaces the default step-time profile (Llama-3.1-8B on an H100) with one read from
-//! JSON, e.g. the one `scripts/fit-profile` fits to a real engine (docs/fidelity.md); its
+//! JSON, e.g. the one `scripts/fit-profile` fits to a real engine (docs/reports/fidelity.md); its
 //! `max_model_len` applies unless `--max-model-len` is given, its `kv_blocks_16` unless
 //! `--kv-blocks` is.
 //! Replica i listens on port P+i and is named `<prefix><i>`; one line `ready <name> <host>:<port>` is

@@ -80,7 +80,7 @@ pub fn render(engine: &Engine, model: &str) -> String {
         &l,
         s.prefix_cache_hits,
     );
-    // Not a vLLM metric: what P/D decode legs read over the modelled link (docs/pd.md).
+    // Not a vLLM metric: what P/D decode legs read over the modelled link (docs/design/pd.md).
     counter(
         &mut out,
         "kvsteer_sim:remote_prefill_tokens",

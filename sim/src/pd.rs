@@ -1,6 +1,6 @@
-//! Prefill/decode disaggregation in the simulator (docs/pd.md): the link a decode engine reads a
-//! prefill engine's KV over. The engine side is [`crate::Engine::submit_remote`]; a prefill-role
-//! engine needs nothing new (it serves the prefill leg as a 1-token request).
+//! Prefill/decode disaggregation in the simulator (docs/design/pd.md): the link a decode engine
+//! reads a prefill engine's KV over. The engine side is [`crate::Engine::submit_remote`]; a
+//! prefill-role engine needs nothing new (it serves the prefill leg as a 1-token request).
 
 /// The KV transfer link between a prefill and a decode engine.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -15,10 +15,10 @@ pub struct KvLink {
 
 impl Default for KvLink {
     /// Llama-3.1-8B BF16 (128 KiB a token: 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes,
-    /// the model's published config, as `kv_read_us_per_token` in docs/simulator.md) over one
-    /// 400 Gb/s RDMA NIC at 80% efficiency: 40 GB/s (an **assumption**: a common NIXL/UCX setup, not
-    /// a measurement made here); 0.5 ms per transfer for the NIXL notification and scheduling
-    /// (an **estimate**).
+    /// the model's published config, as `kv_read_us_per_token` in docs/design/simulator.md) over
+    /// one 400 Gb/s RDMA NIC at 80% efficiency: 40 GB/s (an **assumption**: a common NIXL/UCX
+    /// setup, not a measurement made here); 0.5 ms per transfer for the NIXL notification and
+    /// scheduling (an **estimate**).
     fn default() -> Self {
         KvLink {
             kv_bytes_per_token: 131_072.0,

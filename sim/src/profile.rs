@@ -5,11 +5,13 @@
 //! (compute-bound for prefill and large batches), whichever is slower; prefill attention is added on
 //! top because it grows with the context each new token attends to, and a fixed CPU/launch cost and a
 //! per-sequence cost (sampling, bookkeeping) are paid every step. Offloaded KV coming back from host
-//! memory costs PCIe time per token. The derivation of the default numbers is in docs/simulator.md.
+//! memory costs PCIe time per token. The derivation of the default numbers is in
+//! docs/design/simulator.md.
 //!
-//! A profile fitted to a CPU engine (docs/fidelity.md, `scripts/fit-profile`) is `additive`: a CPU
-//! has no idle arithmetic units to hide memory reads behind, so the terms add up instead of taking
-//! the larger of memory and compute. Profiles load from JSON (`kvsteer-sim serve --profile FILE`).
+//! A profile fitted to a CPU engine (docs/reports/fidelity.md, `scripts/fit-profile`) is
+//! `additive`: a CPU has no idle arithmetic units to hide memory reads behind, so the terms add up
+//! instead of taking the larger of memory and compute. Profiles load from JSON (`kvsteer-sim serve
+//! --profile FILE`).
 
 use serde::{Deserialize, Serialize};
 
@@ -65,8 +67,8 @@ pub struct Profile {
 
 impl Profile {
     /// Llama-3.1-8B-Instruct, BF16, one H100 SXM 80 GB, vLLM defaults. Derived from the hardware's
-    /// published peak figures and the model's shape (docs/simulator.md has the arithmetic and the
-    /// comparison with published latencies).
+    /// published peak figures and the model's shape (docs/design/simulator.md has the arithmetic
+    /// and the comparison with published latencies).
     pub fn llama31_8b_h100() -> Profile {
         Profile {
             name: "llama-3.1-8b-h100".into(),

@@ -689,10 +689,10 @@ fn dp_ranks_are_picked_by_header_and_fed_apart() {
     assert!(s0 >= 2.0 && s1 >= 3.0, "{s0} {s1}");
 }
 
-/// vLLM's P/D protocol over HTTP (docs/pd.md): a prefill leg asking for remote decode answers with
-/// `kv_transfer_params` in the NIXL producer's shape; a decode leg carrying them reads its prompt over
-/// the modelled link (counted in `/metrics`) instead of computing it, and caches it; a request without
-/// the params gets none back; malformed params are refused.
+/// vLLM's P/D protocol over HTTP (docs/design/pd.md): a prefill leg asking for remote decode
+/// answers with `kv_transfer_params` in the NIXL producer's shape; a decode leg carrying them reads
+/// its prompt over the modelled link (counted in `/metrics`) instead of computing it, and caches
+/// it; a request without the params gets none back; malformed params are refused.
 #[test]
 fn pd_legs_answer_and_honour_kv_transfer_params() {
     let (pre, dec) = (replica(4096), replica(4096));

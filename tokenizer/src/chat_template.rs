@@ -122,7 +122,7 @@ pub const HARMONY_VLLM: &str = concat!(
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}",
 );
 
-/// The simulator's framing (sim/src/server.rs `chat_prompt`).
+/// The simulator's framing (sim/src/server/openai.rs `chat_prompt`).
 pub const KVSTEER_SIM: &str = concat!(
     "{% for m in messages %}<|start|>{{ m.role }}{{ '\\n' }}{{ m.content }}<|end|>{{ '\\n' }}{% endfor %}",
     "{% if add_generation_prompt %}<|start|>assistant{{ '\\n' }}{% endif %}",

@@ -1,6 +1,6 @@
 //! Engine-exact tokenization of text prompts for kvsteer: the chat template rendered as the engine
 //! renders it, then a real BPE (o200k_base / o200k_harmony) with a per-segment cache, so the router
-//! can compute the same KV block hashes the engine does (see docs/tokenizer.md).
+//! can compute the same KV block hashes the engine does (see docs/design/tokenizer.md).
 //!
 //! [`TextTokenizer`] implements the core's [`PromptTokenizer`]: give it to
 //! `Router::read_request_with`. Anything it cannot do exactly (unknown roles, non-text parts, tool

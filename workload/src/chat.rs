@@ -1,5 +1,5 @@
 //! Multi-turn chat behind one shared system prompt: the workload that showed a cache-aware cost
-//! starving a replica (docs/design.md, "No replica starved").
+//! starving a replica (docs/design/design.md, "No replica starved").
 //!
 //! Sessions arrive open-loop (exponential gaps at `sessions_per_s`); each has a Zipf-distributed
 //! number of turns (`P(k) ~ k^-zipf_s`, 1..=`max_turns`). Turn 1's prompt is the `system_tokens`

@@ -1,4 +1,4 @@
-//! Workloads and routing-quality measurement (docs/design.md section 7).
+//! Workloads and routing-quality measurement (docs/design/design.md section 7).
 //!
 //! The crate knows nothing about engines or routers: it deals in token ids, sessions, integer
 //! microseconds and replica indices. A [`session::Workload`] is built by a generator ([`rl`]) or a trace

@@ -1,8 +1,8 @@
-//! Routing-quality measurement (docs/design.md section 7): the consumer reports each request's life
+//! Routing-quality measurement (docs/design/design.md section 7): the consumer reports each request's life
 //! and samples of per-replica decode load; [`Recorder::summary`] reduces them to the published
 //! metrics.
 //!
-//! Definitions (also in `docs/workloads.md`):
+//! Definitions (also in `docs/design/workloads.md`):
 //! - **TTFT** = first token time - issue time; **TPOT** = (finish - first token) / (completion tokens - 1),
 //!   over requests with at least 2 completion tokens; **end-to-end** = finish - issue. Failed requests
 //!   are counted but excluded from latencies, throughput and hit rate.

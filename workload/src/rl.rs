@@ -1,4 +1,4 @@
-//! RL rollouts with stragglers (docs/design.md section 7), the workload `kv_load` is built to win.
+//! RL rollouts with stragglers (docs/design/design.md section 7), the workload `kv_load` is built to win.
 //!
 //! `steps x rollouts_per_step` rollouts, each `turns` serial turns. Turn 1's prompt is
 //! `system_tokens` shared by every rollout, then `step_tokens` shared by the rollouts of one step, then
@@ -37,7 +37,7 @@ pub struct RlParams {
 }
 
 impl Default for RlParams {
-    /// docs/design.md section 7 exactly.
+    /// docs/design/design.md section 7 exactly.
     fn default() -> Self {
         RlParams {
             steps: 10,

@@ -1,7 +1,7 @@
 //! Reader for the coding-agent trace `weka_cc_sample36.jsonl` (real Claude Code sessions, one JSON
 //! session per line; see `traces/README.md`).
 //!
-//! Choices (all documented in `docs/workloads.md`):
+//! Choices (all documented in `docs/design/workloads.md`):
 //! - **Namespaces.** `hash_ids` are local to a session: id `x` of session `S` becomes the block key
 //!   `("weka:S", x)`. Sub-agent requests use their parent's namespace.
 //! - **Shared tool+system prefix.** Every Claude Code request starts with the tool definitions and the
@@ -46,7 +46,7 @@ pub struct WekaParams {
     pub shared_prefix_fraction: f64,
     pub think_scale: f64,
     pub max_think_s: f64,
-    /// Sessions in flight (closed loop); the benchmark uses 8, 16, 24, 32, 40 (docs/design.md section 7).
+    /// Sessions in flight (closed loop); the benchmark uses 8, 16, 24, 32, 40 (docs/design/design.md section 7).
     pub concurrency: usize,
     /// Read only the first N sessions.
     pub max_sessions: Option<usize>,
@@ -59,7 +59,7 @@ pub struct WekaParams {
     /// recorded times), the draw fixed by [`WekaParams::jitter_seed`] and the turn. The trace's
     /// structure is otherwise fixed, so without it two seeds of a closed-loop replay differ only in
     /// tie-breaks, and a policy that breaks few ties replays the same run every seed: one sample of
-    /// a system whose figures jump with small changes (docs/results.md). Jitter makes the seeds
+    /// a system whose figures jump with small changes (docs/reports/results.md). Jitter makes the seeds
     /// independent draws of the same users.
     pub think_jitter: f64,
     /// Seed of the think-time jitter.

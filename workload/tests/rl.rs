@@ -1,4 +1,4 @@
-//! RL rollout structure (docs/design.md section 7).
+//! RL rollout structure (docs/design/design.md section 7).
 
 use kvsteer_workload::rl::{RlParams, generate};
 use kvsteer_workload::{Driver, Mode, Prompt};

@@ -1,4 +1,4 @@
-//! `kv_load`, the default: token load with KV overlap as an input (docs/design.md section 2). Per
+//! `kv_load`, the default: token load with KV overlap as an input (docs/design/design.md section 2). Per
 //! replica:
 //!
 //! `weight * max(q * queued prefill blocks + request blocks - credit * overlap, 0)

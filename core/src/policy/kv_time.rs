@@ -1,4 +1,4 @@
-//! `kv_time`: the cost of sending a request to a replica, in seconds (docs/design.md, "The cost in
+//! `kv_time`: the cost of sending a request to a replica, in seconds (docs/design/design.md, "The cost in
 //! seconds"). Per candidate replica r, with `s_r` its learned speed factor ([`crate::speed::Speeds`]),
 //! `u_r` the request's prompt tokens r does not cache, `c_r` those it does, `n_r` the requests r
 //! runs, `K_r` the KV tokens they hold, `o` the expected output tokens and `P` the prompt's tokens:

@@ -14,7 +14,7 @@
 //! | `prefix_affinity` | [`prefix_affinity`] | replica this router last sent the longest prefix to |
 //! | `kv_affinity` | [`kv_affinity`] | largest KV overlap reported by the replicas |
 //! | `kv_load` | [`kv_load`] | lowest prefill-after-overlap plus decode load in blocks (kvsteer's first default) |
-//! | `kv_time` | [`kv_time`] | lowest cost in seconds from each replica's learned speed (docs/design.md) |
+//! | `kv_time` | [`kv_time`] | lowest cost in seconds from each replica's learned speed (docs/design/design.md) |
 
 pub mod choose;
 pub mod kv_affinity;

@@ -1,8 +1,11 @@
-//! Command-line reading shared by the `bench` and `demo` binaries, so both spell their flags, lists
-//! and error messages one way (and a fix to one reaches the other). Deliberately tiny: two binaries
-//! with a dozen flags between them do not earn a parser dependency on a 2-core build.
+//! The command lines of the `bench` and `demo` binaries (clap), and the policy lists both compare, so
+//! both spell their flags, lists and errors one way. A bad argument exits with status 2, the usage
+//! error scripts can tell from a failed run (1); `--help` prints each flag's meaning.
 
+use crate::bench::scenario::Scale;
+use clap::Parser;
 use kvsteer_core::PolicyKind;
+use std::path::PathBuf;
 
 /// The routing policies both binaries compare (and run when `--policies` is not given), in table
 /// order: the names of [`PolicyKind::ALL`], the core's list, so a policy added there is compared here.
@@ -21,8 +24,8 @@ pub fn default_policies() -> Vec<String> {
     POLICIES.iter().map(|s| s.to_string()).collect()
 }
 
-/// `kv_load` as the routers users would otherwise pick set it (the presets of docs/configuration.md):
-/// the report measures kvsteer's default against each.
+/// `kv_load` as the routers users would otherwise pick set it (the presets of
+/// docs/reference/configuration.md): the report measures kvsteer's default against each.
 pub const PRESET_VARIANTS: [&str; 3] = [
     "kv_load@preset=dynamo",
     "kv_load@preset=ray_balanced",
@@ -41,49 +44,16 @@ pub fn bench_policies() -> Vec<String> {
         .collect()
 }
 
-/// Walks the arguments flag by flag; a flag that takes a value pulls it with [`ArgReader::value`]
-/// (or the typed forms), so a missing value is an error naming the flag rather than a panic.
-pub struct ArgReader<I> {
-    args: I,
+/// A comma-separated list (`a, b,,c`): items trimmed, empty ones dropped, so a trailing comma or a
+/// space after one is harmless. One value, so a flag given twice keeps its last list.
+#[derive(Clone, Debug, PartialEq)]
+pub struct List(pub Vec<String>);
+
+fn list(s: &str) -> Result<List, String> {
+    Ok(List(split_list(s)))
 }
 
-impl ArgReader<std::iter::Skip<std::env::Args>> {
-    /// The process's arguments, without the program name.
-    pub fn from_env() -> Self {
-        ArgReader::new(std::env::args().skip(1))
-    }
-}
-
-impl<I: Iterator<Item = String>> ArgReader<I> {
-    pub fn new(args: I) -> Self {
-        ArgReader { args }
-    }
-
-    /// The next flag, or `None` when the arguments are used up.
-    pub fn next_flag(&mut self) -> Option<String> {
-        self.args.next()
-    }
-
-    /// The value after `flag`.
-    pub fn value(&mut self, flag: &str) -> Result<String, String> {
-        self.args.next().ok_or(format!("{flag} needs a value"))
-    }
-
-    /// The value after `flag` as a whole number; the error quotes what was given.
-    pub fn number(&mut self, flag: &str) -> Result<u64, String> {
-        let v = self.value(flag)?;
-        v.parse()
-            .map_err(|_| format!("{flag}: not a number: {v:?}"))
-    }
-
-    /// The value after `flag` as a comma-separated list (see [`split_list`]).
-    pub fn list(&mut self, flag: &str) -> Result<Vec<String>, String> {
-        Ok(split_list(&self.value(flag)?))
-    }
-}
-
-/// Splits `a, b,,c` into `["a", "b", "c"]`: items trimmed, empty ones dropped, so a trailing comma
-/// or a space after one is harmless.
+/// Splits `a, b,,c` into `["a", "b", "c"]`.
 pub fn split_list(s: &str) -> Vec<String> {
     s.split(',')
         .map(|x| x.trim().to_string())
@@ -91,74 +61,322 @@ pub fn split_list(s: &str) -> Vec<String> {
         .collect()
 }
 
-/// The parsed arguments, or (for a bad argument or `--help`) the message on stderr and exit status
-/// 2, the usage-error status both binaries use so scripts can tell it from a failed run (1).
-pub fn or_usage_exit<T>(parsed: Result<T, String>) -> T {
-    parsed.unwrap_or_else(|e| {
-        eprintln!("{e}");
-        std::process::exit(2)
-    })
+fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// The error for an argument neither binary knows.
-pub fn unknown(arg: &str) -> String {
-    format!("unknown argument {arg:?} (try --help)")
+/// `bench`'s flags as clap reads them; [`BenchArgs`] is what the binary uses.
+#[derive(Parser, Debug)]
+#[command(
+    name = "bench",
+    about = "The benchmark behind the results report: every policy on the matrix's workloads \
+             through kvsteer_filter.wasm in the wasmtime harness.",
+    args_override_self = true
+)]
+struct BenchCli {
+    /// Cut-down workloads, one seed: minutes.
+    #[arg(long, overrides_with = "smoke")]
+    quick: bool,
+    /// Tiny slices, one seed, seconds; checks that the outputs are well-formed and exits non-zero
+    /// if not.
+    #[arg(long, overrides_with = "quick")]
+    smoke: bool,
+    /// Seeds per scenario and policy (default 3; 1 with --quick or --smoke).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    seeds: Option<u64>,
+    /// Policies to compare: names, or variants `kv_load@overlap_credit=2@...` setting numbers in
+    /// the policy's own section; `oracle` or `oracle@decode=1@stall=1` for the limit (default:
+    /// every policy, the presets, then the oracle).
+    #[arg(long, value_name = "a,b", value_parser = list)]
+    policies: Option<List>,
+    /// Scenario ids or groups (rl, weka, mooncake, azure); also the groups only this flag selects:
+    /// proxies and proxies-session (docs/reports/proxies.md), dp (docs/design/dp.md), pd and
+    /// pd-shape (docs/design/pd.md), weka-fixed, mooncake-fixed, azure-fixed (recorded timing).
+    #[arg(long, value_name = "id|group,..", value_parser = list)]
+    only: Option<List>,
+    /// Replays run in parallel (default: available cores).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    jobs: Option<u64>,
+    /// Proxy worker VMs.
+    #[arg(long, value_name = "N", default_value_t = 2,
+        value_parser = clap::value_parser!(u64).range(1..))]
+    workers: u64,
+    /// Where to write (default: docs/reports/ for a full run, out/bench-<scale>/ otherwise).
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// The traces' folder (default: the repository's traces/).
+    #[arg(long, value_name = "DIR")]
+    traces: Option<PathBuf>,
+    /// Write the Envoy slice's workload (the matrix's `slice` scenario at this scale) to FILE as
+    /// JSON and run nothing.
+    #[arg(long, value_name = "FILE")]
+    export_slice: Option<PathBuf>,
+    /// Put DIR/results/notes.md (the analysis written after a run) into the existing
+    /// DIR/results.md; runs nothing.
+    #[arg(long)]
+    notes_only: bool,
+    /// Write every replay's per-request rows (CSV) under DIR, for diagnosing a policy.
+    #[arg(long, value_name = "DIR")]
+    rows: Option<PathBuf>,
+}
+
+/// What `bench` was asked to do.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchArgs {
+    pub scale: Scale,
+    pub seeds: Option<u64>,
+    pub policies: Vec<String>,
+    pub only: Vec<String>,
+    pub jobs: usize,
+    pub workers: usize,
+    pub out: Option<PathBuf>,
+    pub traces: PathBuf,
+    pub export_slice: Option<PathBuf>,
+    pub notes_only: bool,
+    /// Where to write every replay's per-request rows (CSV), for diagnosing a policy.
+    pub rows: Option<PathBuf>,
+}
+
+impl BenchArgs {
+    /// The process's arguments; exits with status 2 (0 for `--help`) when they do not parse.
+    pub fn parse() -> Self {
+        Self::try_parse_from(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
+
+    /// `args` (the program name first) read as `bench` would.
+    pub fn try_parse_from<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let c = BenchCli::try_parse_from(args)?;
+        let policies = c.policies.map_or_else(bench_policies, |l| l.0);
+        let invalid = |m: String| {
+            <BenchCli as clap::CommandFactory>::command()
+                .error(clap::error::ErrorKind::ValueValidation, m)
+        };
+        if policies.is_empty() {
+            return Err(invalid("--policies must name at least one policy".into()));
+        }
+        for p in &policies {
+            crate::bench::run::check_spec(p).map_err(invalid)?;
+        }
+        Ok(BenchArgs {
+            scale: if c.smoke {
+                Scale::Smoke
+            } else if c.quick {
+                Scale::Quick
+            } else {
+                Scale::Full
+            },
+            seeds: c.seeds,
+            policies,
+            only: c.only.map(|l| l.0).unwrap_or_default(),
+            jobs: c.jobs.map_or_else(available_cores, |n| n as usize),
+            workers: c.workers as usize,
+            out: c.out,
+            traces: c.traces.unwrap_or_else(|| {
+                crate::artifact::workspace_root().join(kvsteer_workload::catalog::DEFAULT_TRACES)
+            }),
+            export_slice: c.export_slice,
+            notes_only: c.notes_only,
+            rows: c.rows,
+        })
+    }
+}
+
+/// `demo`'s flags as clap reads them; [`DemoArgs`] is what the binary uses.
+#[derive(Parser, Debug)]
+#[command(
+    name = "demo",
+    about = "The main job: the RL straggler workload through kvsteer_filter.wasm, once per policy, \
+             and a comparison.",
+    args_override_self = true
+)]
+struct DemoCli {
+    /// The scaled-down workload (seconds).
+    #[arg(long)]
+    small: bool,
+    /// Policies to compare (default: every policy).
+    #[arg(long, value_name = "a,b", value_parser = list)]
+    policies: Option<List>,
+    /// Proxy worker VMs.
+    #[arg(long, value_name = "N", default_value_t = 2,
+        value_parser = clap::value_parser!(u64).range(1..))]
+    workers: u64,
+    /// Policies run in parallel (default: available cores).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    jobs: Option<u64>,
+    /// Where to write (default: out/demo in the repository).
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+}
+
+/// What `demo` was asked to do.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DemoArgs {
+    pub small: bool,
+    pub policies: Vec<String>,
+    pub workers: usize,
+    pub jobs: usize,
+    pub out: PathBuf,
+}
+
+impl DemoArgs {
+    /// The process's arguments; exits with status 2 (0 for `--help`) when they do not parse.
+    pub fn parse() -> Self {
+        Self::try_parse_from(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
+
+    /// `args` (the program name first) read as `demo` would.
+    pub fn try_parse_from<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let c = DemoCli::try_parse_from(args)?;
+        Ok(DemoArgs {
+            small: c.small,
+            policies: c.policies.map_or_else(default_policies, |l| l.0),
+            workers: c.workers as usize,
+            jobs: c.jobs.map_or_else(available_cores, |n| n as usize),
+            out: c
+                .out
+                .unwrap_or_else(|| crate::artifact::workspace_root().join("out/demo")),
+        })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::error::ErrorKind;
 
-    fn reader(args: &[&str]) -> ArgReader<std::vec::IntoIter<String>> {
-        ArgReader::new(
-            args.iter()
-                .map(|s| s.to_string())
-                .collect::<Vec<_>>()
-                .into_iter(),
-        )
+    fn bench(args: &[&str]) -> Result<BenchArgs, clap::Error> {
+        BenchArgs::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
+    }
+
+    fn demo(args: &[&str]) -> Result<DemoArgs, clap::Error> {
+        DemoArgs::try_parse_from(std::iter::once("demo").chain(args.iter().copied()))
     }
 
     #[test]
-    fn flags_and_values_come_in_order() {
-        let mut r = reader(&["--seeds", "7", "--policies", " a, b,,c ", "--out", "x"]);
-        assert_eq!(r.next_flag().as_deref(), Some("--seeds"));
-        assert_eq!(r.number("--seeds"), Ok(7));
-        assert_eq!(r.next_flag().as_deref(), Some("--policies"));
-        assert_eq!(
-            r.list("--policies"),
-            Ok(vec!["a".into(), "b".into(), "c".into()])
+    fn bench_defaults() {
+        let a = bench(&[]).unwrap();
+        assert_eq!(a.scale, Scale::Full);
+        assert_eq!(a.seeds, None);
+        assert_eq!(a.policies, bench_policies());
+        assert!(a.only.is_empty());
+        assert_eq!(a.workers, 2);
+        assert_eq!(a.jobs, available_cores());
+        assert_eq!(a.out, None);
+        assert!(
+            a.traces
+                .ends_with(kvsteer_workload::catalog::DEFAULT_TRACES)
         );
-        assert_eq!(r.next_flag().as_deref(), Some("--out"));
-        assert_eq!(r.value("--out").as_deref(), Ok("x"));
-        assert_eq!(r.next_flag(), None);
+        assert!(!a.notes_only && a.export_slice.is_none() && a.rows.is_none());
     }
 
     #[test]
-    fn missing_value_names_the_flag() {
-        let mut r = reader(&["--jobs"]);
-        r.next_flag();
-        assert_eq!(r.value("--jobs"), Err("--jobs needs a value".to_string()));
-        let mut r = reader(&["--only"]);
-        r.next_flag();
-        assert_eq!(r.list("--only"), Err("--only needs a value".to_string()));
-        let mut r = reader(&["--seeds"]);
-        r.next_flag();
-        assert_eq!(
-            r.number("--seeds"),
-            Err("--seeds needs a value".to_string())
-        );
+    fn bench_flags_and_lists() {
+        let a = bench(&[
+            "--smoke",
+            "--seeds",
+            "7",
+            "--policies",
+            " round_robin, kv_load,,",
+            "--only",
+            "rl,weka-c8",
+            "--jobs",
+            "3",
+            "--workers",
+            "4",
+            "--out",
+            "x",
+            "--traces",
+            "t",
+            "--rows",
+            "r",
+            "--export-slice",
+            "s.jsonl",
+            "--notes-only",
+        ])
+        .unwrap();
+        assert_eq!(a.scale, Scale::Smoke);
+        assert_eq!(a.seeds, Some(7));
+        assert_eq!(a.policies, ["round_robin", "kv_load"]);
+        assert_eq!(a.only, ["rl", "weka-c8"]);
+        assert_eq!((a.jobs, a.workers), (3, 4));
+        assert_eq!(a.out, Some(PathBuf::from("x")));
+        assert_eq!(a.traces, PathBuf::from("t"));
+        assert_eq!(a.rows, Some(PathBuf::from("r")));
+        assert_eq!(a.export_slice, Some(PathBuf::from("s.jsonl")));
+        assert!(a.notes_only);
     }
 
     #[test]
-    fn bad_number_quotes_the_value() {
-        for bad in ["", "-1", "3.5", "x", "99999999999999999999"] {
-            let mut r = reader(&[bad]);
-            assert_eq!(
-                r.number("--workers"),
-                Err(format!("--workers: not a number: {bad:?}")),
-                "{bad:?}"
-            );
+    fn the_last_of_a_repeated_flag_wins() {
+        assert_eq!(bench(&["--smoke", "--quick"]).unwrap().scale, Scale::Quick);
+        assert_eq!(bench(&["--quick", "--smoke"]).unwrap().scale, Scale::Smoke);
+        let a = bench(&[
+            "--seeds", "2", "--seeds", "5", "--only", "rl", "--only", "azure",
+        ])
+        .unwrap();
+        assert_eq!((a.seeds, a.only), (Some(5), vec!["azure".to_string()]));
+    }
+
+    #[test]
+    fn bad_arguments_are_usage_errors() {
+        for (args, kind) in [
+            (&["--seeds", "0"][..], ErrorKind::ValueValidation),
+            (&["--jobs", "x"], ErrorKind::ValueValidation),
+            (&["--workers", "-1"], ErrorKind::UnknownArgument),
+            (&["--seeds"], ErrorKind::InvalidValue),
+            (&["--nope"], ErrorKind::UnknownArgument),
+            (&["--policies", " , "], ErrorKind::ValueValidation),
+            (
+                &["--policies", "no_such_policy"],
+                ErrorKind::ValueValidation,
+            ),
+        ] {
+            let e = bench(args)
+                .err()
+                .unwrap_or_else(|| panic!("{args:?} parsed"));
+            assert_eq!(e.kind(), kind, "{args:?}: {e}");
+            assert_eq!(e.exit_code(), 2, "{args:?}");
         }
+        assert_eq!(
+            bench(&["--help"]).unwrap_err().kind(),
+            ErrorKind::DisplayHelp
+        );
+    }
+
+    #[test]
+    fn demo_defaults_and_flags() {
+        let a = demo(&[]).unwrap();
+        assert!(!a.small);
+        assert_eq!(a.policies, default_policies());
+        assert_eq!((a.workers, a.jobs), (2, available_cores()));
+        assert!(a.out.ends_with("out/demo"));
+        let a = demo(&[
+            "--small",
+            "--policies",
+            "kv_load",
+            "--workers",
+            "1",
+            "--jobs",
+            "2",
+            "--out",
+            "o",
+        ])
+        .unwrap();
+        assert!(a.small);
+        assert_eq!(a.policies, ["kv_load"]);
+        assert_eq!((a.workers, a.jobs, a.out), (1, 2, PathBuf::from("o")));
+        assert_eq!(
+            demo(&["--jobs", "0"]).unwrap_err().kind(),
+            ErrorKind::ValueValidation
+        );
     }
 
     #[test]
@@ -191,13 +409,5 @@ mod tests {
         assert_eq!(p.last().map(String::as_str), Some("kv_load"));
         let core: Vec<&str> = PolicyKind::ALL.iter().map(|k| k.name()).collect();
         assert_eq!(POLICIES.to_vec(), core);
-    }
-
-    #[test]
-    fn unknown_argument_points_at_help() {
-        assert_eq!(
-            unknown("--nope"),
-            "unknown argument \"--nope\" (try --help)"
-        );
     }
 }

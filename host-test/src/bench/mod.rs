@@ -1,14 +1,16 @@
-//! The benchmark behind docs/results.md (`scripts/bench`, binary `bench`): every filter policy on
-//! every workload of docs/design.md section 7, through the compiled filter in the wasmtime harness,
-//! in virtual time, on identical simulated replicas, over several seeds.
+//! The benchmark behind docs/reports/results.md (`scripts/bench`, binary `bench`): every filter
+//! policy on every workload of docs/design/design.md section 7, through the compiled filter in the
+//! wasmtime harness, in virtual time, on identical simulated replicas, over several seeds.
 //!
 //! - [`scenario`]: the matrix (which workloads at which sizes) and the engine for a block size.
 //! - [`run`]: one replay (also what the demo runs).
 //! - [`report`]: tables over seeds, the published claims checked, plots.
-//! - [`args`]: the command-line reading the `bench` and `demo` binaries share.
+//! - [`args`]: the command lines of the `bench` and `demo` binaries.
+//! - [`progress`]: their replays on a few threads, with one progress bar.
 
 pub mod args;
 pub mod model_eval;
+pub mod progress;
 pub mod report;
 pub mod run;
 pub mod scenario;

@@ -1,4 +1,4 @@
-//! The routing model's judge (docs/model-eval.md): training cells (the matrix the old default was
+//! The routing model's judge (docs/reports/model-eval.md): training cells (the matrix the old default was
 //! tuned on) and validation cells (fleets, engines and workloads it never saw, fixed before any
 //! tuning against them), each replayed for every policy over paired draws, compared as median
 //! ratios with bootstrap 95% intervals beside a no-op change's spread.
@@ -85,7 +85,7 @@ fn rl(concurrency: usize) -> Source {
     })
 }
 
-/// The training matrix: docs/results.md's cells (4 replicas of Llama-3.1-8B on H100s). `quick`
+/// The training matrix: docs/reports/results.md's cells (4 replicas of Llama-3.1-8B on H100s). `quick`
 /// cuts the coding-agent trace to 16 sessions and the open traces to their first rows.
 pub fn training(quick: bool) -> Vec<Cell> {
     let t = Set::Training;
@@ -117,7 +117,7 @@ pub fn training(quick: bool) -> Vec<Cell> {
     v
 }
 
-/// The validation set, as written in docs/model-eval.md before any tuning against it: other fleet
+/// The validation set, as written in docs/reports/model-eval.md before any tuning against it: other fleet
 /// sizes, two other engines, heterogeneous fleets and the shared-system-prompt chat workload.
 pub fn validation() -> Vec<Cell> {
     let v = Set::Validation;

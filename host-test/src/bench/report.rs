@@ -144,7 +144,7 @@ pub fn scenario_table(sr: &ScenarioRuns) -> String {
             "\nThe oracle row is the limit, not a policy: the harness places each request itself, \
              knowing every request's true output length and the simulated engines' exact state \
              (queues, remaining tokens, KV cache contents), greedily, one request at a time \
-             (docs/harness.md, \"The oracle\"). No router can know either; it is left out wherever \
+             (docs/design/harness.md, \"The oracle\"). No router can know either; it is left out wherever \
              policies are ranked.\n",
         );
     }

@@ -1,6 +1,6 @@
 //! One replay: a workload through the compiled filter, one policy, one seed, four identical simulated
 //! replicas in virtual time. The demo and the bench both call [`replay`], so a figure in the README
-//! and one in docs/results.md come from the same code path.
+//! and one in docs/reports/results.md come from the same code path.
 
 use crate::oracle::Weights;
 use crate::{FilterModule, Harness, HarnessConfig, HarnessStats, ProxySpread};
@@ -8,7 +8,7 @@ use kvsteer_workload::{Driver, Mode, RequestRow, Summary, Workload};
 use serde_json::{Value, json};
 use std::time::Instant;
 
-/// The filter's default `routing.seed` (docs/configuration.md).
+/// The filter's default `routing.seed` (docs/reference/configuration.md).
 pub const ROUTER_SEED: u64 = 0x006B_7673_7465_6572;
 
 /// What one replay measured.

@@ -1,6 +1,6 @@
-//! The main job: replays the RL straggler workload (docs/design.md section 7) through the compiled
-//! filter, once per policy, in front of four simulated replicas in virtual time, and compares the
-//! policies.
+//! The main job: replays the RL straggler workload (docs/design/design.md section 7) through the
+//! compiled filter, once per policy, in front of four simulated replicas in virtual time, and
+//! compares the policies.
 //!
 //! `scripts/demo` builds the filter and runs this in release. Options:
 //! `--small` (the scaled-down workload, seconds), `--policies a,b,..`, `--workers N` (default 2),
@@ -8,71 +8,15 @@
 //! Writes `rl.md` (the table), `rl.json` (summaries, harness counters, wall times) and SVG plots:
 //! `rl_ttft_cdf.svg`, `rl_hit_vs_cv.svg`, `rl_decode_<policy>.svg`.
 
-use kvsteer_host_test::artifact::workspace_root;
-use kvsteer_host_test::bench::args::{ArgReader, default_policies, or_usage_exit, unknown};
+use kvsteer_host_test::bench::args::DemoArgs;
+use kvsteer_host_test::bench::progress::run_jobs;
 use kvsteer_host_test::bench::run::{Outcome, replay};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
 use kvsteer_workload::Summary;
-use kvsteer_workload::report::{
-    Progress, decode_load_svg, hit_cv_scatter_svg, markdown_table, ttft_cdf_svg,
-};
+use kvsteer_workload::report::{decode_load_svg, hit_cv_scatter_svg, markdown_table, ttft_cdf_svg};
 use kvsteer_workload::rl::{RlParams, generate};
 use serde_json::json;
-use std::path::PathBuf;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
-
-struct Args {
-    small: bool,
-    policies: Vec<String>,
-    workers: usize,
-    jobs: usize,
-    out: PathBuf,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        small: false,
-        policies: default_policies(),
-        workers: 2,
-        jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        out: workspace_root().join("out/demo"),
-    };
-    let mut args = ArgReader::from_env();
-    while let Some(arg) = args.next_flag() {
-        match arg.as_str() {
-            "--small" => a.small = true,
-            "--policies" => a.policies = args.list("--policies")?,
-            // demo's messages stay as they were: the flag alone, not the value given.
-            "--workers" => {
-                a.workers = args
-                    .value("--workers")?
-                    .parse()
-                    .map_err(|_| "--workers: not a number")?
-            }
-            "--jobs" => {
-                a.jobs = args
-                    .value("--jobs")?
-                    .parse()
-                    .map_err(|_| "--jobs: not a number")?
-            }
-            "--out" => a.out = PathBuf::from(args.value("--out")?),
-            "-h" | "--help" => {
-                return Err(
-                    "usage: demo [--small] [--policies a,b] [--workers N] [--jobs N] \
-                            [--out DIR]"
-                        .into(),
-                );
-            }
-            other => return Err(unknown(other)),
-        }
-    }
-    if a.workers == 0 || a.jobs == 0 {
-        return Err("--workers and --jobs must be at least 1".into());
-    }
-    Ok(a)
-}
 
 /// One policy's replay, through the same code path as the bench (`kvsteer_host_test::bench::run`).
 fn run_policy(
@@ -80,8 +24,7 @@ fn run_policy(
     policy: &str,
     params: &RlParams,
     workers: usize,
-    progress: &Mutex<Vec<(u64, u64)>>,
-    slot: usize,
+    tick: &dyn Fn(u64),
 ) -> Result<Outcome, String> {
     let workload = generate(params).map_err(|e| e.to_string())?;
     let mode = workload.default_mode;
@@ -92,16 +35,12 @@ fn run_policy(
         policy,
         params.seed,
         workers,
-        |done, total| {
-            if let Ok(mut p) = progress.lock() {
-                p[slot] = (done, total);
-            }
-        },
+        |done, _| tick(done),
     )
 }
 
 fn main() {
-    let args = or_usage_exit(parse_args());
+    let args = DemoArgs::parse();
     let path = match filter_wasm_path() {
         Ok(p) => p,
         Err(e) => {
@@ -137,56 +76,14 @@ fn main() {
     );
     let n = args.policies.len();
     let total = (params.steps * params.rollouts_per_step * params.turns * n) as u64;
-    let progress = Mutex::new(vec![(0u64, 0u64); n]);
-    let queue = Mutex::new((0..n).rev().collect::<Vec<usize>>());
-    let finished = AtomicBool::new(false);
-    let mut results: Vec<Option<Result<Outcome, String>>> = (0..n).map(|_| None).collect();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..args.jobs.min(n))
-            .map(|_| {
-                let (queue, progress, module, params) = (&queue, &progress, &module, &params);
-                let (policies, workers) = (&args.policies, args.workers);
-                s.spawn(move || {
-                    let mut mine = Vec::new();
-                    loop {
-                        let next = queue.lock().ok().and_then(|mut q| q.pop());
-                        let Some(i) = next else { break };
-                        mine.push((
-                            i,
-                            run_policy(module, &policies[i], params, workers, progress, i),
-                        ));
-                    }
-                    mine
-                })
-            })
-            .collect();
-        let (progress, finished) = (&progress, &finished);
-        let bar = s.spawn(move || {
-            let mut bar = Progress::new("requests", total);
-            while !finished.load(Ordering::Relaxed) {
-                if let Ok(p) = progress.lock() {
-                    bar.set(p.iter().map(|x| x.0).sum());
-                }
-                std::thread::sleep(std::time::Duration::from_millis(100));
-            }
-            if let Ok(p) = progress.lock() {
-                bar.set(p.iter().map(|x| x.0).sum());
-            }
-            bar.finish();
-        });
-        for h in handles {
-            match h.join() {
-                Ok(mine) => {
-                    for (i, r) in mine {
-                        results[i] = Some(r);
-                    }
-                }
-                Err(_) => eprintln!("a policy thread panicked"),
-            }
-        }
-        finished.store(true, Ordering::Relaxed);
-        let _ = bar.join();
+    let order: Vec<usize> = (0..n).collect();
+    let done = run_jobs(&order, args.jobs, total, |i, tick| {
+        run_policy(&module, &args.policies[i], &params, args.workers, tick)
     });
+    let mut results: Vec<Option<Result<Outcome, String>>> = (0..n).map(|_| None).collect();
+    for (i, r) in done {
+        results[i] = Some(r);
+    }
     let mut outcomes = Vec::new();
     let mut failed = results.iter().any(Option::is_none);
     for r in results.into_iter().flatten() {
@@ -216,7 +113,7 @@ fn summaries(outcomes: &[Outcome]) -> Vec<Summary> {
     outcomes.iter().map(|o| o.summary.clone()).collect()
 }
 
-/// The headline table: the metrics of docs/design.md section 7, one row per policy.
+/// The headline table: the metrics of docs/design/design.md section 7, one row per policy.
 fn comparison_table(outcomes: &[Outcome]) -> String {
     let mut s = String::from(
         "| policy | TTFT p50 / p99 ms | TPOT p50 / p99 ms | rollout p99 s | output tok/s | hit rate \
@@ -246,7 +143,7 @@ fn comparison_table(outcomes: &[Outcome]) -> String {
 }
 
 fn write_outputs(
-    args: &Args,
+    args: &DemoArgs,
     params: &RlParams,
     outcomes: &[Outcome],
     table: &str,

@@ -1,5 +1,5 @@
-//! Fuzz campaign of the request reader and the feed decoder through the real `kvsteer_filter.wasm`
-//! (issue 17). Structured random inputs, not coverage-guided: every input is a valid body or feed
+//! Fuzz campaign of the request reader and the feed decoder through the real `kvsteer_filter.wasm`.
+//! Structured random inputs, not coverage-guided: every input is a valid body or feed
 //! batch with random mutations, driven by a seeded generator, so a run is reproducible from
 //! `(SEED, COUNT)`.
 //!

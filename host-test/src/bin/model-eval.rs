@@ -1,4 +1,4 @@
-//! `model-eval`: replays the training and validation cells of docs/model-eval.md for every policy
+//! `model-eval`: replays the training and validation cells of docs/reports/model-eval.md for every policy
 //! over paired draws, through the compiled filter, and writes every replay's figures as JSON lines
 //! (one per replay, appended as they finish, so a long run can be read while it goes and resumed).
 //!

@@ -1,5 +1,5 @@
-//! Cost of exact tokenization inside the filter, in wasmtime (docs/tokenizer.md): how big the
-//! `.wasm` is, how long a worker VM takes to start with and without a tokenizer configured (the
+//! Cost of exact tokenization inside the filter, in wasmtime (docs/design/tokenizer.md): how big
+//! the `.wasm` is, how long a worker VM takes to start with and without a tokenizer configured (the
 //! o200k vocabulary is parsed in `on_configure`), how much memory a worker then holds, and the
 //! per-request filter path for chat conversations of about 8K, 32K and 128K tokens, first turn
 //! (every message new) and follow-up turn (the same conversation plus an assistant reply and a new
