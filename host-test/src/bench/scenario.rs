@@ -375,7 +375,7 @@ pub fn fixed_matrix(scale: Scale) -> Vec<Scenario> {
         .collect()
 }
 
-/// The many-proxies scenarios (issue 15, docs/reports/proxies.md): RL and the coding-agent trace at 16 and 32
+/// The many-proxies scenarios (docs/reports/proxies.md): RL and the coding-agent trace at 16 and 32
 /// in flight, through 1, 2 and 4 independent proxies. Ids `rl-p<N>`, `weka-c<C>-p<N>` (requests
 /// spread across the proxies at random, group `proxies`) and the same ending in `s` (every session
 /// through one proxy, group `proxies-session`). Not in [`matrix`]: the bench runs them only when
@@ -430,7 +430,7 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
     v
 }
 
-/// The data-parallel fleet (issue 18, docs/design/dp.md): 2 endpoints x 4 DP ranks, each rank an engine of
+/// The data-parallel fleet (docs/design/dp.md): 2 endpoints x 4 DP ranks, each rank an engine of
 /// its own (the same simulated Llama-3.1-8B/H100 as everywhere), on the RL workload with twice the
 /// rollouts in flight of the 4-replica matrix (8 engines) and on the coding-agent trace at 32 and 48
 /// sessions in flight (4 and 6 per engine, as 16 and 24 are on 4 replicas). Ids `dp-rl`,
@@ -477,7 +477,7 @@ pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
     v
 }
 
-/// The P/D fleet (issue 18, docs/design/pd.md): 2 prefill-role + 4 decode-role engines (the same simulated
+/// The P/D fleet (docs/design/pd.md): 2 prefill-role + 4 decode-role engines (the same simulated
 /// Llama-3.1-8B/H100 as everywhere), on the RL workload with 1.5x the rollouts per step and in flight
 /// of the 4-replica matrix (6 engines) and on the coding-agent trace at 12 and 24 sessions in flight
 /// (2 and 4 per engine; 24 saturates the two prefill engines). Ids `pd-rl`, `pd-weka-c<C>`, group

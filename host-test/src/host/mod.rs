@@ -220,7 +220,7 @@ impl FilterModule {
         let mut config = Config::new();
         config.consume_fuel(metered);
         // `KVSTEER_PERFMAP=1`: wasmtime writes /tmp/perf-<pid>.map so that `perf record` names the
-        // guest's functions (how the filter path was profiled for issue 16; docs/design/harness.md).
+        // guest's functions (how the filter path was profiled; docs/design/harness.md).
         if std::env::var_os("KVSTEER_PERFMAP").is_some() {
             config.profiler(wasmtime::ProfilingStrategy::PerfMap);
         }

@@ -167,7 +167,7 @@ impl WorkerVm {
     }
 
     /// Size of the VM's linear memory in bytes. WebAssembly memory only grows, so this is the most
-    /// the VM ever held at once (its peak), which is what a proxy keeps per worker (issue 17).
+    /// the VM ever held at once (its peak), which is what a proxy keeps per worker.
     pub fn memory_bytes(&self) -> usize {
         self.store
             .data()
