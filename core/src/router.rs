@@ -234,7 +234,10 @@ impl Router {
                 cfg.block_size,
                 Accounting {
                     prompt_blocks_at_admission: cfg.kv_load.prompt_blocks_at_admission,
-                    assume_kv_reuse: cfg.kv_load.assume_kv_reuse,
+                    // kv_time reads decode load as the KV its steps read: every sequence reads its
+                    // whole context, a prefix shared with others included, so nothing is counted once.
+                    assume_kv_reuse: cfg.kv_load.assume_kv_reuse
+                        && cfg.policy != PolicyKind::KvTime,
                     use_output_hint: cfg.kv_load.use_output_hint,
                     prefill_in_time: in_time,
                 },

@@ -25,7 +25,7 @@ fn chat_cell(replicas: usize) -> Cell {
         set: Set::Validation,
         source: Source::Chat(ChatParams {
             sessions: 120,
-            sessions_per_s: replicas as f64,
+            sessions_per_s: 2.0 * replicas as f64,
             ..ChatParams::default()
         }),
         replicas,
