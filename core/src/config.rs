@@ -27,8 +27,8 @@ impl PolicyKind {
         PolicyKind::SessionHash,
         PolicyKind::PrefixAffinity,
         PolicyKind::KvAffinity,
-        PolicyKind::KvLoad,
         PolicyKind::KvTime,
+        PolicyKind::KvLoad,
     ];
 
     pub const fn name(self) -> &'static str {
