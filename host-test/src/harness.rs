@@ -191,6 +191,8 @@ pub struct HarnessConfig {
     /// A slow machine ([`ProxyOptions::clock_ns_per_fuel`]): the filter's clock runs ahead with the
     /// work it does inside a callback. 0: it stands still during a callback.
     pub clock_ns_per_fuel: u64,
+    /// nginx mode: the zone size and connection limit of the nginx imitated.
+    pub nginx: crate::host::NginxLimits,
 }
 
 impl HarnessConfig {
@@ -223,6 +225,7 @@ impl HarnessConfig {
             retry_5xx: true,
             oracle: None,
             clock_ns_per_fuel: 0,
+            nginx: Default::default(),
         }
     }
 
@@ -559,6 +562,7 @@ impl Harness {
         let specs = cfg.replica_specs();
         let mut options = ProxyOptions::new(cfg.mode, cfg.plugin_config().to_string());
         options.clock_ns_per_fuel = cfg.clock_ns_per_fuel;
+        options.nginx = cfg.nginx;
         if cfg.mode == HostMode::Envoy {
             options.clusters = Some(
                 specs
