@@ -8,7 +8,8 @@ worker's routing is seen) and an `x-nginx-worker` answer header. The baseline is
 the same nginx without the filter (no `wasm{}` block, no `proxy_wasm`): `$kvsteer_upstream` keeps its
 default, the upstream group, balanced round robin.
 
-The soak (`NginxSoak`) runs feed polling alone for NGINX_SOAK_S seconds (default 120) at a tick of
+NGINX_PLUGIN_JSON merges fields into the plugin configuration of `NginxReal`'s nginx (to measure
+what one costs). The soak (`NginxSoak`) runs feed polling alone for NGINX_SOAK_S seconds (default 120) at a tick of
 NGINX_SOAK_TICK_MS (default 10, a tenth of the shipped 100: 120 s stand for 20 minutes of ticks)
 with `worker_connections 512`, and counts each worker's callout connections from the module's debug
 log when NGINX_DEBUG_BIN (an nginx built `--with-debug`) is given.
@@ -138,7 +139,10 @@ class NginxReal(unittest.TestCase):
             cls.s.start_replicas(4)
             ports = [r.port for r in cls.s.replicas]
             cls.port, cls.base_port = stack.free_ports(2)
-            conf = render(cls.s.workdir, "nginx-filter", ports, cls.port)
+            # NGINX_PLUGIN_JSON: fields merged into the shipped plugin configuration, to measure
+            # one (e.g. '{"feed_period_ms": 3600000}': the feeds polled once, the latency without).
+            plugin = json.loads(os.environ.get("NGINX_PLUGIN_JSON") or "{}")
+            conf = render(cls.s.workdir, "nginx-filter", ports, cls.port, plugin=plugin)
             base = render(cls.s.workdir, "nginx-baseline", ports, cls.base_port, filter_on=False)
             cls.nginx = Nginx(cls.s, "nginx-filter", conf)
             cls.base = Nginx(cls.s, "nginx-baseline", base)
