@@ -298,3 +298,43 @@ pub(super) fn add_shared_queues(linker: &mut Linker<VmState>) -> wasmtime::Resul
     )?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{SharedData, ShmZone};
+
+    fn put(zone: &mut ShmZone, data: &mut SharedData, key: &str, len: usize) -> bool {
+        let ok = zone.make_room(data, key.as_bytes(), len, 1024);
+        if ok {
+            data.insert(key.as_bytes().to_vec(), (vec![0; len], 1));
+        }
+        ok
+    }
+
+    #[test]
+    fn a_full_zone_evicts_the_oldest_entry_of_the_written_size_class_first() {
+        let (mut zone, mut data) = (ShmZone::default(), SharedData::new());
+        // Four 256-byte slots (header + key + 100 bytes) fill a 1 KiB zone.
+        for k in ["a", "b", "c", "d"] {
+            assert!(put(&mut zone, &mut data, k, 100));
+        }
+        assert_eq!(zone.evictions, 0);
+        zone.touch(b"a");
+        assert!(put(&mut zone, &mut data, "e", 100));
+        assert!(
+            !data.contains_key(b"b".as_slice()),
+            "b was the least recently used"
+        );
+        assert!(data.contains_key(b"a".as_slice()), "a was read since");
+        // A smaller entry (a 128-byte slot) takes the oldest of the next larger class with one.
+        assert!(put(&mut zone, &mut data, "f", 10));
+        assert!(!data.contains_key(b"c".as_slice()));
+        assert_eq!(zone.evictions, 2);
+        // Rewriting a key in place needs no room beyond its own.
+        assert!(put(&mut zone, &mut data, "a", 100));
+        assert_eq!(zone.evictions, 2);
+        // One that cannot fit even alone empties the zone and fails, as the module's write does.
+        assert!(!put(&mut zone, &mut data, "g", 3000));
+        assert_eq!(data.len(), 0);
+    }
+}
