@@ -406,6 +406,13 @@ class NginxSoak(unittest.TestCase):
             b = c.complete(p + tokens(64, 4712), max_tokens=1)
             stop.set()
             log = text()
+            # What the module said went wrong with callouts (a timed-out poll, a refused connection).
+            errors: dict[str, int] = {}
+            for ln in log.splitlines():
+                if "[error]" in ln or "[crit]" in ln or "[alert]" in ln:
+                    key = re.sub(r"^.*?\] \d+#\d+: (\*\d+ )?", "", ln)[:90]
+                    errors[key] = errors.get(key, 0) + 1
+            print(f"nginx soak: error lines {errors}", flush=True)
             summary = {w: {"created": v[0] - start.get(w, [0, 0])[0],
                            "closed": v[1] - start.get(w, [0, 0])[1]} for w, v in counts.items()}
             print(f"nginx soak: {took:.0f} s at tick {tick} ms ({took * 1000 / tick:.0f} ticks a "

@@ -586,9 +586,13 @@ impl RouterState {
         // traffic later needs what the others served before, and their journals keep only a few
         // polls' worth.
         let sharing = self.worker_id.is_some() && self.router.has_working_set();
+        let busy = self.callout_out(now_ms);
         let mut calls = self.exchange.plan(&self.cfg, &self.router, sharing, now_ms);
         let limit = self.callouts_per_tick();
         if limit != usize::MAX {
+            if busy {
+                calls.clear();
+            }
             // Over the tick's bound (feed polls come first): planning marks nothing, so a peer
             // left out is due again next tick.
             calls.truncate(limit.saturating_sub(self.tick_callouts));
@@ -984,15 +988,19 @@ impl RouterState {
     /// that a worker needing a snapshot polls for it itself. Marks nothing in flight until
     /// [`RouterState::poll_started`] or [`RouterState::poll_not_started`] is called for each.
     ///
-    /// In nginx mode at most [`RouterState::callouts_per_tick`] polls a tick, taken in turn from
-    /// where the last bounded tick stopped; a replica over the bound is not examined (no lease is
-    /// taken for a poll that is not sent) and waits for a later tick.
+    /// In nginx mode at most [`RouterState::callouts_per_tick`] polls a tick, and none while a
+    /// callout is out ([`RouterState::callout_out`]), taken in turn from where the last bounded tick
+    /// stopped; a replica over the bound is not examined (no lease is taken for a poll that is not
+    /// sent) and waits for a later tick.
     pub fn plan_polls(&mut self, store: Option<&dyn SharedStore>, now_ms: u64) -> Vec<FeedPoll> {
         self.started_ms.get_or_insert(now_ms);
         let hold = self.cfg.feed_period_ms.saturating_mul(3);
         let mut out = Vec::new();
         let limit = self.callouts_per_tick();
         let bounded = limit != usize::MAX;
+        if bounded && self.callout_out(now_ms) {
+            return out;
+        }
         let n = self.feeds.len();
         let start = if bounded && n > 0 {
             self.poll_cursor % n
@@ -1052,6 +1060,26 @@ impl RouterState {
     /// connection of every callout a tick dispatches but the last open for good (a worker runs out
     /// of `worker_connections` within minutes of polling 4 replicas); no bound elsewhere. Counted
     /// from [`RouterState::start_tick`].
+    ///
+    /// The module's rule is in fact wider: a callout answered while another one of the VM is still
+    /// out keeps its connection (the module releases them only when none is left), so in nginx mode
+    /// no callout is sent while one is out either ([`RouterState::callout_out`]).
+    /// Whether a feed or peer poll of this worker is out. A feed poll out for more than twice its
+    /// timeout and a second counts as lost (the proxy answers every callout, a timeout included), so
+    /// that one never answered cannot stop the polling for good.
+    pub fn callout_out(&self, now_ms: u64) -> bool {
+        let lost_after = self
+            .cfg
+            .feed_timeout_ms
+            .saturating_mul(2)
+            .saturating_add(1_000);
+        self.exchange.any_in_flight()
+            || self
+                .feeds
+                .iter()
+                .any(|f| f.in_flight.is_some() && now_ms.saturating_sub(f.polled_ms) < lost_after)
+    }
+
     pub fn callouts_per_tick(&self) -> usize {
         if self.cfg.output == OutputMode::NginxVariable {
             1
@@ -1845,7 +1873,7 @@ mod tests {
                 {{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0","feed_address":"127.0.0.1:8000"}},
                 {{"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"f1","feed_address":"127.0.0.1:8001"}},
                 {{"name":"r2","endpoint":"127.0.0.1:8002","feed_cluster":"f2","feed_address":"127.0.0.1:8002"}}],
-               "output":"{output}","feed_period_ms":100,"tick_ms":100}}"#
+               "output":"{output}","feed_period_ms":100,"tick_ms":100,"feed_timeout_ms":500}}"#
             )
         };
         let mut envoy = RouterState::new(
@@ -1872,6 +1900,26 @@ mod tests {
             w.poll_not_started(due[0].replica, "refused", now);
         }
         assert_eq!(order, [0, 1, 2, 0, 1, 2]);
+        // While a poll is out, no other is sent (the module would keep the connection of one
+        // answered meanwhile), until it is answered, or counts as lost.
+        w.start_tick(600);
+        let due = w.plan_polls(None, 600);
+        assert_eq!(due.len(), 1);
+        w.poll_started(due[0].replica, 7, 600);
+        for now in [700, 800, 2_500] {
+            w.start_tick(now);
+            assert!(w.plan_polls(None, now).is_empty(), "at {now}: one is out");
+        }
+        w.start_tick(2_601);
+        assert_eq!(
+            w.plan_polls(None, 2_601).len(),
+            1,
+            "the one out counts as lost"
+        );
+        w.on_feed_response(7, None, None, None, 3_001);
+        w.start_tick(3_100);
+        assert_eq!(w.plan_polls(None, 3_100).len(), 1);
+        assert!(!w.callout_out(3_100));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 mod common;
 use common::*;
 use kvsteer_host_test::host::NginxLimits;
-use kvsteer_host_test::{HarnessConfig, HostMode, Output, RequestSpec};
+use kvsteer_host_test::{FeedFault, HarnessConfig, HostMode, Output, RequestSpec};
 use std::collections::BTreeSet;
 
 const IDLE: u64 = 600_000_000;
@@ -208,6 +208,38 @@ fn feed_polling_keeps_no_connections_open() {
         .unwrap();
     h.run_until_idle(IDLE).unwrap();
     assert_eq!(h.record(id).unwrap().replica, home);
+    assert_clean(&h);
+}
+
+/// A slow feed (answers after 2.5 ticks): the module keeps the connection of a callout answered
+/// while another of the worker's is still out, so the filter must not send one then.
+#[test]
+fn a_slow_feed_keeps_no_connections_open() {
+    let mut h = harness_with(nginx("kv_load"));
+    h.replicas[2].feed_fault = FeedFault::Slow { delay_us: 250_000 };
+    let replicas = h.replicas.len() as u64;
+    h.run_for(120_000_000).unwrap();
+    for w in h.workers() {
+        let c = w.callout_connections();
+        assert!(
+            c.open <= replicas && c.refused == 0,
+            "worker {}: {c:?}",
+            w.index()
+        );
+    }
+    let opened: u64 = h
+        .workers()
+        .iter()
+        .map(|w| w.callout_connections().opened)
+        .sum();
+    assert!(opened > 300, "{opened}");
+    for w in h.workers() {
+        assert!(
+            w.logs().iter().all(|l| !l.message.contains("stale")),
+            "worker {}: the other feeds are polled in time",
+            w.index()
+        );
+    }
     assert_clean(&h);
 }
 

@@ -3,7 +3,7 @@
 //! it later with a [`CallOutcome`] through [`super::WorkerVm::answer_callout`]. `proxy_get_status`
 //! reports the last callout failure. In nginx mode each callout holds one of the worker's
 //! `worker_connections` ([`super::CalloutConnections`]) until its answer, or for good when
-//! ngx_wasm_module would leave it open (every callout of an `on_tick` but the last).
+//! ngx_wasm_module would leave it open (answered while another callout of the root context was out).
 
 use super::headers::header_value;
 use super::memory::{
@@ -143,8 +143,8 @@ pub(super) fn add_http_call(linker: &mut Linker<VmState>) -> wasmtime::Result<()
             }
             let token = st.next_token;
             st.next_token = st.next_token.wrapping_add(1).max(1);
-            if let Some(tick) = st.tick_tokens.as_mut() {
-                tick.push(token);
+            if st.options.mode == HostMode::Nginx && st.effective == super::ROOT_CONTEXT {
+                st.root_out.insert(token);
             }
             let sent_ns = st.shared().clock_ns.load(Ordering::Relaxed);
             let context = st.effective;

@@ -211,23 +211,12 @@ impl WorkerVm {
         }
     }
 
-    /// `proxy_on_tick` on the root context. In nginx mode the connection of every callout the tick
-    /// dispatched but the last is never closed, as ngx_wasm_module (at 3bed2783) leaves it: 4
-    /// callouts a tick took 4 connections and gave 1 back.
+    /// `proxy_on_tick` on the root context.
     pub fn tick(&mut self) -> Result<(), HostError> {
         if let Some(f) = self.exports.on_tick.clone() {
-            self.store.data_mut().tick_tokens = Some(Vec::new());
-            let r = self.call("proxy_on_tick", ROOT_CONTEXT, |s| {
+            self.call("proxy_on_tick", ROOT_CONTEXT, |s| {
                 f.call(s, ROOT_CONTEXT as i32)
-            });
-            let st = self.store.data_mut();
-            let tokens = st.tick_tokens.take().unwrap_or_default();
-            if st.options.mode == HostMode::Nginx
-                && let Some((_, kept)) = tokens.split_last()
-            {
-                st.leaked.extend(kept.iter().copied());
-            }
-            r?;
+            })?;
         }
         Ok(())
     }
@@ -283,10 +272,15 @@ impl WorkerVm {
             }
         };
         {
+            // ngx_wasm_module: a root callout answered while another is still out keeps its
+            // connection; the last one answered gives its own back.
             let st = self.store.data_mut();
-            if st.options.mode == HostMode::Nginx && !st.leaked.remove(&call.token) {
-                st.connections.open = st.connections.open.saturating_sub(1);
-                st.connections.closed += 1;
+            if st.options.mode == HostMode::Nginx {
+                let root = st.root_out.remove(&call.token);
+                if !(root && !st.root_out.is_empty()) {
+                    st.connections.open = st.connections.open.saturating_sub(1);
+                    st.connections.closed += 1;
+                }
             }
         }
         let Some(f) = self.exports.on_http_call_response.clone() else {
