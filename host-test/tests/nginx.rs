@@ -243,6 +243,34 @@ fn a_slow_feed_keeps_no_connections_open() {
     assert_clean(&h);
 }
 
+/// A replica whose feed never answers (each poll times out), at the shipped nginx settings: while
+/// its poll is out no other is sent, and the other feeds must still be polled often enough not to
+/// go stale.
+#[test]
+fn a_hung_feed_does_not_make_the_others_stale() {
+    let mut cfg = nginx("kv_load");
+    cfg.filter_extra
+        .insert("feed_timeout_ms".into(), serde_json::json!(400));
+    let mut h = harness_with(cfg);
+    h.replicas[2].feed_fault = FeedFault::Timeout;
+    h.run_for(120_000_000).unwrap();
+    for w in h.workers() {
+        let c = w.callout_connections();
+        assert!(c.open <= 1 && c.refused == 0, "worker {}: {c:?}", w.index());
+        let stale: Vec<_> = w
+            .logs()
+            .iter()
+            .filter(|l| {
+                (l.message.contains("is stale") || l.message.contains("lately"))
+                    && !l.message.contains(" r2")
+            })
+            .map(|l| l.message.clone())
+            .collect();
+        assert!(stale.is_empty(), "worker {}: {stale:?}", w.index());
+    }
+    assert_clean(&h);
+}
+
 /// A zone too small for the filter's records: the module evicts the least recently used entries
 /// of the written entry's size class. The filter must survive losing any record (a lease, a relay
 /// slot or head, a worker's load) and keep routing.

@@ -277,7 +277,7 @@ impl WorkerVm {
             let st = self.store.data_mut();
             if st.options.mode == HostMode::Nginx {
                 let root = st.root_out.remove(&call.token);
-                if !(root && !st.root_out.is_empty()) {
+                if !root || st.root_out.is_empty() {
                     st.connections.open = st.connections.open.saturating_sub(1);
                     st.connections.closed += 1;
                 }
