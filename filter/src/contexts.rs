@@ -2,7 +2,7 @@
 //! fallback), all decisions in [`crate::router_state`].
 
 use crate::abi;
-use crate::config::FilterConfig;
+use crate::config::{FilterConfig, OutputMode};
 use crate::pd::{self, LegFailure, PrefillAnswer};
 use crate::router_state::{
     BodyFallback, DecisionOutput, FeedFailure, FeedPoll, FeedResult, PdRoute, RouterState,
@@ -54,7 +54,28 @@ fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
 /// proxy refuses reads as absent and a refused write did not happen ([`SharedStore`]'s "absent or
 /// unavailable" and `false`), as a lost CAS race does: the lease, relay and peer records already
 /// treat both as normal (another worker got there first, or nothing is shared yet).
-struct HostStore;
+struct HostStore {
+    /// The host writes a key without a CAS token only if it does not exist yet (ngx_wasm_module),
+    /// so a record is replaced by reading its token first ([`SharedStore::overwrite`]). Envoy writes
+    /// such a key whatever it holds, in one call, as the filter always has there.
+    cas_zero_creates: bool,
+}
+
+static ENVOY_STORE: HostStore = HostStore {
+    cas_zero_creates: false,
+};
+static NGX_STORE: HostStore = HostStore {
+    cas_zero_creates: true,
+};
+
+/// The shared data of the proxy this configuration is for (nginx mode: ngx_wasm_module's CAS rule).
+fn host_store(cfg: &FilterConfig) -> &'static HostStore {
+    if cfg.output == OutputMode::NginxVariable {
+        &NGX_STORE
+    } else {
+        &ENVOY_STORE
+    }
+}
 
 impl SharedStore for HostStore {
     fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
@@ -62,6 +83,13 @@ impl SharedStore for HostStore {
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
         matches!(abi::set_shared_data(key, value, cas), Ok(true))
+    }
+    fn overwrite(&self, key: &str, value: &[u8]) -> bool {
+        if self.cas_zero_creates {
+            crate::store::overwrite_by_cas(self, key, value)
+        } else {
+            self.set(key, value, None)
+        }
     }
 }
 
@@ -288,7 +316,7 @@ pub struct Root {
 impl Root {
     fn poll_feeds(vm: &mut Vm, now: u64) {
         let timeout = Duration::from_millis(vm.state.config().feed_timeout_ms);
-        let store = vm.state.shared(&HostStore);
+        let store = vm.state.shared(host_store(vm.state.config()));
         if let Some(store) = store {
             for r in vm.state.follow_relays(store, now) {
                 Self::report_feed(vm, &r);
@@ -536,7 +564,7 @@ impl Context for Root {
                 .on_peer_answer(token, status, body.as_deref(), !fits, now_ms());
             return;
         }
-        let store = vm.state.shared(&HostStore);
+        let store = vm.state.shared(host_store(vm.state.config()));
         let r = if body_size > vm.state.config().feed_max_bytes {
             // Refused before it is copied into the VM, let alone parsed.
             vm.state
@@ -610,7 +638,7 @@ impl RootContext for Root {
         }
         let metrics = Metrics::define(state.config());
         state.set_clock(now_ns);
-        state.claim_worker_id(&HostStore);
+        state.claim_worker_id(host_store(state.config()));
         let tick = Duration::from_millis(state.config().tick_ms);
         log(
             LogLevel::Info,
@@ -661,7 +689,8 @@ impl RootContext for Root {
         let Some(vm) = &self.vm else { return };
         let now = now_ms();
         let mut vm = vm.borrow_mut();
-        vm.state.share_load(&HostStore, now);
+        let store = host_store(vm.state.config());
+        vm.state.share_load(store, now);
         // This tick's feed budget, spent first on batches earlier ticks left half applied.
         vm.state.start_tick(now);
         Self::poll_feeds(&mut vm, now);
@@ -974,7 +1003,7 @@ impl Stream {
         }
         let mut vm = vm.borrow_mut();
         let now = now_ms();
-        let store = vm.state.shared(&HostStore);
+        let store = vm.state.shared(host_store(vm.state.config()));
         vm.state.claim_probe(store, now);
         if self.early.as_ref().is_some_and(|s| s.tokens() > 0) {
             inc(vm.metrics.early_bodies, 1);
@@ -1005,7 +1034,7 @@ impl Stream {
         let mut vm = vm.borrow_mut();
         let vm = &mut *vm;
         let now = now_ms();
-        let store = vm.state.shared(&HostStore);
+        let store = vm.state.shared(host_store(vm.state.config()));
         vm.state.claim_probe(store, now);
         let route = vm.state.route_pd(
             prefill_id(self.id),
@@ -1261,9 +1290,10 @@ impl Stream {
     fn serve_peer(&mut self, vm: &Shared, method: &[u8], path: &[u8]) -> Action {
         let mut vm = vm.borrow_mut();
         let token = header(MapType::HttpRequestHeaders, vm.state.peer_token_header());
+        let store = host_store(vm.state.config());
         let r = vm
             .state
-            .serve_peer(&HostStore, method, path, token.as_deref(), now_ms());
+            .serve_peer(store, method, path, token.as_deref(), now_ms());
         self.phase = Phase::Released;
         let ct = if r.status == 200 {
             crate::exchange::BUNDLE_CONTENT_TYPE
@@ -1419,6 +1449,13 @@ impl HttpContext for Stream {
         }
         self.phase = Phase::Buffering;
         self.early = vm.borrow().state.early_scan(&self.path);
+        if vm.borrow().state.config().output == OutputMode::NginxVariable {
+            // ngx_wasm_module calls this in nginx's rewrite phase, always without end of stream,
+            // and parks a paused request there until something resumes it; it reads the body only
+            // later, in the content phase, and hands it over whole, with end of stream, before
+            // `proxy_pass` reads the variable. A pause here would hold every request for good.
+            return Action::Continue;
+        }
         Action::Pause
     }
 

@@ -141,6 +141,11 @@ impl Exchange {
         out
     }
 
+    /// Whether a peer poll is out (sent, not answered yet).
+    pub fn any_in_flight(&self) -> bool {
+        self.polls.iter().any(|p| p.in_flight.is_some())
+    }
+
     pub fn started(&mut self, cfg: &FilterConfig, peer: usize, token: u32, now_ms: u64) {
         if let Some(poll) = self.polls.get_mut(peer) {
             poll.in_flight = Some((token, now_ms));

@@ -105,7 +105,7 @@ pub fn publish_health(
 ) {
     let mut out = now_ms.to_le_bytes().to_vec();
     out.extend_from_slice(&HealthCounts::encode_all(counts));
-    store.set(&health_key(prefix, me), &out, None);
+    store.overwrite(&health_key(prefix, me), &out);
 }
 
 /// Decodes a health record: `(published_ms, counts)`; `None` for anything malformed or for a
@@ -201,7 +201,7 @@ pub fn claim_worker_id(store: &dyn SharedStore, prefix: &str) -> Option<u32> {
 
 /// Publishes worker `me`'s load record, stamped `now_ms`.
 pub fn publish(store: &dyn SharedStore, prefix: &str, me: u32, now_ms: u64, rec: &PeerLoad) {
-    store.set(&load_key(prefix, me), &encode(now_ms, rec), None);
+    store.overwrite(&load_key(prefix, me), &encode(now_ms, rec));
 }
 
 /// Worker `peer`'s load, if its record is readable, for `replicas` replicas, and at most `ttl_ms`
@@ -228,7 +228,7 @@ pub fn working_set_key(prefix: &str, worker: u32) -> String {
 
 /// Publishes worker `me`'s working-set journal (already stamped by the core).
 pub fn publish_working_set(store: &dyn SharedStore, prefix: &str, me: u32, journal: &[u8]) {
-    store.set(&working_set_key(prefix, me), journal, None);
+    store.overwrite(&working_set_key(prefix, me), journal);
 }
 
 /// Worker `peer`'s working-set journal if it is at most `ttl_ms` old (a worker that went away
@@ -248,7 +248,7 @@ pub fn read_working_set_fresh(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::tests::MemStore;
+    use crate::store::tests::{MemStore, NgxStore};
 
     #[test]
     fn round_trip_and_refusals() {
@@ -331,6 +331,36 @@ mod tests {
             None,
             "never published"
         );
+    }
+
+    #[test]
+    fn records_are_republished_under_nginx_cas_rule() {
+        // ngx_wasm_module writes a key without a token only once: every record a worker publishes
+        // tick after tick must still show the newest.
+        let s = NgxStore::default();
+        assert_eq!(claim_worker_id(&s, "k"), Some(0));
+        assert_eq!(claim_worker_id(&s, "k"), Some(1));
+        for ts in [1_000, 2_000] {
+            let rec = PeerLoad {
+                totals: totals(ts),
+                since: totals(1),
+                released: totals(1),
+                held: totals(1),
+            };
+            publish(&s, "k", 1, ts, &rec);
+            assert_eq!(read_fresh(&s, "k", 1, 2, ts, 0), Some(rec));
+            let c = vec![HealthCounts {
+                ok: ts as f64,
+                err: 0.0,
+            }];
+            publish_health(&s, "k", 1, ts, &c);
+            assert_eq!(read_health_fresh(&s, "k", 1, 1, ts, 0), Some((ts, c)));
+            publish_working_set(&s, "k", 1, &ts.to_le_bytes());
+            assert_eq!(
+                s.get(&working_set_key("k", 1)).map(|(v, _)| v),
+                Some(ts.to_le_bytes().to_vec())
+            );
+        }
     }
 
     #[test]

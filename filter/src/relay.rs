@@ -102,7 +102,7 @@ pub fn publish(
     slot.extend_from_slice(&polled_ms.to_le_bytes());
     slot.extend_from_slice(batch);
     // Slot first, head second: a reader that sees the new head finds the slot already written.
-    store.set(&slot_key(prefix, replica, n), &slot, None);
+    store.overwrite(&slot_key(prefix, replica, n), &slot);
     store.set(&hk, &n.to_le_bytes(), cas);
     n
 }
@@ -169,7 +169,7 @@ pub fn publish_health(
 ) {
     let mut v = vec![down as u8];
     v.extend_from_slice(&now_ms.to_le_bytes());
-    store.set(&health_key(prefix, replica), &v, None);
+    store.overwrite(&health_key(prefix, replica), &v);
 }
 
 /// The last published verdict, if any.
@@ -185,7 +185,7 @@ pub fn health(store: &dyn SharedStore, prefix: &str, replica: usize) -> Option<b
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::tests::MemStore;
+    use crate::store::tests::{MemStore, NgxStore};
 
     #[test]
     fn one_holder_at_a_time_and_expiry_hands_over() {
@@ -244,30 +244,47 @@ mod tests {
 
     #[test]
     fn ring_keeps_order_and_drops_the_oldest() {
-        let s = MemStore::default();
-        for i in 0..3u8 {
-            publish(&s, "k", 0, &[i], i as u64);
+        // Envoy's CAS rule and ngx_wasm_module's (no token writes only a new key): the ring's slots
+        // are written over and over, so the second rule must not freeze them at their first batch.
+        let (envoy, ngx) = (MemStore::default(), NgxStore::default());
+        for s in [&envoy as &dyn SharedStore, &ngx] {
+            ring_on(s);
         }
-        let (b, seen) = unseen(&s, "k", 0, 0);
+    }
+
+    fn ring_on(s: &dyn SharedStore) {
+        for i in 0..3u8 {
+            publish(s, "k", 0, &[i], i as u64);
+        }
+        let (b, seen) = unseen(s, "k", 0, 0);
         assert_eq!(b, vec![vec![0], vec![1], vec![2]]);
         assert_eq!(seen, 3);
         assert_eq!(
-            next_unseen(&s, "k", 0, 1).0,
+            next_unseen(s, "k", 0, 1).0,
             Some((vec![1], 1)),
             "with its poll time"
         );
-        assert!(unseen(&s, "k", 0, seen).0.is_empty());
+        assert!(unseen(s, "k", 0, seen).0.is_empty());
         for i in 3..20u8 {
-            publish(&s, "k", 0, &[i], i as u64);
+            publish(s, "k", 0, &[i], i as u64);
         }
-        let (b, seen) = unseen(&s, "k", 0, 3);
+        let (b, seen) = unseen(s, "k", 0, 3);
         assert_eq!(b.len() as u64, RING);
         assert_eq!(b.last(), Some(&vec![19]));
         assert_eq!(b.first(), Some(&vec![12]));
         assert_eq!(seen, 20);
-        assert!(
-            unseen(&s, "k", 1, 0).0.is_empty(),
-            "other replica untouched"
-        );
+        assert!(unseen(s, "k", 1, 0).0.is_empty(), "other replica untouched");
+    }
+
+    #[test]
+    fn verdicts_change_under_both_cas_rules() {
+        let (envoy, ngx) = (MemStore::default(), NgxStore::default());
+        for s in [&envoy as &dyn SharedStore, &ngx] {
+            assert_eq!(health(s, "k", 2), None);
+            publish_health(s, "k", 2, true, 10);
+            assert_eq!(health(s, "k", 2), Some(true));
+            publish_health(s, "k", 2, false, 20);
+            assert_eq!(health(s, "k", 2), Some(false), "back up");
+        }
     }
 }

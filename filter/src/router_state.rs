@@ -295,6 +295,11 @@ pub struct RouterState {
     /// This worker's number among the proxy's workers; `None` without shared data.
     worker_id: Option<u32>,
     started_ms: Option<u64>,
+    /// Callouts (feed and peer polls) planned in this tick, counted only where a tick's callouts are
+    /// bounded ([`RouterState::callouts_per_tick`]).
+    tick_callouts: usize,
+    /// Where the next bounded tick starts looking for a feed to poll, so every replica gets its turn.
+    poll_cursor: usize,
     /// Feed work (block hashes and events) this worker may still do in this tick.
     budget_left: u64,
     /// When this tick's budget was granted (`None`: never).
@@ -388,6 +393,8 @@ impl RouterState {
             working_set_refused: 0,
             worker_id: None,
             started_ms: None,
+            tick_callouts: 0,
+            poll_cursor: 0,
             budget_left: 0,
             budget_from_ms: None,
             time_left_ns: 0,
@@ -608,7 +615,19 @@ impl RouterState {
         // traffic later needs what the others served before, and their journals keep only a few
         // polls' worth.
         let sharing = self.worker_id.is_some() && self.router.has_working_set();
-        self.exchange.plan(&self.cfg, &self.router, sharing, now_ms)
+        let busy = self.callout_out(now_ms);
+        let mut calls = self.exchange.plan(&self.cfg, &self.router, sharing, now_ms);
+        let limit = self.callouts_per_tick();
+        if limit != usize::MAX {
+            if busy {
+                calls.clear();
+            }
+            // Over the tick's bound (feed polls come first): planning marks nothing, so a peer
+            // left out is due again next tick.
+            calls.truncate(limit.saturating_sub(self.tick_callouts));
+            self.tick_callouts += calls.len();
+        }
+        calls
     }
 
     pub fn peer_poll_started(&mut self, peer: usize, token: u32, now_ms: u64) {
@@ -998,11 +1017,31 @@ impl RouterState {
     /// replica is polled only by the worker holding its lease (the others follow the relay), except
     /// that a worker needing a snapshot polls for it itself. Marks nothing in flight until
     /// [`RouterState::poll_started`] or [`RouterState::poll_not_started`] is called for each.
+    ///
+    /// In nginx mode at most [`RouterState::callouts_per_tick`] polls a tick, and none while a
+    /// callout is out ([`RouterState::callout_out`]), taken in turn from where the last bounded tick
+    /// stopped; a replica over the bound is not examined (no lease is taken for a poll that is not
+    /// sent) and waits for a later tick.
     pub fn plan_polls(&mut self, store: Option<&dyn SharedStore>, now_ms: u64) -> Vec<FeedPoll> {
         self.started_ms.get_or_insert(now_ms);
         let hold = self.cfg.feed_period_ms.saturating_mul(3);
         let mut out = Vec::new();
-        for i in 0..self.feeds.len() {
+        let limit = self.callouts_per_tick();
+        let bounded = limit != usize::MAX;
+        if bounded && self.callout_out(now_ms) {
+            return out;
+        }
+        let n = self.feeds.len();
+        let start = if bounded && n > 0 {
+            self.poll_cursor % n
+        } else {
+            0
+        };
+        for k in 0..n {
+            if bounded && self.tick_callouts + out.len() >= limit {
+                break;
+            }
+            let i = (start + k) % n;
             let f = &self.feeds[i];
             if f.in_flight.is_some() || f.pending.is_some() || f.next_poll_ms > now_ms {
                 continue;
@@ -1034,11 +1073,49 @@ impl RouterState {
                     },
                     took_lease,
                 });
+                if bounded {
+                    self.poll_cursor = i + 1;
+                }
             } else {
                 self.feeds[i].next_poll_ms = now_ms.saturating_add(self.cfg.feed_period_ms);
             }
         }
+        if bounded {
+            self.tick_callouts += out.len();
+        }
         out
+    }
+
+    /// Callouts one tick may dispatch: one in nginx mode, since ngx_wasm_module leaves the
+    /// connection of every callout a tick dispatches but the last open for good (a worker runs out
+    /// of `worker_connections` within minutes of polling 4 replicas); no bound elsewhere. Counted
+    /// from [`RouterState::start_tick`].
+    ///
+    /// The module's rule is in fact wider: a callout answered while another one of the VM is still
+    /// out keeps its connection (the module releases them only when none is left), so in nginx mode
+    /// no callout is sent while one is out either ([`RouterState::callout_out`]).
+    /// Whether a feed or peer poll of this worker is out. A feed poll out for more than twice its
+    /// timeout and a second counts as lost (the proxy answers every callout, a timeout included), so
+    /// that one never answered cannot stop the polling for good.
+    pub fn callout_out(&self, now_ms: u64) -> bool {
+        let lost_after = self
+            .cfg
+            .feed_timeout_ms
+            .saturating_mul(2)
+            .saturating_add(1_000);
+        self.exchange.any_in_flight()
+            || self
+                .feeds
+                .iter()
+                .any(|f| f.in_flight.is_some() && now_ms.saturating_sub(f.polled_ms) < lost_after)
+    }
+
+    pub fn callouts_per_tick(&self) -> usize {
+        if self.cfg.output == OutputMode::NginxVariable {
+            1
+        } else {
+            usize::MAX
+        }
     }
 
     /// Applies the batches other workers relayed for the feeds this worker does not poll, oldest
@@ -1123,6 +1200,7 @@ impl RouterState {
     /// at least a first slice of [`FEED_MIN_SLICE`] whatever the clock says (so every batch
     /// completes, however slow the machine), then what is left in replica order.
     pub fn start_tick(&mut self, now_ms: u64) {
+        self.tick_callouts = 0;
         self.grant(now_ms);
         let waiting: Vec<usize> = (0..self.feeds.len())
             .filter(|&i| self.feeds[i].pending.is_some())
@@ -1814,6 +1892,64 @@ mod tests {
             a.route_body(102, "/v1/completions", body, None, 2_020)
                 .probe
         );
+    }
+
+    /// nginx mode: one feed poll a tick, the replicas in turn; Envoy: every due replica at once.
+    #[test]
+    fn nginx_mode_sends_one_callout_a_tick_in_turn() {
+        let json = |output: &str| {
+            format!(
+                r#"{{"replicas":[
+                {{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0","feed_address":"127.0.0.1:8000"}},
+                {{"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"f1","feed_address":"127.0.0.1:8001"}},
+                {{"name":"r2","endpoint":"127.0.0.1:8002","feed_cluster":"f2","feed_address":"127.0.0.1:8002"}}],
+               "output":"{output}","feed_period_ms":100,"tick_ms":100,"feed_timeout_ms":500}}"#
+            )
+        };
+        let mut envoy = RouterState::new(
+            FilterConfig::from_json(json("destination_header").as_bytes()).unwrap(),
+        )
+        .unwrap();
+        envoy.start_tick(0);
+        assert_eq!(envoy.plan_polls(None, 0).len(), 3);
+        let mut w =
+            RouterState::new(FilterConfig::from_json(json("nginx_variable").as_bytes()).unwrap())
+                .unwrap();
+        assert_eq!(w.callouts_per_tick(), 1);
+        let mut order = Vec::new();
+        for tick in 0..6u64 {
+            let now = tick * 100;
+            w.start_tick(now);
+            let due = w.plan_polls(None, now);
+            assert_eq!(due.len(), 1, "tick {tick}");
+            assert!(
+                w.plan_polls(None, now).is_empty(),
+                "the tick's callout is spent"
+            );
+            order.push(due[0].replica);
+            w.poll_not_started(due[0].replica, "refused", now);
+        }
+        assert_eq!(order, [0, 1, 2, 0, 1, 2]);
+        // While a poll is out, no other is sent (the module would keep the connection of one
+        // answered meanwhile), until it is answered, or counts as lost.
+        w.start_tick(600);
+        let due = w.plan_polls(None, 600);
+        assert_eq!(due.len(), 1);
+        w.poll_started(due[0].replica, 7, 600);
+        for now in [700, 800, 2_500] {
+            w.start_tick(now);
+            assert!(w.plan_polls(None, now).is_empty(), "at {now}: one is out");
+        }
+        w.start_tick(2_601);
+        assert_eq!(
+            w.plan_polls(None, 2_601).len(),
+            1,
+            "the one out counts as lost"
+        );
+        w.on_feed_response(7, None, None, None, 3_001);
+        w.start_tick(3_100);
+        assert_eq!(w.plan_polls(None, 3_100).len(), 1);
+        assert!(!w.callout_out(3_100));
     }
 
     #[test]

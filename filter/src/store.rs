@@ -3,14 +3,40 @@
 //! [`crate::peers`]) runs natively in unit tests against an in-memory store. The proxy's own shared
 //! data is `HostStore` in the proxy-wasm contexts.
 
-/// Envoy's `get/set_shared_data`: process-wide bytes under string keys, each write checked against a
-/// CAS token when one is given.
+/// Tries of [`SharedStore::overwrite`] before it gives up: each lost try means another worker wrote
+/// the same key between the read and the write, which for the records written this way (each has one
+/// writer at a time) takes a lease changing hands, so two or three tries are the most ever needed.
+pub const OVERWRITE_TRIES: u32 = 8;
+
+/// The proxy's `get/set_shared_data`: process-wide bytes under string keys, each write checked against
+/// a CAS token when one is given.
+///
+/// The hosts differ on a write without a token (CAS 0): Envoy writes whatever the entry holds, while
+/// ngx_wasm_module writes only a key that does not exist yet (its rule is "the token must equal the
+/// entry's, 0 for no entry"). So a record that is written again and again (a relay slot, a worker's
+/// load) goes through [`SharedStore::overwrite`], which holds on both; `set` with `None` is for keys
+/// that must not be overwritten, or where a lost write is harmless.
 pub trait SharedStore {
     /// Value and CAS token; `None` when absent or unavailable.
     fn get(&self, key: &str) -> Option<(Vec<u8>, u32)>;
-    /// Writes the value; with `cas`, only if the entry is unchanged since it was read. `false` when the
-    /// write did not happen.
+    /// Writes the value; with `cas`, only if the entry is unchanged since it was read (without, on
+    /// ngx_wasm_module, only if there is no entry). `false` when the write did not happen.
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool;
+    /// Replaces the entry's value whatever it holds (last writer wins): reads its token and writes
+    /// with it, again when another worker wrote in between, at most [`OVERWRITE_TRIES`] times.
+    /// `false` when every try lost or the store refused the write.
+    fn overwrite(&self, key: &str, value: &[u8]) -> bool {
+        overwrite_by_cas(self, key, value)
+    }
+}
+
+/// [`SharedStore::overwrite`] as the read-then-write loop, for stores that override it on hosts
+/// where a write without a token already replaces the entry.
+pub fn overwrite_by_cas<S: SharedStore + ?Sized>(store: &S, key: &str, value: &[u8]) -> bool {
+    (0..OVERWRITE_TRIES).any(|_| {
+        let cas = store.get(key).map(|(_, cas)| cas);
+        store.set(key, value, cas)
+    })
 }
 
 #[cfg(test)]
@@ -37,5 +63,75 @@ pub(crate) mod tests {
             m.insert(key.to_string(), (value.to_vec(), next));
             true
         }
+    }
+
+    /// In-memory stand-in with ngx_wasm_module's CAS rule: the token must equal the entry's, and
+    /// no token (0) writes only a key that does not exist yet.
+    #[derive(Default)]
+    pub struct NgxStore(pub RefCell<HashMap<String, (Vec<u8>, u32)>>);
+
+    impl SharedStore for NgxStore {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            self.0.borrow().get(key).cloned()
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+            let mut m = self.0.borrow_mut();
+            let current = m.get(key).map_or(0, |(_, c)| *c);
+            if cas.unwrap_or(0) != current {
+                return false;
+            }
+            m.insert(
+                key.to_string(),
+                (value.to_vec(), current.wrapping_add(1).max(1)),
+            );
+            true
+        }
+    }
+
+    /// A store whose first `losses` writes lose a race: another worker writes the key in between.
+    struct Racy {
+        inner: NgxStore,
+        losses: std::cell::Cell<u32>,
+    }
+
+    impl SharedStore for Racy {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+            if self.losses.get() > 0 {
+                self.losses.set(self.losses.get() - 1);
+                let other = self.inner.get(key).map(|(_, c)| c);
+                assert!(self.inner.set(key, b"other worker", other));
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn overwrite_replaces_under_both_cas_rules() {
+        let envoy = MemStore::default();
+        let ngx = NgxStore::default();
+        for s in [&envoy as &dyn SharedStore, &ngx] {
+            assert!(s.overwrite("k", b"one"));
+            assert!(s.overwrite("k", b"two"));
+            assert_eq!(s.get("k").map(|(v, _)| v), Some(b"two".to_vec()));
+        }
+        // What a write without a token does on nginx: the first lands, the next never.
+        assert!(!ngx.set("k", b"three", None));
+        assert_eq!(ngx.get("k").map(|(v, _)| v), Some(b"two".to_vec()));
+    }
+
+    #[test]
+    fn overwrite_retries_a_lost_race_and_gives_up() {
+        let s = Racy {
+            inner: NgxStore::default(),
+            losses: std::cell::Cell::new(3),
+        };
+        assert!(s.overwrite("k", b"mine"), "lost 3 times, then won");
+        assert_eq!(s.get("k").map(|(v, _)| v), Some(b"mine".to_vec()));
+        s.losses.set(super::OVERWRITE_TRIES);
+        assert!(!s.overwrite("k", b"again"));
+        assert_eq!(s.get("k").map(|(v, _)| v), Some(b"other worker".to_vec()));
     }
 }

@@ -195,6 +195,8 @@ pub struct HarnessConfig {
     /// one: `(replica, factor, from_us)`, the engine's steps taking `factor` times as long from
     /// `from_us` of virtual time (0: from the start; a heterogeneous fleet).
     pub slowdowns: Vec<(usize, f64, u64)>,
+    /// nginx mode: the zone size and connection limit of the nginx imitated.
+    pub nginx: crate::host::NginxLimits,
 }
 
 impl HarnessConfig {
@@ -228,6 +230,7 @@ impl HarnessConfig {
             oracle: None,
             clock_ns_per_fuel: 0,
             slowdowns: Vec::new(),
+            nginx: Default::default(),
         }
     }
 
@@ -564,6 +567,7 @@ impl Harness {
         let specs = cfg.replica_specs();
         let mut options = ProxyOptions::new(cfg.mode, cfg.plugin_config().to_string());
         options.clock_ns_per_fuel = cfg.clock_ns_per_fuel;
+        options.nginx = cfg.nginx;
         if cfg.mode == HostMode::Envoy {
             options.clusters = Some(
                 specs

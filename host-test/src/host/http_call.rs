@@ -1,7 +1,9 @@
 //! HTTP callouts: `proxy_http_call` (requires `:method`, `:path` and `:authority` and, in Envoy mode,
 //! a known cluster; in nginx mode an address) records a [`Callout`] with a token; the harness answers
 //! it later with a [`CallOutcome`] through [`super::WorkerVm::answer_callout`]. `proxy_get_status`
-//! reports the last callout failure.
+//! reports the last callout failure. In nginx mode each callout holds one of the worker's
+//! `worker_connections` ([`super::CalloutConnections`]) until its answer, or for good when
+//! ngx_wasm_module would leave it open (answered while another callout of the root context was out).
 
 use super::headers::header_value;
 use super::memory::{
@@ -129,8 +131,21 @@ pub(super) fn add_http_call(linker: &mut Linker<VmState>) -> wasmtime::Result<()
                 return status(Status::BadArgument);
             }
             let st = c.data_mut();
+            if st.options.mode == HostMode::Nginx {
+                // Each callout takes one of the worker's connections.
+                let conns = &mut st.connections;
+                if conns.open as usize >= st.options.nginx.worker_connections {
+                    conns.refused += 1;
+                    return status(Status::InternalFailure);
+                }
+                conns.opened += 1;
+                conns.open += 1;
+            }
             let token = st.next_token;
             st.next_token = st.next_token.wrapping_add(1).max(1);
+            if st.options.mode == HostMode::Nginx && st.effective == super::ROOT_CONTEXT {
+                st.root_out.insert(token);
+            }
             let sent_ns = st.shared().clock_ns.load(Ordering::Relaxed);
             let context = st.effective;
             st.callouts.push(Callout {

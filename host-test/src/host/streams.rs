@@ -46,6 +46,9 @@ pub struct StreamState {
     pub downstream_body: Vec<u8>,
     /// The filter called `proxy_continue_stream(HttpRequest)` on this stream.
     pub resumed_by_filter: bool,
+    /// nginx mode: the filter paused the request headers, and ngx_wasm_module holds the request in
+    /// the rewrite phase until the filter resumes it; its body callback never comes.
+    pub parked: bool,
     pub local_response: Option<LocalResponse>,
     /// The filter called `proxy_close_stream`.
     pub closed: bool,
@@ -123,6 +126,7 @@ pub(super) fn add_stream_control(linker: &mut Linker<VmState>) -> wasmtime::Resu
             match StreamType::from_raw(kind) {
                 Some(StreamType::HttpRequest) => {
                     s.resumed_by_filter = true;
+                    s.parked = false;
                     release_request(s);
                     ok()
                 }

@@ -221,6 +221,11 @@ impl WorkerVm {
         Ok(())
     }
 
+    /// This worker's callout connections (nginx mode; all zero in Envoy mode).
+    pub fn callout_connections(&self) -> super::CalloutConnections {
+        self.store.data().connections
+    }
+
     /// Callouts dispatched and not yet answered; the harness answers them with
     /// [`WorkerVm::answer_callout`].
     pub fn take_callouts(&mut self) -> Vec<Callout> {
@@ -266,6 +271,18 @@ impl WorkerVm {
                 )
             }
         };
+        {
+            // ngx_wasm_module: a root callout answered while another is still out keeps its
+            // connection; the last one answered gives its own back.
+            let st = self.store.data_mut();
+            if st.options.mode == HostMode::Nginx {
+                let root = st.root_out.remove(&call.token);
+                if !root || st.root_out.is_empty() {
+                    st.connections.open = st.connections.open.saturating_sub(1);
+                    st.connections.closed += 1;
+                }
+            }
+        }
         let Some(f) = self.exports.on_http_call_response.clone() else {
             return Ok(());
         };
@@ -400,6 +417,9 @@ impl WorkerVm {
             s.request_done = end_of_stream;
         }
         let f = self.exports.on_request_headers.clone();
+        if self.store.data().options.mode == HostMode::Nginx {
+            return self.nginx_request_headers(id, n, end_of_stream, f);
+        }
         self.stream_callback(
             id,
             "proxy_on_request_headers",
@@ -407,6 +427,37 @@ impl WorkerVm {
             (id as i32, n as i32, end_of_stream as i32),
             Some(release_request),
         )
+    }
+
+    /// ngx_wasm_module's request headers: the callback runs in nginx's rewrite phase, always
+    /// without end of stream. A pause parks the request there until the filter itself resumes it
+    /// (nothing else will: the module reads the body only in the content phase, after the rewrite
+    /// phase). On Continue a request without a body goes upstream now; one with a body waits for
+    /// the body callback.
+    fn nginx_request_headers(
+        &mut self,
+        id: u32,
+        n: usize,
+        end_of_stream: bool,
+        f: Option<F3r>,
+    ) -> Result<Action, HostError> {
+        let on_continue: Option<fn(&mut StreamState)> = if end_of_stream {
+            Some(release_request)
+        } else {
+            None
+        };
+        let action = self.stream_callback(
+            id,
+            "proxy_on_request_headers",
+            f,
+            (id as i32, n as i32, 0),
+            on_continue,
+        )?;
+        let s = self.stream_mut(id)?;
+        if action != Action::Continue && s.local_response.is_none() && !s.released {
+            s.parked = true;
+        }
+        Ok(action)
     }
 
     /// A request body chunk arrives. Envoy calls `proxy_on_request_body` per chunk, with the size of
@@ -426,7 +477,8 @@ impl WorkerVm {
             s.request_done = end_of_stream;
             s.request_buffer.len()
         };
-        if nginx && !end_of_stream {
+        if nginx && (!end_of_stream || self.stream_mut(id)?.parked) {
+            // A request parked in the rewrite phase never gets to read its body.
             return Ok(None);
         }
         let f = self.exports.on_request_body.clone();
