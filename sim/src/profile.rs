@@ -92,38 +92,31 @@ impl Profile {
         }
     }
 
-    /// A built-in profile by name: the default, Llama-3.1-70B with tensor parallelism 4 on H100s,
-    /// or Llama-3.1-8B on a 40 GB A100 (a small cache that evicts). Derived as the default is, from
-    /// each GPU's published peaks at the same efficiencies; the router's built-in profiles of the
-    /// same names (`kvsteer_core::speed::EngineProfile::named`) carry the same figures.
+    /// A built-in profile by name (`kvsteer_core::speed::PROFILE_NAMES`): the default, Llama-3.1-70B
+    /// with tensor parallelism 4 on H100s, or Llama-3.1-8B on a 40 GB A100 (a small cache that
+    /// evicts). The coefficients are the router's built-in profiles of the same names
+    /// (`kvsteer_core::speed::EngineProfile::named`: one place for the figures), plus what only an
+    /// engine needs: the host-memory tier's copy time (PCIe Gen5 for the H100s, Gen4 for the A100),
+    /// the context limit, and the cache in 16-token blocks.
     pub fn named(name: &str) -> Option<Profile> {
+        let e = kvsteer_core::speed::EngineProfile::named(name)?;
         let base = Profile::llama31_8b_h100();
-        match name {
-            "llama-3.1-8b-h100" => Some(base),
-            "llama-3.1-70b-h100-tp4" => Some(Profile {
-                name: name.into(),
-                step_overhead_us: 600.0,
-                weights_us: 13_000.0,
-                kv_read_us_per_token: 0.031,
-                compute_us_per_token: 59.0,
-                attn_us_per_pair: 0.00133,
-                // 430,000 tokens of KV (about 35 GB per GPU at 320 KiB a token over 4 GPUs).
-                kv_blocks_16: 26_875,
-                ..base
-            }),
-            "llama-3.1-8b-a100-40gb" => Some(Profile {
-                name: name.into(),
-                weights_us: 12_900.0,
-                kv_read_us_per_token: 0.106,
-                compute_us_per_token: 86.0,
-                attn_us_per_pair: 0.00336,
-                host_load_us_per_token: 6.6,
-                // About 18 GB of KV: 147,000 tokens.
-                kv_blocks_16: 9_187,
-                ..base
-            }),
-            _ => None,
-        }
+        Some(Profile {
+            name: e.name,
+            step_overhead_us: e.step_overhead_us,
+            per_seq_us: e.per_seq_us,
+            weights_us: e.weights_us,
+            kv_read_us_per_token: e.kv_read_us_per_token,
+            compute_us_per_token: e.compute_us_per_token,
+            attn_us_per_pair: e.attn_us_per_pair,
+            host_load_us_per_token: if name.contains("a100") {
+                2.0 * base.host_load_us_per_token
+            } else {
+                base.host_load_us_per_token
+            },
+            kv_blocks_16: (e.kv_cache_tokens / 16.0) as u32,
+            ..base
+        })
     }
 
     /// A profile from its JSON form (every field but `additive` and `request_overhead_us` required,
@@ -183,6 +176,24 @@ pub fn attn_pairs(ctx: u64, n: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn named_profiles_are_the_routers_and_the_default_is_unchanged() {
+        assert_eq!(
+            Profile::named("llama-3.1-8b-h100"),
+            Some(Profile::llama31_8b_h100())
+        );
+        for n in kvsteer_core::speed::PROFILE_NAMES {
+            let p = Profile::named(n).unwrap();
+            let e = kvsteer_core::speed::EngineProfile::named(n).unwrap();
+            assert_eq!(
+                (p.compute_us_per_token, p.weights_us),
+                (e.compute_us_per_token, e.weights_us)
+            );
+            assert_eq!(p.kv_blocks_16 as f64, (e.kv_cache_tokens / 16.0).floor());
+        }
+        assert!(Profile::named("nope").is_none());
+    }
 
     #[test]
     fn decode_step_grows_with_kv_read_and_prefill_with_tokens() {
