@@ -22,4 +22,5 @@ pub use engine::{
 pub use output::{OutputLen, output_token};
 pub use profile::{Profile, StepWork};
 pub mod metrics;
+#[cfg(not(target_arch = "wasm32"))]
 pub mod server;
