@@ -435,6 +435,8 @@ pub struct RequestRecord {
     pub upstream_headers: Vec<(String, String)>,
     /// Response body bytes that reached the client.
     pub downstream_bytes: usize,
+    /// The filter's `explain_header` on the response, when configured (the routing cost's terms).
+    pub explained: Option<String>,
 }
 
 impl RequestRecord {
@@ -696,6 +698,16 @@ impl Harness {
 
     pub fn now_us(&self) -> u64 {
         self.now_us
+    }
+
+    /// The configured `explain_header` as the client got it on a finished stream.
+    fn explained(&self, st: &crate::host::StreamState) -> Option<String> {
+        let name = self.cfg.filter_extra.get("explain_header")?.as_str()?;
+        st.response_headers
+            .as_ref()?
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name.as_bytes()))
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
     }
 
     pub fn record(&self, id: u64) -> Option<&RequestRecord> {
@@ -1638,7 +1650,9 @@ impl Harness {
                     return Err(HarnessError::ResponsePaused { request: id });
                 }
                 let st = self.workers[w].end_stream(stream)?;
+                let explained = self.explained(&st);
                 if let Some(r) = self.records.get_mut(&id) {
+                    r.explained = explained;
                     r.finished_us = Some(*t_us);
                     r.prompt_tokens = *prompt_tokens;
                     r.cached_tokens = *cached_tokens;

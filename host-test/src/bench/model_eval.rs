@@ -209,6 +209,103 @@ pub struct Measured {
     pub hit_rate: f64,
     pub failed: usize,
     pub requests_per_replica: Vec<u64>,
+    /// `kv_time` only: its predicted time to first token against the realized one, per request.
+    pub calibration: Option<Calibration>,
+}
+
+/// Predicted against realized time to first token over a replay's requests.
+#[derive(Clone, Debug, Serialize)]
+pub struct Calibration {
+    pub requests: usize,
+    /// Spearman's rank correlation.
+    pub rank_correlation: f64,
+    pub median_abs_error_ms: f64,
+    /// Median of realized / predicted.
+    pub median_ratio: f64,
+}
+
+/// The explained winner's predicted time to first token in seconds (wait + prefill), from the
+/// filter's `explain_header` text (`winner=R; 0: cost=.. wait=.. prefill=..; ...`).
+pub fn predicted_ttft_s(explained: &str) -> Option<f64> {
+    let mut parts = explained.split("; ");
+    let winner = parts.next()?.strip_prefix("winner=")?;
+    let own = parts.find(|p| p.split(": ").next() == Some(winner))?;
+    let term = |name: &str| -> Option<f64> {
+        own.split(' ')
+            .find_map(|kv| kv.strip_prefix(name))?
+            .parse()
+            .ok()
+    };
+    Some(term("wait=")? + term("prefill=")?)
+}
+
+/// Ranks with ties averaged.
+fn ranks(v: &[f64]) -> Vec<f64> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[a].total_cmp(&v[b]));
+    let mut r = vec![0.0; v.len()];
+    let mut i = 0;
+    while i < idx.len() {
+        let mut j = i;
+        while j + 1 < idx.len() && v[idx[j + 1]] == v[idx[i]] {
+            j += 1;
+        }
+        for k in i..=j {
+            r[idx[k]] = (i + j) as f64 / 2.0;
+        }
+        i = j + 1;
+    }
+    r
+}
+
+/// Spearman's rank correlation of paired samples (NaN below 3 pairs or without spread).
+pub fn rank_correlation(a: &[f64], b: &[f64]) -> f64 {
+    if a.len() != b.len() || a.len() < 3 {
+        return f64::NAN;
+    }
+    let (ra, rb) = (ranks(a), ranks(b));
+    let mean = (a.len() - 1) as f64 / 2.0;
+    let (mut num, mut da, mut db) = (0.0, 0.0, 0.0);
+    for (x, y) in ra.iter().zip(&rb) {
+        num += (x - mean) * (y - mean);
+        da += (x - mean).powi(2);
+        db += (y - mean).powi(2);
+    }
+    num / (da * db).sqrt()
+}
+
+fn calibration(h: &Harness) -> Option<Calibration> {
+    let mut pred = Vec::new();
+    let mut real = Vec::new();
+    for r in h.records() {
+        if let (Some(p), Some(ft)) = (
+            r.explained.as_deref().and_then(predicted_ttft_s),
+            r.first_token_us,
+        ) {
+            pred.push(p);
+            real.push(ft.saturating_sub(r.issued_us) as f64 / 1e6);
+        }
+    }
+    if pred.is_empty() {
+        return None;
+    }
+    let err: Vec<f64> = pred
+        .iter()
+        .zip(&real)
+        .map(|(p, r)| (p - r).abs() * 1e3)
+        .collect();
+    let ratio: Vec<f64> = pred
+        .iter()
+        .zip(&real)
+        .filter(|(p, _)| **p > 0.0)
+        .map(|(p, r)| r / p)
+        .collect();
+    Some(Calibration {
+        requests: pred.len(),
+        rank_correlation: rank_correlation(&pred, &real),
+        median_abs_error_ms: median(&err),
+        median_ratio: median(&ratio),
+    })
 }
 
 impl Measured {
@@ -225,6 +322,7 @@ impl Measured {
             hit_rate: s.hit_rate,
             failed: s.failed,
             requests_per_replica: s.requests_per_replica.clone(),
+            calibration: None,
         }
     }
 }
@@ -262,6 +360,9 @@ pub fn replay(
             cfg.routing["kv_time"] = json!({});
         }
         cfg.routing["kv_time"]["profile"] = json!(c.profile);
+        // Each response then carries the prediction the request was routed on.
+        cfg.filter_extra
+            .insert("explain_header".into(), json!(EXPLAIN_HEADER));
     }
     if noop {
         let s = cfg.routing["seed"].as_u64().unwrap_or(0);
@@ -271,8 +372,13 @@ pub fn replay(
     h.run_workload(Driver::new(workload, mode), |_, _| {})
         .map_err(|e| format!("{}: {spec}: {e}", c.id))?;
     let s = h.summary(spec);
-    Ok(Measured::from(&c.id, spec, seed, &s))
+    let mut m = Measured::from(&c.id, spec, seed, &s);
+    m.calibration = calibration(&h);
+    Ok(m)
 }
+
+/// The response header `kv_time` replays carry their predictions in.
+pub const EXPLAIN_HEADER: &str = "x-kvsteer-explain";
 
 /// The median of `v` (NaN for an empty slice).
 pub fn median(v: &[f64]) -> f64 {
@@ -320,6 +426,26 @@ mod tests {
         let (m, lo, hi) = median_ratio_ci(&[1.0; 9]);
         assert_eq!((m, lo, hi), (1.0, 1.0, 1.0));
         assert!(median_ratio_ci(&[]).0.is_nan());
+    }
+
+    #[test]
+    fn predictions_are_read_from_the_explanation_and_ranks_correlate() {
+        let text = "winner=1; 0: cost=0.5 wait=0.1 prefill=0.2 decode=0 stall=0 evict=0; \
+                    1: cost=0.3 wait=0.05 prefill=0.1 decode=0 stall=0 evict=0";
+        assert!((predicted_ttft_s(text).unwrap() - 0.15).abs() < 1e-12);
+        assert_eq!(
+            predicted_ttft_s("winner=7; 0: cost=1 wait=0 prefill=1"),
+            None
+        );
+        assert_eq!(predicted_ttft_s("garbage"), None);
+        assert!(
+            (rank_correlation(&[1.0, 2.0, 3.0, 4.0], &[10.0, 20.0, 30.0, 40.0]) - 1.0).abs()
+                < 1e-12
+        );
+        assert!(
+            (rank_correlation(&[1.0, 2.0, 3.0, 4.0], &[4.0, 3.0, 2.0, 1.0]) + 1.0).abs() < 1e-12
+        );
+        assert!(rank_correlation(&[1.0], &[1.0]).is_nan());
     }
 
     #[test]
