@@ -1,5 +1,5 @@
-//! `kv_time`: the cost of sending a request to a replica, in seconds (docs/design/design.md, "The cost in
-//! seconds"). Per candidate replica r, with `s_r` its learned speed factor ([`crate::speed::Speeds`]),
+//! `kv_time`: the cost of sending a request to a replica, in seconds (docs/design/design.md section
+//! 2.7). Per candidate replica r, with `s_r` its learned speed factor ([`crate::speed::Speeds`]),
 //! `u_r` the request's prompt tokens r does not cache, `c_r` those it does, `n_r` the requests r
 //! runs, `K_r` the KV tokens they hold, `o` the expected output tokens and `P` the prompt's tokens:
 //!
@@ -24,8 +24,8 @@
 //!
 //! `wait_r + prefill_r` is the predicted time to first token on r. A replica with nothing queued,
 //! nothing running and no cache costs exactly `prefill_s(P, 0)`: whenever the prefill it would do
-//! takes less time than the wait elsewhere, it wins, so no replica can be starved by the others
-//! holding a shared prefix. The weights are an operator's exchange rates (seconds of this request's
+//! takes less time than the wait elsewhere, it wins: replicas holding a shared prefix cannot keep it
+//! idle once their queues cost more than its prefill (at lighter load they rightly may). The weights are an operator's exchange rates (seconds of this request's
 //! first token one second of the named delay is worth), not fitted constants.
 
 use super::{Choice, Input, pick_lowest};
