@@ -1099,12 +1099,8 @@ impl Router {
         &self.last_terms
     }
 
-    /// `kv_time`: each replica's learned time factor against the profile (2: twice as slow).
-    pub fn speed_factors(&self) -> Vec<f64> {
-        self.speeds.factors()
-    }
-
-    /// One replica's learned time factor (1 for an unknown replica or under another policy).
+    /// `kv_time`: one replica's learned time factor against the profile (2: twice as slow; 1 for an
+    /// unknown replica or under another policy).
     pub fn speed_factor(&self, replica: usize) -> f64 {
         self.speeds.factor(replica)
     }

@@ -1,7 +1,7 @@
 //! The routing model's judge (docs/reports/model-eval.md): training cells (the matrix the old default was
 //! tuned on) and validation cells (fleets, engines and workloads it never saw, fixed before any
-//! tuning against them), each replayed for every policy over paired draws, compared as median
-//! ratios with bootstrap 95% intervals beside a no-op change's spread.
+//! tuning against them), each replayed for every policy over paired draws; `scripts/model-report`
+//! compares them as median ratios with bootstrap 95% intervals beside a no-op change's spread.
 //!
 //! A draw is one seed: the workload's own draw (RL tokens, think times, arrival gaps, the chat
 //! generator), the engines' seeds and the router's tie-breaks. Every policy replays the same draws,
@@ -10,9 +10,9 @@
 //! chance alone.
 
 use super::run;
-use super::scenario::{ARRIVAL_JITTER, OUTPUT_ALLOWANCE, Scenario, Source, THINK_JITTER};
+use super::scenario::{ARRIVAL_JITTER, Scenario, Source, THINK_JITTER};
 use crate::{FilterModule, Harness};
-use kvsteer_sim::{EngineConfig, Profile};
+use kvsteer_sim::Profile;
 use kvsteer_workload::chat::ChatParams;
 use kvsteer_workload::rl::RlParams;
 use kvsteer_workload::{Driver, Summary};
@@ -180,21 +180,6 @@ pub fn validation() -> Vec<Cell> {
     ]
 }
 
-/// The engine of a cell: its profile with its KV memory cut into the workload's blocks.
-fn engine(profile: &str, block_size: u32, seed: u64) -> EngineConfig {
-    let base = EngineConfig::default();
-    let profile = Profile::named(profile).unwrap_or_default();
-    let bs = block_size.max(1);
-    EngineConfig {
-        max_model_len: profile.max_model_len + OUTPUT_ALLOWANCE,
-        block_size: bs as usize,
-        kv_blocks: (profile.kv_blocks_16 as u64 * 16 / bs as u64).max(1) as u32,
-        seed,
-        profile,
-        ..base
-    }
-}
-
 /// What one replay measured, as the goals read it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Measured {
@@ -352,7 +337,11 @@ pub fn replay(
     };
     let mut cfg = run::config(policy, workload.block_size, seed, 2);
     cfg.replicas = c.replicas;
-    cfg.engine = engine(c.profile, workload.block_size, seed);
+    cfg.engine = Scenario::engine_for(
+        Profile::named(c.profile).unwrap_or_default(),
+        workload.block_size,
+        seed,
+    );
     cfg.slowdowns = c.slowdowns.clone();
     if policy.starts_with("kv_time") {
         // The operator names the engine the fleet runs, as the configuration reference says.
@@ -395,38 +384,9 @@ pub fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// The median of paired ratios and its bootstrap 95% interval (2,000 resamples of the draws,
-/// a fixed generator so a report regenerates identically).
-pub fn median_ratio_ci(ratios: &[f64]) -> (f64, f64, f64) {
-    let r: Vec<f64> = ratios.iter().copied().filter(|x| x.is_finite()).collect();
-    if r.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN);
-    }
-    let mut rng = kvsteer_core::rng::SplitMix64::new(0xB007);
-    let mut meds: Vec<f64> = (0..2000)
-        .map(|_| {
-            let sample: Vec<f64> = (0..r.len())
-                .map(|_| r[(rng.next_u64() % r.len() as u64) as usize])
-                .collect();
-            median(&sample)
-        })
-        .collect();
-    meds.sort_by(|a, b| a.total_cmp(b));
-    (median(&r), meds[50], meds[1949])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_interval_holds_the_median_and_narrows_with_agreement() {
-        let (m, lo, hi) = median_ratio_ci(&[0.9, 0.95, 1.0, 0.92, 0.97, 0.93, 0.99, 0.91, 0.96]);
-        assert!(lo <= m && m <= hi && hi <= 1.0);
-        let (m, lo, hi) = median_ratio_ci(&[1.0; 9]);
-        assert_eq!((m, lo, hi), (1.0, 1.0, 1.0));
-        assert!(median_ratio_ci(&[]).0.is_nan());
-    }
 
     #[test]
     fn predictions_are_read_from_the_explanation_and_ranks_correlate() {

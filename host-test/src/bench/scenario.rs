@@ -181,14 +181,19 @@ impl Scenario {
     /// prompts at 128K, and a kept prompt near the cap plus its output would otherwise be refused by
     /// the engine under every policy alike (2 requests of the first 4 sessions were).
     pub fn engine(block_size: u32, seed: u64) -> EngineConfig {
-        let base = EngineConfig::default();
+        Scenario::engine_for(kvsteer_sim::Profile::default(), block_size, seed)
+    }
+
+    /// [`Scenario::engine`] for another engine `profile` (its KV memory and context limit).
+    pub fn engine_for(profile: kvsteer_sim::Profile, block_size: u32, seed: u64) -> EngineConfig {
         let bs = block_size.max(1);
         EngineConfig {
-            max_model_len: base.max_model_len + OUTPUT_ALLOWANCE,
+            max_model_len: profile.max_model_len + OUTPUT_ALLOWANCE,
             block_size: bs as usize,
-            kv_blocks: (base.profile.kv_blocks_16 as u64 * 16 / bs as u64).max(1) as u32,
+            kv_blocks: (profile.kv_blocks_16 as u64 * 16 / bs as u64).max(1) as u32,
             seed,
-            ..base
+            profile,
+            ..EngineConfig::default()
         }
     }
 }

@@ -1,11 +1,11 @@
-//! `model-eval`: replays the training and validation cells of docs/reports/model-eval.md for every policy
-//! over paired draws, through the compiled filter, and writes every replay's figures as JSON lines
-//! (one per replay, appended as they finish, so a long run can be read while it goes and resumed).
-//!
-//! Usage: model-eval [--set training|validation|all] [--quick] [--seeds N] [--jobs N]
-//!                   [--only id,id] [--policies spec,spec] [--out FILE]
-//! `scripts/model-eval` runs it and `scripts/report-goals` reads what it wrote.
+//! `model-eval`: replays the training and validation cells of docs/reports/model-eval.md for every
+//! policy over paired draws, through the compiled filter, and writes every replay's figures as JSON
+//! lines (one per replay, appended as they finish, so a long run can be read while it goes and
+//! resumed). `model-eval --help` lists the flags; `scripts/model-eval` runs it and
+//! `scripts/model-report` reads what it wrote.
 
+use clap::Parser;
+use kvsteer_host_test::bench::args::split_list;
 use kvsteer_host_test::bench::model_eval::{self, Cell, POLICIES, Set};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
 use std::collections::HashSet;
@@ -14,53 +14,45 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// `model-eval`'s flags.
+#[derive(Parser, Debug)]
+#[command(
+    name = "model-eval",
+    about = "Replays the routing model's training and validation cells (docs/reports/model-eval.md) \
+             through kvsteer_filter.wasm and appends every replay's figures as JSON lines."
+)]
 struct Args {
+    /// Which cells: training, validation or all.
+    #[arg(long, default_value = "all", value_parser = ["training", "validation", "all"])]
     set: String,
+    /// The training cells at their cut-down size (the coding-agent trace's first 16 sessions).
+    #[arg(long)]
     quick: bool,
+    /// Draws (seeds 0..N) per cell and policy.
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u64).range(1..))]
     seeds: u64,
-    jobs: usize,
-    only: Option<Vec<String>>,
-    policies: Vec<String>,
+    /// Replays run in parallel.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    jobs: u64,
+    /// Cell ids (default: every cell of the set).
+    #[arg(long, value_name = "id,id")]
+    only: Option<String>,
+    /// Policy specs (default: the baselines, kv_load, kv_time and its no-op twin).
+    #[arg(long, value_name = "spec,spec")]
+    policies: Option<String>,
+    /// The JSON-lines file replays are appended to (replays already in it are not redone).
+    #[arg(long, default_value = "out/model-eval/runs.jsonl")]
     out: PathBuf,
+    /// The traces' folder.
+    #[arg(long, default_value = "traces")]
     traces: PathBuf,
 }
 
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        set: "all".into(),
-        quick: false,
-        seeds: 9,
-        jobs: 2,
-        only: None,
-        policies: POLICIES.iter().map(|s| s.to_string()).collect(),
-        out: PathBuf::from("out/model-eval/runs.jsonl"),
-        traces: PathBuf::from("traces"),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut val = || it.next().ok_or(format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--set" => a.set = val()?,
-            "--quick" => a.quick = true,
-            "--seeds" => a.seeds = val()?.parse().map_err(|e| format!("--seeds: {e}"))?,
-            "--jobs" => a.jobs = val()?.parse().map_err(|e| format!("--jobs: {e}"))?,
-            "--only" => a.only = Some(val()?.split(',').map(String::from).collect()),
-            "--policies" => a.policies = val()?.split(',').map(String::from).collect(),
-            "--out" => a.out = PathBuf::from(val()?),
-            "--traces" => a.traces = PathBuf::from(val()?),
-            other => return Err(format!("unknown flag {other:?}")),
-        }
-    }
-    Ok(a)
-}
-
 fn main() {
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("model-eval: {e}");
-            std::process::exit(2);
-        }
+    let args = Args::parse();
+    let policies: Vec<String> = match &args.policies {
+        Some(list) => split_list(list),
+        None => POLICIES.iter().map(|s| s.to_string()).collect(),
     };
     let module = filter_wasm_path()
         .and_then(|p| FilterModule::load_unmetered(&p).map_err(|e| e.to_string()))
@@ -76,6 +68,7 @@ fn main() {
         cells.extend(model_eval::validation());
     }
     if let Some(only) = &args.only {
+        let only = split_list(only);
         cells.retain(|c| only.contains(&c.id));
     }
     // Replays already in the output (a resumed run) are not redone.
@@ -94,7 +87,7 @@ fn main() {
     let mut work: Vec<(usize, String, u64)> = Vec::new();
     for seed in 0..args.seeds {
         for (i, c) in cells.iter().enumerate() {
-            for p in &args.policies {
+            for p in &policies {
                 if !done.contains(&(c.id.clone(), p.clone(), seed)) {
                     work.push((i, p.clone(), seed));
                 }
@@ -118,13 +111,13 @@ fn main() {
     eprintln!(
         "model-eval: {} cells, {} policies, {} seeds: {total} replays to run",
         cells.len(),
-        args.policies.len(),
+        policies.len(),
         args.seeds
     );
     let next = AtomicUsize::new(0);
     let failed = AtomicUsize::new(0);
     std::thread::scope(|s| {
-        for _ in 0..args.jobs.max(1) {
+        for _ in 0..args.jobs {
             s.spawn(|| {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
