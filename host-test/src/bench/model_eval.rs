@@ -26,6 +26,9 @@ use std::path::Path;
 pub enum Set {
     Training,
     Validation,
+    /// The second validation round (docs/reports/model-eval.md), written down after the first had
+    /// been looked at and before any change it motivated was replayed on these cells.
+    Validation2,
 }
 
 /// One cell: a workload on a fleet.
@@ -180,6 +183,78 @@ pub fn validation() -> Vec<Cell> {
     ]
 }
 
+/// The second validation round, fixed in docs/reports/model-eval.md before any replay of it: the
+/// first round was looked into (its chat cells' TTFT tail), so it judges no change made after that.
+/// Fleet sizes, engines, rates and slowdowns that neither the training set nor the first round has.
+pub fn validation2() -> Vec<Cell> {
+    let v = Set::Validation2;
+    let chat = |sessions_per_s: f64, long_output_share: f64| {
+        Source::Chat(ChatParams {
+            sessions_per_s,
+            long_output_share,
+            ..ChatParams::default()
+        })
+    };
+    let slow = |mut c: Cell, slowdowns: Vec<(usize, f64, u64)>| {
+        c.slowdowns = slowdowns;
+        c
+    };
+    vec![
+        cell(
+            "w-chat-6-70b",
+            v,
+            chat(3.0, 0.1),
+            6,
+            "llama-3.1-70b-h100-tp4",
+        ),
+        cell("w-chat-12", v, chat(10.0, 0.2), 12, H100_8B),
+        slow(
+            cell(
+                "w-chat-3-a100-slow",
+                v,
+                chat(3.0, 0.1),
+                3,
+                "llama-3.1-8b-a100-40gb",
+            ),
+            vec![(2, 1.5, 0)],
+        ),
+        cell("w-rl-6-a100", v, rl(24), 6, "llama-3.1-8b-a100-40gb"),
+        cell(
+            "w-weka-c20-6-70b",
+            v,
+            weka(20, 1, Some(16)),
+            6,
+            "llama-3.1-70b-h100-tp4",
+        ),
+        slow(
+            cell("w-weka-c24-slows-mid", v, weka(24, 1, Some(16)), 4, H100_8B),
+            vec![(1, 3.0, 30_000_000)],
+        ),
+        cell(
+            "w-mooncake-x3-8",
+            v,
+            Source::Mooncake {
+                speed: 3.0,
+                max_requests: Some(2000),
+                arrival_jitter: ARRIVAL_JITTER,
+            },
+            8,
+            H100_8B,
+        ),
+        cell(
+            "w-azure-x4-8",
+            v,
+            Source::Azure {
+                speed: 4.0,
+                max_rows: Some(4000),
+                arrival_jitter: ARRIVAL_JITTER,
+            },
+            8,
+            H100_8B,
+        ),
+    ]
+}
+
 /// What one replay measured, as the goals read it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Measured {
@@ -196,6 +271,10 @@ pub struct Measured {
     pub requests_per_replica: Vec<u64>,
     /// `kv_time` only: its predicted time to first token against the realized one, per request.
     pub calibration: Option<Calibration>,
+    /// One row per request when the replay was asked to keep them (`model-eval --requests`): for
+    /// looking into a figure, not part of the figures.
+    #[serde(skip)]
+    pub requests: Vec<serde_json::Value>,
 }
 
 /// Predicted against realized time to first token over a replay's requests.
@@ -308,17 +387,36 @@ impl Measured {
             failed: s.failed,
             requests_per_replica: s.requests_per_replica.clone(),
             calibration: None,
+            requests: Vec::new(),
         }
     }
 }
 
-/// Replays one cell under one policy spec for one seed.
+/// One request of a replay as a row: when it was issued, where it ran, its prompt and what of it
+/// was cached, its time to first token, and the decision's explanation when there is one.
+fn request_row(r: &crate::RequestRecord) -> serde_json::Value {
+    json!({
+        "id": r.id,
+        "issued_ms": r.issued_us as f64 / 1e3,
+        "session": r.upstream_header("x-session-id"),
+        "replica": r.replica,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "completion_tokens": r.completion_tokens,
+        "ttft_ms": r.first_token_us.map(|t| t.saturating_sub(r.issued_us) as f64 / 1e3),
+        "explained": r.explained,
+    })
+}
+
+/// Replays one cell under one policy spec for one seed; `keep_requests` keeps a row per request in
+/// [`Measured::requests`].
 pub fn replay(
     module: &FilterModule,
     traces: &Path,
     c: &Cell,
     spec: &str,
     seed: u64,
+    keep_requests: bool,
 ) -> Result<Measured, String> {
     let scenario = Scenario {
         id: c.id.clone(),
@@ -363,6 +461,9 @@ pub fn replay(
     let s = h.summary(spec);
     let mut m = Measured::from(&c.id, spec, seed, &s);
     m.calibration = calibration(&h);
+    if keep_requests {
+        m.requests = h.records().map(request_row).collect();
+    }
     Ok(m)
 }
 
@@ -413,6 +514,7 @@ mod tests {
         let mut ids: Vec<String> = training(false)
             .into_iter()
             .chain(validation())
+            .chain(validation2())
             .map(|c| c.id)
             .collect();
         let n = ids.len();
@@ -420,8 +522,14 @@ mod tests {
         ids.dedup();
         assert_eq!(ids.len(), n);
         assert!(validation().iter().all(|c| c.set == Set::Validation));
-        for c in validation() {
+        assert!(validation2().iter().all(|c| c.set == Set::Validation2));
+        for c in validation().into_iter().chain(validation2()) {
             assert!(Profile::named(c.profile).is_some(), "{}", c.profile);
+            assert!(
+                c.slowdowns
+                    .iter()
+                    .all(|&(r, f, _)| r < c.replicas && f >= 1.0)
+            );
         }
     }
 }

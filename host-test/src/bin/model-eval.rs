@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
              through kvsteer_filter.wasm and appends every replay's figures as JSON lines."
 )]
 struct Args {
-    /// Which cells: training, validation or all.
-    #[arg(long, default_value = "all", value_parser = ["training", "validation", "all"])]
+    /// Which cells: training, validation (the first round), validation2 (the second) or all.
+    #[arg(long, default_value = "all", value_parser = ["training", "validation", "validation2", "all"])]
     set: String,
     /// The training cells at their cut-down size (the coding-agent trace's first 16 sessions).
     #[arg(long)]
@@ -46,6 +46,10 @@ struct Args {
     /// The traces' folder.
     #[arg(long, default_value = "traces")]
     traces: PathBuf,
+    /// Also write each replay's requests (issued, replica, prompt, cached, TTFT, the decision's
+    /// explanation) as JSON lines to DIR/<cell>.<policy>.<seed>.jsonl, for looking into a figure.
+    #[arg(long, value_name = "DIR")]
+    requests: Option<PathBuf>,
 }
 
 fn main() {
@@ -66,6 +70,9 @@ fn main() {
     }
     if args.set == "validation" || args.set == "all" {
         cells.extend(model_eval::validation());
+    }
+    if args.set == "validation2" || args.set == "all" {
+        cells.extend(model_eval::validation2());
     }
     if let Some(only) = &args.only {
         let only = split_list(only);
@@ -126,12 +133,23 @@ fn main() {
                     };
                     let c = &cells[*ci];
                     let started = std::time::Instant::now();
-                    match model_eval::replay(&module, &args.traces, c, policy, *seed) {
+                    match model_eval::replay(
+                        &module,
+                        &args.traces,
+                        c,
+                        policy,
+                        *seed,
+                        args.requests.is_some(),
+                    ) {
                         Ok(m) => {
+                            if let Some(dir) = &args.requests {
+                                write_requests(dir, c, policy, *seed, &m.requests);
+                            }
                             let mut v = serde_json::to_value(&m).unwrap_or_default();
                             v["set"] = serde_json::json!(match c.set {
                                 Set::Training => "training",
                                 Set::Validation => "validation",
+                                Set::Validation2 => "validation2",
                             });
                             let line = format!("{v}\n");
                             if let Ok(mut f) = out.lock() {
@@ -160,5 +178,24 @@ fn main() {
     if failed > 0 {
         eprintln!("model-eval: {failed} replays failed");
         std::process::exit(1);
+    }
+}
+
+/// Writes one replay's request rows; a failure is reported and the replay's figures kept.
+fn write_requests(
+    dir: &std::path::Path,
+    c: &Cell,
+    policy: &str,
+    seed: u64,
+    rows: &[serde_json::Value],
+) {
+    let path = dir.join(format!(
+        "{}.{}.{seed}.jsonl",
+        c.id,
+        policy.replace(['/', '@', '#', '='], "_")
+    ));
+    let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
+    if let Err(e) = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, text)) {
+        eprintln!("model-eval: {}: {e}", path.display());
     }
 }
