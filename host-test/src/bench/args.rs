@@ -111,10 +111,6 @@ struct BenchCli {
     /// JSON and run nothing.
     #[arg(long, value_name = "FILE")]
     export_slice: Option<PathBuf>,
-    /// Put DIR/results/notes.md (the analysis written after a run) into the existing
-    /// DIR/results.md; runs nothing.
-    #[arg(long)]
-    notes_only: bool,
     /// Write every replay's per-request rows (CSV) under DIR, for diagnosing a policy.
     #[arg(long, value_name = "DIR")]
     rows: Option<PathBuf>,
@@ -132,7 +128,6 @@ pub struct BenchArgs {
     pub out: Option<PathBuf>,
     pub traces: PathBuf,
     pub export_slice: Option<PathBuf>,
-    pub notes_only: bool,
     /// Where to write every replay's per-request rows (CSV), for diagnosing a policy.
     pub rows: Option<PathBuf>,
 }
@@ -179,7 +174,6 @@ impl BenchArgs {
                 crate::artifact::workspace_root().join(kvsteer_workload::catalog::DEFAULT_TRACES)
             }),
             export_slice: c.export_slice,
-            notes_only: c.notes_only,
             rows: c.rows,
         })
     }
@@ -274,7 +268,7 @@ mod tests {
             a.traces
                 .ends_with(kvsteer_workload::catalog::DEFAULT_TRACES)
         );
-        assert!(!a.notes_only && a.export_slice.is_none() && a.rows.is_none());
+        assert!(a.export_slice.is_none() && a.rows.is_none());
     }
 
     #[test]
@@ -299,7 +293,6 @@ mod tests {
             "r",
             "--export-slice",
             "s.jsonl",
-            "--notes-only",
         ])
         .unwrap();
         assert_eq!(a.scale, Scale::Smoke);
@@ -311,7 +304,6 @@ mod tests {
         assert_eq!(a.traces, PathBuf::from("t"));
         assert_eq!(a.rows, Some(PathBuf::from("r")));
         assert_eq!(a.export_slice, Some(PathBuf::from("s.jsonl")));
-        assert!(a.notes_only);
     }
 
     #[test]

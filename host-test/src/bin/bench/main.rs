@@ -26,12 +26,9 @@
 //! between arrivals, within 20% of the recorded one per seed, so that seeds are independent draws
 //! for every policy), `--jobs N` (replays in parallel, default: available cores), `--workers N`
 //! (proxy worker VMs, 2), `--out DIR` (default: the repository's `docs/reports/` for a full run,
-//! `out/bench-<scale>/` otherwise), `--traces DIR` (default `traces`), `--notes-only` (put
-//! `DIR/results/notes.md`, the analysis written after looking at a run, into the existing
-//! `DIR/results.md`; runs nothing). Writes `DIR/results.md`, `DIR/results/harness.json`
+//! `out/bench-<scale>/` otherwise), `--traces DIR` (default `traces`). Writes `DIR/results.md`, `DIR/results/harness.json`
 //! (configuration, seeds, commit, every run's summary) and the SVG plots under `DIR/results/`.
 
-mod notes;
 mod report;
 
 use kvsteer_host_test::artifact::workspace_root;
@@ -112,7 +109,6 @@ fn main() {
     let args = Args::parse();
     let r = match &args.export_slice {
         Some(file) => export_slice(&args, file),
-        None if args.notes_only => notes::refresh_notes(&out_dir(&args)),
         None => run(&args),
     };
     if let Err(e) = r {
