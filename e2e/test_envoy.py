@@ -26,7 +26,7 @@ REPLICAS = 4
 FEED_SETTLE_S = 0.5
 # Each worker sees the other workers' in-flight load as published at their last tick (100 ms): a
 # request that has just finished on one worker still counts as load on its replica in another's view
-# for up to a tick (filter/src/peers.rs). Sequential requests that must see every replica idle are
+# for up to a tick (filter/src/workers.rs). Sequential requests that must see every replica idle are
 # spaced by this much.
 PEER_SETTLE_S = 0.25
 

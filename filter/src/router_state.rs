@@ -5,7 +5,7 @@
 
 use crate::config::{ConfigError, FilterConfig, OutputMode};
 use crate::exchange::{Exchange, ExchangeStats, PeerCall, PeerResponse};
-use crate::peers;
+use crate::workers;
 use crate::relay;
 use crate::store::SharedStore;
 use kvsteer_core::feed::FeedFrame;
@@ -501,9 +501,9 @@ impl RouterState {
         self.worker_id
     }
 
-    /// Claims this worker's number from the shared counter ([`peers::claim_worker_id`]).
+    /// Claims this worker's number from the shared counter ([`workers::claim_worker_id`]).
     pub fn claim_worker_id(&mut self, store: &dyn SharedStore) -> Option<u32> {
-        self.worker_id = peers::claim_worker_id(store, &self.cfg.shared_key_prefix);
+        self.worker_id = workers::claim_worker_id(store, &self.cfg.shared_key_prefix);
         if self.worker_id.is_some() {
             self.router.share_working_set();
         }
@@ -523,14 +523,14 @@ impl RouterState {
             return;
         };
         let prefix = &self.cfg.shared_key_prefix;
-        let rec = peers::PeerLoad {
+        let rec = workers::WorkerLoad {
             totals: self.router.local_load(),
             since: self.router.local_load_since(),
             released: self.router.local_released_since(),
             held: self.router.local_held(),
         };
-        peers::publish(store, prefix, me, now_ms, &rec);
-        peers::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
+        workers::publish(store, prefix, me, now_ms, &rec);
+        workers::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
         // Kept for a few ticks, so every worker reads each entry at least once (ticks drift), and
         // with peer proxies for a few of their polls too (they read the same records).
         let poll_ms = self.cfg.peers.as_ref().map_or(0, |p| p.poll_ms);
@@ -540,13 +540,13 @@ impl RouterState {
             .max(poll_ms)
             .saturating_mul(WORKING_SET_KEEP_TICKS);
         if let Some(journal) = self.router.working_set_journal(now_ms, keep) {
-            peers::publish_working_set(store, prefix, me, &journal);
+            workers::publish_working_set(store, prefix, me, &journal);
         }
-        let count = peers::worker_count(store, prefix);
+        let count = workers::worker_count(store, prefix);
         let replicas = self.cfg.replicas.len();
         let ttl = self.cfg.peer_ttl_ms;
         for peer in (0..count).filter(|&p| p != me) {
-            match peers::read_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+            match workers::read_fresh(store, prefix, peer, replicas, now_ms, ttl) {
                 Some(rec) => {
                     self.router.set_peer_load(peer, &rec.totals);
                     self.router
@@ -555,7 +555,7 @@ impl RouterState {
                 }
                 None => self.router.clear_peer(peer),
             }
-            match peers::read_health_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+            match workers::read_health_fresh(store, prefix, peer, replicas, now_ms, ttl) {
                 Some((at, counts)) => self.router.set_peer_health(peer, at, &counts),
                 None => self.router.clear_peer_health(peer),
             }
@@ -569,7 +569,7 @@ impl RouterState {
             if !self.has_routed() {
                 continue;
             }
-            if let Some(journal) = peers::read_working_set_fresh(store, prefix, peer, now_ms, ttl) {
+            if let Some(journal) = workers::read_working_set_fresh(store, prefix, peer, now_ms, ttl) {
                 match self.router.apply_peer_working_set(peer, &journal) {
                     Some(applied) => self.working_set_missed += applied.missed,
                     None => self.working_set_refused += 1,
@@ -975,7 +975,7 @@ impl RouterState {
         };
         let interval = self.cfg.routing.health.probe_interval_ms;
         if let Err(last) =
-            peers::claim_probe(store, &self.cfg.shared_key_prefix, r, now_ms, interval)
+            workers::claim_probe(store, &self.cfg.shared_key_prefix, r, now_ms, interval)
         {
             self.router.probed_elsewhere(r, last);
         }
