@@ -650,21 +650,8 @@ impl RootContext for Root {
                 String::from_utf8_lossy(&node_id)
             ),
         );
-        if state.config().peers.is_some()
-            && state.config().routing.policy == kvsteer_core::config::PolicyKind::KvLoad
-            && !matches!(
-                state.config().routing.kv_load.reported_load,
-                kvsteer_core::config::ReportedLoad::Merge
-                    | kvsteer_core::config::ReportedLoad::Others
-            )
-        {
-            // Measured (docs/reports/proxies.md): the peers' working set without their load gathers cold
-            // sessions on replicas whose queues this proxy cannot see.
-            log(
-                LogLevel::Warn,
-                "kvsteer: peers is meant for routing.kv_load.reported_load merge or others: without \
-                 either this proxy sees every proxy's sessions but only its own load",
-            );
+        for warning in state.config().warnings() {
+            log(LogLevel::Warn, &format!("kvsteer: {warning}"));
         }
         self.vm = Some(Rc::new(RefCell::new(Vm {
             state,

@@ -15,8 +15,8 @@
 //! refused (403) and counted, and the path is never forwarded whatever the request.
 
 use crate::config::{FilterConfig, PeersSection};
-use crate::workers;
 use crate::store::SharedStore;
+use crate::workers;
 use kvsteer_core::router::Router;
 use kvsteer_core::working_set::{self, encode_bundle, journal_after, parse_after};
 use std::collections::HashMap;
@@ -275,7 +275,8 @@ fn bundle(
         let replicas = cfg.replicas.len();
         let mut size = 8;
         for w in 0..workers::worker_count(store, prefix) {
-            let Some(j) = workers::read_working_set_fresh(store, prefix, w, now_ms, cfg.peer_ttl_ms)
+            let Some(j) =
+                workers::read_working_set_fresh(store, prefix, w, now_ms, cfg.peer_ttl_ms)
             else {
                 continue;
             };

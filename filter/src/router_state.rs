@@ -5,9 +5,9 @@
 
 use crate::config::{ConfigError, FilterConfig, OutputMode};
 use crate::exchange::{Exchange, ExchangeStats, PeerCall, PeerResponse};
-use crate::workers;
 use crate::relay;
 use crate::store::SharedStore;
+use crate::workers;
 use kvsteer_core::feed::FeedFrame;
 use kvsteer_core::health::{Health, Outcome};
 use kvsteer_core::pd::{PdParams, Role};
@@ -569,7 +569,8 @@ impl RouterState {
             if !self.has_routed() {
                 continue;
             }
-            if let Some(journal) = workers::read_working_set_fresh(store, prefix, peer, now_ms, ttl) {
+            if let Some(journal) = workers::read_working_set_fresh(store, prefix, peer, now_ms, ttl)
+            {
                 match self.router.apply_peer_working_set(peer, &journal) {
                     Some(applied) => self.working_set_missed += applied.missed,
                     None => self.working_set_refused += 1,
