@@ -328,7 +328,7 @@ class ReplicaKilledMidRun(unittest.TestCase):
     # A dead replica reports no load, so a load-aware policy would keep choosing it (it looks idle).
     # Envoy answers the filter's feed callout to a host that refuses connections with its own 503
     # ("upstream connect error ..."); the filter reads that as unreachable and, after
-    # stale_after_failures polls, avoids the replica (filter/src/router_state.rs,
+    # stale_after_failures polls, avoids the replica (filter/src/router_state/failures.rs,
     # proxy_could_not_connect).
     def test_a_dead_replica_stops_being_chosen(self):
         with new_stack("envoy") as stack:
