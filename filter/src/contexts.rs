@@ -16,7 +16,7 @@ use crate::config::{FilterConfig, OutputMode};
 use crate::router_state::RouterState;
 use crate::store::SharedStore;
 use metrics::Metrics;
-use proxy_wasm::types::{LogLevel, MapType};
+use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -60,6 +60,17 @@ fn callout_status(num_headers: usize) -> Option<u16> {
     }
     header(MapType::HttpCallResponseHeaders, ":status")
         .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
+}
+
+/// A callout's answer body of `size` bytes: `None` when it is empty or the proxy will not hand it
+/// over.
+fn callout_body(size: usize) -> Option<Vec<u8>> {
+    if size == 0 {
+        return None;
+    }
+    abi::get_buffer(BufferType::HttpCallResponseBody, 0, size)
+        .ok()
+        .flatten()
 }
 
 /// The proxy's shared data, for the feed lease and relay, worker numbers and shared load. A read the

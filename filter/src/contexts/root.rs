@@ -4,7 +4,7 @@
 
 use super::metrics::Metrics;
 use super::stream::Stream;
-use super::{Shared, Vm, callout_status, host_store, log, now_ms, now_ns};
+use super::{Shared, Vm, callout_body, callout_status, host_store, log, now_ms, now_ns};
 use crate::abi;
 use crate::config::FilterConfig;
 use crate::router_state::{FeedPoll, FeedResult, RouterState};
@@ -130,10 +130,8 @@ impl Root {
     /// A peer proxy's answer: refused unread when too large, checked whole before use.
     fn on_peer_answer(vm: &mut Vm, token: u32, status: Option<u16>, body_size: usize) {
         let fits = vm.state.peer_answer_fits(body_size);
-        let body = if fits && body_size > 0 && status == Some(200) {
-            abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                .ok()
-                .flatten()
+        let body = if fits && status == Some(200) {
+            callout_body(body_size)
         } else {
             None
         };
@@ -148,14 +146,8 @@ impl Root {
             vm.state
                 .on_feed_response_oversized(token, status, body_size, store, now_ms())
         } else {
-            let body = if body_size > 0 {
-                // A body the proxy will not hand over reads as none: a failed poll.
-                abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                    .ok()
-                    .flatten()
-            } else {
-                None
-            };
+            // A body the proxy will not hand over reads as none: a failed poll.
+            let body = callout_body(body_size);
             vm.state
                 .on_feed_answer(token, status, body, store, now_ms())
         };
