@@ -26,7 +26,7 @@ REPLICAS = 4
 FEED_SETTLE_S = 0.5
 # Each worker sees the other workers' in-flight load as published at their last tick (100 ms): a
 # request that has just finished on one worker still counts as load on its replica in another's view
-# for up to a tick (filter/src/peers.rs). Sequential requests that must see every replica idle are
+# for up to a tick (filter/src/workers.rs). Sequential requests that must see every replica idle are
 # spaced by this much.
 PEER_SETTLE_S = 0.25
 
@@ -328,7 +328,7 @@ class ReplicaKilledMidRun(unittest.TestCase):
     # A dead replica reports no load, so a load-aware policy would keep choosing it (it looks idle).
     # Envoy answers the filter's feed callout to a host that refuses connections with its own 503
     # ("upstream connect error ..."); the filter reads that as unreachable and, after
-    # stale_after_failures polls, avoids the replica (filter/src/router_state.rs,
+    # stale_after_failures polls, avoids the replica (filter/src/router_state/failures.rs,
     # proxy_could_not_connect).
     def test_a_dead_replica_stops_being_chosen(self):
         with new_stack("envoy") as stack:

@@ -665,6 +665,30 @@ impl FilterConfig {
         Ok(())
     }
 
+    /// What a valid configuration is still likely wrong about: settings that work but do not fit
+    /// together, one line each for the proxy's log (nothing is refused for them). Kept beside
+    /// [`FilterConfig::validate`] so every cross-check of the configuration is in one place.
+    pub fn warnings(&self) -> Vec<String> {
+        use kvsteer_core::config::{PolicyKind, ReportedLoad};
+        let mut out = Vec::new();
+        if self.peers.is_some()
+            && self.routing.policy == PolicyKind::KvLoad
+            && !matches!(
+                self.routing.kv_load.reported_load,
+                ReportedLoad::Merge | ReportedLoad::Others
+            )
+        {
+            // Measured (docs/reports/proxies.md): the peers' working set without their load gathers
+            // cold sessions on replicas whose queues this proxy cannot see.
+            out.push(
+                "peers is meant for routing.kv_load.reported_load merge or others: without either \
+                 this proxy sees every proxy's sessions but only its own load"
+                    .into(),
+            );
+        }
+        out
+    }
+
     /// Whether the fleet is disaggregated: some replica has a role other than `both`.
     pub fn disaggregated(&self) -> bool {
         self.replicas.iter().any(|r| r.role != "both")
@@ -844,6 +868,41 @@ mod tests {
             let e = refused(&with_peers(bad));
             assert!(e.contains(field), "{bad}: {e}");
         }
+    }
+
+    /// A `peers` section wants the other proxies' load too (`reported_load` merge or others) under
+    /// `kv_load`: otherwise a warning, never a refusal; other policies have no reported load to merge.
+    #[test]
+    fn peers_without_merged_load_is_warned_about() {
+        let token = r#""peers":{"proxies":[{"cluster":"b"}],"token":"0123456789abcdef"}"#;
+        let warnings = |routing: &str, peers: bool| {
+            let json = format!(
+                r#"{{"replicas":[{{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f"}}],
+                    "routing":{routing}{}}}"#,
+                if peers {
+                    format!(",{token}")
+                } else {
+                    String::new()
+                }
+            );
+            FilterConfig::from_json(json.as_bytes()).unwrap().warnings()
+        };
+        let kv = |load: &str| {
+            format!(r#"{{"policy":"kv_load","kv_load":{{"reported_load":"{load}"}}}}"#)
+        };
+        let w = warnings(&kv("max"), true);
+        assert_eq!(w.len(), 1);
+        assert!(
+            w[0].starts_with("peers is meant for routing.kv_load.reported_load"),
+            "{w:?}"
+        );
+        assert!(warnings(&kv("merge"), true).is_empty());
+        assert!(warnings(&kv("others"), true).is_empty());
+        assert!(
+            warnings(&kv("max"), false).is_empty(),
+            "no peers, nothing to warn about"
+        );
+        assert!(warnings(r#"{"policy":"least_load"}"#, true).is_empty());
     }
 
     #[test]

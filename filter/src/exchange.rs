@@ -1,7 +1,7 @@
 //! The working-set exchange between proxies (`peers` in the configuration; docs/reports/proxies.md,
 //! "Working set across proxies").
 //!
-//! The workers of one proxy share their working-set journals in shared data ([`crate::peers`]);
+//! The workers of one proxy share their working-set journals in shared data ([`crate::workers`]);
 //! separate proxies share nothing, so each would see a fraction of every replica's working set. With
 //! `peers` configured, every worker polls every peer proxy on its tick (one poll per peer in flight,
 //! at most every `poll_ms`) with `GET <path>?after=<worker>:<seq>,...` and the shared token; the
@@ -15,8 +15,8 @@
 //! refused (403) and counted, and the path is never forwarded whatever the request.
 
 use crate::config::{FilterConfig, PeersSection};
-use crate::peers;
 use crate::store::SharedStore;
+use crate::workers;
 use kvsteer_core::router::Router;
 use kvsteer_core::working_set::{self, encode_bundle, journal_after, parse_after};
 use std::collections::HashMap;
@@ -274,8 +274,9 @@ fn bundle(
         let prefix = &cfg.shared_key_prefix;
         let replicas = cfg.replicas.len();
         let mut size = 8;
-        for w in 0..peers::worker_count(store, prefix) {
-            let Some(j) = peers::read_working_set_fresh(store, prefix, w, now_ms, cfg.peer_ttl_ms)
+        for w in 0..workers::worker_count(store, prefix) {
+            let Some(j) =
+                workers::read_working_set_fresh(store, prefix, w, now_ms, cfg.peer_ttl_ms)
             else {
                 continue;
             };
@@ -371,9 +372,9 @@ mod tests {
             ws.start_journal();
             ws.record(i, &[8, 16], 10);
             ws.record(i, &[32], 20);
-            peers::claim_worker_id(&store, "kvsteer");
+            workers::claim_worker_id(&store, "kvsteer");
             let j = ws.encode_journal(30, 1_000).unwrap();
-            peers::publish_working_set(&store, "kvsteer", i as u32, &j);
+            workers::publish_working_set(&store, "kvsteer", i as u32, &j);
         }
         let mut x = Exchange::new(&c);
         let path = b"/.kvsteer/working-set?after=1:1";

@@ -18,11 +18,11 @@
 pub mod config;
 pub mod exchange;
 pub mod pd;
-pub mod peers;
 pub mod relay;
 pub mod router_state;
 pub mod sse;
 pub mod store;
+pub mod workers;
 
 #[cfg(target_arch = "wasm32")]
 mod abi;

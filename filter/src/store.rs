@@ -1,6 +1,6 @@
 //! The slice of the proxy's shared-data API the filter uses, as a trait, so that everything built on
 //! shared data (the feed lease and relay in [`crate::relay`], the worker numbers and load records in
-//! [`crate::peers`]) runs natively in unit tests against an in-memory store. The proxy's own shared
+//! [`crate::workers`]) runs natively in unit tests against an in-memory store. The proxy's own shared
 //! data is `HostStore` in the proxy-wasm contexts.
 
 /// Tries of [`SharedStore::overwrite`] before it gives up: each lost try means another worker wrote

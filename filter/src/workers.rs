@@ -1,4 +1,5 @@
-//! Sharing in-flight load between Envoy's worker VMs.
+//! Sharing in-flight load, health and working sets between the worker VMs of one proxy (the `peers`
+//! configuration section is about other proxies: [`crate::exchange`]).
 //!
 //! Envoy runs one VM per worker thread and the VMs share no memory, so each worker's router only sees
 //! the requests that worker admitted. Every tick each worker publishes its own per-replica totals in
@@ -31,7 +32,7 @@ use crate::store::SharedStore;
 use kvsteer_core::health::HealthCounts;
 use kvsteer_core::load::{self, LoadTotals};
 
-pub fn encode(published_ms: u64, rec: &PeerLoad) -> Vec<u8> {
+pub fn encode(published_ms: u64, rec: &WorkerLoad) -> Vec<u8> {
     let mut out = published_ms.to_le_bytes().to_vec();
     out.extend_from_slice(&LoadTotals::encode_all(&rec.totals));
     out.extend_from_slice(&LoadTotals::encode_all(&rec.since));
@@ -43,7 +44,7 @@ pub fn encode(published_ms: u64, rec: &PeerLoad) -> Vec<u8> {
 /// What a worker publishes: its bookings, per replica, and for `reported_load` `merge` its bookings
 /// since each replica's report was polled and what it released since of requests the report holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PeerLoad {
+pub struct WorkerLoad {
     pub totals: Vec<LoadTotals>,
     pub since: Vec<LoadTotals>,
     pub released: Vec<LoadTotals>,
@@ -54,7 +55,7 @@ pub struct PeerLoad {
 /// Decodes a peer record (its publication time and load); `None` for anything malformed or for a
 /// different replica count (a worker still running an older configuration). A record with the
 /// bookings alone (an older filter) reads as nothing since the polls.
-pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, PeerLoad)> {
+pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, WorkerLoad)> {
     let ts = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
     let mut parts = Vec::new();
     let mut rest = &bytes[8..];
@@ -76,7 +77,7 @@ pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, PeerLoad)> {
     let totals = it.next()?;
     Some((
         ts,
-        PeerLoad {
+        WorkerLoad {
             totals,
             since: it.next().unwrap_or_else(|| zeros.clone()),
             released: it.next().unwrap_or_else(|| zeros.clone()),
@@ -200,7 +201,7 @@ pub fn claim_worker_id(store: &dyn SharedStore, prefix: &str) -> Option<u32> {
 }
 
 /// Publishes worker `me`'s load record, stamped `now_ms`.
-pub fn publish(store: &dyn SharedStore, prefix: &str, me: u32, now_ms: u64, rec: &PeerLoad) {
+pub fn publish(store: &dyn SharedStore, prefix: &str, me: u32, now_ms: u64, rec: &WorkerLoad) {
     store.overwrite(&load_key(prefix, me), &encode(now_ms, rec));
 }
 
@@ -213,7 +214,7 @@ pub fn read_fresh(
     replicas: usize,
     now_ms: u64,
     ttl_ms: u64,
-) -> Option<PeerLoad> {
+) -> Option<WorkerLoad> {
     let (record, _) = store.get(&load_key(prefix, peer))?;
     match decode(&record, replicas) {
         Some((ts, rec)) if now_ms.saturating_sub(ts) <= ttl_ms => Some(rec),
@@ -264,7 +265,7 @@ mod tests {
                 active_requests: 1,
             },
         ];
-        let rec = PeerLoad {
+        let rec = WorkerLoad {
             totals: t.clone(),
             since: vec![t[1], t[0]],
             released: vec![t[0], t[0]],
@@ -281,7 +282,7 @@ mod tests {
         }
         // A record with the bookings alone (an older filter): nothing since the polls.
         let zeros = vec![LoadTotals::default(); 2];
-        let old = PeerLoad {
+        let old = WorkerLoad {
             totals: t.clone(),
             since: zeros.clone(),
             released: zeros.clone(),
@@ -289,7 +290,7 @@ mod tests {
         };
         assert_eq!(decode(&b[..first], 2), Some((99, old)));
         // One without the held part (the filter before `others`): holding nothing.
-        let before = PeerLoad { held: zeros, ..rec };
+        let before = WorkerLoad { held: zeros, ..rec };
         assert_eq!(decode(&b[..third], 2), Some((99, before)));
     }
 
@@ -312,7 +313,7 @@ mod tests {
         assert_eq!(claim_worker_id(&s, "k"), Some(1));
         assert_eq!(claim_worker_id(&s, "other"), Some(0), "per prefix");
         assert_eq!(worker_count(&s, "k"), 2);
-        let rec = PeerLoad {
+        let rec = WorkerLoad {
             totals: totals(7),
             since: totals(3),
             released: totals(1),
@@ -341,7 +342,7 @@ mod tests {
         assert_eq!(claim_worker_id(&s, "k"), Some(0));
         assert_eq!(claim_worker_id(&s, "k"), Some(1));
         for ts in [1_000, 2_000] {
-            let rec = PeerLoad {
+            let rec = WorkerLoad {
                 totals: totals(ts),
                 since: totals(1),
                 released: totals(1),

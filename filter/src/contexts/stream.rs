@@ -1,0 +1,592 @@
+//! A stream context: one request, from its headers (client copies of the routing headers removed),
+//! through its body (read as it arrives, then routed), to its response (followed to the last token,
+//! its outcome reported for the replica's health) and the release of its load. The P/D leg is in
+//! `prefill.rs`.
+
+use super::metrics::inc;
+use super::prefill::{PrefillLeg, prefill_id};
+use super::{Shared, Vm, header, host_store, log, now_ms};
+use crate::abi;
+use crate::config::OutputMode;
+use crate::router_state::{BodyFallback, DecisionOutput, is_inference_path};
+use crate::sse::SseTracker;
+use kvsteer_core::health::Outcome;
+use kvsteer_core::request::EarlyScan;
+use kvsteer_core::router::Decision;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, BufferType, LogLevel, MapType};
+
+/// Where a stream is in its life, as far as the router's load table is concerned.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) enum Phase {
+    /// Not an inference request, or not routed yet.
+    #[default]
+    Untracked,
+    /// Waiting for the whole body.
+    Buffering,
+    /// P/D: both legs booked, the prefill leg's callout in flight, the request held.
+    Prefilling,
+    /// Admitted: its load is on the chosen replica.
+    Admitted,
+    /// First token seen: prefill load moved to decode.
+    Decoding,
+    /// Released: nothing more to do.
+    Released,
+}
+
+#[derive(Default)]
+pub struct Stream {
+    pub(super) vm: Option<Shared>,
+    pub(super) id: u64,
+    pub(super) phase: Phase,
+    pub(super) path: String,
+    pub(super) session: Option<String>,
+    sse: Option<SseTracker>,
+    /// The replica the filter chose for this request.
+    pub(super) replica: Option<usize>,
+    /// The request's outcome was reported for its replica's health (at most once).
+    outcome_reported: bool,
+    /// The request body's size as buffered: what a rewrite of it replaces.
+    pub(super) body_len: usize,
+    /// P/D: the prefill leg in flight (phase `Prefilling`).
+    pub(super) prefill: Option<PrefillLeg>,
+    /// The request body as far as it has arrived, read slice by slice while it is buffered
+    /// (docs/design/filter.md, "The body as it arrives"); empty when it is read only at the end.
+    arrived: Vec<u8>,
+    /// The early scan over `arrived`; None when the body is read only once it has all arrived
+    /// (`early_body_scan` false, a P/D fleet, the VM's share for held bodies spent, or the host
+    /// handed over something inconsistent).
+    early: Option<EarlyScan>,
+    /// The capacity of `arrived` counted in the VM's `early_held`.
+    held: usize,
+    /// The decision explained for the configured `explain_header`, written on the response.
+    explain: Option<String>,
+}
+
+impl Stream {
+    pub(super) fn new(vm: Option<Shared>, context_id: u32) -> Stream {
+        Stream {
+            vm,
+            id: context_id as u64,
+            ..Stream::default()
+        }
+    }
+
+    /// Writes the decision where the proxy will read it.
+    pub(super) fn write_destination(vm: &Vm, d: &Decision) {
+        match vm.state.decision_output(d) {
+            DecisionOutput::Header {
+                name,
+                value,
+                clear_route_cache,
+            } => {
+                let _ = abi::set_header(MapType::HttpRequestHeaders, name, value.as_bytes());
+                if let Some(rank) = vm.state.rank_value(d) {
+                    // A DP rank of a multi-rank endpoint: the engine's API server reads the rank
+                    // from this header (vLLM: `X-data-parallel-rank`).
+                    let _ = abi::set_header(
+                        MapType::HttpRequestHeaders,
+                        vm.state.rank_header(),
+                        rank.as_bytes(),
+                    );
+                }
+                if clear_route_cache {
+                    // The route was chosen before the header existed: make Envoy choose again.
+                    let _ = abi::call_foreign_function("clear_route_cache");
+                }
+            }
+            DecisionOutput::NginxVariable { name, value } => {
+                let _ = abi::set_property(&["ngx", name], value.as_bytes());
+                if let Some(rank) = vm.state.rank_value(d) {
+                    let _ = abi::set_header(
+                        MapType::HttpRequestHeaders,
+                        vm.state.rank_header(),
+                        rank.as_bytes(),
+                    );
+                }
+            }
+        }
+    }
+
+    fn route_fallback(&mut self, why: BodyFallback, body_bytes: usize) {
+        let Some(vm) = &self.vm else { return };
+        let mut vm = vm.borrow_mut();
+        let d = vm.state.route_fallback(self.id, why, body_bytes, now_ms());
+        vm.metrics.decision(&d);
+        Self::write_destination(&vm, &d);
+        self.replica = Some(d.replica);
+        self.phase = Phase::Admitted;
+    }
+
+    /// In a P/D fleet a body the filter could not read is refused, not forwarded: only the filter may
+    /// set `kv_transfer_params` there (they name the host a decode engine pulls KV from), and an
+    /// unread body may carry a client's own. `status`: 413 for a body over `max_body_bytes`, 500 when
+    /// the proxy would not hand the body over. Nothing is booked.
+    fn refuse_unread_pd(&mut self, status: u32, why: &str) -> Action {
+        log(
+            LogLevel::Warn,
+            &format!("kvsteer: P/D request refused: {why}"),
+        );
+        let kind = if status == 413 {
+            "invalid_request_error"
+        } else {
+            "internal_error"
+        };
+        self.refuse(
+            status,
+            kind,
+            &format!(
+                "kvsteer: {why}; a prefill/decode fleet forwards only request bodies it has checked"
+            ),
+        )
+    }
+
+    /// Answers the client itself with an OpenAI-style error (`kind`: its `type`) and ends this
+    /// stream's part in routing; nothing is booked for it.
+    fn refuse(&mut self, status: u32, kind: &str, message: &str) -> Action {
+        let err = serde_json::to_vec(&serde_json::json!({"error": {
+            "message": message, "type": kind, "code": status,
+        }}))
+        .unwrap_or_default();
+        self.phase = Phase::Released;
+        Self::send_error(status, &err);
+        Action::Pause
+    }
+
+    /// Reads the slice of the body that arrived since the last call (the host's buffer holds
+    /// `body_size` bytes so far, from the start) and lets the early scan go on. Anything
+    /// inconsistent (a buffer shorter than what was read, a host error, fewer bytes than asked) or
+    /// the VM's share for held bodies spent turns the early reading off for this request: the body
+    /// is then read whole at the end, as without the scan.
+    fn read_arrived(&mut self, body_size: usize) {
+        let (Some(vm), Some(_)) = (self.vm.clone(), self.early.as_ref()) else {
+            return;
+        };
+        let have = self.arrived.len();
+        if body_size == have {
+            return;
+        }
+        let want = body_size.saturating_sub(have);
+        let slice = match abi::get_buffer(BufferType::HttpRequestBody, have, want) {
+            Ok(Some(slice)) if body_size > have && slice.len() == want => slice,
+            _ => return self.drop_arrived(),
+        };
+        if have == 0 {
+            self.arrived = slice;
+        } else {
+            self.arrived.extend_from_slice(&slice);
+        }
+        let capacity = self.arrived.capacity();
+        {
+            let mut vm = vm.borrow_mut();
+            let others = vm.early_held.saturating_sub(self.held);
+            if others + capacity > vm.state.config().early_body_scan_max_bytes {
+                inc(vm.metrics.early_declined, 1);
+                drop(vm);
+                return self.drop_arrived();
+            }
+            vm.early_held = others + capacity;
+            self.held = capacity;
+        }
+        if let Some(scan) = self.early.as_mut() {
+            scan.advance(&self.arrived);
+        }
+    }
+
+    /// Gives up the early reading of this request's body (the body is read whole at the end) and
+    /// returns its buffer's share to the VM.
+    fn drop_arrived(&mut self) {
+        self.early = None;
+        self.arrived = Vec::new();
+        self.return_held();
+    }
+
+    fn return_held(&mut self) {
+        if self.held > 0
+            && let Some(vm) = &self.vm
+            && let Ok(mut vm) = vm.try_borrow_mut()
+        {
+            vm.early_held = vm.early_held.saturating_sub(self.held);
+            self.held = 0;
+        }
+    }
+
+    /// The whole request body, up to `max` bytes: the rest after what [`Stream::read_arrived`]
+    /// read, or all of it from the start.
+    fn take_body(&mut self, max: usize) -> Result<Vec<u8>, u32> {
+        let mut body = std::mem::take(&mut self.arrived);
+        self.return_held();
+        if body.is_empty() || self.early.is_none() || max < body.len() {
+            self.early = None;
+            return abi::get_buffer(BufferType::HttpRequestBody, 0, max)
+                .map(Option::unwrap_or_default);
+        }
+        if let Some(rest) =
+            abi::get_buffer(BufferType::HttpRequestBody, body.len(), max - body.len())?
+        {
+            body.extend_from_slice(&rest);
+        }
+        Ok(body)
+    }
+
+    /// Reads the whole buffered request body (at most `max` bytes asked for), routes the request by
+    /// it and admits it; every way the body cannot be read is routed by load instead (refused in a
+    /// P/D fleet, [`Stream::refuse_unread_pd`]). In a P/D fleet
+    /// the request is split into its two legs ([`Stream::route_pd`]) and may be held (`Pause`).
+    fn route_buffered(&mut self, max: usize) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        let limit = vm.borrow().state.max_body_bytes();
+        let pd = vm.borrow().state.disaggregated();
+        let body = match self.take_body(max) {
+            Ok(b) => b,
+            Err(_) if pd => {
+                return self.refuse_unread_pd(500, "the proxy did not hand over the request body");
+            }
+            Err(_) => {
+                self.route_fallback(BodyFallback::HostError, max.min(limit));
+                return Action::Continue;
+            }
+        };
+        if body.is_empty() {
+            self.route_fallback(BodyFallback::Empty, 0);
+            return Action::Continue;
+        }
+        if body.len() > limit {
+            if pd {
+                return self.refuse_unread_pd(
+                    413,
+                    &format!("the request body is over routing.max_body_bytes ({limit})"),
+                );
+            }
+            self.route_fallback(BodyFallback::TooLarge, body.len());
+            return Action::Continue;
+        }
+        self.body_len = body.len();
+        if vm.borrow().state.disaggregated() {
+            return self.route_pd(&body);
+        }
+        let mut vm = vm.borrow_mut();
+        let now = now_ms();
+        let store = vm.state.shared(host_store(vm.state.config()));
+        vm.state.claim_probe(store, now);
+        if self.early.as_ref().is_some_and(|s| s.tokens() > 0) {
+            inc(vm.metrics.early_bodies, 1);
+        }
+        let d = vm.state.route_body_early(
+            self.id,
+            &self.path,
+            &body,
+            self.session.as_deref(),
+            self.early.take(),
+            now,
+        );
+        vm.metrics.decision(&d);
+        Self::write_destination(&vm, &d);
+        self.explain = vm.state.explanation(d.replica);
+        self.replica = Some(d.replica);
+        self.phase = Phase::Admitted;
+        Action::Continue
+    }
+
+    /// Answers a request for the reserved peer path itself ([`crate::exchange`]): served to a peer
+    /// proxy with the token, refused otherwise, never forwarded.
+    fn serve_peer(&mut self, vm: &Shared, method: &[u8], path: &[u8]) -> Action {
+        let mut vm = vm.borrow_mut();
+        let token = header(MapType::HttpRequestHeaders, vm.state.peer_token_header());
+        let store = host_store(vm.state.config());
+        let r = vm
+            .state
+            .serve_peer(store, method, path, token.as_deref(), now_ms());
+        self.phase = Phase::Released;
+        let ct = if r.status == 200 {
+            crate::exchange::BUNDLE_CONTENT_TYPE
+        } else {
+            "text/plain"
+        };
+        if abi::send_local_response(r.status, &[("content-type", ct)], &r.body).is_err() {
+            // The stream stays paused: it must not go upstream either way.
+            log(
+                LogLevel::Warn,
+                "kvsteer: the proxy refused a local response to a peer poll",
+            );
+        }
+        Action::Pause
+    }
+
+    /// Answers the client with a JSON error in place of the upstream.
+    pub(super) fn send_error(status: u32, body: &[u8]) {
+        if abi::send_local_response(status, &[("content-type", "application/json")], body).is_err()
+        {
+            log(
+                LogLevel::Warn,
+                "kvsteer: the proxy refused a local response",
+            );
+        }
+    }
+
+    /// Reports how the request ended for its replica's health, once: the replica the proxy says
+    /// answered (`upstream.address`, Envoy) tells a retry elsewhere from the first choice's answer.
+    fn report_outcome(&mut self, outcome: Outcome) {
+        if self.outcome_reported {
+            return;
+        }
+        let (Some(replica), Some(vm)) = (self.replica, self.vm.as_ref()) else {
+            return;
+        };
+        self.outcome_reported = true;
+        let served = abi::get_property(&["upstream", "address"]).ok().flatten();
+        vm.borrow_mut()
+            .state
+            .request_outcome(replica, served.as_deref(), outcome, now_ms());
+    }
+
+    fn release(&mut self) {
+        if matches!(
+            self.phase,
+            Phase::Admitted | Phase::Decoding | Phase::Prefilling
+        ) && let Some(vm) = &self.vm
+        {
+            let mut vm = vm.borrow_mut();
+            vm.state.release(self.id);
+            if self.phase == Phase::Prefilling {
+                // The client left while the prefill leg was out: its answer will find no stream.
+                vm.state.release(prefill_id(self.id));
+                self.prefill = None;
+            }
+        }
+        if self.phase != Phase::Untracked {
+            self.phase = Phase::Released;
+        }
+    }
+
+    /// Clients must never choose a replica: drops any copy of the routing header they sent, on every
+    /// request, routed or not, and of the rank header (nor a DP rank). `Err`: the action for a
+    /// request refused because a copy could not be removed.
+    fn remove_client_routing_headers(&mut self, vm: &Shared) -> Result<(), Action> {
+        // Clients must never choose a replica: drop any copy of the routing header they sent,
+        // on every request, routed or not. (The header names are borrowed from the VM's
+        // configuration; host calls never re-enter the VM, so the borrow is safe across them.)
+        let mut vm = vm.borrow_mut();
+        let vm = &mut *vm;
+        // The rank header too: a client must not pick a DP rank either.
+        let mut removed = 0;
+        let mut stuck = None;
+        let map = MapType::HttpRequestHeaders;
+        for name in [vm.state.routing_header(), vm.state.rank_header()] {
+            let present = abi::get_header(map, name);
+            if matches!(present, Ok(None)) {
+                continue;
+            }
+            // Present, or the host would not say: remove it either way.
+            match abi::remove_header(map, name) {
+                Ok(()) => removed += present.is_ok() as usize,
+                Err(e) => stuck = Some((name.to_string(), e)),
+            }
+        }
+        for _ in 0..removed {
+            vm.state.spoofed_header_removed();
+            inc(vm.metrics.spoofed, 1);
+        }
+        if let Some((name, e)) = stuck {
+            // A client's copy that cannot be removed must not reach the proxy's balancer.
+            log(
+                LogLevel::Warn,
+                &format!(
+                    "kvsteer: could not remove the client's {name} header (status {e}); request refused"
+                ),
+            );
+            return Err(self.refuse(
+                500,
+                "internal_error",
+                &format!("kvsteer: the request's {name} header could not be removed"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Context for Stream {
+    fn on_done(&mut self) -> bool {
+        self.release();
+        // A stream that ends before its body has (a client gone mid-upload) gives back its share.
+        self.drop_arrived();
+        true
+    }
+
+    /// Only a P/D prefill leg's answer comes here; one for a stream no longer waiting for it (or with
+    /// another token) is ignored.
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if self.phase != Phase::Prefilling {
+            return;
+        }
+        match self.prefill.take() {
+            Some(leg) if leg.token == token => self.on_prefill_answer(leg, num_headers, body_size),
+            other => self.prefill = other,
+        }
+    }
+}
+
+impl HttpContext for Stream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        if let Err(action) = self.remove_client_routing_headers(&vm) {
+            return action;
+        }
+        let method = header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
+        let path = header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        if vm.borrow().state.is_peer_path(&path) {
+            return self.serve_peer(&vm, &method, &path);
+        }
+        if method != b"POST" || !is_inference_path(&path) {
+            return Action::Continue;
+        }
+        self.path = String::from_utf8_lossy(&path).into_owned();
+        self.session = header(
+            MapType::HttpRequestHeaders,
+            vm.borrow().state.session_header(),
+        )
+        .filter(|v| !v.is_empty() && v.len() <= 512)
+        .map(|v| String::from_utf8_lossy(&v).into_owned());
+        if end_of_stream {
+            self.route_fallback(BodyFallback::Empty, 0);
+            return Action::Continue;
+        }
+        self.phase = Phase::Buffering;
+        self.early = vm.borrow().state.early_scan(&self.path);
+        if vm.borrow().state.config().output == OutputMode::NginxVariable {
+            // ngx_wasm_module calls this in nginx's rewrite phase, always without end of stream,
+            // and parks a paused request there until something resumes it; it reads the body only
+            // later, in the content phase, and hands it over whole, with end of stream, before
+            // `proxy_pass` reads the variable. A pause here would hold every request for good.
+            return Action::Continue;
+        }
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.phase != Phase::Buffering {
+            return Action::Continue;
+        }
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        let limit = vm.borrow().state.max_body_bytes();
+        if body_size > limit {
+            if vm.borrow().state.disaggregated() {
+                return self.refuse_unread_pd(
+                    413,
+                    &format!("the request body is over routing.max_body_bytes ({limit})"),
+                );
+            }
+            // Stop buffering a body we will not read; route it by load and let it flow.
+            self.drop_arrived();
+            self.route_fallback(BodyFallback::TooLarge, body_size);
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            // The rest of the body, or trailers (HTTP/2, gRPC-style clients), end the request.
+            self.read_arrived(body_size);
+            return Action::Pause;
+        }
+        self.route_buffered(body_size)
+    }
+
+    /// A request that ends with trailers: end of stream arrives here, not on the body, and the whole
+    /// body is buffered (Envoy hands the buffered body to `get_buffer` during this callback). Routed
+    /// exactly as if the last body chunk had carried end of stream.
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.phase != Phase::Buffering {
+            return Action::Continue;
+        }
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        // Ask for one byte past the limit: a body over it is routed by load without being copied.
+        let limit = vm.borrow().state.max_body_bytes();
+        self.route_buffered(limit.saturating_add(1))
+    }
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if let (Some(text), Some(vm)) = (self.explain.take(), self.vm.as_ref())
+            && let Some(name) = vm.borrow().state.config().explain_header.clone()
+        {
+            let _ = abi::set_header(MapType::HttpResponseHeaders, &name, text.as_bytes());
+        }
+        if !matches!(self.phase, Phase::Admitted | Phase::Decoding) {
+            return Action::Continue;
+        }
+        let status = header(MapType::HttpResponseHeaders, ":status")
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
+            .unwrap_or(0);
+        if status >= 500 {
+            // The replica (or the proxy on its behalf: refused, reset, timed out) failed it.
+            self.report_outcome(Outcome::Failure);
+        }
+        if !(200..300).contains(&status) || end_of_stream {
+            if (200..300).contains(&status) {
+                self.report_outcome(Outcome::Success);
+            }
+            // An upstream error (or an empty answer) ends the request's load now.
+            self.release();
+            return Action::Continue;
+        }
+        let is_sse = header(MapType::HttpResponseHeaders, "content-type").is_some_and(|v| {
+            v.windows(17)
+                .any(|w| w.eq_ignore_ascii_case(b"text/event-stream"))
+        });
+        if is_sse {
+            self.sse = Some(SseTracker::new());
+        } else {
+            // A whole (non-streamed) answer: the engine finished before the headers went out.
+            self.report_outcome(Outcome::Success);
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !matches!(self.phase, Phase::Admitted | Phase::Decoding) {
+            return Action::Continue;
+        }
+        let mut engine_error = false;
+        if let (Some(tracker), Some(vm)) = (self.sse.as_mut(), self.vm.as_ref())
+            && body_size > 0
+        {
+            // A chunk the proxy will not hand over is followed as empty: its tokens are missed.
+            let chunk = abi::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            let p = tracker.push(&chunk);
+            engine_error = p.error;
+            if p.tokens > 0 {
+                let mut vm = vm.borrow_mut();
+                if self.phase == Phase::Admitted {
+                    vm.state.first_token(self.id, now_ms());
+                    self.phase = Phase::Decoding;
+                }
+                vm.state.decode_progress(self.id, tracker.generated());
+            }
+        }
+        if engine_error {
+            // An engine error inside a 200 stream (vLLM's `data: {"error": ...}`).
+            self.report_outcome(Outcome::Failure);
+        }
+        if end_of_stream {
+            if self.sse.is_some() {
+                // The stream ran to its end without an engine error (else already reported).
+                self.report_outcome(Outcome::Success);
+            }
+            self.release();
+        }
+        Action::Continue
+    }
+}

@@ -1,0 +1,264 @@
+//! The bound on feed work per tick: an accepted batch is applied in slices, within a block budget
+//! (`feed_apply_blocks_per_tick`) and a time budget (`feed_apply_us_per_tick`) per tick, so that a
+//! replica's large snapshot cannot hold a worker's requests for long; what does not fit waits, pending,
+//! for the next ticks.
+
+use super::RouterState;
+use kvsteer_core::feed::FeedFrame;
+use kvsteer_core::router::FeedOutcome;
+
+/// Feed work (block hashes and events) applied between two reads of the clock, and the least a
+/// batch with work left gets per tick whatever the time budget says. Applying 256 blocks takes tens
+/// of microseconds; a clock read is one host call.
+pub const FEED_MIN_SLICE: u64 = 256;
+
+impl RouterState {
+    /// Installs the proxy's clock (nanoseconds; any epoch), read between feed slices to bound the
+    /// time a tick spends applying feed batches (`feed_apply_us_per_tick`).
+    pub fn set_clock(&mut self, clock: fn() -> u64) {
+        self.clock = clock;
+    }
+
+    /// Feed slices cut short by the time budget while the block budget had room left.
+    pub fn feed_time_cuts(&self) -> u64 {
+        self.time_cuts
+    }
+
+    /// Grants a new tick's feed budget when a tick period has passed since the last grant (answers
+    /// arrive between ticks; [`RouterState::start_tick`] grants one on every tick).
+    pub(super) fn refill(&mut self, now_ms: u64) {
+        let due = self
+            .budget_from_ms
+            .is_none_or(|from| now_ms >= from.saturating_add(self.cfg.tick_ms));
+        if due {
+            self.grant(now_ms);
+        }
+    }
+
+    pub(super) fn grant(&mut self, now_ms: u64) {
+        self.budget_left = self.cfg.feed_apply_blocks_per_tick as u64;
+        self.time_left_ns = match self.cfg.feed_apply_us_per_tick {
+            0 => u64::MAX,
+            us => u64::from(us) * 1000,
+        };
+        self.budget_from_ms = Some(now_ms);
+    }
+
+    /// Starts a tick's feed budgets (`feed_apply_blocks_per_tick`, `feed_apply_us_per_tick`) and
+    /// spends them on the batches still being applied: first an even split among them, each getting
+    /// at least a first slice of [`FEED_MIN_SLICE`] whatever the clock says (so every batch
+    /// completes, however slow the machine), then what is left in replica order.
+    pub fn start_tick(&mut self, now_ms: u64) {
+        self.tick_callouts = 0;
+        self.grant(now_ms);
+        let waiting: Vec<usize> = (0..self.feeds.len())
+            .filter(|&i| self.feeds[i].pending.is_some())
+            .collect();
+        if waiting.is_empty() {
+            return;
+        }
+        let fair = (self.budget_left / waiting.len() as u64).max(1);
+        for &i in &waiting {
+            self.drain(i, fair, FEED_MIN_SLICE);
+        }
+        for &i in &waiting {
+            self.drain(i, u64::MAX, 0);
+        }
+    }
+
+    /// Whether the index holds `key` for `replica` on the GPU tier (tests).
+    #[cfg(test)]
+    pub(super) fn index_holds(&self, replica: usize, key: u64) -> bool {
+        self.router
+            .index()
+            .holds(replica, kvsteer_core::feed::Tier::Gpu, key)
+    }
+
+    /// Block hashes accepted and not yet applied, all replicas together.
+    pub fn pending_blocks(&self) -> u64 {
+        self.feeds
+            .iter()
+            .filter_map(|f| f.pending.as_ref())
+            .map(FeedFrame::hashes_left)
+            .sum()
+    }
+
+    /// Accepts a checked batch (cursor, reset for a snapshot) and applies what this tick's budget
+    /// allows; the rest stays pending. The outcome counts the batch's events.
+    pub(super) fn accept_frame(
+        &mut self,
+        replica: usize,
+        frame: FeedFrame,
+        polled_ms: u64,
+    ) -> FeedOutcome {
+        let events = frame.events() as usize;
+        let outcome = match self
+            .router
+            .accept_feed_polled_at(replica, frame.header(), polled_ms)
+        {
+            FeedOutcome::Applied { .. } => FeedOutcome::Applied { events },
+            FeedOutcome::Reset { epoch, .. } => FeedOutcome::Reset { events, epoch },
+            other => return other,
+        };
+        if !frame.is_done() {
+            self.feeds[replica].pending = Some(frame);
+            // A small batch (the usual incremental answer) is applied at once even when another
+            // replica's flood spent this tick's time.
+            self.drain(replica, u64::MAX, FEED_MIN_SLICE);
+            if self.feeds[replica].pending.is_some() {
+                self.feeds[replica].deferred += 1;
+            }
+        }
+        outcome
+    }
+
+    /// Applies up to `allowance` units (a block hash or an event each) of a replica's pending batch,
+    /// within what is left of the tick's block budget, in slices of at most [`FEED_MIN_SLICE`] with
+    /// the clock read after each: it stops once the tick's time budget is spent, but only after
+    /// `floor` units (the progress owed to this batch whatever the clock says).
+    pub(super) fn drain(&mut self, replica: usize, allowance: u64, floor: u64) {
+        let allow = allowance.min(self.budget_left);
+        if allow == 0 || (self.time_left_ns == 0 && floor == 0) {
+            return;
+        }
+        let Some(mut frame) = self.feeds.get_mut(replica).and_then(|f| f.pending.take()) else {
+            return;
+        };
+        let timed = self.time_left_ns != u64::MAX;
+        let started = if timed { (self.clock)() } else { 0 };
+        let mut spent = 0u64;
+        let mut out = std::mem::take(&mut self.scratch);
+        let mut used = 0u64;
+        while used < allow {
+            if timed && used >= floor && spent >= self.time_left_ns {
+                self.time_cuts += 1;
+                break;
+            }
+            let room = (allow - used).min(FEED_MIN_SLICE) as usize;
+            let Some(slice) = frame.next_slice(room, &mut out) else {
+                break;
+            };
+            self.router.apply_feed_slice(replica, slice, &out);
+            used += (out.len() as u64).max(1);
+            if timed {
+                // The proxy's clock is wall time (Envoy) and may step back: never negative.
+                spent = (self.clock)().saturating_sub(started);
+            }
+        }
+        self.scratch = out;
+        self.budget_left = self.budget_left.saturating_sub(used);
+        if timed {
+            self.time_left_ns = self.time_left_ns.saturating_sub(spent);
+        }
+        if !frame.is_done() {
+            self.feeds[replica].pending = Some(frame);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::router_state::testing::*;
+    use kvsteer_core::router::FeedOutcome;
+
+    #[test]
+    fn on_a_clock_that_runs_out_at_once_each_tick_still_applies_a_first_slice() {
+        // Every read of this clock is 1 ms after the last: the 500 us budget is spent by the first
+        // slice, so a tick applies exactly the first slice owed to each batch with work left.
+        fn slow_clock() -> u64 {
+            thread_local!(static T: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
+            T.with(|t| {
+                t.set(t.get() + 1_000_000);
+                t.get()
+            })
+        }
+        let mut w = worker_with("");
+        w.set_clock(slow_clock);
+        w.start_tick(0);
+        for p in w.plan_polls(None, 0) {
+            w.poll_started(p.replica, 10 + p.replica as u32, 0);
+        }
+        let big = snapshot(1, 0..10_000).encode();
+        w.on_feed_response(10, Some(200), Some(&big), None, 0);
+        // The cleared event (one unit, short of the first slice's 256) and 256 hashes, not the
+        // 8,192 of the block budget.
+        assert_eq!(w.stats().index_blocks, 256);
+        let mut ticks = 0;
+        while w.pending_blocks() > 0 {
+            let before = w.stats().index_blocks;
+            ticks += 1;
+            w.start_tick(ticks * 100);
+            assert_eq!(
+                w.stats().index_blocks - before,
+                w.stats().index_blocks.min(before + 256) - before
+            );
+            assert!(ticks < 100, "the batch never completed");
+        }
+        assert_eq!(w.stats().index_blocks, 10_000);
+        assert_eq!(ticks, 39, "(10,000 - 256) / 256 rounded up");
+        assert!(w.feed_time_cuts() >= 39);
+    }
+
+    #[test]
+    fn a_large_snapshot_is_applied_in_slices_across_ticks() {
+        let mut w = worker_with(r#", "feed_apply_blocks_per_tick": 1000"#);
+        w.start_tick(0);
+        for p in w.plan_polls(None, 0) {
+            w.poll_started(p.replica, 10 + p.replica as u32, 0);
+        }
+        // r0: 10,000 blocks. At most 1,000 units (hashes or events) per tick.
+        let big = snapshot(1, 0..10_000).encode();
+        let r = w.on_feed_response(10, Some(200), Some(&big), None, 0);
+        assert!(
+            matches!(
+                r,
+                FeedResult::Applied {
+                    outcome: FeedOutcome::Reset { events: 2, .. },
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert_eq!(
+            w.stats().index_blocks,
+            999,
+            "the cleared event and 999 hashes"
+        );
+        assert_eq!(w.pending_blocks(), 9001);
+        // r1's small batch arrives in the same tick: the budget is spent, it waits for the next.
+        let small = snapshot(1, 50_000..50_010).encode();
+        w.on_feed_response(11, Some(200), Some(&small), None, 10);
+        assert_eq!(w.pending_blocks(), 9011);
+        assert!(!w.index_holds(1, 50_000));
+        // Neither is polled while its batch is pending; neither goes stale.
+        let mut ticks = 0;
+        let mut t = 0;
+        while w.pending_blocks() > 0 {
+            t += 100;
+            let before = w.stats().index_blocks;
+            w.start_tick(t);
+            ticks += 1;
+            assert!(w.stats().index_blocks - before <= 1000, "tick {ticks}");
+            if ticks == 1 {
+                assert!(w.index_holds(1, 50_009), "the even split serves r1 at once");
+            }
+            let polls = w.plan_polls(None, t);
+            assert!(
+                w.pending_blocks() == 0 || polls.iter().all(|p| p.replica != 0),
+                "no poll of a replica still applying"
+            );
+            // r1 is not polled again here, so it may go quiet; r0 is busy, not quiet.
+            w.check_staleness(t);
+            assert!(w.pending_blocks() == 0 || !w.is_stale(0), "tick {ticks}");
+            assert!(ticks < 20);
+        }
+        assert_eq!(ticks, 10);
+        assert_eq!(w.stats().index_blocks, 10_010);
+        assert!(w.index_holds(0, 9_999));
+        assert_eq!(w.feed(0).unwrap().deferred, 1);
+        assert!(
+            w.plan_polls(None, t).iter().any(|p| p.replica == 0),
+            "polled again once done"
+        );
+    }
+}

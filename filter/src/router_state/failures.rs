@@ -1,0 +1,373 @@
+//! What a failed feed poll means for its replica: every kind of failure counts toward its feed being
+//! stale (its index and reported load not trusted), only an unreachable replica toward its being
+//! down (avoided), which the lease holder tells the other workers; a feed that goes quiet is stale
+//! too.
+
+use super::{FeedResult, RouterState};
+use crate::relay;
+use crate::store::SharedStore;
+
+/// Whether a callout's answer is the proxy saying it could not reach the replica, rather than the
+/// replica answering. Envoy 1.40 reports a refused or reset connection to a `dispatch_http_call` as
+/// its own 503 (`upstream connect error or disconnect/reset before headers ...`, which covers a
+/// connect timeout too) and a cluster without a healthy host as 503 `no healthy upstream`; a live
+/// replica's own errors never start with these phrases. A feed that answers too slowly is not this
+/// ([`proxy_timed_out`]).
+pub fn proxy_could_not_connect(status: u16, body: Option<&[u8]>) -> bool {
+    const MARKERS: [&[u8]; 2] = [b"upstream connect error", b"no healthy upstream"];
+    status == 503 && body.is_some_and(|b| MARKERS.iter().any(|m| b.starts_with(m)))
+}
+
+/// Whether a callout's answer is the proxy saying the replica did not answer within the callout's
+/// timeout (Envoy: its own 504 `upstream request timeout`). The replica was reached: its feed is slow,
+/// which makes the feed stale but does not mark the replica down.
+pub fn proxy_timed_out(status: u16, body: Option<&[u8]>) -> bool {
+    status == 504 && body.is_some_and(|b| b.starts_with(b"upstream request timeout"))
+}
+
+/// Why a feed poll failed. Only [`FeedFailure::Unreachable`] counts toward marking a replica down;
+/// every kind counts toward making its feed stale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FeedFailure {
+    /// The connection was refused or reset (or the proxy had no healthy host for it).
+    Unreachable,
+    /// No answer within `feed_timeout_ms`.
+    Slow,
+    /// The answer was over `feed_max_bytes`, or held more events than `feed_max_events`: refused
+    /// unread.
+    Oversized,
+    /// The replica answered with an HTTP error.
+    Http(u16),
+    /// The answer was not a feed batch.
+    Malformed,
+    /// The proxy refused to dispatch the callout.
+    NotDispatched,
+    /// The answer describes another data-parallel rank than the unit polled (or one the endpoint
+    /// does not have): refused whole, its blocks would be booked on the wrong cache.
+    WrongRank { reported: u16 },
+}
+
+impl RouterState {
+    /// Marks replicas stale whose feed has not been applied for `stale_after_failures + 1` periods
+    /// (a follower learns of a failing poller this way). Returns the replicas that just became stale.
+    pub fn check_staleness(&mut self, now_ms: u64) -> Vec<usize> {
+        let started = *self.started_ms.get_or_insert(now_ms);
+        let limit = self
+            .cfg
+            .feed_period_ms
+            .saturating_mul(self.cfg.stale_after_failures as u64 + 1);
+        let mut out = Vec::new();
+        for (i, f) in self.feeds.iter().enumerate() {
+            let last = f.last_ok_ms.unwrap_or(started);
+            // A replica whose batch is still being applied has not gone quiet: this worker is busy.
+            if f.pending.is_none()
+                && !self.router.is_stale(i)
+                && now_ms.saturating_sub(last) > limit
+            {
+                self.router.set_stale(i, true);
+                out.push(i);
+            }
+        }
+        out
+    }
+
+    /// [`Self::oversized`] for an answer of `body_len` bytes, over `feed_max_bytes`.
+    pub(super) fn oversized_body(
+        &mut self,
+        replica: usize,
+        body_len: usize,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> FeedResult {
+        let why = format!(
+            "{body_len} bytes, over feed_max_bytes {}",
+            self.cfg.feed_max_bytes
+        );
+        self.oversized(replica, why, store, now_ms)
+    }
+
+    /// An answer refused for its size: the replica answered, so it is up, but its feed is not
+    /// applied (stale after `stale_after_failures` in a row).
+    pub(super) fn oversized(
+        &mut self,
+        replica: usize,
+        reason: String,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> FeedResult {
+        if let Some(f) = self.feeds.get_mut(replica) {
+            f.oversized += 1;
+        }
+        self.set_down(replica, false, store, now_ms);
+        self.fail(replica, FeedFailure::Oversized, reason)
+    }
+
+    /// A poll that could not reach the replica: after `stale_after_failures` in a row it is down, and
+    /// the lease holder tells the other workers through shared data.
+    pub(super) fn unreachable(
+        &mut self,
+        replica: usize,
+        mut result: FeedResult,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> FeedResult {
+        let limit = self.cfg.stale_after_failures;
+        let Some(f) = self.feeds.get_mut(replica) else {
+            return result;
+        };
+        f.consecutive_unreachable = f.consecutive_unreachable.saturating_add(1);
+        if f.consecutive_unreachable >= limit && !self.router.is_down(replica) {
+            self.set_down(replica, true, store, now_ms);
+            if let FeedResult::Failed { became_down, .. } = &mut result {
+                *became_down = true;
+            }
+        }
+        result
+    }
+
+    pub(super) fn set_down(
+        &mut self,
+        replica: usize,
+        down: bool,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) {
+        let Some(f) = self.feeds.get_mut(replica) else {
+            return;
+        };
+        if !down {
+            f.consecutive_unreachable = 0;
+        }
+        let leased = f.leased;
+        self.router.set_down(replica, down);
+        if let (Some(store), true) = (store, leased) {
+            relay::publish_health(store, &self.cfg.shared_key_prefix, replica, down, now_ms);
+        }
+    }
+
+    pub(super) fn fail(
+        &mut self,
+        replica: usize,
+        cause: FeedFailure,
+        reason: String,
+    ) -> FeedResult {
+        let limit = self.cfg.stale_after_failures;
+        let Some(f) = self.feeds.get_mut(replica) else {
+            return FeedResult::Unknown;
+        };
+        f.failures += 1;
+        f.consecutive_failures = f.consecutive_failures.saturating_add(1);
+        let became_stale = !self.router.is_stale(replica) && f.consecutive_failures >= limit;
+        if became_stale {
+            self.router.set_stale(replica, true);
+        }
+        FeedResult::Failed {
+            replica,
+            cause,
+            reason,
+            became_stale,
+            became_down: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router_state::testing::*;
+    use kvsteer_core::feed::{FeedEvent, ReplicaLoad};
+
+    #[test]
+    fn unreachable_replicas_go_down_http_errors_only_stale() {
+        use crate::store::tests::MemStore;
+        let store = MemStore::default();
+        let mut w = worker("kv_load");
+        let mut follower = worker("kv_load");
+        w.worker_id = Some(0);
+        follower.worker_id = Some(1);
+        // Make worker 0 the lease holder of both feeds.
+        for f in &mut w.feeds {
+            f.leased = true;
+        }
+        let mut token = 0;
+        let mut poll = |w: &mut RouterState, replica: usize, status: Option<u16>, t: u64| {
+            token += 1;
+            w.poll_started(replica, token, t);
+            w.on_feed_response(token, status, None, Some(&store), t)
+        };
+        // Replica 1 answers HTTP 503 (feed outage on a live server): stale, never down.
+        for t in 0..4 {
+            poll(&mut w, 1, Some(503), t * 200);
+        }
+        assert!(w.is_stale(1) && !w.is_down(1));
+        // Replica 0 cannot be reached: down after two (stale_after_failures) in a row.
+        let r = poll(&mut w, 0, None, 0);
+        assert!(matches!(
+            r,
+            FeedResult::Failed {
+                became_down: false,
+                ..
+            }
+        ));
+        let r = poll(&mut w, 0, None, 200);
+        assert!(
+            matches!(
+                r,
+                FeedResult::Failed {
+                    became_down: true,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert!(w.router.is_down(0));
+        for id in 0..20 {
+            let d = w.route_body(id, "/v1/completions", br#"{"prompt":[1,2,3]}"#, None, 300);
+            assert_eq!(d.replica, 1, "the down replica is avoided");
+            assert_eq!(
+                w.destination(&d),
+                "127.0.0.1:8001",
+                "no down backup offered"
+            );
+        }
+        // The follower learns it from shared data.
+        follower.follow_health(&store);
+        assert!(follower.router.is_down(0) && !follower.router.is_down(1));
+        // Back: one good answer brings it up, for both.
+        let mut snap = FeedBatch {
+            epoch: 1,
+            resync: true,
+            more: false,
+            first_seq: 0,
+            next_seq: 0,
+            load: ReplicaLoad::default(),
+            events: vec![FeedEvent::Cleared],
+        };
+        snap.events.clear();
+        w.poll_started(0, 99, 400);
+        w.on_feed_response(99, Some(200), Some(&snap.encode()), Some(&store), 400);
+        assert!(!w.router.is_down(0));
+        follower.follow_health(&store);
+        assert!(!follower.router.is_down(0));
+    }
+
+    #[test]
+    fn envoy_local_replies_for_unreachable_hosts_mean_down() {
+        let envoy_503 = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
+        assert!(proxy_could_not_connect(503, Some(envoy_503)));
+        assert!(proxy_could_not_connect(503, Some(b"no healthy upstream")));
+        // A timeout is a slow feed, not an unreachable replica.
+        assert!(!proxy_could_not_connect(
+            504,
+            Some(b"upstream request timeout")
+        ));
+        assert!(proxy_timed_out(504, Some(b"upstream request timeout")));
+        assert!(!proxy_timed_out(
+            504,
+            Some(b"gateway timeout from the replica")
+        ));
+        assert!(!proxy_timed_out(503, Some(envoy_503)));
+        // The replica's own feed outage: stale, not down.
+        assert!(!proxy_could_not_connect(
+            503,
+            Some(br#"{"error":{"message":"feed outage"}}"#)
+        ));
+        assert!(!proxy_could_not_connect(500, Some(envoy_503)));
+        assert!(!proxy_could_not_connect(503, None));
+
+        let mut w = worker("kv_load");
+        for t in 0..2 {
+            w.poll_started(0, 50 + t, t as u64 * 200);
+            w.on_feed_response(50 + t, Some(503), Some(envoy_503), None, t as u64 * 200);
+        }
+        assert!(w.is_down(0));
+    }
+
+    #[test]
+    fn slow_and_oversized_feeds_go_stale_but_never_down() {
+        let mut w = worker_with(r#", "feed_max_bytes": 1000, "feed_max_events": 4"#);
+        let timeout = b"upstream request timeout".as_slice();
+        let mut token = 0;
+        let mut poll = |w: &mut RouterState, replica: usize, status, body: Option<&[u8]>, t| {
+            token += 1;
+            w.poll_started(replica, token, t);
+            w.on_feed_response(token, status, body, None, t)
+        };
+        // r0 times out, again and again: stale after two, never down.
+        for n in 0..6u64 {
+            let r = poll(&mut w, 0, Some(504), Some(timeout), n * 200);
+            assert!(
+                matches!(
+                    r,
+                    FeedResult::Failed {
+                        cause: FeedFailure::Slow,
+                        became_down: false,
+                        ..
+                    }
+                ),
+                "{r:?}"
+            );
+        }
+        assert!(w.is_stale(0) && !w.is_down(0));
+        assert_eq!(w.feed(0).unwrap().timeouts, 6);
+        // r1 answers 200 with a valid snapshot over the byte cap, then one with too many events.
+        let big = snapshot(3, 0..200).encode();
+        assert!(big.len() > 1000);
+        let r = poll(&mut w, 1, Some(200), Some(&big), 0);
+        assert!(
+            matches!(
+                r,
+                FeedResult::Failed {
+                    cause: FeedFailure::Oversized,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        let mut many = snapshot(3, 0..1);
+        many.events = vec![FeedEvent::Cleared; 5];
+        let r = poll(&mut w, 1, Some(200), Some(&many.encode()), 200);
+        assert!(
+            matches!(
+                r,
+                FeedResult::Failed {
+                    cause: FeedFailure::Oversized,
+                    became_stale: true,
+                    became_down: false,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert_eq!(w.stats().index_blocks, 0, "nothing of either was applied");
+        assert_eq!(w.feed(1).unwrap().oversized, 2);
+        // The proxy reports the size first: refused unread, same verdict.
+        w.poll_started(1, 900, 400);
+        let r = w.on_feed_response_oversized(900, Some(200), 50 << 20, None, 400);
+        assert!(matches!(
+            r,
+            FeedResult::Failed {
+                cause: FeedFailure::Oversized,
+                became_down: false,
+                ..
+            }
+        ));
+        assert_eq!(w.feed(1).unwrap().oversized, 3);
+        assert!(w.feed(1).unwrap().in_flight.is_none());
+        // Both still get traffic (by load): neither is avoided.
+        let mut seen = [false; 2];
+        for id in 0..20 {
+            let d = w.route_body(id, "/v1/completions", br#"{"prompt":[1,2,3]}"#, None, 500);
+            seen[d.replica] = true;
+        }
+        assert_eq!(seen, [true, true]);
+        // A reset connection, on the other hand, is unreachable: down after two.
+        for n in 0..2u64 {
+            poll(&mut w, 0, None, None, 1000 + n * 200);
+        }
+        assert!(w.is_down(0));
+        // And a timeout after that neither adds to nor clears it.
+        poll(&mut w, 0, Some(504), Some(timeout), 1400);
+        assert!(w.is_down(0));
+    }
+}

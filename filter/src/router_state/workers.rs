@@ -1,0 +1,165 @@
+//! The worker VMs of one proxy: this worker's number, and the load, health and working set it shares
+//! with the others each tick through shared data (the records are [`crate::workers`]').
+
+use super::RouterState;
+use crate::store::SharedStore;
+use crate::workers;
+
+/// A worker's working-set journal keeps this many ticks of its admissions for the other workers.
+pub const WORKING_SET_KEEP_TICKS: u64 = 4;
+
+impl RouterState {
+    /// This worker's number among the proxy's workers; `None` until claimed, or without shared data.
+    pub fn worker_id(&self) -> Option<u32> {
+        self.worker_id
+    }
+
+    /// Claims this worker's number from the shared counter ([`workers::claim_worker_id`]).
+    pub fn claim_worker_id(&mut self, store: &dyn SharedStore) -> Option<u32> {
+        self.worker_id = workers::claim_worker_id(store, &self.cfg.shared_key_prefix);
+        if self.worker_id.is_some() {
+            self.router.share_working_set();
+        }
+        self.worker_id
+    }
+
+    /// The shared store, for the operations that need one, once this worker has a number: without one
+    /// (no shared data) feeds are polled and load is kept per worker.
+    pub fn shared<'a>(&self, store: &'a dyn SharedStore) -> Option<&'a dyn SharedStore> {
+        self.worker_id.map(|_| store)
+    }
+
+    /// Publishes this worker's in-flight load and takes in the other workers' (records older than
+    /// `peer_ttl_ms` are dropped): the exchange each tick makes. Nothing without a worker number.
+    pub fn share_load(&mut self, store: &dyn SharedStore, now_ms: u64) {
+        let Some(me) = self.worker_id else {
+            return;
+        };
+        let prefix = &self.cfg.shared_key_prefix;
+        let rec = workers::WorkerLoad {
+            totals: self.router.local_load(),
+            since: self.router.local_load_since(),
+            released: self.router.local_released_since(),
+            held: self.router.local_held(),
+        };
+        workers::publish(store, prefix, me, now_ms, &rec);
+        workers::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
+        // Kept for a few ticks, so every worker reads each entry at least once (ticks drift), and
+        // with peer proxies for a few of their polls too (they read the same records).
+        let poll_ms = self.cfg.peers.as_ref().map_or(0, |p| p.poll_ms);
+        let keep = self
+            .cfg
+            .tick_ms
+            .max(poll_ms)
+            .saturating_mul(WORKING_SET_KEEP_TICKS);
+        if let Some(journal) = self.router.working_set_journal(now_ms, keep) {
+            workers::publish_working_set(store, prefix, me, &journal);
+        }
+        let count = workers::worker_count(store, prefix);
+        let replicas = self.cfg.replicas.len();
+        let ttl = self.cfg.peer_ttl_ms;
+        for peer in (0..count).filter(|&p| p != me) {
+            match workers::read_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+                Some(rec) => {
+                    self.router.set_peer_load(peer, &rec.totals);
+                    self.router
+                        .set_peer_load_since(peer, &rec.since, &rec.released);
+                    self.router.set_peer_held(peer, &rec.held);
+                }
+                None => self.router.clear_peer(peer),
+            }
+            match workers::read_health_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+                Some((at, counts)) => self.router.set_peer_health(peer, at, &counts),
+                None => self.router.clear_peer_health(peer),
+            }
+            // A VM that has routed nothing yet needs no working set: Envoy's main thread runs one
+            // (it gets ticks and callouts, never a stream), and a worker whose connections are all
+            // elsewhere is another. Applying every other worker's admissions costs each such VM as
+            // much as a routing one (docs/guide/envoy.md, "Where the p99 goes"); a worker starts with its
+            // first request, from what the journals still hold (a few ticks' worth), and its
+            // estimate fills in over the window. (Peer proxies' working sets are still polled from
+            // the start: `plan_peer_polls`.)
+            if !self.has_routed() {
+                continue;
+            }
+            if let Some(journal) = workers::read_working_set_fresh(store, prefix, peer, now_ms, ttl)
+            {
+                match self.router.apply_peer_working_set(peer, &journal) {
+                    Some(applied) => self.working_set_missed += applied.missed,
+                    None => self.working_set_refused += 1,
+                }
+            }
+        }
+        self.router.refresh_health(now_ms);
+    }
+
+    /// Other workers' working-set entries missed and journals refused (counters since start).
+    pub fn working_set_sharing(&self) -> (u64, u64) {
+        (self.working_set_missed, self.working_set_refused)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router_state::testing::*;
+
+    #[test]
+    fn a_worker_applies_the_others_working_sets_from_its_first_request() {
+        let store = crate::store::tests::MemStore::default();
+        let (mut a, mut b) = (worker("kv_load"), worker("kv_load"));
+        a.claim_worker_id(&store);
+        b.claim_worker_id(&store);
+        let ids: Vec<String> = (0..4_000).map(|i| i.to_string()).collect();
+        let body = format!(r#"{{"prompt":[{}]}}"#, ids.join(","));
+        for id in 0..2 {
+            a.route_body(id, "/v1/completions", body.as_bytes(), Some("s"), 5);
+            a.release(id);
+        }
+        let held = |w: &RouterState| w.working_set(0).0 + w.working_set(1).0;
+        assert!(held(&a) > 0.0, "a asked for its prompt twice");
+        a.share_load(&store, 10);
+        b.share_load(&store, 10);
+        assert_eq!(held(&b), 0.0, "b has routed nothing: it applies nothing");
+        b.route_body(1, "/v1/completions", br#"{"prompt":[7,8,9]}"#, None, 15);
+        b.share_load(&store, 20);
+        assert_eq!(
+            held(&b),
+            held(&a),
+            "from its first request on, b applies a's journal"
+        );
+    }
+
+    #[test]
+    fn workers_share_their_load_through_the_store_and_forget_silent_ones() {
+        use crate::store::tests::MemStore;
+        let store = MemStore::default();
+        let (mut a, mut b) = (worker("least_load"), worker("least_load"));
+        let mut lone = worker("least_load");
+        lone.share_load(&store, 0);
+        assert!(
+            store.0.borrow().is_empty(),
+            "nothing shared without a worker number"
+        );
+        assert_eq!(a.claim_worker_id(&store), Some(0));
+        assert_eq!(b.claim_worker_id(&store), Some(1));
+        assert!(a.shared(&store).is_some() && lone.shared(&store).is_none());
+        let body = br#"{"prompt":[1,2,3,4,5,6,7,8]}"#;
+        let d = a.route_body(1, "/v1/completions", body, None, 0);
+        a.share_load(&store, 0);
+        b.share_load(&store, 0);
+        let seen = b.router.effective_load()[d.replica];
+        assert_eq!(seen, a.router.local_load()[d.replica], "b sees a's request");
+        assert_eq!(seen.active_requests, 1);
+        // b's own admission lands elsewhere: least_load counts a's request.
+        assert_ne!(
+            b.route_body(2, "/v1/completions", body, None, 0).replica,
+            d.replica
+        );
+        // a goes quiet: past peer_ttl_ms its record is dropped.
+        let ttl = b.config().peer_ttl_ms;
+        b.share_load(&store, ttl + 1);
+        assert_eq!(b.router.effective_load()[d.replica].active_requests, 0);
+        assert!(a.release(1));
+    }
+}
