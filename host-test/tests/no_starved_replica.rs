@@ -41,6 +41,7 @@ fn min_share(policy: &str, replicas: usize, seed: u64) -> (f64, Vec<u64>) {
         &chat_cell(replicas),
         policy,
         seed,
+        false,
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let total: u64 = m.requests_per_replica.iter().sum();
