@@ -14,7 +14,9 @@
 //! usable destination is sent where the proxy's own load balancer would send it (round robin over the
 //! replicas; counted as `fallback`), as Envoy's override_host policy does.
 
+mod callouts;
 mod config;
+mod event_loop;
 mod record;
 mod replica;
 
@@ -22,14 +24,12 @@ pub use config::{HARNESS_PEER_TOKEN, HarnessConfig, Output, ProxySpread, peer_cl
 pub use record::{HarnessStats, RequestRecord, RequestSpec};
 pub use replica::{FeedFault, Replica, ResponseFault, flood_hash};
 
-use crate::abi::{Action, Pairs};
+use crate::abi::Action;
 use crate::host::{
-    CallOutcome, Callout, FilterModule, HostError, HostMode, Proxy, ProxyOptions, StreamState,
-    WorkerVm,
+    CallOutcome, FilterModule, HostError, HostMode, Proxy, ProxyOptions, StreamState, WorkerVm,
 };
 use crate::openai::{SseWriter, completion_body, error_response, request_headers, sse_headers};
-use config::proxy_of_peer_cluster;
-use kvsteer_core::feed::{FEED_CONTENT_TYPE, FEED_PATH, FeedBatch, FeedQuery};
+use callouts::PendingCall;
 use kvsteer_sim::{Engine, EngineEvent, EngineRequest, FinishReason};
 use kvsteer_workload::{Driver, Recorder, Summary};
 use replica::{DIRECT_ID_BASE, EndpointDp};
@@ -95,13 +95,6 @@ struct Paused {
     stream: u32,
     spec: RequestSpec,
     from_driver: bool,
-}
-
-struct PendingCall {
-    worker: usize,
-    call: Callout,
-    due_us: u64,
-    outcome: Option<CallOutcome>,
 }
 
 pub struct Harness {
@@ -265,15 +258,6 @@ impl Harness {
     /// Requests sent through the filter and not finished.
     pub fn in_flight(&self) -> usize {
         self.flights.len() + self.paused.len()
-    }
-
-    fn set_now(&mut self, t: u64) {
-        if t > self.now_us {
-            self.now_us = t;
-        }
-        for p in &self.proxies {
-            p.set_now_ns(self.now_us.saturating_mul(1000));
-        }
     }
 
     /// Sends a request through the filter at the current virtual time. Returns its id.
@@ -646,352 +630,6 @@ impl Harness {
         }
     }
 
-    /// The earliest time anything is due.
-    fn next_event_us(&self) -> Option<u64> {
-        let mut t: Option<u64> = None;
-        let mut take = |v: u64| t = Some(t.map_or(v, |x| x.min(v)));
-        for r in &self.replicas {
-            if let Some(e) = r.engine.next_event_time() {
-                take(e);
-            }
-        }
-        for (i, w) in self.workers.iter().enumerate() {
-            if w.tick_period_ms() > 0 {
-                take(self.next_tick_us[i]);
-            }
-        }
-        for c in &self.calls {
-            take(c.due_us);
-        }
-        if let Some(d) = &self.driver
-            && let Some(wake) = d.next_wakeup()
-        {
-            take(wake);
-        }
-        if self.driver.is_some() || !self.flights.is_empty() {
-            take(self.next_sample_us);
-        }
-        t
-    }
-
-    /// Processes everything due up to `end_us`, then sets the clock to `end_us`.
-    pub fn run_until(&mut self, end_us: u64) -> Result<(), HarnessError> {
-        while let Some(t) = self.next_event_us().filter(|t| *t <= end_us) {
-            self.set_now(t);
-            self.process_due()?;
-        }
-        self.set_now(end_us);
-        Ok(())
-    }
-
-    pub fn run_for(&mut self, us: u64) -> Result<(), HarnessError> {
-        self.run_until(self.now_us.saturating_add(us))
-    }
-
-    /// Runs until no request sent through the filter is in flight (or `limit_us` of virtual time
-    /// passed, which is an error naming the first request still open).
-    pub fn run_until_idle(&mut self, limit_us: u64) -> Result<(), HarnessError> {
-        let end = self.now_us.saturating_add(limit_us);
-        while self.in_flight() > 0 {
-            match self.next_event_us() {
-                Some(t) if t <= end => {
-                    self.set_now(t);
-                    self.process_due()?;
-                }
-                _ => {
-                    let id = self
-                        .flights
-                        .keys()
-                        .copied()
-                        .chain(self.paused.iter().map(|p| p.id))
-                        .min()
-                        .unwrap_or_default();
-                    return Err(HarnessError::Stuck {
-                        request: id,
-                        detail: format!("still open after {limit_us} us of virtual time"),
-                    });
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn process_due(&mut self) -> Result<(), HarnessError> {
-        let now = self.now_us;
-        for r in 0..self.replicas.len() {
-            if self.replicas[r]
-                .engine
-                .next_event_time()
-                .is_some_and(|t| t <= now)
-            {
-                self.replicas[r].engine.advance(now, &mut self.events);
-                self.drain_events()?;
-            }
-        }
-        // Callouts due now, in dispatch order.
-        let mut due = Vec::new();
-        let mut i = 0;
-        while i < self.calls.len() {
-            if self.calls[i].due_us <= now {
-                due.push(self.calls.remove(i));
-            } else {
-                i += 1;
-            }
-        }
-        for c in due {
-            self.answer(c)?;
-        }
-        for w in 0..self.workers.len() {
-            let period = self.workers[w].tick_period_ms() as u64 * 1000;
-            if period > 0 && self.next_tick_us[w] <= now {
-                let started = std::time::Instant::now();
-                self.workers[w].tick()?;
-                let ns = started.elapsed().as_nanos() as u64;
-                self.stats.max_feed_call_ns = self.stats.max_feed_call_ns.max(ns);
-                self.stats.ticks += 1;
-                self.next_tick_us[w] = now + period;
-            }
-        }
-        self.collect_callouts();
-        self.check_paused()?;
-        if now >= self.next_sample_us {
-            let blocks: Vec<u64> = self
-                .replicas
-                .iter()
-                .map(|r| r.engine.decode_blocks())
-                .collect();
-            self.recorder.sample(now, &blocks);
-            self.next_sample_us = now + self.cfg.sample_us.max(1);
-        }
-        if self.driver.is_some() {
-            let mut issues = Vec::new();
-            if let Some(d) = self.driver.as_mut() {
-                d.poll(now, &mut issues);
-            }
-            for issue in issues {
-                self.recorder.issued_from(&issue);
-                let spec = RequestSpec {
-                    session: Some(issue.session_id.clone()),
-                    prompt: issue.prompt.to_vec(),
-                    max_tokens: issue.output_tokens,
-                    ..Default::default()
-                };
-                self.send_with_id(issue.request_id, &spec, true)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Moves callouts the workers dispatched into the pending list, deciding each one's fate.
-    fn collect_callouts(&mut self) {
-        for w in 0..self.workers.len() {
-            for call in self.workers[w].take_callouts() {
-                self.stats.callouts += 1;
-                if proxy_of_peer_cluster(&call.upstream).is_some() {
-                    // Answered through the peer proxy when due ([`Harness::answer_peer`]).
-                    self.calls.push(PendingCall {
-                        worker: w,
-                        call,
-                        due_us: self.now_us + self.cfg.callout_latency_us,
-                        outcome: None,
-                    });
-                    continue;
-                }
-                let replica = self.replica_of_callout(&call);
-                let mut due = self.now_us + self.cfg.callout_latency_us;
-                let mut outcome = None;
-                match replica.map(|r| &self.replicas[r].feed_fault) {
-                    None => {
-                        outcome = Some(CallOutcome::ok(
-                            404,
-                            "text/plain",
-                            b"no such upstream".to_vec(),
-                        ))
-                    }
-                    Some(FeedFault::Timeout) => {
-                        due = self.now_us + call.timeout_ms as u64 * 1000;
-                        outcome = Some(CallOutcome::timeout());
-                    }
-                    Some(FeedFault::Slow { delay_us }) => {
-                        let timeout_us = call.timeout_ms as u64 * 1000;
-                        if *delay_us >= timeout_us {
-                            due = self.now_us + timeout_us;
-                            outcome = Some(CallOutcome::timeout());
-                        } else {
-                            due = self.now_us + delay_us;
-                        }
-                    }
-                    Some(_) => {}
-                }
-                self.calls.push(PendingCall {
-                    worker: w,
-                    call,
-                    due_us: due,
-                    outcome,
-                });
-            }
-        }
-    }
-
-    /// The engine a feed callout asks: the endpoint's (its first rank's with DP ranks), or with a
-    /// `rank` in the query that rank's when the endpoint has it (faults and poll records are per
-    /// engine).
-    fn replica_of_callout(&self, call: &Callout) -> Option<usize> {
-        let first = match self.cfg.mode {
-            HostMode::Envoy => self
-                .replicas
-                .iter()
-                .position(|r| r.feed_cluster == call.upstream),
-            HostMode::Nginx => self.replica_of_endpoint(&call.upstream),
-        }?;
-        let units = &self.endpoints[self.replicas[first].endpoint_index].units;
-        let query = call
-            .header(":path")
-            .and_then(|p| p.split_once('?'))
-            .map_or("", |(_, q)| q);
-        match kvsteer_core::feed::query_rank(query) {
-            Ok(Some(r)) if (r as usize) < units.len() && units.len() > 1 => {
-                Some(units.start + r as usize)
-            }
-            _ => Some(first),
-        }
-    }
-
-    /// Answers a callout from the replica's engine at the current virtual time.
-    fn answer(&mut self, p: PendingCall) -> Result<(), HarnessError> {
-        let peer = match (&p.outcome, proxy_of_peer_cluster(&p.call.upstream)) {
-            (None, Some(q)) => Some(self.answer_peer(q, &p.call)?),
-            _ => None,
-        };
-        let outcome = match p.outcome.or(peer) {
-            Some(o) => o,
-            None => match self.replica_of_callout(&p.call) {
-                None => CallOutcome::ok(404, "text/plain", b"no such upstream".to_vec()),
-                Some(r) => {
-                    let rep = &mut self.replicas[r];
-                    rep.polls += 1;
-                    let h = |n: &str| p.call.header(n).unwrap_or("").to_string();
-                    rep.last_poll = Some((h(":method"), h(":path"), h(":authority")));
-                    match rep.feed_fault.clone() {
-                        FeedFault::Reset => CallOutcome::Reset,
-                        FeedFault::Timeout => CallOutcome::timeout(),
-                        FeedFault::Status(s) => {
-                            CallOutcome::ok(s, "text/plain", b"feed unavailable".to_vec())
-                        }
-                        FeedFault::Garbage(bytes) => CallOutcome::ok(200, FEED_CONTENT_TYPE, bytes),
-                        FeedFault::Snapshot { blocks } => {
-                            let snap = FeedBatch::snapshot(
-                                rep.engine.epoch(),
-                                (0..blocks).map(|i| flood_hash(r, i)).collect(),
-                            );
-                            CallOutcome::ok(200, FEED_CONTENT_TYPE, snap.encode())
-                        }
-                        FeedFault::Healthy | FeedFault::Slow { .. } => {
-                            let e = rep.endpoint_index;
-                            let ep = &mut self.endpoints[e];
-                            if ep.units.len() <= 1 {
-                                feed_answer(&mut rep.engine, &p.call)
-                            } else {
-                                let mut engines: Vec<&mut Engine> = self.replicas[ep.units.clone()]
-                                    .iter_mut()
-                                    .map(|r| &mut r.engine)
-                                    .collect();
-                                dp_feed_answer(&mut engines, &mut ep.union, &p.call)
-                            }
-                        }
-                    }
-                }
-            },
-        };
-        if self.workers[p.worker].is_dead() {
-            return Ok(());
-        }
-        let started = std::time::Instant::now();
-        self.workers[p.worker].answer_callout(&p.call, outcome)?;
-        let ns = started.elapsed().as_nanos() as u64;
-        self.stats.max_feed_call_ns = self.stats.max_feed_call_ns.max(ns);
-        Ok(())
-    }
-
-    /// A peer poll to proxy `q`: the callout's request goes through one of `q`'s workers (round
-    /// robin) and its filter's local response is the answer; a request the filter let through
-    /// (it must not) is counted and answered 502, as an upstream with no such path would.
-    fn answer_peer(&mut self, q: usize, call: &Callout) -> Result<CallOutcome, HarnessError> {
-        if q >= self.proxies.len() {
-            return Ok(CallOutcome::ok(
-                503,
-                "text/plain",
-                b"no such proxy".to_vec(),
-            ));
-        }
-        self.stats.peer_polls += 1;
-        if let Some(fault) = self.peer_faults.get(q).cloned().flatten() {
-            return Ok(fault);
-        }
-        let Some(st) = self.request_through(q, call.headers.clone())? else {
-            return Ok(CallOutcome::Reset);
-        };
-        if st.released {
-            self.stats.peer_polls_forwarded += 1;
-            return Ok(CallOutcome::ok(502, "text/plain", b"forwarded".to_vec()));
-        }
-        Ok(match st.local_response {
-            Some(r) => {
-                self.stats.peer_answer_bytes += r.body.len() as u64;
-                let ct = r
-                    .headers
-                    .iter()
-                    .find(|(k, _)| k.eq_ignore_ascii_case(b"content-type"))
-                    .map_or("application/octet-stream".into(), |(_, v)| {
-                        String::from_utf8_lossy(v).into_owned()
-                    });
-                CallOutcome::ok(r.status as u16, &ct, r.body)
-            }
-            None => CallOutcome::ok(502, "text/plain", b"no answer".to_vec()),
-        })
-    }
-
-    /// A bodiless request with `headers` through one of proxy `q`'s workers (round robin, apart from
-    /// the driven requests'), ended at once: the stream's record (`released`: the filter let it go
-    /// upstream; `local_response`: it answered itself). `None` when that worker is dead.
-    pub fn request_through(
-        &mut self,
-        q: usize,
-        headers: Pairs,
-    ) -> Result<Option<StreamState>, HarnessError> {
-        let n = self.cfg.workers;
-        let w = q * n + self.rr_peer[q] % n;
-        self.rr_peer[q] += 1;
-        let worker = &mut self.workers[w];
-        if worker.is_dead() {
-            return Ok(None);
-        }
-        let stream = worker.new_stream()?;
-        worker.request_headers(stream, headers, true)?;
-        Ok(Some(worker.end_stream(stream)?))
-    }
-
-    /// Makes every peer poll to proxy `q` be answered with `fault` instead of through its filter
-    /// (`None`: through the filter again): a hostile or broken peer.
-    pub fn set_peer_fault(&mut self, q: usize, fault: Option<CallOutcome>) {
-        if let Some(f) = self.peer_faults.get_mut(q) {
-            *f = fault;
-        }
-    }
-
-    /// Sums the filters' exchange counters over the proxies into [`HarnessStats`].
-    pub fn collect_peer_counters(&mut self) {
-        let sum = |name: &str| -> u64 {
-            self.proxies
-                .iter()
-                .filter_map(|p| p.metric(name))
-                .map(|m| m.value.max(0) as u64)
-                .sum()
-        };
-        self.stats.peer_entries_applied = sum("kvsteer_peer_entries_applied");
-        self.stats.peer_answers_refused = sum("kvsteer_peer_answers_refused");
-    }
-
     /// Requests the filter paused: released since? local response? Still paused is fine until the run
     /// ends; [`Harness::run_until_idle`] reports them as stuck.
     fn check_paused(&mut self) -> Result<(), HarnessError> {
@@ -1135,97 +773,8 @@ impl Harness {
         Ok(())
     }
 
-    /// Replays a workload: the driver issues requests in virtual time, each goes through the filter to
-    /// the replica it picks. `progress(done, total)` is called as requests finish.
-    pub fn run_workload(
-        &mut self,
-        driver: Driver,
-        mut progress: impl FnMut(u64, u64),
-    ) -> Result<(), HarnessError> {
-        let total = driver.workload().total_requests() as u64;
-        self.driver = Some(driver);
-        let mut slowdowns = self.cfg.slowdowns.clone();
-        slowdowns.sort_by_key(|s| std::cmp::Reverse(s.2));
-        loop {
-            while slowdowns.last().is_some_and(|s| s.2 <= self.now_us()) {
-                let (r, factor, _) = slowdowns.pop().unwrap_or_default();
-                if let Some(rep) = self.replicas.get_mut(r) {
-                    rep.engine.set_slowdown(factor);
-                }
-            }
-            let done = self.stats.requests - self.in_flight() as u64;
-            progress(done, total);
-            let driver_idle = self
-                .driver
-                .as_ref()
-                .is_none_or(|d| d.next_wakeup().is_none());
-            if driver_idle && self.in_flight() == 0 {
-                break;
-            }
-            match self.next_event_us() {
-                Some(t) => {
-                    self.set_now(t);
-                    self.process_due()?;
-                }
-                None => break,
-            }
-            if driver_idle && self.in_flight() > 0 && self.flights.is_empty() {
-                let id = self.paused.first().map_or(0, |p| p.id);
-                return Err(HarnessError::Stuck {
-                    request: id,
-                    detail: "paused by the filter with nothing left that could resume it".into(),
-                });
-            }
-        }
-        self.driver = None;
-        Ok(())
-    }
-
     pub fn summary(&self, label: &str) -> Summary {
         self.recorder.summary(label)
-    }
-}
-
-/// The feed's answer of an endpoint with DP ranks: with `rank=R` rank R's own feed, carrying its rank
-/// (an unknown rank is a 400 naming it); without, the union of every rank's cache (rank-blind).
-fn dp_feed_answer(
-    engines: &mut [&mut Engine],
-    union: &mut kvsteer_sim::dp::UnionFeed,
-    call: &Callout,
-) -> CallOutcome {
-    let path = call.header(":path").unwrap_or("");
-    let (p, query) = path.split_once('?').unwrap_or((path, ""));
-    if !p.ends_with(FEED_PATH) {
-        return CallOutcome::ok(404, "text/plain", format!("no route {p}").into_bytes());
-    }
-    let q = match FeedQuery::parse(query) {
-        Ok(q) => q,
-        Err(e) => return CallOutcome::ok(400, "text/plain", e.into_bytes()),
-    };
-    match kvsteer_core::feed::query_rank(query) {
-        Err(e) => CallOutcome::ok(400, "text/plain", e.into_bytes()),
-        Ok(Some(r)) => match engines.get_mut(r as usize) {
-            Some(e) => CallOutcome::ok(200, FEED_CONTENT_TYPE, e.feed(&q).encode_for_rank(r)),
-            None => CallOutcome::ok(
-                400,
-                "text/plain",
-                format!("feed query: no DP rank {r} here ({} ranks)", engines.len()).into_bytes(),
-            ),
-        },
-        Ok(None) => CallOutcome::ok(200, FEED_CONTENT_TYPE, union.answer(engines, &q).encode()),
-    }
-}
-
-/// The feed's answer to a callout, as the simulator's HTTP server gives it.
-fn feed_answer(engine: &mut Engine, call: &Callout) -> CallOutcome {
-    let path = call.header(":path").unwrap_or("");
-    let (p, query) = path.split_once('?').unwrap_or((path, ""));
-    if !p.ends_with(FEED_PATH) {
-        return CallOutcome::ok(404, "text/plain", format!("no route {p}").into_bytes());
-    }
-    match FeedQuery::parse(query) {
-        Ok(q) => CallOutcome::ok(200, FEED_CONTENT_TYPE, engine.feed(&q).encode()),
-        Err(e) => CallOutcome::ok(400, "text/plain", e.into_bytes()),
     }
 }
 
