@@ -24,6 +24,14 @@ pub(super) struct Flight {
     pub(super) headers_sent: bool,
 }
 
+impl Flight {
+    /// Adds a token the engine generated; it goes out with the next chunk.
+    fn push(&mut self, token: u32) {
+        self.output.push(token);
+        self.unsent += 1;
+    }
+}
+
 /// An engine's finish, as the response's last event and the record need it.
 struct Finish {
     t_us: u64,
@@ -93,8 +101,7 @@ impl Harness {
             .flights
             .get_mut(&id)
             .expect("checked by on_engine_event");
-        f.output.push(token);
-        f.unsent += 1;
+        f.push(token);
         let (w, stream) = (f.worker, f.stream);
         if !f.headers_sent {
             f.headers_sent = true;
@@ -113,8 +120,7 @@ impl Harness {
             .flights
             .get_mut(&id)
             .expect("checked by on_engine_event");
-        f.output.push(token);
-        f.unsent += 1;
+        f.push(token);
         if f.unsent >= self.cfg.chunk_tokens.max(1) {
             self.flush_tokens(id)?;
         }
