@@ -211,7 +211,7 @@ impl Harness {
         }
     }
 
-    /// Sums the filters' exchange counters over the proxies into [`HarnessStats`].
+    /// Sums the filters' exchange counters over the proxies into [`HarnessStats`](super::HarnessStats).
     pub fn collect_peer_counters(&mut self) {
         let sum = |name: &str| -> u64 {
             self.proxies
