@@ -47,7 +47,7 @@ struct Args {
     #[arg(long, default_value = "traces")]
     traces: PathBuf,
     /// Also write each replay's requests (issued, replica, prompt, cached, TTFT, the decision's
-    /// explanation) as JSON lines to DIR/<cell>.<policy>.<seed>.jsonl, for looking into a figure.
+    /// explanation) as JSON lines to `DIR/<cell>.<policy>.<seed>.jsonl`, for looking into a figure.
     #[arg(long, value_name = "DIR")]
     requests: Option<PathBuf>,
 }
