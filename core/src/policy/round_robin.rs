@@ -1,7 +1,8 @@
 //! `round_robin`: the next replica that is not avoided, in turn. The baseline every load-aware policy
 //! must beat on tail latency.
 
-use super::{Choice, Input};
+use super::{Choice, Input, Policy};
+use crate::rng::SplitMix64;
 
 /// Chooses the replica at `next` (or the first not avoided after it) and moves `next` past it.
 pub fn choose(input: &Input, next: &mut usize) -> Choice {
@@ -19,6 +20,18 @@ pub fn choose(input: &Input, next: &mut usize) -> Choice {
         replica: r,
         costs: Vec::new(),
         fallback: None,
+    }
+}
+
+/// `round_robin` as a [`Policy`]: its cursor, the next replica in turn.
+#[derive(Clone, Debug, Default)]
+pub struct RoundRobin {
+    next: usize,
+}
+
+impl Policy for RoundRobin {
+    fn choose(&mut self, input: &Input, _rng: &mut SplitMix64) -> Choice {
+        choose(input, &mut self.next)
     }
 }
 
