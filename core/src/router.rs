@@ -33,13 +33,12 @@ use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
 use crate::load::{Accounting, LoadTable, LoadTotals};
 use crate::output::OutputEstimate;
 pub use crate::policy::FallbackReason;
-use crate::policy::HashRing;
-use crate::policy::kv_time::Terms;
+use crate::policy::{Needs, Policy};
 use crate::request::{
     PromptTokenizer, RequestError, RouteRequest, read_request, read_request_with,
 };
 use crate::rng::SplitMix64;
-use crate::speed::{EngineProfile, Speeds};
+use crate::speed::Speeds;
 use crate::working_set::WorkingSet;
 use feed::CacheSize;
 
@@ -149,10 +148,12 @@ pub struct Router {
     /// Health learned from completions: replicas ejected for failing.
     health: Health,
     cursors: Vec<FeedCursor>,
-    ring: HashRing,
-    rr_next: usize,
-    /// Round-robin positions of the P/D sides (prefill, decode): apart from `rr_next`, so a P/D
-    /// fleet's two cycles do not disturb each other ([`Router::route_pd`]).
+    /// The configured policy, with its parameters and state ([`crate::policy::from_config`]).
+    policy: Box<dyn Policy>,
+    /// What the policy asked the router to gather for it ([`Policy::needs`]).
+    needs: Needs,
+    /// Round-robin positions of the P/D sides (prefill, decode): apart from round robin's own
+    /// cursor, so a P/D fleet's two cycles do not disturb each other ([`Router::route_pd`]).
     pd_rr: (usize, usize),
     rng: SplitMix64,
     stats: RouterStats,
@@ -161,21 +162,18 @@ pub struct Router {
     /// The request's working-set sample ([`crate::working_set::Sampling`]), kept from route to admit by
     /// [`Router::route_and_admit`] so the blocks are sampled once, in a buffer that is reused.
     scratch_sampled: Vec<u64>,
-    /// Recent prompt blocks per replica, kept when `kv_load.overflow_weight` is set.
+    /// Recent prompt blocks per replica, kept when the policy's working-set term is on
+    /// ([`Needs::working_set`]).
     working_set: Option<WorkingSet>,
     /// Per replica: its cache's size as learned from the feed.
     cache_blocks: Vec<CacheSize>,
-    /// `kv_time`'s engine profile and each replica's learned speed against it.
-    profile: EngineProfile,
+    /// `kv_time`: each replica's learned speed against the engine profile.
     speeds: Speeds,
-    /// `kv_time`: every replica's cost terms for the last request routed (for the admit that
-    /// follows, and for explaining the decision).
-    last_terms: Vec<Terms>,
     /// `kv_time`: requests admitted and not yet at their first token: replica, predicted time to
     /// first token at the profile's speed (s), admission time (ms). Bounded by
     /// [`MAX_PENDING_PREDICTIONS`].
     pending: HashMap<u64, (usize, f64, u64)>,
-    /// `last_terms` belong to a request not admitted yet.
+    /// The policy's [`Policy::last_terms`] belong to a request not admitted yet.
     terms_unadmitted: bool,
 }
 
@@ -193,27 +191,24 @@ impl Router {
             });
         }
         let pa = &cfg.prefix_affinity;
-        let profile = cfg.kv_time.profile.profile();
         let in_time = match cfg.policy {
             PolicyKind::KvLoad if cfg.kv_load.queue_in_time_active() => {
                 Some(cfg.kv_load.attention_context_tokens as u64)
             }
-            PolicyKind::KvTime => Some(profile.attention_context_tokens().min(1e15) as u64),
+            PolicyKind::KvTime => {
+                let profile = cfg.kv_time.profile.profile();
+                Some(profile.attention_context_tokens().min(1e15) as u64)
+            }
             _ => None,
         };
-        let working_set_on = match cfg.policy {
-            PolicyKind::KvLoad => cfg.kv_load.overflow_weight > 0.0,
-            PolicyKind::KvTime => cfg.kv_time.evict_weight > 0.0,
-            _ => false,
-        };
+        let policy = crate::policy::from_config(&cfg, replicas);
+        let needs = policy.needs();
         Ok(Router {
             speeds: Speeds::new(
                 replicas,
                 cfg.kv_time.speed_halflife,
                 cfg.kv_time.speed_bound,
             ),
-            profile,
-            last_terms: Vec::new(),
             terms_unadmitted: false,
             pending: HashMap::new(),
             index: KvIndex::new(cfg.index_capacity_blocks, replicas, cfg.seed ^ 0xA5A5_5A5A),
@@ -246,12 +241,8 @@ impl Router {
             down: vec![false; replicas],
             health: Health::new(cfg.health.clone(), replicas),
             cursors: vec![FeedCursor::default(); replicas],
-            ring: HashRing::seeded(
-                0..replicas,
-                cfg.session_hash.virtual_nodes,
-                cfg.session_hash.ring_seed,
-            ),
-            rr_next: 0,
+            policy,
+            needs,
             pd_rr: (0, 0),
             rng: SplitMix64::new(cfg.seed),
             stats: RouterStats {
@@ -263,7 +254,7 @@ impl Router {
             scratch_approx: Vec::new(),
             scratch_sampled: Vec::new(),
             cache_blocks: vec![CacheSize::default(); replicas],
-            working_set: working_set_on.then(|| {
+            working_set: needs.working_set.is_some().then(|| {
                 // A working set is described up to twice the index's share of a replica (the
                 // index holds no more of its cache): a quarter of the index's entries in all,
                 // being sampled.

@@ -3,7 +3,6 @@
 //! decode progress and release.
 
 use super::{Decision, MAX_PENDING_PREDICTIONS, Router};
-use crate::config::PolicyKind;
 use crate::policy::kv_time::Terms;
 use crate::request::{PromptIdentity, RouteRequest};
 
@@ -38,7 +37,7 @@ impl Router {
         }
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
-        if let Some(t) = self.last_terms.get(d.replica)
+        if let Some(t) = self.policy.last_terms().get(d.replica)
             && std::mem::take(&mut self.terms_unadmitted)
             && self.pending.len() < MAX_PENDING_PREDICTIONS
         {
@@ -58,12 +57,13 @@ impl Router {
             now_ms,
         );
         match &req.identity {
-            // Token prompts' own decisions are read back only by `prefix_affinity` (`route`; the
-            // other policies take a token prompt's overlap from the KV index), and the policy is
-            // fixed for the router's life, so under any other policy recording them is pure cost:
-            // a third of an 8K-token request's admit and ~10% of its whole filter path in wasm.
+            // Token prompts' own decisions are read back only by a policy that asks for affinity
+            // (`prefix_affinity`; the others take a token prompt's overlap from the KV index), and
+            // the policy is fixed for the router's life, so under any other policy recording them
+            // is pure cost: a third of an 8K-token request's admit and ~10% of its whole filter
+            // path in wasm.
             PromptIdentity::Exact(h) => {
-                if self.cfg.policy == PolicyKind::PrefixAffinity {
+                if self.needs.affinity {
                     self.approx_seq.record(d.replica, h, now_ms)
                 }
             }
@@ -106,7 +106,7 @@ impl Router {
     /// `kv_time`: every replica's cost terms for the last request routed (empty under another
     /// policy): what an operator reads to see why a replica won.
     pub fn last_terms(&self) -> &[Terms] {
-        &self.last_terms
+        self.policy.last_terms()
     }
 
     /// `kv_time`: one replica's learned time factor against the profile (2: twice as slow; 1 for an

@@ -6,6 +6,7 @@ use super::{FeedOutcome, Router};
 use crate::config::ReportedLoad;
 use crate::feed::{CursorVerdict, EventKind, FeedBatch, FeedEvent, FeedQuery, FeedSlice, Tier};
 use crate::load::LoadTotals;
+use crate::policy::CacheSizing;
 
 /// A replica's cache size as the feed shows it: the most blocks it has held, which is its size once
 /// it has evicted (before that, only a lower bound).
@@ -184,11 +185,13 @@ impl Router {
         }
     }
 
-    /// `kv_time`'s view of a replica's cache in blocks: as learned from its feed once it has evicted,
-    /// else the larger of what it has held and the profile's cache (a replica that has not shown
-    /// its size yet is priced like one of its profile, not as one with room for everything).
-    pub(super) fn kv_time_cache_blocks(&self, replica: usize) -> f64 {
-        let profile = self.profile.kv_cache_tokens / self.cfg.block_size as f64;
+    /// A replica's prefix-cache size in blocks for the working-set term, sized as the policy asks
+    /// ([`CacheSizing`]).
+    pub(super) fn cache_blocks_by(&self, replica: usize, sizing: CacheSizing) -> f64 {
+        let CacheSizing::AtLeast { cache_tokens } = sizing else {
+            return self.cache_size_blocks(replica);
+        };
+        let profile = cache_tokens / self.cfg.block_size as f64;
         match self.cache_blocks.get(replica) {
             Some(c) if c.evicted => c.most_held as f64,
             Some(c) => profile.max(c.most_held as f64),

@@ -2,12 +2,7 @@
 //! turned into a [`Decision`] (a due probe, the retry backup, the counters).
 
 use super::{Decision, Router};
-use crate::config::PolicyKind;
-use crate::policy::kv_time;
-use crate::policy::{
-    Choice, FallbackReason, Input, kv_affinity, kv_load, least_load, pick_lowest, prefix_affinity,
-    round_robin, session_hash,
-};
+use crate::policy::{Choice, FallbackReason, Input, kv_load, least_load, pick_lowest};
 use crate::request::{
     EarlyScan, PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request_early,
 };
@@ -85,19 +80,18 @@ impl Router {
         let eff = self.effective_load();
         self.health.refresh(now_ms);
         let avoided = self.avoided();
-        let policy = self.cfg.policy;
-        let active_prefix: Vec<f64> =
-            if policy == PolicyKind::KvLoad && self.cfg.kv_load.assume_kv_reuse {
-                let (n, id) = (req.identity.blocks(), &req.identity);
-                (0..self.replicas)
-                    .map(|r| self.load.active_prefix_by(r, n, |i| id.key(i)) as f64)
-                    .collect()
-            } else {
-                Vec::new()
-            };
+        let needs = self.needs;
+        let active_prefix: Vec<f64> = if needs.active_prefix {
+            let (n, id) = (req.identity.blocks(), &req.identity);
+            (0..self.replicas)
+                .map(|r| self.load.active_prefix_by(r, n, |i| id.key(i)) as f64)
+                .collect()
+        } else {
+            Vec::new()
+        };
         let mut affinity = std::mem::take(&mut self.scratch_approx);
         affinity.clear();
-        if policy == PolicyKind::PrefixAffinity {
+        if needs.affinity {
             match &req.identity {
                 PromptIdentity::Exact(h) => {
                     self.approx_seq
@@ -109,30 +103,26 @@ impl Router {
                 }
             }
         }
+        // The router keeps a working set only when the policy asks for one (`Router::new`).
         if let Some(ws) = &mut self.working_set {
             ws.expire(now_ms);
         }
-        let working_set: Vec<(f64, f64, f64)> = match &self.working_set {
-            Some(ws) => {
+        let working_set: Vec<(f64, f64, f64)> = match (&self.working_set, needs.working_set) {
+            (Some(ws), Some(sizing)) => {
                 let added = ws.added(sampled);
                 (0..self.replicas)
                     .map(|r| {
                         let add = added.get(r).copied().unwrap_or(0.0);
-                        let cap = if policy == PolicyKind::KvTime {
-                            self.kv_time_cache_blocks(r)
-                        } else {
-                            self.cache_size_blocks(r)
-                        };
-                        (ws.blocks(r), add, cap)
+                        (ws.blocks(r), add, self.cache_blocks_by(r, sizing))
                     })
                     .collect()
             }
             _ => Vec::new(),
         };
-        let (speed, reuse_share) = match (policy, &self.working_set) {
-            (PolicyKind::KvTime, Some(ws)) => (self.speeds.factors(), ws.reuse_share()),
-            (PolicyKind::KvTime, None) => (self.speeds.factors(), 0.0),
-            _ => (Vec::new(), 0.0),
+        let (speed, reuse_share) = match (needs.speed, &self.working_set) {
+            (true, Some(ws)) => (self.speeds.factors(), ws.reuse_share()),
+            (true, None) => (self.speeds.factors(), 0.0),
+            (false, _) => (Vec::new(), 0.0),
         };
         let floor = self.cfg.kv_load.overflow_reuse_floor;
         let working_set_scale = match &self.working_set {
@@ -155,28 +145,13 @@ impl Router {
             speed: &speed,
             reuse_share,
         };
-        let k = &self.cfg.kv_load;
-        let rng = &mut self.rng;
         let Choice {
             replica,
             costs,
             fallback,
-        } = match policy {
-            PolicyKind::RoundRobin => round_robin::choose(&input, &mut self.rr_next),
-            PolicyKind::LeastLoad => least_load::choose(&input, k, rng),
-            PolicyKind::SessionHash => session_hash::choose(&input, &self.ring, k, rng),
-            PolicyKind::PrefixAffinity => {
-                prefix_affinity::choose(&input, self.cfg.prefix_affinity.match_threshold, k, rng)
-            }
-            PolicyKind::KvAffinity => kv_affinity::choose(&input, rng),
-            PolicyKind::KvLoad => kv_load::choose(&input, k, rng),
-            PolicyKind::KvTime => {
-                let (c, terms) = kv_time::choose(&input, &self.cfg.kv_time, &self.profile, rng);
-                self.last_terms = terms;
-                self.terms_unadmitted = true;
-                c
-            }
-        };
+        } = self.policy.choose(&input, &mut self.rng);
+        // The policy's terms, where it keeps any, now describe this request.
+        self.terms_unadmitted = true;
         self.scratch_approx = affinity;
         // An ejected replica's probe, when one is due, takes this request; the policy's choice
         // becomes its backup (Envoy retries a failed probe there).
@@ -201,7 +176,7 @@ impl Router {
         let backup = probe_backup.or_else(|| self.backup_for(replica, &costs));
         Decision {
             replica,
-            policy,
+            policy: self.cfg.policy,
             fallback,
             prompt_tokens: req.prompt_tokens,
             matched_tokens,
@@ -364,7 +339,7 @@ impl Router {
 #[cfg(test)]
 mod address_group_tests {
     use super::*;
-    use crate::config::RoutingConfig;
+    use crate::config::{PolicyKind, RoutingConfig};
 
     fn decide(groups: Option<Vec<usize>>, policy: PolicyKind) -> Vec<(usize, Option<usize>)> {
         let cfg = RoutingConfig {
