@@ -219,23 +219,15 @@ mod tests {
     use super::*;
     use crate::config::KvLoadPreset;
     use crate::load::LoadTotals;
+    use crate::policy::load_only_input;
 
     fn input<'a>(load: &'a [LoadTotals], overlap: &'a [f64], active: &'a [f64]) -> Input<'a> {
         Input {
             request_blocks: 10.0,
-            block_size: 16.0,
-            load,
             overlap,
             active_prefix: active,
-            affinity: &[],
             identity_blocks: 10,
-            session_key: None,
-            avoided: &[false, false],
-            expected_output_tokens: 256.0,
-            working_set: &[],
-            working_set_scale: 1.0,
-            speed: &[],
-            reuse_share: 0.0,
+            ..load_only_input(load, &[false, false])
         }
     }
 

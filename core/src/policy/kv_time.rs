@@ -188,23 +188,14 @@ impl Policy for KvTime {
 mod tests {
     use super::*;
     use crate::load::LoadTotals;
+    use crate::policy::load_only_input;
 
     fn input<'a>(load: &'a [LoadTotals], overlap: &'a [f64], avoided: &'a [bool]) -> Input<'a> {
         Input {
             request_blocks: 256.0,
-            block_size: 16.0,
-            load,
             overlap,
-            active_prefix: &[],
-            affinity: &[],
             identity_blocks: 256,
-            session_key: None,
-            avoided,
-            expected_output_tokens: 256.0,
-            working_set: &[],
-            working_set_scale: 1.0,
-            speed: &[],
-            reuse_share: 0.0,
+            ..load_only_input(load, avoided)
         }
     }
 

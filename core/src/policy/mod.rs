@@ -189,6 +189,28 @@ pub fn from_config(cfg: &RoutingConfig, replicas: usize) -> Box<dyn Policy> {
     }
 }
 
+/// An input with load and avoided replicas only, every optional part empty: for the tests of the
+/// policies that read no more.
+#[cfg(test)]
+pub(crate) fn load_only_input<'a>(load: &'a [LoadTotals], avoided: &'a [bool]) -> Input<'a> {
+    Input {
+        request_blocks: 1.0,
+        block_size: 16.0,
+        load,
+        overlap: &[],
+        active_prefix: &[],
+        affinity: &[],
+        identity_blocks: 1,
+        session_key: None,
+        avoided,
+        expected_output_tokens: 256.0,
+        working_set: &[],
+        working_set_scale: 1.0,
+        speed: &[],
+        reuse_share: 0.0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,22 +270,7 @@ mod tests {
         };
         let mut p = from_config(&cfg, 3);
         let load = [LoadTotals::default(); 3];
-        let input = Input {
-            request_blocks: 1.0,
-            block_size: 16.0,
-            load: &load,
-            overlap: &[0.0; 3],
-            active_prefix: &[],
-            affinity: &[],
-            identity_blocks: 1,
-            session_key: None,
-            avoided: &[false; 3],
-            expected_output_tokens: 256.0,
-            working_set: &[],
-            working_set_scale: 1.0,
-            speed: &[],
-            reuse_share: 0.0,
-        };
+        let input = load_only_input(&load, &[false; 3]);
         let mut rng = SplitMix64::new(1);
         assert_eq!(p.choose(&input, &mut rng).replica, 0);
         let mut q = p.clone();

@@ -4,7 +4,7 @@
 use super::{Decision, Router};
 use crate::config::PolicyKind;
 use crate::pd::{self, PdDecision, PdError, PdParams, Role, round_robin_among};
-use crate::policy::{FallbackReason, argmin_random_tie, least_load, masked, pick_lowest};
+use crate::policy::{argmin_random_tie, least_load, masked, pick_lowest};
 use crate::request::RouteRequest;
 
 impl Router {
@@ -166,17 +166,7 @@ impl Router {
         let backup = (0..self.replicas)
             .filter(|&r| r != replica && !avoided[r])
             .min_by(|&a, &b| costs[a].total_cmp(&costs[b]));
-        self.count_decision(replica, Some(FallbackReason::BodyUnreadable), 0, 0);
-        let d = Decision {
-            replica,
-            policy: self.cfg.policy,
-            fallback: Some(FallbackReason::BodyUnreadable),
-            prompt_tokens: 0,
-            matched_tokens: Vec::new(),
-            costs,
-            backup,
-            probe: false,
-        };
+        let d = self.unread_decision(replica, costs, backup);
         self.admit_unread(request_id, &d, (body_bytes / 4) as u64);
         d
     }

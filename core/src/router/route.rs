@@ -263,6 +263,17 @@ impl Router {
         let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.kv_load);
         let replica = pick_lowest(&costs, &self.avoided(), &mut self.rng);
         let backup = self.backup_for(replica, &costs);
+        self.unread_decision(replica, costs, backup)
+    }
+
+    /// The decision for a request whose body was not read, routed by load (`costs`), counted as
+    /// such: no prompt, nothing matched.
+    pub(super) fn unread_decision(
+        &mut self,
+        replica: usize,
+        costs: Vec<f64>,
+        backup: Option<usize>,
+    ) -> Decision {
         self.count_decision(replica, Some(FallbackReason::BodyUnreadable), 0, 0);
         Decision {
             replica,
