@@ -21,7 +21,7 @@
 //! `assume_kv_reuse`: a prefix shared with requests in flight is held once). Argmin with a random
 //! tie-break, or softmax sampling at `temperature` > 0 (Dynamo's definition).
 
-use super::{Choice, Input, masked, pick_lowest, softmax_sample};
+use super::{CacheSizing, Choice, Input, Needs, Policy, masked, pick_lowest, softmax_sample};
 use crate::config::KvLoadParams;
 use crate::rng::SplitMix64;
 
@@ -187,28 +187,47 @@ pub fn choose(input: &Input, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
     }
 }
 
+/// `kv_load` as a [`Policy`]: its parameters.
+#[derive(Clone, Debug)]
+pub struct KvLoad {
+    params: KvLoadParams,
+}
+
+impl KvLoad {
+    pub fn new(params: KvLoadParams) -> KvLoad {
+        KvLoad { params }
+    }
+}
+
+impl Policy for KvLoad {
+    fn needs(&self) -> Needs {
+        Needs {
+            // A prefix shared with running requests is counted once (`assume_kv_reuse`).
+            active_prefix: self.params.assume_kv_reuse,
+            working_set: (self.params.overflow_weight > 0.0).then_some(CacheSizing::Configured),
+            ..Needs::default()
+        }
+    }
+
+    fn choose(&mut self, input: &Input, rng: &mut SplitMix64) -> Choice {
+        choose(input, &self.params, rng)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::KvLoadPreset;
     use crate::load::LoadTotals;
+    use crate::policy::load_only_input;
 
     fn input<'a>(load: &'a [LoadTotals], overlap: &'a [f64], active: &'a [f64]) -> Input<'a> {
         Input {
             request_blocks: 10.0,
-            block_size: 16.0,
-            load,
             overlap,
             active_prefix: active,
-            affinity: &[],
             identity_blocks: 10,
-            session_key: None,
-            avoided: &[false, false],
-            expected_output_tokens: 256.0,
-            working_set: &[],
-            working_set_scale: 1.0,
-            speed: &[],
-            reuse_share: 0.0,
+            ..load_only_input(load, &[false, false])
         }
     }
 

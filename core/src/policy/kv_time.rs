@@ -28,7 +28,7 @@
 //! idle once their queues cost more than its prefill (at lighter load they rightly may). The weights are an operator's exchange rates (seconds of this request's
 //! first token one second of the named delay is worth), not fitted constants.
 
-use super::{Choice, Input, pick_lowest};
+use super::{CacheSizing, Choice, Input, Needs, Policy, pick_lowest};
 use crate::config::KvTimeParams;
 use crate::rng::SplitMix64;
 use crate::speed::EngineProfile;
@@ -143,27 +143,59 @@ pub fn choose(
     )
 }
 
+/// `kv_time` as a [`Policy`]: its weights, the engine profile its times are priced against, and
+/// every replica's terms for the last request chosen.
+#[derive(Clone, Debug)]
+pub struct KvTime {
+    params: KvTimeParams,
+    profile: EngineProfile,
+    last_terms: Vec<Terms>,
+}
+
+impl KvTime {
+    pub fn new(params: KvTimeParams, profile: EngineProfile) -> KvTime {
+        KvTime {
+            params,
+            profile,
+            last_terms: Vec::new(),
+        }
+    }
+}
+
+impl Policy for KvTime {
+    fn needs(&self) -> Needs {
+        Needs {
+            speed: true,
+            working_set: (self.params.evict_weight > 0.0).then_some(CacheSizing::AtLeast {
+                cache_tokens: self.profile.kv_cache_tokens,
+            }),
+            ..Needs::default()
+        }
+    }
+
+    fn choose(&mut self, input: &Input, rng: &mut SplitMix64) -> Choice {
+        let (c, terms) = choose(input, &self.params, &self.profile, rng);
+        self.last_terms = terms;
+        c
+    }
+
+    fn last_terms(&self) -> &[Terms] {
+        &self.last_terms
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::load::LoadTotals;
+    use crate::policy::load_only_input;
 
     fn input<'a>(load: &'a [LoadTotals], overlap: &'a [f64], avoided: &'a [bool]) -> Input<'a> {
         Input {
             request_blocks: 256.0,
-            block_size: 16.0,
-            load,
             overlap,
-            active_prefix: &[],
-            affinity: &[],
             identity_blocks: 256,
-            session_key: None,
-            avoided,
-            expected_output_tokens: 256.0,
-            working_set: &[],
-            working_set_scale: 1.0,
-            speed: &[],
-            reuse_share: 0.0,
+            ..load_only_input(load, avoided)
         }
     }
 

@@ -2,7 +2,7 @@
 //! session key, of `prefix_affinity` below its match threshold, and of requests whose body cannot be
 //! read.
 
-use super::{Choice, Input, pick_lowest};
+use super::{Choice, Input, Policy, pick_lowest};
 use crate::config::KvLoadParams;
 use crate::load::LoadTotals;
 use crate::rng::SplitMix64;
@@ -30,5 +30,23 @@ pub fn choose(input: &Input, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
         replica: pick_lowest(&costs, input.avoided, rng),
         costs,
         fallback: None,
+    }
+}
+
+/// `least_load` as a [`Policy`], with `kv_load`'s load coefficients.
+#[derive(Clone, Debug)]
+pub struct LeastLoad {
+    params: KvLoadParams,
+}
+
+impl LeastLoad {
+    pub fn new(params: KvLoadParams) -> LeastLoad {
+        LeastLoad { params }
+    }
+}
+
+impl Policy for LeastLoad {
+    fn choose(&mut self, input: &Input, rng: &mut SplitMix64) -> Choice {
+        choose(input, &self.params, rng)
     }
 }

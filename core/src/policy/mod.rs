@@ -1,10 +1,13 @@
-//! The routing policies, one module each, as functions of one shared [`Input`]: the request's size,
-//! each replica's effective load, its KV overlap with the request, and which replicas are avoided.
-//! [`crate::router::Router::route`] builds the input (querying the KV index, the approximate index and
-//! the load table) and dispatches on the configured [`PolicyKind`](crate::config::PolicyKind); a
-//! policy returns its [`Choice`]: the replica, the per-replica costs where it scores, and why it fell
-//! back when it did. Policies hold no state of their own beyond what is passed in (the round-robin
-//! cursor, the hash ring, the tie-break generator), so each can be read and tested alone.
+//! The routing policies, one module each, behind one trait, [`Policy`]: a policy is a type holding
+//! its own parameters and state (round robin's cursor, `session_hash`'s ring, `kv_time`'s engine
+//! profile and last terms), built from the configuration by [`from_config`]. It decides from one
+//! shared [`Input`]: the request's size, each replica's effective load, its KV overlap with the
+//! request, and which replicas are avoided, plus the optional inputs it asks for with
+//! [`Policy::needs`] (gathering them costs time on the request path, so the router gathers only
+//! those). [`crate::router::Router::route`] builds the input and calls [`Policy::choose`]; a policy
+//! returns its [`Choice`]: the replica, the per-replica costs where it scores, and why it fell back
+//! when it did. Each module keeps its decision as a plain function of the input and the policy's
+//! parameters too, so each can be read and tested alone.
 //!
 //! | policy | module | in one line |
 //! |---|---|---|
@@ -29,7 +32,9 @@ pub mod session_hash;
 pub use choose::{argmin_random_tie, masked, pick_lowest, softmax_sample};
 pub use ring::HashRing;
 
+use crate::config::{PolicyKind, RoutingConfig};
 use crate::load::LoadTotals;
+use crate::rng::SplitMix64;
 
 /// Why a decision did not come from the configured policy's first choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -89,4 +94,187 @@ pub struct Choice {
     /// Per replica where the policy scores (lower is better); empty otherwise.
     pub costs: Vec<f64>,
     pub fallback: Option<FallbackReason>,
+}
+
+/// A routing policy: its parameters and its state, and the decision it makes from an [`Input`].
+/// `Send + Sync` so that a router stays as shareable between threads as its other state.
+pub trait Policy: PolicyClone + std::fmt::Debug + Send + Sync {
+    /// Which optional inputs the router gathers for this policy. Asked once, when the router is
+    /// built: a policy's needs follow from its configuration, fixed for the router's life.
+    fn needs(&self) -> Needs {
+        Needs::default()
+    }
+
+    /// Chooses a replica. `rng` breaks ties and samples; the router's single generator, so the
+    /// decisions of a seeded router replay exactly.
+    fn choose(&mut self, input: &Input, rng: &mut SplitMix64) -> Choice;
+
+    /// Every replica's cost terms for the last request chosen, for a policy that prices time
+    /// (`kv_time`): the router predicts the chosen replica's time to first token from them, and an
+    /// operator reads them to see why a replica won. Empty for the others.
+    fn last_terms(&self) -> &[kv_time::Terms] {
+        &[]
+    }
+}
+
+/// Cloning a boxed policy, so that a router (which holds one) can be cloned.
+pub trait PolicyClone {
+    fn clone_box(&self) -> Box<dyn Policy>;
+}
+
+impl<T: Policy + Clone + 'static> PolicyClone for T {
+    fn clone_box(&self) -> Box<dyn Policy> {
+        Box::new(self.clone())
+    }
+}
+
+impl Clone for Box<dyn Policy> {
+    fn clone(&self) -> Self {
+        self.clone_box()
+    }
+}
+
+/// The optional parts of [`Input`] a policy reads; what it does not ask for is left empty.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Needs {
+    /// [`Input::active_prefix`]: the leading blocks of the request already active on each replica.
+    pub active_prefix: bool,
+    /// [`Input::affinity`]: the approximate index's matches for the request. A token prompt's
+    /// decisions are recorded in that index only for a policy that reads them back.
+    pub affinity: bool,
+    /// [`Input::working_set`], and how a replica's cache is sized in it; `None`: the working-set
+    /// term is off and the router keeps no working set.
+    pub working_set: Option<CacheSizing>,
+    /// [`Input::speed`] and [`Input::reuse_share`]: each replica's learned speed factor and the
+    /// traffic's reuse share.
+    pub speed: bool,
+}
+
+/// How the working-set term sizes a replica's prefix cache (in blocks) in [`Input::working_set`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum CacheSizing {
+    /// `kv_load.replica_cache_tokens` when set, else as learned from the replica's feed once it
+    /// has evicted (the most blocks it held), else 0: unknown, the term is off for that replica.
+    Configured,
+    /// As learned from the feed once the replica has evicted, else the larger of what it has held
+    /// and `cache_tokens` (tokens, the engine profile's cache): a replica that has not shown its
+    /// size yet is priced like one of its profile, not as one with room for everything.
+    AtLeast { cache_tokens: f64 },
+}
+
+/// The policy `cfg.policy` names, with its parameters from `cfg`, for a router of `replicas`
+/// replicas.
+pub fn from_config(cfg: &RoutingConfig, replicas: usize) -> Box<dyn Policy> {
+    match cfg.policy {
+        PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin::default()),
+        PolicyKind::LeastLoad => Box::new(least_load::LeastLoad::new(cfg.kv_load.clone())),
+        PolicyKind::SessionHash => Box::new(session_hash::SessionHash::new(
+            HashRing::seeded(
+                0..replicas,
+                cfg.session_hash.virtual_nodes,
+                cfg.session_hash.ring_seed,
+            ),
+            cfg.kv_load.clone(),
+        )),
+        PolicyKind::PrefixAffinity => Box::new(prefix_affinity::PrefixAffinity::new(
+            cfg.prefix_affinity.match_threshold,
+            cfg.kv_load.clone(),
+        )),
+        PolicyKind::KvAffinity => Box::new(kv_affinity::KvAffinity),
+        PolicyKind::KvLoad => Box::new(kv_load::KvLoad::new(cfg.kv_load.clone())),
+        PolicyKind::KvTime => Box::new(kv_time::KvTime::new(
+            cfg.kv_time.clone(),
+            cfg.kv_time.profile.profile(),
+        )),
+    }
+}
+
+/// An input with load and avoided replicas only, every optional part empty: for the tests of the
+/// policies that read no more.
+#[cfg(test)]
+pub(crate) fn load_only_input<'a>(load: &'a [LoadTotals], avoided: &'a [bool]) -> Input<'a> {
+    Input {
+        request_blocks: 1.0,
+        block_size: 16.0,
+        load,
+        overlap: &[],
+        active_prefix: &[],
+        affinity: &[],
+        identity_blocks: 1,
+        session_key: None,
+        avoided,
+        expected_output_tokens: 256.0,
+        working_set: &[],
+        working_set_scale: 1.0,
+        speed: &[],
+        reuse_share: 0.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What each policy asks the router to gather: the optional inputs follow from its own
+    /// parameters, and a policy that does not read an input never asks for it.
+    #[test]
+    fn each_policy_asks_for_what_it_reads() {
+        let needs = |policy: PolicyKind, edit: &dyn Fn(&mut RoutingConfig)| {
+            let mut cfg = RoutingConfig {
+                policy,
+                ..RoutingConfig::default()
+            };
+            edit(&mut cfg);
+            from_config(&cfg, 4).needs()
+        };
+        let none = |_: &mut RoutingConfig| {};
+        for p in [
+            PolicyKind::RoundRobin,
+            PolicyKind::LeastLoad,
+            PolicyKind::SessionHash,
+            PolicyKind::KvAffinity,
+        ] {
+            assert_eq!(needs(p, &none), Needs::default(), "{p:?}");
+        }
+        let affinity = needs(PolicyKind::PrefixAffinity, &none);
+        assert!(affinity.affinity && !affinity.speed && affinity.working_set.is_none());
+
+        let kv_load = needs(PolicyKind::KvLoad, &|c| {
+            c.kv_load.assume_kv_reuse = true;
+            c.kv_load.overflow_weight = 1.0;
+        });
+        assert!(kv_load.active_prefix && !kv_load.affinity && !kv_load.speed);
+        assert_eq!(kv_load.working_set, Some(CacheSizing::Configured));
+        let kv_load = needs(PolicyKind::KvLoad, &|c| {
+            c.kv_load.assume_kv_reuse = false;
+            c.kv_load.overflow_weight = 0.0;
+        });
+        assert_eq!(kv_load, Needs::default());
+
+        let kv_time = needs(PolicyKind::KvTime, &|c| c.kv_time.evict_weight = 1.0);
+        assert!(kv_time.speed && !kv_time.active_prefix && !kv_time.affinity);
+        assert!(matches!(
+            kv_time.working_set,
+            Some(CacheSizing::AtLeast { cache_tokens }) if cache_tokens > 0.0
+        ));
+        let kv_time = needs(PolicyKind::KvTime, &|c| c.kv_time.evict_weight = 0.0);
+        assert!(kv_time.speed && kv_time.working_set.is_none());
+    }
+
+    /// A cloned policy carries its state: round robin's clone continues from the same cursor.
+    #[test]
+    fn a_cloned_policy_keeps_its_state() {
+        let cfg = RoutingConfig {
+            policy: PolicyKind::RoundRobin,
+            ..RoutingConfig::default()
+        };
+        let mut p = from_config(&cfg, 3);
+        let load = [LoadTotals::default(); 3];
+        let input = load_only_input(&load, &[false; 3]);
+        let mut rng = SplitMix64::new(1);
+        assert_eq!(p.choose(&input, &mut rng).replica, 0);
+        let mut q = p.clone();
+        assert_eq!(p.choose(&input, &mut rng).replica, 1);
+        assert_eq!(q.choose(&input, &mut rng).replica, 1);
+    }
 }

@@ -3,7 +3,7 @@
 //! keep), the least loaded among equal matches; least load when the best match covers less than
 //! `match_threshold` of the request.
 
-use super::{Choice, FallbackReason, Input, least_load, pick_lowest};
+use super::{Choice, FallbackReason, Input, Needs, Policy, least_load, pick_lowest};
 use crate::config::KvLoadParams;
 use crate::rng::SplitMix64;
 
@@ -49,5 +49,35 @@ pub fn choose(
             costs,
             fallback: Some(FallbackReason::BelowMatchThreshold),
         }
+    }
+}
+
+/// `prefix_affinity` as a [`Policy`]: the share of the request the best match must cover (0..=1),
+/// and `kv_load`'s load coefficients for the least-load choice.
+#[derive(Clone, Debug)]
+pub struct PrefixAffinity {
+    match_threshold: f64,
+    params: KvLoadParams,
+}
+
+impl PrefixAffinity {
+    pub fn new(match_threshold: f64, params: KvLoadParams) -> PrefixAffinity {
+        PrefixAffinity {
+            match_threshold,
+            params,
+        }
+    }
+}
+
+impl Policy for PrefixAffinity {
+    fn needs(&self) -> Needs {
+        Needs {
+            affinity: true,
+            ..Needs::default()
+        }
+    }
+
+    fn choose(&mut self, input: &Input, rng: &mut SplitMix64) -> Choice {
+        choose(input, self.match_threshold, &self.params, rng)
     }
 }

@@ -1,7 +1,8 @@
 //! `round_robin`: the next replica that is not avoided, in turn. The baseline every load-aware policy
 //! must beat on tail latency.
 
-use super::{Choice, Input};
+use super::{Choice, Input, Policy};
+use crate::rng::SplitMix64;
 
 /// Chooses the replica at `next` (or the first not avoided after it) and moves `next` past it.
 pub fn choose(input: &Input, next: &mut usize) -> Choice {
@@ -22,31 +23,29 @@ pub fn choose(input: &Input, next: &mut usize) -> Choice {
     }
 }
 
+/// `round_robin` as a [`Policy`]: its cursor, the next replica in turn.
+#[derive(Clone, Debug, Default)]
+pub struct RoundRobin {
+    next: usize,
+}
+
+impl Policy for RoundRobin {
+    fn choose(&mut self, input: &Input, _rng: &mut SplitMix64) -> Choice {
+        choose(input, &mut self.next)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::load::LoadTotals;
+    use crate::policy::load_only_input;
 
     #[test]
     fn cycles_and_skips_avoided_replicas() {
         let load = [LoadTotals::default(); 3];
         let avoided = [false, true, false];
-        let input = Input {
-            request_blocks: 1.0,
-            block_size: 16.0,
-            load: &load,
-            overlap: &[0.0; 3],
-            active_prefix: &[],
-            affinity: &[],
-            identity_blocks: 1,
-            session_key: None,
-            avoided: &avoided,
-            expected_output_tokens: 256.0,
-            working_set: &[],
-            working_set_scale: 1.0,
-            speed: &[],
-            reuse_share: 0.0,
-        };
+        let input = load_only_input(&load, &avoided);
         let mut next = 0;
         let picks: Vec<usize> = (0..4).map(|_| choose(&input, &mut next).replica).collect();
         assert_eq!(picks, vec![0, 2, 0, 2]);

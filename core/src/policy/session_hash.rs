@@ -2,7 +2,7 @@
 //! ConsistentHashRouter), so a session keeps its replica and its cache; an avoided replica's sessions
 //! move to the next replica on the ring, the others stay. Without a session key: least load.
 
-use super::{Choice, FallbackReason, HashRing, Input, least_load};
+use super::{Choice, FallbackReason, HashRing, Input, Policy, least_load};
 use crate::config::KvLoadParams;
 use crate::rng::SplitMix64;
 
@@ -21,5 +21,25 @@ pub fn choose(input: &Input, ring: &HashRing, k: &KvLoadParams, rng: &mut SplitM
             fallback: Some(FallbackReason::NoSessionKey),
             ..least_load::choose(input, k, rng)
         },
+    }
+}
+
+/// `session_hash` as a [`Policy`]: its ring, and `kv_load`'s load coefficients for least load
+/// without a session key.
+#[derive(Clone, Debug)]
+pub struct SessionHash {
+    ring: HashRing,
+    params: KvLoadParams,
+}
+
+impl SessionHash {
+    pub fn new(ring: HashRing, params: KvLoadParams) -> SessionHash {
+        SessionHash { ring, params }
+    }
+}
+
+impl Policy for SessionHash {
+    fn choose(&mut self, input: &Input, rng: &mut SplitMix64) -> Choice {
+        choose(input, &self.ring, &self.params, rng)
     }
 }

@@ -1,0 +1,141 @@
+//! Tracking a routed request through its life: admission (its uncached prompt becomes prefill load,
+//! its prefix goes to the approximate index), first token (where `kv_time` learns a replica's speed),
+//! decode progress and release.
+
+use super::{Decision, MAX_PENDING_PREDICTIONS, Router};
+use crate::policy::kv_time::Terms;
+use crate::request::{PromptIdentity, RouteRequest};
+
+impl Router {
+    /// Starts tracking a request sent where `d` says: its uncached prompt tokens become prefill load,
+    /// and its prefix is recorded in the approximate index (a token prompt's only under
+    /// `prefix_affinity`, the one reader of those records; a text prompt's always, as the overlap
+    /// estimate of text prompts).
+    pub fn admit(&mut self, request_id: u64, req: &RouteRequest, d: &Decision, now_ms: u64) {
+        let mut sampled = std::mem::take(&mut self.scratch_sampled);
+        self.sample_blocks(req, &mut sampled);
+        self.admit_sampled(request_id, req, d, now_ms, &sampled);
+        self.scratch_sampled = sampled;
+    }
+
+    /// [`Router::admit`] with the request's working-set sample taken already.
+    pub(super) fn admit_sampled(
+        &mut self,
+        request_id: u64,
+        req: &RouteRequest,
+        d: &Decision,
+        now_ms: u64,
+        sampled: &[u64],
+    ) {
+        if d.replica >= self.replicas {
+            self.stats.bad_replica += 1;
+            return;
+        }
+        self.clock_ms = self.clock_ms.max(now_ms);
+        if let Some(ws) = &mut self.working_set {
+            ws.record(d.replica, sampled, now_ms);
+        }
+        let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
+        let uncached = req.prompt_tokens.saturating_sub(matched);
+        if let Some(t) = self.policy.last_terms().get(d.replica)
+            && std::mem::take(&mut self.terms_unadmitted)
+            && self.pending.len() < MAX_PENDING_PREDICTIONS
+        {
+            // The prediction at the profile's speed, so the observation measures the factor.
+            let at_profile = t.ttft() / self.speeds.factor(d.replica);
+            self.pending
+                .insert(request_id, (d.replica, at_profile, now_ms));
+        }
+
+        self.load.admit_at(
+            request_id,
+            d.replica,
+            req.prompt_tokens,
+            uncached,
+            req.output_hint,
+            (0..req.identity.blocks()).map(|i| req.identity.key(i)),
+            now_ms,
+        );
+        match &req.identity {
+            // Token prompts' own decisions are read back only by a policy that asks for affinity
+            // (`prefix_affinity`; the others take a token prompt's overlap from the KV index), and
+            // the policy is fixed for the router's life, so under any other policy recording them
+            // is pure cost: a third of an 8K-token request's admit and ~10% of its whole filter
+            // path in wasm.
+            PromptIdentity::Exact(h) => {
+                if self.needs.affinity {
+                    self.approx_seq.record(d.replica, h, now_ms)
+                }
+            }
+            PromptIdentity::Approximate(h) => self.approx_text.record(d.replica, h, now_ms),
+        }
+    }
+
+    /// Starts tracking a request routed by [`Router::route_fallback`], whose prompt size is only
+    /// estimated (e.g. body bytes / 4).
+    pub fn admit_unread(&mut self, request_id: u64, d: &Decision, estimated_prompt_tokens: u64) {
+        if d.replica >= self.replicas {
+            self.stats.bad_replica += 1;
+            return;
+        }
+        self.load.admit_at(
+            request_id,
+            d.replica,
+            estimated_prompt_tokens,
+            estimated_prompt_tokens,
+            None,
+            [],
+            self.clock_ms,
+        );
+    }
+
+    pub fn first_token(&mut self, request_id: u64) {
+        self.load.first_token(request_id);
+    }
+
+    /// The first token arrived at `now_ms`: [`Router::first_token`], and `kv_time` learns the
+    /// replica's speed from it (observed time to first token against the prediction at admission).
+    pub fn first_token_at(&mut self, request_id: u64, now_ms: u64) {
+        self.load.first_token(request_id);
+        if let Some((replica, predicted_s, admitted_ms)) = self.pending.remove(&request_id) {
+            let observed_s = now_ms.saturating_sub(admitted_ms) as f64 / 1e3;
+            self.speeds.observe(replica, predicted_s, observed_s);
+        }
+    }
+
+    /// `kv_time`: every replica's cost terms for the last request routed (empty under another
+    /// policy): what an operator reads to see why a replica won.
+    pub fn last_terms(&self) -> &[Terms] {
+        self.policy.last_terms()
+    }
+
+    /// `kv_time`: one replica's learned time factor against the profile (2: twice as slow; 1 for an
+    /// unknown replica or under another policy).
+    pub fn speed_factor(&self, replica: usize) -> f64 {
+        self.speeds.factor(replica)
+    }
+
+    /// `generated_tokens`: cumulative output tokens so far.
+    pub fn decode_progress(&mut self, request_id: u64, generated_tokens: u64) {
+        self.load.decode_progress(request_id, generated_tokens);
+    }
+
+    /// Output tokens the next request is expected to generate, learned from released requests.
+    pub fn expected_output_tokens(&self) -> f64 {
+        self.outputs.expected()
+    }
+
+    /// Completion or abort. False (and counted) for an unknown or already released request.
+    pub fn release(&mut self, request_id: u64) -> bool {
+        self.pending.remove(&request_id);
+        let Some(gone) = self.load.release_entry(request_id) else {
+            return false;
+        };
+        self.outputs.observe(gone.generated);
+        if gone.admitted_ms < self.report_polled_ms[gone.replica] {
+            // The current report holds it (admitted before its poll): `merge` takes it off.
+            self.released_since[gone.replica].add(&gone.share);
+        }
+        true
+    }
+}

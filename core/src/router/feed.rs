@@ -1,0 +1,214 @@
+//! The replicas' KV event feeds: the next poll's query, a batch judged against the replica's cursor
+//! and applied to the KV index (whole or in slices), each replica's cache size as the feed shows it,
+//! and stale feeds.
+
+use super::{FeedOutcome, Router};
+use crate::config::ReportedLoad;
+use crate::feed::{CursorVerdict, EventKind, FeedBatch, FeedEvent, FeedQuery, FeedSlice, Tier};
+use crate::load::LoadTotals;
+use crate::policy::CacheSizing;
+
+/// A replica's cache size as the feed shows it: the most blocks it has held, which is its size once
+/// it has evicted (before that, only a lower bound).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct CacheSize {
+    most_held: u64,
+    evicted: bool,
+}
+
+impl Router {
+    /// The query for the next poll of `replica` (a snapshot request for an unknown replica index).
+    pub fn feed_query(&self, replica: usize, max_events: u32) -> FeedQuery {
+        match self.cursors.get(replica) {
+            Some(c) => c.query(max_events),
+            None => FeedQuery::resync(max_events),
+        }
+    }
+
+    /// Applies one decoded feed batch from `replica`.
+    pub fn apply_feed(&mut self, replica: usize, batch: &FeedBatch) -> FeedOutcome {
+        match self.accept_feed(replica, batch) {
+            FeedOutcome::Applied { .. } => FeedOutcome::Applied {
+                events: self.apply_events(replica, &batch.events),
+            },
+            FeedOutcome::Reset { epoch, .. } => FeedOutcome::Reset {
+                events: self.apply_events(replica, &batch.events),
+                epoch,
+            },
+            other => other,
+        }
+    }
+
+    /// The first half of [`Router::apply_feed`], for a batch applied in slices: takes the batch's
+    /// load, judges its position against the replica's cursor and, for a snapshot, drops what the
+    /// replica held. Ignores `batch.events`; unless the outcome is a gap or a bad replica, the caller
+    /// then applies the events in order with [`Router::apply_feed_slice`]. The outcomes' event counts
+    /// are 0.
+    pub fn accept_feed(&mut self, replica: usize, batch: &FeedBatch) -> FeedOutcome {
+        self.accept_feed_polled_at(replica, batch, self.clock_ms)
+    }
+
+    /// [`Router::accept_feed`] for a batch whose poll was sent at `polled_ms` (this router's clock):
+    /// its load describes the replica with every request this proxy admitted before then, and none it
+    /// admitted after (`reported_load` `merge` adds those). [`Router::accept_feed`] takes the latest
+    /// time the router was given instead.
+    pub fn accept_feed_polled_at(
+        &mut self,
+        replica: usize,
+        batch: &FeedBatch,
+        polled_ms: u64,
+    ) -> FeedOutcome {
+        if replica >= self.replicas {
+            self.stats.bad_replica += 1;
+            return FeedOutcome::BadReplica;
+        }
+        if batch.load.block_size != 0 && batch.load.block_size as usize != self.cfg.block_size {
+            self.stats.feed_block_size_mismatches += 1;
+        }
+        let prev_epoch = self.cursors[replica].epoch;
+        // The load figures describe the replica now, whatever the log position: keep them.
+        self.reported[replica] = Some(batch.load);
+        self.report_polled_ms[replica] = polled_ms;
+        self.released_since[replica] = LoadTotals::default();
+        if self.cfg.kv_load.reported_load == ReportedLoad::Others {
+            self.held_at_report[replica] = self.load.held(replica, polled_ms);
+        }
+        match self.cursors[replica].accept(batch) {
+            CursorVerdict::Gap => {
+                self.stats.feed_gaps += 1;
+                FeedOutcome::Gap
+            }
+            CursorVerdict::ResetThenApply => {
+                self.index.remove_replica(replica);
+                if prev_epoch != 0 && prev_epoch != batch.epoch {
+                    // The engine restarted: what this router sent there is gone too.
+                    self.approx_seq.remove_replica(replica);
+                    self.approx_text.remove_replica(replica);
+                }
+                self.stats.feed_resets += 1;
+                FeedOutcome::Reset {
+                    events: 0,
+                    epoch: batch.epoch,
+                }
+            }
+            CursorVerdict::Apply => FeedOutcome::Applied { events: 0 },
+        }
+    }
+
+    /// Applies one slice of a feed event (part of a `stored` or `removed` event's hashes, or a whole
+    /// `cleared`) of a batch accepted by [`Router::accept_feed`]; events are counted in
+    /// `stats().feed_events` by their first slice.
+    pub fn apply_feed_slice(&mut self, replica: usize, slice: FeedSlice, hashes: &[u64]) {
+        if replica >= self.replicas {
+            self.stats.bad_replica += 1;
+            return;
+        }
+        let FeedSlice {
+            kind,
+            tier,
+            starts_event,
+        } = slice;
+        match kind {
+            EventKind::Stored => {
+                self.index.store(replica, tier, hashes);
+                self.note_stored(replica, tier, hashes);
+            }
+            EventKind::Removed => {
+                self.index.remove(replica, tier, hashes);
+            }
+            EventKind::Cleared => self.index.remove_replica(replica),
+        }
+        self.note_cache_size(replica, kind == EventKind::Removed && tier == Tier::Gpu);
+        self.stats.feed_events += starts_event as u64;
+    }
+
+    pub(super) fn apply_events(&mut self, replica: usize, events: &[FeedEvent]) -> usize {
+        for e in events {
+            match e {
+                FeedEvent::Stored { tier, hashes } => {
+                    self.index.store(replica, *tier, hashes);
+                    self.note_stored(replica, *tier, hashes);
+                }
+                FeedEvent::Removed { tier, hashes } => {
+                    self.index.remove(replica, *tier, hashes);
+                }
+                FeedEvent::Cleared => self.index.remove_replica(replica),
+            }
+            let evicted = matches!(
+                e,
+                FeedEvent::Removed {
+                    tier: Tier::Gpu,
+                    ..
+                }
+            );
+            self.note_cache_size(replica, evicted);
+        }
+        self.stats.feed_events += events.len() as u64;
+        events.len()
+    }
+
+    /// Counts a replica's stored GPU blocks in its working set (`kv_load.working_set_from_feed`).
+    pub(super) fn note_stored(&mut self, replica: usize, tier: Tier, hashes: &[u64]) {
+        if tier == Tier::Gpu
+            && self.cfg.kv_load.working_set_from_feed
+            && let Some(ws) = &mut self.working_set
+        {
+            ws.stored(replica, hashes, self.clock_ms);
+        }
+    }
+
+    /// Learns a replica's cache size from what the index holds for it (`kv_load.overflow_weight`).
+    pub(super) fn note_cache_size(&mut self, replica: usize, evicted: bool) {
+        if self.index.replica_blocks(replica) == 0 {
+            // Cleared (an engine restart, perhaps with another cache size): learn it again.
+            if let Some(c) = self.cache_blocks.get_mut(replica) {
+                *c = CacheSize::default();
+            }
+            return;
+        }
+        let held = self.index.replica_blocks(replica);
+        if let Some(c) = self.cache_blocks.get_mut(replica) {
+            c.most_held = c.most_held.max(held);
+            c.evicted |= evicted;
+        }
+    }
+
+    /// A replica's prefix-cache size in blocks for the working-set term: `replica_cache_tokens` when
+    /// set, else as learned from its feed (the most blocks it held once it evicted), else 0 (unknown:
+    /// the term is off for it).
+    pub fn cache_size_blocks(&self, replica: usize) -> f64 {
+        let configured = self.cfg.kv_load.replica_cache_tokens / self.cfg.block_size as f64;
+        match self.cache_blocks.get(replica) {
+            _ if configured > 0.0 => configured,
+            Some(c) if c.evicted => c.most_held as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// A replica's prefix-cache size in blocks for the working-set term, sized as the policy asks
+    /// ([`CacheSizing`]).
+    pub(super) fn cache_blocks_by(&self, replica: usize, sizing: CacheSizing) -> f64 {
+        let CacheSizing::AtLeast { cache_tokens } = sizing else {
+            return self.cache_size_blocks(replica);
+        };
+        let profile = cache_tokens / self.cfg.block_size as f64;
+        match self.cache_blocks.get(replica) {
+            Some(c) if c.evicted => c.most_held as f64,
+            Some(c) => profile.max(c.most_held as f64),
+            None => profile,
+        }
+    }
+
+    /// Marks a replica's feed as failing (or recovered). Stale: its index and reported load are not
+    /// trusted; it is routed by tracked load only.
+    pub fn set_stale(&mut self, replica: usize, stale: bool) {
+        match self.stale.get_mut(replica) {
+            Some(s) => *s = stale,
+            None => self.stats.bad_replica += 1,
+        }
+    }
+
+    pub fn is_stale(&self, replica: usize) -> bool {
+        self.stale.get(replica).copied().unwrap_or(false)
+    }
+}
