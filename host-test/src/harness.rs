@@ -133,6 +133,9 @@ pub enum ProxySpread {
     PerSession,
 }
 
+/// More request headers for a driver's request, from its session id ([`HarnessConfig::issue_headers`]).
+pub type IssueHeaders = fn(&str) -> Vec<(String, String)>;
+
 /// Harness configuration. [`HarnessConfig::small`] is sized for tests (runs in seconds).
 #[derive(Clone, Debug)]
 pub struct HarnessConfig {
@@ -197,6 +200,9 @@ pub struct HarnessConfig {
     pub slowdowns: Vec<(usize, f64, u64)>,
     /// nginx mode: the zone size and connection limit of the nginx imitated.
     pub nginx: crate::host::NginxLimits,
+    /// More request headers for each request a workload's driver issues, from its session id
+    /// (e.g. a priority class per session); `None`: none.
+    pub issue_headers: Option<IssueHeaders>,
 }
 
 impl HarnessConfig {
@@ -231,6 +237,7 @@ impl HarnessConfig {
             clock_ns_per_fuel: 0,
             slowdowns: Vec::new(),
             nginx: Default::default(),
+            issue_headers: None,
         }
     }
 
@@ -422,6 +429,9 @@ pub struct RequestRecord {
     pub fallback: bool,
     /// The filter answered locally with this status.
     pub local_response: Option<u32>,
+    /// That local answer's headers and body, as the client receives them.
+    pub local_headers: Vec<(String, String)>,
+    pub local_body: Vec<u8>,
     /// The engine refused the request (400 passed back through the filter).
     pub rejected: Option<String>,
     pub first_token_us: Option<u64>,
@@ -930,6 +940,17 @@ impl Harness {
             self.stats.local_responses += 1;
             let rec = self.records.get_mut(&id).expect("record inserted at send");
             rec.local_response = Some(lr.status);
+            rec.local_headers = lr
+                .headers
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        String::from_utf8_lossy(k).into_owned(),
+                        String::from_utf8_lossy(v).into_owned(),
+                    )
+                })
+                .collect();
+            rec.local_body = lr.body.clone();
             rec.failed = true;
             self.workers[w].end_stream(stream)?;
             self.fail_request(id, from_driver);
@@ -1311,6 +1332,11 @@ impl Harness {
                     session: Some(issue.session_id.clone()),
                     prompt: issue.prompt.to_vec(),
                     max_tokens: issue.output_tokens,
+                    headers: self
+                        .cfg
+                        .issue_headers
+                        .map(|f| f(&issue.session_id))
+                        .unwrap_or_default(),
                     ..Default::default()
                 };
                 self.send_with_id(issue.request_id, &spec, true)?;
