@@ -209,3 +209,45 @@ fn kv_load_sheds_sheddable_requests_and_never_critical_ones() {
 fn kv_time_sheds_sheddable_requests_and_never_critical_ones() {
     check("kv_time");
 }
+
+/// The priority header as a client sends it: removed before the request goes upstream (and
+/// counted) unless the configuration trusts it; trusted, it is kept and its class counted.
+#[test]
+fn an_untrusted_priority_header_is_removed_and_counted() {
+    for trust in [false, true] {
+        let mut cfg = HarnessConfig::small("kv_load");
+        cfg.routing["admission"] = json!({
+            "priority_header": HEADER,
+            "trust_priority_header": trust,
+        });
+        let mut h = common::harness_with(cfg);
+        let spec = kvsteer_host_test::RequestSpec::new(common::tokens(1, 64), 4)
+            .header(HEADER, "critical");
+        let id = h.send(&spec).unwrap_or_else(|e| panic!("{e}"));
+        // A request that is not routed (not an inference path) loses its copy too.
+        let mut other = kvsteer_host_test::RequestSpec::new(Vec::new(), 0).header(HEADER, "x");
+        other.path = Some("/v1/models".into());
+        let other = h.send(&other).unwrap_or_else(|e| panic!("{e}"));
+        h.run_until_idle(10_000_000)
+            .unwrap_or_else(|e| panic!("{e}"));
+        h.run_for(500_000).unwrap_or_else(|e| panic!("{e}"));
+        common::assert_clean(&h);
+        let upstream = h.record(id).and_then(|r| r.upstream_header(HEADER));
+        let metric = |name: &str| h.proxy().metric(name).map_or(-1, |m| m.value);
+        if trust {
+            assert_eq!(upstream, Some("critical"));
+            assert_eq!(metric("kvsteer_priority_headers_removed"), 0);
+            assert_eq!(metric("kvsteer_admitted_critical"), 1);
+        } else {
+            assert_eq!(
+                upstream, None,
+                "a client's priority header reached the replica"
+            );
+            let other = h.record(other).and_then(|r| r.upstream_header(HEADER));
+            assert_eq!(other, None);
+            assert_eq!(metric("kvsteer_priority_headers_removed"), 2);
+            assert_eq!(metric("kvsteer_admitted_critical"), 0);
+            assert_eq!(metric("kvsteer_admitted_standard"), 1, "the default class");
+        }
+    }
+}
