@@ -511,6 +511,9 @@ pub struct RoutingConfig {
     pub health: HealthParams,
     /// Request bodies larger than this are refused by the parser (the request is then routed by load).
     pub max_body_bytes: usize,
+    /// Priority classes and shedding at saturation (`crate::admission`); absent: every request is
+    /// admitted, as without the feature.
+    pub admission: Option<crate::admission::AdmissionConfig>,
 }
 
 impl Default for RoutingConfig {
@@ -526,6 +529,7 @@ impl Default for RoutingConfig {
             prefix_affinity: PrefixAffinityParams::default(),
             health: HealthParams::default(),
             max_body_bytes: 4 << 20,
+            admission: None,
         }
     }
 }
@@ -652,6 +656,9 @@ impl RoutingConfig {
         }
         if self.max_body_bytes == 0 {
             return Err(err("max_body_bytes", "must be >= 1"));
+        }
+        if let Some(a) = &self.admission {
+            a.validate()?;
         }
         Ok(())
     }

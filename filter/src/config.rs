@@ -649,6 +649,7 @@ impl FilterConfig {
         self.routing
             .validate()
             .map_err(|e| ConfigError(format!("routing: {e}")))?;
+        self.validate_admission()?;
         self.validate_pd()?;
         if let Some(p) = &self.peers {
             p.validate(self.tick_ms)?;
@@ -661,6 +662,38 @@ impl FilterConfig {
                  or remove the section"
                     .into(),
             );
+        }
+        Ok(())
+    }
+
+    /// Shedding fits a fleet where one decision sends the request (not a P/D fleet's two legs), and
+    /// the priority header must not be one the filter writes or reads for something else: removing
+    /// an untrusted copy would remove the filter's own.
+    fn validate_admission(&self) -> Result<(), ConfigError> {
+        let err = |m: String| Err(ConfigError(m));
+        let Some(a) = &self.routing.admission else {
+            return Ok(());
+        };
+        if self.disaggregated() {
+            return err(
+                "routing.admission: not supported in a prefill/decode fleet (replicas with roles)"
+                    .into(),
+            );
+        }
+        if let Some(h) = &a.priority_header {
+            let taken = [
+                ("destination_header", &self.destination_header),
+                ("cluster_header", &self.cluster_header),
+                ("rank_header", &self.rank_header),
+                ("session_header", &self.session_header),
+            ];
+            for (field, name) in taken {
+                if name.eq_ignore_ascii_case(h) {
+                    return err(format!(
+                        "routing.admission.priority_header: {h:?} is already {field}"
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -1133,5 +1166,26 @@ mod tests {
     fn the_full_build_reads_the_tokenizer_section() {
         let c = FilterConfig::from_json(WITH_TOKENIZER.as_bytes()).unwrap();
         assert_eq!(c.tokenizer.unwrap().chat_template, "kvsteer_sim");
+    }
+    #[test]
+    fn admission_is_checked_against_the_rest_of_the_configuration() {
+        let replicas =
+            r#""replicas":[{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}]"#;
+        let with = |extra: &str| {
+            FilterConfig::from_json(format!("{{{replicas}, {extra}}}").as_bytes()).map(|_| ())
+        };
+        assert!(with(r#""routing":{"admission":{"priority_header":"x-priority"}}"#).is_ok());
+        let e =
+            with(r#""routing":{"admission":{"priority_header":"x-gateway-destination-endpoint"}}"#)
+                .unwrap_err();
+        assert!(e.0.contains("already destination_header"), "{}", e.0);
+        let e = with(r#""routing":{"admission":{"bounds_s":{"urgent":1}}}"#).unwrap_err();
+        assert!(e.0.contains("admission.bounds_s.urgent"), "{}", e.0);
+        let pd = r#""replicas":[
+            {"name":"p","endpoint":"127.0.0.1:8000","feed_cluster":"f0","role":"prefill","prefill_cluster":"c"},
+            {"name":"d","endpoint":"127.0.0.1:8001","feed_cluster":"f1","role":"decode"}],
+            "routing":{"admission":{}}"#;
+        let e = FilterConfig::from_json(format!("{{{pd}}}").as_bytes()).unwrap_err();
+        assert!(e.0.contains("prefill/decode"), "{}", e.0);
     }
 }

@@ -109,6 +109,11 @@ pub(super) struct Metrics {
     pub(super) early_bodies: Option<u32>,
     bookings: TotalCounter,
     releases: TotalCounter,
+    /// Priority classes (`routing.admission`; defined only with the section), in
+    /// [`kvsteer_core::admission::Class::ALL`] order: requests admitted, requests shed (answered
+    /// 429), and client copies of an untrusted priority header removed.
+    /// Mirrored from the worker's totals on each tick. `None` without the section.
+    admission: Option<([TotalCounter; 3], [TotalCounter; 3], TotalCounter)>,
     /// Host calls the proxy refused ([`abi`]: each has a fallback; docs/design/filter.md).
     host_call_refusals: TotalCounter,
     #[cfg(feature = "tokenizer")]
@@ -167,7 +172,18 @@ impl Metrics {
                 .map(|r| TotalCounter::define(&format!("kvsteer_{what}_{}", r.name)))
                 .collect()
         };
+        let per_class = |what: &str| {
+            kvsteer_core::admission::Class::ALL
+                .map(|c| TotalCounter::define(&format!("kvsteer_{what}_{}", c.name())))
+        };
         Metrics {
+            admission: cfg.routing.admission.as_ref().map(|_| {
+                (
+                    per_class("admitted"),
+                    per_class("shed"),
+                    TotalCounter::define("kvsteer_priority_headers_removed"),
+                )
+            }),
             decisions: cfg
                 .replicas
                 .iter()
@@ -267,6 +283,16 @@ impl Metrics {
         self.bookings.update(booked);
         self.releases.update(released);
         self.host_call_refusals.update(abi::refusals());
+        if let Some((admitted, shed, removed)) = self.admission.as_mut() {
+            let (a, s, r) = state.admission_counts();
+            for (c, n) in admitted.iter_mut().zip(a) {
+                c.update(n);
+            }
+            for (c, n) in shed.iter_mut().zip(s) {
+                c.update(n);
+            }
+            removed.update(r);
+        }
         self.feed_time_cuts.update(state.feed_time_cuts());
         let (missed, refused) = state.working_set_sharing();
         let x = state.exchange_stats();

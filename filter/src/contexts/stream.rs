@@ -10,6 +10,7 @@ use crate::abi;
 use crate::config::OutputMode;
 use crate::router_state::{BodyFallback, DecisionOutput, is_inference_path};
 use crate::sse::SseTracker;
+use kvsteer_core::admission::{Class, Shed};
 use kvsteer_core::health::Outcome;
 use kvsteer_core::request::EarlyScan;
 use kvsteer_core::router::Decision;
@@ -61,6 +62,8 @@ pub struct Stream {
     held: usize,
     /// The decision explained for the configured `explain_header`, written on the response.
     explain: Option<String>,
+    /// The class the trusted priority header names (`routing.admission`); `None` without one.
+    header_class: Option<Class>,
 }
 
 impl Stream {
@@ -108,14 +111,46 @@ impl Stream {
         }
     }
 
-    fn route_fallback(&mut self, why: BodyFallback, body_bytes: usize) {
-        let Some(vm) = &self.vm else { return };
+    /// Routes by load alone (the body unread); `Pause` when the request was shed and answered.
+    fn route_fallback(&mut self, why: BodyFallback, body_bytes: usize) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
         let mut vm = vm.borrow_mut();
-        let d = vm.state.route_fallback(self.id, why, body_bytes, now_ms());
+        let routed =
+            vm.state
+                .route_fallback_admitted(self.id, why, body_bytes, self.header_class, now_ms());
+        let d = match routed {
+            Ok(d) => d,
+            Err(shed) => {
+                drop(vm);
+                return self.shed(&shed);
+            }
+        };
         vm.metrics.decision(&d);
         Self::write_destination(&vm, &d);
         self.replica = Some(d.replica);
         self.phase = Phase::Admitted;
+        Action::Continue
+    }
+
+    /// Answers a request shed at saturation (`routing.admission`): 429 with `Retry-After` and an
+    /// OpenAI-style error body. Nothing was booked for it.
+    fn shed(&mut self, shed: &Shed) -> Action {
+        self.phase = Phase::Released;
+        let retry = shed.retry_after_s.to_string();
+        let headers = [
+            ("content-type", "application/json"),
+            ("retry-after", retry.as_str()),
+        ];
+        if abi::send_local_response(429, &headers, &shed.body()).is_err() {
+            // The stream stays paused: a shed request must not go upstream unbooked.
+            log(
+                LogLevel::Warn,
+                "kvsteer: the proxy refused a local response to a shed request",
+            );
+        }
+        Action::Pause
     }
 
     /// In a P/D fleet a body the filter could not read is refused, not forwarded: only the filter may
@@ -244,14 +279,10 @@ impl Stream {
             Err(_) if pd => {
                 return self.refuse_unread_pd(500, "the proxy did not hand over the request body");
             }
-            Err(_) => {
-                self.route_fallback(BodyFallback::HostError, max.min(limit));
-                return Action::Continue;
-            }
+            Err(_) => return self.route_fallback(BodyFallback::HostError, max.min(limit)),
         };
         if body.is_empty() {
-            self.route_fallback(BodyFallback::Empty, 0);
-            return Action::Continue;
+            return self.route_fallback(BodyFallback::Empty, 0);
         }
         if body.len() > limit {
             if pd {
@@ -260,8 +291,7 @@ impl Stream {
                     &format!("the request body is over routing.max_body_bytes ({limit})"),
                 );
             }
-            self.route_fallback(BodyFallback::TooLarge, body.len());
-            return Action::Continue;
+            return self.route_fallback(BodyFallback::TooLarge, body.len());
         }
         self.body_len = body.len();
         if vm.borrow().state.disaggregated() {
@@ -274,14 +304,22 @@ impl Stream {
         if self.early.as_ref().is_some_and(|s| s.tokens() > 0) {
             inc(vm.metrics.early_bodies, 1);
         }
-        let d = vm.state.route_body_early(
+        let routed = vm.state.route_body_admitted(
             self.id,
             &self.path,
             &body,
             self.session.as_deref(),
             self.early.take(),
+            self.header_class,
             now,
         );
+        let d = match routed {
+            Ok(d) => d,
+            Err(shed) => {
+                drop(vm);
+                return self.shed(&shed);
+            }
+        };
         vm.metrics.decision(&d);
         Self::write_destination(&vm, &d);
         self.explain = vm.state.explanation(d.replica);
@@ -361,6 +399,39 @@ impl Stream {
         }
     }
 
+    /// The priority header (`routing.admission.priority_header`): a trusted one's class is kept for
+    /// admission; an untrusted copy is removed before the request goes upstream and counted, so a
+    /// client can neither raise its own priority nor pass the header on. Every value is hostile:
+    /// only a bounded comparison with the three class names reads it. `Some`: the header that could
+    /// not be removed.
+    fn read_priority_header(
+        &mut self,
+        state: &mut crate::router_state::RouterState,
+    ) -> Option<(String, u32)> {
+        let adm = state.admission()?;
+        let name = adm.priority_header()?;
+        let map = MapType::HttpRequestHeaders;
+        let present = abi::get_header(map, name);
+        if adm.trusts_header() {
+            if let Ok(Some(v)) = present {
+                self.header_class = adm.header_class(&v);
+            }
+            return None;
+        }
+        if matches!(present, Ok(None)) {
+            return None;
+        }
+        match abi::remove_header(map, name) {
+            Ok(()) => {
+                if present.is_ok() {
+                    state.priority_header_removed();
+                }
+                None
+            }
+            Err(e) => Some((name.to_string(), e)),
+        }
+    }
+
     /// Clients must never choose a replica: drops any copy of the routing header they sent, on every
     /// request, routed or not, and of the rank header (nor a DP rank). `Err`: the action for a
     /// request refused because a copy could not be removed.
@@ -388,6 +459,9 @@ impl Stream {
         for _ in 0..removed {
             vm.state.spoofed_header_removed();
             inc(vm.metrics.spoofed, 1);
+        }
+        if stuck.is_none() {
+            stuck = self.read_priority_header(&mut vm.state);
         }
         if let Some((name, e)) = stuck {
             // A client's copy that cannot be removed must not reach the proxy's balancer.
@@ -458,8 +532,7 @@ impl HttpContext for Stream {
         .filter(|v| !v.is_empty() && v.len() <= 512)
         .map(|v| String::from_utf8_lossy(&v).into_owned());
         if end_of_stream {
-            self.route_fallback(BodyFallback::Empty, 0);
-            return Action::Continue;
+            return self.route_fallback(BodyFallback::Empty, 0);
         }
         self.phase = Phase::Buffering;
         self.early = vm.borrow().state.early_scan(&self.path);
@@ -490,8 +563,7 @@ impl HttpContext for Stream {
             }
             // Stop buffering a body we will not read; route it by load and let it flow.
             self.drop_arrived();
-            self.route_fallback(BodyFallback::TooLarge, body_size);
-            return Action::Continue;
+            return self.route_fallback(BodyFallback::TooLarge, body_size);
         }
         if !end_of_stream {
             // The rest of the body, or trailers (HTTP/2, gRPC-style clients), end the request.

@@ -48,6 +48,9 @@ pub enum ProxySpread {
     PerSession,
 }
 
+/// More request headers for a driver's request, from its session id ([`HarnessConfig::issue_headers`]).
+pub type IssueHeaders = fn(&str) -> Vec<(String, String)>;
+
 /// Harness configuration. [`HarnessConfig::small`] is sized for tests (runs in seconds).
 #[derive(Clone, Debug)]
 pub struct HarnessConfig {
@@ -114,6 +117,9 @@ pub struct HarnessConfig {
     pub slowdowns: Vec<(usize, f64, u64)>,
     /// nginx mode: the zone size and connection limit of the nginx imitated.
     pub nginx: crate::host::NginxLimits,
+    /// More request headers for each request a workload's driver issues, from its session id
+    /// (e.g. a priority class per session); `None`: none.
+    pub issue_headers: Option<IssueHeaders>,
 }
 
 impl HarnessConfig {
@@ -148,6 +154,7 @@ impl HarnessConfig {
             clock_ns_per_fuel: 0,
             slowdowns: Vec::new(),
             nginx: Default::default(),
+            issue_headers: None,
         }
     }
 

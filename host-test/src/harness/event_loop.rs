@@ -179,6 +179,11 @@ impl Harness {
                 session: Some(issue.session_id.clone()),
                 prompt: issue.prompt.to_vec(),
                 max_tokens: issue.output_tokens,
+                headers: self
+                    .cfg
+                    .issue_headers
+                    .map(|f| f(&issue.session_id))
+                    .unwrap_or_default(),
                 ..Default::default()
             };
             self.send_with_id(issue.request_id, &spec, true)?;

@@ -30,7 +30,9 @@ mod replica;
 mod request;
 mod response;
 
-pub use config::{HARNESS_PEER_TOKEN, HarnessConfig, Output, ProxySpread, peer_cluster};
+pub use config::{
+    HARNESS_PEER_TOKEN, HarnessConfig, IssueHeaders, Output, ProxySpread, peer_cluster,
+};
 pub use record::{HarnessStats, RequestRecord, RequestSpec};
 pub use replica::{FeedFault, Replica, ResponseFault, flood_hash};
 

@@ -74,6 +74,9 @@ pub struct RequestRecord {
     pub fallback: bool,
     /// The filter answered locally with this status.
     pub local_response: Option<u32>,
+    /// That local answer's headers and body, as the client receives them.
+    pub local_headers: Vec<(String, String)>,
+    pub local_body: Vec<u8>,
     /// The engine refused the request (400 passed back through the filter).
     pub rejected: Option<String>,
     pub first_token_us: Option<u64>,

@@ -160,7 +160,8 @@ impl Harness {
             .ok_or_else(|| HostError::Usage(format!("stream {stream} vanished")))?
             .clone();
         if let Some(lr) = &st.local_response {
-            return self.answered_locally(id, w, stream, lr.status, from_driver);
+            let lr = lr.clone();
+            return self.answered_locally(id, w, stream, &lr, from_driver);
         }
         if !st.released {
             // The filter may still release it (proxy_continue_stream after a callout).
@@ -182,19 +183,30 @@ impl Harness {
         self.upstream(id, w, stream, spec, placed.replica, from_driver)
     }
 
-    /// The filter answered the request itself (`status`): the stream ends there and the request
-    /// counts as failed.
+    /// The filter answered the request itself (`lr`): the stream ends there and the request
+    /// counts as failed; the answer is kept as the client receives it.
     fn answered_locally(
         &mut self,
         id: u64,
         w: usize,
         stream: u32,
-        status: u32,
+        lr: &crate::host::LocalResponse,
         from_driver: bool,
     ) -> Result<(), HarnessError> {
         self.stats.local_responses += 1;
         let rec = self.records.get_mut(&id).expect("record inserted at send");
-        rec.local_response = Some(status);
+        rec.local_response = Some(lr.status);
+        rec.local_headers = lr
+            .headers
+            .iter()
+            .map(|(k, v)| {
+                (
+                    String::from_utf8_lossy(k).into_owned(),
+                    String::from_utf8_lossy(v).into_owned(),
+                )
+            })
+            .collect();
+        rec.local_body = lr.body.clone();
         rec.failed = true;
         self.workers[w].end_stream(stream)?;
         self.fail_request(id, from_driver);
