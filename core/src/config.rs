@@ -117,7 +117,7 @@ pub struct KvLoadParams {
     /// (crate::policy::kv_load::resident_value), [`crate::working_set`]).
     pub overflow_weight: f64,
     /// Prefix-cache size of one replica in tokens; 0: learned from the feed, as the most blocks the
-    /// replica has held once it has evicted one (until then the term is off for that replica).
+    /// replica has held once it has evicted one (until then, like the largest another has shown).
     pub replica_cache_tokens: f64,
     /// The working set's window: prompt blocks requested on a replica within this many ms.
     pub working_set_window_ms: f64,

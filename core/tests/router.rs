@@ -651,3 +651,40 @@ fn the_reuse_floor_turns_the_working_set_term_down_for_traffic_that_rarely_comes
     assert_eq!(d.replica, 0, "{:?}", d.costs);
     assert!((1_050.0..1_300.0).contains(&d.costs[0]), "{:?}", d.costs);
 }
+
+/// A replica that has not evicted yet is priced like the largest cache another replica has shown
+/// (at least what it holds), not as free: otherwise it draws every fresh prompt while the others'
+/// working sets overflow theirs. Before any replica has shown its size, the term is off for all.
+#[test]
+fn a_replica_whose_cache_size_is_unknown_is_priced_like_the_others() {
+    let mut r = Router::new(cfg(PolicyKind::KvLoad), 3).unwrap();
+    let stored = |tokens: std::ops::Range<u32>| FeedEvent::Stored {
+        tier: Tier::Gpu,
+        hashes: hashes(&tokens.collect::<Vec<u32>>()),
+    };
+    // Replica 0 holds 300 blocks and has not evicted; nobody has shown a size: unknown for all.
+    r.apply_feed(0, &batch(1, true, 0, vec![stored(0..1_200)]));
+    assert_eq!(r.cache_size_blocks(0), 0.0);
+    // Replica 1 holds 1,000 blocks and evicts one: its size is 1,000, and replica 0 (and replica 2,
+    // which has reported nothing) are priced like it.
+    r.apply_feed(1, &batch(1, true, 0, vec![stored(10_000..14_000)]));
+    let one = hashes(&(10_000..14_000).collect::<Vec<u32>>())[..1].to_vec();
+    r.apply_feed(
+        1,
+        &batch(
+            1,
+            false,
+            0,
+            vec![FeedEvent::Removed {
+                tier: Tier::Gpu,
+                hashes: one,
+            }],
+        ),
+    );
+    assert_eq!(r.cache_size_blocks(1), 1_000.0);
+    assert_eq!(r.cache_size_blocks(0), 1_000.0);
+    assert_eq!(r.cache_size_blocks(2), 1_000.0);
+    // Replica 0 grows past that without evicting: what it holds is a lower bound on its size.
+    r.apply_feed(0, &batch(1, false, 0, vec![stored(20_000..26_000)]));
+    assert_eq!(r.cache_size_blocks(0), 1_800.0);
+}

@@ -154,7 +154,8 @@ pub struct Needs {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum CacheSizing {
     /// `kv_load.replica_cache_tokens` when set, else as learned from the replica's feed once it
-    /// has evicted (the most blocks it held), else 0: unknown, the term is off for that replica.
+    /// has evicted (the most blocks it held), else the largest another replica has shown
+    /// ([`crate::router::Router::cache_size_blocks`]); 0 while none has.
     Configured,
     /// As learned from the feed once the replica has evicted, else the larger of what it has held
     /// and `cache_tokens` (tokens, the engine profile's cache): a replica that has not shown its

@@ -174,14 +174,32 @@ impl Router {
     }
 
     /// A replica's prefix-cache size in blocks for the working-set term: `replica_cache_tokens` when
-    /// set, else as learned from its feed (the most blocks it held once it evicted), else 0 (unknown:
-    /// the term is off for it).
+    /// set, else as learned from its feed (the most blocks it held once it evicted). A replica that
+    /// has not evicted yet is priced like the largest cache another replica has shown (at least what
+    /// it holds itself): replicas of one fleet are alike until shown otherwise, and pricing it as
+    /// unbounded would make it look free to the very working sets that overflow the others, so it
+    /// would draw every fresh prompt. 0 (the term off) only while no replica has shown its size.
     pub fn cache_size_blocks(&self, replica: usize) -> f64 {
         let configured = self.cfg.kv_load.replica_cache_tokens / self.cfg.block_size as f64;
+        if configured > 0.0 {
+            return configured;
+        }
         match self.cache_blocks.get(replica) {
-            _ if configured > 0.0 => configured,
             Some(c) if c.evicted => c.most_held as f64,
-            _ => 0.0,
+            own => {
+                let shown = self
+                    .cache_blocks
+                    .iter()
+                    .filter(|c| c.evicted)
+                    .map(|c| c.most_held)
+                    .max()
+                    .unwrap_or(0);
+                if shown == 0 {
+                    0.0
+                } else {
+                    shown.max(own.map_or(0, |c| c.most_held)) as f64
+                }
+            }
         }
     }
 

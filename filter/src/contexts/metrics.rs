@@ -68,7 +68,7 @@ pub(super) struct Metrics {
     upstream_failures: Vec<TotalCounter>,
     ejected: Vec<Option<u32>>,
     /// The working-set term's view per replica (docs/design/design.md section 2.6): its recent working set
-    /// and its cache size, in blocks (0: unknown, the term is off for it).
+    /// and its cache size, in blocks (0: no replica has shown one yet, the term is off).
     working_set_blocks: Vec<Option<u32>>,
     cache_size_blocks: Vec<Option<u32>>,
     /// `kv_time`: each replica's observed against predicted time to first token, in thousandths.
