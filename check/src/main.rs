@@ -1,0 +1,127 @@
+//! `kvsteer-check`: judges a plugin configuration with the filter's own configure path before it is
+//! deployed. The filter refuses a bad configuration in `on_configure`, and Envoy then refuses the
+//! whole bootstrap whatever the wasm `failure_policy` says (an ECDS or Istio push is rejected
+//! instead): finding out at deploy time is too late, so this runs the same code natively.
+//!
+//! Exit codes: 0 every configuration found is accepted, 1 one is refused, 2 the input cannot be
+//! read or holds no plugin configuration.
+
+mod extract;
+
+use clap::Parser;
+use extract::{Format, Found};
+use kvsteer_filter::RouterState;
+use kvsteer_filter::config::FilterConfig;
+use serde_json::json;
+use std::io::Read;
+use std::process::ExitCode;
+
+/// Check a kvsteer plugin configuration with the filter's own parser (what `on_configure` runs).
+#[derive(Parser, Debug)]
+#[command(name = "kvsteer-check", version)]
+struct Args {
+    /// The file to read; `-` or none: standard input.
+    file: Option<String>,
+    /// What the input is. auto: a YAML/JSON document with Envoy bootstrap or Kubernetes keys is a
+    /// manifest, a file with a `proxy_wasm` directive is nginx.conf, anything else is the plugin
+    /// configuration itself.
+    #[arg(long, value_enum, default_value = "auto")]
+    from: Format,
+    /// One JSON object on standard output instead of lines.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The filter's verdict on one configuration.
+enum Verdict {
+    Ok {
+        replicas: usize,
+        policy: &'static str,
+        warnings: Vec<String>,
+    },
+    Refused(String),
+}
+
+/// Exactly the steps of `on_configure` that can refuse (the rest are host calls that cannot): the
+/// parser with its validation, then the router state, which also refuses routing and tokenizer
+/// settings the parser lets through.
+fn judge(bytes: &[u8]) -> Verdict {
+    let state = match FilterConfig::from_json(bytes).and_then(RouterState::new) {
+        Ok(s) => s,
+        Err(e) => return Verdict::Refused(e.to_string()),
+    };
+    Verdict::Ok {
+        replicas: state.replicas(),
+        policy: state.config().routing.policy.name(),
+        warnings: state.config().warnings(),
+    }
+}
+
+fn read(file: Option<&str>) -> Result<Vec<u8>, String> {
+    match file {
+        None | Some("-") => {
+            let mut bytes = Vec::new();
+            std::io::stdin()
+                .read_to_end(&mut bytes)
+                .map_err(|e| format!("standard input: {e}"))?;
+            Ok(bytes)
+        }
+        Some(path) => std::fs::read(path).map_err(|e| e.to_string()),
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let name = args.file.as_deref().unwrap_or("-");
+    let found = match read(args.file.as_deref()).and_then(|b| extract::extract(&b, args.from)) {
+        Ok(f) => f,
+        Err(e) => {
+            if args.json {
+                println!("{}", json!({"ok": false, "unreadable": e}));
+            } else {
+                eprintln!("kvsteer-check: {name}: {e}");
+            }
+            return ExitCode::from(2);
+        }
+    };
+    let mut all_ok = true;
+    let mut reports = Vec::new();
+    for Found { place, bytes } in found {
+        let verdict = judge(&bytes);
+        all_ok &= matches!(verdict, Verdict::Ok { .. });
+        if args.json {
+            reports.push(match verdict {
+                Verdict::Ok {
+                    replicas,
+                    policy,
+                    warnings,
+                } => json!({"place": place, "ok": true, "replicas": replicas, "policy": policy,
+                            "warnings": warnings}),
+                Verdict::Refused(e) => json!({"place": place, "ok": false, "error": e}),
+            });
+            continue;
+        }
+        let prefix = place.map(|p| format!("{p}: ")).unwrap_or_default();
+        match verdict {
+            Verdict::Ok {
+                replicas,
+                policy,
+                warnings,
+            } => {
+                println!("{prefix}ok: {replicas} replicas, policy {policy}");
+                for w in warnings {
+                    println!("{prefix}warning: {w}");
+                }
+            }
+            Verdict::Refused(e) => println!("{prefix}refused: {e}"),
+        }
+    }
+    if args.json {
+        println!("{}", json!({"ok": all_ok, "configs": reports}));
+    }
+    if all_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
