@@ -29,6 +29,9 @@ pub enum Set {
     /// The second validation round (docs/reports/model-eval.md), written down after the first had
     /// been looked at and before any change it motivated was replayed on these cells.
     Validation2,
+    /// Not a set of this protocol: the fleet-size measurement ([`super::fleet`]) replays its own
+    /// cells with the same replay, and its cells say so.
+    Fleet,
 }
 
 /// One cell: a workload on a fleet.
@@ -418,6 +421,21 @@ pub fn replay(
     seed: u64,
     keep_requests: bool,
 ) -> Result<Measured, String> {
+    replay_shaped(module, traces, c, spec, seed, keep_requests, &|_| {})
+}
+
+/// [`replay`] with the built workload passed through `shape` before it is driven: the fleet bench
+/// (`bench::fleet`) cuts its traces to a number of sessions and turns there, which a [`Source`]
+/// cannot say, so that its largest fleets replay in seconds.
+pub fn replay_shaped(
+    module: &FilterModule,
+    traces: &Path,
+    c: &Cell,
+    spec: &str,
+    seed: u64,
+    keep_requests: bool,
+    shape: &dyn Fn(&mut kvsteer_workload::Workload),
+) -> Result<Measured, String> {
     let scenario = Scenario {
         id: c.id.clone(),
         group: "eval",
@@ -428,7 +446,8 @@ pub fn replay(
         dp_ranks: 1,
         pd_prefill: 0,
     };
-    let (workload, mode) = scenario.build(traces, seed)?;
+    let (mut workload, mode) = scenario.build(traces, seed)?;
+    shape(&mut workload);
     let (policy, noop) = match spec.strip_suffix(NOOP) {
         Some(p) => (p, true),
         None => (spec, false),

@@ -22,10 +22,14 @@
 //! Requests arrive 1 ms apart in virtual time (1,000 requests/s) and the filter's ticks run between
 //! them as they would in a proxy (not timed).
 //!
-//! Usage: `filter-bench [--requests N] [--replicas R] [--index-blocks B] [--policy P]
-//! [--kv-load JSON] [--sizes 8192,131072] [--ids-only] [--no-early-scan]`; `--kv-load '{"overflow_weight":0.2}'` sets
+//! Usage: `filter-bench [--requests N] [--replicas R] [--index-blocks B | --blocks-per-replica B]
+//! [--policy P] [--kv-load JSON] [--sizes 8192,131072] [--ids-only] [--no-early-scan]`; `--kv-load '{"overflow_weight":0.2}'` sets
 //! `routing.kv_load` fields. `--sizes` and `--ids-only` narrow the run to some rows, so that a
 //! profile (`KVSTEER_PERFMAP=1 perf record`) shows one path and not the mix of all sizes.
+//! `--blocks-per-replica` seeds the index in proportion to the fleet (scripts/fleet-bench sweeps
+//! `--replicas` so), because a bigger fleet caches more blocks and the filter's match, scoring and
+//! memory grow with both. The VM's linear memory is printed after seeding and after the run: it only
+//! grows, so it is the filter's high-water mark.
 
 use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier};
@@ -62,6 +66,7 @@ fn parse_args() -> Result<Args, String> {
         ids_only: false,
         early_scan: true,
     };
+    let mut per_replica = None;
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         let mut num = |name: &str| -> Result<usize, String> {
@@ -73,6 +78,7 @@ fn parse_args() -> Result<Args, String> {
             "--requests" => a.requests = num("--requests")?.max(1),
             "--replicas" => a.replicas = num("--replicas")?.clamp(1, 256),
             "--index-blocks" => a.index_blocks = num("--index-blocks")?,
+            "--blocks-per-replica" => per_replica = Some(num("--blocks-per-replica")?),
             "--policy" => a.policy = it.next().ok_or("--policy needs a value")?,
             "--kv-load" => {
                 let v = it.next().ok_or("--kv-load needs a JSON object")?;
@@ -91,11 +97,14 @@ fn parse_args() -> Result<Args, String> {
             other => {
                 return Err(format!(
                     "unknown argument {other:?}; usage: filter-bench [--requests N] [--replicas R] \
-                     [--index-blocks B] [--policy P] [--kv-load JSON] [--sizes 8192,131072] \
+                     [--index-blocks B | --blocks-per-replica B] [--policy P] [--kv-load JSON] [--sizes 8192,131072] \
                      [--ids-only] [--no-early-scan]"
                 ));
             }
         }
+    }
+    if let Some(b) = per_replica {
+        a.index_blocks = b * a.replicas;
     }
     Ok(a)
 }
@@ -356,6 +365,7 @@ fn run() -> Result<(), String> {
     let t = Instant::now();
     seed_index(&proxy, &mut worker, &args, &warm)?;
     let seed_ms = t.elapsed().as_secs_f64() * 1e3;
+    let seeded_memory = worker.memory_bytes();
     let index_blocks = proxy.metric("kvsteer_index_blocks").map_or(0, |m| m.value);
 
     // Bodies are the fixed part, built once per size, plus the part that differs per request.
@@ -517,6 +527,12 @@ fn run() -> Result<(), String> {
         metric("kvsteer_index_blocks"),
         metric("kvsteer_index_evictions"),
         metric("kvsteer_release_anomalies")
+    );
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    println!(
+        "VM linear memory: {:.1} MiB after seeding, {:.1} MiB after the run",
+        mib(seeded_memory),
+        mib(worker.memory_bytes())
     );
     if worker.is_dead() || !worker.notes().is_empty() {
         return Err(format!("the filter misbehaved: {:?}", worker.notes()));

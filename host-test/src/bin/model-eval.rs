@@ -6,13 +6,10 @@
 
 use clap::Parser;
 use kvsteer_host_test::bench::args::split_list;
+use kvsteer_host_test::bench::jsonl::{self, write_requests};
 use kvsteer_host_test::bench::model_eval::{self, Cell, POLICIES, Set};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
-use std::collections::HashSet;
-use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// `model-eval`'s flags.
 #[derive(Parser, Debug)]
@@ -79,123 +76,41 @@ fn main() {
         cells.retain(|c| only.contains(&c.id));
     }
     // Replays already in the output (a resumed run) are not redone.
-    let done: HashSet<(String, String, u64)> = std::fs::read_to_string(&args.out)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| {
-            Some((
-                v["cell"].as_str()?.to_string(),
-                v["policy"].as_str()?.to_string(),
-                v["seed"].as_u64()?,
-            ))
-        })
-        .collect();
-    let mut work: Vec<(usize, String, u64)> = Vec::new();
-    for seed in 0..args.seeds {
-        for (i, c) in cells.iter().enumerate() {
-            for p in &policies {
-                if !done.contains(&(c.id.clone(), p.clone(), seed)) {
-                    work.push((i, p.clone(), seed));
-                }
-            }
-        }
-    }
-    if let Some(dir) = args.out.parent() {
-        let _ = std::fs::create_dir_all(dir);
-    }
-    let out = Mutex::new(
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&args.out)
-            .unwrap_or_else(|e| {
-                eprintln!("model-eval: {}: {e}", args.out.display());
-                std::process::exit(1);
-            }),
-    );
-    let total = work.len();
-    eprintln!(
-        "model-eval: {} cells, {} policies, {} seeds: {total} replays to run",
+    let ids: Vec<&str> = cells.iter().map(|c| c.id.as_str()).collect();
+    let work = jsonl::pending(&ids, &policies, args.seeds, &args.out);
+    let what = format!(
+        "{} cells, {} policies, {} seeds",
         cells.len(),
         policies.len(),
         args.seeds
     );
-    let next = AtomicUsize::new(0);
-    let failed = AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..args.jobs {
-            s.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some((ci, policy, seed)) = work.get(i) else {
-                        break;
-                    };
-                    let c = &cells[*ci];
-                    let started = std::time::Instant::now();
-                    match model_eval::replay(
-                        &module,
-                        &args.traces,
-                        c,
-                        policy,
-                        *seed,
-                        args.requests.is_some(),
-                    ) {
-                        Ok(m) => {
-                            if let Some(dir) = &args.requests {
-                                write_requests(dir, c, policy, *seed, &m.requests);
-                            }
-                            let mut v = serde_json::to_value(&m).unwrap_or_default();
-                            v["set"] = serde_json::json!(match c.set {
-                                Set::Training => "training",
-                                Set::Validation => "validation",
-                                Set::Validation2 => "validation2",
-                            });
-                            let line = format!("{v}\n");
-                            if let Ok(mut f) = out.lock() {
-                                let _ = f.write_all(line.as_bytes());
-                            }
-                            eprintln!(
-                                "[{}/{total}] {} {policy} seed {seed}: ttft p50 {:.0} p99 {:.0} ms, per replica {:?} ({:.1} s)",
-                                i + 1,
-                                c.id,
-                                m.ttft_p50_ms,
-                                m.ttft_p99_ms,
-                                m.requests_per_replica,
-                                started.elapsed().as_secs_f64()
-                            );
-                        }
-                        Err(e) => {
-                            failed.fetch_add(1, Ordering::Relaxed);
-                            eprintln!("[{}/{total}] {e}", i + 1);
-                        }
-                    }
-                }
-            });
+    let keep = args.requests.is_some();
+    let failed = jsonl::run_all("model-eval", &what, &args.out, args.jobs, &work, |item| {
+        let (ci, policy, seed) = item;
+        let c = &cells[*ci];
+        let m = model_eval::replay(&module, &args.traces, c, policy, *seed, keep)?;
+        if let Some(dir) = &args.requests {
+            write_requests(dir, &c.id, policy, *seed, &m.requests);
         }
+        let mut v = serde_json::to_value(&m).unwrap_or_default();
+        v["set"] = serde_json::json!(match c.set {
+            Set::Training => "training",
+            Set::Validation => "validation",
+            Set::Validation2 => "validation2",
+            Set::Fleet => "fleet",
+        });
+        let msg = format!(
+            "{} {policy} seed {seed}: ttft p50 {:.0} p99 {:.0} ms, per replica {:?}",
+            c.id, m.ttft_p50_ms, m.ttft_p99_ms, m.requests_per_replica,
+        );
+        Ok((v, msg))
+    })
+    .unwrap_or_else(|e| {
+        eprintln!("model-eval: {e}");
+        std::process::exit(1);
     });
-    let failed = failed.into_inner();
     if failed > 0 {
         eprintln!("model-eval: {failed} replays failed");
         std::process::exit(1);
-    }
-}
-
-/// Writes one replay's request rows; a failure is reported and the replay's figures kept.
-fn write_requests(
-    dir: &std::path::Path,
-    c: &Cell,
-    policy: &str,
-    seed: u64,
-    rows: &[serde_json::Value],
-) {
-    let path = dir.join(format!(
-        "{}.{}.{seed}.jsonl",
-        c.id,
-        policy.replace(['/', '@', '#', '='], "_")
-    ));
-    let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
-    if let Err(e) = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, text)) {
-        eprintln!("model-eval: {}: {e}", path.display());
     }
 }
