@@ -30,7 +30,9 @@ FAILING_S = 15
 RECOVERY_LIMIT_S = 30
 
 
-class FailingReplica(unittest.TestCase):
+class Fleet(unittest.TestCase):
+    """Four simulated replicas behind Envoy, one fleet per test class."""
+
     stack: Stack
 
     @classmethod
@@ -40,6 +42,9 @@ class FailingReplica(unittest.TestCase):
     @classmethod
     def tearDownClass(cls) -> None:
         cls.stack.close_checked()
+
+
+class FailingReplica(Fleet):
 
     def set_fault(self, name: str, fault: dict) -> None:
         host, _, port = self.stack.replica(name).endpoint.rpartition(":")
@@ -154,6 +159,93 @@ class FailingReplica(unittest.TestCase):
         n = sum(after.values()) - sum(before.values())
         bad = after.get(BAD, 0) - before.get(BAD, 0)
         return (bad / n if n > 0 else 0.0), n
+
+
+class OversizedBodies(Fleet):
+    """A client cannot get healthy replicas ejected. Bodies over the filter's `max_body_bytes` and
+    Envoy's 16 MiB buffers are routed unread; Envoy then answers them itself (507 when its retry
+    buffer overflows) or the replica cuts the connection on them (503 `connection_termination`).
+    Neither is a replica's own failure: sent in a loop for several seconds while normal requests
+    flow, no replica is ejected and no failure is recorded against any."""
+
+    ATTACK_S = 6.0
+    ATTACKERS = 2
+    CLIENTS = 3
+    BODY = b'{"prompt": "' + b"a" * (20 << 20) + b'", "max_tokens": 2}'
+
+    def per_replica(self, needle: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for k, v in self.stack.stats(needle).items():
+            name = k.rsplit("_", 1)[-1]
+            out[name] = out.get(name, 0) + v
+        return out
+
+    def test_oversized_bodies_eject_no_replica(self):
+        stop = threading.Event()
+        lock = threading.Lock()
+        attacks: list[int] = []
+        normal: list[int] = []
+
+        def attacker() -> None:
+            while not stop.is_set():
+                c = Client("127.0.0.1", self.stack.listen_port, timeout_s=30)
+                try:
+                    status, _, _ = c.request("POST", "/v1/completions", self.BODY,
+                                             {"content-type": "application/json"})
+                except Exception:
+                    status = -1
+                finally:
+                    c.close()
+                with lock:
+                    attacks.append(status)
+
+        def client(n: int) -> None:
+            i = 0
+            while not stop.is_set():
+                c = Client("127.0.0.1", self.stack.listen_port, timeout_s=30)
+                try:
+                    status = c.complete(tokens(48, 7_000_000 * (n + 1) + i), max_tokens=2).status
+                except Exception:
+                    status = -1
+                finally:
+                    c.close()
+                with lock:
+                    normal.append(status)
+                i += 1
+
+        failures_before = self.per_replica("kvsteer_upstream_failures_")
+        threads = [threading.Thread(target=attacker, daemon=True) for _ in range(self.ATTACKERS)]
+        threads += [threading.Thread(target=client, args=(n,), daemon=True)
+                    for n in range(self.CLIENTS)]
+        for t in threads:
+            t.start()
+        ejected_max: dict[str, int] = {}
+        try:
+            start = time.monotonic()
+            while time.monotonic() - start < self.ATTACK_S:
+                time.sleep(0.25)
+                for name, v in self.per_replica("kvsteer_ejected_").items():
+                    ejected_max[name] = max(ejected_max.get(name, 0), v)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=40)
+        time.sleep(0.3)
+        failures_after = self.per_replica("kvsteer_upstream_failures_")
+        not_blamed = sum(self.stack.stats("kvsteer_failures_not_blamed").values())
+        codes = {c: attacks.count(c) for c in sorted(set(attacks))}
+        print(f"\n{len(attacks)} oversized requests in {self.ATTACK_S:.0f} s (statuses {codes}), "
+              f"{len(normal)} normal ones ({sum(1 for s in normal if s != 200)} failed); "
+              f"ejected at most {ejected_max}; failures recorded before {failures_before}, after "
+              f"{failures_after}; {not_blamed} failures blamed on no replica", flush=True)
+        self.assertGreaterEqual(len(attacks), 20, "the attack ran")
+        self.assertTrue(all(s != 200 for s in attacks), codes)
+        self.assertGreater(len(normal), 50, "normal requests flowed")
+        self.assertTrue(all(s == 200 for s in normal), "normal requests all served")
+        self.assertEqual(len(ejected_max), 4, ejected_max)
+        self.assertTrue(all(v == 0 for v in ejected_max.values()), ejected_max)
+        self.assertEqual(failures_after, failures_before)
+        self.assertGreater(not_blamed, 0, "the refused bodies were seen and blamed on no replica")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ mod workers;
 pub use budget::FEED_MIN_SLICE;
 pub use failures::{FeedFailure, proxy_could_not_connect, proxy_timed_out};
 pub use feeds::{FeedPoll, FeedResult, FeedState};
+pub use health::{Origin, answer_outcome};
 pub use output::{DecisionOutput, Destinations};
 pub use pd::PdRoute;
 pub use workers::WORKING_SET_KEEP_TICKS;
@@ -73,6 +74,8 @@ pub struct RouterState {
     body_fallbacks: [u64; 4],
     /// Client-supplied copies of the routing header that were removed.
     spoofed_headers: u64,
+    /// Failed answers held against no replica (`health::answer_outcome`).
+    failures_not_blamed: u64,
     /// Feed answers refused for naming another DP rank than the unit polled.
     rank_mismatches: u64,
     /// Other workers' working-set entries this worker never read (dropped before it ticked).
@@ -194,6 +197,7 @@ impl RouterState {
             callouts: HashMap::new(),
             body_fallbacks: [0; 4],
             spoofed_headers: 0,
+            failures_not_blamed: 0,
             rank_mismatches: 0,
             working_set_missed: 0,
             working_set_refused: 0,

@@ -30,7 +30,7 @@ pub use abi::{Action, LogLevel, Pairs, Status};
 pub use artifact::filter_wasm_path;
 pub use harness::{
     FeedFault, HARNESS_PEER_TOKEN, Harness, HarnessConfig, HarnessError, HarnessStats, Output,
-    ProxySpread, RequestRecord, RequestSpec, ResponseFault, flood_hash, peer_cluster,
+    ProxyAnswer, ProxySpread, RequestRecord, RequestSpec, ResponseFault, flood_hash, peer_cluster,
 };
 pub use host::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, LocalResponse, Proxy, ProxyOptions,

@@ -7,7 +7,7 @@
 
 mod common;
 use common::*;
-use kvsteer_host_test::{Harness, HarnessConfig, RequestSpec, ResponseFault};
+use kvsteer_host_test::{Harness, HarnessConfig, ProxyAnswer, RequestSpec, ResponseFault};
 use serde_json::json;
 
 const BAD: usize = 1;
@@ -177,4 +177,93 @@ fn without_health_the_failing_replica_keeps_its_share() {
     );
     let failing = share(&per_s, FAIL_FROM_S + 1, FAIL_UNTIL_S);
     assert!(failing > 0.2, "{failing:.3}");
+}
+
+/// Normal requests every 20 ms for 10 s of virtual time, and between them, every 10 ms, a request
+/// whose answer the proxy makes itself (`answer`), its body `attack_tokens` token ids long. Returns
+/// the harness once every request has ended, and how many attack requests were sent.
+fn attack(policy: &str, answer: (u16, &str), attack_tokens: usize) -> (Harness, u64) {
+    let mut cfg = HarnessConfig::small(policy);
+    // Bodies of 2,000 token ids are over this; the normal ones (64 ids) are well under it.
+    cfg.routing = json!({"policy": policy, "block_size": 16, "max_body_bytes": 4096});
+    let mut h = harness_with(cfg);
+    let start = h.now_us();
+    let mut attacks = 0;
+    for i in 0..1_000u64 {
+        h.run_until(start + i * 10_000).unwrap();
+        let spec = if i % 2 == 0 {
+            RequestSpec::new(tokens(50_000 + i, 64), 4)
+        } else {
+            attacks += 1;
+            RequestSpec::new(tokens(90_000 + i, attack_tokens), 4)
+                .proxy_answer(ProxyAnswer::new(answer))
+        };
+        h.send(&spec).unwrap();
+    }
+    h.run_until_idle(600_000_000).unwrap();
+    (h, attacks)
+}
+
+fn per_replica(h: &Harness, name: &str) -> Vec<i64> {
+    (0..4).map(|r| metric(h, &format!("{name}_r{r}"))).collect()
+}
+
+#[test]
+fn oversized_bodies_the_proxy_refuses_eject_no_replica() {
+    // The harness's imitation of what Envoy 1.40 answers a 20 MiB body the filter routed unread:
+    // its retry buffer overflows (507), or the replica cuts the connection on it (503).
+    for answer in [
+        ProxyAnswer::RETRY_BUFFER_OVERFLOW,
+        ProxyAnswer::CONNECTION_CUT,
+    ] {
+        for policy in ["kv_load", "round_robin"] {
+            let (h, attacks) = attack(policy, answer, 2_000);
+            let label = format!("{policy} {answer:?}");
+            assert_eq!(h.stats.proxy_answers, attacks, "{label}");
+            assert_eq!(per_replica(&h, "kvsteer_ejected"), [0; 4], "{label}");
+            assert_eq!(
+                per_replica(&h, "kvsteer_upstream_failures"),
+                [0; 4],
+                "{label}"
+            );
+            assert_eq!(
+                metric(&h, "kvsteer_failures_not_blamed"),
+                attacks as i64,
+                "{label}: every refused body seen and blamed on no replica"
+            );
+            // The normal requests all went through, over every replica.
+            let served: Vec<_> = h
+                .records()
+                .filter(|r| !r.failed)
+                .filter_map(|r| r.replica)
+                .collect();
+            assert_eq!(served.len() as u64, 1_000 - attacks, "{label}");
+            for r in 0..4 {
+                assert!(served.contains(&r), "{label}: r{r} served");
+            }
+            eprintln!(
+                "{label}: {attacks} refused oversized bodies, no replica ejected, no failure recorded"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_proxys_own_answers_count_for_no_replica_whatever_the_body() {
+    // A body under max_body_bytes that Envoy answers itself (its retry buffer, a local reply): not
+    // the replica's failure either.
+    let (h, attacks) = attack("round_robin", ProxyAnswer::RETRY_BUFFER_OVERFLOW, 32);
+    assert_eq!(per_replica(&h, "kvsteer_ejected"), [0; 4]);
+    assert_eq!(per_replica(&h, "kvsteer_upstream_failures"), [0; 4]);
+    assert_eq!(metric(&h, "kvsteer_failures_not_blamed"), attacks as i64);
+}
+
+#[test]
+fn a_replica_cutting_connections_on_read_bodies_still_counts() {
+    // The contrast: the same cut connection on a body the filter read (under max_body_bytes) is
+    // the replica's own failure, and every replica cutting every such request is ejected.
+    let (h, _) = attack("round_robin", ProxyAnswer::CONNECTION_CUT, 32);
+    let failures = per_replica(&h, "kvsteer_upstream_failures");
+    assert!(failures.iter().all(|&f| f > 0), "{failures:?}");
+    assert_eq!(metric(&h, "kvsteer_failures_not_blamed"), 0);
 }

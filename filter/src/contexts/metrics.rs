@@ -90,6 +90,8 @@ pub(super) struct Metrics {
     pub(super) matched_tokens: Option<u32>,
     pub(super) prompt_tokens: Option<u32>,
     pub(super) spoofed: Option<u32>,
+    /// Failed answers held against no replica (the proxy's own, or an oversized body's).
+    pub(super) failures_not_blamed: Option<u32>,
     feed_rank_mismatches: Option<u32>,
     index_blocks: Option<u32>,
     index_evictions: TotalCounter,
@@ -207,6 +209,7 @@ impl Metrics {
             matched_tokens: define(Counter, "kvsteer_matched_tokens"),
             prompt_tokens: define(Counter, "kvsteer_prompt_tokens"),
             spoofed: define(Counter, "kvsteer_spoofed_headers_removed"),
+            failures_not_blamed: define(Counter, "kvsteer_failures_not_blamed"),
             feed_rank_mismatches: define(Counter, "kvsteer_feed_rank_mismatches"),
             working_set_missed: TotalCounter::define("kvsteer_working_set_missed"),
             working_set_refused: TotalCounter::define("kvsteer_working_set_refused"),

@@ -200,7 +200,7 @@ impl Stream {
         let params = match answer {
             Ok(a) => {
                 vm.state
-                    .request_outcome(leg.replica, None, Outcome::Success, now);
+                    .request_outcome(leg.replica, None, Outcome::Success, true, now);
                 match a {
                     PrefillAnswer::Params(p) => Some(p),
                     PrefillAnswer::Plain => {
@@ -213,7 +213,7 @@ impl Stream {
                 if replica_failed {
                     // The prefill replica (or the proxy on its behalf) failed it.
                     vm.state
-                        .request_outcome(leg.replica, None, Outcome::Failure, now);
+                        .request_outcome(leg.replica, None, Outcome::Failure, true, now);
                 }
                 let name = vm.state.replica_name(leg.replica);
                 let why = f.to_string();
@@ -237,7 +237,7 @@ impl Stream {
         };
         let backup = *backup;
         vm.state
-            .request_outcome(leg.replica, None, Outcome::Failure, now);
+            .request_outcome(leg.replica, None, Outcome::Failure, true, now);
         inc(vm.metrics.pd_prefill_retries, 1);
         let name = vm.state.replica_name(leg.replica);
         log(

@@ -8,7 +8,9 @@ use super::prefill::{PrefillLeg, prefill_id};
 use super::{Shared, Vm, header, host_store, log, now_ms};
 use crate::abi;
 use crate::config::OutputMode;
-use crate::router_state::{BodyFallback, DecisionOutput, is_inference_path};
+use crate::router_state::{
+    BodyFallback, DecisionOutput, Origin, answer_outcome, is_inference_path,
+};
 use crate::sse::SseTracker;
 use kvsteer_core::admission::{Class, Shed};
 use kvsteer_core::health::Outcome;
@@ -45,8 +47,14 @@ pub struct Stream {
     sse: Option<SseTracker>,
     /// The replica the filter chose for this request.
     pub(super) replica: Option<usize>,
-    /// The request's outcome was reported for its replica's health (at most once).
+    /// The request's outcome was reported for its replica's health, or settled as counting for
+    /// nothing (at most once).
     outcome_reported: bool,
+    /// Who produced the response (read with its headers); `None` before them.
+    origin: Option<Origin>,
+    /// The body was over `max_body_bytes` and routed unread: its failures count against no replica
+    /// (`router_state::answer_outcome`).
+    oversized: bool,
     /// The request body's size as buffered: what a rewrite of it replaces.
     pub(super) body_len: usize,
     /// P/D: the prefill leg in flight (phase `Prefilling`).
@@ -130,6 +138,7 @@ impl Stream {
         vm.metrics.decision(&d);
         Self::write_destination(&vm, &d);
         self.replica = Some(d.replica);
+        self.oversized = why == BodyFallback::TooLarge;
         self.phase = Phase::Admitted;
         Action::Continue
     }
@@ -366,6 +375,7 @@ impl Stream {
 
     /// Reports how the request ended for its replica's health, once: the replica the proxy says
     /// answered (`upstream.address`, Envoy) tells a retry elsewhere from the first choice's answer.
+    /// A request whose failures do not count (an oversized body) blames no retry either.
     fn report_outcome(&mut self, outcome: Outcome) {
         if self.outcome_reported {
             return;
@@ -375,9 +385,52 @@ impl Stream {
         };
         self.outcome_reported = true;
         let served = abi::get_property(&["upstream", "address"]).ok().flatten();
-        vm.borrow_mut()
-            .state
-            .request_outcome(replica, served.as_deref(), outcome, now_ms());
+        vm.borrow_mut().state.request_outcome(
+            replica,
+            served.as_deref(),
+            outcome,
+            !self.oversized,
+            now_ms(),
+        );
+    }
+
+    /// Settles the request's outcome as counting for no replica (at most once); `failed`: the client
+    /// got a failure (a 5xx, a failed attempt, an engine error), counted in
+    /// `kvsteer_failures_not_blamed`.
+    fn settle_unblamed(&mut self, failed: bool) {
+        if self.outcome_reported || self.replica.is_none() {
+            return;
+        }
+        self.outcome_reported = true;
+        if failed && let Some(vm) = &self.vm {
+            let mut vm = vm.borrow_mut();
+            vm.state.failure_not_blamed();
+            inc(vm.metrics.failures_not_blamed, 1);
+        }
+    }
+
+    /// Who produced the response ([`Origin`]). Envoy: `response.code_details`; a host without them
+    /// (or refusing the call) falls back to whether an upstream was reached at all
+    /// (`upstream.address`). nginx: `$upstream_status`, read through ngx_wasm_module's `ngx.*`
+    /// properties; without it, the proxy's (nothing counts: conservative where nginx cannot tell).
+    fn answer_origin(&self) -> Origin {
+        let nginx = self
+            .vm
+            .as_ref()
+            .is_some_and(|vm| vm.borrow().state.config().output == OutputMode::NginxVariable);
+        if nginx {
+            return match abi::get_property(&["ngx", "upstream_status"]) {
+                Ok(Some(v)) => Origin::from_nginx_upstream_status(&v),
+                _ => Origin::Proxy,
+            };
+        }
+        match abi::get_property(&["response", "code_details"]) {
+            Ok(Some(d)) => Origin::from_envoy_details(&d),
+            _ => match abi::get_property(&["upstream", "address"]) {
+                Ok(Some(_)) => Origin::Replica,
+                _ => Origin::Proxy,
+            },
+        }
     }
 
     fn release(&mut self) {
@@ -599,12 +652,20 @@ impl HttpContext for Stream {
         let status = header(MapType::HttpResponseHeaders, ":status")
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
             .unwrap_or(0);
-        if status >= 500 {
-            // The replica (or the proxy on its behalf: refused, reset, timed out) failed it.
-            self.report_outcome(Outcome::Failure);
+        let origin = self.answer_origin();
+        self.origin = Some(origin);
+        let judged = answer_outcome(status, origin, self.oversized);
+        let failed = status >= 500 || origin == Origin::ReplicaFailed;
+        match judged {
+            // The replica failed it (its own 5xx, or the proxy's answer for an attempt it failed).
+            Some(Outcome::Failure) => self.report_outcome(Outcome::Failure),
+            // Success is only known at the end of the answer.
+            Some(Outcome::Success) => {}
+            // The proxy's own answer, a 4xx, or an oversized body's failure: no replica's doing.
+            None => self.settle_unblamed(failed),
         }
         if !(200..300).contains(&status) || end_of_stream {
-            if (200..300).contains(&status) {
+            if judged == Some(Outcome::Success) {
                 self.report_outcome(Outcome::Success);
             }
             // An upstream error (or an empty answer) ends the request's load now.
@@ -649,8 +710,12 @@ impl HttpContext for Stream {
             }
         }
         if engine_error {
-            // An engine error inside a 200 stream (vLLM's `data: {"error": ...}`).
-            self.report_outcome(Outcome::Failure);
+            // An engine error inside a 200 stream (vLLM's `data: {"error": ...}`), counted when the
+            // stream is the replica's own and its failures count (as for a 5xx).
+            match self.origin.map(|o| answer_outcome(500, o, self.oversized)) {
+                Some(Some(Outcome::Failure)) => self.report_outcome(Outcome::Failure),
+                _ => self.settle_unblamed(true),
+            }
         }
         if end_of_stream {
             if self.sse.is_some() {

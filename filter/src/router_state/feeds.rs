@@ -505,7 +505,7 @@ mod tests {
         );
         // An answer from the chosen rank's own address is its own, not a retry to rank 0.
         for t in 0..3 {
-            w.request_outcome(2, Some(b"127.0.0.1:8000"), Outcome::Failure, 700 + t);
+            w.request_outcome(2, Some(b"127.0.0.1:8000"), Outcome::Failure, true, 700 + t);
         }
         assert!(w.is_ejected(2) && !w.is_ejected(0));
     }

@@ -126,6 +126,47 @@ impl Harness {
         self.workers[w].set_stream_property(stream, &["upstream", "address"], endpoint.as_bytes())
     }
 
+    /// Tells the filter a replica produced the answer about to come, as the proxy does: Envoy's
+    /// `response.code_details` `via_upstream`; nginx's `$upstream_status` (ngx_wasm_module's
+    /// `ngx.upstream_status` property) with the replica's status.
+    pub(super) fn tell_answered_by_replica(
+        &mut self,
+        w: usize,
+        stream: u32,
+        status: u16,
+    ) -> Result<(), HostError> {
+        match self.cfg.mode {
+            HostMode::Envoy => self.workers[w].set_stream_property(
+                stream,
+                &["response", "code_details"],
+                b"via_upstream",
+            ),
+            HostMode::Nginx => self.workers[w].set_stream_property(
+                stream,
+                &["ngx", "upstream_status"],
+                status.to_string().as_bytes(),
+            ),
+        }
+    }
+
+    /// Tells the filter the proxy produced the answer about to come ([`super::ProxyAnswer`]):
+    /// Envoy's `response.code_details` as given; nginx leaves `$upstream_status` empty.
+    pub(super) fn tell_proxy_answered(
+        &mut self,
+        w: usize,
+        stream: u32,
+        details: &str,
+    ) -> Result<(), HostError> {
+        match self.cfg.mode {
+            HostMode::Envoy => self.workers[w].set_stream_property(
+                stream,
+                &["response", "code_details"],
+                details.as_bytes(),
+            ),
+            HostMode::Nginx => Ok(()),
+        }
+    }
+
     /// The replica the filter chose, from what it wrote for the configured output mode.
     fn destination(&self, st: &StreamState) -> (Option<String>, Option<usize>) {
         let cfg_str = |key: &str, default: &str| -> String {

@@ -33,7 +33,7 @@ mod response;
 pub use config::{
     HARNESS_PEER_TOKEN, HarnessConfig, IssueHeaders, Output, ProxySpread, peer_cluster,
 };
-pub use record::{HarnessStats, RequestRecord, RequestSpec};
+pub use record::{HarnessStats, ProxyAnswer, RequestRecord, RequestSpec};
 pub use replica::{FeedFault, Replica, ResponseFault, flood_hash};
 
 use crate::host::{CallOutcome, FilterModule, HostError, HostMode, Proxy, ProxyOptions, WorkerVm};

@@ -19,6 +19,36 @@ pub struct RequestSpec {
     /// End the request with these trailers (HTTP/2): end of stream then arrives on
     /// `proxy_on_request_trailers`, not on the last body chunk.
     pub trailers: Option<Vec<(String, String)>>,
+    /// The proxy answers the request itself once the filter released it, instead of any replica
+    /// (the harness's imitation of Envoy's answers to an oversized body: [`ProxyAnswer`]).
+    pub proxy_answer: Option<ProxyAnswer>,
+}
+
+/// The harness's imitation of Envoy answering a request itself after the filter released it and
+/// an upstream host was picked (`upstream.address` set): the status and the `response.code_details`
+/// Envoy 1.40 gives. What it does with a body over its 16 MiB buffers: its retry buffer overflows
+/// ([`ProxyAnswer::RETRY_BUFFER_OVERFLOW`]), or the replica, refusing the body, cuts the
+/// connection ([`ProxyAnswer::CONNECTION_CUT`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProxyAnswer {
+    pub status: u16,
+    pub details: String,
+}
+
+impl ProxyAnswer {
+    pub const RETRY_BUFFER_OVERFLOW: (u16, &'static str) =
+        (507, "request_payload_exceeded_retry_buffer_limit");
+    pub const CONNECTION_CUT: (u16, &'static str) = (
+        503,
+        "upstream_reset_before_response_started{connection_termination}",
+    );
+
+    pub fn new((status, details): (u16, &str)) -> ProxyAnswer {
+        ProxyAnswer {
+            status,
+            details: details.to_string(),
+        }
+    }
 }
 
 impl RequestSpec {
@@ -42,6 +72,12 @@ impl RequestSpec {
 
     pub fn header(mut self, k: &str, v: &str) -> Self {
         self.headers.push((k.to_string(), v.to_string()));
+        self
+    }
+
+    /// The proxy answers the request itself once released ([`ProxyAnswer`]).
+    pub fn proxy_answer(mut self, a: ProxyAnswer) -> Self {
+        self.proxy_answer = Some(a);
         self
     }
 
@@ -116,6 +152,8 @@ pub struct HarnessStats {
     pub retries: u64,
     pub fallback: u64,
     pub local_responses: u64,
+    /// Requests the proxy answered itself after the filter released them ([`ProxyAnswer`]).
+    pub proxy_answers: u64,
     pub rejected: u64,
     pub failed: u64,
     pub ticks: u64,

@@ -6,7 +6,7 @@
 
 use super::destination::Placement;
 use super::response::Flight;
-use super::{Harness, HarnessError, RequestRecord, RequestSpec, ResponseFault};
+use super::{Harness, HarnessError, ProxyAnswer, RequestRecord, RequestSpec, ResponseFault};
 use crate::abi::Pairs;
 use crate::host::{HostError, StreamState};
 use crate::openai::{SseWriter, completion_body, error_response, request_headers, sse_headers};
@@ -268,6 +268,14 @@ impl Harness {
         replica: usize,
         from_driver: bool,
     ) -> Result<(), HarnessError> {
+        if let Some(a) = &spec.proxy_answer {
+            return self.proxy_answers(id, w, stream, a.clone(), from_driver);
+        }
+        let status = match self.replicas[replica].response_fault {
+            ResponseFault::Status(code) => code,
+            _ => 200,
+        };
+        self.tell_answered_by_replica(w, stream, status)?;
         if self.replicas[replica].response_fault != ResponseFault::Healthy {
             return self.answer_with_fault(id, w, stream, replica, from_driver);
         }
@@ -288,7 +296,10 @@ impl Harness {
                 );
                 Ok(())
             }
-            Err(message) => self.refuse(id, w, stream, message, from_driver),
+            Err(message) => {
+                self.tell_answered_by_replica(w, stream, 400)?;
+                self.refuse(id, w, stream, message, from_driver)
+            }
         }
     }
 
@@ -337,6 +348,28 @@ impl Harness {
         let rec = self.records.get_mut(&id).expect("record inserted at send");
         rec.rejected = Some(message);
         rec.failed = true;
+        rec.downstream_bytes = st.downstream_body.len();
+        self.fail_request(id, from_driver);
+        Ok(())
+    }
+
+    /// The proxy answers a released request itself ([`ProxyAnswer`]): no replica sees it.
+    fn proxy_answers(
+        &mut self,
+        id: u64,
+        w: usize,
+        stream: u32,
+        a: ProxyAnswer,
+        from_driver: bool,
+    ) -> Result<(), HarnessError> {
+        self.stats.proxy_answers += 1;
+        self.tell_proxy_answered(w, stream, &a.details)?;
+        let (headers, body) = crate::openai::engine_error_response(a.status, &a.details);
+        let worker = &mut self.workers[w];
+        worker.response_headers(stream, headers, false)?;
+        worker.response_body(stream, &body, true)?;
+        let st = worker.end_stream(stream)?;
+        let rec = self.records.get_mut(&id).expect("record inserted at send");
         rec.downstream_bytes = st.downstream_body.len();
         self.fail_request(id, from_driver);
         Ok(())
