@@ -159,6 +159,10 @@ fn d_tick() -> u64 {
 fn d_feed_timeout() -> u64 {
     1000
 }
+fn d_feed_backoff_max() -> u64 {
+    3_000
+}
+
 fn d_stale_after() -> u32 {
     3
 }
@@ -219,6 +223,10 @@ pub struct FilterConfig {
     pub tick_ms: u64,
     #[serde(default = "d_feed_timeout")]
     pub feed_timeout_ms: u64,
+    /// The longest wait between polls of a replica that cannot be reached (connection refused or
+    /// reset): after the polls that mark it down, the wait doubles from two periods up to this.
+    #[serde(default = "d_feed_backoff_max")]
+    pub feed_backoff_max_ms: u64,
     /// Consecutive failed polls after which a replica's cache view is treated as stale.
     #[serde(default = "d_stale_after")]
     pub stale_after_failures: u32,
@@ -611,6 +619,12 @@ impl FilterConfig {
         }
         if self.tick_ms == 0 || self.tick_ms > 60_000 {
             return err(format!("tick_ms: must be 1..=60000, got {}", self.tick_ms));
+        }
+        if self.feed_backoff_max_ms < self.feed_period_ms || self.feed_backoff_max_ms > 600_000 {
+            return err(format!(
+                "feed_backoff_max_ms: must be feed_period_ms ({})..=600000, got {}",
+                self.feed_period_ms, self.feed_backoff_max_ms
+            ));
         }
         if self.feed_period_ms < self.tick_ms {
             return err(format!(

@@ -116,6 +116,18 @@ impl RouterState {
             return result;
         };
         f.consecutive_unreachable = f.consecutive_unreachable.saturating_add(1);
+        if f.consecutive_unreachable >= limit {
+            // Down (or about to be): stop knocking every period. The verdict itself still comes
+            // after `stale_after_failures` polls, as before; only the polls after it are spaced.
+            let max = self.cfg.feed_backoff_max_ms.max(self.cfg.feed_period_ms);
+            f.backoff_ms = f
+                .backoff_ms
+                .max(self.cfg.feed_period_ms)
+                .saturating_mul(2)
+                .min(max);
+            let wait = jittered(f.backoff_ms, self.worker_id, replica, now_ms);
+            f.next_poll_ms = f.next_poll_ms.max(now_ms.saturating_add(wait));
+        }
         if f.consecutive_unreachable >= limit && !self.router.is_down(replica) {
             self.set_down(replica, true, store, now_ms);
             if let FeedResult::Failed { became_down, .. } = &mut result {
@@ -137,6 +149,7 @@ impl RouterState {
         };
         if !down {
             f.consecutive_unreachable = 0;
+            f.backoff_ms = 0;
         }
         let leased = f.leased;
         self.router.set_down(replica, down);
@@ -171,11 +184,85 @@ impl RouterState {
     }
 }
 
+/// `wait_ms` spread over 80-120%, so that the workers of one proxy (and several proxies) backing off
+/// from the same dead replica do not knock in step; the same inputs give the same wait.
+fn jittered(wait_ms: u64, worker: Option<u32>, replica: usize, now_ms: u64) -> u64 {
+    let seed =
+        now_ms ^ (replica as u64).rotate_left(40) ^ u64::from(worker.unwrap_or(0)).rotate_left(20);
+    let u = kvsteer_core::rng::SplitMix64::new(seed).next_f64();
+    (wait_ms as f64 * (0.8 + 0.4 * u)) as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::router_state::testing::*;
     use kvsteer_core::feed::{FeedEvent, ReplicaLoad};
+
+    /// A replica with nothing listening is polled every period until it is down, then at waits
+    /// doubling up to `feed_backoff_max_ms` (jittered 80-120%), and is noticed again within one
+    /// longest wait of coming back. Over a virtual minute: 300 polls at the 200 ms period before
+    /// the backoff; here at most 30.
+    #[test]
+    fn a_dead_replica_is_polled_ever_less_often_and_noticed_when_back() {
+        let mut w = worker("kv_load");
+        let empty = FeedBatch::snapshot(1, Vec::new()).encode();
+        let mut token = 0;
+        let (mut dead_polls, mut back_at, mut up_at) = (0u32, None, None);
+        for tick in 0..900u64 {
+            let t = tick * 100;
+            // Replica 0 is dead for the first minute, then answers; replica 1 always answers.
+            if t >= 60_000 {
+                back_at.get_or_insert(t);
+            }
+            for p in w.plan_polls(None, t) {
+                token += 1;
+                w.poll_started(p.replica, token, t);
+                let alive = p.replica == 1 || back_at.is_some();
+                if p.replica == 0 && back_at.is_none() {
+                    dead_polls += 1;
+                }
+                let (status, body) = if alive {
+                    (Some(200), Some(empty.as_slice()))
+                } else {
+                    (None, None)
+                };
+                w.on_feed_response(token, status, body, None, t);
+            }
+            if back_at.is_some() && up_at.is_none() && !w.is_down(0) {
+                up_at = Some(t);
+            }
+            if t == 59_900 {
+                assert!(w.is_down(0), "down after stale_after_failures polls");
+                assert!(w.feeds[0].backoff_ms <= w.config().feed_backoff_max_ms);
+            }
+        }
+        let noticed = up_at.expect("noticed again") - back_at.unwrap();
+        eprintln!("dead replica: {dead_polls} polls in a minute, noticed back after {noticed} ms");
+        assert!(
+            (8..=30).contains(&dead_polls),
+            "{dead_polls} polls in a minute"
+        );
+        let longest = w.config().feed_backoff_max_ms * 6 / 5;
+        assert!(noticed <= longest, "back after {noticed} ms");
+        assert_eq!(w.feeds[0].backoff_ms, 0, "reset once it answers");
+        // Replica 1, always answering, was polled every period.
+        assert!(w.feeds[1].polls >= 440, "{}", w.feeds[1].polls);
+    }
+
+    #[test]
+    fn the_longest_wait_is_validated() {
+        let json = |max: u64| {
+            format!(
+                r#"{{"replicas":[{{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}}],
+                    "feed_backoff_max_ms":{max}}}"#
+            )
+        };
+        let e = FilterConfig::from_json(json(100).as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("feed_backoff_max_ms"), "{e}");
+        assert!(FilterConfig::from_json(json(200).as_bytes()).is_ok());
+        assert!(FilterConfig::from_json(json(600_001).as_bytes()).is_err());
+    }
 
     #[test]
     fn unreachable_replicas_go_down_http_errors_only_stale() {

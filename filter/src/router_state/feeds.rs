@@ -33,6 +33,10 @@ pub struct FeedState {
     /// Polls in a row that could not reach the replica at all (connection refused or reset, as
     /// opposed to a slow or oversized answer or an HTTP error from a live server).
     pub consecutive_unreachable: u32,
+    /// While the replica cannot be reached: how long after the last poll the next one waits (before
+    /// jitter). It doubles with each unreachable poll from the one that marks the replica down, up
+    /// to `feed_backoff_max_ms`; 0 once the replica answers ([`RouterState::unreachable`]).
+    pub backoff_ms: u64,
     /// Polls that timed out (slow feed).
     pub timeouts: u64,
     /// Answers refused for their size.
@@ -106,7 +110,7 @@ impl RouterState {
     /// sent) and waits for a later tick.
     pub fn plan_polls(&mut self, store: Option<&dyn SharedStore>, now_ms: u64) -> Vec<FeedPoll> {
         self.started_ms.get_or_insert(now_ms);
-        let hold = self.cfg.feed_period_ms.saturating_mul(3);
+        let period_hold = self.cfg.feed_period_ms.saturating_mul(3);
         let mut out = Vec::new();
         let limit = self.callouts_per_tick();
         let bounded = limit != usize::MAX;
@@ -132,6 +136,11 @@ impl RouterState {
             let mut took_lease = false;
             let poll = match (store, self.worker_id) {
                 (Some(s), Some(me)) if q.epoch != 0 => {
+                    // A holder backing off from a dead replica keeps the lease through its next
+                    // (doubled) wait, or another worker would take it and start polling afresh.
+                    let hold = period_hold
+                        .saturating_add(self.feeds[i].backoff_ms.saturating_mul(2))
+                        .min(period_hold.saturating_add(self.cfg.feed_backoff_max_ms));
                     let prefix = &self.cfg.shared_key_prefix;
                     let routing = self.has_routed();
                     let got = relay::try_lease(s, prefix, i, me, now_ms, hold, routing);
