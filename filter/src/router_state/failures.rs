@@ -116,10 +116,12 @@ impl RouterState {
             return result;
         };
         f.consecutive_unreachable = f.consecutive_unreachable.saturating_add(1);
-        if f.consecutive_unreachable >= limit {
+        if f.consecutive_unreachable >= limit
+            && self.cfg.feed_backoff_max_ms > self.cfg.feed_period_ms
+        {
             // Down (or about to be): stop knocking every period. The verdict itself still comes
             // after `stale_after_failures` polls, as before; only the polls after it are spaced.
-            let max = self.cfg.feed_backoff_max_ms.max(self.cfg.feed_period_ms);
+            let max = self.cfg.feed_backoff_max_ms;
             f.backoff_ms = f
                 .backoff_ms
                 .max(self.cfg.feed_period_ms)
@@ -250,18 +252,35 @@ mod tests {
         assert!(w.feeds[1].polls >= 440, "{}", w.feeds[1].polls);
     }
 
+    /// At or below the period, the longest wait means no backoff: every period, as before.
     #[test]
-    fn the_longest_wait_is_validated() {
+    fn no_backoff_when_the_longest_wait_is_the_period() {
+        let mut w = worker_with(r#", "feed_backoff_max_ms": 0"#);
+        let mut token = 0;
+        for tick in 0..100u64 {
+            let t = tick * 100;
+            for p in w.plan_polls(None, t) {
+                token += 1;
+                w.poll_started(p.replica, token, t);
+                w.on_feed_response(token, None, None, None, t);
+            }
+        }
+        assert!(w.is_down(0));
+        assert_eq!(w.feeds[0].polls, 50, "every 200 ms period over 10 s");
+    }
+
+    #[test]
+    fn the_longest_wait_is_bounded() {
         let json = |max: u64| {
             format!(
                 r#"{{"replicas":[{{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}}],
                     "feed_backoff_max_ms":{max}}}"#
             )
         };
-        let e = FilterConfig::from_json(json(100).as_bytes()).unwrap_err();
+        let e = FilterConfig::from_json(json(3_600_001).as_bytes()).unwrap_err();
         assert!(e.to_string().contains("feed_backoff_max_ms"), "{e}");
-        assert!(FilterConfig::from_json(json(200).as_bytes()).is_ok());
-        assert!(FilterConfig::from_json(json(600_001).as_bytes()).is_err());
+        assert!(FilterConfig::from_json(json(0).as_bytes()).is_ok());
+        assert!(FilterConfig::from_json(json(3_600_000).as_bytes()).is_ok());
     }
 
     #[test]
