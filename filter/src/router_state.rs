@@ -13,6 +13,22 @@
 //! - [`pd`]: prefill/decode requests split into two legs;
 //! - [`output`]: where and how a decision is written for the proxy.
 
+/// The VM's tokenizer as the core reads a prompt with it; none in the lean build, where a
+/// `tokenizer` section is refused and text prompts keep the approximate identity. A macro rather
+/// than a method: its callers borrow other fields of the state beside it (`router`, `cfg`).
+macro_rules! prompt_tokenizer {
+    ($state:expr) => {{
+        #[cfg(feature = "tokenizer")]
+        let tok = $state
+            .tokenizer
+            .as_mut()
+            .map(|t| t as &mut dyn kvsteer_core::request::PromptTokenizer);
+        #[cfg(not(feature = "tokenizer"))]
+        let tok: Option<&mut dyn kvsteer_core::request::PromptTokenizer> = None;
+        tok
+    }};
+}
+
 mod budget;
 mod exchange;
 mod failures;
@@ -35,7 +51,7 @@ use crate::config::{ConfigError, FilterConfig};
 use crate::exchange::Exchange;
 use kvsteer_core::admission::{self, Admission, Class, Shed, Verdict};
 use kvsteer_core::pd::{PdParams, Role};
-use kvsteer_core::request::{EarlyScan, PromptTokenizer};
+use kvsteer_core::request::EarlyScan;
 use kvsteer_core::router::{Decision, Router, RouterStats};
 #[cfg(feature = "tokenizer")]
 use kvsteer_tokenizer::TextTokenizer;
@@ -352,14 +368,7 @@ impl RouterState {
         if body.len() > self.cfg.routing.max_body_bytes {
             return self.route_fallback(request_id, BodyFallback::TooLarge, body.len(), now_ms);
         }
-        #[cfg(feature = "tokenizer")]
-        let tok = self
-            .tokenizer
-            .as_mut()
-            .map(|t| t as &mut dyn PromptTokenizer);
-        // Lean build: text prompts keep the approximate identity (a tokenizer section was refused).
-        #[cfg(not(feature = "tokenizer"))]
-        let tok: Option<&mut dyn PromptTokenizer> = None;
+        let tok = prompt_tokenizer!(self);
         let (d, unread) = self
             .router
             .route_body_early(request_id, path, body, session, tok, early, now_ms);
@@ -412,13 +421,7 @@ impl RouterState {
                 now_ms,
             );
         }
-        #[cfg(feature = "tokenizer")]
-        let tok = self
-            .tokenizer
-            .as_mut()
-            .map(|t| t as &mut dyn PromptTokenizer);
-        #[cfg(not(feature = "tokenizer"))]
-        let tok: Option<&mut dyn PromptTokenizer> = None;
+        let tok = prompt_tokenizer!(self);
         let r = &self.cfg.routing;
         let read = kvsteer_core::request::read_request_early(
             path,

@@ -2,7 +2,7 @@
 //! leg, each booked on its own replica; the bodies themselves are [`crate::pd`]'s.
 
 use super::{BodyFallback, RouterState};
-use kvsteer_core::request::{PromptTokenizer, RouteRequest};
+use kvsteer_core::request::RouteRequest;
 use kvsteer_core::router::Decision;
 
 /// How a request in a P/D fleet goes (docs/design/pd.md), from [`RouterState::route_pd`].
@@ -75,13 +75,7 @@ impl RouterState {
         if body.len() > self.cfg.routing.max_body_bytes {
             return whole(self, BodyFallback::TooLarge);
         }
-        #[cfg(feature = "tokenizer")]
-        let tok = self
-            .tokenizer
-            .as_mut()
-            .map(|t| t as &mut dyn PromptTokenizer);
-        #[cfg(not(feature = "tokenizer"))]
-        let tok: Option<&mut dyn PromptTokenizer> = None;
+        let tok = prompt_tokenizer!(self);
         let req = match self.router.read_request_with(path, body, session, tok) {
             Ok(r) => r,
             Err(_) => return whole(self, BodyFallback::Unreadable),
