@@ -167,6 +167,10 @@ pub struct Router {
     working_set: Option<WorkingSet>,
     /// Per replica: its cache's size as learned from the feed.
     cache_blocks: Vec<CacheSize>,
+    /// The largest cache any replica has shown by evicting (blocks; 0: none has yet): what a
+    /// replica that has not evicted is priced as. Kept as feeds change it, so that routing does
+    /// not scan every replica's size for each replica it prices.
+    largest_shown_cache: u64,
     /// `kv_time`: each replica's learned speed against the engine profile.
     speeds: Speeds,
     /// `kv_time`: requests admitted and not yet at their first token: replica, predicted time to
@@ -254,6 +258,7 @@ impl Router {
             scratch_approx: Vec::new(),
             scratch_sampled: Vec::new(),
             cache_blocks: vec![CacheSize::default(); replicas],
+            largest_shown_cache: 0,
             working_set: needs.working_set.is_some().then(|| {
                 // A working set is described up to twice the index's share of a replica (the
                 // index holds no more of its cache): a quarter of the index's entries in all,

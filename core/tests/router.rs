@@ -687,4 +687,8 @@ fn a_replica_whose_cache_size_is_unknown_is_priced_like_the_others() {
     // Replica 0 grows past that without evicting: what it holds is a lower bound on its size.
     r.apply_feed(0, &batch(1, false, 0, vec![stored(20_000..26_000)]));
     assert_eq!(r.cache_size_blocks(0), 1_800.0);
+    // Replica 1 restarts (a new epoch, nothing held): no replica has shown a size any more.
+    r.apply_feed(1, &batch(2, true, 0, vec![FeedEvent::Cleared]));
+    assert_eq!(r.cache_size_blocks(1), 0.0);
+    assert_eq!(r.cache_size_blocks(0), 0.0);
 }

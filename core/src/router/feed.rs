@@ -164,12 +164,16 @@ impl Router {
             if let Some(c) = self.cache_blocks.get_mut(replica) {
                 *c = CacheSize::default();
             }
+            self.largest_shown_cache = self.largest_shown();
             return;
         }
         let held = self.index.replica_blocks(replica);
         if let Some(c) = self.cache_blocks.get_mut(replica) {
             c.most_held = c.most_held.max(held);
             c.evicted |= evicted;
+            if c.evicted {
+                self.largest_shown_cache = self.largest_shown_cache.max(c.most_held);
+            }
         }
     }
 
@@ -186,21 +190,20 @@ impl Router {
         }
         match self.cache_blocks.get(replica) {
             Some(c) if c.evicted => c.most_held as f64,
-            own => {
-                let shown = self
-                    .cache_blocks
-                    .iter()
-                    .filter(|c| c.evicted)
-                    .map(|c| c.most_held)
-                    .max()
-                    .unwrap_or(0);
-                if shown == 0 {
-                    0.0
-                } else {
-                    shown.max(own.map_or(0, |c| c.most_held)) as f64
-                }
-            }
+            _ if self.largest_shown_cache == 0 => 0.0,
+            own => self.largest_shown_cache.max(own.map_or(0, |c| c.most_held)) as f64,
         }
+    }
+
+    /// The largest cache a replica has shown by evicting, scanned afresh (after a replica's view
+    /// is cleared, when the largest may have gone with it).
+    fn largest_shown(&self) -> u64 {
+        self.cache_blocks
+            .iter()
+            .filter(|c| c.evicted)
+            .map(|c| c.most_held)
+            .max()
+            .unwrap_or(0)
     }
 
     /// A replica's prefix-cache size in blocks for the working-set term, sized as the policy asks
