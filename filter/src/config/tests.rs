@@ -1,0 +1,363 @@
+//! The configuration's parsing and validation, natively: every default, every refusal naming its
+//! field.
+
+use super::*;
+
+const GOOD: &str = r#"{"replicas":[
+    {"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"feed_r0"},
+    {"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"feed_r1","feed_authority":"r1.local"}]}"#;
+
+#[test]
+fn defaults_fill_in() {
+    let c = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
+    assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
+    assert_eq!(c.session_header, "x-session-id");
+    assert_eq!(c.output, OutputMode::DestinationHeader);
+    assert_eq!(c.feed_authority(0), "127.0.0.1:8000");
+    assert_eq!(c.feed_authority(1), "r1.local");
+    assert_eq!(c.feed_upstream(1), "feed_r1");
+    assert_eq!(c.feed_max_bytes, 8 << 20);
+    assert_eq!(c.feed_apply_blocks_per_tick, 8192);
+    assert_eq!(c.feed_apply_us_per_tick, 500);
+}
+
+fn refused(json: &str) -> String {
+    FilterConfig::from_json(json.as_bytes()).unwrap_err().0
+}
+
+fn with_peers(peers: &str) -> String {
+    format!(
+        r#"{{"replicas":[{{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f"}}],"peers":{peers}}}"#
+    )
+}
+
+#[test]
+fn the_peers_section_is_off_by_default_and_checked() {
+    let c = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
+    assert_eq!(c.peers, None);
+    assert_eq!(c.peer_path(), "/.kvsteer/working-set");
+    let ok = with_peers(r#"{"proxies":[{"cluster":"peer_b"}],"token":"0123456789abcdef"}"#);
+    let c = FilterConfig::from_json(ok.as_bytes()).unwrap();
+    let p = c.peers.unwrap();
+    assert_eq!(
+        (p.poll_ms, p.timeout_ms, p.max_response_bytes),
+        (100, 1000, 4 << 20)
+    );
+    assert_eq!(p.token_header, "x-kvsteer-peer-token");
+    assert_eq!(p.path, "/.kvsteer/working-set");
+    for (bad, field) in [
+        (r#"{"proxies":[]}"#, "token"),
+        (r#"{"token":"short"}"#, "peers.token"),
+        (r#"{"token":"0123456789abcdef","path":"x"}"#, "peers.path"),
+        (
+            r#"{"token":"0123456789abcdef","path":"/a?b"}"#,
+            "peers.path",
+        ),
+        (
+            r#"{"token":"0123456789abcdef","poll_ms":10}"#,
+            "peers.poll_ms",
+        ),
+        (
+            r#"{"token":"0123456789abcdef","timeout_ms":0}"#,
+            "peers.timeout_ms",
+        ),
+        (
+            r#"{"token":"0123456789abcdef","max_response_bytes":1}"#,
+            "peers.max_response_bytes",
+        ),
+        (
+            r#"{"token":"0123456789abcdef","token_header":"X Y"}"#,
+            "peers.token_header",
+        ),
+        (
+            r#"{"token":"0123456789abcdef","proxies":[{"cluster":""}]}"#,
+            "peers.proxies[0]",
+        ),
+        (r#"{"token":"0123456789abcdef","typo":1}"#, "typo"),
+    ] {
+        let e = refused(&with_peers(bad));
+        assert!(e.contains(field), "{bad}: {e}");
+    }
+}
+
+/// A `peers` section wants the other proxies' load too (`reported_load` merge or others) under
+/// `kv_load`: otherwise a warning, never a refusal; other policies have no reported load to merge.
+#[test]
+fn peers_without_merged_load_is_warned_about() {
+    let token = r#""peers":{"proxies":[{"cluster":"b"}],"token":"0123456789abcdef"}"#;
+    let warnings = |routing: &str, peers: bool| {
+        let json = format!(
+            r#"{{"replicas":[{{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f"}}],
+                "routing":{routing}{}}}"#,
+            if peers {
+                format!(",{token}")
+            } else {
+                String::new()
+            }
+        );
+        FilterConfig::from_json(json.as_bytes()).unwrap().warnings()
+    };
+    let kv =
+        |load: &str| format!(r#"{{"policy":"kv_load","kv_load":{{"reported_load":"{load}"}}}}"#);
+    let w = warnings(&kv("max"), true);
+    assert_eq!(w.len(), 1);
+    assert!(
+        w[0].starts_with("peers is meant for routing.kv_load.reported_load"),
+        "{w:?}"
+    );
+    assert!(warnings(&kv("merge"), true).is_empty());
+    assert!(warnings(&kv("others"), true).is_empty());
+    assert!(
+        warnings(&kv("max"), false).is_empty(),
+        "no peers, nothing to warn about"
+    );
+    assert!(warnings(r#"{"policy":"least_load"}"#, true).is_empty());
+}
+
+#[test]
+fn problems_are_named() {
+    assert!(refused(r#"{"replicas":[]}"#).contains("replicas"));
+    assert!(
+        refused(r#"{"replicas":[{"name":"r0","endpoint":"nope","feed_cluster":"f"}]}"#)
+            .contains("endpoint")
+    );
+    assert!(
+        refused(r#"{"replicas":[{"name":"r 0","endpoint":"1.2.3.4:5","feed_cluster":"f"}]}"#)
+            .contains("name")
+    );
+    assert!(
+        refused(r#"{"replicas":[{"name":"r0","endpoint":"1.2.3.4:5"}]}"#).contains("feed_cluster")
+    );
+    let typo = GOOD.replacen("{\"replicas\"", "{\"polcy\":1,\"replicas\"", 1);
+    assert!(refused(&typo).contains("polcy"));
+    let bad_header = GOOD.replacen(
+        "{\"replicas\"",
+        "{\"destination_header\":\"X Bad\",\"replicas\"",
+        1,
+    );
+    assert!(refused(&bad_header).contains("destination_header"));
+    let nginx = GOOD.replacen(
+        "{\"replicas\"",
+        "{\"output\":\"nginx_variable\",\"replicas\"",
+        1,
+    );
+    assert!(refused(&nginx).contains("feed_address"));
+    assert!(refused("not json").contains("plugin configuration"));
+    let dup = r#"{"replicas":[{"name":"a","endpoint":"1.2.3.4:5","feed_cluster":"f"},
+                             {"name":"a","endpoint":"1.2.3.4:6","feed_cluster":"g"}]}"#;
+    assert!(refused(dup).contains("duplicate"));
+    for (field, bad) in [
+        ("feed_max_bytes", "10"),
+        ("feed_max_bytes", "2000000000"),
+        ("feed_apply_blocks_per_tick", "0"),
+        ("feed_max_events", "0"),
+    ] {
+        let json = GOOD.replacen(
+            "{\"replicas\"",
+            &format!("{{\"{field}\":{bad},\"replicas\""),
+            1,
+        );
+        assert!(refused(&json).starts_with(field), "{field} = {bad}");
+    }
+}
+
+/// `dp_ranks` expands an entry into one unit per rank; without it the configuration is exactly
+/// what it was; bad counts, too many units and clashing generated names are refused by name.
+#[test]
+fn dp_ranks_expand_into_units() {
+    let plain = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
+    assert_eq!(plain.replicas.len(), 2);
+    assert!(
+        plain
+            .replicas
+            .iter()
+            .all(|r| r.rank.is_none() && r.dp_ranks == 1)
+    );
+    assert_eq!(plain.rank_header, "x-data-parallel-rank");
+    let dp = GOOD.replacen(
+        r#""feed_cluster":"feed_r0""#,
+        r#""feed_cluster":"feed_r0","dp_ranks":3"#,
+        1,
+    );
+    let c = FilterConfig::from_json(dp.as_bytes()).unwrap();
+    let names: Vec<&str> = c.replicas.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["r0_dp0", "r0_dp1", "r0_dp2", "r1"]);
+    assert_eq!(c.rank_of(1), Some(1));
+    assert_eq!(c.rank_of(3), None);
+    assert_eq!(c.rank_of(9), None);
+    assert_eq!(c.feed_upstream(2), "feed_r0");
+    assert_eq!(c.feed_authority(2), "127.0.0.1:8000");
+    assert!(
+        c.replicas[..3]
+            .iter()
+            .all(|r| r.endpoint == "127.0.0.1:8000")
+    );
+    for bad in ["0", "257"] {
+        let j = GOOD.replacen(
+            r#""feed_cluster":"feed_r0""#,
+            &format!(r#""feed_cluster":"feed_r0","dp_ranks":{bad}"#),
+            1,
+        );
+        assert!(refused(&j).starts_with("replicas[0].dp_ranks"), "{bad}");
+    }
+    let many = GOOD
+        .replacen(
+            r#""feed_cluster":"feed_r0""#,
+            r#""feed_cluster":"feed_r0","dp_ranks":200"#,
+            1,
+        )
+        .replacen(
+            r#""feed_cluster":"feed_r1""#,
+            r#""feed_cluster":"feed_r1","dp_ranks":100"#,
+            1,
+        );
+    assert!(refused(&many).contains("at most 256 routing units"));
+    let clash = r#"{"replicas":[{"name":"a","endpoint":"1.2.3.4:5","feed_cluster":"f","dp_ranks":2},
+                               {"name":"a_dp1","endpoint":"1.2.3.4:6","feed_cluster":"g"}]}"#;
+    assert!(refused(clash).contains("a_dp1"));
+    let bad_header = GOOD.replacen(
+        "{\"replicas\"",
+        "{\"rank_header\":\"X-Rank\",\"replicas\"",
+        1,
+    );
+    assert!(refused(&bad_header).starts_with("rank_header"));
+}
+
+const PD: &str = r#"{"replicas":[
+    {"name":"p0","endpoint":"127.0.0.1:8000","feed_cluster":"f0","role":"prefill","prefill_cluster":"c0"},
+    {"name":"d0","endpoint":"127.0.0.1:8001","feed_cluster":"f1","role":"decode"}]}"#;
+
+/// Without roles nothing changes (every replica `both`, not disaggregated); with roles each
+/// replica that prefills needs its prefill cluster, the fleet needs both sides, and every bad
+/// value is refused by name.
+#[test]
+fn pd_roles_and_their_settings() {
+    let plain = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
+    assert!(!plain.disaggregated());
+    assert_eq!(plain.roles(), [Role::Both, Role::Both]);
+    assert_eq!(plain.pd, PdSection::default());
+    assert_eq!(plain.pd.prefill_timeout_ms, 60_000);
+    assert_eq!(plain.pd.max_prefill_response_bytes, 1 << 20);
+    assert!(plain.pd.retry_prefill);
+    assert_eq!(plain.pd.params(), PdParams::default());
+
+    let c = FilterConfig::from_json(PD.as_bytes()).unwrap();
+    assert!(c.disaggregated());
+    assert_eq!(c.roles(), [Role::Prefill, Role::Decode]);
+    assert_eq!(c.prefill_upstream(0), "c0");
+    assert_eq!(c.prefill_upstream(1), "");
+    assert_eq!(c.prefill_upstream(9), "");
+    assert_eq!(c.prefill_authority(0), "127.0.0.1:8000");
+
+    let bad_role = PD.replacen(r#""role":"decode""#, r#""role":"Decode""#, 1);
+    assert!(refused(&bad_role).starts_with("replicas[1].role"));
+    let no_cluster = PD.replacen(r#","prefill_cluster":"c0""#, "", 1);
+    assert!(refused(&no_cluster).starts_with("replicas[0].prefill_cluster"));
+    // A `both` replica prefills too, so in a fleet with roles it needs a prefill cluster.
+    let both = PD.replacen(r#""role":"decode""#, r#""role":"both""#, 1);
+    assert!(refused(&both).starts_with("replicas[1].prefill_cluster"));
+    let all_prefill = PD.replacen(
+        r#""role":"decode""#,
+        r#""role":"prefill","prefill_cluster":"c1""#,
+        1,
+    );
+    assert!(refused(&all_prefill).contains("needs a replica that decodes"));
+    let all_decode = PD.replacen(r#""role":"prefill""#, r#""role":"decode""#, 1);
+    assert!(refused(&all_decode).contains("needs a replica that prefills"));
+    let nginx = PD
+        .replacen(
+            "{\"replicas\"",
+            "{\"output\":\"nginx_variable\",\"replicas\"",
+            1,
+        )
+        .replace(
+            r#""feed_cluster":"f0""#,
+            r#""feed_address":"127.0.0.1:8000""#,
+        )
+        .replace(
+            r#""feed_cluster":"f1""#,
+            r#""feed_address":"127.0.0.1:8001""#,
+        );
+    assert!(refused(&nginx).contains("nginx_variable"));
+    for (field, bad) in [
+        ("prefill_timeout_ms", "0"),
+        ("prefill_timeout_ms", "600001"),
+        ("max_prefill_response_bytes", "10"),
+        ("transfer_weight", "-1"),
+        ("prefill_queue_weight", "-0.5"),
+    ] {
+        let json = PD.replacen(
+            "{\"replicas\"",
+            &format!("{{\"pd\":{{\"{field}\":{bad}}},\"replicas\""),
+            1,
+        );
+        assert!(
+            refused(&json).starts_with(&format!("pd.{field}")),
+            "{field} = {bad}"
+        );
+    }
+    let typo = PD.replacen("{\"replicas\"", "{\"pd\":{\"timeout\":1},\"replicas\"", 1);
+    assert!(refused(&typo).contains("timeout"));
+    let tuned = PD.replacen(
+        "{\"replicas\"",
+        "{\"pd\":{\"transfer_weight\":0.25,\"prefill_timeout_ms\":5000,\"retry_prefill\":false},\"replicas\"",
+        1,
+    );
+    let c = FilterConfig::from_json(tuned.as_bytes()).unwrap();
+    assert_eq!(c.pd.params().transfer_weight, 0.25);
+    assert!(!c.pd.retry_prefill);
+    assert_eq!(c.pd.prefill_timeout_ms, 5000);
+    // DP ranks copy the role and prefill cluster to every rank.
+    let dp = PD.replacen(
+        r#""prefill_cluster":"c0""#,
+        r#""prefill_cluster":"c0","dp_ranks":2"#,
+        1,
+    );
+    let c = FilterConfig::from_json(dp.as_bytes()).unwrap();
+    assert_eq!(c.roles(), [Role::Prefill, Role::Prefill, Role::Decode]);
+    assert_eq!(c.prefill_upstream(1), "c0");
+}
+
+const WITH_TOKENIZER: &str = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000",
+    "feed_cluster":"f0"}],"tokenizer":{"chat_template":"kvsteer_sim"}}"#;
+
+#[cfg(not(feature = "tokenizer"))]
+#[test]
+fn the_lean_build_refuses_a_tokenizer_section_naming_the_feature() {
+    let e = refused(WITH_TOKENIZER);
+    assert!(e.starts_with("tokenizer:"), "{e}");
+    assert!(e.contains("`tokenizer` cargo feature"), "{e}");
+    // An empty section is refused too; an explicit null means no tokenizer, as in the full build.
+    assert!(
+        refused(&WITH_TOKENIZER.replace(r#"{"chat_template":"kvsteer_sim"}"#, "{}"))
+            .contains("lean build")
+    );
+    let null = WITH_TOKENIZER.replace(r#"{"chat_template":"kvsteer_sim"}"#, "null");
+    assert!(FilterConfig::from_json(null.as_bytes()).is_ok());
+}
+
+#[cfg(feature = "tokenizer")]
+#[test]
+fn the_full_build_reads_the_tokenizer_section() {
+    let c = FilterConfig::from_json(WITH_TOKENIZER.as_bytes()).unwrap();
+    assert_eq!(c.tokenizer.unwrap().chat_template, "kvsteer_sim");
+}
+#[test]
+fn admission_is_checked_against_the_rest_of_the_configuration() {
+    let replicas = r#""replicas":[{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}]"#;
+    let with = |extra: &str| {
+        FilterConfig::from_json(format!("{{{replicas}, {extra}}}").as_bytes()).map(|_| ())
+    };
+    assert!(with(r#""routing":{"admission":{"priority_header":"x-priority"}}"#).is_ok());
+    let e = with(r#""routing":{"admission":{"priority_header":"x-gateway-destination-endpoint"}}"#)
+        .unwrap_err();
+    assert!(e.0.contains("already destination_header"), "{}", e.0);
+    let e = with(r#""routing":{"admission":{"bounds_s":{"urgent":1}}}"#).unwrap_err();
+    assert!(e.0.contains("admission.bounds_s.urgent"), "{}", e.0);
+    let pd = r#""replicas":[
+        {"name":"p","endpoint":"127.0.0.1:8000","feed_cluster":"f0","role":"prefill","prefill_cluster":"c"},
+        {"name":"d","endpoint":"127.0.0.1:8001","feed_cluster":"f1","role":"decode"}],
+        "routing":{"admission":{}}"#;
+    let e = FilterConfig::from_json(format!("{{{pd}}}").as_bytes()).unwrap_err();
+    assert!(e.0.contains("prefill/decode"), "{}", e.0);
+}
