@@ -29,6 +29,9 @@ pub enum Set {
     /// The second validation round (docs/reports/model-eval.md), written down after the first had
     /// been looked at and before any change it motivated was replayed on these cells.
     Validation2,
+    /// The third validation round (docs/reports/model-eval.md), written down after the second had
+    /// been looked at and before any change made since was replayed on these cells.
+    Validation3,
     /// Not a set of this protocol: the fleet-size measurement ([`super::fleet`]) replays its own
     /// cells with the same replay, and its cells say so.
     Fleet,
@@ -253,6 +256,90 @@ pub fn validation2() -> Vec<Cell> {
                 arrival_jitter: ARRIVAL_JITTER,
             },
             8,
+            H100_8B,
+        ),
+    ]
+}
+
+/// The third validation round, fixed in docs/reports/model-eval.md before any replay of it: the
+/// second was looked into (its chat tail again), so it judges no change made after that. Fleet
+/// sizes, rates, prompt shapes and slowdowns that neither the training set nor the first two rounds
+/// have.
+pub fn validation3() -> Vec<Cell> {
+    let v = Set::Validation3;
+    let slow = |mut c: Cell, slowdowns: Vec<(usize, f64, u64)>| {
+        c.slowdowns = slowdowns;
+        c
+    };
+    vec![
+        cell(
+            "x-chat-16",
+            v,
+            Source::Chat(ChatParams {
+                sessions_per_s: 12.0,
+                long_output_share: 0.15,
+                ..ChatParams::default()
+            }),
+            16,
+            H100_8B,
+        ),
+        cell(
+            "x-chat-5-a100-short-system",
+            v,
+            Source::Chat(ChatParams {
+                sessions_per_s: 5.0,
+                system_tokens: 2048,
+                user_tokens_min: 128,
+                user_tokens_max: 1024,
+                ..ChatParams::default()
+            }),
+            5,
+            "llama-3.1-8b-a100-40gb",
+        ),
+        cell(
+            "x-chat-4-70b-long",
+            v,
+            Source::Chat(ChatParams {
+                sessions_per_s: 2.0,
+                long_output_share: 0.3,
+                ..ChatParams::default()
+            }),
+            4,
+            "llama-3.1-70b-h100-tp4",
+        ),
+        cell("x-rl-12", v, rl(48), 12, H100_8B),
+        slow(
+            cell("x-rl-4-70b-slows", v, rl(12), 4, "llama-3.1-70b-h100-tp4"),
+            vec![(0, 2.5, 20_000_000)],
+        ),
+        cell("x-weka-c28-6", v, weka(28, 1, Some(20)), 6, H100_8B),
+        cell(
+            "x-weka-c12-3-a100",
+            v,
+            weka(12, 1, Some(12)),
+            3,
+            "llama-3.1-8b-a100-40gb",
+        ),
+        cell(
+            "x-mooncake-x2-12",
+            v,
+            Source::Mooncake {
+                speed: 2.0,
+                max_requests: Some(2000),
+                arrival_jitter: ARRIVAL_JITTER,
+            },
+            12,
+            H100_8B,
+        ),
+        cell(
+            "x-azure-x6-12",
+            v,
+            Source::Azure {
+                speed: 6.0,
+                max_rows: Some(4000),
+                arrival_jitter: ARRIVAL_JITTER,
+            },
+            12,
             H100_8B,
         ),
     ]
@@ -534,6 +621,7 @@ mod tests {
             .into_iter()
             .chain(validation())
             .chain(validation2())
+            .chain(validation3())
             .map(|c| c.id)
             .collect();
         let n = ids.len();
@@ -542,7 +630,12 @@ mod tests {
         assert_eq!(ids.len(), n);
         assert!(validation().iter().all(|c| c.set == Set::Validation));
         assert!(validation2().iter().all(|c| c.set == Set::Validation2));
-        for c in validation().into_iter().chain(validation2()) {
+        assert!(validation3().iter().all(|c| c.set == Set::Validation3));
+        for c in validation()
+            .into_iter()
+            .chain(validation2())
+            .chain(validation3())
+        {
             assert!(Profile::named(c.profile).is_some(), "{}", c.profile);
             assert!(
                 c.slowdowns

@@ -19,8 +19,9 @@ use std::path::PathBuf;
              through kvsteer_filter.wasm and appends every replay's figures as JSON lines."
 )]
 struct Args {
-    /// Which cells: training, validation (the first round), validation2 (the second) or all.
-    #[arg(long, default_value = "all", value_parser = ["training", "validation", "validation2", "all"])]
+    /// Which cells: training, validation (the first round), validation2 (the second), validation3
+    /// (the third) or all.
+    #[arg(long, default_value = "all", value_parser = ["training", "validation", "validation2", "validation3", "all"])]
     set: String,
     /// The training cells at their cut-down size (the coding-agent trace's first 16 sessions).
     #[arg(long)]
@@ -71,6 +72,9 @@ fn main() {
     if args.set == "validation2" || args.set == "all" {
         cells.extend(model_eval::validation2());
     }
+    if args.set == "validation3" || args.set == "all" {
+        cells.extend(model_eval::validation3());
+    }
     if let Some(only) = &args.only {
         let only = split_list(only);
         cells.retain(|c| only.contains(&c.id));
@@ -97,6 +101,7 @@ fn main() {
             Set::Training => "training",
             Set::Validation => "validation",
             Set::Validation2 => "validation2",
+            Set::Validation3 => "validation3",
             Set::Fleet => "fleet",
         });
         let msg = format!(
