@@ -185,16 +185,68 @@ impl Default for EngineProfile {
 /// router cannot see (the network, the API server, the first token's way back) dominates.
 pub const MIN_PREDICTED_S: f64 = 0.02;
 
-/// Each replica's speed against its profile, learned from observed times to first token.
+/// Each replica's speed against its profile, learned from observed times to first token: this
+/// worker's own observations, and what the proxy's other workers learned from theirs (each sees a
+/// share of the requests, so alone each would learn a slow replica that many times later).
 #[derive(Clone, Debug)]
 pub struct Speeds {
-    /// Per replica: ln(observed / predicted), averaged.
+    /// Per replica: ln(observed / predicted), averaged over this worker's observations.
     log_factor: Vec<f64>,
     observations: Vec<u64>,
     /// Weight of one observation (from the half-life).
     alpha: f64,
     /// ln(bound).
     bound_ln: f64,
+    /// Each replica's factor as used: this worker's and the other workers' estimates, each
+    /// weighed by its [`SpeedEstimate::weight`].
+    combined: Vec<f64>,
+    /// The other workers' estimates, by worker number.
+    peers: std::collections::BTreeMap<u32, Vec<SpeedEstimate>>,
+}
+
+/// One worker's estimate of one replica's speed, as it shares it with the other workers.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SpeedEstimate {
+    /// ln(observed / predicted), bounded by the bound.
+    pub log_factor: f64,
+    /// Observations it stands on, up to the half-life's window (`1 / alpha`): a worker that has
+    /// seen more of a replica's recent requests weighs more, one that saw long ago no more than a
+    /// window's worth.
+    pub weight: f64,
+}
+
+impl SpeedEstimate {
+    /// Bytes per estimate in [`SpeedEstimate::encode_all`].
+    pub const ENCODED_LEN: usize = 16;
+
+    /// Little-endian `log_factor f64, weight f64` per replica, for shared memory.
+    pub fn encode_all(all: &[SpeedEstimate]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(all.len() * Self::ENCODED_LEN);
+        for e in all {
+            out.extend_from_slice(&e.log_factor.to_le_bytes());
+            out.extend_from_slice(&e.weight.to_le_bytes());
+        }
+        out
+    }
+
+    /// Reads [`SpeedEstimate::encode_all`]'s bytes; `None` for a length that is not a whole
+    /// number of estimates. Values are taken as they are: [`Speeds::set_peer`] discards those it
+    /// cannot use.
+    pub fn decode_all(bytes: &[u8]) -> Option<Vec<SpeedEstimate>> {
+        if !bytes.len().is_multiple_of(Self::ENCODED_LEN) {
+            return None;
+        }
+        let read = |b: &[u8]| f64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+        Some(
+            bytes
+                .chunks_exact(Self::ENCODED_LEN)
+                .map(|c| SpeedEstimate {
+                    log_factor: read(&c[..8]),
+                    weight: read(&c[8..]),
+                })
+                .collect(),
+        )
+    }
 }
 
 impl Speeds {
@@ -211,17 +263,93 @@ impl Speeds {
             observations: vec![0; replicas],
             alpha,
             bound_ln: bound.max(1.0).ln(),
+            combined: vec![0.0; replicas],
+            peers: Default::default(),
         }
     }
 
     /// The replica's time factor: 2 means it takes twice the profile's time.
     pub fn factor(&self, replica: usize) -> f64 {
-        self.log_factor.get(replica).map_or(1.0, |l| l.exp())
+        self.combined.get(replica).map_or(1.0, |l| l.exp())
     }
 
     /// Every replica's factor.
     pub fn factors(&self) -> Vec<f64> {
-        self.log_factor.iter().map(|l| l.exp()).collect()
+        self.combined.iter().map(|l| l.exp()).collect()
+    }
+
+    /// This worker's own estimates, for the other workers.
+    pub fn local(&self) -> Vec<SpeedEstimate> {
+        let window = if self.alpha > 0.0 {
+            1.0 / self.alpha
+        } else {
+            0.0
+        };
+        self.log_factor
+            .iter()
+            .zip(&self.observations)
+            .map(|(&log_factor, &n)| SpeedEstimate {
+                log_factor,
+                weight: (n as f64).min(window),
+            })
+            .collect()
+    }
+
+    /// Replaces worker `peer`'s estimates. Ignored when learning is off or the count is not the
+    /// replica count; values that are not finite, or weights below 0, count as no observation,
+    /// and factors are held within the bound (the record comes from shared memory).
+    pub fn set_peer(&mut self, peer: u32, estimates: &[SpeedEstimate]) {
+        if self.alpha == 0.0 || estimates.len() != self.log_factor.len() {
+            return;
+        }
+        let window = 1.0 / self.alpha;
+        let clean = estimates
+            .iter()
+            .map(|e| {
+                if e.log_factor.is_finite() && e.weight.is_finite() && e.weight > 0.0 {
+                    SpeedEstimate {
+                        log_factor: e.log_factor.clamp(-self.bound_ln, self.bound_ln),
+                        weight: e.weight.min(window),
+                    }
+                } else {
+                    SpeedEstimate::default()
+                }
+            })
+            .collect();
+        self.peers.insert(peer, clean);
+        self.combine_all();
+    }
+
+    /// Forgets worker `peer`'s estimates (it stopped publishing).
+    pub fn clear_peer(&mut self, peer: u32) {
+        if self.peers.remove(&peer).is_some() {
+            self.combine_all();
+        }
+    }
+
+    fn combine_all(&mut self) {
+        for r in 0..self.combined.len() {
+            self.combine(r);
+        }
+    }
+
+    /// The weighted mean of this worker's and the others' estimates of replica `r` (this
+    /// worker's alone while no other has observed it).
+    fn combine(&mut self, r: usize) {
+        let own = self.local().get(r).copied().unwrap_or_default();
+        let mut sum = own.log_factor * own.weight;
+        let mut weight = own.weight;
+        for e in self.peers.values().filter_map(|v| v.get(r)) {
+            sum += e.log_factor * e.weight;
+            weight += e.weight;
+        }
+        if let Some(c) = self.combined.get_mut(r) {
+            *c = if weight > 0.0 {
+                (sum / weight).clamp(-self.bound_ln, self.bound_ln)
+            } else {
+                0.0
+            };
+        }
     }
 
     pub fn observations(&self, replica: usize) -> u64 {
@@ -252,6 +380,7 @@ impl Speeds {
         *n = n.saturating_add(1);
         let w = self.alpha.max(1.0 / *n as f64);
         *l = (*l + (x - *l) * w).clamp(-self.bound_ln, self.bound_ln);
+        self.combine(replica);
     }
 }
 
@@ -306,9 +435,65 @@ mod tests {
     }
 
     #[test]
+    fn other_workers_estimates_are_weighed_by_their_observations() {
+        let mut a = Speeds::new(2, 16.0, 4.0);
+        let mut b = Speeds::new(2, 16.0, 4.0);
+        // Worker a has seen replica 0 run twice as slow; b has seen nothing of it yet.
+        for _ in 0..40 {
+            a.observe(0, 0.1, 0.2);
+        }
+        b.set_peer(0, &a.local());
+        assert!((b.factor(0) - 2.0).abs() < 0.01, "{}", b.factor(0));
+        assert_eq!(b.factor(1), 1.0);
+        // b's own observations at profile speed count as much as a's, window for window.
+        for _ in 0..40 {
+            b.observe(0, 0.1, 0.1);
+        }
+        assert!((b.factor(0) - 2f64.sqrt()).abs() < 0.01, "{}", b.factor(0));
+        // A worker that stops publishing is forgotten.
+        b.clear_peer(0);
+        assert!((b.factor(0) - 1.0).abs() < 1e-9);
+        // A record of the wrong length, or with garbage in it, changes nothing or counts as
+        // nothing; a factor past the bound is held to it.
+        b.set_peer(1, &[SpeedEstimate::default()]);
+        assert!((b.factor(0) - 1.0).abs() < 1e-9);
+        let bad = |log_factor, weight| SpeedEstimate { log_factor, weight };
+        b.set_peer(1, &[bad(f64::NAN, 5.0), bad(1e9, 1e9)]);
+        assert!((b.factor(0) - 1.0).abs() < 1e-9);
+        assert!((b.factor(1) - 4.0).abs() < 1e-9, "{}", b.factor(1));
+        b.set_peer(1, &[bad(1.0, -3.0), bad(1.0, f64::INFINITY)]);
+        assert!((b.factor(0) - 1.0).abs() < 1e-9);
+        assert_eq!(b.factor(1), 1.0);
+    }
+
+    #[test]
+    fn estimates_survive_their_encoding_and_odd_lengths_do_not_decode() {
+        let all = [
+            SpeedEstimate {
+                log_factor: -0.5,
+                weight: 12.0,
+            },
+            SpeedEstimate::default(),
+        ];
+        let bytes = SpeedEstimate::encode_all(&all);
+        assert_eq!(bytes.len(), 2 * SpeedEstimate::ENCODED_LEN);
+        assert_eq!(SpeedEstimate::decode_all(&bytes).unwrap(), all);
+        assert!(SpeedEstimate::decode_all(&bytes[1..]).is_none());
+        assert_eq!(SpeedEstimate::decode_all(&[]).unwrap(), vec![]);
+    }
+
+    #[test]
     fn a_zero_halflife_learns_nothing() {
         let mut s = Speeds::new(1, 0.0, 4.0);
         s.observe(0, 0.1, 0.4);
+        assert_eq!(s.factor(0), 1.0);
+        s.set_peer(
+            1,
+            &[SpeedEstimate {
+                log_factor: 1.0,
+                weight: 8.0,
+            }],
+        );
         assert_eq!(s.factor(0), 1.0);
     }
 }

@@ -26,11 +26,16 @@
 //!
 //! Health learned from completions (`kvsteer_core::health`) is shared the same way, each worker's own
 //! decayed success and failure counts under `<prefix>:health:<worker>`: `published_ms u64`, then
-//! `HealthCounts::encode_all` bytes ([`publish_health`], [`read_health_fresh`]).
+//! `HealthCounts::encode_all` bytes ([`publish_health`], [`read_health_fresh`]). So are `kv_time`'s
+//! estimates of each replica's speed (`kvsteer_core::speed`), under `<prefix>:speed:<worker>`:
+//! `published_ms u64`, then `SpeedEstimate::encode_all` bytes ([`publish_speeds`],
+//! [`read_speeds_fresh`]): a proxy with N workers learns a slow replica from all its requests, not
+//! from one worker's Nth.
 
 use crate::store::SharedStore;
 use kvsteer_core::health::HealthCounts;
 use kvsteer_core::load::{self, LoadTotals};
+use kvsteer_core::speed::SpeedEstimate;
 
 pub fn encode(published_ms: u64, rec: &WorkerLoad) -> Vec<u8> {
     let mut out = published_ms.to_le_bytes().to_vec();
@@ -104,17 +109,18 @@ pub fn publish_health(
     now_ms: u64,
     counts: &[HealthCounts],
 ) {
-    let mut out = now_ms.to_le_bytes().to_vec();
-    out.extend_from_slice(&HealthCounts::encode_all(counts));
-    store.overwrite(&health_key(prefix, me), &out);
+    publish_stamped(
+        store,
+        &health_key(prefix, me),
+        now_ms,
+        &HealthCounts::encode_all(counts),
+    );
 }
 
 /// Decodes a health record: `(published_ms, counts)`; `None` for anything malformed or for a
 /// different replica count.
 pub fn decode_health(bytes: &[u8], replicas: usize) -> Option<(u64, Vec<HealthCounts>)> {
-    let ts = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
-    let counts = HealthCounts::decode_all(&bytes[8..])?;
-    (counts.len() == replicas).then_some((ts, counts))
+    decode_stamped(bytes, replicas, HealthCounts::decode_all)
 }
 
 /// Worker `peer`'s outcome counts with their publication time, if readable, for `replicas`
@@ -129,6 +135,63 @@ pub fn read_health_fresh(
 ) -> Option<(u64, Vec<HealthCounts>)> {
     let (record, _) = store.get(&health_key(prefix, peer))?;
     decode_health(&record, replicas).filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
+}
+
+/// Shared-data key of worker `worker`'s estimates of the replicas' speeds (`kv_time`).
+pub fn speeds_key(prefix: &str, worker: u32) -> String {
+    format!("{prefix}:speed:{worker}")
+}
+
+/// Publishes this worker's estimates of the replicas' speeds: `published_ms u64`, then
+/// `SpeedEstimate::encode_all` bytes.
+pub fn publish_speeds(
+    store: &dyn SharedStore,
+    prefix: &str,
+    me: u32,
+    now_ms: u64,
+    estimates: &[SpeedEstimate],
+) {
+    publish_stamped(
+        store,
+        &speeds_key(prefix, me),
+        now_ms,
+        &SpeedEstimate::encode_all(estimates),
+    );
+}
+
+/// Worker `peer`'s estimates of the replicas' speeds, if readable, for `replicas` replicas, and
+/// at most `ttl_ms` old.
+pub fn read_speeds_fresh(
+    store: &dyn SharedStore,
+    prefix: &str,
+    peer: u32,
+    replicas: usize,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Option<Vec<SpeedEstimate>> {
+    let (record, _) = store.get(&speeds_key(prefix, peer))?;
+    decode_stamped(&record, replicas, SpeedEstimate::decode_all)
+        .filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
+        .map(|(_, estimates)| estimates)
+}
+
+/// A record of `published_ms u64` (little-endian) then `body`.
+fn publish_stamped(store: &dyn SharedStore, key: &str, now_ms: u64, body: &[u8]) {
+    let mut out = now_ms.to_le_bytes().to_vec();
+    out.extend_from_slice(body);
+    store.overwrite(key, &out);
+}
+
+/// Reads [`publish_stamped`]'s record with a per-replica body: `(published_ms, entries)`; `None`
+/// for anything malformed or for a different replica count.
+fn decode_stamped<T>(
+    bytes: &[u8],
+    replicas: usize,
+    decode_all: impl Fn(&[u8]) -> Option<Vec<T>>,
+) -> Option<(u64, Vec<T>)> {
+    let ts = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
+    let entries = decode_all(&bytes[8..])?;
+    (entries.len() == replicas).then_some((ts, entries))
 }
 
 /// Shared-data key of the time of `replica`'s last health probe, proxy-wide.

@@ -115,6 +115,20 @@ impl Router {
         self.speeds.factor(replica)
     }
 
+    /// This worker's own estimates of the replicas' speeds, for the proxy's other workers.
+    pub fn local_speeds(&self) -> Vec<crate::speed::SpeedEstimate> {
+        self.speeds.local()
+    }
+
+    /// Replaces a peer worker's estimates of the replicas' speeds.
+    pub fn set_peer_speeds(&mut self, peer: u32, estimates: &[crate::speed::SpeedEstimate]) {
+        self.speeds.set_peer(peer, estimates);
+    }
+
+    pub fn clear_peer_speeds(&mut self, peer: u32) {
+        self.speeds.clear_peer(peer);
+    }
+
     /// `generated_tokens`: cumulative output tokens so far.
     pub fn decode_progress(&mut self, request_id: u64, generated_tokens: u64) {
         self.load.decode_progress(request_id, generated_tokens);

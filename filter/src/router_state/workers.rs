@@ -44,6 +44,9 @@ impl RouterState {
         };
         workers::publish(store, prefix, me, now_ms, &rec);
         workers::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
+        if self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime {
+            workers::publish_speeds(store, prefix, me, now_ms, &self.router.local_speeds());
+        }
         // Kept for a few ticks, so every worker reads each entry at least once (ticks drift), and
         // with peer proxies for a few of their polls too (they read the same records).
         let poll_ms = self.cfg.peers.as_ref().map_or(0, |p| p.poll_ms);
@@ -71,6 +74,12 @@ impl RouterState {
             match workers::read_health_fresh(store, prefix, peer, replicas, now_ms, ttl) {
                 Some((at, counts)) => self.router.set_peer_health(peer, at, &counts),
                 None => self.router.clear_peer_health(peer),
+            }
+            if self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime {
+                match workers::read_speeds_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+                    Some(estimates) => self.router.set_peer_speeds(peer, &estimates),
+                    None => self.router.clear_peer_speeds(peer),
+                }
             }
             // A VM that has routed nothing yet needs no working set: Envoy's main thread runs one
             // (it gets ticks and callouts, never a stream), and a worker whose connections are all
@@ -128,6 +137,39 @@ mod tests {
             held(&a),
             "from its first request on, b applies a's journal"
         );
+    }
+
+    /// `kv_time`: a replica one worker has seen run slow is slow for the others too, from the next
+    /// exchange, and no longer once that worker's record is past `peer_ttl_ms`.
+    #[test]
+    fn workers_share_what_they_learned_of_the_replicas_speeds() {
+        let store = crate::store::tests::MemStore::default();
+        let (mut a, mut b) = (worker("kv_time"), worker("kv_time"));
+        a.claim_worker_id(&store);
+        b.claim_worker_id(&store);
+        let ids: Vec<String> = (0..2_000).map(|i| i.to_string()).collect();
+        let body = format!(r#"{{"prompt":[{}]}}"#, ids.join(","));
+        // Each request's first token on r1 comes a second after it was sent, far slower than the
+        // profile predicts for 2,000 tokens; on r0 about on time.
+        let mut now = 0;
+        for id in 0..40 {
+            let d = a.route_body(id, "/v1/completions", body.as_bytes(), None, now);
+            let late = if d.replica == 1 { 1_000 } else { 60 };
+            a.first_token(id, now + late);
+            a.release(id);
+            now += 2_000;
+        }
+        assert!(a.speed_factor(1) > 2.0, "{}", a.speed_factor(1));
+        assert_eq!(b.speed_factor(1), 1.0);
+        a.share_load(&store, now);
+        b.share_load(&store, now);
+        assert!(
+            (b.speed_factor(1) - a.speed_factor(1)).abs() < 1e-9,
+            "b has no observations of its own: a's estimate is its"
+        );
+        let ttl = b.config().peer_ttl_ms;
+        b.share_load(&store, now + ttl + 1);
+        assert_eq!(b.speed_factor(1), 1.0, "a went quiet");
     }
 
     #[test]
