@@ -22,8 +22,12 @@
 //! work is wasted, and it looks at each byte a bounded number of times (the members before the
 //! prompt are read again only once the unread part has doubled).
 //!
-//! The caller keeps the bytes: each [`EarlyScan::advance`] gets the whole body so far, and the final
-//! read the whole body, beginning with those same bytes.
+//! The caller need not keep the bytes: [`EarlyScan::advance_window`] takes the part of the body from
+//! any offset up to what has arrived, as long as it begins at or before [`EarlyScan::keep_from`] (the
+//! first byte the scan may still look at); every offset the scan keeps is one into the whole body. So a
+//! proxy filter holds only the unread tail of a token-id prompt (about one slice) per stream, not a
+//! copy of the whole body, while the body arrives. The final read gets the whole body, beginning
+//! with the same bytes the scan saw.
 
 use super::one_pass::{IdStop, Scanner, id_run};
 use crate::block::{BlockHasher, SequenceBuilder};
@@ -92,11 +96,36 @@ impl EarlyScan {
     /// Reads what it can of `body`, the body as far as it has arrived (each call's `body` begins
     /// with the previous call's).
     pub fn advance(&mut self, body: &[u8]) {
+        self.advance_window(0, body);
+    }
+
+    /// Reads what it can of `window`, the body's bytes from offset `base` up to what has arrived.
+    /// `base` past [`EarlyScan::keep_from`] (bytes the scan still needed are gone) turns the scan
+    /// off: the final read then reads the prompt from its start, as without the scan.
+    pub fn advance_window(&mut self, base: usize, window: &[u8]) {
+        if base > self.keep_from() {
+            self.state = State::Off;
+            return;
+        }
         if let State::Locating { .. } = self.state {
-            self.locate(body);
+            self.locate(base, window);
         }
         if let State::Ids(_) = self.state {
-            self.read_ids(body);
+            self.read_ids(base, window);
+        }
+    }
+
+    /// The first byte offset of the body the next [`EarlyScan::advance_window`] may look at: the
+    /// caller may drop every byte before it. `usize::MAX` once the scan needs nothing more (off, or
+    /// the prompt's array closed).
+    pub fn keep_from(&self) -> usize {
+        match &self.state {
+            State::Locating { next, .. } => *next,
+            State::Ids(Resume {
+                stop: IdStop::Paused(i),
+                ..
+            }) => *i,
+            State::Ids(_) | State::Off => usize::MAX,
         }
     }
 
@@ -122,7 +151,9 @@ impl EarlyScan {
         }
     }
 
-    fn locate(&mut self, body: &[u8]) {
+    /// `window`: the body from offset `base` on (`base` at most the next member's offset, checked
+    /// by the caller); every offset kept is one into the whole body.
+    fn locate(&mut self, base: usize, window: &[u8]) {
         let State::Locating {
             mut next,
             mut opened,
@@ -135,7 +166,8 @@ impl EarlyScan {
         let Some(plain) = &self.plain else {
             return;
         };
-        if body.len() < retry_len {
+        let end = base + window.len();
+        if end < retry_len {
             self.state = State::Locating {
                 next,
                 opened,
@@ -150,11 +182,11 @@ impl EarlyScan {
             next,
             opened,
             hasher,
-            retry_len: body.len() + (body.len() - next.min(body.len())).max(RETRY_BYTES),
+            retry_len: end + (end - next.min(end)).max(RETRY_BYTES),
         };
         let mut s = Scanner {
-            b: body,
-            i: next,
+            b: window,
+            i: next - base,
             early: None,
         };
         if !opened {
@@ -172,10 +204,10 @@ impl EarlyScan {
                 Some(_) => {}
             }
             opened = true;
-            next = s.i;
+            next = base + s.i;
         }
         loop {
-            s.i = next;
+            s.i = next - base;
             let Some(key) = s.key() else {
                 return self.state = wait(next, opened, hasher);
             };
@@ -186,7 +218,7 @@ impl EarlyScan {
                         Some(b'[') => {}
                         Some(_) => return,
                     }
-                    let at = s.i;
+                    let at = base + s.i;
                     s.i += 1;
                     s.ws();
                     return match s.peek() {
@@ -197,7 +229,7 @@ impl EarlyScan {
                                 seed: hasher.seed(),
                                 block_size: hasher.block_size(),
                                 builder: hasher.builder(),
-                                stop: IdStop::Paused(s.i),
+                                stop: IdStop::Paused(base + s.i),
                             })
                         }
                         // An empty array, a batch, text: nothing worth reading early.
@@ -217,7 +249,7 @@ impl EarlyScan {
                 }
             }
             match s.next_or_close(b'}') {
-                Some(true) => next = s.i,
+                Some(true) => next = base + s.i,
                 // The object closed without a prompt.
                 Some(false) => return,
                 None => return self.state = wait(next, opened, hasher),
@@ -225,7 +257,9 @@ impl EarlyScan {
         }
     }
 
-    fn read_ids(&mut self, body: &[u8]) {
+    /// `window`: the body from offset `base` on (`base` at most the pause's offset, checked by the
+    /// caller); the loop runs on the window's offsets and the stop is kept as one into the body.
+    fn read_ids(&mut self, base: usize, window: &[u8]) {
         let State::Ids(r) = std::mem::replace(&mut self.state, State::Off) else {
             return;
         };
@@ -233,15 +267,21 @@ impl EarlyScan {
             self.state = State::Ids(r);
             return;
         };
-        let pause = body.len().saturating_sub(MARGIN);
-        if i >= pause {
+        let pause = window.len().saturating_sub(MARGIN);
+        let Some(i) = i.checked_sub(base).filter(|&i| i < pause) else {
             self.state = State::Ids(r);
             return;
-        }
-        match id_run::<true>(body, i, r.builder, pause) {
+        };
+        match id_run::<true>(window, i, r.builder, pause) {
             // A pause at the very end: a whitespace run reached it and may go on past it.
-            Some((_, IdStop::Paused(j))) if j >= body.len() => {}
-            Some((builder, stop)) => self.state = State::Ids(Resume { builder, stop, ..r }),
+            Some((_, IdStop::Paused(j))) if j >= window.len() => {}
+            Some((builder, stop)) => {
+                let stop = match stop {
+                    IdStop::Paused(j) => IdStop::Paused(base + j),
+                    IdStop::Closed(j) => IdStop::Closed(base + j),
+                };
+                self.state = State::Ids(Resume { builder, stop, ..r })
+            }
             // Not a body the one-pass reader reads through, or cut short by the end: off, and
             // the final read reads the prompt from its start.
             None => {}
@@ -307,6 +347,63 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Feeds `body` in slices of `step` bytes as a filter that keeps only what the scan has not
+    /// read does; returns the bytes it held at most, and the final read.
+    fn scan_windowed(
+        body: &[u8],
+        step: usize,
+    ) -> (usize, Result<RouteRequest, crate::RequestError>) {
+        let mut scan = EarlyScan::new(16);
+        let (mut base, mut n, mut most) = (0, 0, 0);
+        while n + step < body.len() {
+            n += step;
+            scan.advance_window(base, &body[base..n]);
+            most = most.max(n - base);
+            base = base.max(scan.keep_from().min(n));
+        }
+        (most, read_after(scan, body))
+    }
+
+    #[test]
+    fn a_scan_given_only_what_it_has_not_read_reads_the_same() {
+        let ids = ids_body(20_000, "\"model\": \"m\", \"cache_salt\": \"t\", ", ", ");
+        let text = format!("{{\"prompt\": \"{}\"}}", "word ".repeat(2000));
+        let long_member = format!(
+            "{{\"model\": \"{}\", \"prompt\": [{}]}}",
+            "m".repeat(10_000),
+            "7, ".repeat(3000) + "8"
+        );
+        for body in [ids, text, long_member] {
+            let plain = read_request("/v1/completions", body.as_bytes(), None, 16, 1 << 24);
+            for step in [1, 97, 1000, 16 * 1024] {
+                let (most, r) = scan_windowed(body.as_bytes(), step);
+                assert_eq!(
+                    format!("{r:?}"),
+                    format!("{plain:?}"),
+                    "{:.40} step {step}",
+                    body
+                );
+                if body.len() > 50_000 {
+                    // A token-id prompt: about one slice held (or the bytes the member search
+                    // waits for before it tries again), never the body.
+                    assert!(
+                        most <= step + RETRY_BYTES + 2 * MARGIN,
+                        "step {step}: held {most}"
+                    );
+                }
+            }
+        }
+        // Bytes the scan still needed dropped: it turns off, and the result is still the same.
+        let body = ids_body(5000, "", ", ");
+        let plain = read_request("/v1/completions", body.as_bytes(), None, 16, 1 << 24).unwrap();
+        let mut scan = EarlyScan::new(16);
+        scan.advance_window(0, &body.as_bytes()[..8000]);
+        let past = scan.keep_from() + 1;
+        scan.advance_window(past, &body.as_bytes()[past..12_000]);
+        assert!(!scan.is_on());
+        assert_eq!(read_after(scan, body.as_bytes()).unwrap(), plain);
     }
 
     #[test]
