@@ -131,6 +131,9 @@ pub(super) fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get_only(get(prometheus)))
         .route(FEED_PATH, get_only(get(feed)))
         .fallback(no_route)
+        // The connection layer already refuses a body over MAX_BODY from its header; axum's own
+        // default (2 MB) would refuse a long prompt's body that the connection accepted.
+        .layer(axum::extract::DefaultBodyLimit::max(super::conn::MAX_BODY))
         .layer(axum::middleware::map_response_with_state(
             shared.clone(),
             |State(s): S, mut r: Response| async move {
