@@ -202,6 +202,9 @@ fn d_peer_ttl() -> u64 {
 fn d_early_max() -> usize {
     64 << 20
 }
+fn d_hold_max() -> usize {
+    64 << 20
+}
 
 fn d_feed_path_prefix() -> String {
     String::new()
@@ -287,9 +290,19 @@ pub struct FilterConfig {
     pub early_body_scan: bool,
     /// Bytes of request bodies one VM may hold for the early scan, all its streams together (each
     /// counted by its buffer's capacity). A stream whose next slice would pass it is read only at
-    /// the end, as without the scan, so slow uploads cannot make the VM's memory grow past it.
+    /// the end, as without the scan, so slow uploads cannot make the VM's memory grow past it. The
+    /// scan keeps only the part of a body it has not read yet (about one slice of a token-id
+    /// prompt), so this is reached only by bodies whose members before the prompt are that large.
     #[serde(default = "d_early_max")]
     pub early_body_scan_max_bytes: usize,
+    /// Bytes of request bodies the proxy may buffer for one VM's streams while the filter holds
+    /// them for their route, all its streams together (each counted by what has arrived, or by its
+    /// `content-length` up to `routing.max_body_bytes` when it declares one). The proxy must buffer
+    /// a body until the filter has routed it, so without a bound many slow uploads make the proxy
+    /// hold all of them at once; a stream that would pass it is routed by load at once, its body
+    /// unread (`kvsteer_body_hold_fallbacks`), and flows on unbuffered by the filter.
+    #[serde(default = "d_hold_max")]
+    pub body_hold_max_bytes: usize,
     /// A response header that carries, for each request `kv_time` routes, every candidate's cost
     /// terms and the winner (docs/reference/configuration.md); absent (the default): none. Set only here: a
     /// client cannot ask for it, and an upstream's header of the same name is replaced.

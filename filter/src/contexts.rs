@@ -123,6 +123,9 @@ struct Vm {
     /// Bytes of request bodies this VM's streams hold for the early scan (their buffers'
     /// capacity), kept under `early_body_scan_max_bytes`.
     early_held: usize,
+    /// Bytes of request bodies the proxy buffers for this VM's streams while they wait for their
+    /// route, kept under `body_hold_max_bytes`.
+    body_held: usize,
 }
 
 type Shared = Rc<RefCell<Vm>>;

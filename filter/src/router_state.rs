@@ -77,6 +77,8 @@ pub enum BodyFallback {
     Unreadable,
     /// The host could not hand the body over.
     HostError,
+    /// Holding it would pass `body_hold_max_bytes`: routed before it arrived, unread.
+    HoldLimit,
 }
 
 /// One VM's (one proxy worker's) routing state: its configuration, the core `Router`, the feed
@@ -87,7 +89,7 @@ pub struct RouterState {
     feeds: Vec<FeedState>,
     callouts: HashMap<u32, usize>,
     /// Body fallbacks by reason, in [`BodyFallback`] order.
-    body_fallbacks: [u64; 4],
+    body_fallbacks: [u64; 5],
     /// Client-supplied copies of the routing header that were removed.
     spoofed_headers: u64,
     /// Failed answers held against no replica (`health::answer_outcome`).
@@ -211,7 +213,7 @@ impl RouterState {
             router,
             feeds,
             callouts: HashMap::new(),
-            body_fallbacks: [0; 4],
+            body_fallbacks: [0; 5],
             spoofed_headers: 0,
             failures_not_blamed: 0,
             rank_mismatches: 0,
@@ -299,7 +301,7 @@ impl RouterState {
     }
 
     /// Body fallbacks so far, by reason in [`BodyFallback`] order.
-    pub fn body_fallbacks(&self) -> [u64; 4] {
+    pub fn body_fallbacks(&self) -> [u64; 5] {
         self.body_fallbacks
     }
 

@@ -81,14 +81,9 @@ fn the_early_scan_routes_every_request_as_reading_the_whole_body_does() {
         whole.iter().filter(|(_, cached, _)| *cached > 0).count() >= 8,
         "the follow-ups find their prefixes: {whole:?}"
     );
-    // The last: a VM share for held bodies (4 KiB) smaller than most bodies, which are then read
-    // at the end.
-    for (chunk, held_max) in [
-        (16 * 1024, None),
-        (997, None),
-        (64, None),
-        (997, Some(4096)),
-    ] {
+    // The last: a VM share for held bodies (512 bytes) smaller than one slice, so every body is
+    // then read at the end (the scan holds only the part it has not read, about a slice).
+    for (chunk, held_max) in [(16 * 1024, None), (997, None), (64, None), (997, Some(512))] {
         let (early, h) = replay(true, chunk, held_max);
         assert_eq!(early, whole, "slices of {chunk} bytes, share {held_max:?}");
         let metric = |n: &str| h.proxy().metric(n).map_or(0, |m| m.value);
@@ -101,4 +96,49 @@ fn the_early_scan_routes_every_request_as_reading_the_whole_body_does() {
         );
         assert_clean(&h);
     }
+}
+
+/// `body_hold_max_bytes`: a body the proxy would hold past the VM's bound is routed by load at once,
+/// unread, counted, and completes; each routed body gives its share back, so one bound a little
+/// over the largest body takes every body of a sequential run.
+#[test]
+fn a_body_past_the_hold_bound_is_routed_by_load_unread_and_shares_come_back() {
+    let run = |hold_max: usize| {
+        let mut cfg = HarnessConfig::small("kv_load");
+        cfg.body_chunk_bytes = 997;
+        cfg.filter_extra
+            .insert("body_hold_max_bytes".into(), serde_json::json!(hold_max));
+        let mut h = harness_with(cfg);
+        let mut ids = Vec::new();
+        let mut largest = 0;
+        for s in 0..4u64 {
+            let prompt = tokens(s + 7, 600 + 200 * s as usize);
+            let spec = RequestSpec::new(prompt.clone(), 8).session(&format!("s{s}"));
+            largest = largest.max(kvsteer_host_test::openai::completion_body(&prompt, 8).len());
+            for _ in 0..2 {
+                ids.push(h.send(&spec).unwrap());
+                h.run_until_idle(IDLE).unwrap();
+            }
+        }
+        for id in &ids {
+            let r = h.record(*id).unwrap();
+            // Routed by the filter (by load, when unread) and completed either way.
+            assert!(
+                r.released && !r.failed && !r.fallback && r.replica.is_some(),
+                "{r:?}"
+            );
+        }
+        let metric = |n: &str| h.proxy().metric(n).map_or(0, |m| m.value);
+        let fallbacks = metric("kvsteer_body_hold_fallbacks") as usize;
+        assert_eq!(metric("kvsteer_fallbacks") as usize, fallbacks);
+        assert_clean(&h);
+        (fallbacks, ids.len(), largest)
+    };
+    let (_, _, largest) = run(1 << 30);
+    // Under the smallest body: every request is routed before its body is held.
+    let (fallbacks, n, _) = run(1000);
+    assert_eq!(fallbacks, n);
+    // Over the largest: none is, the shares of the earlier ones having come back.
+    let (fallbacks, _, _) = run(largest + 100);
+    assert_eq!(fallbacks, 0);
 }

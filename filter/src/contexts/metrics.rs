@@ -109,6 +109,7 @@ pub(super) struct Metrics {
     pub(super) pd_prefill_retries: Option<u32>,
     pub(super) early_declined: Option<u32>,
     pub(super) early_bodies: Option<u32>,
+    pub(super) body_hold_fallbacks: Option<u32>,
     bookings: TotalCounter,
     releases: TotalCounter,
     /// Priority classes (`routing.admission`; defined only with the section), in
@@ -231,6 +232,7 @@ impl Metrics {
             pd_prefill_retries: define(Counter, "kvsteer_pd_prefill_retries"),
             early_declined: define(Counter, "kvsteer_early_scan_declined"),
             early_bodies: define(Counter, "kvsteer_early_scan_bodies"),
+            body_hold_fallbacks: define(Counter, "kvsteer_body_hold_fallbacks"),
             bookings: TotalCounter::define("kvsteer_bookings"),
             releases: TotalCounter::define("kvsteer_releases"),
             host_call_refusals: TotalCounter::define("kvsteer_host_call_refusals"),

@@ -258,6 +258,7 @@ impl RootContext for Root {
             state,
             metrics,
             early_held: 0,
+            body_held: 0,
         })));
         if let Err(e) = abi::set_tick_period(tick) {
             // Requests are still routed, with what the filter knows without ticks.

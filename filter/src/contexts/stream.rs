@@ -59,15 +59,27 @@ pub struct Stream {
     pub(super) body_len: usize,
     /// P/D: the prefill leg in flight (phase `Prefilling`).
     pub(super) prefill: Option<PrefillLeg>,
-    /// The request body as far as it has arrived, read slice by slice while it is buffered
-    /// (docs/design/filter.md, "The body as it arrives"); empty when it is read only at the end.
+    /// The part of the request body the early scan has not read yet (from offset `base` to
+    /// `seen`), read slice by slice while it is buffered (docs/design/filter.md, "The body as it
+    /// arrives"): what the scan has read is dropped, so a stream holds about one slice, not a copy
+    /// of its body. Empty when the body is read only at the end.
     arrived: Vec<u8>,
+    /// The body offset of `arrived[0]`.
+    base: usize,
+    /// Bytes of the body read so far as it arrived (`base + arrived.len()`).
+    seen: usize,
     /// The early scan over `arrived`; None when the body is read only once it has all arrived
     /// (`early_body_scan` false, a P/D fleet, the VM's share for held bodies spent, or the host
     /// handed over something inconsistent).
     early: Option<EarlyScan>,
     /// The capacity of `arrived` counted in the VM's `early_held`.
     held: usize,
+    /// The bytes of this body the proxy buffers while the filter holds it, counted in the VM's
+    /// `body_held` (`body_hold_max_bytes`): what has arrived, or its declared length if more.
+    hold: usize,
+    /// The body's `content-length` (up to `routing.max_body_bytes`), 0 when not declared: counted
+    /// in `hold` from the headers on, so a declared body is refused its hold before it arrives.
+    declared: usize,
     /// The decision explained for the configured `explain_header`, written on the response.
     explain: Option<String>,
     /// The class the trusted priority header names (`routing.admission`); `None` without one.
@@ -121,6 +133,7 @@ impl Stream {
 
     /// Routes by load alone (the body unread); `Pause` when the request was shed and answered.
     fn route_fallback(&mut self, why: BodyFallback, body_bytes: usize) -> Action {
+        self.return_hold();
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
@@ -193,21 +206,27 @@ impl Stream {
         }}))
         .unwrap_or_default();
         self.phase = Phase::Released;
+        self.return_hold();
         Self::send_error(status, &err);
         Action::Pause
     }
 
     /// Reads the slice of the body that arrived since the last call (the host's buffer holds
-    /// `body_size` bytes so far, from the start) and lets the early scan go on. Anything
-    /// inconsistent (a buffer shorter than what was read, a host error, fewer bytes than asked) or
-    /// the VM's share for held bodies spent turns the early reading off for this request: the body
-    /// is then read whole at the end, as without the scan.
+    /// `body_size` bytes so far, from the start), lets the early scan go on, and drops what the scan
+    /// will not look at again. Anything inconsistent (a buffer shorter than what was read, a host
+    /// error, fewer bytes than asked) or the VM's share for held bodies spent turns the early
+    /// reading off for this request: the body is then read whole at the end, as without the scan.
     fn read_arrived(&mut self, body_size: usize) {
-        let (Some(vm), Some(_)) = (self.vm.clone(), self.early.as_ref()) else {
+        let (Some(vm), Some(scan)) = (self.vm.clone(), self.early.as_ref()) else {
             return;
         };
-        let have = self.arrived.len();
-        if body_size == have {
+        if !scan.is_on() {
+            // Nothing the scan follows: reading more would buy nothing.
+            return self.drop_arrived();
+        }
+        let have = self.seen;
+        if body_size == have || scan.keep_from() == usize::MAX {
+            // Nothing new, or the prompt's array closed: the rest is for the final read.
             return;
         }
         let want = body_size.saturating_sub(have);
@@ -215,26 +234,45 @@ impl Stream {
             Ok(Some(slice)) if body_size > have && slice.len() == want => slice,
             _ => return self.drop_arrived(),
         };
-        if have == 0 {
+        if self.arrived.is_empty() {
+            self.base = have;
             self.arrived = slice;
         } else {
             self.arrived.extend_from_slice(&slice);
         }
+        self.seen = body_size;
+        if !self.count_held(&vm) {
+            return self.drop_arrived();
+        }
+        let Some(scan) = self.early.as_mut() else {
+            return;
+        };
+        scan.advance_window(self.base, &self.arrived);
+        // Drop what the scan has read: it never looks before `keep_from` again.
+        let keep = scan.keep_from().min(self.seen);
+        if keep > self.base {
+            self.arrived.drain(..keep - self.base);
+            self.base = keep;
+        }
+        if self.arrived.capacity() > 2 * self.arrived.len() + (64 << 10) {
+            self.arrived.shrink_to(2 * self.arrived.len());
+        }
+        self.count_held(&vm);
+    }
+
+    /// Counts `arrived`'s capacity in the VM's share for the early scan; false (nothing counted
+    /// beyond what was) when it would pass `early_body_scan_max_bytes`, counted as declined.
+    fn count_held(&mut self, vm: &Shared) -> bool {
         let capacity = self.arrived.capacity();
-        {
-            let mut vm = vm.borrow_mut();
-            let others = vm.early_held.saturating_sub(self.held);
-            if others + capacity > vm.state.config().early_body_scan_max_bytes {
-                inc(vm.metrics.early_declined, 1);
-                drop(vm);
-                return self.drop_arrived();
-            }
-            vm.early_held = others + capacity;
-            self.held = capacity;
+        let mut vm = vm.borrow_mut();
+        let others = vm.early_held.saturating_sub(self.held);
+        if others + capacity > vm.state.config().early_body_scan_max_bytes {
+            inc(vm.metrics.early_declined, 1);
+            return false;
         }
-        if let Some(scan) = self.early.as_mut() {
-            scan.advance(&self.arrived);
-        }
+        vm.early_held = others + capacity;
+        self.held = capacity;
+        true
     }
 
     /// Gives up the early reading of this request's body (the body is read whole at the end) and
@@ -255,20 +293,65 @@ impl Stream {
         }
     }
 
-    /// The whole request body, up to `max` bytes: the rest after what [`Stream::read_arrived`]
-    /// read, or all of it from the start.
-    fn take_body(&mut self, max: usize) -> Result<Vec<u8>, u32> {
-        let mut body = std::mem::take(&mut self.arrived);
-        self.return_held();
-        if body.is_empty() || self.early.is_none() || max < body.len() {
-            self.early = None;
-            return abi::get_buffer(BufferType::HttpRequestBody, 0, max)
-                .map(Option::unwrap_or_default);
+    /// Counts `bytes` of this body as held by the proxy for the filter (`body_hold_max_bytes`,
+    /// all the VM's streams together); false, with nothing more counted, when that would pass the
+    /// bound.
+    fn count_hold(&mut self, bytes: usize) -> bool {
+        let Some(vm) = &self.vm else {
+            return true;
+        };
+        let mut vm = vm.borrow_mut();
+        let others = vm.body_held.saturating_sub(self.hold);
+        let bytes = bytes.max(self.declared);
+        if others.saturating_add(bytes) > vm.state.config().body_hold_max_bytes {
+            return false;
         }
-        if let Some(rest) =
-            abi::get_buffer(BufferType::HttpRequestBody, body.len(), max - body.len())?
+        vm.body_held = others + bytes;
+        self.hold = bytes;
+        true
+    }
+
+    /// Returns this stream's share of the VM's held bodies: the filter holds its body no more.
+    fn return_hold(&mut self) {
+        if self.hold > 0
+            && let Some(vm) = &self.vm
+            && let Ok(mut vm) = vm.try_borrow_mut()
         {
-            body.extend_from_slice(&rest);
+            vm.body_held = vm.body_held.saturating_sub(self.hold);
+            self.hold = 0;
+        }
+    }
+
+    /// Routes by load, its body unread, a stream whose body would pass `body_hold_max_bytes` (in a
+    /// P/D fleet, where an unread body is never forwarded, refused with a 503), counted; the proxy
+    /// then lets the body flow on. `bytes`: what the body is known to hold.
+    fn route_over_hold(&mut self, bytes: usize) -> Action {
+        self.drop_arrived();
+        self.return_hold();
+        if let Some(vm) = &self.vm {
+            let vm = vm.borrow();
+            inc(vm.metrics.body_hold_fallbacks, 1);
+        }
+        if self
+            .vm
+            .as_ref()
+            .is_some_and(|vm| vm.borrow().state.disaggregated())
+        {
+            return self.refuse_unread_pd(503, "the proxy holds as many request bodies as allowed");
+        }
+        self.route_fallback(BodyFallback::HoldLimit, bytes)
+    }
+
+    /// The whole request body, up to `max` bytes, read from the proxy's buffer (what
+    /// [`Stream::read_arrived`] read was dropped as the scan went). A buffer shorter than what the
+    /// scan saw turns the scan's work off for this body.
+    fn take_body(&mut self, max: usize) -> Result<Vec<u8>, u32> {
+        self.arrived = Vec::new();
+        self.return_held();
+        self.return_hold();
+        let body = abi::get_buffer(BufferType::HttpRequestBody, 0, max)?.unwrap_or_default();
+        if body.len() < self.seen {
+            self.early = None;
         }
         Ok(body)
     }
@@ -537,8 +620,9 @@ impl Stream {
 impl Context for Stream {
     fn on_done(&mut self) -> bool {
         self.release();
-        // A stream that ends before its body has (a client gone mid-upload) gives back its share.
+        // A stream that ends before its body has (a client gone mid-upload) gives back its shares.
         self.drop_arrived();
+        self.return_hold();
         true
     }
 
@@ -588,6 +672,17 @@ impl HttpContext for Stream {
             return self.route_fallback(BodyFallback::Empty, 0);
         }
         self.phase = Phase::Buffering;
+        // A declared length counts from now on (the hostile value bounded by the body limit, past
+        // which the body is not held anyway): a stream the bound cannot take is routed before the
+        // proxy buffers any of it.
+        let limit = vm.borrow().state.max_body_bytes();
+        self.declared = header(MapType::HttpRequestHeaders, "content-length")
+            .filter(|v| v.len() <= 20)
+            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok())
+            .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX).min(limit));
+        if !self.count_hold(0) {
+            return self.route_over_hold(self.declared);
+        }
         self.early = vm.borrow().state.early_scan(&self.path);
         if vm.borrow().state.config().output == OutputMode::NginxVariable {
             // ngx_wasm_module calls this in nginx's rewrite phase, always without end of stream,
@@ -620,6 +715,9 @@ impl HttpContext for Stream {
         }
         if !end_of_stream {
             // The rest of the body, or trailers (HTTP/2, gRPC-style clients), end the request.
+            if !self.count_hold(body_size) {
+                return self.route_over_hold(body_size);
+            }
             self.read_arrived(body_size);
             return Action::Pause;
         }
