@@ -4,7 +4,7 @@
 //! names them: a typo in a production config must not silently fall back to a default.
 
 use kvsteer_core::config::RoutingConfig;
-use kvsteer_core::pd::{PdParams, Role};
+use kvsteer_core::disaggregation::{PdParams, Role};
 use serde::Deserialize;
 
 /// How the chosen replica is handed to the proxy.

@@ -10,7 +10,7 @@
 //! - [`workers`]: this worker's number and the load, health and working set shared with the others;
 //! - [`exchange`]: the working-set exchange with other proxies (`peers`);
 //! - [`health`]: request outcomes and health probes;
-//! - [`pd`]: prefill/decode requests split into two legs;
+//! - [`leg_booking`]: prefill/decode requests split into two legs;
 //! - [`output`]: where and how a decision is written for the proxy.
 
 /// The VM's tokenizer as the core reads a prompt with it; none in the lean build, where a
@@ -35,22 +35,22 @@ mod failures;
 mod feeds;
 mod follow;
 mod health;
+mod leg_booking;
 mod output;
-mod pd;
 mod workers;
 
 pub use budget::FEED_MIN_SLICE;
 pub use failures::{FeedFailure, proxy_could_not_connect, proxy_timed_out};
 pub use feeds::{FeedPoll, FeedResult, FeedState};
 pub use health::{Origin, answer_outcome};
+pub use leg_booking::PdRoute;
 pub use output::{DecisionOutput, Destinations};
-pub use pd::PdRoute;
 pub use workers::WORKING_SET_KEEP_TICKS;
 
 use crate::config::{ConfigError, FilterConfig};
 use crate::exchange::Exchange;
 use kvsteer_core::admission::{self, Admission, Class, Shed, Verdict};
-use kvsteer_core::pd::{PdParams, Role};
+use kvsteer_core::disaggregation::{PdParams, Role};
 use kvsteer_core::request::EarlyScan;
 use kvsteer_core::router::{Decision, Router, RouterStats};
 #[cfg(feature = "tokenizer")]

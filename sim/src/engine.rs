@@ -587,7 +587,7 @@ impl Engine {
         &mut self,
         now_us: u64,
         req: EngineRequest,
-        link: &crate::pd::KvLink,
+        link: &crate::kv_link::KvLink,
     ) -> Result<u64, SubmitError> {
         let now_us = now_us.max(self.now_us);
         let hashes = self.prompt_hashes(&req.prompt);

@@ -12,7 +12,7 @@ use kvsteer_core::feed::{FEED_CONTENT_TYPE, FEED_PATH, FeedQuery};
 use kvsteer_core::load::LoadTotals;
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{CallOutcome, Callout, HostMode, Proxy, ProxyOptions, WorkerVm, pairs};
-use kvsteer_sim::pd::KvLink;
+use kvsteer_sim::kv_link::KvLink;
 use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest};
 use serde_json::{Value, json};
 
