@@ -189,10 +189,10 @@ impl Router {
     pub fn new(cfg: RoutingConfig, replicas: usize) -> Result<Router, ConfigError> {
         cfg.validate()?;
         if replicas == 0 || replicas > MAX_REPLICAS {
-            return Err(ConfigError {
-                field: "replicas".into(),
-                message: format!("must be 1..={MAX_REPLICAS}, got {replicas}"),
-            });
+            return Err(ConfigError::routing(
+                "replicas",
+                format!("must be 1..={MAX_REPLICAS}, got {replicas}"),
+            ));
         }
         let pa = &cfg.prefix_affinity;
         let in_time = match cfg.policy {

@@ -153,10 +153,20 @@ pub struct RouterState {
     priority_headers_removed: u64,
 }
 
+/// The tokenizer's refusal as the plugin configuration's: the tokenizer writes `field: message`
+/// with the field relative to its own section, which is `tokenizer` here.
+#[cfg(feature = "tokenizer")]
+fn tokenizer_error(e: String) -> ConfigError {
+    match e.split_once(": ") {
+        Some((field, message)) => ConfigError::at(format!("tokenizer.{field}"), message),
+        None => ConfigError::at("tokenizer", e),
+    }
+}
+
 impl RouterState {
     pub fn new(cfg: FilterConfig) -> Result<RouterState, ConfigError> {
         let mut router = Router::new(cfg.routing.clone(), cfg.replicas.len())
-            .map_err(|e| ConfigError(format!("routing: {e}")))?;
+            .map_err(|e| ConfigError::at("routing", e.to_string()))?;
         // The ranks of one endpoint share its address: a retry backup is taken from another one.
         router.set_address_groups(
             cfg.replicas
@@ -172,9 +182,7 @@ impl RouterState {
         let feeds = vec![FeedState::default(); cfg.replicas.len()];
         #[cfg(feature = "tokenizer")]
         let tokenizer = match &cfg.tokenizer {
-            Some(t) => {
-                Some(TextTokenizer::new(t).map_err(|e| ConfigError(format!("tokenizer.{e}")))?)
-            }
+            Some(t) => Some(TextTokenizer::new(t).map_err(tokenizer_error)?),
             None => None,
         };
         let destinations = Destinations::new(&cfg);
@@ -665,7 +673,7 @@ mod tests {
         assert!(worker("kv_load").tokenizer.is_none());
         let bad = json.replace("kvsteer_sim", "nope");
         let e = RouterState::new(FilterConfig::from_json(bad.as_bytes()).unwrap()).err();
-        assert!(e.unwrap().0.contains("tokenizer.chat_template"));
+        assert!(e.unwrap().to_string().contains("tokenizer.chat_template"));
         let typo = json.replace("\"vocabulary\"", "\"vocab\"");
         assert!(FilterConfig::from_json(typo.as_bytes()).is_err());
     }
