@@ -1,4 +1,3 @@
-
 use super::*;
 
 /// The rank travels in the header's former reserved bytes: a batch encoded for a rank decodes to

@@ -1,4 +1,3 @@
-
 use super::*;
 
 /// kvsteer's earlier accounting: prompt blocks from the first token, no sharing.
