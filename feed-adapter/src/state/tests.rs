@@ -1,4 +1,3 @@
-
 use super::*;
 use crate::encode::{Event, batch};
 use kvsteer_core::feed::FeedEvent;
