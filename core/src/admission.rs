@@ -123,10 +123,7 @@ impl Default for AdmissionConfig {
 }
 
 fn err(field: String, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        field,
-        message: message.into(),
-    }
+    ConfigError::routing(field, message)
 }
 
 fn class_field(field: String, name: &str) -> Result<Class, ConfigError> {

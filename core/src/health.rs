@@ -72,10 +72,7 @@ impl Default for HealthParams {
 impl HealthParams {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let err = |field: &str, message: String| {
-            Err(ConfigError {
-                field: format!("health.{field}"),
-                message,
-            })
+            Err(ConfigError::routing(format!("health.{field}"), message))
         };
         if !(1..=3_600_000).contains(&self.half_life_ms) {
             return err(

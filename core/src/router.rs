@@ -8,7 +8,7 @@
 //! |---|---|
 //! | `route` | the `route*` entry points: the policy's input gathered, its choice made a [`Decision`] |
 //! | `admit` | a routed request's life: admission, first token, decode progress, release |
-//! | `pd` | prefill/decode disaggregation: both legs chosen and booked |
+//! | `leg_choice` | prefill/decode disaggregation: both legs chosen and booked |
 //! | `feed` | the replicas' KV event feeds applied to the index; cache sizes; stale feeds |
 //! | `health` | down and ejected replicas, probes, the peers' outcome counts |
 //! | `load` | effective load (tracked, reported, the peers'), and this worker's share for its peers |
@@ -17,8 +17,8 @@
 mod admit;
 mod feed;
 mod health;
+mod leg_choice;
 mod load;
-mod pd;
 mod route;
 mod working_set;
 
@@ -189,10 +189,10 @@ impl Router {
     pub fn new(cfg: RoutingConfig, replicas: usize) -> Result<Router, ConfigError> {
         cfg.validate()?;
         if replicas == 0 || replicas > MAX_REPLICAS {
-            return Err(ConfigError {
-                field: "replicas".into(),
-                message: format!("must be 1..={MAX_REPLICAS}, got {replicas}"),
-            });
+            return Err(ConfigError::routing(
+                "replicas",
+                format!("must be 1..={MAX_REPLICAS}, got {replicas}"),
+            ));
         }
         let pa = &cfg.prefix_affinity;
         let in_time = match cfg.policy {

@@ -4,7 +4,7 @@
 //! names them: a typo in a production config must not silently fall back to a default.
 
 use kvsteer_core::config::RoutingConfig;
-use kvsteer_core::pd::{PdParams, Role};
+use kvsteer_core::disaggregation::{PdParams, Role};
 use serde::Deserialize;
 
 /// How the chosen replica is handed to the proxy.
@@ -398,18 +398,21 @@ fn d_true() -> bool {
 
 impl PeersSection {
     fn validate(&self, tick_ms: u64) -> Result<(), ConfigError> {
-        let err = |m: String| Err(ConfigError(format!("peers.{m}")));
         if self.proxies.len() > 64 {
-            return err(format!("proxies: at most 64, got {}", self.proxies.len()));
+            return err(
+                "peers.proxies",
+                format!("at most 64, got {}", self.proxies.len()),
+            );
         }
         for (i, p) in self.proxies.iter().enumerate() {
             let printable = |s: &str| {
                 !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic())
             };
             if !printable(&p.cluster) || !p.authority.as_deref().is_none_or(printable) {
-                return err(format!(
-                    "proxies[{i}]: cluster and authority must be 1-256 printable ASCII characters"
-                ));
+                return err(
+                    format!("peers.proxies[{i}]"),
+                    "cluster and authority must be 1-256 printable ASCII characters",
+                );
             }
         }
         if !self.path.starts_with('/')
@@ -419,50 +422,53 @@ impl PeersSection {
                 .bytes()
                 .all(|b| b.is_ascii_graphic() && b != b'?' && b != b'#')
         {
-            return err(format!(
-                "path: {:?} must start with '/' and be up to 256 printable characters without '?' or '#'",
-                self.path
-            ));
+            return err(
+                "peers.path",
+                format!(
+                    "{:?} must start with '/' and be up to 256 printable characters without '?' or '#'",
+                    self.path
+                ),
+            );
         }
         if self.token.len() < 16
             || self.token.len() > 256
             || !self.token.bytes().all(|b| b.is_ascii_graphic())
         {
-            return err("token: must be 16-256 printable ASCII characters".into());
+            return err("peers.token", "must be 16-256 printable ASCII characters");
         }
         if !valid_header(&self.token_header) {
-            return err(format!(
-                "token_header: {:?} must be a lowercase header name",
-                self.token_header
-            ));
+            return err(
+                "peers.token_header",
+                format!("{:?} must be a lowercase header name", self.token_header),
+            );
         }
         if self.poll_ms < tick_ms || self.poll_ms > 60_000 {
-            return err(format!(
-                "poll_ms: must be tick_ms ({tick_ms})..=60000, got {}",
-                self.poll_ms
-            ));
+            return err(
+                "peers.poll_ms",
+                format!("must be tick_ms ({tick_ms})..=60000, got {}", self.poll_ms),
+            );
         }
         if self.timeout_ms == 0 {
-            return err("timeout_ms: must be positive".into());
+            return err("peers.timeout_ms", "must be positive");
         }
         if !(64..=1 << 30).contains(&self.max_response_bytes) {
-            return err(format!(
-                "max_response_bytes: must be 64..=1073741824, got {}",
-                self.max_response_bytes
-            ));
+            return err(
+                "peers.max_response_bytes",
+                format!("must be 64..=1073741824, got {}", self.max_response_bytes),
+            );
         }
         Ok(())
     }
 }
 
-/// A refused configuration, with a message that names the problem.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError(pub String);
+/// A refused configuration is the routing core's [`ConfigError`], its field named by the dotted path
+/// from the plugin configuration's root (`replicas[0].endpoint`), so the filter, `kvsteer-check` and
+/// the routing core refuse with one type.
+pub use kvsteer_core::ConfigError;
 
-impl core::fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.write_str(&self.0)
-    }
+/// Refuses the plugin configuration's `field`: printed `field: message`.
+fn err<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError::at(field, message))
 }
 
 fn valid_name(s: &str) -> bool {
@@ -482,7 +488,7 @@ fn valid_header(s: &str) -> bool {
 impl FilterConfig {
     pub fn from_json(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
         let mut cfg: FilterConfig = serde_json::from_slice(bytes)
-            .map_err(|e| ConfigError(format!("plugin configuration: {e}")))?;
+            .map_err(|e| ConfigError::at("plugin configuration", e.to_string()))?;
         cfg.validate()?;
         cfg.expand_ranks()?;
         Ok(cfg)
@@ -506,7 +512,7 @@ impl FilterConfig {
         }
         let ranks: Vec<u32> = self.replicas.iter().map(|r| r.dp_ranks).collect();
         let units = kvsteer_core::dp::Units::new(&ranks, MAX_UNITS)
-            .map_err(|e| ConfigError(format!("replicas: {e}")))?;
+            .map_err(|e| ConfigError::at("replicas", e.to_string()))?;
         let mut out = Vec::with_capacity(units.len());
         for u in units.iter() {
             let mut r = self.replicas[u.endpoint].clone();
@@ -514,20 +520,23 @@ impl FilterConfig {
                 r.name = format!("{}_dp{rank}", r.name);
                 r.rank = Some(rank);
                 if !valid_name(&r.name) {
-                    return Err(ConfigError(format!(
-                        "replicas[{}].name: {:?} with its rank suffix is over 64 characters",
-                        u.endpoint, r.name
-                    )));
+                    return err(
+                        format!("replicas[{}].name", u.endpoint),
+                        format!("{:?} with its rank suffix is over 64 characters", r.name),
+                    );
                 }
             }
             out.push(r);
         }
         for (i, r) in out.iter().enumerate() {
             if out[..i].iter().any(|o| o.name == r.name) {
-                return Err(ConfigError(format!(
-                    "replicas: the name {:?} is given twice once DP ranks are expanded",
-                    r.name
-                )));
+                return err(
+                    "replicas",
+                    format!(
+                        "the name {:?} is given twice once DP ranks are expanded",
+                        r.name
+                    ),
+                );
             }
         }
         self.replicas = out;
@@ -540,9 +549,8 @@ impl FilterConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let err = |m: String| Err(ConfigError(m));
         if self.replicas.is_empty() {
-            return err("replicas: at least one replica is required".into());
+            return err("replicas", "at least one replica is required");
         }
         if let Some((i, r)) = self
             .replicas
@@ -550,73 +558,83 @@ impl FilterConfig {
             .enumerate()
             .find(|(_, r)| r.dp_ranks == 0 || r.dp_ranks > kvsteer_core::dp::MAX_DP_RANKS)
         {
-            return err(format!(
-                "replicas[{i}].dp_ranks: must be 1..={}, got {}",
-                kvsteer_core::dp::MAX_DP_RANKS,
-                r.dp_ranks
-            ));
+            return err(
+                format!("replicas[{i}].dp_ranks"),
+                format!(
+                    "must be 1..={}, got {}",
+                    kvsteer_core::dp::MAX_DP_RANKS,
+                    r.dp_ranks
+                ),
+            );
         }
         let units: u64 = self.replicas.iter().map(|r| r.dp_ranks as u64).sum();
         if units > MAX_UNITS as u64 {
-            return err(format!(
-                "replicas: at most {MAX_UNITS} routing units (replicas x dp_ranks), got {units}"
-            ));
+            return err(
+                "replicas",
+                format!("at most {MAX_UNITS} routing units (replicas x dp_ranks), got {units}"),
+            );
         }
         if self.replicas.len() > 256 {
-            return err(format!(
-                "replicas: at most 256, got {}",
-                self.replicas.len()
-            ));
+            return err(
+                "replicas",
+                format!("at most 256, got {}", self.replicas.len()),
+            );
         }
         for (i, r) in self.replicas.iter().enumerate() {
             if !valid_name(&r.name) {
-                return err(format!(
-                    "replicas[{i}].name: {:?} must be 1-64 of [A-Za-z0-9._-]",
-                    r.name
-                ));
+                return err(
+                    format!("replicas[{i}].name"),
+                    format!("{:?} must be 1-64 of [A-Za-z0-9._-]", r.name),
+                );
             }
             if self.replicas[..i].iter().any(|o| o.name == r.name) {
-                return err(format!("replicas[{i}].name: duplicate {:?}", r.name));
+                return err(
+                    format!("replicas[{i}].name"),
+                    format!("duplicate {:?}", r.name),
+                );
             }
             if r.endpoint.parse::<std::net::SocketAddr>().is_err() {
-                return err(format!(
-                    "replicas[{i}].endpoint: {:?} is not IP:port",
-                    r.endpoint
-                ));
+                return err(
+                    format!("replicas[{i}].endpoint"),
+                    format!("{:?} is not IP:port", r.endpoint),
+                );
             }
             match self.output {
                 OutputMode::NginxVariable => {
                     if r.feed_address.is_none() {
-                        return err(format!(
-                            "replicas[{i}].feed_address: required in nginx_variable mode"
-                        ));
+                        return err(
+                            format!("replicas[{i}].feed_address"),
+                            "required in nginx_variable mode",
+                        );
                     }
                 }
                 _ => {
                     if r.feed_cluster.as_deref().is_none_or(str::is_empty) {
-                        return err(format!("replicas[{i}].feed_cluster: required with Envoy"));
+                        return err(format!("replicas[{i}].feed_cluster"), "required with Envoy");
                     }
                 }
             }
             let Some(role) = Role::parse(&r.role) else {
-                return err(format!(
-                    "replicas[{i}].role: {:?} must be prefill, decode or both",
-                    r.role
-                ));
+                return err(
+                    format!("replicas[{i}].role"),
+                    format!("{:?} must be prefill, decode or both", r.role),
+                );
             };
             if self.disaggregated()
                 && role.prefills()
                 && r.prefill_cluster.as_deref().is_none_or(str::is_empty)
             {
-                return err(format!(
-                    "replicas[{i}].prefill_cluster: required for a replica that prefills in a \
-                     fleet with roles (the prefill leg is a callout to this cluster)"
-                ));
+                return err(
+                    format!("replicas[{i}].prefill_cluster"),
+                    "required for a replica that prefills in a fleet with roles (the prefill leg \
+                     is a callout to this cluster)",
+                );
             }
             if self.output == OutputMode::ClusterHeader && r.cluster.is_none() {
-                return err(format!(
-                    "replicas[{i}].cluster: required in cluster_header mode"
-                ));
+                return err(
+                    format!("replicas[{i}].cluster"),
+                    "required in cluster_header mode",
+                );
             }
         }
         for (field, value) in [
@@ -626,57 +644,67 @@ impl FilterConfig {
             ("rank_header", &self.rank_header),
         ] {
             if !valid_header(value) {
-                return err(format!(
-                    "{field}: {value:?} must be a lowercase header name"
-                ));
+                return err(field, format!("{value:?} must be a lowercase header name"));
             }
         }
         if self.tick_ms == 0 || self.tick_ms > 60_000 {
-            return err(format!("tick_ms: must be 1..=60000, got {}", self.tick_ms));
+            return err(
+                "tick_ms",
+                format!("must be 1..=60000, got {}", self.tick_ms),
+            );
         }
         if self.feed_backoff_max_ms > 3_600_000 {
-            return err(format!(
-                "feed_backoff_max_ms: must be at most 3600000, got {}",
-                self.feed_backoff_max_ms
-            ));
+            return err(
+                "feed_backoff_max_ms",
+                format!("must be at most 3600000, got {}", self.feed_backoff_max_ms),
+            );
         }
         if self.feed_period_ms < self.tick_ms {
-            return err(format!(
-                "feed_period_ms: must be at least tick_ms ({}), got {}",
-                self.tick_ms, self.feed_period_ms
-            ));
+            return err(
+                "feed_period_ms",
+                format!(
+                    "must be at least tick_ms ({}), got {}",
+                    self.tick_ms, self.feed_period_ms
+                ),
+            );
         }
         if self.feed_timeout_ms == 0 {
-            return err("feed_timeout_ms: must be positive".into());
+            return err("feed_timeout_ms", "must be positive");
         }
         if self.feed_max_events == 0 {
-            return err("feed_max_events: must be positive".into());
+            return err("feed_max_events", "must be positive");
         }
         if !(kvsteer_core::feed::HEADER_LEN..=1 << 30).contains(&self.feed_max_bytes) {
-            return err(format!(
-                "feed_max_bytes: must be {}..=1073741824, got {}",
-                kvsteer_core::feed::HEADER_LEN,
-                self.feed_max_bytes
-            ));
+            return err(
+                "feed_max_bytes",
+                format!(
+                    "must be {}..=1073741824, got {}",
+                    kvsteer_core::feed::HEADER_LEN,
+                    self.feed_max_bytes
+                ),
+            );
         }
         if self.feed_apply_blocks_per_tick == 0 {
-            return err("feed_apply_blocks_per_tick: must be positive".into());
+            return err("feed_apply_blocks_per_tick", "must be positive");
         }
         if self.stale_after_failures == 0 {
-            return err("stale_after_failures: must be positive".into());
+            return err("stale_after_failures", "must be positive");
         }
         if !valid_name(&self.shared_key_prefix) {
-            return err(format!(
-                "shared_key_prefix: {:?} must be 1-64 of [A-Za-z0-9._-]",
-                self.shared_key_prefix
-            ));
+            return err(
+                "shared_key_prefix",
+                format!(
+                    "{:?} must be 1-64 of [A-Za-z0-9._-]",
+                    self.shared_key_prefix
+                ),
+            );
         }
         if !self.feed_path_prefix.is_empty() && !self.feed_path_prefix.starts_with('/') {
-            return err("feed_path_prefix: must start with '/'".into());
+            return err("feed_path_prefix", "must start with '/'");
         }
         self.routing
             .validate()
-            .map_err(|e| ConfigError(format!("routing: {e}")))?;
+            .map_err(|e| ConfigError::at("routing", e.to_string()))?;
         self.validate_admission()?;
         self.validate_pd()?;
         if let Some(p) = &self.peers {
@@ -685,10 +713,9 @@ impl FilterConfig {
         #[cfg(not(feature = "tokenizer"))]
         if self.tokenizer.is_some() {
             return err(
-                "tokenizer: this kvsteer_filter.wasm is the lean build, without the \
-                 `tokenizer` cargo feature (no vocabulary or chat templates): use the full build \
-                 or remove the section"
-                    .into(),
+                "tokenizer",
+                "this kvsteer_filter.wasm is the lean build, without the `tokenizer` cargo feature \
+                 (no vocabulary or chat templates): use the full build or remove the section",
             );
         }
         Ok(())
@@ -698,14 +725,13 @@ impl FilterConfig {
     /// the priority header must not be one the filter writes or reads for something else: removing
     /// an untrusted copy would remove the filter's own.
     fn validate_admission(&self) -> Result<(), ConfigError> {
-        let err = |m: String| Err(ConfigError(m));
         let Some(a) = &self.routing.admission else {
             return Ok(());
         };
         if self.disaggregated() {
             return err(
-                "routing.admission: not supported in a prefill/decode fleet (replicas with roles)"
-                    .into(),
+                "routing.admission",
+                "not supported in a prefill/decode fleet (replicas with roles)",
             );
         }
         if let Some(h) = &a.priority_header {
@@ -717,9 +743,10 @@ impl FilterConfig {
             ];
             for (field, name) in taken {
                 if name.eq_ignore_ascii_case(h) {
-                    return err(format!(
-                        "routing.admission.priority_header: {h:?} is already {field}"
-                    ));
+                    return err(
+                        "routing.admission.priority_header",
+                        format!("{h:?} is already {field}"),
+                    );
                 }
             }
         }
@@ -776,19 +803,21 @@ impl FilterConfig {
     }
 
     fn validate_pd(&self) -> Result<(), ConfigError> {
-        let err = |m: String| Err(ConfigError(m));
         let p = &self.pd;
         if !(1..=600_000).contains(&p.prefill_timeout_ms) {
-            return err(format!(
-                "pd.prefill_timeout_ms: must be 1..=600000, got {}",
-                p.prefill_timeout_ms
-            ));
+            return err(
+                "pd.prefill_timeout_ms",
+                format!("must be 1..=600000, got {}", p.prefill_timeout_ms),
+            );
         }
         if !(1024..=64 << 20).contains(&p.max_prefill_response_bytes) {
-            return err(format!(
-                "pd.max_prefill_response_bytes: must be 1024..=67108864, got {}",
-                p.max_prefill_response_bytes
-            ));
+            return err(
+                "pd.max_prefill_response_bytes",
+                format!(
+                    "must be 1024..=67108864, got {}",
+                    p.max_prefill_response_bytes
+                ),
+            );
         }
         for (field, v) in [
             ("prefill_queue_weight", p.prefill_queue_weight),
@@ -796,7 +825,10 @@ impl FilterConfig {
             ("active_request_weight", p.active_request_weight),
         ] {
             if !v.is_finite() || v < 0.0 {
-                return err(format!("pd.{field}: must be a finite number >= 0, got {v}"));
+                return err(
+                    format!("pd.{field}"),
+                    format!("must be a finite number >= 0, got {v}"),
+                );
             }
         }
         if !self.disaggregated() {
@@ -804,17 +836,23 @@ impl FilterConfig {
         }
         if self.output == OutputMode::NginxVariable {
             return err(
-                "replicas[].role: prefill/decode roles need Envoy (output destination_header or \
-                 cluster_header); nginx_variable mode has no prefill leg"
-                    .into(),
+                "replicas[].role",
+                "prefill/decode roles need Envoy (output destination_header or cluster_header); \
+                 nginx_variable mode has no prefill leg",
             );
         }
         let roles = self.roles();
         if !roles.iter().any(|r| r.prefills()) {
-            return err("replicas[].role: a fleet with roles needs a replica that prefills".into());
+            return err(
+                "replicas[].role",
+                "a fleet with roles needs a replica that prefills",
+            );
         }
         if !roles.iter().any(|r| r.decodes()) {
-            return err("replicas[].role: a fleet with roles needs a replica that decodes".into());
+            return err(
+                "replicas[].role",
+                "a fleet with roles needs a replica that decodes",
+            );
         }
         Ok(())
     }

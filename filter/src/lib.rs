@@ -17,7 +17,7 @@
 
 pub mod config;
 pub mod exchange;
-pub mod pd;
+pub mod leg_bodies;
 pub mod relay;
 pub mod router_state;
 pub mod sse;

@@ -10,7 +10,7 @@
 //! - [`workers`]: this worker's number and the load, health and working set shared with the others;
 //! - [`exchange`]: the working-set exchange with other proxies (`peers`);
 //! - [`health`]: request outcomes and health probes;
-//! - [`pd`]: prefill/decode requests split into two legs;
+//! - [`leg_booking`]: prefill/decode requests split into two legs;
 //! - [`output`]: where and how a decision is written for the proxy.
 
 /// The VM's tokenizer as the core reads a prompt with it; none in the lean build, where a
@@ -35,22 +35,22 @@ mod failures;
 mod feeds;
 mod follow;
 mod health;
+mod leg_booking;
 mod output;
-mod pd;
 mod workers;
 
 pub use budget::FEED_MIN_SLICE;
 pub use failures::{FeedFailure, proxy_could_not_connect, proxy_timed_out};
 pub use feeds::{FeedPoll, FeedResult, FeedState};
 pub use health::{Origin, answer_outcome};
+pub use leg_booking::PdRoute;
 pub use output::{DecisionOutput, Destinations};
-pub use pd::PdRoute;
 pub use workers::WORKING_SET_KEEP_TICKS;
 
 use crate::config::{ConfigError, FilterConfig};
 use crate::exchange::Exchange;
 use kvsteer_core::admission::{self, Admission, Class, Shed, Verdict};
-use kvsteer_core::pd::{PdParams, Role};
+use kvsteer_core::disaggregation::{PdParams, Role};
 use kvsteer_core::request::EarlyScan;
 use kvsteer_core::router::{Decision, Router, RouterStats};
 #[cfg(feature = "tokenizer")]
@@ -155,10 +155,20 @@ pub struct RouterState {
     priority_headers_removed: u64,
 }
 
+/// The tokenizer's refusal as the plugin configuration's: the tokenizer writes `field: message`
+/// with the field relative to its own section, which is `tokenizer` here.
+#[cfg(feature = "tokenizer")]
+fn tokenizer_error(e: String) -> ConfigError {
+    match e.split_once(": ") {
+        Some((field, message)) => ConfigError::at(format!("tokenizer.{field}"), message),
+        None => ConfigError::at("tokenizer", e),
+    }
+}
+
 impl RouterState {
     pub fn new(cfg: FilterConfig) -> Result<RouterState, ConfigError> {
         let mut router = Router::new(cfg.routing.clone(), cfg.replicas.len())
-            .map_err(|e| ConfigError(format!("routing: {e}")))?;
+            .map_err(|e| ConfigError::at("routing", e.to_string()))?;
         // The ranks of one endpoint share its address: a retry backup is taken from another one.
         router.set_address_groups(
             cfg.replicas
@@ -174,9 +184,7 @@ impl RouterState {
         let feeds = vec![FeedState::default(); cfg.replicas.len()];
         #[cfg(feature = "tokenizer")]
         let tokenizer = match &cfg.tokenizer {
-            Some(t) => {
-                Some(TextTokenizer::new(t).map_err(|e| ConfigError(format!("tokenizer.{e}")))?)
-            }
+            Some(t) => Some(TextTokenizer::new(t).map_err(tokenizer_error)?),
             None => None,
         };
         let destinations = Destinations::new(&cfg);
@@ -667,7 +675,7 @@ mod tests {
         assert!(worker("kv_load").tokenizer.is_none());
         let bad = json.replace("kvsteer_sim", "nope");
         let e = RouterState::new(FilterConfig::from_json(bad.as_bytes()).unwrap()).err();
-        assert!(e.unwrap().0.contains("tokenizer.chat_template"));
+        assert!(e.unwrap().to_string().contains("tokenizer.chat_template"));
         let typo = json.replace("\"vocabulary\"", "\"vocab\"");
         assert!(FilterConfig::from_json(typo.as_bytes()).is_err());
     }

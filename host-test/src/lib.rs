@@ -18,12 +18,12 @@ pub mod abi;
 pub mod artifact;
 pub mod bench;
 pub mod byte_pass;
+pub mod disaggregated_fleet;
 pub mod harness;
 pub mod host;
 mod module_cache;
 pub mod openai;
 pub mod oracle;
-pub mod pd;
 mod wasi;
 
 pub use abi::{Action, LogLevel, Pairs, Status};

@@ -16,11 +16,16 @@
 use crate::feed_log::FeedLog;
 use crate::kv::KvCache;
 use crate::output::{OutputLen, mix64, output_token};
-use crate::profile::{Profile, StepWork, attn_pairs};
+use crate::profile::Profile;
 use hashbrown::HashMap;
 use kvsteer_core::block::{BlockHasher, SeqHash};
 use kvsteer_core::feed::{FeedBatch, FeedQuery, ReplicaLoad};
 use std::collections::VecDeque;
+
+mod stats;
+mod step;
+
+pub use stats::{EngineStats, Histogram, ITL_BUCKETS, TTFT_BUCKETS};
 
 /// Engine configuration. [`EngineConfig::default`] is Llama-3.1-8B on one H100 with vLLM's defaults.
 #[derive(Clone, Debug, PartialEq)]
@@ -182,87 +187,6 @@ impl EngineEvent {
             EngineEvent::FirstToken { id, .. }
             | EngineEvent::Token { id, .. }
             | EngineEvent::Finished { id, .. } => *id,
-        }
-    }
-}
-
-/// Prometheus-style histogram with fixed upper bounds (seconds).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Histogram {
-    pub bounds: &'static [f64],
-    /// Count per bucket (non-cumulative); one extra for +Inf.
-    pub counts: Vec<u64>,
-    pub sum: f64,
-    pub count: u64,
-}
-
-/// vLLM's `time_to_first_token_seconds` buckets.
-pub const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-];
-/// vLLM's `inter_token_latency_seconds` buckets.
-pub const ITL_BUCKETS: &[f64] = &[
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0,
-];
-
-impl Histogram {
-    pub fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            counts: vec![0; bounds.len() + 1],
-            sum: 0.0,
-            count: 0,
-        }
-    }
-
-    pub fn observe(&mut self, v: f64) {
-        let i = self.bounds.partition_point(|b| *b < v);
-        self.counts[i] += 1;
-        self.sum += v;
-        self.count += 1;
-    }
-}
-
-/// Counters the engine keeps for `/metrics` (cumulative across restarts).
-#[derive(Clone, Debug, PartialEq)]
-pub struct EngineStats {
-    pub prompt_tokens: u64,
-    pub generation_tokens: u64,
-    /// Prompt tokens looked up in the prefix cache (vLLM `prefix_cache_queries`).
-    pub prefix_cache_queries: u64,
-    /// Of those, tokens found (vLLM `prefix_cache_hits`), host-tier hits included.
-    pub prefix_cache_hits: u64,
-    pub preemptions: u64,
-    pub steps: u64,
-    pub finished_length: u64,
-    pub finished_stop: u64,
-    pub finished_abort: u64,
-    pub ttft: Histogram,
-    pub itl: Histogram,
-    /// Requests submitted with remote KV ([`Engine::submit_remote`]) and the prompt tokens read for
-    /// them over the link.
-    pub remote_prefill_requests: u64,
-    pub remote_prefill_tokens: u64,
-}
-
-impl Default for EngineStats {
-    fn default() -> Self {
-        Self {
-            prompt_tokens: 0,
-            generation_tokens: 0,
-            prefix_cache_queries: 0,
-            prefix_cache_hits: 0,
-            preemptions: 0,
-            steps: 0,
-            finished_length: 0,
-            finished_stop: 0,
-            finished_abort: 0,
-            ttft: Histogram::new(TTFT_BUCKETS),
-            itl: Histogram::new(ITL_BUCKETS),
-            remote_prefill_requests: 0,
-            remote_prefill_tokens: 0,
         }
     }
 }
@@ -587,7 +511,7 @@ impl Engine {
         &mut self,
         now_us: u64,
         req: EngineRequest,
-        link: &crate::pd::KvLink,
+        link: &crate::kv_link::KvLink,
     ) -> Result<u64, SubmitError> {
         let now_us = now_us.max(self.now_us);
         let hashes = self.prompt_hashes(&req.prompt);
@@ -837,203 +761,5 @@ impl Engine {
 
     fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.cfg.block_size)
-    }
-
-    /// Schedules the next step starting at `start_us` (or goes idle when there is no work).
-    fn plan(&mut self, start_us: u64) {
-        let mut work = std::mem::take(&mut self.scratch);
-        work.clear();
-        let mut budget = self.cfg.max_batch_tokens as usize;
-        let mut w = StepWork::default();
-        let mut preempted = false;
-
-        // Running sequences first, in admission order.
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let slot = self.running[i];
-            let (computed, total, held) = {
-                let s = self.seq(slot);
-                (s.computed, s.tokens.len(), s.blocks.len())
-            };
-            let n = (total - computed).min(budget);
-            let need = self.blocks_for(computed + n).saturating_sub(held);
-            let mut scheduled = true;
-            loop {
-                let mut blocks = std::mem::take(&mut self.seq_mut(slot).blocks);
-                let ok = self.kv.allocate(need, &mut blocks, &mut self.log);
-                self.seq_mut(slot).blocks = blocks;
-                if ok {
-                    break;
-                }
-                preempted = true;
-                match self.preempt_last() {
-                    Some(v) if v == slot => {
-                        scheduled = false;
-                        break;
-                    }
-                    Some(_) => {}
-                    None => {
-                        scheduled = false;
-                        break;
-                    }
-                }
-            }
-            if !scheduled {
-                break;
-            }
-            let s = self.seq(slot);
-            self.account(&mut w, s, n);
-            work.push((slot, s.id, n as u32));
-            budget -= n;
-            i += 1;
-        }
-
-        // Then waiting requests, FCFS, unless this step had to preempt.
-        while !preempted
-            && budget > 0
-            && self.running.len() < self.cfg.max_running as usize
-            && let Some(pos) = self.waiting.iter().position(|&s| {
-                // A request whose KV read has not ended is passed over, as vLLM's scheduler skips
-                // those waiting for remote KV; the rest keep FCFS order.
-                self.slots[s as usize]
-                    .as_ref()
-                    .and_then(|q| q.remote_ready_us)
-                    .is_none_or(|t| t <= start_us)
-            })
-        {
-            let slot = self.waiting[pos];
-            let bs = self.cfg.block_size;
-            let s = self.seq(slot);
-            let total = s.tokens.len();
-            let remote = s.remote_ready_us.is_some();
-            // Never hit the whole sequence: the last token is always computed to sample from it.
-            let max_hit = (total - 1) / bs;
-            let hit = self.kv.lookup(&s.hashes, max_hit);
-            let hit_blocks = hit.gpu_blocks + hit.host_blocks;
-            let cached = hit_blocks * bs;
-            // After a remote read every prompt token but the last is there.
-            let start = if remote { total - 1 } else { cached };
-            let n = (total - start).min(budget);
-            let need = self.blocks_for(start + n) - hit.gpu_blocks;
-            let taken_free = self.kv.free_among_hits(&s.hashes, hit.gpu_blocks);
-            if self.kv.free_blocks() < need + taken_free {
-                break;
-            }
-            self.waiting.remove(pos);
-            let mut blocks = std::mem::take(&mut self.seq_mut(slot).blocks);
-            let hashes = std::mem::take(&mut self.seq_mut(slot).hashes);
-            self.kv.take_hits(&hashes, hit, &mut blocks);
-            let ok = self.kv.allocate(need, &mut blocks, &mut self.log);
-            debug_assert!(ok, "free blocks were checked");
-            let s = self.seq_mut(slot);
-            s.hashes = hashes;
-            s.blocks = blocks;
-            s.computed = start;
-            s.registered = hit.gpu_blocks;
-            s.remote_ready_us = None;
-            if s.cached_tokens.is_none() {
-                s.cached_tokens = Some(cached as u32);
-            }
-            w.host_load_tokens += (hit.host_blocks * bs) as u64;
-            self.stats.prefix_cache_queries += total as u64;
-            self.stats.prefix_cache_hits += cached as u64;
-            self.running.push(slot);
-            let s = self.seq(slot);
-            self.account(&mut w, s, n);
-            work.push((slot, s.id, n as u32));
-            budget -= n;
-        }
-
-        if work.is_empty() {
-            self.scratch = work;
-            self.step = None;
-            return;
-        }
-        let dur = (self.cfg.profile.step_us(&w) * self.slowdown)
-            .round()
-            .max(1.0) as u64;
-        self.step = Some(Step {
-            end_us: start_us.saturating_add(dur),
-            work,
-        });
-    }
-
-    fn account(&self, w: &mut StepWork, s: &Seq, n: usize) {
-        w.seqs += 1;
-        if s.decoding() {
-            w.decode_seqs += 1;
-            w.decode_kv_tokens += s.computed as u64;
-        } else {
-            w.prefill_tokens += n as u64;
-            w.prefill_attn_pairs += attn_pairs(s.computed as u64, n as u64);
-        }
-    }
-
-    fn complete_step(&mut self, out: &mut Vec<EngineEvent>) {
-        let Some(step) = self.step.take() else {
-            return;
-        };
-        let t = step.end_us;
-        self.stats.steps += 1;
-        let bs = self.cfg.block_size;
-        let seed = self.cfg.seed;
-        let mut finished = false;
-        for &(slot, id, n) in &step.work {
-            let Some(seq) = self.slots[slot as usize].as_mut() else {
-                continue;
-            };
-            if seq.id != id {
-                continue;
-            }
-            seq.computed += n as usize;
-            let full = (seq.computed / bs).min(seq.hashes.len());
-            while seq.registered < full {
-                let i = seq.registered;
-                self.kv
-                    .register(seq.blocks[i], seq.hashes[i], &mut self.log);
-                seq.registered += 1;
-            }
-            if seq.computed < seq.tokens.len() {
-                continue;
-            }
-            let token = output_token(seed, seq.id, seq.generated);
-            seq.tokens.push(token);
-            seq.generated += 1;
-            if seq.tokens.len().is_multiple_of(bs) {
-                let parent = seq.hashes.last().map(|&h| SeqHash(h));
-                let mut h = Vec::with_capacity(1);
-                self.hasher
-                    .extend_sequence(parent, &seq.tokens[seq.tokens.len() - bs..], &mut h);
-                seq.hashes.push(h[0].0);
-            }
-            self.stats.generation_tokens += 1;
-            if seq.generated == 1 {
-                self.stats.ttft.observe((t - seq.arrival_us) as f64 / 1e6);
-                out.push(EngineEvent::FirstToken {
-                    id,
-                    t_us: t,
-                    cached_tokens: seq.cached_tokens.unwrap_or(0),
-                    token,
-                });
-            } else {
-                self.stats.itl.observe((t - seq.last_token_us) as f64 / 1e6);
-                out.push(EngineEvent::Token { id, t_us: t, token });
-            }
-            seq.last_token_us = t;
-            if seq.generated >= seq.target {
-                let reason = if seq.generated >= seq.max_tokens {
-                    FinishReason::Length
-                } else {
-                    FinishReason::Stop
-                };
-                self.finish(slot, t, reason, Some(out));
-                finished = true;
-            }
-        }
-        if finished {
-            let slots = &self.slots;
-            self.running.retain(|&s| slots[s as usize].is_some());
-        }
-        self.scratch = step.work;
     }
 }

@@ -10,8 +10,8 @@ pub mod dp;
 pub mod engine;
 pub mod feed_log;
 pub mod kv;
+pub mod kv_link;
 pub mod output;
-pub mod pd;
 pub mod profile;
 pub mod tokenize;
 

@@ -22,7 +22,9 @@ fn defaults_fill_in() {
 }
 
 fn refused(json: &str) -> String {
-    FilterConfig::from_json(json.as_bytes()).unwrap_err().0
+    FilterConfig::from_json(json.as_bytes())
+        .unwrap_err()
+        .to_string()
 }
 
 fn with_peers(peers: &str) -> String {
@@ -351,13 +353,13 @@ fn admission_is_checked_against_the_rest_of_the_configuration() {
     assert!(with(r#""routing":{"admission":{"priority_header":"x-priority"}}"#).is_ok());
     let e = with(r#""routing":{"admission":{"priority_header":"x-gateway-destination-endpoint"}}"#)
         .unwrap_err();
-    assert!(e.0.contains("already destination_header"), "{}", e.0);
+    assert!(e.to_string().contains("already destination_header"), "{e}");
     let e = with(r#""routing":{"admission":{"bounds_s":{"urgent":1}}}"#).unwrap_err();
-    assert!(e.0.contains("admission.bounds_s.urgent"), "{}", e.0);
+    assert!(e.to_string().contains("admission.bounds_s.urgent"), "{e}");
     let pd = r#""replicas":[
         {"name":"p","endpoint":"127.0.0.1:8000","feed_cluster":"f0","role":"prefill","prefill_cluster":"c"},
         {"name":"d","endpoint":"127.0.0.1:8001","feed_cluster":"f1","role":"decode"}],
         "routing":{"admission":{}}"#;
     let e = FilterConfig::from_json(format!("{{{pd}}}").as_bytes()).unwrap_err();
-    assert!(e.0.contains("prefill/decode"), "{}", e.0);
+    assert!(e.to_string().contains("prefill/decode"), "{e}");
 }

@@ -6,7 +6,7 @@ use super::metrics::inc;
 use super::stream::{Phase, Stream};
 use super::{Vm, callout_status, header, host_store, log, now_ms};
 use crate::abi;
-use crate::pd::{self, LegFailure, PrefillAnswer};
+use crate::leg_bodies::{self, LegFailure, PrefillAnswer};
 use crate::router_state::PdRoute;
 use kvsteer_core::health::Outcome;
 use kvsteer_core::request::RouteRequest;
@@ -125,7 +125,7 @@ impl Stream {
                     LogLevel::Warn,
                     &format!("kvsteer: P/D request refused: {name} {why}"),
                 );
-                let err = pd::error_body(503, "prefill", name, &why);
+                let err = leg_bodies::error_body(503, "prefill", name, &why);
                 self.phase = Phase::Released;
                 Self::send_error(503, &err);
                 Action::Pause
@@ -180,7 +180,7 @@ impl Stream {
         let Some(vm) = self.vm.clone() else { return };
         let status = callout_status(num_headers);
         let max = vm.borrow().state.config().pd.max_prefill_response_bytes;
-        let answer = pd::read_prefill_answer(status, body_size, max, || {
+        let answer = leg_bodies::read_prefill_answer(status, body_size, max, || {
             abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
                 .ok()
                 .flatten()
@@ -249,7 +249,7 @@ impl Stream {
         );
         vm.state
             .rebook_prefill(prefill_id(self.id), req, backup, *matched, now);
-        let body = pd::prefill_body(&leg.client);
+        let body = leg_bodies::prefill_body(&leg.client);
         match send_prefill(vm, backup, &self.path, &body, &leg.request_id) {
             Ok(token) => {
                 self.prefill = Some(PrefillLeg {
@@ -269,7 +269,7 @@ impl Stream {
     /// The prefill leg answered: the client's request goes on as the decode leg, its body carrying
     /// the answer's `kv_transfer_params` (`None`: the answer had none), under the leg's request id.
     fn send_decode(&mut self, vm: &mut Vm, leg: PrefillLeg, params: Option<serde_json::Value>) {
-        let body = pd::decode_body(leg.client, params);
+        let body = leg_bodies::decode_body(leg.client, params);
         if replace_request_body(self.body_len, &body).is_err() {
             let why = "could not be handed to the decode leg (the proxy refused the body)";
             return self.fail_leg(vm, "decode", leg.decode.replica, why);
@@ -297,6 +297,6 @@ impl Stream {
         inc(vm.metrics.pd_prefill_failures, 1);
         self.phase = Phase::Released;
         let name = vm.state.replica_name(replica);
-        Self::send_error(502, &pd::error_body(502, leg, name, why));
+        Self::send_error(502, &leg_bodies::error_body(502, leg, name, why));
     }
 }

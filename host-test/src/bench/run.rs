@@ -199,8 +199,8 @@ pub fn routing(spec: &str) -> Result<Value, String> {
 pub fn check_spec(spec: &str) -> Result<(), String> {
     match Weights::from_spec(spec) {
         Some(w) => w.map(|_| ()),
-        // `@pd.KEY=NUMBER` parts are the P/D replay's (crate::pd), not the filter's.
-        None => routing(&crate::pd::split_pd_params(spec)?.0).map(|_| ()),
+        // `@pd.KEY=NUMBER` parts are the P/D replay's (crate::disaggregated_fleet), not the filter's.
+        None => routing(&crate::disaggregated_fleet::split_pd_params(spec)?.0).map(|_| ()),
     }
 }
 

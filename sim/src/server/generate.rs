@@ -244,7 +244,7 @@ fn submit(
     let rank = g.rank_for(now, rank_header);
     let sent = if p.remote_prefill {
         g.engines[rank]
-            .submit_remote(now, req, &crate::pd::KvLink::default())
+            .submit_remote(now, req, &crate::kv_link::KvLink::default())
             .map(|_| ())
     } else {
         g.engines[rank].submit(now, req)

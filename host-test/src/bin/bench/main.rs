@@ -39,7 +39,7 @@ use kvsteer_host_test::bench::run::{Outcome, replay_fleet};
 use kvsteer_host_test::bench::scenario::{
     Scale, Scenario, Source, dp_matrix, fixed_matrix, matrix, pd_matrix, proxy_matrix,
 };
-use kvsteer_host_test::pd::replay_pd_spec;
+use kvsteer_host_test::disaggregated_fleet::replay_pd_spec;
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
 use kvsteer_workload::{Mode, Workload};
 use report::{RunMeta, check_outputs, write_outputs};
@@ -59,7 +59,7 @@ struct Job {
 }
 
 /// One replay of the matrix through the filter: a P/D fleet through the filter's two-leg path
-/// (host-test/src/pd.rs), any other through the fleet replay; with `--rows`, its per-request rows
+/// (host-test/src/disaggregated_fleet.rs), any other through the fleet replay; with `--rows`, its per-request rows
 /// written under `rows_dir`.
 fn replay_job(
     module: &FilterModule,

@@ -1,5 +1,5 @@
 //! Prefill/decode disaggregation (docs/design/pd.md): a request split into a prefill and a decode
-//! leg, each booked on its own replica; the bodies themselves are [`crate::pd`]'s.
+//! leg, each booked on its own replica; the bodies themselves are [`crate::leg_bodies`]'s.
 
 use super::{BodyFallback, RouterState};
 use kvsteer_core::request::RouteRequest;
@@ -50,7 +50,7 @@ impl RouterState {
     /// A fresh `x-request-id` for both legs of one P/D request.
     pub fn next_pd_request_id(&mut self) -> String {
         self.pd_requests += 1;
-        crate::pd::request_id(self.pd_nonce, self.pd_requests)
+        crate::leg_bodies::request_id(self.pd_nonce, self.pd_requests)
     }
 
     /// Routes a P/D request: reads it, picks both ends (`Router::route_pd`) and books both legs, or
@@ -67,9 +67,9 @@ impl RouterState {
     ) -> PdRoute {
         let whole = |s: &mut Self, why: BodyFallback| {
             let decision = s.route_fallback(decode_id, why, body.len(), now_ms);
-            let body = crate::pd::client_request(body)
-                .filter(|m| m.contains_key(crate::pd::KV_TRANSFER_PARAMS))
-                .map(|m| crate::pd::decode_body(m, None));
+            let body = crate::leg_bodies::client_request(body)
+                .filter(|m| m.contains_key(crate::leg_bodies::KV_TRANSFER_PARAMS))
+                .map(|m| crate::leg_bodies::decode_body(m, None));
             PdRoute::Whole { decision, body }
         };
         if body.len() > self.cfg.routing.max_body_bytes {
@@ -80,7 +80,7 @@ impl RouterState {
             Ok(r) => r,
             Err(_) => return whole(self, BodyFallback::Unreadable),
         };
-        let Some(client) = crate::pd::client_request(body) else {
+        let Some(client) = crate::leg_bodies::client_request(body) else {
             return whole(self, BodyFallback::Unreadable);
         };
         let d = match self
@@ -109,7 +109,7 @@ impl RouterState {
         PdRoute::Legs {
             prefill: d.prefill,
             decode,
-            prefill_body: crate::pd::prefill_body(&client),
+            prefill_body: crate::leg_bodies::prefill_body(&client),
             client,
             prefill_matched_tokens: d.prefill_matched_tokens,
             prefill_backup: d

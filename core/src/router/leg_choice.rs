@@ -1,14 +1,14 @@
-//! Prefill/decode disaggregation (crate::pd, docs/design/pd.md): both legs of a request chosen,
+//! Prefill/decode disaggregation (crate::disaggregation, docs/design/pd.md): both legs of a request chosen,
 //! the decode leg as a proxy's destination, a body that cannot be split, and both legs booked.
 
 use super::{Decision, Router};
 use crate::config::PolicyKind;
-use crate::pd::{self, PdDecision, PdError, PdParams, Role, round_robin_among};
+use crate::disaggregation::{self, PdDecision, PdError, PdParams, Role, round_robin_among};
 use crate::policy::{argmin_random_tie, least_load, masked, pick_lowest};
 use crate::request::RouteRequest;
 
 impl Router {
-    /// Chooses both ends of a P/D request (crate::pd, docs/design/pd.md): a prefill replica among those
+    /// Chooses both ends of a P/D request (crate::disaggregation, docs/design/pd.md): a prefill replica among those
     /// whose role prefills, a decode replica among those whose role decodes. Replicas down or
     /// ejected are avoided while the side has another. Does not admit: call [`Router::admit_pd`].
     pub fn route_pd(
@@ -55,8 +55,16 @@ impl Router {
         } else {
             let eff = self.effective_load();
             let in_time = self.load.accounting().prefill_in_time;
-            let pc = pd::prefill_costs(request_blocks, bs, &overlap, &eff, roles, params, in_time);
-            let dc = pd::decode_costs(request_blocks, &overlap, &eff, roles, params);
+            let pc = disaggregation::prefill_costs(
+                request_blocks,
+                bs,
+                &overlap,
+                &eff,
+                roles,
+                params,
+                in_time,
+            );
+            let dc = disaggregation::decode_costs(request_blocks, &overlap, &eff, roles, params);
             let p = argmin_random_tie(&masked(&pc, &p_avoided), &mut self.rng);
             let d = argmin_random_tie(&masked(&dc, &d_avoided), &mut self.rng);
             (p, d, pc, dc)

@@ -21,9 +21,9 @@ use crate::{
     CallOutcome, Callout, FilterModule, HarnessStats, HostError, HostMode, Proxy, ProxyOptions,
     WorkerVm,
 };
+use kvsteer_core::disaggregation::{PdParams, Role};
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedQuery};
-use kvsteer_core::pd::{PdParams, Role};
-use kvsteer_sim::pd::KvLink;
+use kvsteer_sim::kv_link::KvLink;
 use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest, FinishReason};
 use kvsteer_workload::{Driver, Mode, Recorder, Workload};
 use serde_json::{Value, json};
