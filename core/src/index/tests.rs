@@ -347,3 +347,31 @@ fn out_of_range_replica_is_ignored() {
     ix.remove_replica(7);
     assert!(ix.is_empty());
 }
+
+/// A prefix every replica holds (the system prompt of a large fleet) costs each extra holder a
+/// couple of bytes (its packed `u16` in the block's overflow list, the list's spare capacity and
+/// its share of the list's header), not a copy of the block: measured from the index's own
+/// accounting, which the filter's memory bound is built on.
+#[test]
+fn a_prefix_held_by_128_replicas_costs_a_few_bytes_per_holder() {
+    let blocks: Vec<u64> = (1..=1_000).collect();
+    let mut one = KvIndex::new(10_000, 128, 5);
+    let empty = one.heap_bytes();
+    one.store(0, Tier::Gpu, &blocks);
+    let held_once = one.heap_bytes() - empty;
+    let mut all = KvIndex::new(10_000, 128, 5);
+    for r in 0..128 {
+        all.store(r, Tier::Gpu, &blocks);
+    }
+    all.check_invariants().unwrap();
+    let extra = all.heap_bytes() - empty - held_once;
+    let per_holder = extra as f64 / (127.0 * blocks.len() as f64);
+    eprintln!(
+        "128-way prefix of {} blocks: {} bytes once, {} bytes for the 127 other holders, {per_holder:.2} bytes a holder",
+        blocks.len(),
+        held_once,
+        extra
+    );
+    assert!(per_holder <= 4.0, "{per_holder:.2} bytes a holder");
+    assert_eq!(all.len(), blocks.len());
+}
