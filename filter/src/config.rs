@@ -7,6 +7,9 @@ use kvsteer_core::config::RoutingConfig;
 use kvsteer_core::pd::{PdParams, Role};
 use serde::Deserialize;
 
+mod discovery;
+pub use discovery::{DEFAULT_DISCOVERY_PATH, DiscoverySection, slot_name};
+
 /// How the chosen replica is handed to the proxy.
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -307,6 +310,9 @@ pub struct FilterConfig {
     /// this proxy polls no peer and answers the reserved path with 404.
     #[serde(default)]
     pub peers: Option<PeersSection>,
+    /// Membership read at run time (docs/design/discovery.md); `None`: the static list only.
+    #[serde(default)]
+    pub discovery: Option<DiscoverySection>,
 }
 
 /// The path a proxy answers its peers on when `peers.path` is not set; reserved either way: a
@@ -472,6 +478,7 @@ impl FilterConfig {
             .map_err(|e| ConfigError(format!("plugin configuration: {e}")))?;
         cfg.validate()?;
         cfg.expand_ranks()?;
+        cfg.add_discovery_slots();
         Ok(cfg)
     }
 
@@ -528,8 +535,13 @@ impl FilterConfig {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let err = |m: String| Err(ConfigError(m));
-        if self.replicas.is_empty() {
-            return err("replicas: at least one replica is required".into());
+        if self.replicas.is_empty() && self.discovery.is_none() {
+            return err(
+                "replicas: at least one replica is required (or a discovery section)".into(),
+            );
+        }
+        if let Some(d) = &self.discovery {
+            d.validate(self)?;
         }
         if let Some((i, r)) = self
             .replicas
