@@ -104,6 +104,10 @@ class Discovery(unittest.TestCase):
                     out[by_port[parts[1]]] = int(parts[3])
         return out
 
+    def stat(self, name: str) -> int:
+        """One of the filter's metrics (Envoy prefixes them `wasmcustom.`)."""
+        return self.stack.stats(name).get(f"wasmcustom.{name}", 0)
+
     def wait_for(self, what: str, cond, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not cond():
@@ -118,8 +122,7 @@ class Discovery(unittest.TestCase):
         # The first members are seated before the client starts.
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            st = s.stats("kvsteer_discovery_members")
-            if st.get("kvsteer_discovery_members", 0) == len(first):
+            if self.stat("kvsteer_discovery_members") == len(first):
                 break
             time.sleep(0.1)
         else:
@@ -172,10 +175,22 @@ class Discovery(unittest.TestCase):
         staying = [r for r in first + second if r not in leaving]
         self.assertTrue(all(after[r.name] > at_removal[r.name] for r in staying[:1]),
                         f"the members that stay keep serving: {at_removal} -> {after}")
-        st = s.stats("kvsteer_discovery")
-        self.assertGreater(st.get("kvsteer_discovery_poll_failures", 0), 0, st)
-        self.assertGreater(st.get("kvsteer_discovery_left", 0), 0, st)
-        self.assertEqual(st.get("kvsteer_discovery_members", 0), REPLICAS - len(leaving), st)
+        self.assertGreater(self.stat("kvsteer_discovery_poll_failures"), 0)
+        self.assertGreater(self.stat("kvsteer_discovery_left"), 0)
+        self.assertEqual(self.stat("kvsteer_discovery_members"), REPLICAS - len(leaving))
+        # The members' feeds were polled through the feed cluster, each at its own address
+        # (override_host on the destination header): a prefix sent once is found on the member that
+        # served it, and the requests that share it go there with it cached.
+        c = Client("127.0.0.1", s.listen_port, timeout_s=30)
+        prefix = tokens(512, seed=4242)
+        first_answer = c.complete(prefix + tokens(16, seed=1), max_tokens=2)
+        self.assertTrue(first_answer.ok, first_answer)
+        time.sleep(1.0)
+        again = [c.complete(prefix + tokens(16, seed=2 + i), max_tokens=2) for i in range(4)]
+        c.close()
+        self.assertTrue(all(r.replica == first_answer.replica for r in again),
+                        f"{first_answer.replica} then {[r.replica for r in again]}")
+        self.assertTrue(all(r.cached_tokens >= 496 for r in again), [r.cached_tokens for r in again])
         self.assertFalse(s.vm_failures(), s.vm_failures())
 
 
