@@ -297,7 +297,7 @@ fn read_document(body: &[u8], rules: &RosterRules, slots: usize) -> Result<Vec<S
                 ));
             }
         }
-        if rules.static_names.iter().any(|n| *n == m.name) {
+        if rules.static_names.contains(&m.name) {
             return Err(Refusal::Duplicate(format!(
                 "members[{i}]: {:?} is a static replica's name",
                 m.name

@@ -74,7 +74,9 @@ impl Router {
             return MembershipChange::default();
         };
         let mut change = MembershipChange::default();
-        if to == Membership::Vacant && from != Membership::Vacant {
+        // Entering `Vacant` drops the member's state; leaving it drops whatever reached the slot
+        // while it was empty (a batch relayed late by another worker), so a new member starts clean.
+        if (to == Membership::Vacant) != (from == Membership::Vacant) {
             change.dropped_bookings = self.load.drop_replica(replica);
             self.clear_slot(replica);
             change.cleared = true;

@@ -190,7 +190,7 @@ impl Root {
             } => log(
                 LogLevel::Info,
                 &format!(
-                    "kvsteer: discovery: {members} members ({joined} joined, {left} leaving,                      {vacated} slots vacated)"
+                    "kvsteer: discovery: {members} members ({joined} joined, {left} leaving, {vacated} slots vacated)"
                 ),
             ),
             DiscoveryResult::Refused(why) => log(
