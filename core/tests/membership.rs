@@ -2,7 +2,7 @@
 //! as the filter's discovery drives them.
 
 use kvsteer_core::block::BlockHasher;
-use kvsteer_core::feed::{FeedBatch, FeedEvent, ReplicaLoad, Tier};
+use kvsteer_core::feed::FeedBatch;
 use kvsteer_core::{Membership, PolicyKind, Router, RoutingConfig};
 
 fn cfg(policy: PolicyKind) -> RoutingConfig {
@@ -17,28 +17,10 @@ fn body(tokens: &[u32]) -> Vec<u8> {
     format!("{{\"model\":\"m\",\"prompt\":{tokens:?},\"max_tokens\":8}}").into_bytes()
 }
 
+/// A resync snapshot holding the blocks of `tokens` (block size 4).
 fn snapshot(epoch: u64, tokens: &[u32]) -> FeedBatch {
-    let hashes = BlockHasher::new(4)
-        .unwrap()
-        .sequence_hashes(tokens)
-        .iter()
-        .map(|h| h.0)
-        .collect();
-    FeedBatch {
-        epoch,
-        resync: true,
-        more: false,
-        first_seq: 0,
-        next_seq: 0,
-        load: ReplicaLoad {
-            block_size: 4,
-            ..ReplicaLoad::default()
-        },
-        events: vec![FeedEvent::Stored {
-            tier: Tier::Gpu,
-            hashes,
-        }],
-    }
+    let hashes = BlockHasher::new(4).unwrap().sequence_hashes(tokens);
+    FeedBatch::snapshot(epoch, hashes.iter().map(|h| h.0).collect())
 }
 
 const POLICIES: [PolicyKind; 6] = [

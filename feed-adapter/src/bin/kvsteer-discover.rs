@@ -50,16 +50,8 @@ fn main() -> std::process::ExitCode {
         }),
         (None, None) => unreachable!("clap requires one source"),
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start the runtime");
-            return std::process::ExitCode::FAILURE;
-        }
+    let Some(rt) = kvsteer_feed::run::runtime(1) else {
+        return std::process::ExitCode::FAILURE;
     };
     rt.block_on(async move {
         let app = match app(source) {
