@@ -2,7 +2,8 @@
 envoy/envoy-discovery.yaml, the built filter, `kvsteer-discover` serving a member list from a file,
 and simulated replicas (docs/design/discovery.md).
 
-`E2E_DISCOVERY_REPLICAS` simulated replicas (8 by default; 32 is the fleet-scale shape) start, and
+`E2E_DISCOVERY_REPLICAS` simulated replicas (32 by default: a fleet at scale with churn; about
+18 s on 2 cores) start, each its own process, and
 the member list names the first half. A steady bounded client (4 threads, short completions of
 distinct prompts) runs throughout while the list changes: the second half joins, then a bad list is
 written (kvsteer-discover answers 503 for it, and the filter keeps the last good membership), then
@@ -26,7 +27,7 @@ from stack import (Stack, StackError, envoy_path, free_ports, target_dir, wait_h
                    wasm_path)
 
 TIME_SCALE = os.environ.get("E2E_TIME_SCALE", "10")
-REPLICAS = int(os.environ.get("E2E_DISCOVERY_REPLICAS", "8"))
+REPLICAS = int(os.environ.get("E2E_DISCOVERY_REPLICAS", "32"))
 CLIENTS = 4
 PERIOD_S = 0.5  # discovery.period_ms in envoy-discovery.yaml
 
