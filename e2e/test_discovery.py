@@ -58,19 +58,14 @@ class Discovery(unittest.TestCase):
                 str(discover_path()), "--listen", f"127.0.0.1:{disco_port}",
                 "--members-file", str(cls.members_file)])
             wait_http(f"http://127.0.0.1:{disco_port}/health", 10, cls.discover)
-            doc = envoy_config.load("envoy-discovery")
-            doc["admin"]["address"]["socket_address"]["port_value"] = s.admin_port
-            listener = doc["static_resources"]["listeners"][0]
-            listener["address"]["socket_address"]["port_value"] = s.listen_port
-            wasm = envoy_config.wasm_filter(doc)
-            wasm["vm_config"]["code"]["local"]["filename"] = str(wasm_path())
-            ports = [r.port for r in s.replicas]
+            doc = envoy_config.rewrite(
+                envoy_config.load("envoy-discovery"),
+                [(r.name, r.endpoint) for r in s.replicas], s.listen_port, s.admin_port,
+                str(wasm_path()),
+                plugin_overrides={"discovery": {"max_members": max(16, REPLICAS)}})
             for c in doc["static_resources"]["clusters"]:
-                eps = endpoints([disco_port] if c["name"] == "kvsteer_discovery" else ports)
-                c["load_assignment"]["endpoints"] = [{"lb_endpoints": eps}]
-            plugin = json.loads(wasm["configuration"]["value"])
-            plugin["discovery"]["max_members"] = max(16, REPLICAS)
-            wasm["configuration"]["value"] = json.dumps(plugin)
+                if c["name"] == "kvsteer_discovery":
+                    c["load_assignment"]["endpoints"] = [{"lb_endpoints": endpoints([disco_port])}]
             path = s.workdir / "envoy-discovery.json"
             path.write_text(json.dumps(doc, indent=1))
             s.envoy = s.spawn("envoy-discovery", [
