@@ -116,6 +116,17 @@ impl RouterState {
         })
     }
 
+    /// Whether the discovery poll is out (and not yet counted lost): nginx sends no other callout
+    /// meanwhile ([`RouterState::callout_out`]).
+    pub(super) fn discovery_out(&self, now_ms: u64) -> bool {
+        let Some(d) = self.cfg.discovery.as_ref() else {
+            return false;
+        };
+        let lost_after = d.timeout_ms.saturating_mul(2).saturating_add(1_000);
+        self.discovery.in_flight.is_some()
+            && now_ms.saturating_sub(self.discovery.polled_ms) < lost_after
+    }
+
     pub fn discovery_poll_started(&mut self, token: u32, now_ms: u64) {
         let period = self.cfg.discovery.as_ref().map_or(0, |d| d.period_ms);
         self.discovery.in_flight = Some(token);

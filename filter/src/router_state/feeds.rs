@@ -194,6 +194,7 @@ impl RouterState {
             .saturating_mul(2)
             .saturating_add(1_000);
         self.exchange.any_in_flight()
+            || self.discovery_out(now_ms)
             || self
                 .feeds
                 .iter()

@@ -287,3 +287,40 @@ fn workers_of_one_proxy_agree_on_the_seating_through_shared_data() {
     assert_eq!(a.replica_name(3), "m9003");
     assert_eq!(a.router.membership(2), Membership::Draining);
 }
+
+/// nginx: a callout names an address, so a member's feed is polled at its feed address, without a
+/// destination header; the discovery poll takes the tick's one callout like any other.
+#[test]
+fn in_nginx_mode_members_are_polled_at_their_feed_address_one_callout_a_tick() {
+    let json = r#"{"replicas":[], "output":"nginx_variable",
+        "discovery":{"cluster":"127.0.0.1:7000","period_ms":500,"max_members":2}}"#;
+    let mut w = RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
+    assert!(
+        !w.has_members(),
+        "nobody to route to before the first answer"
+    );
+    w.start_tick(0);
+    let poll = w.plan_discovery_poll(0).unwrap();
+    assert_eq!(poll.upstream, "127.0.0.1:7000");
+    w.discovery_poll_started(1, 0);
+    assert!(
+        w.plan_polls(None, 0).is_empty(),
+        "the tick's one callout is spent"
+    );
+    w.start_tick(100);
+    assert!(
+        w.plan_polls(None, 100).is_empty(),
+        "the discovery poll is out"
+    );
+    w.on_discovery_answer(1, Some(200), Some(&doc(&[9001])), None, 110);
+    assert!(w.has_members());
+    w.start_tick(200);
+    let polls = w.plan_polls(None, 200);
+    assert_eq!(polls.len(), 1);
+    assert_eq!(polls[0].upstream, "127.0.0.1:10001");
+    assert_eq!(polls[0].destination, None);
+    assert_eq!(polls[0].authority, "127.0.0.1:10001");
+    w.poll_started(polls[0].replica, 2, 200);
+    w.start_tick(600);
+    assert!(w.plan_discovery_poll(600).is_none(), "a feed poll is out");
+}
