@@ -1,6 +1,7 @@
 //! The filter's plugin configuration (JSON, delivered in `on_configure`).
 //!
-//! Everything has a default except the replica list. Unknown fields are refused with a message that
+//! Everything has a default except the replica list (which may be empty when a `discovery` section
+//! reads the members at run time). Unknown fields are refused with a message that
 //! names them: a typo in a production config must not silently fall back to a default.
 
 use kvsteer_core::config::RoutingConfig;
