@@ -214,6 +214,8 @@ fn d_feed_path_prefix() -> String {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FilterConfig {
+    /// The static replicas; absent or empty only with a `discovery` section (`validate` says so).
+    #[serde(default)]
     pub replicas: Vec<ReplicaSpec>,
     /// Policy, coefficients, block size, index cap: see the routing section of
     /// docs/reference/configuration.md.

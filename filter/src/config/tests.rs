@@ -480,4 +480,13 @@ fn the_discovery_section_is_checked() {
     );
     assert!(refused(&json).contains("_slot"));
     assert!(refused(r#"{"replicas":[]}"#).contains("or a discovery section"));
+    assert!(refused("{}").contains("or a discovery section"));
+    let absent = r#"{"discovery":{"cluster":"m","feed_cluster":"mf","max_members":2}}"#;
+    assert_eq!(
+        FilterConfig::from_json(absent.as_bytes())
+            .unwrap()
+            .replicas
+            .len(),
+        2
+    );
 }
