@@ -191,3 +191,54 @@ fn ranks_take_one_seat_each_and_the_roster_round_trips_through_shared_data() {
     );
     assert_eq!(Roster::decode(b"\x00junk", 3), None);
 }
+
+/// Hostile bytes: mutations of a good document (bytes flipped, cut, duplicated) never panic, and
+/// whatever is accepted keeps the roster's invariants: within its slots, no name seated twice, every
+/// seat's endpoint an address.
+#[test]
+fn mutated_documents_never_panic_and_accepted_ones_keep_the_invariants() {
+    let good = br#"{"members":[{"name":"a","endpoint":"10.0.0.1:8000","feed":"10.0.0.1:9000","ranks":2},{"name":"b","endpoint":"[fd00::2]:8000"},{"name":"c","endpoint":"10.0.0.3:8000","role":"both"}]}"#;
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = |n: usize| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % n.max(1) as u64) as usize
+    };
+    let mut roster = Roster::new(4);
+    let mut accepted = 0;
+    for step in 0..20_000u64 {
+        let mut body = good.to_vec();
+        for _ in 0..1 + next(4) {
+            let i = next(body.len());
+            match next(4) {
+                0 => body[i] = next(256) as u8,
+                1 => body.truncate(i),
+                2 => {
+                    let b = body[i];
+                    body.insert(i, b);
+                }
+                _ => {
+                    body.remove(i.min(body.len().saturating_sub(1)));
+                }
+            }
+            if body.is_empty() {
+                break;
+            }
+        }
+        if let Ok(next_roster) = roster.apply(&body, &rules(500), step * 100) {
+            accepted += 1;
+            let seats: Vec<&Seat> = next_roster.seats.iter().flatten().collect();
+            assert_eq!(next_roster.seats.len(), 4);
+            for (i, s) in seats.iter().enumerate() {
+                assert!(
+                    seats[..i].iter().all(|o| o.name != s.name),
+                    "{next_roster:?}"
+                );
+                assert!(s.endpoint.parse::<std::net::SocketAddr>().is_ok());
+            }
+            roster = next_roster;
+        }
+    }
+    assert!(accepted > 100, "some mutations stay valid: {accepted}");
+}
