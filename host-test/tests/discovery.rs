@@ -207,3 +207,50 @@ fn a_member_that_flaps_within_the_hold_keeps_its_cache_in_the_index() {
     assert!(r.cached_tokens >= 256, "{r:?}");
     assert_clean(&h);
 }
+
+/// Hostile answers through the compiled filter: 300 mutations of a good list (bytes flipped, cut,
+/// repeated), with requests between them. No worker traps, every request is served by a replica
+/// some good list named, and the last good list applies again at the end.
+#[test]
+fn mutated_member_lists_never_trap_the_filter() {
+    let mut h = fleet("round_robin", &[0, 1]);
+    let good = h.member_list(&[0, 1, 2]);
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut next = |n: usize| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % n.max(1) as u64) as usize
+    };
+    for round in 0..300u64 {
+        let mut body = good.clone();
+        for _ in 0..1 + next(3) {
+            if body.is_empty() {
+                break;
+            }
+            let i = next(body.len());
+            match next(3) {
+                0 => body[i] = next(256) as u8,
+                1 => body.truncate(i),
+                _ => {
+                    let b = body[i];
+                    body.insert(i, b);
+                }
+            }
+        }
+        h.set_discovery_answer(Some(CallOutcome::ok(200, "application/json", body)));
+        h.run_for(PERIOD_US).unwrap();
+        if round % 30 == 0 {
+            let id = h
+                .send(&RequestSpec::new(tokens(9_000 + round, 64), 2))
+                .unwrap();
+            h.run_until_idle(IDLE).unwrap();
+            let r = h.record(id).unwrap();
+            assert!(r.finished_us.is_some() && !r.failed, "{r:?}");
+        }
+    }
+    h.set_members(&[0, 1, 2]);
+    h.run_for(2 * PERIOD_US).unwrap();
+    assert_eq!(serve(&mut h, 9, 20_000), BTreeSet::from([0, 1, 2]));
+    assert_clean(&h);
+}
