@@ -93,3 +93,33 @@ fn a_headless_services_addresses_become_members_in_a_stable_order() {
         None
     );
 }
+
+/// The DNS source end to end, on the one name every machine resolves (from its hosts file): each
+/// address is a member on the serving and feed ports given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_name_is_resolved_on_each_request() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = app(Source::Dns(DnsSource {
+        name: "localhost".into(),
+        serving_port: 8000,
+        feed_port: Some(9000),
+        ranks: 1,
+    }))
+    .unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (status, body) = get(addr, "/kvsteer/members").await;
+    assert_eq!(status, 200, "{body}");
+    let doc: Document = serde_json::from_str(&body).unwrap();
+    assert!(
+        doc.members
+            .iter()
+            .any(|m| m.endpoint == "127.0.0.1:8000" || m.endpoint == "[::1]:8000"),
+        "{doc:?}"
+    );
+    assert!(
+        doc.members
+            .iter()
+            .all(|m| m.feed.as_deref().is_some_and(|f| f.ends_with(":9000")))
+    );
+}
