@@ -21,6 +21,7 @@ VARIANTS = {
     "envoy": "kvsteer filter, override_host on x-gateway-destination-endpoint",
     "envoy-cluster-header": "kvsteer filter, one cluster per replica, cluster_header routing",
     "envoy-pd": "kvsteer filter, prefill/decode disaggregation (prefill leg a callout, decode leg via override_host)",
+    "envoy-discovery": "kvsteer filter, members read at run time from kvsteer-discover (override_host on serving and feed clusters)",
     "envoy-round-robin": "Envoy round_robin, no filter",
     "envoy-least-request": "Envoy least_request, no filter",
     "envoy-ring-hash": "Envoy ring_hash on x-session-id, no filter",
@@ -32,6 +33,8 @@ REPLICA_CLUSTER_PREFIX = "replica_"
 # P/D (envoy-pd.yaml): the cluster of each prefill replica's prefill leg.
 PREFILL_PREFIX = "kvsteer_prefill_"
 MAIN_CLUSTER = "replicas"
+# envoy-discovery.yaml: the cluster of discovered members' feeds, holding every member's feed address.
+MEMBER_FEEDS_CLUSTER = "kvsteer_member_feeds"
 
 
 def load(variant: str) -> dict:
@@ -164,7 +167,8 @@ def rewrite(
         w["vm_config"]["code"]["local"]["filename"] = wasm
         pc = json.loads(w["configuration"]["value"])
         committed = pc["replicas"]
-        for i, (name, ep) in enumerate(replicas):
+        # A discovery file lists no static replica: its members come from the member list.
+        for i, (name, ep) in enumerate(replicas if committed else []):
             r = dict(committed[i] if i < len(committed) else committed[0])
             r["name"], r["endpoint"] = name, ep
             if "feed_cluster" in r:
@@ -179,7 +183,8 @@ def rewrite(
                 r["prefill_cluster"] = PREFILL_PREFIX + name
             r.update(replica_overrides or {})
             entries.append(r)
-        pc["replicas"] = entries
+        if committed:
+            pc["replicas"] = entries
         pc = _merge(pc, plugin_overrides or {})
         w["configuration"]["value"] = json.dumps(pc)
     prefill_names = {r["name"] for r in entries if r.get("prefill_cluster")}
@@ -193,10 +198,11 @@ def rewrite(
                 templates.setdefault(prefix, c)
                 break
         else:
-            if name == MAIN_CLUSTER:
+            if name in (MAIN_CLUSTER, MEMBER_FEEDS_CLUSTER):
+                feeds_of = (feeds or {}) if name == MEMBER_FEEDS_CLUSTER else {}
                 group = c["load_assignment"]["endpoints"][0]
                 tmpl = group["lb_endpoints"][0]
-                group["lb_endpoints"] = [_endpoint(tmpl, ep) for _, ep in replicas]
+                group["lb_endpoints"] = [_endpoint(tmpl, feeds_of.get(n, ep)) for n, ep in replicas]
                 c["load_assignment"]["endpoints"] = [group]
             out_clusters.append(c)
     for prefix, tmpl in templates.items():

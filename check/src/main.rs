@@ -35,7 +35,10 @@ struct Args {
 /// The filter's verdict on one configuration.
 enum Verdict {
     Ok {
+        /// Static routing units (`replicas`, DP ranks expanded).
         replicas: usize,
+        /// Slots for members read at run time (`discovery.max_members`; 0 without discovery).
+        slots: usize,
         policy: &'static str,
         warnings: Vec<String>,
     },
@@ -51,7 +54,8 @@ fn judge(bytes: &[u8]) -> Verdict {
         Err(e) => return Verdict::Refused(e.to_string()),
     };
     Verdict::Ok {
-        replicas: state.replicas(),
+        replicas: state.config().static_units(),
+        slots: state.replicas() - state.config().static_units(),
         policy: state.config().routing.policy.name(),
         warnings: state.config().warnings(),
     }
@@ -93,9 +97,11 @@ fn main() -> ExitCode {
             reports.push(match verdict {
                 Verdict::Ok {
                     replicas,
+                    slots,
                     policy,
                     warnings,
-                } => json!({"place": place, "ok": true, "replicas": replicas, "policy": policy,
+                } => json!({"place": place, "ok": true, "replicas": replicas,
+                            "discovery_slots": slots, "policy": policy,
                             "warnings": warnings}),
                 Verdict::Refused(e) => json!({"place": place, "ok": false, "error": e}),
             });
@@ -105,10 +111,17 @@ fn main() -> ExitCode {
         match verdict {
             Verdict::Ok {
                 replicas,
+                slots,
                 policy,
                 warnings,
             } => {
-                println!("{prefix}ok: {replicas} replicas, policy {policy}");
+                if slots == 0 {
+                    println!("{prefix}ok: {replicas} replicas, policy {policy}");
+                } else {
+                    println!(
+                        "{prefix}ok: {replicas} replicas and {slots} discovery slots, policy {policy}"
+                    );
+                }
                 for w in warnings {
                     println!("{prefix}warning: {w}");
                 }

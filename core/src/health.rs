@@ -239,6 +239,24 @@ impl Health {
         &self.params
     }
 
+    /// Forgets what this worker learned of `replica` (its slot now holds another member, which
+    /// starts healthy). Peers' counts for it are replaced by their next publication.
+    pub fn forget(&mut self, replica: usize) {
+        if replica >= self.ejected.len() {
+            return;
+        }
+        self.own[replica] = Stamped::default();
+        self.ejected[replica] = false;
+        self.consecutive[replica] = 0;
+        self.ok_at_ejection[replica] = Stamped::default();
+        self.last_probe_ms[replica] = 0;
+        for (_, counts) in &mut self.peers {
+            if let Some(c) = counts.get_mut(replica) {
+                *c = Stamped::default();
+            }
+        }
+    }
+
     /// Records how a request on `replica` ended (this worker's own observation) and re-judges it.
     /// Ignored when disabled or for a replica out of range.
     pub fn record(&mut self, replica: usize, outcome: Outcome, now_ms: u64) {

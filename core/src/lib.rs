@@ -27,4 +27,6 @@ pub use load::LoadTotals;
 pub use request::{
     ChatTurn, EarlyScan, PromptIdentity, PromptTokenizer, RequestError, RouteRequest,
 };
-pub use router::{Decision, FallbackReason, FeedOutcome, Router, RouterStats};
+pub use router::{
+    Decision, FallbackReason, FeedOutcome, Membership, MembershipChange, Router, RouterStats,
+};

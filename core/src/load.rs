@@ -501,6 +501,22 @@ impl LoadTable {
         r.charged_blocks = charged;
     }
 
+    /// Forgets every booking on `replica` (a member that left the fleet: its slot may be given to
+    /// another). A later release of one of them counts as an anomaly, as for any unknown request.
+    /// Returns how many requests were dropped. O(tracked requests), which is fine for a membership
+    /// change.
+    pub fn drop_replica(&mut self, replica: usize) -> usize {
+        let before = self.requests.len();
+        self.requests.retain(|_, r| r.replica != replica);
+        if let Some(t) = self.totals.get_mut(replica) {
+            *t = LoadTotals::default();
+        }
+        if let Some(b) = self.active_blocks.get_mut(replica) {
+            *b = ActiveBlocks::default();
+        }
+        before - self.requests.len()
+    }
+
     /// Completion or abort: removes everything the request contributes. False (and counted) when the
     /// request is unknown.
     pub fn release(&mut self, request_id: u64) -> bool {

@@ -11,6 +11,7 @@
 //! | `leg_choice` | prefill/decode disaggregation: both legs chosen and booked |
 //! | `feed` | the replicas' KV event feeds applied to the index; cache sizes; stale feeds |
 //! | `health` | down and ejected replicas, probes, the peers' outcome counts |
+//! | `membership` | slots that gain and lose members at run time: drained, vacated, reused |
 //! | `load` | effective load (tracked, reported, the peers'), and this worker's share for its peers |
 //! | `working_set` | the working-set term's plumbing and its sharing between workers and proxies |
 
@@ -19,6 +20,7 @@ mod feed;
 mod health;
 mod leg_choice;
 mod load;
+mod membership;
 mod route;
 mod working_set;
 
@@ -41,6 +43,7 @@ use crate::rng::SplitMix64;
 use crate::speed::Speeds;
 use crate::working_set::WorkingSet;
 use feed::CacheSize;
+pub use membership::{Membership, MembershipChange};
 
 /// A routing decision.
 #[derive(Clone, Debug, PartialEq)]
@@ -145,6 +148,11 @@ pub struct Router {
     /// Replicas believed unreachable (their feed cannot even be connected to): avoided by every
     /// policy while any other replica is up.
     down: Vec<bool>,
+    /// Per slot: whether it holds a member, a draining one or none (`membership`).
+    members: Vec<Membership>,
+    /// Per slot: `members[r] == Member`, kept beside it for the closures that borrow it while the
+    /// health is borrowed mutably.
+    present: Vec<bool>,
     /// Health learned from completions: replicas ejected for failing.
     health: Health,
     cursors: Vec<FeedCursor>,
@@ -243,6 +251,8 @@ impl Router {
             clock_ms: 0,
             stale: vec![false; replicas],
             down: vec![false; replicas],
+            members: vec![Membership::Member; replicas],
+            present: vec![true; replicas],
             health: Health::new(cfg.health.clone(), replicas),
             cursors: vec![FeedCursor::default(); replicas],
             policy,

@@ -356,6 +356,17 @@ impl Speeds {
         self.observations.get(replica).copied().unwrap_or(0)
     }
 
+    /// Forgets a replica's learned factor (its slot now holds another engine).
+    pub fn forget(&mut self, replica: usize) {
+        if let (Some(l), Some(n)) = (
+            self.log_factor.get_mut(replica),
+            self.observations.get_mut(replica),
+        ) {
+            *l = 0.0;
+            *n = 0;
+        }
+    }
+
     /// A request's observed time to first token against the profile's prediction at factor 1.
     /// Ignored when either is not a positive finite number or the prediction is below
     /// [`MIN_PREDICTED_S`]. Until a replica has a few observations, each weighs more (a running

@@ -11,6 +11,7 @@
 //! docs/guide/feed-adapter.md has the operator's view.
 
 pub mod config;
+pub mod discover;
 pub mod encode;
 pub mod engine_metrics;
 pub mod obs;

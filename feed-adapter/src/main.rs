@@ -16,16 +16,8 @@ fn main() -> std::process::ExitCode {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start the runtime");
-            return std::process::ExitCode::FAILURE;
-        }
+    let Some(rt) = kvsteer_feed::run::runtime(2) else {
+        return std::process::ExitCode::FAILURE;
     };
     rt.block_on(async {
         let running = match kvsteer_feed::run::start(args).await {

@@ -123,6 +123,22 @@ fn state_config(a: &Args, dp_rank: Option<u32>) -> StateConfig {
     }
 }
 
+/// The runtime both binaries run on: `worker_threads` threads (the adapter's work is small and
+/// bursty; a few threads keep it off the engine's cores). `None`, logged, when it cannot start.
+pub fn runtime(worker_threads: usize) -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(worker_threads)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the runtime");
+            None
+        }
+    }
+}
+
 /// Starts every task. Errors: the HTTP address or the ZMQ endpoint cannot be bound, a URL is invalid.
 pub async fn start(args: Args) -> Result<Running, String> {
     let n = args.dp_ranks.max(1);

@@ -1,11 +1,15 @@
 //! The filter's plugin configuration (JSON, delivered in `on_configure`).
 //!
-//! Everything has a default except the replica list. Unknown fields are refused with a message that
+//! Everything has a default except the replica list (which may be empty when a `discovery` section
+//! reads the members at run time). Unknown fields are refused with a message that
 //! names them: a typo in a production config must not silently fall back to a default.
 
 use kvsteer_core::config::RoutingConfig;
 use kvsteer_core::disaggregation::{PdParams, Role};
 use serde::Deserialize;
+
+mod discovery;
+pub use discovery::{DEFAULT_DISCOVERY_PATH, DiscoverySection, slot_name};
 
 /// How the chosen replica is handed to the proxy.
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -213,6 +217,8 @@ fn d_feed_path_prefix() -> String {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FilterConfig {
+    /// The static replicas; absent or empty only with a `discovery` section (`validate` says so).
+    #[serde(default)]
     pub replicas: Vec<ReplicaSpec>,
     /// Policy, coefficients, block size, index cap: see the routing section of
     /// docs/reference/configuration.md.
@@ -320,6 +326,9 @@ pub struct FilterConfig {
     /// this proxy polls no peer and answers the reserved path with 404.
     #[serde(default)]
     pub peers: Option<PeersSection>,
+    /// Membership read at run time (docs/design/discovery.md); `None`: the static list only.
+    #[serde(default)]
+    pub discovery: Option<DiscoverySection>,
 }
 
 /// The path a proxy answers its peers on when `peers.path` is not set; reserved either way: a
@@ -471,7 +480,7 @@ fn err<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T, Con
     Err(ConfigError::at(field, message))
 }
 
-fn valid_name(s: &str) -> bool {
+pub(crate) fn valid_name(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 64
         && s.bytes()
@@ -491,6 +500,7 @@ impl FilterConfig {
             .map_err(|e| ConfigError::at("plugin configuration", e.to_string()))?;
         cfg.validate()?;
         cfg.expand_ranks()?;
+        cfg.add_discovery_slots();
         Ok(cfg)
     }
 
@@ -549,8 +559,14 @@ impl FilterConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.replicas.is_empty() {
-            return err("replicas", "at least one replica is required");
+        if self.replicas.is_empty() && self.discovery.is_none() {
+            return err(
+                "replicas",
+                "at least one replica is required (or a discovery section)",
+            );
+        }
+        if let Some(d) = &self.discovery {
+            d.validate(self)?;
         }
         if let Some((i, r)) = self
             .replicas

@@ -19,6 +19,7 @@ pub mod config;
 pub mod exchange;
 pub mod leg_bodies;
 pub mod relay;
+pub mod roster;
 pub mod router_state;
 pub mod sse;
 pub mod store;

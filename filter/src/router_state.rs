@@ -4,6 +4,7 @@
 //! bookkeeping; each other job has its own file in `router_state/`:
 //!
 //! - [`feeds`]: when to poll each replica's feed, and its answers;
+//! - [`discovery`]: membership at run time, polled and seated in the slots after the static list;
 //! - [`failures`]: what a failed poll means (stale, down);
 //! - [`budget`]: applying accepted feed batches in slices within each tick's budget;
 //! - [`follow`]: following the lease holder's relayed batches and its word on down replicas;
@@ -30,6 +31,7 @@ macro_rules! prompt_tokenizer {
 }
 
 mod budget;
+mod discovery;
 mod exchange;
 mod failures;
 mod feeds;
@@ -40,6 +42,7 @@ mod output;
 mod workers;
 
 pub use budget::FEED_MIN_SLICE;
+pub use discovery::{DiscoveryPoll, DiscoveryResult, DiscoveryState};
 pub use failures::{FeedFailure, proxy_could_not_connect, proxy_timed_out};
 pub use feeds::{FeedPoll, FeedResult, FeedState};
 pub use health::{Origin, answer_outcome};
@@ -87,6 +90,8 @@ pub struct RouterState {
     cfg: FilterConfig,
     router: Router,
     feeds: Vec<FeedState>,
+    /// Membership read at run time (`discovery`): the roster and its poll.
+    discovery: DiscoveryState,
     callouts: HashMap<u32, usize>,
     /// Body fallbacks by reason, in [`BodyFallback`] order.
     body_fallbacks: [u64; 5],
@@ -197,10 +202,19 @@ impl RouterState {
         let disaggregated = cfg.disaggregated();
         let pd_params = cfg.pd.params();
         let exchange = Exchange::new(&cfg);
+        let discovery = DiscoveryState {
+            roster: crate::roster::Roster::new(cfg.replicas.len() - cfg.static_units()),
+            ..DiscoveryState::default()
+        };
+        // Discovery's slots start empty: nothing is routed to them until a member is seated.
+        for unit in cfg.static_units()..cfg.replicas.len() {
+            router.set_membership(unit, kvsteer_core::router::Membership::Vacant);
+        }
         let admission = cfg.routing.admission.as_ref().map(Admission::new);
         let profile = cfg.routing.kv_time.profile.profile();
         Ok(RouterState {
             exchange,
+            discovery,
             admission,
             profile,
             admitted: [0; 3],

@@ -29,8 +29,9 @@ mod wasi;
 pub use abi::{Action, LogLevel, Pairs, Status};
 pub use artifact::filter_wasm_path;
 pub use harness::{
-    FeedFault, HARNESS_PEER_TOKEN, Harness, HarnessConfig, HarnessError, HarnessStats, Output,
-    ProxyAnswer, ProxySpread, RequestRecord, RequestSpec, ResponseFault, flood_hash, peer_cluster,
+    DISCOVERY_CLUSTER, FeedFault, HARNESS_PEER_TOKEN, Harness, HarnessConfig, HarnessError,
+    HarnessStats, MEMBER_FEEDS_CLUSTER, Output, ProxyAnswer, ProxySpread, RequestRecord,
+    RequestSpec, ResponseFault, flood_hash, peer_cluster,
 };
 pub use host::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, LocalResponse, Proxy, ProxyOptions,

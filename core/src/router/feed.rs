@@ -197,7 +197,7 @@ impl Router {
 
     /// The largest cache a replica has shown by evicting, scanned afresh (after a replica's view
     /// is cleared, when the largest may have gone with it).
-    fn largest_shown(&self) -> u64 {
+    pub(super) fn largest_shown(&self) -> u64 {
         self.cache_blocks
             .iter()
             .filter(|c| c.evicted)

@@ -6,21 +6,34 @@ use super::Router;
 use crate::health::{Health, HealthCounts, Outcome};
 
 impl Router {
-    /// Usable: neither down nor ejected for failing.
+    /// Usable: a member (not draining, not vacant), neither down nor ejected for failing.
     pub(super) fn is_usable(&self, r: usize) -> bool {
-        !self.down.get(r).copied().unwrap_or(true) && !self.health.is_ejected(r)
+        self.present.get(r).copied().unwrap_or(false)
+            && !self.down.get(r).copied().unwrap_or(true)
+            && !self.health.is_ejected(r)
+    }
+
+    /// Whether a slot may take a probe: a member that is not down.
+    pub(super) fn probe_eligible(present: &[bool], down: &[bool], r: usize) -> bool {
+        present.get(r).copied().unwrap_or(false) && !down.get(r).copied().unwrap_or(true)
     }
 
     /// The replicas to avoid, as the policies take them: those not usable while some replica is;
-    /// with none usable, those down while some replica is up (an ejected replica beats a dead one);
-    /// with all down, none.
+    /// with none usable, those down while some member is up (an ejected replica beats a dead one);
+    /// with every member down, only the slots without a member. A slot that is not a member
+    /// (draining or vacant) is avoided whenever any member exists; with none at all, nothing is.
     pub(super) fn avoided(&self) -> Vec<bool> {
+        let absent = |r: usize| !self.present[r];
         if (0..self.replicas).any(|r| self.is_usable(r)) {
             (0..self.replicas).map(|r| !self.is_usable(r)).collect()
-        } else if self.down.iter().all(|&d| d) {
+        } else if !self.present.iter().any(|&p| p) {
             vec![false; self.replicas]
+        } else if (0..self.replicas).all(|r| self.down[r] || absent(r)) {
+            (0..self.replicas).map(absent).collect()
         } else {
-            self.down.clone()
+            (0..self.replicas)
+                .map(|r| self.down[r] || absent(r))
+                .collect()
         }
     }
 
@@ -58,9 +71,9 @@ impl Router {
     /// it) or reports [`Router::probed_elsewhere`].
     pub fn probe_due(&mut self, now_ms: u64) -> Option<usize> {
         self.health.refresh(now_ms);
-        let down = &self.down;
+        let (present, down) = (&self.present, &self.down);
         self.health
-            .probe_due(now_ms, |r| !down.get(r).copied().unwrap_or(true))
+            .probe_due(now_ms, |r| Self::probe_eligible(present, down, r))
     }
 
     /// Another worker sent `replica`'s probe at `at_ms`: this one waits a full interval from then.

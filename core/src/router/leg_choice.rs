@@ -40,7 +40,7 @@ impl Router {
         let side_avoided = |takes: &dyn Fn(Role) -> bool| -> Vec<bool> {
             let any = (0..roles.len()).any(|r| takes(roles[r]) && usable[r]);
             (0..roles.len())
-                .map(|r| !takes(roles[r]) || (any && !usable[r]))
+                .map(|r| !takes(roles[r]) || !self.present[r] || (any && !usable[r]))
                 .collect()
         };
         let p_avoided = side_avoided(&|r: Role| r.prefills());
@@ -75,8 +75,8 @@ impl Router {
         let matched = |r: usize| ((overlap[r] * bs) as u64).min(req.prompt_tokens);
         // An ejected replica's probe, when one is due, takes its side's leg; the side's own choice
         // becomes the backup. One probe per side and request, never the same replica for both.
-        let down = &self.down;
-        let up = |r: usize| !down.get(r).copied().unwrap_or(true);
+        let (present, down) = (&self.present, &self.down);
+        let up = |r: usize| Self::probe_eligible(present, down, r);
         let p_probe = self
             .health
             .take_probe(now_ms, |r| roles[r].prefills() && up(r))
@@ -122,9 +122,9 @@ impl Router {
         let decodes = |r: usize| roles.get(r).is_some_and(|x| x.decodes());
         let n = self.replicas;
         let candidates = |usable_only: bool| {
-            (1..n)
-                .map(move |i| (d.decode + i) % n)
-                .filter(move |&r| decodes(r) && (!usable_only || self.is_usable(r)))
+            (1..n).map(move |i| (d.decode + i) % n).filter(move |&r| {
+                decodes(r) && self.is_member(r) && (!usable_only || self.is_usable(r))
+            })
         };
         let cheapest = |usable_only: bool| {
             if d.decode_costs.len() == n {

@@ -155,10 +155,10 @@ impl Router {
         self.scratch_approx = affinity;
         // An ejected replica's probe, when one is due, takes this request; the policy's choice
         // becomes its backup (Envoy retries a failed probe there).
-        let down = &self.down;
+        let (present, down) = (&self.present, &self.down);
         let probe = self
             .health
-            .take_probe(now_ms, |r| !down.get(r).copied().unwrap_or(true));
+            .take_probe(now_ms, |r| Self::probe_eligible(present, down, r));
         let (replica, probe_backup) = match probe {
             Some(p) if p != replica => (p, Some(replica)),
             _ => (replica, None),

@@ -121,6 +121,57 @@ pub(super) struct Metrics {
     host_call_refusals: TotalCounter,
     #[cfg(feature = "tokenizer")]
     tokenizer: Option<TokenizerMetrics>,
+    /// Membership at run time (defined only with a `discovery` section).
+    discovery: Option<DiscoveryMetrics>,
+}
+
+/// The discovery source's counters (docs/design/discovery.md), mirrored from the worker's totals.
+struct DiscoveryMetrics {
+    polls: TotalCounter,
+    poll_failures: TotalCounter,
+    updates: TotalCounter,
+    /// By [`crate::roster::Refusal::KINDS`].
+    refused: Vec<TotalCounter>,
+    joined: TotalCounter,
+    left: TotalCounter,
+    vacated: TotalCounter,
+    dropped_bookings: TotalCounter,
+    members: Option<u32>,
+}
+
+impl DiscoveryMetrics {
+    fn define() -> DiscoveryMetrics {
+        let c = |what: &str| TotalCounter::define(&format!("kvsteer_discovery_{what}"));
+        DiscoveryMetrics {
+            polls: c("polls"),
+            poll_failures: c("poll_failures"),
+            updates: c("updates"),
+            refused: crate::roster::Refusal::KINDS
+                .iter()
+                .map(|k| c(&format!("refused_{k}")))
+                .collect(),
+            joined: c("joined"),
+            left: c("left"),
+            vacated: c("vacated"),
+            dropped_bookings: c("dropped_bookings"),
+            members: define(MetricType::Gauge, "kvsteer_discovery_members"),
+        }
+    }
+
+    fn update(&mut self, state: &RouterState) {
+        let d = state.discovery();
+        self.polls.update(d.polls);
+        self.poll_failures.update(d.failures);
+        self.updates.update(d.updates);
+        for (c, &n) in self.refused.iter_mut().zip(&d.refused) {
+            c.update(n);
+        }
+        self.joined.update(d.joined);
+        self.left.update(d.left);
+        self.vacated.update(d.vacated);
+        self.dropped_bookings.update(d.dropped_bookings);
+        gauge(self.members, d.roster.listed() as u64);
+    }
 }
 
 /// Tokenizer counters (defined only when a tokenizer is configured).
@@ -180,6 +231,7 @@ impl Metrics {
                 .map(|c| TotalCounter::define(&format!("kvsteer_{what}_{}", c.name())))
         };
         Metrics {
+            discovery: cfg.discovery.as_ref().map(|_| DiscoveryMetrics::define()),
             admission: cfg.routing.admission.as_ref().map(|_| {
                 (
                     per_class("admitted"),
@@ -314,6 +366,9 @@ impl Metrics {
         #[cfg(feature = "tokenizer")]
         if let (Some(tm), Some(t)) = (self.tokenizer.as_mut(), state.tokenizer_stats()) {
             tm.update(t);
+        }
+        if let Some(d) = self.discovery.as_mut() {
+            d.update(state);
         }
         self.update_replicas(state);
     }

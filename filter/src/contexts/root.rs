@@ -7,7 +7,7 @@ use super::stream::Stream;
 use super::{Shared, Vm, callout_body, callout_status, host_store, log, now_ms, now_ns};
 use crate::abi;
 use crate::config::FilterConfig;
-use crate::router_state::{FeedPoll, FeedResult, RouterState};
+use crate::router_state::{DiscoveryResult, FeedPoll, FeedResult, RouterState};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use std::cell::RefCell;
@@ -48,6 +48,7 @@ impl Root {
             authority,
             path,
             took_lease,
+            destination,
         } = poll;
         if took_lease {
             let name = vm.state.replica_name(replica);
@@ -62,12 +63,18 @@ impl Root {
                 &format!("kvsteer: VM {id} ({role}) now polls {name}'s feed for the proxy"),
             );
         }
-        let headers = vec![
+        let mut headers = vec![
             (":method", "GET"),
             (":path", path.as_str()),
             (":authority", authority.as_str()),
             ("accept", kvsteer_core::feed::FEED_CONTENT_TYPE),
         ];
+        // A discovered member's feed is reached through one cluster holding every member, whose
+        // override_host picks the host from the destination header.
+        let destination_header = vm.state.config().destination_header.clone();
+        if let Some(d) = destination.as_deref() {
+            headers.push((destination_header.as_str(), d));
+        }
         match abi::dispatch_http_call(&upstream, headers, None, timeout) {
             Ok(token) => vm.state.poll_started(replica, token, now),
             Err(status) => {
@@ -124,6 +131,80 @@ impl Root {
                 LogLevel::Warn,
                 &format!("kvsteer: feed of {name} is stale ({reason}); routing it by load only"),
             );
+        }
+    }
+
+    /// Adopts the roster other workers wrote, then polls the discovery source when due.
+    fn poll_discovery(vm: &mut Vm, now: u64) {
+        let store = vm.state.shared(host_store(vm.state.config()));
+        vm.state.sync_roster(store, now);
+        let Some(poll) = vm.state.plan_discovery_poll(now) else {
+            return;
+        };
+        let headers = vec![
+            (":method", "GET"),
+            (":path", poll.path.as_str()),
+            (":authority", poll.authority.as_str()),
+            ("accept", "application/json"),
+        ];
+        let timeout = Duration::from_millis(poll.timeout_ms);
+        match abi::dispatch_http_call(&poll.upstream, headers, None, timeout) {
+            Ok(token) => vm.state.discovery_poll_started(token, now),
+            Err(status) => {
+                vm.state.discovery_poll_not_started(now);
+                log(
+                    LogLevel::Warn,
+                    &format!(
+                        "kvsteer: discovery poll of {} not dispatched ({status:?}); membership kept",
+                        poll.upstream
+                    ),
+                );
+            }
+        }
+    }
+
+    /// The discovery source's answer: refused unread when too large, checked whole before use.
+    fn on_discovery_answer(vm: &mut Vm, token: u32, status: Option<u16>, body_size: usize) {
+        let limit = vm
+            .state
+            .config()
+            .discovery
+            .as_ref()
+            .map_or(0, |d| d.max_response_bytes);
+        let store = vm.state.shared(host_store(vm.state.config()));
+        let now = now_ms();
+        let r = if body_size > limit {
+            // Refused before it is copied into the VM.
+            vm.state.on_discovery_oversized(token, body_size)
+        } else {
+            let body = callout_body(body_size);
+            vm.state
+                .on_discovery_answer(token, status, body.as_deref(), store, now)
+        };
+        match r {
+            DiscoveryResult::Changed {
+                joined,
+                left,
+                vacated,
+                members,
+            } => log(
+                LogLevel::Info,
+                &format!(
+                    "kvsteer: discovery: {members} members ({joined} joined, {left} leaving, {vacated} slots vacated)"
+                ),
+            ),
+            DiscoveryResult::Refused(why) => log(
+                LogLevel::Warn,
+                &format!(
+                    "kvsteer: discovery answer refused ({}): {why}; the last good membership stays",
+                    why.kind()
+                ),
+            ),
+            DiscoveryResult::Failed(why) => log(
+                LogLevel::Warn,
+                &format!("kvsteer: discovery poll failed: {why}; the last good membership stays"),
+            ),
+            DiscoveryResult::Unchanged | DiscoveryResult::Unknown => {}
         }
     }
 
@@ -211,7 +292,9 @@ impl Context for Root {
         let Some(vm) = &self.vm else { return };
         let status = callout_status(num_headers);
         let mut vm = vm.borrow_mut();
-        if vm.state.is_peer_poll(token) {
+        if vm.state.is_discovery_poll(token) {
+            Self::on_discovery_answer(&mut vm, token, status, body_size);
+        } else if vm.state.is_peer_poll(token) {
             Self::on_peer_answer(&mut vm, token, status, body_size);
         } else {
             Self::on_feed_answer(&mut vm, token, status, body_size);
@@ -282,6 +365,7 @@ impl RootContext for Root {
         vm.state.share_load(store, now);
         // This tick's feed budget, spent first on batches earlier ticks left half applied.
         vm.state.start_tick(now);
+        Self::poll_discovery(&mut vm, now);
         Self::poll_feeds(&mut vm, now);
         Self::poll_peers(&mut vm, now);
         let vm = &mut *vm;

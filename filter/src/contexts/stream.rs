@@ -661,6 +661,11 @@ impl HttpContext for Stream {
         if method != b"POST" || !is_inference_path(&path) {
             return Action::Continue;
         }
+        if !vm.borrow().state.has_members() {
+            // Discovery has seated nobody yet (and no static replica): the proxy's own balancing
+            // takes the request; nothing is booked against an empty slot.
+            return Action::Continue;
+        }
         self.path = String::from_utf8_lossy(&path).into_owned();
         self.session = header(
             MapType::HttpRequestHeaders,

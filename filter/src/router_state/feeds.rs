@@ -58,6 +58,9 @@ pub struct FeedPoll {
     /// This VM has just taken the replica's lease from no one or from another VM (worth a log line:
     /// it happens once per replica at start and at each handover).
     pub took_lease: bool,
+    /// A discovered member's feed address, for the destination header of its poll (the
+    /// `discovery.feed_cluster`'s `override_host` picks the host from it); `None` otherwise.
+    pub destination: Option<String>,
 }
 
 /// What a feed answer did, for logs and metrics.
@@ -132,6 +135,9 @@ impl RouterState {
             if f.in_flight.is_some() || f.pending.is_some() || f.next_poll_ms > now_ms {
                 continue;
             }
+            if self.router.membership(i) == kvsteer_core::router::Membership::Vacant {
+                continue; // an empty discovery slot: nobody to poll
+            }
             let q = self.router.feed_query(i, self.cfg.feed_max_events);
             let mut took_lease = false;
             let poll = match (store, self.worker_id) {
@@ -163,6 +169,7 @@ impl RouterState {
                         None => format!("{}{}", self.cfg.feed_path_prefix, q.to_path()),
                     },
                     took_lease,
+                    destination: self.feed_destination(i).map(str::to_string),
                 });
                 if bounded {
                     self.poll_cursor = i + 1;
@@ -187,6 +194,7 @@ impl RouterState {
             .saturating_mul(2)
             .saturating_add(1_000);
         self.exchange.any_in_flight()
+            || self.discovery_out(now_ms)
             || self
                 .feeds
                 .iter()

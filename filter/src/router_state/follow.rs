@@ -7,6 +7,7 @@ use crate::relay;
 use crate::store::SharedStore;
 use kvsteer_core::feed::FeedFrame;
 use kvsteer_core::router::FeedOutcome;
+use kvsteer_core::router::Membership;
 
 impl RouterState {
     /// Applies the batches other workers relayed for the feeds this worker does not poll, oldest
@@ -15,7 +16,7 @@ impl RouterState {
     pub fn follow_relays(&mut self, store: &dyn SharedStore, now_ms: u64) -> Vec<FeedResult> {
         let mut results = Vec::new();
         for i in 0..self.feeds.len() {
-            if self.feeds[i].leased {
+            if self.feeds[i].leased || self.router.membership(i) == Membership::Vacant {
                 continue;
             }
             while self.feeds[i].pending.is_none() {

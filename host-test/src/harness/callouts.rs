@@ -4,6 +4,7 @@
 //! dispatched, so the answer reflects the engine's cache at the time it arrives, as a real poll's
 //! would.
 
+use super::discovery::{DISCOVERY_CLUSTER, MEMBER_FEEDS_CLUSTER};
 use super::{FeedFault, Harness, HarnessError, config::proxy_of_peer_cluster, flood_hash};
 use crate::abi::Pairs;
 use crate::host::{CallOutcome, Callout, HostMode, StreamState};
@@ -29,6 +30,9 @@ impl Harness {
                 let (due_us, outcome) = if proxy_of_peer_cluster(&call.upstream).is_some() {
                     // Answered through the peer proxy when due ([`Harness::answer_peer`]).
                     (self.now_us + self.cfg.callout_latency_us, None)
+                } else if call.upstream == DISCOVERY_CLUSTER {
+                    let answer = self.discovery_outcome();
+                    (self.now_us + self.cfg.callout_latency_us, Some(answer))
                 } else {
                     self.feed_callout_fate(&call)
                 };
@@ -67,6 +71,9 @@ impl Harness {
     /// engine).
     fn replica_of_callout(&self, call: &Callout) -> Option<usize> {
         let first = match self.cfg.mode {
+            HostMode::Envoy if call.upstream == MEMBER_FEEDS_CLUSTER => {
+                self.member_feed_replica(call)
+            }
             HostMode::Envoy => self
                 .replicas
                 .iter()

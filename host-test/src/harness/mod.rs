@@ -24,6 +24,7 @@
 mod callouts;
 mod config;
 mod destination;
+mod discovery;
 mod event_loop;
 mod record;
 mod replica;
@@ -33,6 +34,7 @@ mod response;
 pub use config::{
     HARNESS_PEER_TOKEN, HarnessConfig, IssueHeaders, Output, ProxySpread, peer_cluster,
 };
+pub use discovery::{DISCOVERY_CLUSTER, MEMBER_FEEDS_CLUSTER};
 pub use record::{HarnessStats, ProxyAnswer, RequestRecord, RequestSpec};
 pub use replica::{FeedFault, Replica, ResponseFault, flood_hash};
 
@@ -112,6 +114,9 @@ pub struct Harness {
     rr_peer: Vec<usize>,
     /// Per proxy: how peer polls to it are answered instead of through it ([`Harness::set_peer_fault`]).
     peer_faults: Vec<Option<CallOutcome>>,
+    /// How the discovery source answers (`discovery`; `None`: 503).
+    discovery_answer: Option<CallOutcome>,
+    discovery_polls: u64,
     next_sample_us: u64,
     events: Vec<EngineEvent>,
     driver: Option<Driver>,
@@ -154,6 +159,8 @@ impl Harness {
             rr_fallback: 0,
             rr_peer: vec![0; proxy_count],
             peer_faults: vec![None; proxy_count],
+            discovery_answer: None,
+            discovery_polls: 0,
             next_sample_us: 0,
             events: Vec::new(),
             driver: None,
@@ -230,6 +237,8 @@ fn start_proxies(
                 .iter()
                 .flat_map(|(_, _, feed, cluster)| [feed.clone(), cluster.clone()])
                 .chain((0..cfg.proxies).map(peer_cluster))
+                // The discovery source and the discovered members' feeds (`discovery`).
+                .chain([DISCOVERY_CLUSTER.into(), MEMBER_FEEDS_CLUSTER.into()])
                 .collect(),
         );
     }

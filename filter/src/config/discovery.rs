@@ -1,0 +1,215 @@
+//! The `discovery` section: membership read at run time from a member list the filter polls
+//! (docs/design/discovery.md). Discovered members take the routing slots after the static
+//! replicas; the two lists add up.
+
+use super::{ConfigError, FilterConfig, MAX_UNITS, OutputMode, ReplicaSpec};
+use serde::Deserialize;
+
+/// The path polled when `discovery.path` is not set (what `kvsteer-feed discover` answers).
+pub const DEFAULT_DISCOVERY_PATH: &str = "/kvsteer/members";
+
+/// The name a slot has while no member holds it (and in per-unit metrics, whoever holds it).
+pub fn slot_name(k: usize) -> String {
+    format!("_slot{k}")
+}
+
+fn d_path() -> String {
+    DEFAULT_DISCOVERY_PATH.into()
+}
+fn d_period() -> u64 {
+    1_000
+}
+fn d_timeout() -> u64 {
+    1_000
+}
+fn d_hold() -> u64 {
+    10_000
+}
+fn d_max_members() -> usize {
+    64
+}
+fn d_max_bytes() -> usize {
+    1 << 20
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoverySection {
+    /// Envoy: the cluster that answers the member list (nginx: its `IP:port`).
+    pub cluster: String,
+    /// `:authority` of the poll; defaults to `cluster`.
+    #[serde(default)]
+    pub authority: Option<String>,
+    /// The path polled (`GET`).
+    #[serde(default = "d_path")]
+    pub path: String,
+    /// How often the list is polled (ms): a member that joins is routed to within about one period
+    /// (plus its first feed poll), one that leaves stops getting requests within one.
+    #[serde(default = "d_period")]
+    pub period_ms: u64,
+    /// How long a poll may take (ms).
+    #[serde(default = "d_timeout")]
+    pub timeout_ms: u64,
+    /// How long a member that left keeps its slot and its index (ms): back within it (a pod that
+    /// flaps, a list that missed it once), it is routed to again as it was; past it, its blocks and
+    /// bookings are dropped and its slot is free for another member.
+    #[serde(default = "d_hold")]
+    pub hold_ms: u64,
+    /// Slots for discovered members (DP ranks count one each): a list with more is refused whole.
+    /// Every slot costs the per-replica state of a configured replica whether or not it is taken.
+    #[serde(default = "d_max_members")]
+    pub max_members: usize,
+    /// A list over this many bytes is refused unread.
+    #[serde(default = "d_max_bytes")]
+    pub max_response_bytes: usize,
+    /// Envoy: the cluster discovered members' feeds are polled through. It must hold every
+    /// member's feed address and pick the host with `override_host` from the destination header
+    /// (which the filter sets to the member's feed address on each poll). Required with Envoy.
+    #[serde(default)]
+    pub feed_cluster: Option<String>,
+}
+
+impl DiscoverySection {
+    pub(super) fn validate(&self, cfg: &FilterConfig) -> Result<(), ConfigError> {
+        let err = |field: &str, m: String| {
+            let path = if field.is_empty() {
+                "discovery".to_string()
+            } else {
+                format!("discovery.{field}")
+            };
+            Err(ConfigError::at(path, m))
+        };
+        let printable =
+            |s: &str| !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic());
+        if !printable(&self.cluster) || !self.authority.as_deref().is_none_or(printable) {
+            return err(
+                "cluster",
+                "cluster and authority must be 1-256 printable ASCII characters".into(),
+            );
+        }
+        if !self.path.starts_with('/')
+            || self.path.len() > 256
+            || !self.path.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return err(
+                "path",
+                format!(
+                    "{:?} must start with '/' and be up to 256 printable characters",
+                    self.path
+                ),
+            );
+        }
+        if self.period_ms < cfg.tick_ms || self.period_ms > 600_000 {
+            return err(
+                "period_ms",
+                format!(
+                    "must be tick_ms ({})..=600000, got {}",
+                    cfg.tick_ms, self.period_ms
+                ),
+            );
+        }
+        if self.timeout_ms == 0 || self.timeout_ms > 60_000 {
+            return err(
+                "timeout_ms",
+                format!("must be 1..=60000, got {}", self.timeout_ms),
+            );
+        }
+        if self.hold_ms > 3_600_000 {
+            return err(
+                "hold_ms",
+                format!("must be at most 3600000, got {}", self.hold_ms),
+            );
+        }
+        let static_units: usize = cfg.replicas.iter().map(|r| r.dp_ranks as usize).sum();
+        let room = MAX_UNITS.saturating_sub(static_units);
+        if self.max_members == 0 || self.max_members > room {
+            return err(
+                "max_members",
+                format!(
+                    "must be 1..={room} (the {MAX_UNITS} routing units less the static \
+                     replicas'), got {}",
+                    self.max_members
+                ),
+            );
+        }
+        if !(64..=64 << 20).contains(&self.max_response_bytes) {
+            return err(
+                "max_response_bytes",
+                format!("must be 64..=67108864, got {}", self.max_response_bytes),
+            );
+        }
+        match cfg.output {
+            OutputMode::NginxVariable => {}
+            OutputMode::ClusterHeader => {
+                return Err(ConfigError::at(
+                    "output",
+                    "cluster_header mode cannot route to discovered members (one cluster per \
+                     replica is configuration, not discovery): use destination_header with a \
+                     discovery section",
+                ));
+            }
+            OutputMode::DestinationHeader => {
+                if !self.feed_cluster.as_deref().is_some_and(printable) {
+                    return err("feed_cluster", "required with Envoy".into());
+                }
+            }
+        }
+        if cfg.disaggregated() {
+            return err(
+                "",
+                "prefill/decode roles are configured statically, not discovered".into(),
+            );
+        }
+        if let Some(r) = cfg.replicas.iter().find(|r| r.name.starts_with("_slot")) {
+            return Err(ConfigError::at(
+                "replicas",
+                format!(
+                    "{:?}: names starting with _slot are the discovery slots'",
+                    r.name
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl FilterConfig {
+    /// The routing units configured statically; discovery's slots follow them.
+    pub fn static_units(&self) -> usize {
+        match &self.discovery {
+            Some(d) => self.replicas.len().saturating_sub(d.max_members),
+            None => self.replicas.len(),
+        }
+    }
+
+    /// Appends the discovery slots to the (expanded) static replicas: each a placeholder unit,
+    /// vacant until a member is seated in it (`crate::roster`).
+    pub(super) fn add_discovery_slots(&mut self) {
+        let Some(d) = &self.discovery else { return };
+        if self.replicas.iter().any(|r| r.name.starts_with("_slot")) {
+            return; // already added
+        }
+        for k in 0..d.max_members {
+            self.replicas.push(ReplicaSpec {
+                name: slot_name(k),
+                endpoint: "0.0.0.0:0".into(),
+                feed_cluster: d.feed_cluster.clone(),
+                feed_authority: None,
+                feed_address: None,
+                cluster: None,
+                dp_ranks: 1,
+                role: "both".into(),
+                prefill_cluster: None,
+                prefill_authority: None,
+                rank: None,
+            });
+        }
+    }
+
+    /// `:authority` of the discovery poll.
+    pub fn discovery_authority(&self) -> &str {
+        self.discovery
+            .as_ref()
+            .map_or("", |d| d.authority.as_deref().unwrap_or(&d.cluster))
+    }
+}
