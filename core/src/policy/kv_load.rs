@@ -67,12 +67,12 @@ pub fn costs(input: &Input, k: &KvLoadParams) -> Vec<f64> {
                 0.0
             };
             let overflow = match input.working_set.get(r) {
-                Some(&(ws, add, cap)) if cap > 0.0 => {
-                    let kept = |w: f64| resident_value(w, cap, k.overflow_softness);
+                Some(f) if f.cache > 0.0 => {
+                    let kept = |w: f64| resident_value(w, f.cache, k.overflow_softness);
                     input.working_set_scale
                         * k.overflow_weight
                         * prefill_scale
-                        * (kept(ws) - kept(ws + add)).max(0.0)
+                        * (kept(f.working_set) - kept(f.working_set + f.added)).max(0.0)
                 }
                 _ => 0.0,
             };
@@ -219,7 +219,7 @@ mod tests {
     use super::*;
     use crate::config::KvLoadPreset;
     use crate::load::LoadTotals;
-    use crate::policy::load_only_input;
+    use crate::policy::{fit, load_only_input};
 
     fn input<'a>(load: &'a [LoadTotals], overlap: &'a [f64], active: &'a [f64]) -> Input<'a> {
         Input {
@@ -258,11 +258,11 @@ mod tests {
         let mut i = input(&load, &[0.0, 0.0], &[]);
         // Replica 0: 95 of 100 blocks requested recently, the request adds 10 (over); replica 1:
         // 50, adds 10 (fits).
-        let ws = [(95.0, 10.0, 100.0), (50.0, 10.0, 100.0)];
+        let ws = [fit(95.0, 10.0, 100.0), fit(50.0, 10.0, 100.0)];
         i.working_set = &ws;
         assert_eq!(costs(&i, &k), vec![10.0 + 2.0 * 95.0, 10.0]);
         // An unknown cache size (0) or a zero weight turns it off.
-        let unknown = [(95.0, 10.0, 0.0), (50.0, 10.0, 0.0)];
+        let unknown = [fit(95.0, 10.0, 0.0), fit(50.0, 10.0, 0.0)];
         i.working_set = &unknown;
         assert_eq!(costs(&i, &k), vec![10.0, 10.0]);
         i.working_set = &ws;

@@ -84,10 +84,7 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
             let stall =
                 n * prefill + s * n * out * profile.decode_step_extra_s(1.0, prompt + out / 2.0);
             let evict = match input.working_set.get(r) {
-                Some(&(ws, add, cap)) if cap > 0.0 => {
-                    let pushed = add.min((ws + add - cap).max(0.0));
-                    s * reuse * profile.work_s(pushed * bs)
-                }
+                Some(f) if f.cache > 0.0 => s * reuse * profile.work_s(f.pushed_out() * bs),
                 _ => 0.0,
             };
             Terms {
@@ -188,7 +185,7 @@ impl Policy for KvTime {
 mod tests {
     use super::*;
     use crate::load::LoadTotals;
-    use crate::policy::load_only_input;
+    use crate::policy::{fit, load_only_input};
 
     fn input<'a>(load: &'a [LoadTotals], overlap: &'a [f64], avoided: &'a [bool]) -> Input<'a> {
         Input {
@@ -262,7 +259,7 @@ mod tests {
         let load = [LoadTotals::default(); 2];
         let mut i = input(&load, &[0.0, 0.0], &[false; 2]);
         // Replica 0: 95 of 100 blocks, adds 10 (5 pushed out); replica 1: fits.
-        let ws = [(95.0, 10.0, 100.0), (50.0, 10.0, 100.0)];
+        let ws = [fit(95.0, 10.0, 100.0), fit(50.0, 10.0, 100.0)];
         i.working_set = &ws;
         i.reuse_share = 0.5;
         let t = terms(&i, &p);

@@ -71,10 +71,9 @@ pub struct Input<'a> {
     pub avoided: &'a [bool],
     /// Output tokens the request is expected to generate ([`crate::output::OutputEstimate`]).
     pub expected_output_tokens: f64,
-    /// Per replica: distinct blocks in its recent working set, how many of the request's blocks it
-    /// would add, and its cache's size in blocks (0: not known yet) ([`crate::working_set`]); empty
-    /// when the working-set term is off.
-    pub working_set: &'a [(f64, f64, f64)],
+    /// Per replica: its recent working set against its cache ([`crate::working_set`]); empty when
+    /// the working-set term is off.
+    pub working_set: &'a [CacheFit],
     /// What the working-set term's weight is multiplied by: 1, or with
     /// `kv_load.overflow_reuse_floor` above 0, how far the traffic's reuse share is above the floor
     /// ([`crate::policy::kv_load::reuse_ramp`]).
@@ -150,6 +149,27 @@ pub struct Needs {
     pub speed: bool,
 }
 
+/// One replica's recent working set against its prefix cache, in blocks: what the working-set
+/// term prices (how much of it a placement would push out of the cache).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CacheFit {
+    /// Distinct blocks requested from the replica recently.
+    pub working_set: f64,
+    /// How many of the request's blocks are not among them (what placing it there adds).
+    pub added: f64,
+    /// The replica's cache, in blocks; 0 while not known (the term is then off for it).
+    pub cache: f64,
+}
+
+impl CacheFit {
+    /// Blocks the placement would push out of the cache: what it adds beyond the room left,
+    /// at most what it adds.
+    pub fn pushed_out(&self) -> f64 {
+        self.added
+            .min((self.working_set + self.added - self.cache).max(0.0))
+    }
+}
+
 /// How the working-set term sizes a replica's prefix cache (in blocks) in [`Input::working_set`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum CacheSizing {
@@ -187,6 +207,16 @@ pub fn from_config(cfg: &RoutingConfig, replicas: usize) -> Box<dyn Policy> {
             cfg.kv_time.clone(),
             cfg.kv_time.profile.profile(),
         )),
+    }
+}
+
+/// A [`CacheFit`] from its three figures, for the tests.
+#[cfg(test)]
+pub(crate) fn fit(working_set: f64, added: f64, cache: f64) -> CacheFit {
+    CacheFit {
+        working_set,
+        added,
+        cache,
     }
 }
 

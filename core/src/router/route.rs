@@ -2,7 +2,7 @@
 //! turned into a [`Decision`] (a due probe, the retry backup, the counters).
 
 use super::{Decision, Router};
-use crate::policy::{Choice, FallbackReason, Input, kv_load, least_load, pick_lowest};
+use crate::policy::{CacheFit, Choice, FallbackReason, Input, kv_load, least_load, pick_lowest};
 use crate::request::{
     EarlyScan, PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request_early,
 };
@@ -107,13 +107,14 @@ impl Router {
         if let Some(ws) = &mut self.working_set {
             ws.expire(now_ms);
         }
-        let working_set: Vec<(f64, f64, f64)> = match (&self.working_set, needs.working_set) {
+        let working_set: Vec<CacheFit> = match (&self.working_set, needs.working_set) {
             (Some(ws), Some(sizing)) => {
                 let added = ws.added(sampled);
                 (0..self.replicas)
-                    .map(|r| {
-                        let add = added.get(r).copied().unwrap_or(0.0);
-                        (ws.blocks(r), add, self.cache_blocks_by(r, sizing))
+                    .map(|r| CacheFit {
+                        working_set: ws.blocks(r),
+                        added: added.get(r).copied().unwrap_or(0.0),
+                        cache: self.cache_blocks_by(r, sizing),
                     })
                     .collect()
             }
