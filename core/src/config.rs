@@ -18,10 +18,12 @@ pub enum PolicyKind {
     #[default]
     KvLoad,
     KvTime,
+    /// The Gateway API Inference Extension's LoRA rule, as a baseline: [`crate::policy::adapter_affinity`].
+    AdapterAffinity,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 7] = [
+    pub const ALL: [PolicyKind; 8] = [
         PolicyKind::RoundRobin,
         PolicyKind::LeastLoad,
         PolicyKind::SessionHash,
@@ -29,6 +31,7 @@ impl PolicyKind {
         PolicyKind::KvAffinity,
         PolicyKind::KvTime,
         PolicyKind::KvLoad,
+        PolicyKind::AdapterAffinity,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -40,6 +43,7 @@ impl PolicyKind {
             PolicyKind::KvAffinity => "kv_affinity",
             PolicyKind::KvLoad => "kv_load",
             PolicyKind::KvTime => "kv_time",
+            PolicyKind::AdapterAffinity => "adapter_affinity",
         }
     }
 }
@@ -514,6 +518,9 @@ pub struct RoutingConfig {
     /// Priority classes and shedding at saturation (`crate::admission`); absent: every request is
     /// admitted, as without the feature.
     pub admission: Option<crate::admission::AdmissionConfig>,
+    /// LoRA adapters: which `model` names are adapters and what loading one costs
+    /// ([`crate::adapters::AdapterParams`]); absent: no request is an adapter's.
+    pub adapters: Option<crate::adapters::AdapterParams>,
 }
 
 impl Default for RoutingConfig {
@@ -530,6 +537,7 @@ impl Default for RoutingConfig {
             health: HealthParams::default(),
             max_body_bytes: 4 << 20,
             admission: None,
+            adapters: None,
         }
     }
 }
@@ -587,6 +595,9 @@ impl RoutingConfig {
         }
         self.health.validate()?;
         self.kv_time.validate()?;
+        if let Some(a) = &self.adapters {
+            a.validate()?;
+        }
         let k = &self.kv_load;
         let nonneg = |name: &str, v: f64| {
             if v.is_finite() && v >= 0.0 {

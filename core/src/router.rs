@@ -179,6 +179,8 @@ pub struct Router {
     pending: HashMap<u64, (usize, f64, u64)>,
     /// The policy's [`Policy::last_terms`] belong to a request not admitted yet.
     terms_unadmitted: bool,
+    /// Per replica: its LoRA adapters as its last feed answer reported them; `None`: not known.
+    adapters: Vec<Option<crate::adapters::AdapterView>>,
 }
 
 /// Most admitted requests whose first token `kv_time` waits for to learn a speed: past it, new
@@ -214,6 +216,7 @@ impl Router {
                 cfg.kv_time.speed_bound,
             ),
             terms_unadmitted: false,
+            adapters: vec![None; replicas],
             pending: HashMap::new(),
             index: KvIndex::new(cfg.index_capacity_blocks, replicas, cfg.seed ^ 0xA5A5_5A5A),
             approx_seq: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),

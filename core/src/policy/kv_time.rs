@@ -20,6 +20,8 @@
 //! evict_r   = s_r * reuse * work_s(tokens pushed out of r's cache)
 //!                                                             re-prefill of the contexts the placement
 //!                                                             pushes out, times the share that comes back
+//! adapter_r = adapters.load_ms where r must load the request's LoRA adapter, else 0
+//!                                                             added to cost_r and to the predicted TTFT
 //! ```
 //!
 //! `wait_r + prefill_r` is the predicted time to first token on r. A replica with nothing queued,
@@ -41,6 +43,8 @@ pub struct Terms {
     pub decode: f64,
     pub stall: f64,
     pub evict: f64,
+    /// Loading the request's LoRA adapter where the replica lacks it ([`adapter_s`]).
+    pub adapter: f64,
 }
 
 impl Terms {
@@ -51,11 +55,12 @@ impl Terms {
             + k.decode_weight * self.decode
             + k.stall_weight * self.stall
             + k.evict_weight * self.evict
+            + self.adapter
     }
 
     /// The predicted time to first token.
     pub fn ttft(&self) -> f64 {
-        self.wait + self.prefill
+        self.wait + self.prefill + self.adapter
     }
 }
 
@@ -96,9 +101,22 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
                 decode,
                 stall,
                 evict,
+                adapter: adapter_s(input, r),
             }
         })
         .collect()
+}
+
+/// Seconds replica `r` spends loading the request's LoRA adapter before its first token: the
+/// configured load time where it must load it, 0 where it holds it, where its adapters are not
+/// known (a feed without them, or a request for none) or where the load time is not a positive
+/// number. Not scaled by the replica's speed: a load is a copy from disk to GPU, not model work.
+pub fn adapter_s(input: &Input, r: usize) -> f64 {
+    let load = input.adapter_load_s;
+    match input.adapter.get(r) {
+        Some(f) if f.must_load() && load.is_finite() && load > 0.0 => load,
+        _ => 0.0,
+    }
 }
 
 /// Seconds a request needing `uncached` tokens of new KV waits for room on a replica whose `n`
@@ -281,6 +299,27 @@ mod tests {
         let t = terms(&input(&[full, half], &[0.0, 0.0], &[false; 2]), &p);
         assert!(t[0].wait > 0.05, "{t:?}");
         assert_eq!(t[1].wait, 0.0);
+    }
+
+    #[test]
+    fn a_replica_lacking_the_adapter_costs_the_load_time_more() {
+        use crate::adapters::AdapterFit::{FreeSlot, Full, Held, Unknown};
+        let p = EngineProfile::default();
+        let k = KvTimeParams::default();
+        let load = [busy(1000, 4, 10_000); 4];
+        let mut i = input(&load, &[0.0; 4], &[false; 4]);
+        let fits = [Held, FreeSlot, Full, Unknown];
+        i.adapter = &fits;
+        i.adapter_load_s = 0.3;
+        let t = terms(&i, &p);
+        for (r, extra) in [(1, 0.3), (2, 0.3), (3, 0.0)] {
+            assert!((t[r].cost(&k) - t[0].cost(&k) - extra).abs() < 1e-12, "{r}");
+            assert!((t[r].ttft() - t[0].ttft() - extra).abs() < 1e-12, "{r}");
+        }
+        let mut rng = SplitMix64::new(5);
+        assert_eq!(choose(&i, &k, &p, &mut rng).0.replica, 0);
+        i.adapter_load_s = f64::NAN;
+        assert!(terms(&i, &p).iter().all(|t| t.adapter == 0.0));
     }
 
     #[test]
