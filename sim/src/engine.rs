@@ -15,11 +15,12 @@
 
 use crate::feed_log::FeedLog;
 use crate::kv::KvCache;
+use crate::lora::{LoraConfig, LoraSlots};
 use crate::output::{OutputLen, mix64, output_token};
 use crate::profile::{Profile, StepWork, attn_pairs};
 use hashbrown::HashMap;
 use kvsteer_core::block::{BlockHasher, SeqHash};
-use kvsteer_core::feed::{FeedBatch, FeedQuery, ReplicaLoad};
+use kvsteer_core::feed::{AdapterReport, FeedBatch, FeedQuery, ReplicaLoad};
 use std::collections::VecDeque;
 
 /// Engine configuration. [`EngineConfig::default`] is Llama-3.1-8B on one H100 with vLLM's defaults.
@@ -45,6 +46,8 @@ pub struct EngineConfig {
     pub epoch: u64,
     /// Hashes the feed log retains before a lagging router needs a snapshot.
     pub feed_log_hashes: usize,
+    /// LoRA adapter slots and load time ([`crate::lora`]); off by default.
+    pub lora: LoraConfig,
 }
 
 impl Default for EngineConfig {
@@ -62,6 +65,7 @@ impl Default for EngineConfig {
             seed: 0,
             epoch: 0,
             feed_log_hashes: 1 << 20,
+            lora: LoraConfig::default(),
         }
     }
 }
@@ -289,6 +293,8 @@ struct Seq {
     /// ([`Engine::submit_remote`]): not admissible before this time; cleared at admission, so a
     /// preempted one recomputes locally (vLLM reads a request's remote KV once).
     remote_ready_us: Option<u64>,
+    /// The LoRA adapter the request runs with ([`LoraSlots::intern`]); `None`: the base model.
+    adapter: Option<u32>,
 }
 
 impl Seq {
@@ -342,6 +348,10 @@ pub struct Engine {
     scratch: Vec<(u32, u64, u32)>,
     /// Set by [`Engine::submit_remote`] around its `submit`: the new sequence's KV read end.
     pending_remote: Option<u64>,
+    /// LoRA adapter slots; set by [`Engine::submit_with_adapter`] around its `submit`: the new
+    /// sequence's adapter.
+    lora: LoraSlots,
+    pending_adapter: Option<u32>,
 }
 
 impl Engine {
@@ -360,6 +370,7 @@ impl Engine {
             mix64(cfg.seed ^ 0x0065_706f_6368) | 1
         };
         Engine {
+            lora: LoraSlots::new(cfg.lora),
             kv: KvCache::new(cfg.kv_blocks, cfg.host_blocks),
             log: FeedLog::new(epoch, cfg.feed_log_hashes),
             hasher,
@@ -377,6 +388,7 @@ impl Engine {
             stats: EngineStats::default(),
             scratch: Vec::new(),
             pending_remote: None,
+            pending_adapter: None,
         }
     }
 
@@ -445,6 +457,8 @@ impl Engine {
             stats: self.stats.clone(),
             scratch: Vec::new(),
             pending_remote: None,
+            lora: self.lora.clone(),
+            pending_adapter: None,
         }
     }
 
@@ -554,6 +568,7 @@ impl Engine {
             arrival_us: now_us,
             last_token_us: now_us,
             remote_ready_us: self.pending_remote,
+            adapter: self.pending_adapter,
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -604,6 +619,41 @@ impl Engine {
         Ok(transferred)
     }
 
+    /// [`Engine::submit`] for a request whose OpenAI `model` names a LoRA adapter: it runs with that
+    /// adapter, loaded when it is admitted if not resident ([`crate::lora`]). With LoRA off (no
+    /// slots) or no adapter, exactly [`Engine::submit`].
+    pub fn submit_with_adapter(
+        &mut self,
+        now_us: u64,
+        req: EngineRequest,
+        adapter: Option<&str>,
+    ) -> Result<(), SubmitError> {
+        self.pending_adapter = adapter.and_then(|a| self.lora.intern(a));
+        let r = self.submit(now_us, req);
+        self.pending_adapter = None;
+        r
+    }
+
+    /// Adapter loads since the engine started.
+    pub fn adapter_loads(&self) -> u64 {
+        self.lora.loads
+    }
+
+    /// Adapters resident on the GPU now, least recently used first.
+    pub fn resident_adapters(&self) -> Vec<&str> {
+        self.lora.resident()
+    }
+
+    /// What the feed reports about adapters (the adapters of running and of waiting requests, and
+    /// the slots); `None` with LoRA off.
+    pub fn adapter_report(&self) -> Option<AdapterReport> {
+        let adapter = |s: &u32| self.slots[*s as usize].as_ref().and_then(|q| q.adapter);
+        self.lora.report(
+            self.running.iter().filter_map(adapter),
+            self.waiting.iter().filter_map(adapter),
+        )
+    }
+
     /// Aborts a request; true when it was in flight. Its `Finished { reason: Abort }` comes out of the
     /// next [`Engine::advance`].
     pub fn abort(&mut self, now_us: u64, id: u64) -> bool {
@@ -638,6 +688,7 @@ impl Engine {
         }
         self.step = None;
         self.kv.clear();
+        self.lora.clear();
         self.restarts += 1;
         let epoch = mix64(self.log.epoch() ^ self.restarts) | 1;
         self.log.reset(epoch);
@@ -888,17 +939,27 @@ impl Engine {
             i += 1;
         }
 
+        // The batch's distinct adapters, and the time loading new ones adds to the step.
+        let mut adapters: Vec<u32> = Vec::new();
+        if self.lora.enabled() {
+            adapters.extend(self.running.iter().filter_map(|&s| self.seq(s).adapter));
+            adapters.sort_unstable();
+            adapters.dedup();
+        }
+        let mut load_us = 0u64;
+
         // Then waiting requests, FCFS, unless this step had to preempt.
         while !preempted
             && budget > 0
             && self.running.len() < self.cfg.max_running as usize
             && let Some(pos) = self.waiting.iter().position(|&s| {
                 // A request whose KV read has not ended is passed over, as vLLM's scheduler skips
-                // those waiting for remote KV; the rest keep FCFS order.
-                self.slots[s as usize]
-                    .as_ref()
-                    .and_then(|q| q.remote_ready_us)
-                    .is_none_or(|t| t <= start_us)
+                // those waiting for remote KV, and so is one whose adapter would be one more than
+                // the slots; the rest keep FCFS order.
+                self.slots[s as usize].as_ref().is_none_or(|q| {
+                    q.remote_ready_us.is_none_or(|t| t <= start_us)
+                        && self.lora.admissible(q.adapter, &adapters)
+                })
             })
         {
             let slot = self.waiting[pos];
@@ -934,6 +995,12 @@ impl Engine {
             if s.cached_tokens.is_none() {
                 s.cached_tokens = Some(cached as u32);
             }
+            if let Some(a) = s.adapter {
+                load_us += self.lora.acquire(a, &adapters);
+                if !adapters.contains(&a) {
+                    adapters.push(a);
+                }
+            }
             w.host_load_tokens += (hit.host_blocks * bs) as u64;
             self.stats.prefix_cache_queries += total as u64;
             self.stats.prefix_cache_hits += cached as u64;
@@ -951,7 +1018,8 @@ impl Engine {
         }
         let dur = (self.cfg.profile.step_us(&w) * self.slowdown)
             .round()
-            .max(1.0) as u64;
+            .max(1.0) as u64
+            + load_us;
         self.step = Some(Step {
             end_us: start_us.saturating_add(dur),
             work,

@@ -10,6 +10,7 @@ pub mod dp;
 pub mod engine;
 pub mod feed_log;
 pub mod kv;
+pub mod lora;
 pub mod output;
 pub mod pd;
 pub mod profile;
