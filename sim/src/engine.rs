@@ -821,6 +821,23 @@ impl Engine {
         self.log.answer(q, load, || kv.snapshot())
     }
 
+    /// Answers a feed poll as the bytes a replica sends: the batch, stamped with `rank` when one
+    /// was asked for, and the adapter section when `query` asks for it (`adapters=1`) and LoRA is on
+    /// (docs/reference/feed.md, "Adapters").
+    pub fn feed_answer(&mut self, q: &FeedQuery, query: &str, rank: Option<u16>) -> Vec<u8> {
+        let batch = self.feed(q);
+        let mut body = match rank {
+            Some(r) => batch.encode_for_rank(r),
+            None => batch.encode(),
+        };
+        if kvsteer_core::feed::query_adapters(query)
+            && let Some(r) = self.adapter_report()
+        {
+            r.append_to(&mut body);
+        }
+        body
+    }
+
     /// Whether a sequence hash is cached on the GPU (for tests and diagnostics).
     pub fn is_cached(&self, h: SeqHash) -> bool {
         self.kv.is_cached(h.0)

@@ -31,7 +31,7 @@ mod request;
 mod response;
 
 pub use config::{
-    HARNESS_PEER_TOKEN, HarnessConfig, IssueHeaders, Output, ProxySpread, peer_cluster,
+    HARNESS_PEER_TOKEN, HarnessConfig, IssueHeaders, IssueModel, Output, ProxySpread, peer_cluster,
 };
 pub use record::{HarnessStats, ProxyAnswer, RequestRecord, RequestSpec};
 pub use replica::{FeedFault, Replica, ResponseFault, flood_hash};

@@ -13,7 +13,7 @@ use axum::extract::{RawQuery, State};
 use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
-use kvsteer_core::feed::{FEED_CONTENT_TYPE, FEED_PATH, FeedQuery, query_adapters, query_rank};
+use kvsteer_core::feed::{FEED_CONTENT_TYPE, FEED_PATH, FeedQuery, query_rank};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -219,32 +219,16 @@ fn feed_body(s: &Shared, query: &str) -> Result<Vec<u8>, ApiError> {
     }
     let core = &mut *g;
     let n = core.engines.len();
-    // The adapter section only for a router that asks for it (docs/reference/feed.md, "Adapters").
-    let with_adapters = |e: &mut Engine, mut body: Vec<u8>| {
-        if query_adapters(query)
-            && let Some(r) = e.adapter_report()
-        {
-            r.append_to(&mut body);
-        }
-        body
-    };
     Ok(match rank {
         // Rank R's own feed, stamped with R.
-        Some(r) if (r as usize) < n => {
-            let e = &mut core.engines[r as usize];
-            let body = e.feed(&q).encode_for_rank(r);
-            with_adapters(e, body)
-        }
+        Some(r) if (r as usize) < n => core.engines[r as usize].feed_answer(&q, query, Some(r)),
         Some(r) => {
             return Err(ApiError::bad(
                 "rank",
                 format!("no data-parallel rank {r} here ({n} rank(s))"),
             ));
         }
-        None if n == 1 => {
-            let body = core.engines[0].feed(&q).encode();
-            with_adapters(&mut core.engines[0], body)
-        }
+        None if n == 1 => core.engines[0].feed_answer(&q, query, None),
         // A rank-blind poll of a DP endpoint: the union of its ranks' caches.
         None => {
             let mut engines: Vec<&mut Engine> = core.engines.iter_mut().collect();

@@ -1,0 +1,77 @@
+//! LoRA adapters through the compiled filter: the replicas' feeds report the adapters their requests
+//! use, and with `routing.adapters` configured a request for an adapter goes to the replica that
+//! has it loaded when the replicas are otherwise equal; without the configuration, or from replicas
+//! whose feed says nothing about adapters, routing is adapter-blind.
+
+mod common;
+use common::*;
+use kvsteer_host_test::{Harness, HarnessConfig, RequestSpec};
+use kvsteer_sim::lora::LoraConfig;
+use serde_json::json;
+
+const HOLDER: usize = 2;
+
+/// Four replicas with two adapter slots each, each running one long request of the same size: the
+/// holder's for adapter `sql`, the others' for adapters of their own. The feeds have caught up.
+fn fleet(policy: &str, adapters_configured: bool, lora_on: bool) -> Harness {
+    let mut cfg = HarnessConfig::small(policy);
+    cfg.workers = 1;
+    cfg.engine.lora = LoraConfig {
+        slots: if lora_on { 2 } else { 0 },
+        load_us: 300_000,
+    };
+    cfg.routing = json!({"policy": policy, "block_size": 16});
+    if adapters_configured {
+        cfg.routing["adapters"] = json!({"base_models": [kvsteer_host_test::openai::MODEL]});
+    }
+    let mut h = harness_with(cfg);
+    for r in 0..4 {
+        let adapter = if r == HOLDER {
+            "sql".to_string()
+        } else {
+            format!("other-{r}")
+        };
+        h.submit_direct_for(r, tokens(900 + r as u64, 256), 20_000, Some(&adapter))
+            .unwrap();
+    }
+    h.run_for(1_000_000).unwrap();
+    h
+}
+
+/// Where five fresh requests for `sql`, sent one after another, went.
+fn destinations(h: &mut Harness) -> Vec<usize> {
+    (0..5u64)
+        .map(|i| {
+            let spec = RequestSpec::new(tokens(50 + i, 256), 8).model("sql");
+            let id = h.send(&spec).unwrap();
+            h.run_for(2_000_000).unwrap();
+            let r = h.record(id).unwrap();
+            assert!(!r.failed, "{r:?}");
+            r.replica.unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn a_request_for_a_loaded_adapter_goes_to_the_replica_holding_it() {
+    for policy in ["kv_time", "adapter_affinity"] {
+        let mut h = fleet(policy, true, true);
+        assert_eq!(destinations(&mut h), vec![HOLDER; 5], "{policy}");
+        assert_clean(&h);
+        // The holder loaded nothing for them; each other replica loaded only its own adapter.
+        assert_eq!(h.replicas[HOLDER].engine.adapter_loads(), 1, "{policy}");
+    }
+}
+
+#[test]
+fn without_the_configuration_or_the_report_routing_is_adapter_blind() {
+    for (configured, lora_on) in [(false, true), (true, false)] {
+        let mut h = fleet("kv_time", configured, lora_on);
+        let d = destinations(&mut h);
+        assert!(
+            d.iter().any(|&r| r != HOLDER),
+            "configured {configured}, reported {lora_on}: {d:?}"
+        );
+        assert_clean(&h);
+    }
+}
