@@ -165,6 +165,9 @@ pub struct EngineLoad {
     pub block_size: Option<u64>,
     /// `process_start_time_seconds`: a change means the engine restarted.
     pub start_time: Option<f64>,
+    /// `vllm:lora_requests_info`: the LoRA adapters of the running and waiting requests and the
+    /// adapter slots; `None` when the engine does not export it (LoRA off, or not vLLM).
+    pub adapters: Option<kvsteer_core::feed::AdapterReport>,
 }
 
 #[derive(Copy, Clone, Debug)]
@@ -740,8 +743,19 @@ impl AdapterState {
 
     /// [`AdapterState::answer`], encoded with this view's rank.
     pub fn answer_bytes(&mut self, q: &FeedQuery) -> Vec<u8> {
+        self.answer_bytes_for(q, false)
+    }
+
+    /// [`AdapterState::answer_bytes`], with the engine's LoRA adapters appended when the router
+    /// asked for them (`adapters=1`) and the engine exports them (docs/reference/feed.md,
+    /// "Adapters").
+    pub fn answer_bytes_for(&mut self, q: &FeedQuery, with_adapters: bool) -> Vec<u8> {
         let rank = self.dp_rank();
-        self.answer(q).encode_for_rank(rank)
+        let mut body = self.answer(q).encode_for_rank(rank);
+        if with_adapters && let Some(a) = &self.load.adapters {
+            a.append_to(&mut body);
+        }
+        body
     }
 
     pub fn answer(&mut self, q: &FeedQuery) -> FeedBatch {
@@ -1239,6 +1253,32 @@ mod tests {
         );
     }
 
+    /// The engine's adapters ride in the answer only for a router that asks, and only once the
+    /// engine has exported them.
+    #[test]
+    fn adapters_are_answered_when_asked_and_known() {
+        use kvsteer_core::feed::{AdapterReport, FeedFrame};
+        let mut s = AdapterState::new(StateConfig::default(), 7);
+        let q = FeedQuery::resync(10);
+        let read = |b: Vec<u8>| FeedFrame::parse(b).unwrap().adapters().cloned();
+        assert_eq!(read(s.answer_bytes_for(&q, true)), None, "not exported yet");
+        let report = AdapterReport {
+            slots: 2,
+            running: vec!["sql".into()],
+            waiting: vec![],
+        };
+        s.set_engine_load(
+            EngineLoad {
+                adapters: Some(report.clone()),
+                ..EngineLoad::default()
+            },
+            1,
+        );
+        assert_eq!(read(s.answer_bytes_for(&q, true)), Some(report));
+        assert_eq!(read(s.answer_bytes_for(&q, false)), None);
+        assert_eq!(read(s.answer_bytes(&q)), None);
+    }
+
     #[test]
     fn derived_cap_and_load_fields() {
         let mut s = AdapterState::new(StateConfig::default(), 7);
@@ -1251,6 +1291,7 @@ mod tests {
                 num_gpu_blocks: Some(10_000),
                 block_size: Some(32),
                 start_time: None,
+                adapters: None,
             },
             1,
         );

@@ -220,7 +220,9 @@ fn main() -> Result<(), String> {
         }
     }
     println!("\n{p:?}\n");
-    println!("| policy | TTFT p50 (ms) | TTFT p99 (ms) | adapter loads / min | p99 better than kv_time + adapter term |");
+    println!(
+        "| policy | TTFT p50 (ms) | TTFT p99 (ms) | adapter loads / min | p99 better than kv_time + adapter term |"
+    );
     println!("|---|---|---|---|---|");
     let base: Vec<f64> = by_policy[&0].iter().map(|r| r.ttft_p99_ms).collect();
     for (i, (label, _)) in policies.iter().enumerate() {
