@@ -257,6 +257,11 @@ impl RouterState {
                 t.stall,
                 t.evict
             ));
+            // Only where a replica must load the request's LoRA adapter: the header of a fleet
+            // without adapters reads as before.
+            if t.adapter != 0.0 {
+                out.push_str(&format!(" adapter={:.4}", t.adapter));
+            }
         }
         Some(out)
     }

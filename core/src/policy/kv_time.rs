@@ -20,7 +20,8 @@
 //! evict_r   = s_r * reuse * work_s(tokens pushed out of r's cache)
 //!                                                             re-prefill of the contexts the placement
 //!                                                             pushes out, times the share that comes back
-//! adapter_r = adapters.load_ms where r must load the request's LoRA adapter, else 0
+//! adapter_r = adapters.load_ms where r must load the request's LoRA adapter (+ s_r * o/2 steps
+//!             when every adapter slot holds a running request's adapter), else 0
 //!                                                             added to cost_r and to the predicted TTFT
 //! ```
 //!
@@ -30,7 +31,7 @@
 //! idle once their queues cost more than its prefill (at lighter load they rightly may). The weights are an operator's exchange rates (seconds of this request's
 //! first token one second of the named delay is worth), not fitted constants.
 
-use super::{CacheSizing, Choice, Input, Needs, Policy, pick_lowest};
+use super::{AdapterFit, CacheSizing, Choice, Input, Needs, Policy, pick_lowest};
 use crate::config::KvTimeParams;
 use crate::rng::SplitMix64;
 use crate::speed::EngineProfile;
@@ -101,20 +102,33 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
                 decode,
                 stall,
                 evict,
-                adapter: adapter_s(input, r),
+                adapter: adapter_s(input, profile, r),
             }
         })
         .collect()
 }
 
-/// Seconds replica `r` spends loading the request's LoRA adapter before its first token: the
-/// configured load time where it must load it, 0 where it holds it, where its adapters are not
-/// known (a feed without them, or a request for none) or where the load time is not a positive
-/// number. Not scaled by the replica's speed: a load is a copy from disk to GPU, not model work.
-pub fn adapter_s(input: &Input, r: usize) -> f64 {
+/// Seconds replica `r` makes the request wait for its LoRA adapter before its first token: 0 where
+/// r holds it (a running or waiting request uses it) or its adapters are not known (a feed without
+/// them, or a request for none); the load time where a slot is free; and where every slot holds a
+/// running request's adapter, the load time plus the wait for a slot, since the engine admits the
+/// request only once one of those adapters has no request left: with their remaining outputs spread
+/// evenly over `0..out` tokens, about `out / 2` of r's current steps. Without that wait a replica
+/// full of other adapters looks as cheap as one with a free slot, and draws the requests that then
+/// queue behind its decodes. The load itself is not scaled by r's speed: it is a copy to the GPU.
+pub fn adapter_s(input: &Input, profile: &EngineProfile, r: usize) -> f64 {
     let load = input.adapter_load_s;
+    let load = if load.is_finite() { load.max(0.0) } else { 0.0 };
     match input.adapter.get(r) {
-        Some(f) if f.must_load() && load.is_finite() && load > 0.0 => load,
+        Some(AdapterFit::FreeSlot) => load,
+        Some(AdapterFit::Full) => {
+            let s = input.speed.get(r).copied().unwrap_or(1.0);
+            let e = input.load.get(r).copied().unwrap_or_default();
+            let out = input.expected_output_tokens.max(1.0);
+            let context = e.decode_blocks as f64 * input.block_size;
+            let wait = s * out / 2.0 * profile.step_s(e.active_requests as f64, context);
+            load + if wait.is_finite() { wait } else { 0.0 }
+        }
         _ => 0.0,
     }
 }
@@ -312,14 +326,18 @@ mod tests {
         i.adapter = &fits;
         i.adapter_load_s = 0.3;
         let t = terms(&i, &p);
-        for (r, extra) in [(1, 0.3), (2, 0.3), (3, 0.0)] {
+        for (r, extra) in [(1, 0.3), (3, 0.0)] {
             assert!((t[r].cost(&k) - t[0].cost(&k) - extra).abs() < 1e-12, "{r}");
             assert!((t[r].ttft() - t[0].ttft() - extra).abs() < 1e-12, "{r}");
         }
+        // Every slot taken: the load, then about half an output of steps for a slot to free.
+        let slot_wait = 256.0 / 2.0 * p.step_s(4.0, 10_000.0);
+        assert!((t[2].adapter - 0.3 - slot_wait).abs() < 1e-12, "{t:?}");
         let mut rng = SplitMix64::new(5);
         assert_eq!(choose(&i, &k, &p, &mut rng).0.replica, 0);
         i.adapter_load_s = f64::NAN;
-        assert!(terms(&i, &p).iter().all(|t| t.adapter == 0.0));
+        let t = terms(&i, &p);
+        assert_eq!((t[0].adapter, t[1].adapter, t[3].adapter), (0.0, 0.0, 0.0));
     }
 
     #[test]
