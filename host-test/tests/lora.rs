@@ -75,3 +75,37 @@ fn without_the_configuration_or_the_report_routing_is_adapter_blind() {
         assert_clean(&h);
     }
 }
+
+/// A replica answering with a hostile adapter section: one over the bounds is refused like any
+/// malformed answer (counted, the replica's feed not trusted), one at the bounds is accepted; the
+/// filter neither traps nor stops routing.
+#[test]
+fn a_hostile_adapter_section_is_refused_or_bounded() {
+    use kvsteer_core::feed::{AdapterReport, FeedBatch, MAX_ADAPTER_NAMES};
+    use kvsteer_host_test::FeedFault;
+    let metric = |h: &Harness, name: &str| h.proxy().metric(name).map_or(0, |m| m.value);
+    let at_bound = AdapterReport {
+        slots: u32::MAX,
+        running: (0..MAX_ADAPTER_NAMES)
+            .map(|i| format!("{i:0>255}"))
+            .collect(),
+        waiting: (0..MAX_ADAPTER_NAMES)
+            .map(|i| format!("w{i:0>254}"))
+            .collect(),
+    };
+    let mut good = FeedBatch::snapshot(77, vec![1, 2, 3]).encode();
+    at_bound.append_to(&mut good);
+    let mut over = good.clone();
+    let section = FeedBatch::snapshot(77, vec![1, 2, 3]).encode().len();
+    over[section + 4..section + 6].copy_from_slice(&(MAX_ADAPTER_NAMES as u16 + 1).to_le_bytes());
+    for (bytes, refused) in [(good, false), (over, true)] {
+        let mut h = fleet("kv_time", true, true);
+        let before = metric(&h, "kvsteer_feed_errors_r1");
+        h.set_feed_fault(1, FeedFault::Garbage(bytes));
+        h.run_for(2_000_000).unwrap();
+        let errors = metric(&h, "kvsteer_feed_errors_r1") - before;
+        assert_eq!(errors > 0, refused, "errors {errors}");
+        destinations(&mut h);
+        assert_clean(&h);
+    }
+}
