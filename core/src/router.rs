@@ -34,9 +34,7 @@ use crate::load::{Accounting, LoadTable, LoadTotals};
 use crate::output::OutputEstimate;
 pub use crate::policy::FallbackReason;
 use crate::policy::{Needs, Policy};
-use crate::request::{
-    PromptTokenizer, RequestError, RouteRequest, read_request, read_request_with,
-};
+use crate::request::{PromptTokenizer, RequestError, RouteRequest, read_request_for};
 use crate::rng::SplitMix64;
 use crate::speed::Speeds;
 use crate::working_set::WorkingSet;
@@ -302,16 +300,11 @@ impl Router {
         body: &[u8],
         session_key: Option<&str>,
     ) -> Result<RouteRequest, RequestError> {
-        read_request(
-            path,
-            body,
-            session_key,
-            self.cfg.block_size,
-            self.cfg.max_body_bytes,
-        )
+        self.read_request_with(path, body, session_key, None)
     }
 
-    /// [`Router::read_request`] with a tokenizer for text prompts (exact identity when it can).
+    /// [`Router::read_request`] with a tokenizer for text prompts (exact identity when it can). A
+    /// request for a LoRA adapter (`routing.adapters`) is hashed in the adapter's namespace.
     pub fn read_request_with(
         &self,
         path: &str,
@@ -319,13 +312,15 @@ impl Router {
         session_key: Option<&str>,
         tokenizer: Option<&mut dyn PromptTokenizer>,
     ) -> Result<RouteRequest, RequestError> {
-        read_request_with(
+        read_request_for(
             path,
             body,
             session_key,
             self.cfg.block_size,
             self.cfg.max_body_bytes,
             tokenizer,
+            None,
+            self.cfg.adapters.as_ref(),
         )
     }
 

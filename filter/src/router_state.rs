@@ -428,7 +428,7 @@ impl RouterState {
         }
         let tok = prompt_tokenizer!(self);
         let r = &self.cfg.routing;
-        let read = kvsteer_core::request::read_request_early(
+        let read = kvsteer_core::request::read_request_for(
             path,
             body,
             session,
@@ -436,6 +436,7 @@ impl RouterState {
             r.max_body_bytes,
             tok,
             early,
+            r.adapters.as_ref(),
         );
         let req = match read {
             Ok(req) => req,

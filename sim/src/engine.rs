@@ -620,8 +620,9 @@ impl Engine {
     }
 
     /// [`Engine::submit`] for a request whose OpenAI `model` names a LoRA adapter: it runs with that
-    /// adapter, loaded when it is admitted if not resident ([`crate::lora`]). With LoRA off (no
-    /// slots) or no adapter, exactly [`Engine::submit`].
+    /// adapter, loaded when it is admitted if not resident ([`crate::lora`]), and its prompt's blocks
+    /// are hashed in the adapter's namespace ([`kvsteer_core::block::namespace_seed`]). With LoRA off
+    /// (no slots) or no adapter, exactly [`Engine::submit`].
     pub fn submit_with_adapter(
         &mut self,
         now_us: u64,
@@ -629,7 +630,19 @@ impl Engine {
         adapter: Option<&str>,
     ) -> Result<(), SubmitError> {
         self.pending_adapter = adapter.and_then(|a| self.lora.intern(a));
-        let r = self.submit(now_us, req);
+        // vLLM hashes an adapter's blocks with the adapter: its requests share cache with each
+        // other, never with the base model's or another adapter's.
+        let hashes = match self.pending_adapter {
+            Some(_) => self
+                .hasher
+                .namespaced(adapter, None)
+                .sequence_hashes(&req.prompt)
+                .into_iter()
+                .map(|h| h.0)
+                .collect(),
+            None => self.prompt_hashes(&req.prompt),
+        };
+        let r = self.submit_hashed(now_us, req, hashes);
         self.pending_adapter = None;
         r
     }

@@ -504,3 +504,29 @@ fn an_adapter_not_resident_costs_its_load_before_the_first_token() {
         .unwrap();
     assert_eq!(off.adapter_report(), None);
 }
+
+/// An adapter's blocks are its own: the same prompt under another adapter, or the base model, finds
+/// nothing cached; under the same adapter it finds the prefix.
+#[test]
+fn adapters_do_not_share_cached_blocks() {
+    let cfg = EngineConfig {
+        lora: kvsteer_sim::lora::LoraConfig {
+            slots: 4,
+            load_us: 1,
+        },
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(cfg);
+    let p = prompt(3, 512);
+    e.submit_with_adapter(0, req(1, p.clone(), 1), Some("a"))
+        .unwrap();
+    drain(&mut e);
+    let mut cached = |id: u64, adapter: Option<&str>| {
+        e.submit_with_adapter(e.now_us(), req(id, p.clone(), 1), adapter)
+            .unwrap();
+        finished(&drain(&mut e), id).1
+    };
+    assert_eq!(cached(2, None), 0);
+    assert_eq!(cached(3, Some("b")), 0);
+    assert!(cached(4, Some("a")) >= 496);
+}

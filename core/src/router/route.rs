@@ -4,7 +4,7 @@
 use super::{Decision, Router};
 use crate::policy::{Choice, FallbackReason, Input, kv_load, least_load, pick_lowest};
 use crate::request::{
-    EarlyScan, PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request_early,
+    EarlyScan, PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request_for,
 };
 
 impl Router {
@@ -243,7 +243,7 @@ impl Router {
         early: Option<EarlyScan>,
         now_ms: u64,
     ) -> (Decision, Option<RequestError>) {
-        let read = read_request_early(
+        let read = read_request_for(
             path,
             body,
             session_key,
@@ -251,6 +251,7 @@ impl Router {
             self.cfg.max_body_bytes,
             tokenizer,
             early,
+            self.cfg.adapters.as_ref(),
         );
         match read {
             Ok(req) => (self.route_and_admit(request_id, &req, now_ms), None),
