@@ -34,7 +34,7 @@ use crate::load::{Accounting, LoadTable, LoadTotals};
 use crate::output::OutputEstimate;
 pub use crate::policy::FallbackReason;
 use crate::policy::{Needs, Policy};
-use crate::request::{PromptTokenizer, RequestError, RouteRequest, read_request_for};
+use crate::request::{PromptTokenizer, RequestError, RouteRequest, read_request_early};
 use crate::rng::SplitMix64;
 use crate::speed::Speeds;
 use crate::working_set::WorkingSet;
@@ -312,7 +312,7 @@ impl Router {
         session_key: Option<&str>,
         tokenizer: Option<&mut dyn PromptTokenizer>,
     ) -> Result<RouteRequest, RequestError> {
-        read_request_for(
+        read_request_early(
             path,
             body,
             session_key,

@@ -428,7 +428,7 @@ impl RouterState {
         }
         let tok = prompt_tokenizer!(self);
         let r = &self.cfg.routing;
-        let read = kvsteer_core::request::read_request_for(
+        let read = kvsteer_core::request::read_request_early(
             path,
             body,
             session,

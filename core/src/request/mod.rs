@@ -172,38 +172,18 @@ pub fn read_request_with(
         max_body_bytes,
         tokenizer,
         None,
+        None,
     )
 }
 
 /// [`read_request_with`] for a body an [`EarlyScan`] followed as it arrived (`body` begins with every
 /// byte the scan was given): the same result, with the prompt's ids the scan read not read again.
-pub fn read_request_early(
-    path: &str,
-    body: &[u8],
-    session_key: Option<&str>,
-    block_size: usize,
-    max_body_bytes: usize,
-    tokenizer: Option<&mut dyn PromptTokenizer>,
-    early: Option<EarlyScan>,
-) -> Result<RouteRequest, RequestError> {
-    read_request_for(
-        path,
-        body,
-        session_key,
-        block_size,
-        max_body_bytes,
-        tokenizer,
-        early,
-        None,
-    )
-}
-
-/// [`read_request_early`] with the router's LoRA adapters (`routing.adapters`): a request whose
-/// `model` names an adapter has its prompt hashed in that adapter's namespace, as vLLM hashes an
-/// adapter's blocks and the feed adapter reports them ([`crate::block::namespace_seed`]); `None`,
-/// or a base model: the plain namespace.
+/// With the router's LoRA adapters (`routing.adapters`), a request whose `model` names an adapter
+/// has its prompt hashed in that adapter's namespace, as vLLM hashes an adapter's blocks and the
+/// feed adapter reports them ([`crate::block::namespace_seed`]); `None`, or a base model: the plain
+/// namespace.
 #[allow(clippy::too_many_arguments)]
-pub fn read_request_for(
+pub fn read_request_early(
     path: &str,
     body: &[u8],
     session_key: Option<&str>,
@@ -452,7 +432,7 @@ mod tests {
         ];
         for body in bodies {
             let with = |a: Option<&AdapterParams>| {
-                read_request_for(
+                read_request_early(
                     "/v1/completions",
                     body.as_bytes(),
                     None,
@@ -479,7 +459,7 @@ mod tests {
             assert_ne!(with(None), lora);
         }
         let base = r#"{"model":"base","prompt":[1,2,3,4,5,6,7,8,9]}"#;
-        let r = read_request_for(
+        let r = read_request_early(
             "/v1/completions",
             base.as_bytes(),
             None,

@@ -4,7 +4,7 @@
 use super::{Decision, Router};
 use crate::policy::{Choice, FallbackReason, Input, kv_load, least_load, pick_lowest};
 use crate::request::{
-    EarlyScan, PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request_for,
+    EarlyScan, PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request_early,
 };
 
 impl Router {
@@ -243,7 +243,7 @@ impl Router {
         early: Option<EarlyScan>,
         now_ms: u64,
     ) -> (Decision, Option<RequestError>) {
-        let read = read_request_for(
+        let read = read_request_early(
             path,
             body,
             session_key,
