@@ -109,3 +109,42 @@ fn a_hostile_adapter_section_is_refused_or_bounded() {
         assert_clean(&h);
     }
 }
+
+/// The filter hashes an adapter's prompt in the adapter's namespace, as the engines hash its blocks:
+/// a request for `sql` finds the prefix an earlier `sql` request left, and one for the base model
+/// with the same prompt finds nothing of it.
+#[test]
+fn an_adapters_cached_prefix_is_found_in_its_namespace() {
+    let mut h = fleet("kv_time", true, true);
+    let prefix = tokens(4242, 1024);
+    let send = |h: &mut Harness, model: Option<&str>, seed: u64| {
+        let mut spec = RequestSpec::new(extend(&prefix, seed, 64), 8);
+        spec.model = model.map(String::from);
+        let id = h.send(&spec).unwrap();
+        h.run_for(2_000_000).unwrap();
+        h.record(id).unwrap().clone()
+    };
+    // What the filter expected cached on the replica it chose (`kvsteer_matched_tokens`).
+    let matched = |h: &Harness| {
+        h.proxy()
+            .metric("kvsteer_matched_tokens")
+            .map_or(0, |m| m.value)
+    };
+    let first = send(&mut h, Some("sql"), 1);
+    let before = matched(&h);
+    let again = send(&mut h, Some("sql"), 2);
+    assert_eq!(again.replica, first.replica, "{again:?}");
+    assert!(again.cached_tokens >= 1024, "{again:?}");
+    assert!(
+        matched(&h) - before >= 1024,
+        "the filter found the adapter's prefix"
+    );
+    let before = matched(&h);
+    let base = send(&mut h, None, 3);
+    assert!(
+        base.cached_tokens < 16,
+        "the base model shares no block: {base:?}"
+    );
+    assert!(matched(&h) - before < 16, "nor does the filter expect one");
+    assert_clean(&h);
+}
