@@ -208,6 +208,7 @@ fn feed_error(e: CoreFeedError) -> FeedError {
         CoreFeedError::Truncated { index } => FeedError::Truncated(index),
         CoreFeedError::TrailingBytes { extra } => FeedError::TrailingBytes(extra as u64),
         CoreFeedError::InconsistentSequence => FeedError::InconsistentSequence,
+        CoreFeedError::BadAdapters(what) => FeedError::BadAdapters(what.to_string()),
     }
 }
 
@@ -220,6 +221,7 @@ fn policy(p: PolicyKind) -> Policy {
         PolicyKind::KvAffinity => Policy::KvAffinity,
         PolicyKind::KvLoad => Policy::KvLoad,
         PolicyKind::KvTime => Policy::KvTime,
+        PolicyKind::AdapterAffinity => Policy::AdapterAffinity,
     }
 }
 

@@ -500,6 +500,7 @@ mod tests {
                 decode: 0.0,
                 stall: 0.0,
                 evict: 0.0,
+                adapter: 0.0,
             };
             2
         ];

@@ -18,6 +18,11 @@ pub enum PolicyKind {
     #[default]
     KvLoad,
     KvTime,
+    /// The Gateway API Inference Extension's LoRA rule, as a baseline: [`crate::policy::adapter_affinity`].
+    /// Not in [`PolicyKind::ALL`]: on a fleet without adapters it is `least_load`, so the benches that
+    /// compare every policy would only run `least_load` twice; the LoRA bench
+    /// (`host-test/examples/lora-bench.rs`) compares it.
+    AdapterAffinity,
 }
 
 impl PolicyKind {
@@ -40,6 +45,7 @@ impl PolicyKind {
             PolicyKind::KvAffinity => "kv_affinity",
             PolicyKind::KvLoad => "kv_load",
             PolicyKind::KvTime => "kv_time",
+            PolicyKind::AdapterAffinity => "adapter_affinity",
         }
     }
 }
@@ -514,6 +520,9 @@ pub struct RoutingConfig {
     /// Priority classes and shedding at saturation (`crate::admission`); absent: every request is
     /// admitted, as without the feature.
     pub admission: Option<crate::admission::AdmissionConfig>,
+    /// LoRA adapters: which `model` names are adapters and what loading one costs
+    /// ([`crate::adapters::AdapterParams`]); absent: no request is an adapter's.
+    pub adapters: Option<crate::adapters::AdapterParams>,
 }
 
 impl Default for RoutingConfig {
@@ -530,6 +539,7 @@ impl Default for RoutingConfig {
             health: HealthParams::default(),
             max_body_bytes: 4 << 20,
             admission: None,
+            adapters: None,
         }
     }
 }
@@ -617,6 +627,9 @@ impl RoutingConfig {
         }
         self.health.validate()?;
         self.kv_time.validate()?;
+        if let Some(a) = &self.adapters {
+            a.validate()?;
+        }
         let k = &self.kv_load;
         let nonneg = |name: &str, v: f64| {
             if v.is_finite() && v >= 0.0 {

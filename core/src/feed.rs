@@ -21,7 +21,8 @@
 //! ```
 //! Flags: bit 0 `RESYNC` (the events are a snapshot of the whole cache, starting with `Cleared`; the
 //! router must drop what it holds for this replica first), bit 1 `MORE` (more log entries are waiting
-//! past `next_seq`; poll again). Other bits must be zero in version 1.
+//! past `next_seq`; poll again), bit 2 `ADAPTERS` (an adapter section follows the events, sent only to
+//! a router that asks for it: [`AdapterReport`]). Other bits must be zero in version 1.
 //!
 //! Sequencing: each log event has the sequence number `first_seq + i`; `next_seq` is the cursor for the
 //! next poll. In an incremental batch `next_seq == first_seq + event_count`. The replica answers with a
@@ -29,6 +30,11 @@
 //! with epoch 0) or the cursor is outside the log it still retains; in a resync batch `first_seq ==
 //! next_seq` because the snapshot is not log entries. The router treats a batch whose `first_seq` is not
 //! its cursor as a gap and asks for a resync (epoch 0) on the next poll.
+
+mod adapters;
+pub use adapters::{
+    ADAPTERS_QUERY, AdapterReport, FLAG_ADAPTERS, MAX_ADAPTER_NAMES, query_adapters,
+};
 
 /// Path of the feed endpoint on a replica.
 pub const FEED_PATH: &str = "/kvsteer/feed";
@@ -138,6 +144,8 @@ pub enum FeedError {
     },
     /// `next_seq` disagrees with `first_seq + event_count` in an incremental batch.
     InconsistentSequence,
+    /// The adapter section ([`AdapterReport`]) is malformed; what is wrong with it.
+    BadAdapters(&'static str),
 }
 
 impl core::fmt::Display for FeedError {
@@ -156,6 +164,7 @@ impl core::fmt::Display for FeedError {
             FeedError::InconsistentSequence => {
                 write!(f, "next_seq does not equal first_seq + event count")
             }
+            FeedError::BadAdapters(what) => write!(f, "adapter section: {what}"),
         }
     }
 }
@@ -294,11 +303,12 @@ pub fn query_rank(query: &str) -> Result<Option<u16>, String> {
     Ok(rank)
 }
 
-/// A payload's header (events left empty), its event count and its hash count.
+/// A payload's header (events left empty), its event count, its hash count and its adapter section.
 struct Checked {
     header: FeedBatch,
     events: u32,
     hashes: u64,
+    adapters: Option<AdapterReport>,
 }
 
 /// Checks a whole version 1 payload (header, every event's kind, tier and length, no trailing bytes)
@@ -314,7 +324,7 @@ fn check(buf: &[u8]) -> Result<Checked, FeedError> {
         return Err(FeedError::UnsupportedVersion(buf[4]));
     }
     let flags = buf[5];
-    if flags & !(FLAG_RESYNC | FLAG_MORE) != 0 {
+    if flags & !(FLAG_RESYNC | FLAG_MORE | FLAG_ADAPTERS) != 0 {
         return Err(FeedError::UnknownFlags(flags));
     }
     let mut r = Reader { buf, pos: 8 };
@@ -361,12 +371,17 @@ fn check(buf: &[u8]) -> Result<Checked, FeedError> {
         r.pos += n * 8;
         hashes += n as u64;
     }
-    if r.remaining() != 0 {
+    let adapters = if flags & FLAG_ADAPTERS != 0 {
+        Some(AdapterReport::decode(&buf[r.pos..])?)
+    } else if r.remaining() != 0 {
         return Err(FeedError::TrailingBytes {
             extra: r.remaining(),
         });
-    }
+    } else {
+        None
+    };
     Ok(Checked {
+        adapters,
         header: FeedBatch {
             epoch,
             resync,
@@ -498,6 +513,7 @@ impl EventReader {
 #[derive(Clone, Debug)]
 pub struct FeedFrame {
     bytes: Vec<u8>,
+    adapters: Option<AdapterReport>,
     header: FeedBatch,
     events: u32,
     hashes_left: u64,
@@ -509,6 +525,7 @@ impl FeedFrame {
     pub fn parse(bytes: Vec<u8>) -> Result<FeedFrame, FeedError> {
         let c = check(&bytes)?;
         Ok(FeedFrame {
+            adapters: c.adapters,
             bytes,
             header: c.header,
             events: c.events,
@@ -525,6 +542,11 @@ impl FeedFrame {
     /// The batch's header fields (epoch, flags, sequence numbers, load); its `events` are empty.
     pub fn header(&self) -> &FeedBatch {
         &self.header
+    }
+
+    /// The replica's adapter section; `None` when it sent none (its adapters are not known).
+    pub fn adapters(&self) -> Option<&AdapterReport> {
+        self.adapters.as_ref()
     }
 
     /// Events in the payload.
@@ -638,10 +660,11 @@ impl FeedQuery {
         }
     }
 
-    /// The request path, e.g. `/kvsteer/feed?epoch=7&cursor=120&max_events=4096`.
+    /// The request path, e.g. `/kvsteer/feed?epoch=7&cursor=120&max_events=4096&adapters=1`. It
+    /// always asks for the adapter section: a replica that has none ignores the parameter.
     pub fn to_path(&self) -> String {
         format!(
-            "{FEED_PATH}?epoch={}&cursor={}&max_events={}",
+            "{FEED_PATH}?epoch={}&cursor={}&max_events={}&{ADAPTERS_QUERY}",
             self.epoch, self.cursor, self.max_events
         )
     }

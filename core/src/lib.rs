@@ -3,6 +3,7 @@
 //! The proxy-wasm filter, the component and the browser playground are built around this crate; the
 //! replica simulator shares its block identity and feed format.
 
+pub mod adapters;
 pub mod admission;
 pub mod approx;
 pub mod block;

@@ -36,9 +36,7 @@ use crate::load::{Accounting, LoadTable, LoadTotals};
 use crate::output::OutputEstimate;
 pub use crate::policy::FallbackReason;
 use crate::policy::{Needs, Policy};
-use crate::request::{
-    PromptTokenizer, RequestError, RouteRequest, read_request, read_request_with,
-};
+use crate::request::{PromptTokenizer, RequestError, RouteRequest, read_request_early};
 use crate::rng::SplitMix64;
 use crate::speed::Speeds;
 use crate::working_set::WorkingSet;
@@ -187,6 +185,8 @@ pub struct Router {
     pending: HashMap<u64, (usize, f64, u64)>,
     /// The policy's [`Policy::last_terms`] belong to a request not admitted yet.
     terms_unadmitted: bool,
+    /// Per replica: its LoRA adapters as its last feed answer reported them; `None`: not known.
+    adapters: Vec<Option<crate::adapters::AdapterView>>,
 }
 
 /// Most admitted requests whose first token `kv_time` waits for to learn a speed: past it, new
@@ -222,6 +222,7 @@ impl Router {
                 cfg.kv_time.speed_bound,
             ),
             terms_unadmitted: false,
+            adapters: vec![None; replicas],
             pending: HashMap::new(),
             index: KvIndex::new(cfg.index_capacity_blocks, replicas, cfg.seed ^ 0xA5A5_5A5A),
             approx_seq: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
@@ -309,16 +310,11 @@ impl Router {
         body: &[u8],
         session_key: Option<&str>,
     ) -> Result<RouteRequest, RequestError> {
-        read_request(
-            path,
-            body,
-            session_key,
-            self.cfg.block_size,
-            self.cfg.max_body_bytes,
-        )
+        self.read_request_with(path, body, session_key, None)
     }
 
-    /// [`Router::read_request`] with a tokenizer for text prompts (exact identity when it can).
+    /// [`Router::read_request`] with a tokenizer for text prompts (exact identity when it can). A
+    /// request for a LoRA adapter (`routing.adapters`) is hashed in the adapter's namespace.
     pub fn read_request_with(
         &self,
         path: &str,
@@ -326,13 +322,15 @@ impl Router {
         session_key: Option<&str>,
         tokenizer: Option<&mut dyn PromptTokenizer>,
     ) -> Result<RouteRequest, RequestError> {
-        read_request_with(
+        read_request_early(
             path,
             body,
             session_key,
             self.cfg.block_size,
             self.cfg.max_body_bytes,
             tokenizer,
+            None,
+            self.cfg.adapters.as_ref(),
         )
     }
 

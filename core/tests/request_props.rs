@@ -172,7 +172,16 @@ mod against_reference {
             n += step;
             scan.advance(&body[..n]);
         }
-        read_request_early(path, body, Some("s"), block_size, 1 << 20, None, Some(scan))
+        read_request_early(
+            path,
+            body,
+            Some("s"),
+            block_size,
+            1 << 20,
+            None,
+            Some(scan),
+            None,
+        )
     }
 
     /// Reads `body` both ways on both endpoints, with and without a tokenizer, and compares.
@@ -475,7 +484,7 @@ mod against_reference {
                     n += step;
                     scan.advance(&body[..n]);
                 }
-                let early = read_request_early(path, &body, Some("s"), 16, 1 << 24, None, Some(scan));
+                let early = read_request_early(path, &body, Some("s"), 16, 1 << 24, None, Some(scan), None);
                 prop_assert!(same(&early, &whole), "{path} step {step}: early {early:?} vs whole {whole:?}");
             }
         }

@@ -6,8 +6,14 @@
 //! SGLang: `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`, and
 //! `sglang:cache_config_info{page_size, ...}` where present. Unknown lines are ignored; a malformed line
 //! is skipped and counted.
+//!
+//! LoRA: vLLM's `vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}`, a
+//! gauge set to the current time whenever the scheduler logs its stats, one sample per label set
+//! ever seen (`prometheus_client` keeps the old ones): the sample with the latest time is the
+//! engine's state now. The adapter lists are comma-separated names.
 
 use crate::state::EngineLoad;
+use kvsteer_core::feed::AdapterReport;
 
 /// One sample line: name, labels, value.
 #[derive(Debug, PartialEq)]
@@ -97,6 +103,7 @@ pub fn parse_engine(text: &str, engine: Option<&str>) -> (EngineLoad, usize) {
     let mut load = EngineLoad::default();
     let mut bad = 0usize;
     let (mut usage_sum, mut usage_n) = (0.0f64, 0u32);
+    let mut lora_at = f64::NEG_INFINITY;
     for line in text.lines() {
         let t = line.trim();
         if t.is_empty() || t.starts_with('#') {
@@ -138,6 +145,10 @@ pub fn parse_engine(text: &str, engine: Option<&str>) -> (EngineLoad, usize) {
                 }
             }
             "process_start_time_seconds" if v.is_finite() => load.start_time = Some(v),
+            "vllm:lora_requests_info" if v >= lora_at && !v.is_nan() => {
+                lora_at = v;
+                load.adapters = Some(lora_report(&s));
+            }
             _ => {}
         }
     }
@@ -145,6 +156,29 @@ pub fn parse_engine(text: &str, engine: Option<&str>) -> (EngineLoad, usize) {
         load.kv_usage = Some(usage_sum / usage_n as f64);
     }
     (load, bad)
+}
+
+/// One `vllm:lora_requests_info` sample as the feed reports it, cut to what the feed carries
+/// ([`AdapterReport::bounded`]): a malformed `max_lora` reads as 0 (not known).
+fn lora_report(s: &Sample<'_>) -> AdapterReport {
+    let names = |k: &str| -> Vec<String> {
+        label(s, k)
+            .unwrap_or("")
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .take(kvsteer_core::feed::MAX_ADAPTER_NAMES * 2)
+            .map(String::from)
+            .collect()
+    };
+    AdapterReport {
+        slots: label(s, "max_lora")
+            .and_then(|m| m.trim().parse().ok())
+            .unwrap_or(0),
+        running: names("running_lora_adapters"),
+        waiting: names("waiting_lora_adapters"),
+    }
+    .bounded()
 }
 
 #[cfg(test)]
@@ -202,6 +236,50 @@ garbage line {
         assert!(parse_line("# comment").is_none());
         assert!(parse_line("c{x=\"unterminated} 1").is_none());
         assert!(parse_line("d notanumber").is_none());
+    }
+
+    /// As vLLM exposes LoRA state (`vllm/v1/metrics/loggers.py`): one sample per label set seen,
+    /// each valued at the time it was last set; the latest is the state now.
+    const VLLM_LORA: &str = r#"# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""} 1.7000000001e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql-lora,chat-lora",waiting_lora_adapters="code-lora"} 1.7000000125e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql-lora",waiting_lora_adapters=""} 1.7000000063e+09
+vllm:num_requests_running{engine="0",model_name="base"} 3.0
+"#;
+
+    #[test]
+    fn lora_state_is_the_latest_sample() {
+        let (l, bad) = parse(VLLM_LORA);
+        assert_eq!(bad, 0);
+        assert_eq!(
+            l.adapters,
+            Some(AdapterReport {
+                slots: 4,
+                running: vec!["sql-lora".into(), "chat-lora".into()],
+                waiting: vec!["code-lora".into()],
+            })
+        );
+        assert_eq!(l.running, 3);
+        // No metric: not known.
+        assert_eq!(parse(VLLM).0.adapters, None);
+    }
+
+    #[test]
+    fn hostile_lora_labels_are_bounded() {
+        let many: Vec<String> = (0..500).map(|i| format!("a{i}")).collect();
+        let text = format!(
+            "vllm:lora_requests_info{{max_lora=\"x\",running_lora_adapters=\"{}\",waiting_lora_adapters=\",,{},\"}} NaN\n\
+             vllm:lora_requests_info{{max_lora=\"x\",running_lora_adapters=\"{}\",waiting_lora_adapters=\",,{},\"}} 5\n",
+            many.join(","),
+            "y".repeat(400),
+            many.join(","),
+            "y".repeat(400),
+        );
+        let a = parse(&text).0.adapters.unwrap();
+        assert_eq!(a.slots, 0);
+        assert_eq!(a.running.len(), kvsteer_core::feed::MAX_ADAPTER_NAMES);
+        assert!(a.waiting.is_empty(), "a 400-byte name is dropped");
     }
 
     #[test]

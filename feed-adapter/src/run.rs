@@ -578,7 +578,8 @@ async fn feed(State(sv): State<Arc<Served>>, RawQuery(q): RawQuery) -> Response 
         )
             .into_response();
     }
-    let body = lock(&sh.state).answer_bytes(&q);
+    let adapters = kvsteer_core::feed::query_adapters(query);
+    let body = lock(&sh.state).answer_bytes_for(&q, adapters);
     ([(header::CONTENT_TYPE, FEED_CONTENT_TYPE)], body).into_response()
 }
 

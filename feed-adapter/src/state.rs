@@ -165,6 +165,9 @@ pub struct EngineLoad {
     pub block_size: Option<u64>,
     /// `process_start_time_seconds`: a change means the engine restarted.
     pub start_time: Option<f64>,
+    /// `vllm:lora_requests_info`: the LoRA adapters of the running and waiting requests and the
+    /// adapter slots; `None` when the engine does not export it (LoRA off, or not vLLM).
+    pub adapters: Option<kvsteer_core::feed::AdapterReport>,
 }
 
 #[derive(Copy, Clone, Debug)]
@@ -740,8 +743,19 @@ impl AdapterState {
 
     /// [`AdapterState::answer`], encoded with this view's rank.
     pub fn answer_bytes(&mut self, q: &FeedQuery) -> Vec<u8> {
+        self.answer_bytes_for(q, false)
+    }
+
+    /// [`AdapterState::answer_bytes`], with the engine's LoRA adapters appended when the router
+    /// asked for them (`adapters=1`) and the engine exports them (docs/reference/feed.md,
+    /// "Adapters").
+    pub fn answer_bytes_for(&mut self, q: &FeedQuery, with_adapters: bool) -> Vec<u8> {
         let rank = self.dp_rank();
-        self.answer(q).encode_for_rank(rank)
+        let mut body = self.answer(q).encode_for_rank(rank);
+        if with_adapters && let Some(a) = &self.load.adapters {
+            a.append_to(&mut body);
+        }
+        body
     }
 
     pub fn answer(&mut self, q: &FeedQuery) -> FeedBatch {

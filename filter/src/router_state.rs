@@ -281,6 +281,11 @@ impl RouterState {
                 t.stall,
                 t.evict
             ));
+            // Only where a replica must load the request's LoRA adapter: the header of a fleet
+            // without adapters reads as before.
+            if t.adapter != 0.0 {
+                out.push_str(&format!(" adapter={:.4}", t.adapter));
+            }
         }
         Some(out)
     }
@@ -455,6 +460,7 @@ impl RouterState {
             r.max_body_bytes,
             tok,
             early,
+            r.adapters.as_ref(),
         );
         let req = match read {
             Ok(req) => req,

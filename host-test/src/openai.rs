@@ -45,8 +45,15 @@ pub fn request_headers(
 
 /// A completions body with a token-id prompt.
 pub fn completion_body(prompt: &[u32], max_tokens: u32) -> Vec<u8> {
+    completion_body_for(None, prompt, max_tokens)
+}
+
+/// [`completion_body`] for `model` (a LoRA adapter's name; `None`: [`MODEL`]). The name is written
+/// as a JSON string.
+pub fn completion_body_for(model: Option<&str>, prompt: &[u32], max_tokens: u32) -> Vec<u8> {
     let mut s = String::with_capacity(prompt.len() * 7 + 160);
-    let _ = write!(s, "{{\"model\":\"{MODEL}\",\"prompt\":[");
+    let model = serde_json::to_string(model.unwrap_or(MODEL)).unwrap_or_default();
+    let _ = write!(s, "{{\"model\":{model},\"prompt\":[");
     for (i, t) in prompt.iter().enumerate() {
         if i > 0 {
             s.push(',');

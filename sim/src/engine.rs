@@ -15,11 +15,12 @@
 
 use crate::feed_log::FeedLog;
 use crate::kv::KvCache;
+use crate::lora::{LoraConfig, LoraSlots};
 use crate::output::{OutputLen, mix64, output_token};
 use crate::profile::Profile;
 use hashbrown::HashMap;
 use kvsteer_core::block::{BlockHasher, SeqHash};
-use kvsteer_core::feed::{FeedBatch, FeedQuery, ReplicaLoad};
+use kvsteer_core::feed::{AdapterReport, FeedBatch, FeedQuery, ReplicaLoad};
 use std::collections::VecDeque;
 
 mod stats;
@@ -50,6 +51,8 @@ pub struct EngineConfig {
     pub epoch: u64,
     /// Hashes the feed log retains before a lagging router needs a snapshot.
     pub feed_log_hashes: usize,
+    /// LoRA adapter slots and load time ([`crate::lora`]); off by default.
+    pub lora: LoraConfig,
 }
 
 impl Default for EngineConfig {
@@ -67,6 +70,7 @@ impl Default for EngineConfig {
             seed: 0,
             epoch: 0,
             feed_log_hashes: 1 << 20,
+            lora: LoraConfig::default(),
         }
     }
 }
@@ -213,6 +217,8 @@ struct Seq {
     /// ([`Engine::submit_remote`]): not admissible before this time; cleared at admission, so a
     /// preempted one recomputes locally (vLLM reads a request's remote KV once).
     remote_ready_us: Option<u64>,
+    /// The LoRA adapter the request runs with ([`LoraSlots::intern`]); `None`: the base model.
+    adapter: Option<u32>,
 }
 
 impl Seq {
@@ -266,6 +272,10 @@ pub struct Engine {
     scratch: Vec<(u32, u64, u32)>,
     /// Set by [`Engine::submit_remote`] around its `submit`: the new sequence's KV read end.
     pending_remote: Option<u64>,
+    /// LoRA adapter slots; set by [`Engine::submit_with_adapter`] around its `submit`: the new
+    /// sequence's adapter.
+    lora: LoraSlots,
+    pending_adapter: Option<u32>,
 }
 
 impl Engine {
@@ -284,6 +294,7 @@ impl Engine {
             mix64(cfg.seed ^ 0x0065_706f_6368) | 1
         };
         Engine {
+            lora: LoraSlots::new(cfg.lora),
             kv: KvCache::new(cfg.kv_blocks, cfg.host_blocks),
             log: FeedLog::new(epoch, cfg.feed_log_hashes),
             hasher,
@@ -301,6 +312,7 @@ impl Engine {
             stats: EngineStats::default(),
             scratch: Vec::new(),
             pending_remote: None,
+            pending_adapter: None,
         }
     }
 
@@ -369,6 +381,8 @@ impl Engine {
             stats: self.stats.clone(),
             scratch: Vec::new(),
             pending_remote: None,
+            lora: self.lora.clone(),
+            pending_adapter: None,
         }
     }
 
@@ -478,6 +492,7 @@ impl Engine {
             arrival_us: now_us,
             last_token_us: now_us,
             remote_ready_us: self.pending_remote,
+            adapter: self.pending_adapter,
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -528,6 +543,54 @@ impl Engine {
         Ok(transferred)
     }
 
+    /// [`Engine::submit`] for a request whose OpenAI `model` names a LoRA adapter: it runs with that
+    /// adapter, loaded when it is admitted if not resident ([`crate::lora`]), and its prompt's blocks
+    /// are hashed in the adapter's namespace ([`kvsteer_core::block::namespace_seed`]). With LoRA off
+    /// (no slots) or no adapter, exactly [`Engine::submit`].
+    pub fn submit_with_adapter(
+        &mut self,
+        now_us: u64,
+        req: EngineRequest,
+        adapter: Option<&str>,
+    ) -> Result<(), SubmitError> {
+        self.pending_adapter = adapter.and_then(|a| self.lora.intern(a));
+        // vLLM hashes an adapter's blocks with the adapter: its requests share cache with each
+        // other, never with the base model's or another adapter's.
+        let hashes = match self.pending_adapter {
+            Some(_) => self
+                .hasher
+                .namespaced(adapter, None)
+                .sequence_hashes(&req.prompt)
+                .into_iter()
+                .map(|h| h.0)
+                .collect(),
+            None => self.prompt_hashes(&req.prompt),
+        };
+        let r = self.submit_hashed(now_us, req, hashes);
+        self.pending_adapter = None;
+        r
+    }
+
+    /// Adapter loads since the engine started.
+    pub fn adapter_loads(&self) -> u64 {
+        self.lora.loads
+    }
+
+    /// Adapters resident on the GPU now, least recently used first.
+    pub fn resident_adapters(&self) -> Vec<&str> {
+        self.lora.resident()
+    }
+
+    /// What the feed reports about adapters (the adapters of running and of waiting requests, and
+    /// the slots); `None` with LoRA off.
+    pub fn adapter_report(&self) -> Option<AdapterReport> {
+        let adapter = |s: &u32| self.slots[*s as usize].as_ref().and_then(|q| q.adapter);
+        self.lora.report(
+            self.running.iter().filter_map(adapter),
+            self.waiting.iter().filter_map(adapter),
+        )
+    }
+
     /// Aborts a request; true when it was in flight. Its `Finished { reason: Abort }` comes out of the
     /// next [`Engine::advance`].
     pub fn abort(&mut self, now_us: u64, id: u64) -> bool {
@@ -562,6 +625,7 @@ impl Engine {
         }
         self.step = None;
         self.kv.clear();
+        self.lora.clear();
         self.restarts += 1;
         let epoch = mix64(self.log.epoch() ^ self.restarts) | 1;
         self.log.reset(epoch);
@@ -692,6 +756,23 @@ impl Engine {
         let load = self.load();
         let kv = &self.kv;
         self.log.answer(q, load, || kv.snapshot())
+    }
+
+    /// Answers a feed poll as the bytes a replica sends: the batch, stamped with `rank` when one
+    /// was asked for, and the adapter section when `query` asks for it (`adapters=1`) and LoRA is on
+    /// (docs/reference/feed.md, "Adapters").
+    pub fn feed_answer(&mut self, q: &FeedQuery, query: &str, rank: Option<u16>) -> Vec<u8> {
+        let batch = self.feed(q);
+        let mut body = match rank {
+            Some(r) => batch.encode_for_rank(r),
+            None => batch.encode(),
+        };
+        if kvsteer_core::feed::query_adapters(query)
+            && let Some(r) = self.adapter_report()
+        {
+            r.append_to(&mut body);
+        }
+        body
     }
 
     /// Whether a sequence hash is cached on the GPU (for tests and diagnostics).

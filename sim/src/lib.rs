@@ -11,6 +11,7 @@ pub mod engine;
 pub mod feed_log;
 pub mod kv;
 pub mod kv_link;
+pub mod lora;
 pub mod output;
 pub mod profile;
 pub mod tokenize;

@@ -5,6 +5,7 @@
 //!     [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192]
 //!     [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]
 //!     [--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json] [--dp-ranks 1]
+//!     [--max-loras 0] [--lora-load-ms 300]
 //! ```
 //! `--dp-ranks N` puts N data-parallel ranks (N engines) behind each replica's port, chosen by the
 //! `x-data-parallel-rank` header or vLLM's internal balancer (docs/design/dp.md).
@@ -24,7 +25,8 @@ use std::process::ExitCode;
 const USAGE: &str = "usage: kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] \
 [--seed S] [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192] \
 [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r] \
-[--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json] [--dp-ranks 1]";
+[--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json] [--dp-ranks 1] \
+[--max-loras 0] [--lora-load-ms 300]";
 
 fn parse<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String> {
     let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
@@ -66,6 +68,9 @@ fn run() -> Result<(), String> {
             "--host-blocks" => engine.host_blocks = parse(&flag, v)?,
             "--max-batch-tokens" => engine.max_batch_tokens = parse(&flag, v)?,
             "--max-running" => engine.max_running = parse(&flag, v)?,
+            // LoRA adapter slots (vLLM `--max-loras`; 0: off) and one load's time (docs/design/simulator.md).
+            "--max-loras" => engine.lora.slots = parse(&flag, v)?,
+            "--lora-load-ms" => engine.lora.load_us = parse::<u64>(&flag, v)?.saturating_mul(1000),
             "--max-model-len" => max_model_len = Some(parse(&flag, v)?),
             "--profile" => {
                 let path: String = parse(&flag, v)?;

@@ -150,6 +150,30 @@ pub fn render(engine: &Engine, model: &str) -> String {
         &l,
         load.decode_blocks as f64,
     );
+    if let Some(a) = engine.adapter_report() {
+        // vLLM's form: the lists comma-separated in labels, the value the time it was set (here
+        // the engine's clock, seconds), so a reader takes the latest sample as the state now.
+        let labels = format!(
+            "max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"",
+            a.slots,
+            a.running.join(","),
+            a.waiting.join(",")
+        );
+        gauge(
+            &mut out,
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            &labels,
+            engine.now_us() as f64 / 1e6,
+        );
+        counter(
+            &mut out,
+            "kvsteer_sim:lora_loads",
+            "LoRA adapter loads (the simulator's own).",
+            &l,
+            engine.adapter_loads(),
+        );
+    }
     out
 }
 
@@ -188,5 +212,37 @@ mod tests {
         assert!(text.contains("vllm:inter_token_latency_seconds_count{model_name=\"m\"} 9"));
         assert!(text.contains("vllm:generation_tokens_total{model_name=\"m\"} 12"));
         assert!(text.contains("finished_reason=\"length\"} 3"));
+    }
+
+    #[test]
+    fn lora_state_is_exported_as_vllm_does() {
+        let mut e = Engine::new(EngineConfig {
+            lora: crate::lora::LoraConfig {
+                slots: 2,
+                load_us: 1000,
+            },
+            ..EngineConfig::default()
+        });
+        assert!(
+            !render(&e, "m")
+                .contains("lora_requests_info{max_lora=\"2\",running_lora_adapters=\"a\"")
+        );
+        let r = EngineRequest {
+            id: 1,
+            prompt: (0..64).collect(),
+            max_tokens: 50,
+            ignore_eos: true,
+            min_tokens: 0,
+        };
+        e.submit_with_adapter(0, r, Some("a")).unwrap();
+        let mut out = Vec::new();
+        e.advance(1, &mut out);
+        let text = render(&e, "m");
+        assert!(
+            text.contains("vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"a\",waiting_lora_adapters=\"\"}"),
+            "{text}"
+        );
+        assert!(text.contains("kvsteer_sim:lora_loads_total{model_name=\"m\"} 1"));
+        assert!(!render(&Engine::new(EngineConfig::default()), "m").contains("lora"));
     }
 }

@@ -449,3 +449,84 @@ fn a_fork_runs_ahead_exactly_as_the_engine_would_and_leaves_it_alone() {
         0
     );
 }
+
+/// LoRA: a request whose adapter is not resident waits for its load before its first token; one
+/// whose adapter is resident does not; with every slot taken by a running adapter, a request for
+/// another waits for one to finish; the feed's report names the running and waiting adapters.
+#[test]
+fn an_adapter_not_resident_costs_its_load_before_the_first_token() {
+    let load_us = 300_000;
+    let cfg = EngineConfig {
+        lora: kvsteer_sim::lora::LoraConfig { slots: 1, load_us },
+        ..EngineConfig::default()
+    };
+    let ttft = |adapters: &[Option<&str>]| {
+        let mut e = Engine::new(cfg.clone());
+        let mut times = Vec::new();
+        for (i, a) in adapters.iter().enumerate() {
+            e.submit_with_adapter(e.now_us(), req(i as u64, prompt(i as u32, 256), 2), *a)
+                .unwrap();
+            let t0 = e.now_us();
+            let events = drain(&mut e);
+            times.push(first_token_time(&events, i as u64) - t0);
+        }
+        (times, e.adapter_loads())
+    };
+    let (base, loads) = ttft(&[None, None]);
+    assert_eq!(loads, 0);
+    let (cold_then_warm, loads) = ttft(&[Some("a"), Some("a")]);
+    assert_eq!(loads, 1);
+    assert_eq!(cold_then_warm[0], base[0] + load_us);
+    assert_eq!(cold_then_warm[1], base[1]);
+    // One slot: b replaces a, and a comes back at the price of another load.
+    let (_, loads) = ttft(&[Some("a"), Some("b"), Some("a")]);
+    assert_eq!(loads, 3);
+
+    // Both submitted at once with one slot: b waits for a's request to finish.
+    let mut e = Engine::new(cfg.clone());
+    e.submit_with_adapter(0, req(1, prompt(1, 256), 50), Some("a"))
+        .unwrap();
+    e.submit_with_adapter(0, req(2, prompt(2, 256), 2), Some("b"))
+        .unwrap();
+    let mut out = Vec::new();
+    e.advance(1, &mut out);
+    let r = e.adapter_report().unwrap();
+    assert_eq!(
+        (r.slots, r.running, r.waiting),
+        (1, vec!["a".into()], vec!["b".into()])
+    );
+    let events = drain(&mut e);
+    assert!(first_token_time(&events, 2) > finished(&events, 1).4);
+    assert_eq!(e.resident_adapters(), vec!["b"]);
+    // LoRA off: no report, and a named adapter is ignored.
+    let mut off = Engine::new(EngineConfig::default());
+    off.submit_with_adapter(0, req(1, prompt(1, 64), 1), Some("a"))
+        .unwrap();
+    assert_eq!(off.adapter_report(), None);
+}
+
+/// An adapter's blocks are its own: the same prompt under another adapter, or the base model, finds
+/// nothing cached; under the same adapter it finds the prefix.
+#[test]
+fn adapters_do_not_share_cached_blocks() {
+    let cfg = EngineConfig {
+        lora: kvsteer_sim::lora::LoraConfig {
+            slots: 4,
+            load_us: 1,
+        },
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(cfg);
+    let p = prompt(3, 512);
+    e.submit_with_adapter(0, req(1, p.clone(), 1), Some("a"))
+        .unwrap();
+    drain(&mut e);
+    let mut cached = |id: u64, adapter: Option<&str>| {
+        e.submit_with_adapter(e.now_us(), req(id, p.clone(), 1), adapter)
+            .unwrap();
+        finished(&drain(&mut e), id).1
+    };
+    assert_eq!(cached(2, None), 0);
+    assert_eq!(cached(3, Some("b")), 0);
+    assert!(cached(4, Some("a")) >= 496);
+}

@@ -759,3 +759,49 @@ fn pd_legs_answer_and_honour_kv_transfer_params() {
     let r = cd.post("/v1/completions", &json!({"prompt": "ok", "max_tokens": 1}));
     assert_eq!(r.status, 200);
 }
+
+/// LoRA over HTTP: a request whose `model` is not the served name runs with that adapter, and the
+/// feed carries the adapter section only to a poll that asks for it (`adapters=1`).
+#[test]
+fn the_feed_reports_adapters_only_when_asked() {
+    use kvsteer_core::feed::FeedFrame;
+    let cfg = ReplicaConfig {
+        name: "t0".into(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        time_scale: 50.0,
+        model: "sim".into(),
+        engine: EngineConfig {
+            kv_blocks: 2000,
+            max_model_len: 4096,
+            lora: kvsteer_sim::lora::LoraConfig {
+                slots: 3,
+                load_us: 1000,
+            },
+            ..Default::default()
+        },
+        dp_ranks: 1,
+    };
+    let rep = Replica::start(cfg).expect("replica starts");
+    let mut c = Client::new(&rep);
+    let adapters = |c: &mut Client, path: &str| {
+        let r = c.call("GET", path, "");
+        assert_eq!(r.status, 200);
+        FeedFrame::parse(r.body).unwrap().adapters().cloned()
+    };
+    let asked = "/kvsteer/feed?epoch=0&adapters=1";
+    let report = adapters(&mut c, asked).expect("a report when LoRA is on");
+    assert_eq!(report.slots, 3);
+    assert!(report.running.is_empty() && report.waiting.is_empty());
+    assert_eq!(adapters(&mut c, "/kvsteer/feed?epoch=0"), None);
+    for model in ["sim", "sql-lora"] {
+        let r = c.post(
+            "/v1/completions",
+            &json!({"model": model, "prompt": ids(9, 64), "max_tokens": 1}),
+        );
+        assert_eq!(r.status, 200);
+    }
+    // The finished request's adapter is no longer running: only in flight counts, as in vLLM.
+    let report = adapters(&mut c, asked).unwrap();
+    assert!(report.running.is_empty(), "{report:?}");
+}

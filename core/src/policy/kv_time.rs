@@ -20,6 +20,9 @@
 //! evict_r   = s_r * reuse * work_s(tokens pushed out of r's cache)
 //!                                                             re-prefill of the contexts the placement
 //!                                                             pushes out, times the share that comes back
+//! adapter_r = adapters.load_ms where r must load the request's LoRA adapter (+ s_r * o/2 steps
+//!             when every adapter slot holds a running request's adapter), else 0
+//!                                                             added to cost_r and to the predicted TTFT
 //! ```
 //!
 //! `wait_r + prefill_r` is the predicted time to first token on r. A replica with nothing queued,
@@ -28,7 +31,7 @@
 //! idle once their queues cost more than its prefill (at lighter load they rightly may). The weights are an operator's exchange rates (seconds of this request's
 //! first token one second of the named delay is worth), not fitted constants.
 
-use super::{CacheSizing, Choice, Input, Needs, Policy, pick_lowest};
+use super::{AdapterFit, CacheSizing, Choice, Input, Needs, Policy, pick_lowest};
 use crate::config::KvTimeParams;
 use crate::rng::SplitMix64;
 use crate::speed::EngineProfile;
@@ -41,6 +44,8 @@ pub struct Terms {
     pub decode: f64,
     pub stall: f64,
     pub evict: f64,
+    /// Loading the request's LoRA adapter where the replica lacks it ([`adapter_s`]).
+    pub adapter: f64,
 }
 
 impl Terms {
@@ -51,11 +56,12 @@ impl Terms {
             + k.decode_weight * self.decode
             + k.stall_weight * self.stall
             + k.evict_weight * self.evict
+            + self.adapter
     }
 
     /// The predicted time to first token.
     pub fn ttft(&self) -> f64 {
-        self.wait + self.prefill
+        self.wait + self.prefill + self.adapter
     }
 }
 
@@ -93,9 +99,35 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
                 decode,
                 stall,
                 evict,
+                adapter: adapter_s(input, profile, r),
             }
         })
         .collect()
+}
+
+/// Seconds replica `r` makes the request wait for its LoRA adapter before its first token: 0 where
+/// r holds it (a running or waiting request uses it) or its adapters are not known (a feed without
+/// them, or a request for none); the load time where a slot is free; and where every slot holds a
+/// running request's adapter, the load time plus the wait for a slot, since the engine admits the
+/// request only once one of those adapters has no request left: with their remaining outputs spread
+/// evenly over `0..out` tokens, about `out / 2` of r's current steps. Without that wait a replica
+/// full of other adapters looks as cheap as one with a free slot, and draws the requests that then
+/// queue behind its decodes. The load itself is not scaled by r's speed: it is a copy to the GPU.
+pub fn adapter_s(input: &Input, profile: &EngineProfile, r: usize) -> f64 {
+    let load = input.adapter_load_s;
+    let load = if load.is_finite() { load.max(0.0) } else { 0.0 };
+    match input.adapter.get(r) {
+        Some(AdapterFit::FreeSlot) => load,
+        Some(AdapterFit::Full) => {
+            let s = input.speed.get(r).copied().unwrap_or(1.0);
+            let e = input.load.get(r).copied().unwrap_or_default();
+            let out = input.expected_output_tokens.max(1.0);
+            let context = e.decode_blocks as f64 * input.block_size;
+            let wait = s * out / 2.0 * profile.step_s(e.active_requests as f64, context);
+            load + if wait.is_finite() { wait } else { 0.0 }
+        }
+        _ => 0.0,
+    }
 }
 
 /// Seconds a request needing `uncached` tokens of new KV waits for room on a replica whose `n`
@@ -278,6 +310,31 @@ mod tests {
         let t = terms(&input(&[full, half], &[0.0, 0.0], &[false; 2]), &p);
         assert!(t[0].wait > 0.05, "{t:?}");
         assert_eq!(t[1].wait, 0.0);
+    }
+
+    #[test]
+    fn a_replica_lacking_the_adapter_costs_the_load_time_more() {
+        use crate::adapters::AdapterFit::{FreeSlot, Full, Held, Unknown};
+        let p = EngineProfile::default();
+        let k = KvTimeParams::default();
+        let load = [busy(1000, 4, 10_000); 4];
+        let mut i = input(&load, &[0.0; 4], &[false; 4]);
+        let fits = [Held, FreeSlot, Full, Unknown];
+        i.adapter = &fits;
+        i.adapter_load_s = 0.3;
+        let t = terms(&i, &p);
+        for (r, extra) in [(1, 0.3), (3, 0.0)] {
+            assert!((t[r].cost(&k) - t[0].cost(&k) - extra).abs() < 1e-12, "{r}");
+            assert!((t[r].ttft() - t[0].ttft() - extra).abs() < 1e-12, "{r}");
+        }
+        // Every slot taken: the load, then about half an output of steps for a slot to free.
+        let slot_wait = 256.0 / 2.0 * p.step_s(4.0, 10_000.0);
+        assert!((t[2].adapter - 0.3 - slot_wait).abs() < 1e-12, "{t:?}");
+        let mut rng = SplitMix64::new(5);
+        assert_eq!(choose(&i, &k, &p, &mut rng).0.replica, 0);
+        i.adapter_load_s = f64::NAN;
+        let t = terms(&i, &p);
+        assert_eq!((t[0].adapter, t[1].adapter, t[3].adapter), (0.0, 0.0, 0.0));
     }
 
     #[test]

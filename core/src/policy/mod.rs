@@ -18,7 +18,9 @@
 //! | `kv_affinity` | [`kv_affinity`] | largest KV overlap reported by the replicas |
 //! | `kv_load` | [`kv_load`] | lowest prefill-after-overlap plus decode load in blocks (kvsteer's first default) |
 //! | `kv_time` | [`kv_time`] | lowest cost in seconds from each replica's learned speed (docs/design/design.md) |
+//! | `adapter_affinity` | [`adapter_affinity`] | baseline: replicas holding the request's LoRA adapter, else a free slot, then least load (GIE's rule) |
 
+pub mod adapter_affinity;
 pub mod choose;
 pub mod kv_affinity;
 pub mod kv_load;
@@ -32,6 +34,7 @@ pub mod session_hash;
 pub use choose::{argmin_random_tie, masked, pick_lowest, softmax_sample};
 pub use ring::HashRing;
 
+pub use crate::adapters::AdapterFit;
 use crate::config::{PolicyKind, RoutingConfig};
 use crate::load::LoadTotals;
 use crate::rng::SplitMix64;
@@ -84,6 +87,11 @@ pub struct Input<'a> {
     /// Share of recently requested prompt blocks that had been requested before (`kv_time`'s chance
     /// that a context pushed out of a cache comes back); 0 when not tracked.
     pub reuse_share: f64,
+    /// Per replica: where the request's LoRA adapter stands there ([`crate::adapters`]); empty when
+    /// the request names no adapter or adapters are not configured: unknown everywhere.
+    pub adapter: &'a [AdapterFit],
+    /// Seconds a replica takes to load an adapter it lacks (`adapters.load_ms`); 0 without one.
+    pub adapter_load_s: f64,
 }
 
 /// A policy's decision.
@@ -207,6 +215,9 @@ pub fn from_config(cfg: &RoutingConfig, replicas: usize) -> Box<dyn Policy> {
             cfg.kv_time.clone(),
             cfg.kv_time.profile.profile(),
         )),
+        PolicyKind::AdapterAffinity => {
+            Box::new(adapter_affinity::AdapterAffinity::new(cfg.kv_load.clone()))
+        }
     }
 }
 
@@ -239,6 +250,8 @@ pub(crate) fn load_only_input<'a>(load: &'a [LoadTotals], avoided: &'a [bool]) -
         working_set_scale: 1.0,
         speed: &[],
         reuse_share: 0.0,
+        adapter: &[],
+        adapter_load_s: 0.0,
     }
 }
 
@@ -264,6 +277,7 @@ mod tests {
             PolicyKind::LeastLoad,
             PolicyKind::SessionHash,
             PolicyKind::KvAffinity,
+            PolicyKind::AdapterAffinity,
         ] {
             assert_eq!(needs(p, &none), Needs::default(), "{p:?}");
         }

@@ -304,7 +304,16 @@ mod tests {
 
     /// The final read of `body` after `scan`.
     fn read_after(scan: EarlyScan, body: &[u8]) -> Result<RouteRequest, crate::RequestError> {
-        read_request_early("/v1/completions", body, None, 16, 1 << 24, None, Some(scan))
+        read_request_early(
+            "/v1/completions",
+            body,
+            None,
+            16,
+            1 << 24,
+            None,
+            Some(scan),
+            None,
+        )
     }
 
     /// Feeds `body` to a scan in slices of `step` bytes (all but the last), then reads it.

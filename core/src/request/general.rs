@@ -176,6 +176,7 @@ pub(super) fn read(
     session_key: Option<&str>,
     block_size: usize,
     tokenizer: Option<&mut dyn PromptTokenizer>,
+    adapters: Option<&crate::adapters::AdapterParams>,
 ) -> Result<RouteRequest, RequestError> {
     let text = core::str::from_utf8(body).map_err(|_| RequestError::NotUtf8)?;
     let b: Body = serde_json::from_str(text).map_err(|e| RequestError::Json(e.to_string()))?;
@@ -187,10 +188,11 @@ pub(super) fn read(
         .messages
         .as_ref()
         .map(|m| m.iter().map(chat_turn).collect());
+    let lora = adapters.and_then(|a| a.adapter_of(b.model.as_deref()));
     // An invalid block size hashes nothing here: `identify` refuses it before it reads any hash.
     let hasher = BlockHasher::new(block_size)
         .ok()
-        .map(|h| h.namespaced(None, b.cache_salt.as_deref()));
+        .map(|h| h.namespaced(lora, b.cache_salt.as_deref()));
     let hash = |t: &[u32]| {
         hasher
             .as_ref()
@@ -215,7 +217,7 @@ pub(super) fn read(
         endpoint,
         read,
         turns.as_deref(),
-        b.cache_salt.as_deref(),
+        (lora, b.cache_salt.as_deref()),
         block_size,
         tokenizer,
     )?;

@@ -23,6 +23,7 @@ mod one_pass;
 
 pub use early::EarlyScan;
 
+use crate::adapters::AdapterParams;
 use crate::block::{BlockHasher, SeqHash, TextHash, TextHasher};
 
 /// Which endpoint a request is for.
@@ -171,11 +172,17 @@ pub fn read_request_with(
         max_body_bytes,
         tokenizer,
         None,
+        None,
     )
 }
 
 /// [`read_request_with`] for a body an [`EarlyScan`] followed as it arrived (`body` begins with every
 /// byte the scan was given): the same result, with the prompt's ids the scan read not read again.
+/// With the router's LoRA adapters (`routing.adapters`), a request whose `model` names an adapter
+/// has its prompt hashed in that adapter's namespace, as vLLM hashes an adapter's blocks and the
+/// feed adapter reports them ([`crate::block::namespace_seed`]); `None`, or a base model: the plain
+/// namespace.
+#[allow(clippy::too_many_arguments)]
 pub fn read_request_early(
     path: &str,
     body: &[u8],
@@ -184,6 +191,7 @@ pub fn read_request_early(
     max_body_bytes: usize,
     mut tokenizer: Option<&mut dyn PromptTokenizer>,
     early: Option<EarlyScan>,
+    adapters: Option<&AdapterParams>,
 ) -> Result<RouteRequest, RequestError> {
     let endpoint = check(path, body, max_body_bytes)?;
     let resume = early
@@ -198,10 +206,11 @@ pub fn read_request_early(
             .as_mut()
             .map(|t| &mut **t as &mut dyn PromptTokenizer),
         resume,
+        adapters,
     ) {
         return r;
     }
-    general::read(endpoint, body, session_key, block_size, tokenizer)
+    general::read(endpoint, body, session_key, block_size, tokenizer, adapters)
 }
 
 /// [`read_request_with`] through the general serde_json reader alone: the reference the one-pass
@@ -215,7 +224,7 @@ pub fn read_request_reference(
     tokenizer: Option<&mut dyn PromptTokenizer>,
 ) -> Result<RouteRequest, RequestError> {
     let endpoint = check(path, body, max_body_bytes)?;
-    general::read(endpoint, body, session_key, block_size, tokenizer)
+    general::read(endpoint, body, session_key, block_size, tokenizer, None)
 }
 
 /// What is checked before any byte of the body is read: its size, then the path.
@@ -255,7 +264,7 @@ fn identify(
     endpoint: Endpoint,
     prompt: Option<PromptRead<'_>>,
     turns: Option<&[ChatTurn<'_>]>,
-    cache_salt: Option<&str>,
+    (lora, cache_salt): (Option<&str>, Option<&str>),
     block_size: usize,
     mut tokenizer: Option<&mut dyn PromptTokenizer>,
 ) -> Result<(u64, PromptIdentity), RequestError> {
@@ -264,7 +273,7 @@ fn identify(
         (Endpoint::Completions, Some(p), _) => {
             let hasher = BlockHasher::new(block_size)
                 .map_err(bad_size)?
-                .namespaced(None, cache_salt);
+                .namespaced(lora, cache_salt);
             let texter = TextHasher::new(block_size).map_err(bad_size)?;
             let mut exact_text = |s: &str| {
                 tokenizer
@@ -306,7 +315,7 @@ fn identify(
                 Some(ids) => {
                     let hasher = BlockHasher::new(block_size)
                         .map_err(bad_size)?
-                        .namespaced(None, cache_salt);
+                        .namespaced(lora, cache_salt);
                     (
                         ids.len() as u64,
                         PromptIdentity::Exact(hasher.sequence_hashes(&ids)),
@@ -399,6 +408,68 @@ mod tests {
             r.identity,
             PromptIdentity::Exact(h.sequence_hashes(&[1, 2, 3, 4, 5, 6, 7, 8]))
         );
+    }
+
+    /// A request for a LoRA adapter is hashed in the adapter's namespace (as vLLM and the feed
+    /// adapter hash its blocks), wherever `model` stands in the body and by either reader; a base
+    /// model, or no adapter configuration, in the plain one.
+    #[test]
+    fn an_adapters_prompt_is_hashed_in_its_namespace() {
+        let cfg = AdapterParams {
+            base_models: vec!["base".into()],
+            ..AdapterParams::default()
+        };
+        let h = BlockHasher::new(4).unwrap();
+        let ids = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+        let plain = PromptIdentity::Exact(h.sequence_hashes(&ids[..8]));
+        let lora = PromptIdentity::Exact(
+            h.namespaced(Some("sql"), Some("s"))
+                .sequence_hashes(&ids[..8]),
+        );
+        let bodies = [
+            r#"{"model":"sql","cache_salt":"s","prompt":[1,2,3,4,5,6,7,8,9]}"#,
+            r#"{"prompt":[1,2,3,4,5,6,7,8,9],"cache_salt":"s","model":"sql"}"#,
+        ];
+        for body in bodies {
+            let with = |a: Option<&AdapterParams>| {
+                read_request_early(
+                    "/v1/completions",
+                    body.as_bytes(),
+                    None,
+                    4,
+                    1 << 20,
+                    None,
+                    None,
+                    a,
+                )
+                .unwrap()
+                .identity
+            };
+            assert_eq!(with(Some(&cfg)), lora, "{body}");
+            let reference = general::read(
+                Endpoint::Completions,
+                body.as_bytes(),
+                None,
+                4,
+                None,
+                Some(&cfg),
+            )
+            .unwrap();
+            assert_eq!(reference.identity, lora, "{body}");
+            assert_ne!(with(None), lora);
+        }
+        let base = r#"{"model":"base","prompt":[1,2,3,4,5,6,7,8,9]}"#;
+        let r = read_request_early(
+            "/v1/completions",
+            base.as_bytes(),
+            None,
+            4,
+            1 << 20,
+            None,
+            None,
+            Some(&cfg),
+        );
+        assert_eq!(r.unwrap().identity, plain);
     }
 
     #[test]

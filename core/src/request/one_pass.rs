@@ -49,6 +49,7 @@ pub(super) fn read(
     block_size: usize,
     tokenizer: Option<&mut dyn PromptTokenizer>,
     early: Option<Resume>,
+    adapters: Option<&crate::adapters::AdapterParams>,
 ) -> Option<Result<RouteRequest, RequestError>> {
     let plain = BlockHasher::new(block_size).ok()?;
     let mut s = Scanner {
@@ -58,12 +59,15 @@ pub(super) fn read(
     };
     let f = s.body(&plain)?;
     let salt = f.cache_salt.flatten();
-    let hasher = plain.namespaced(None, salt.as_deref());
+    let model = f.model.flatten();
+    let lora = adapters.and_then(|a| a.adapter_of(model.as_deref()));
+    let hasher = plain.namespaced(lora, salt.as_deref());
     let mut prompt = match f.prompt.flatten() {
         None => None,
         Some(PromptScan::Text(t)) => Some(Final::Text(t)),
         Some(PromptScan::Texts { first, rest_chars }) => Some(Final::Texts { first, rest_chars }),
-        // Hashed before the salt was known: read the array again under the request's namespace.
+        // Hashed before the salt or the adapter was known: read the array again under the
+        // request's namespace.
         Some(PromptScan::Tokens { at, ids }) => {
             let ids = if ids.seed != hasher.seed() {
                 rehash(body, at, &hasher, false)?
@@ -113,14 +117,14 @@ pub(super) fn read(
         endpoint,
         read,
         turns.as_deref(),
-        salt.as_deref(),
+        (lora, salt.as_deref()),
         block_size,
         tokenizer,
     );
     Some(identity.map(|(prompt_tokens, identity)| {
         finish(
             endpoint,
-            f.model.flatten().map(Cow::into_owned),
+            model.clone().map(Cow::into_owned),
             f.stream.flatten(),
             f.max_completion_tokens.flatten().or(f.max_tokens.flatten()),
             session_key,

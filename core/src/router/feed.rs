@@ -3,10 +3,14 @@
 //! and stale feeds.
 
 use super::{FeedOutcome, Router};
+use crate::adapters::{AdapterFit, AdapterView, name_hash};
 use crate::config::ReportedLoad;
-use crate::feed::{CursorVerdict, EventKind, FeedBatch, FeedEvent, FeedQuery, FeedSlice, Tier};
+use crate::feed::{
+    AdapterReport, CursorVerdict, EventKind, FeedBatch, FeedEvent, FeedQuery, FeedSlice, Tier,
+};
 use crate::load::LoadTotals;
 use crate::policy::CacheSizing;
+use crate::request::RouteRequest;
 
 /// A replica's cache size as the feed shows it: the most blocks it has held, which is its size once
 /// it has evicted (before that, only a lower bound).
@@ -17,6 +21,35 @@ pub(super) struct CacheSize {
 }
 
 impl Router {
+    /// Keeps what `replica`'s latest feed answer said about its LoRA adapters
+    /// ([`crate::feed::FeedFrame::adapters`]); `None` (an answer without the section) makes them
+    /// unknown again, so a replica downgraded to a feed without adapters gets no adapter term.
+    pub fn set_adapters(&mut self, replica: usize, report: Option<&AdapterReport>) {
+        if let Some(slot) = self.adapters.get_mut(replica) {
+            *slot = report.map(AdapterView::new);
+        }
+    }
+
+    /// Per replica, where the request's adapter stands, and the seconds a load takes; empty and 0
+    /// when adapters are not configured or the request names none. A stale replica's report is not
+    /// trusted: unknown.
+    pub(super) fn adapter_fits(&self, req: &RouteRequest) -> (Vec<AdapterFit>, f64) {
+        let Some(p) = &self.cfg.adapters else {
+            return (Vec::new(), 0.0);
+        };
+        let Some(name) = p.adapter_of(req.model.as_deref()) else {
+            return (Vec::new(), 0.0);
+        };
+        let h = name_hash(name);
+        let fits = (0..self.replicas)
+            .map(|r| match &self.adapters[r] {
+                Some(v) if !self.stale[r] => v.fit(h),
+                _ => AdapterFit::Unknown,
+            })
+            .collect();
+        (fits, p.load_s())
+    }
+
     /// The query for the next poll of `replica` (a snapshot request for an unknown replica index).
     pub fn feed_query(&self, replica: usize, max_events: u32) -> FeedQuery {
         match self.cursors.get(replica) {

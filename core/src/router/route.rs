@@ -130,6 +130,7 @@ impl Router {
             Some(ws) if floor > 0.0 => kv_load::reuse_ramp(ws.reuse_share(), floor),
             _ => 1.0,
         };
+        let (adapter, adapter_load_s) = self.adapter_fits(req);
         let input = Input {
             working_set: &working_set,
             working_set_scale,
@@ -145,6 +146,8 @@ impl Router {
             expected_output_tokens: self.outputs.expected(),
             speed: &speed,
             reuse_share,
+            adapter: &adapter,
+            adapter_load_s,
         };
         let Choice {
             replica,
@@ -249,6 +252,7 @@ impl Router {
             self.cfg.max_body_bytes,
             tokenizer,
             early,
+            self.cfg.adapters.as_ref(),
         );
         match read {
             Ok(req) => (self.route_and_admit(request_id, &req, now_ms), None),

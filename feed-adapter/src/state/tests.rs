@@ -462,6 +462,32 @@ fn the_cap_evicts_the_oldest_and_tells_the_router() {
     );
 }
 
+/// The engine's adapters ride in the answer only for a router that asks, and only once the
+/// engine has exported them.
+#[test]
+fn adapters_are_answered_when_asked_and_known() {
+    use kvsteer_core::feed::{AdapterReport, FeedFrame};
+    let mut s = AdapterState::new(StateConfig::default(), 7);
+    let q = FeedQuery::resync(10);
+    let read = |b: Vec<u8>| FeedFrame::parse(b).unwrap().adapters().cloned();
+    assert_eq!(read(s.answer_bytes_for(&q, true)), None, "not exported yet");
+    let report = AdapterReport {
+        slots: 2,
+        running: vec!["sql".into()],
+        waiting: vec![],
+    };
+    s.set_engine_load(
+        EngineLoad {
+            adapters: Some(report.clone()),
+            ..EngineLoad::default()
+        },
+        1,
+    );
+    assert_eq!(read(s.answer_bytes_for(&q, true)), Some(report));
+    assert_eq!(read(s.answer_bytes_for(&q, false)), None);
+    assert_eq!(read(s.answer_bytes(&q)), None);
+}
+
 #[test]
 fn derived_cap_and_load_fields() {
     let mut s = AdapterState::new(StateConfig::default(), 7);
@@ -474,6 +500,7 @@ fn derived_cap_and_load_fields() {
             num_gpu_blocks: Some(10_000),
             block_size: Some(32),
             start_time: None,
+            adapters: None,
         },
         1,
     );

@@ -92,6 +92,8 @@ impl RouterState {
         polled_ms: u64,
     ) -> FeedOutcome {
         let events = frame.events() as usize;
+        // The adapters describe the replica now, like its load, whatever the log position.
+        self.router.set_adapters(replica, frame.adapters());
         let outcome = match self
             .router
             .accept_feed_polled_at(replica, frame.header(), polled_ms)

@@ -256,7 +256,7 @@ fn dp_feed_answer(
     match kvsteer_core::feed::query_rank(query) {
         Err(e) => CallOutcome::ok(400, "text/plain", e.into_bytes()),
         Ok(Some(r)) => match engines.get_mut(r as usize) {
-            Some(e) => CallOutcome::ok(200, FEED_CONTENT_TYPE, e.feed(&q).encode_for_rank(r)),
+            Some(e) => CallOutcome::ok(200, FEED_CONTENT_TYPE, e.feed_answer(&q, query, Some(r))),
             None => CallOutcome::ok(
                 400,
                 "text/plain",
@@ -275,7 +275,7 @@ fn feed_answer(engine: &mut Engine, call: &Callout) -> CallOutcome {
         return CallOutcome::ok(404, "text/plain", format!("no route {p}").into_bytes());
     }
     match FeedQuery::parse(query) {
-        Ok(q) => CallOutcome::ok(200, FEED_CONTENT_TYPE, engine.feed(&q).encode()),
+        Ok(q) => CallOutcome::ok(200, FEED_CONTENT_TYPE, engine.feed_answer(&q, query, None)),
         Err(e) => CallOutcome::ok(400, "text/plain", e.into_bytes()),
     }
 }

@@ -51,6 +51,9 @@ pub enum ProxySpread {
 /// More request headers for a driver's request, from its session id ([`HarnessConfig::issue_headers`]).
 pub type IssueHeaders = fn(&str) -> Vec<(String, String)>;
 
+/// The OpenAI `model` of a driver's request, from its session id ([`HarnessConfig::issue_model`]).
+pub type IssueModel = fn(&str) -> Option<String>;
+
 /// Harness configuration. [`HarnessConfig::small`] is sized for tests (runs in seconds).
 #[derive(Clone, Debug)]
 pub struct HarnessConfig {
@@ -120,6 +123,9 @@ pub struct HarnessConfig {
     /// More request headers for each request a workload's driver issues, from its session id
     /// (e.g. a priority class per session); `None`: none.
     pub issue_headers: Option<IssueHeaders>,
+    /// The `model` of each request a workload's driver issues, from its session id (a LoRA
+    /// adapter per session); `None`, or `None` from it: the simulator's served name.
+    pub issue_model: Option<IssueModel>,
 }
 
 impl HarnessConfig {
@@ -155,6 +161,7 @@ impl HarnessConfig {
             slowdowns: Vec::new(),
             nginx: Default::default(),
             issue_headers: None,
+            issue_model: None,
         }
     }
 

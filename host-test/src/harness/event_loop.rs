@@ -184,6 +184,7 @@ impl Harness {
                     .issue_headers
                     .map(|f| f(&issue.session_id))
                     .unwrap_or_default(),
+                model: self.cfg.issue_model.and_then(|f| f(&issue.session_id)),
                 ..Default::default()
             };
             self.send_with_id(issue.request_id, &spec, true)?;

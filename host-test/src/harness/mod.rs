@@ -32,7 +32,7 @@ mod request;
 mod response;
 
 pub use config::{
-    HARNESS_PEER_TOKEN, HarnessConfig, IssueHeaders, Output, ProxySpread, peer_cluster,
+    HARNESS_PEER_TOKEN, HarnessConfig, IssueHeaders, IssueModel, Output, ProxySpread, peer_cluster,
 };
 pub use discovery::{DISCOVERY_CLUSTER, MEMBER_FEEDS_CLUSTER};
 pub use record::{HarnessStats, ProxyAnswer, RequestRecord, RequestSpec};

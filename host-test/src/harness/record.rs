@@ -22,6 +22,9 @@ pub struct RequestSpec {
     /// The proxy answers the request itself once the filter released it, instead of any replica
     /// (the harness's imitation of Envoy's answers to an oversized body: [`ProxyAnswer`]).
     pub proxy_answer: Option<ProxyAnswer>,
+    /// The body's OpenAI `model` (default: the simulator's served name); another name asks the
+    /// engine for that LoRA adapter.
+    pub model: Option<String>,
 }
 
 /// The harness's imitation of Envoy answering a request itself after the filter released it and
@@ -58,6 +61,11 @@ impl RequestSpec {
             max_tokens,
             ..Default::default()
         }
+    }
+
+    pub fn model(mut self, m: &str) -> Self {
+        self.model = Some(m.to_string());
+        self
     }
 
     pub fn session(mut self, s: &str) -> Self {

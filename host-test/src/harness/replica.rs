@@ -194,6 +194,17 @@ impl Harness {
         prompt: Vec<u32>,
         max_tokens: u32,
     ) -> Result<u64, HarnessError> {
+        self.submit_direct_for(replica, prompt, max_tokens, None)
+    }
+
+    /// [`Harness::submit_direct`] for a LoRA adapter (`None`: the base model).
+    pub fn submit_direct_for(
+        &mut self,
+        replica: usize,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        adapter: Option<&str>,
+    ) -> Result<u64, HarnessError> {
         let id = self.next_direct;
         self.next_direct += 1;
         let req = EngineRequest {
@@ -205,7 +216,7 @@ impl Harness {
         };
         self.replicas[replica]
             .engine
-            .submit(self.now_us, req)
+            .submit_with_adapter(self.now_us, req, adapter)
             .map_err(|e| HarnessError::Config(format!("direct submit: {e}")))?;
         Ok(id)
     }

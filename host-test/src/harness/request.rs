@@ -9,7 +9,7 @@ use super::response::Flight;
 use super::{Harness, HarnessError, ProxyAnswer, RequestRecord, RequestSpec, ResponseFault};
 use crate::abi::Pairs;
 use crate::host::{HostError, StreamState};
-use crate::openai::{SseWriter, completion_body, error_response, request_headers, sse_headers};
+use crate::openai::{SseWriter, completion_body_for, error_response, request_headers, sse_headers};
 use kvsteer_sim::EngineRequest;
 use serde_json::Value;
 
@@ -44,7 +44,7 @@ impl Harness {
         self.stats.requests += 1;
         let body = match &spec.raw_body {
             Some(b) => b.clone(),
-            None => completion_body(&spec.prompt, spec.max_tokens),
+            None => completion_body_for(spec.model.as_deref(), &spec.prompt, spec.max_tokens),
         };
         let path = spec.path.as_deref().unwrap_or("/v1/completions");
         let session = spec
@@ -322,9 +322,11 @@ impl Harness {
             // prompt the engine could run: the upstream refuses it.
             Err("the request body is not a completions request".to_string())
         } else {
+            // The simulator's server rule: any `model` but the served one names a LoRA adapter.
+            let adapter = spec.model.as_deref().filter(|m| *m != crate::openai::MODEL);
             self.replicas[replica]
                 .engine
-                .submit(self.now_us, req)
+                .submit_with_adapter(self.now_us, req, adapter)
                 .map_err(|e| e.to_string())
         }
     }

@@ -58,17 +58,27 @@ impl Engine {
             i += 1;
         }
 
+        // The batch's distinct adapters, and the time loading new ones adds to the step.
+        let mut adapters: Vec<u32> = Vec::new();
+        if self.lora.enabled() {
+            adapters.extend(self.running.iter().filter_map(|&s| self.seq(s).adapter));
+            adapters.sort_unstable();
+            adapters.dedup();
+        }
+        let mut load_us = 0u64;
+
         // Then waiting requests, FCFS, unless this step had to preempt.
         while !preempted
             && budget > 0
             && self.running.len() < self.cfg.max_running as usize
             && let Some(pos) = self.waiting.iter().position(|&s| {
                 // A request whose KV read has not ended is passed over, as vLLM's scheduler skips
-                // those waiting for remote KV; the rest keep FCFS order.
-                self.slots[s as usize]
-                    .as_ref()
-                    .and_then(|q| q.remote_ready_us)
-                    .is_none_or(|t| t <= start_us)
+                // those waiting for remote KV, and so is one whose adapter would be one more than
+                // the slots; the rest keep FCFS order.
+                self.slots[s as usize].as_ref().is_none_or(|q| {
+                    q.remote_ready_us.is_none_or(|t| t <= start_us)
+                        && self.lora.admissible(q.adapter, &adapters)
+                })
             })
         {
             let slot = self.waiting[pos];
@@ -104,6 +114,12 @@ impl Engine {
             if s.cached_tokens.is_none() {
                 s.cached_tokens = Some(cached as u32);
             }
+            if let Some(a) = s.adapter {
+                load_us += self.lora.acquire(a, &adapters);
+                if !adapters.contains(&a) {
+                    adapters.push(a);
+                }
+            }
             w.host_load_tokens += (hit.host_blocks * bs) as u64;
             self.stats.prefix_cache_queries += total as u64;
             self.stats.prefix_cache_hits += cached as u64;
@@ -121,7 +137,8 @@ impl Engine {
         }
         let dur = (self.cfg.profile.step_us(&w) * self.slowdown)
             .round()
-            .max(1.0) as u64;
+            .max(1.0) as u64
+            + load_us;
         self.step = Some(Step {
             end_us: start_us.saturating_add(dur),
             work,

@@ -224,14 +224,14 @@ fn feed_body(s: &Shared, query: &str) -> Result<Vec<u8>, ApiError> {
     let n = core.engines.len();
     Ok(match rank {
         // Rank R's own feed, stamped with R.
-        Some(r) if (r as usize) < n => core.engines[r as usize].feed(&q).encode_for_rank(r),
+        Some(r) if (r as usize) < n => core.engines[r as usize].feed_answer(&q, query, Some(r)),
         Some(r) => {
             return Err(ApiError::bad(
                 "rank",
                 format!("no data-parallel rank {r} here ({n} rank(s))"),
             ));
         }
-        None if n == 1 => core.engines[0].feed(&q).encode(),
+        None if n == 1 => core.engines[0].feed_answer(&q, query, None),
         // A rank-blind poll of a DP endpoint: the union of its ranks' caches.
         None => {
             let mut engines: Vec<&mut Engine> = core.engines.iter_mut().collect();

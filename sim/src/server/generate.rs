@@ -247,7 +247,9 @@ fn submit(
             .submit_remote(now, req, &crate::kv_link::KvLink::default())
             .map(|_| ())
     } else {
-        g.engines[rank].submit(now, req)
+        // vLLM serves a LoRA adapter under its own name: any `model` but the served one names one.
+        let adapter = Some(p.model.as_str()).filter(|m| !m.is_empty() && *m != shared.model);
+        g.engines[rank].submit_with_adapter(now, req, adapter)
     };
     sent.map_err(|e| ApiError::bad("prompt", e.to_string()))?;
     g.next_id += 1;

@@ -42,7 +42,7 @@ fn common_bodies_are_read_in_one_pass() {
             (Endpoint::Completions, r#"{"prompt":["one","two é"]}"#.to_string()),
             (Endpoint::ChatCompletions, r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}}]},{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}],"max_completion_tokens":5,"stream_options":{"include_usage":true}}"#.to_string()),
         ] {
-            let r = read(endpoint, body.as_bytes(), None, 16, None, None);
+            let r = read(endpoint, body.as_bytes(), None, 16, None, None, None);
             assert!(matches!(r, Some(Ok(_))), "{body}: {r:?}");
         }
 }
