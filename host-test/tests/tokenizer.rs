@@ -336,8 +336,9 @@ fn the_lean_build_refuses_a_tokenizer_section_at_configure_time() {
         return;
     };
     let lean = FilterModule::load(std::path::Path::new(&path)).unwrap_or_else(|e| panic!("{e}"));
-    // No vocabulary inside: a tenth of the full build's size.
-    assert!(lean.size() < 1 << 20, "{} bytes", lean.size());
+    // No vocabulary inside: the vocabulary alone is about 6 MB of the full build's 7.5, the
+    // lean build's code about 1.2 MB.
+    assert!(lean.size() < 2 << 20, "{} bytes", lean.size());
     let cfg = |tokenizer: Option<Value>| {
         let mut c = json!({"replicas": [{"name": "r0", "endpoint": "10.0.0.1:8000",
                                           "feed_cluster": "feed_r0"}]});
