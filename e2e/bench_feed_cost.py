@@ -10,7 +10,7 @@ Two measurements, each a table:
   thread apart), the connect attempts per second per dead replica on the feed clusters
   (`upstream_cx_total`, all of which fail: `upstream_cx_connect_fail`), the failed polls the
   filter counts for them (`kvsteer_feed_errors_<replica>`), and the active health checks of the
-  `replicas` cluster (`health_check.attempts`, per host: Envoy's own, not the filter's).
+  `replicas` cluster (`health_check.attempt`, per host: Envoy's own, not the filter's).
 - `--part live`: 128 live replicas served by one `kvsteer-sim serve --replicas 128` process, against
   4, Envoy `--concurrency 8` by default. Per row: feed polls per second for the proxy (the feed
   clusters' `upstream_rq_total`), Envoy's and the simulator's CPU ms/s while idle, and then, at 1
@@ -146,9 +146,9 @@ def snapshot(s: Stack) -> dict:
             feed[(m.group(1), m.group(2))] = v
     errors = {k.rsplit("kvsteer_feed_errors_", 1)[1]: v
               for k, v in s.stats("kvsteer_feed_errors_").items()}
-    hc = s.stats(r"^cluster\.replicas\.health_check\.attempts$")
+    hc = s.stats(r"^cluster\.replicas\.health_check\.attempt$")
     return {"t": time.monotonic(), "feed": feed, "errors": errors,
-            "hc": hc.get("cluster.replicas.health_check.attempts", 0)}
+            "hc": hc.get("cluster.replicas.health_check.attempt", 0)}
 
 
 def window(s: Stack, sim_pid: int | None, seconds: float) -> dict:
@@ -210,7 +210,7 @@ def dead_part(args) -> list[str]:
          {"feed_backoff_max_ms": FEED_PERIOD_MS}),
         ("4 live alone", 0, None),
     ]
-    for label, dead, plugin in configs:
+    for label, dead, plugin in [c for _ in range(args.repeats) for c in configs]:
         with Stack() as s:
             start_fleet(s, 4, args.time_scale)
             for i, port in enumerate(free_ports(dead)):
@@ -240,7 +240,7 @@ def dead_part(args) -> list[str]:
 
 def live_part(args) -> list[str]:
     rows = []
-    for n in (4, 128):
+    for n in [n for _ in range(args.repeats) for n in (4, args.replicas)]:
         with Stack() as s:
             start_fleet(s, n, args.time_scale)
             start_envoy(s, args.live_concurrency, None)
@@ -275,6 +275,9 @@ def main() -> int:
     ap.add_argument("--live-concurrency", type=int, default=8)
     ap.add_argument("--requests", type=int, default=200, help="0: no request-path p50")
     ap.add_argument("--time-scale", default="1000")
+    ap.add_argument("--replicas", type=int, default=128, help="the live fleet set against 4")
+    ap.add_argument("--repeats", type=int, default=1, help="each part's rows this many times, "
+                    "interleaved")
     args = ap.parse_args()
     out = []
     if args.part in ("dead", "both"):
