@@ -10,7 +10,8 @@ Two measurements, each a table:
   thread apart), the connect attempts per second per dead replica on the feed clusters
   (`upstream_cx_total`, all of which fail: `upstream_cx_connect_fail`), the failed polls the
   filter counts for them (`kvsteer_feed_errors_<replica>`), and the active health checks of the
-  `replicas` cluster (`health_check.attempt`, per host: Envoy's own, not the filter's).
+  `replicas` cluster (`health_check.attempt`, per host: Envoy's own, not the filter's). A fourth
+  row sets `feed_backoff_max_ms` to 60000, so that what is left is mostly the health checks'.
 - `--part live`: 128 live replicas served by one `kvsteer-sim serve --replicas 128` process, against
   4, Envoy `--concurrency 8` by default. Per row: feed polls per second for the proxy (the feed
   clusters' `upstream_rq_total`), Envoy's and the simulator's CPU ms/s while idle, and then, at 1
@@ -208,8 +209,13 @@ def dead_part(args) -> list[str]:
         ("4 live + 252 dead, default backoff (`feed_backoff_max_ms` 3000)", 252, None),
         ("4 live + 252 dead, backoff off (`feed_backoff_max_ms` 200)", 252,
          {"feed_backoff_max_ms": FEED_PERIOD_MS}),
+        # The filter's polls of the dead nearly stopped: what remains is Envoy's own health checks
+        # of the `replicas` cluster (every host once a second, envoy/envoy.yaml).
+        ("4 live + 252 dead, `feed_backoff_max_ms` 60000", 252, {"feed_backoff_max_ms": 60000}),
         ("4 live alone", 0, None),
     ]
+    if args.dead_configs:
+        configs = [configs[int(i)] for i in args.dead_configs.split(",")]
     for label, dead, plugin in [c for _ in range(args.repeats) for c in configs]:
         with Stack() as s:
             start_fleet(s, 4, args.time_scale)
@@ -275,6 +281,8 @@ def main() -> int:
     ap.add_argument("--live-concurrency", type=int, default=8)
     ap.add_argument("--requests", type=int, default=200, help="0: no request-path p50")
     ap.add_argument("--time-scale", default="1000")
+    ap.add_argument("--dead-configs", default="",
+                    help="which of the dead part's rows, by index (e.g. 0,2); empty: all")
     ap.add_argument("--replicas", type=int, default=128, help="the live fleet set against 4")
     ap.add_argument("--repeats", type=int, default=1, help="each part's rows this many times, "
                     "interleaved")
