@@ -11,7 +11,10 @@ Two measurements, each a table:
   (`upstream_cx_total`, all of which fail: `upstream_cx_connect_fail`), the failed polls the
   filter counts for them (`kvsteer_feed_errors_<replica>`), and the active health checks of the
   `replicas` cluster (`health_check.attempt`, per host: Envoy's own, not the filter's). A fourth
-  row sets `feed_backoff_max_ms` to 60000, so that what is left is mostly the health checks'.
+  row sets `feed_backoff_max_ms` to 60000, so that what is left is mostly the health checks'; a
+  fifth serves the 252 from one simulator until Envoy has polled every feed, then kills it (dead
+  replicas the filter had seen, whose polls go to one VM, the lease holder: a replica never seen is
+  polled by every VM, each needing a snapshot of its own).
 - `--part live`: 128 live replicas served by one `kvsteer-sim serve --replicas 128` process, against
   4, Envoy `--concurrency 8` by default. Per row: feed polls per second for the proxy (the feed
   clusters' `upstream_rq_total`), Envoy's and the simulator's CPU ms/s while idle, and then, at 1
@@ -85,9 +88,9 @@ def ports_free(base: int, n: int) -> bool:
             s.close()
 
 
-def start_fleet(s: Stack, n: int, time_scale: str) -> None:
+def start_fleet(s: Stack, n: int, time_scale: str, prefix: str = "r") -> None:
     """`n` simulated replicas from one `kvsteer-sim serve --replicas n` process, on consecutive
-    ports, named r0..r{n-1} in the filter's configuration."""
+    ports, named <prefix>0..<prefix>{n-1} in the filter's configuration."""
     import random
     rng = random.Random()
     for _ in range(50):
@@ -97,8 +100,8 @@ def start_fleet(s: Stack, n: int, time_scale: str) -> None:
     else:
         raise StackError(f"no {n} consecutive free ports")
     argv = [str(sim_path()), "serve", "--replicas", str(n), "--host", "127.0.0.1", "--port",
-            str(base), "--name-prefix", "r", "--time-scale", time_scale]
-    proc = s.spawn(f"sim-{n}", argv)
+            str(base), "--name-prefix", prefix, "--time-scale", time_scale]
+    proc = s.spawn(f"sim-{prefix}{n}", argv)
     deadline = time.monotonic() + 60
     while sum(ln.startswith("ready ") for ln in proc.lines) < n:
         if not proc.alive():
@@ -112,7 +115,7 @@ def start_fleet(s: Stack, n: int, time_scale: str) -> None:
             _, name, ep = ln.split()
             names[int(ep.rsplit(":", 1)[1])] = name
     for i in range(n):
-        s.replicas.append(Replica(f"r{i}", base + i, proc, names.get(base + i, "")))
+        s.replicas.append(Replica(f"{prefix}{i}", base + i, proc, names.get(base + i, "")))
 
 
 def start_envoy(s: Stack, concurrency: int, plugin: dict | None) -> None:
@@ -205,27 +208,38 @@ def p50_ms(s: Stack, n: int) -> tuple[float, float, int]:
 
 def dead_part(args) -> list[str]:
     rows = []
+    # (label, dead replicas, plugin overrides, whether the dead ones were alive and seen first)
     configs = [
-        ("4 live + 252 dead, default backoff (`feed_backoff_max_ms` 3000)", 252, None),
+        ("4 live + 252 dead, default backoff (`feed_backoff_max_ms` 3000)", 252, None, False),
         ("4 live + 252 dead, backoff off (`feed_backoff_max_ms` 200)", 252,
-         {"feed_backoff_max_ms": FEED_PERIOD_MS}),
+         {"feed_backoff_max_ms": FEED_PERIOD_MS}, False),
         # The filter's polls of the dead nearly stopped: what remains is Envoy's own health checks
         # of the `replicas` cluster (every host once a second, envoy/envoy.yaml).
-        ("4 live + 252 dead, `feed_backoff_max_ms` 60000", 252, {"feed_backoff_max_ms": 60000}),
-        ("4 live alone", 0, None),
+        ("4 live + 252 dead, `feed_backoff_max_ms` 60000", 252, {"feed_backoff_max_ms": 60000},
+         False),
+        ("4 live alone", 0, None, False),
+        # The 252 served by one simulator until every feed was polled, then that process killed:
+        # each VM has seen them, so one VM (the lease holder) polls each, where a replica never
+        # seen is polled by every VM (each needs a snapshot of its own).
+        ("4 live + 252 killed after their feeds were seen, default backoff", 252, None, True),
     ]
     if args.dead_configs:
         configs = [configs[int(i)] for i in args.dead_configs.split(",")]
-    for label, dead, plugin in [c for _ in range(args.repeats) for c in configs]:
+    for label, dead, plugin, killed in [c for _ in range(args.repeats) for c in configs]:
         with Stack() as s:
             start_fleet(s, 4, args.time_scale)
-            for i, port in enumerate(free_ports(dead)):
-                s.replicas.append(Replica(f"d{i}", port, None))  # type: ignore[arg-type]
+            if killed:
+                start_fleet(s, dead, args.time_scale, prefix="d")
+            else:
+                for i, port in enumerate(free_ports(dead)):
+                    s.replicas.append(Replica(f"d{i}", port, None))  # type: ignore[arg-type]
             start_envoy(s, args.dead_concurrency, plugin)
+            if killed:
+                s.replicas[-1].proc.kill()
             time.sleep(args.settle)
             w = window(s, None, args.seconds)
-            dead_names = {r.name for r in s.replicas if r.proc is None}
-            live_names = {r.name for r in s.replicas if r.proc is not None}
+            dead_names = {r.name for r in s.replicas if r.proc is None or not r.proc.alive()}
+            live_names = {r.name for r in s.replicas} - dead_names
             nd = max(1, len(dead_names))
             cx = w["per_s"](dead_names, "upstream_cx_total") / nd if dead else float("nan")
             fail = w["per_s"](dead_names, "upstream_cx_connect_fail") / nd if dead else float("nan")
