@@ -11,9 +11,9 @@ Two measurements, each a table:
   (`upstream_cx_total`, all of which fail: `upstream_cx_connect_fail`), the failed polls the
   filter counts for them (`kvsteer_feed_errors_<replica>`), and the active health checks of the
   `replicas` cluster (`health_check.attempt`, per host: Envoy's own, not the filter's). A fourth
-  row sets `feed_backoff_max_ms` to 60000, so that what is left is mostly the health checks'; a
-  fifth serves the 252 from one simulator until Envoy has polled every feed, then kills it (dead
-  replicas the filter had seen, whose polls go to one VM, the lease holder: a replica never seen is
+  row sets `feed_backoff_max_ms` to 60000, so that what is left is what 256 configured replicas
+  cost whatever their state (Envoy's health checks among it); a fifth serves the 252 from one
+  simulator until Envoy has polled every feed, then kills it (dead replicas the filter had seen, whose polls go to one VM, the lease holder: a replica never seen is
   polled by every VM, each needing a snapshot of its own).
 - `--part live`: 128 live replicas served by one `kvsteer-sim serve --replicas 128` process, against
   4, Envoy `--concurrency 8` by default. Per row: feed polls per second for the proxy (the feed
@@ -23,8 +23,8 @@ Two measurements, each a table:
   add is the difference).
 
 Each configuration gets fresh replicas and a fresh Envoy; after Envoy is ready and the live feeds
-are polled, `--settle` s pass (the dead replicas' backoff reaches its longest wait in about 7 s)
-before the `--seconds` s window. Loopback only; every process it starts is stopped at the end (or
+are polled, `--settle` s pass (the dead replicas' backoff reaches its longest wait within about
+4 s) before the `--seconds` s window. Loopback only; every process it starts is stopped at the end (or
 when it is interrupted), as in every e2e script (`e2e/stack.py`). Not a test: it prints figures.
 
     .venv/bin/python e2e/bench_feed_cost.py                  # both parts, about 5 minutes
@@ -213,8 +213,9 @@ def dead_part(args) -> list[str]:
         ("4 live + 252 dead, default backoff (`feed_backoff_max_ms` 3000)", 252, None, False),
         ("4 live + 252 dead, backoff off (`feed_backoff_max_ms` 200)", 252,
          {"feed_backoff_max_ms": FEED_PERIOD_MS}, False),
-        # The filter's polls of the dead nearly stopped: what remains is Envoy's own health checks
-        # of the `replicas` cluster (every host once a second, envoy/envoy.yaml).
+        # The filter's polls of the dead nearly stopped: what remains is what 256 configured
+        # replicas cost whatever their state (Envoy's own health checks of the `replicas` cluster,
+        # every host once a second in envoy/envoy.yaml, among it).
         ("4 live + 252 dead, `feed_backoff_max_ms` 60000", 252, {"feed_backoff_max_ms": 60000},
          False),
         ("4 live alone", 0, None, False),
