@@ -13,8 +13,9 @@ Two measurements, each a table:
   `replicas` cluster (`health_check.attempt`, per host: Envoy's own, not the filter's). A fourth
   row sets `feed_backoff_max_ms` to 60000, so that what is left is what 256 configured replicas
   cost whatever their state (Envoy's health checks among it); a fifth serves the 252 from one
-  simulator until Envoy has polled every feed, then kills it (dead replicas the filter had seen, whose polls go to one VM, the lease holder: a replica never seen is
-  polled by every VM, each needing a snapshot of its own).
+  simulator until Envoy has polled every feed, then kills it (dead replicas the filter had seen,
+  whose polls go to one VM, the lease holder: a replica never seen is polled by every VM, each
+  needing a snapshot of its own).
 - `--part live`: 128 live replicas served by one `kvsteer-sim serve --replicas 128` process, against
   4, Envoy `--concurrency 8` by default. Per row: feed polls per second for the proxy (the feed
   clusters' `upstream_rq_total`), Envoy's and the simulator's CPU ms/s while idle, and then, at 1
@@ -24,10 +25,11 @@ Two measurements, each a table:
 
 Each configuration gets fresh replicas and a fresh Envoy; after Envoy is ready and the live feeds
 are polled, `--settle` s pass (the dead replicas' backoff reaches its longest wait within about
-4 s) before the `--seconds` s window. Loopback only; every process it starts is stopped at the end (or
-when it is interrupted), as in every e2e script (`e2e/stack.py`). Not a test: it prints figures.
+4 s) before the `--seconds` s window. Loopback only; every process it starts is stopped at the
+end (or when it is interrupted), as in every e2e script (`e2e/stack.py`). Not a test: it prints
+figures.
 
-    .venv/bin/python e2e/bench_feed_cost.py                  # both parts, about 5 minutes
+    .venv/bin/python e2e/bench_feed_cost.py                  # both parts, about 8 minutes
     .venv/bin/python e2e/bench_feed_cost.py --part dead --seconds 30
     .venv/bin/python e2e/bench_feed_cost.py --part live --requests 200
 """
