@@ -106,6 +106,17 @@ fn show(s: Spread, decimals: usize) -> String {
     }
 }
 
+/// The least and the most requests any of the fleet's `units` replicas was sent over a run (a
+/// replica sent none counts 0): a policy that leaves a replica idle shows it here.
+fn requests_per_replica(s: &Summary, units: usize) -> (f64, f64) {
+    let got = |r: usize| s.requests_per_replica.get(r).copied().unwrap_or(0) as f64;
+    let n = units.max(s.requests_per_replica.len());
+    let counts = (0..n).map(got);
+    let min = counts.clone().fold(f64::INFINITY, f64::min);
+    let max = counts.fold(0.0, f64::max);
+    (if min.is_finite() { min } else { 0.0 }, max)
+}
+
 fn cv(s: &Summary) -> f64 {
     s.decode_cv.unwrap_or(f64::NAN)
 }
@@ -116,13 +127,14 @@ pub fn scenario_table(sr: &ScenarioRuns) -> String {
     let session_col = if rl { "rollout p99 s" } else { "session p99 s" };
     let mut s = format!(
         "| policy | TTFT p50 / p90 ms | TTFT p99 ms | TPOT p50 / p90 ms | TPOT p99 ms | e2e p50 / p99 s \
-         | {session_col} | output tok/s | hit rate % | decode CV | failed |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+         | {session_col} | output tok/s | hit rate % | decode CV | requests per replica min / max | failed |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
+    let units = sr.scenario.endpoints * sr.scenario.dp_ranks.max(1);
     for c in &sr.cells {
         let _ = writeln!(
             s,
-            "| {} | {:.0} / {:.0} | {} | {:.1} / {:.1} | {} | {:.1} / {:.1} | {} | {} | {} | {} | {} |",
+            "| {} | {:.0} / {:.0} | {} | {:.1} / {:.1} | {} | {:.1} / {:.1} | {} | {} | {} | {} | {:.0} / {:.0} | {} |",
             row_label(c.policy),
             c.median(|m| m.ttft_ms.p50),
             c.median(|m| m.ttft_ms.p90),
@@ -136,6 +148,8 @@ pub fn scenario_table(sr: &ScenarioRuns) -> String {
             show(c.spread(|m| m.output_tokens_per_s), 0),
             show(c.spread(|m| m.hit_rate * 100.0), 1),
             show(c.spread(cv), 3),
+            c.median(|m| requests_per_replica(m, units).0),
+            c.median(|m| requests_per_replica(m, units).1),
             c.runs.iter().map(|o| o.summary.failed).max().unwrap_or(0),
         );
     }
