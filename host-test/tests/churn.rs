@@ -16,7 +16,10 @@ fn check(policy: &str, joiners_routed: bool) {
     let c = &cells[0];
     let (m, mut h) = churn::replay(module(), Path::new("traces"), c, policy, 1, false)
         .unwrap_or_else(|e| panic!("{e}"));
-    assert!(m.base.requests_per_replica.iter().sum::<u64>() > 300, "{m:?}");
+    assert!(
+        m.base.requests_per_replica.iter().sum::<u64>() > 300,
+        "{m:?}"
+    );
     assert_eq!(m.base.failed, 0, "{policy}: failed requests");
     assert_eq!(m.fallbacks, 0, "{policy}: requests not routed");
     for r in h.records() {

@@ -78,11 +78,7 @@ impl ChurnCell {
         self.presence()
             .iter()
             .enumerate()
-            .flat_map(|(r, iv)| {
-                iv.iter()
-                    .filter(|i| i.1 != u64::MAX)
-                    .map(move |i| (r, i.1))
-            })
+            .flat_map(|(r, iv)| iv.iter().filter(|i| i.1 != u64::MAX).map(move |i| (r, i.1)))
             .collect()
     }
 }
@@ -222,15 +218,18 @@ pub fn replay(
         if r.issued_us < c.span_us {
             counts[rep] += 1;
         }
-        let listed = presence[rep]
-            .iter()
-            .any(|&(from, to)| r.issued_us >= from && r.issued_us < to.saturating_add(REMOVAL_GRACE_US));
+        let listed = presence[rep].iter().any(|&(from, to)| {
+            r.issued_us >= from && r.issued_us < to.saturating_add(REMOVAL_GRACE_US)
+        });
         late += usize::from(!listed);
     }
     // Fair shares by second of the span: each second's requests split over the members listed.
     let seconds = c.span_us.div_ceil(1_000_000) as usize;
     let mut per_second = vec![0u64; seconds];
-    for r in h.records().filter(|r| r.replica.is_some() && r.issued_us < c.span_us) {
+    for r in h
+        .records()
+        .filter(|r| r.replica.is_some() && r.issued_us < c.span_us)
+    {
         per_second[(r.issued_us / 1_000_000) as usize] += 1;
     }
     let listed_at = |rep: usize, t: u64| presence[rep].iter().any(|&(f, to)| t >= f && t < to);
