@@ -54,6 +54,9 @@ pub struct ChurnCell {
     /// The span of new sessions' arrivals, us: the members' load is compared over it (after it
     /// only the last sessions' turns and long generations trail on, for minutes).
     pub span_us: u64,
+    /// The churn schedule's change times, us, in both cells: the static cell's requests in the same
+    /// windows ([`MOVE_WINDOW_US`] after each) are the comparison for what the moves cost.
+    pub moves_us: Vec<u64>,
 }
 
 impl ChurnCell {
@@ -113,6 +116,7 @@ pub fn cells(span_s: u64) -> Vec<ChurnCell> {
         slowdowns: Vec::new(),
     };
     let schedule = schedule(span_s);
+    let moves_us: Vec<u64> = schedule.iter().skip(1).map(|m| m.0).collect();
     let engines = schedule
         .iter()
         .flat_map(|m| m.1.iter().copied())
@@ -123,11 +127,13 @@ pub fn cells(span_s: u64) -> Vec<ChurnCell> {
             cell: cell("churn-chat", engines),
             schedule,
             span_us: span_s * 1_000_000,
+            moves_us: moves_us.clone(),
         },
         ChurnCell {
             cell: cell(&format!("churn-chat-static{AVERAGE}"), AVERAGE),
             schedule: vec![(0, (0..AVERAGE).collect())],
             span_us: span_s * 1_000_000,
+            moves_us,
         },
     ]
 }
@@ -160,8 +166,28 @@ pub struct ChurnMeasured {
     pub fallbacks: usize,
     /// Bookings dropped with a vacated slot (requests still in flight past the hold).
     pub dropped_bookings: i64,
+    /// Time to first token of the requests issued within [`MOVE_WINDOW_US`] after each change of
+    /// the churn schedule (the same windows in the static cell), and how many there were.
+    pub ttft_moves_p50_ms: f64,
+    pub ttft_moves_p99_ms: f64,
+    pub moves_requests: usize,
     pub bookings: i64,
     pub releases: i64,
+}
+
+/// How long after each change of the schedule its requests count as routed "while membership
+/// moves": the poll that brings the change, the joiners' first snapshots and the shrink's backlog
+/// on the members that stay all fall within it.
+pub const MOVE_WINDOW_US: u64 = 4_000_000;
+
+/// The `q` quantile of `v` by nearest rank (NaN when empty).
+fn quantile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+    v[i]
 }
 
 /// How long after a removal a request may still have been routed to the member: one poll period,
@@ -262,7 +288,22 @@ pub fn replay(
             (listed_us > 0).then(|| n as f64 / (listed_us as f64 / 1e6))
         })
         .collect();
+    let mut moves: Vec<f64> = h
+        .records()
+        .filter(|r| {
+            c.moves_us
+                .iter()
+                .any(|&t| r.issued_us >= t && r.issued_us < t + MOVE_WINDOW_US)
+        })
+        .filter_map(|r| {
+            r.first_token_us
+                .map(|f| f.saturating_sub(r.issued_us) as f64 / 1e3)
+        })
+        .collect();
     let m = ChurnMeasured {
+        ttft_moves_p50_ms: quantile(&mut moves, 0.5),
+        ttft_moves_p99_ms: quantile(&mut moves, 0.99),
+        moves_requests: moves.len(),
         member_rate_min: rates.iter().copied().fold(f64::INFINITY, f64::min),
         member_rate_max: rates.iter().copied().fold(0.0, f64::max),
         member_share_min: shares.iter().copied().fold(f64::INFINITY, f64::min),
