@@ -159,8 +159,9 @@ pub struct ChurnMeasured {
     /// listed (a member listed only in the 12-member phase has fewer by construction).
     pub member_requests_min: u64,
     pub member_requests_max: u64,
-    /// Requests routed to a member more than a poll period (plus a margin) after it was removed:
-    /// must be 0.
+    /// Requests placed on a member more than a poll period (plus a margin) after it was removed,
+    /// or before it was listed: must be 0. A fallback (the proxy's own pick) counts too, since the
+    /// proxy's cluster would not hold a member that is gone.
     pub late_on_removed: usize,
     /// Requests the filter did not route (passed to the proxy's own balancing).
     pub fallbacks: usize,
