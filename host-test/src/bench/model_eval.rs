@@ -523,6 +523,24 @@ pub fn replay_shaped(
     keep_requests: bool,
     shape: &dyn Fn(&mut kvsteer_workload::Workload),
 ) -> Result<Measured, String> {
+    replay_configured(module, traces, c, spec, seed, keep_requests, shape, &|_| {}).map(|(m, _)| m)
+}
+
+/// [`replay_shaped`] with the harness configuration passed through `configure` before the harness
+/// starts, and the harness returned after the replay: the churn bench (`bench::churn`) adds a
+/// discovery source and its membership schedule there, and reads which member served what from
+/// the harness's records afterwards.
+#[allow(clippy::too_many_arguments)]
+pub fn replay_configured(
+    module: &FilterModule,
+    traces: &Path,
+    c: &Cell,
+    spec: &str,
+    seed: u64,
+    keep_requests: bool,
+    shape: &dyn Fn(&mut kvsteer_workload::Workload),
+    configure: &dyn Fn(&mut crate::HarnessConfig),
+) -> Result<(Measured, Harness), String> {
     let scenario = Scenario {
         id: c.id.clone(),
         group: "eval",
@@ -561,6 +579,7 @@ pub fn replay_shaped(
         let s = cfg.routing["seed"].as_u64().unwrap_or(0);
         cfg.routing["seed"] = json!(s ^ 0x5EED_0000_0000);
     }
+    configure(&mut cfg);
     let mut h = Harness::new(module, cfg).map_err(|e| format!("{}: {spec}: {e}", c.id))?;
     h.run_workload(Driver::new(workload, mode), |_, _| {})
         .map_err(|e| format!("{}: {spec}: {e}", c.id))?;
@@ -570,7 +589,7 @@ pub fn replay_shaped(
     if keep_requests {
         m.requests = h.records().map(request_row).collect();
     }
-    Ok(m)
+    Ok((m, h))
 }
 
 /// The response header `kv_time` replays carry their predictions in.

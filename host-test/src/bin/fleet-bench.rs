@@ -2,10 +2,13 @@
 //! agents, chat behind a shared prompt and Mooncake, load growing with the fleet) through the
 //! compiled filter for every policy over paired draws, and appends every replay's figures as JSON
 //! lines (resumable: replays already in the output are not redone). `scripts/fleet-bench` runs it
-//! and `scripts/fleet-report` writes docs/reports/fleet.md from what it wrote.
+//! and `scripts/fleet-report` writes docs/reports/fleet.md from what it wrote. `--churn` replays the
+//! churn cells instead (`kvsteer_host_test::bench::churn`: members added and removed through the
+//! discovery source during the replay, against a static fleet of the average size).
 
 use clap::Parser;
 use kvsteer_host_test::bench::args::split_list;
+use kvsteer_host_test::bench::churn;
 use kvsteer_host_test::bench::fleet::{self, FLEETS, FleetCell, POLICIES};
 use kvsteer_host_test::bench::jsonl::{self, write_requests};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
@@ -34,9 +37,17 @@ struct Args {
     /// Policy specs (default: round_robin, least_load, session_hash, kv_load, kv_time).
     #[arg(long, value_name = "spec,spec")]
     policies: Option<String>,
-    /// The JSON-lines file replays are appended to (replays already in it are not redone).
-    #[arg(long, default_value = "out/fleet/runs.jsonl")]
-    out: PathBuf,
+    /// The JSON-lines file replays are appended to (replays already in it are not redone); default
+    /// out/fleet/runs.jsonl, or out/fleet/churn.jsonl with --churn.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Replay the churn cells (a fleet whose members move during the replay, and a static fleet of
+    /// its average size) instead of the fleet-size cells; --fleets and --only do not apply.
+    #[arg(long)]
+    churn: bool,
+    /// With --churn: seconds of arrivals (the schedule's changes at 1/5, 2/5 and 4/5 of it).
+    #[arg(long, default_value_t = churn::SPAN_S, value_parser = clap::value_parser!(u64).range(5..))]
+    churn_span: u64,
     /// The traces' folder.
     #[arg(long, default_value = "traces")]
     traces: PathBuf,
@@ -52,6 +63,13 @@ fn fail(e: impl std::fmt::Display) -> ! {
 
 fn main() {
     let args = Args::parse();
+    if args.churn {
+        return run_churn(&args);
+    }
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| "out/fleet/runs.jsonl".into());
     let fleets: Vec<usize> = split_list(&args.fleets)
         .iter()
         .map(|n| n.parse().ok().filter(|n| (1..=256).contains(n)))
@@ -70,7 +88,7 @@ fn main() {
         .and_then(|p| FilterModule::load_unmetered(&p).map_err(|e| e.to_string()))
         .unwrap_or_else(|e| fail(e));
     let ids: Vec<&str> = cells.iter().map(|c| c.cell.id.as_str()).collect();
-    let work = jsonl::pending(&ids, &policies, args.seeds, &args.out);
+    let work = jsonl::pending(&ids, &policies, args.seeds, &out);
     let what = format!(
         "{} cells (fleets {fleets:?}), {} policies, {} seeds",
         cells.len(),
@@ -78,7 +96,7 @@ fn main() {
         args.seeds
     );
     let keep_requests = args.requests.is_some();
-    let failed = jsonl::run_all("fleet-bench", &what, &args.out, args.jobs, &work, |w| {
+    let failed = jsonl::run_all("fleet-bench", &what, &out, args.jobs, &work, |w| {
         let c = &cells[w.0];
         let (policy, seed) = (&w.1, w.2);
         let m = fleet::replay(&module, &args.traces, c, policy, seed, keep_requests)?;
@@ -97,6 +115,65 @@ fn main() {
         let msg = format!(
             "{} {policy} seed {seed}: {requests} requests, ttft p50 {:.0} p99 {:.0} ms, per replica {lo}-{hi}",
             c.cell.id, m.ttft_p50_ms, m.ttft_p99_ms,
+        );
+        Ok((v, msg))
+    })
+    .unwrap_or_else(|e| fail(e));
+    if failed > 0 {
+        fail(format!("{failed} replays failed"));
+    }
+}
+
+/// `--churn`: both churn cells for every policy and draw, each replay's figures with the members'
+/// spread and the checks (late requests on removed members, fallbacks, dropped bookings).
+fn run_churn(args: &Args) {
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| "out/fleet/churn.jsonl".into());
+    let policies: Vec<String> = match &args.policies {
+        Some(list) => split_list(list),
+        None => churn::POLICIES.iter().map(|s| s.to_string()).collect(),
+    };
+    let cells = churn::cells(args.churn_span);
+    let module = filter_wasm_path()
+        .and_then(|p| FilterModule::load_unmetered(&p).map_err(|e| e.to_string()))
+        .unwrap_or_else(|e| fail(e));
+    let ids: Vec<&str> = cells.iter().map(|c| c.cell.id.as_str()).collect();
+    let work = jsonl::pending(&ids, &policies, args.seeds, &out);
+    let what = format!(
+        "{} churn cells ({} s of arrivals), {} policies, {} seeds",
+        cells.len(),
+        args.churn_span,
+        policies.len(),
+        args.seeds
+    );
+    let keep_requests = args.requests.is_some();
+    let failed = jsonl::run_all("fleet-bench", &what, &out, args.jobs, &work, |w| {
+        let c = &cells[w.0];
+        let (policy, seed) = (&w.1, w.2);
+        let (m, _) = churn::replay(&module, &args.traces, c, policy, seed, keep_requests)?;
+        if let Some(dir) = &args.requests {
+            write_requests(dir, &c.cell.id, policy, seed, &m.base.requests);
+        }
+        let requests: u64 = m.base.requests_per_replica.iter().sum();
+        let mut v = serde_json::to_value(&m).unwrap_or_default();
+        v["set"] = serde_json::json!("churn");
+        v["span_s"] = serde_json::json!(args.churn_span);
+        v["schedule"] = serde_json::json!(c
+            .schedule
+            .iter()
+            .map(|(t, members)| serde_json::json!({"from_s": *t as f64 / 1e6, "members": members}))
+            .collect::<Vec<_>>());
+        let msg = format!(
+            "{} {policy} seed {seed}: {requests} requests ({} failed, {} late on removed), ttft p50 {:.0} p99 {:.0} ms, per member {:.2}-{:.2} of a fair share",
+            c.cell.id,
+            m.base.failed,
+            m.late_on_removed,
+            m.base.ttft_p50_ms,
+            m.base.ttft_p99_ms,
+            m.member_share_min,
+            m.member_share_max,
         );
         Ok((v, msg))
     })

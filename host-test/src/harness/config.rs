@@ -126,6 +126,12 @@ pub struct HarnessConfig {
     /// The `model` of each request a workload's driver issues, from its session id (a LoRA
     /// adapter per session); `None`, or `None` from it: the simulator's served name.
     pub issue_model: Option<IssueModel>,
+    /// The discovery source's member list over a workload's replay, as an autoscaler moves it:
+    /// `(from_us, replicas listed)`, each list answered from its virtual time on (the filter sees it
+    /// at its next poll). Empty: the answer a test sets with
+    /// [`Harness::set_members`](crate::Harness::set_members) stays. Only meaningful with a
+    /// `discovery` section in `filter_extra`.
+    pub membership: Vec<(u64, Vec<usize>)>,
 }
 
 impl HarnessConfig {
@@ -162,6 +168,7 @@ impl HarnessConfig {
             nginx: Default::default(),
             issue_headers: None,
             issue_model: None,
+            membership: Vec::new(),
         }
     }
 

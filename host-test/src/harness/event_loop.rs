@@ -203,8 +203,11 @@ impl Harness {
         self.driver = Some(driver);
         let mut slowdowns = self.cfg.slowdowns.clone();
         slowdowns.sort_by_key(|s| std::cmp::Reverse(s.2));
+        let mut membership = self.cfg.membership.clone();
+        membership.sort_by_key(|m| std::cmp::Reverse(m.0));
         loop {
             self.apply_slowdowns(&mut slowdowns);
+            self.apply_membership(&mut membership);
             let done = self.stats.requests - self.in_flight() as u64;
             progress(done, total);
             let driver_idle = self
@@ -231,6 +234,16 @@ impl Harness {
         }
         self.driver = None;
         Ok(())
+    }
+
+    /// Answers the member list whose time (`membership`, latest first) has come, and drops those
+    /// from the list. The discovery polls are timer events, so a change is applied at the first
+    /// event at or after its time, well within a poll period.
+    fn apply_membership(&mut self, membership: &mut Vec<(u64, Vec<usize>)>) {
+        while membership.last().is_some_and(|m| m.0 <= self.now_us()) {
+            let (_, members) = membership.pop().unwrap_or_default();
+            self.set_members(&members);
+        }
     }
 
     /// Slows the engines whose slowdown (`slowdowns`, latest first) starts by now, and drops those

@@ -167,6 +167,12 @@ impl Harness {
             recorder: Recorder::new(),
             stats: HarnessStats::default(),
         };
+        // A member list scheduled from the start answers the first poll, dispatched during
+        // configuration, so that a replay's first requests find the fleet already seated.
+        if let Some((_, first)) = h.cfg.membership.iter().find(|m| m.0 == 0) {
+            let first = first.clone();
+            h.set_members(&first);
+        }
         // Callouts dispatched during configuration (a first poll) are answered like any other.
         h.collect_callouts();
         Ok(h)
