@@ -32,6 +32,9 @@ pub enum Set {
     /// The third validation round (docs/reports/model-eval.md), written down after the second had
     /// been looked at and before any change made since was replayed on these cells.
     Validation3,
+    /// The fourth validation round (docs/reports/model-eval.md), written down after the third had
+    /// been looked at and before any change made since was replayed on these cells.
+    Validation4,
     /// Not a set of this protocol: the fleet-size measurement ([`super::fleet`]) replays its own
     /// cells with the same replay, and its cells say so.
     Fleet,
@@ -345,6 +348,103 @@ pub fn validation3() -> Vec<Cell> {
     ]
 }
 
+/// The fourth validation round, fixed in docs/reports/model-eval.md before any replay of it: the
+/// third was looked into (its chat tail), so it judges no change made after that. Fleet sizes (7 and
+/// 10) no earlier set has, and combinations of engine, rate, prompt shape and slowdown none has.
+pub fn validation4() -> Vec<Cell> {
+    let v = Set::Validation4;
+    let slow = |mut c: Cell, slowdowns: Vec<(usize, f64, u64)>| {
+        c.slowdowns = slowdowns;
+        c
+    };
+    vec![
+        cell(
+            "y-chat-10",
+            v,
+            Source::Chat(ChatParams {
+                sessions_per_s: 8.0,
+                system_tokens: 3072,
+                long_output_share: 0.12,
+                ..ChatParams::default()
+            }),
+            10,
+            H100_8B,
+        ),
+        cell(
+            "y-chat-7-a100-long",
+            v,
+            Source::Chat(ChatParams {
+                sessions_per_s: 4.0,
+                long_output_share: 0.25,
+                ..ChatParams::default()
+            }),
+            7,
+            "llama-3.1-8b-a100-40gb",
+        ),
+        cell(
+            "y-chat-3-70b-long-system",
+            v,
+            Source::Chat(ChatParams {
+                sessions_per_s: 1.5,
+                system_tokens: 6144,
+                ..ChatParams::default()
+            }),
+            3,
+            "llama-3.1-70b-h100-tp4",
+        ),
+        slow(
+            cell(
+                "y-chat-6-slows",
+                v,
+                Source::Chat(ChatParams {
+                    sessions_per_s: 6.0,
+                    user_tokens_min: 256,
+                    user_tokens_max: 2048,
+                    ..ChatParams::default()
+                }),
+                6,
+                H100_8B,
+            ),
+            vec![(2, 2.0, 15_000_000)],
+        ),
+        cell("y-rl-10", v, rl(40), 10, H100_8B),
+        cell("y-rl-7-a100", v, rl(21), 7, "llama-3.1-8b-a100-40gb"),
+        cell("y-weka-c36-10", v, weka(36, 1, Some(24)), 10, H100_8B),
+        slow(
+            cell(
+                "y-weka-c16-4-70b-slows",
+                v,
+                weka(16, 1, Some(16)),
+                4,
+                "llama-3.1-70b-h100-tp4",
+            ),
+            vec![(3, 2.0, 10_000_000)],
+        ),
+        cell(
+            "y-mooncake-x3-10",
+            v,
+            Source::Mooncake {
+                speed: 3.0,
+                max_requests: Some(2000),
+                arrival_jitter: ARRIVAL_JITTER,
+            },
+            10,
+            H100_8B,
+        ),
+        cell(
+            "y-azure-x5-7",
+            v,
+            Source::Azure {
+                speed: 5.0,
+                max_rows: Some(4000),
+                arrival_jitter: ARRIVAL_JITTER,
+            },
+            7,
+            H100_8B,
+        ),
+    ]
+}
+
 /// What one replay measured, as the goals read it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Measured {
@@ -641,6 +741,7 @@ mod tests {
             .chain(validation())
             .chain(validation2())
             .chain(validation3())
+            .chain(validation4())
             .map(|c| c.id)
             .collect();
         let n = ids.len();
@@ -650,10 +751,12 @@ mod tests {
         assert!(validation().iter().all(|c| c.set == Set::Validation));
         assert!(validation2().iter().all(|c| c.set == Set::Validation2));
         assert!(validation3().iter().all(|c| c.set == Set::Validation3));
+        assert!(validation4().iter().all(|c| c.set == Set::Validation4));
         for c in validation()
             .into_iter()
             .chain(validation2())
             .chain(validation3())
+            .chain(validation4())
         {
             assert!(Profile::named(c.profile).is_some(), "{}", c.profile);
             assert!(
