@@ -167,6 +167,24 @@ impl EngineProfile {
             + self.decode_step_extra_s(seqs, context_tokens)
     }
 
+    /// Seconds a prefill step of `prefill_tokens` grows by when `seqs` decoding sequences holding
+    /// `context_tokens` of KV share it (chunked prefill runs both in one step): their sampling, and
+    /// their KV read and their tokens where those outlast the prefill's own arithmetic. A long chunk
+    /// hides the decodes' reads under its compute; a short one does not, so a short prefill on a
+    /// replica with a large batch takes about a decode step, not its own few microseconds.
+    pub fn mixed_step_extra_s(&self, seqs: f64, context_tokens: f64, prefill_tokens: f64) -> f64 {
+        let n = seqs.max(0.0);
+        let read = self.kv_read_us_per_token * context_tokens.max(0.0);
+        let p = prefill_tokens.max(0.0);
+        let body = if self.additive {
+            read + self.compute_us_per_token * n
+        } else {
+            (self.weights_us + read).max(self.compute_us_per_token * (p + n))
+                - self.weights_us.max(self.compute_us_per_token * p)
+        };
+        (self.per_seq_us * n + body) * 1e-6
+    }
+
     /// Seconds a decode step grows by for `seqs` sequences holding `context_tokens` of KV beside a
     /// request: their sampling and their KV read.
     pub fn decode_step_extra_s(&self, seqs: f64, context_tokens: f64) -> f64 {

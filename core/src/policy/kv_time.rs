@@ -7,6 +7,10 @@
 //! cost_r = wait_r + prefill_r + decode_weight * decode_r + stall_weight * stall_r + evict_weight * evict_r
 //! wait_r    = s_r * work_s(queued prefill work on r)          each booked request priced by its own
 //!                                                             uncached tokens and context
+//!             + s_r * batch_r(n_r, K_r)                       what r's running decodes add first: the
+//!                                                             step in progress (half of one), then
+//!                                                             their share of each step that runs the
+//!                                                             queued prefill and this one
 //!             + memory_r                                      and, when r's KV cache cannot hold the
 //!                                                             request beside what runs there, the
 //!                                                             time for enough of it to finish
@@ -83,7 +87,9 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
             let uncached = prompt - cached;
             let n = e.active_requests as f64;
             let context = e.decode_blocks as f64 * bs;
-            let wait = s * profile.work_s(e.prefill_tokens as f64)
+            let queued = e.prefill_tokens as f64;
+            let wait = s
+                * (profile.work_s(queued) + batch_s(profile, n, context, queued, uncached))
                 + memory_wait(profile, s, n, context, uncached, out);
             let prefill = s * profile.prefill_s(uncached, cached);
             let decode = s * out * profile.decode_step_extra_s(n, context);
@@ -128,6 +134,30 @@ pub fn adapter_s(input: &Input, profile: &EngineProfile, r: usize) -> f64 {
         }
         _ => 0.0,
     }
+}
+
+/// Seconds a replica's `n` running requests (holding `context` tokens of KV) add before a request's
+/// first token: the step in progress when it arrives (half of one, on average), then their share of
+/// every step that runs the prefill queued before it (`queued` tokens of work) and its own
+/// (`uncached` tokens, at least the one step that samples its first token). Chunked prefill shares
+/// each step with the decodes, so a short prefill behind a large batch takes about one of the
+/// batch's steps: without this a busy cache holder's first token was predicted 1.3-1.6x too soon
+/// on chat and RL work, and an idle replica without the cache looked dearer than it is. 0 where
+/// nothing runs. Unscaled by the replica's speed (the caller scales it).
+fn batch_s(profile: &EngineProfile, n: f64, context: f64, queued: f64, uncached: f64) -> f64 {
+    if n <= 0.0 {
+        return 0.0;
+    }
+    let chunk = profile.chunk_tokens.max(1.0);
+    let in_progress = 0.5 * profile.step_s(n, context);
+    let mut shared = 0.0;
+    for (work, min_steps) in [(queued, 0.0), (uncached, 1.0)] {
+        let steps = (work.max(0.0) / chunk).ceil().max(min_steps);
+        if steps > 0.0 {
+            shared += steps * profile.mixed_step_extra_s(n, context, work.max(0.0) / steps);
+        }
+    }
+    in_progress + shared
 }
 
 /// Seconds a request needing `uncached` tokens of new KV waits for room on a replica whose `n`
@@ -302,14 +332,42 @@ mod tests {
     }
 
     #[test]
+    fn running_decodes_delay_the_first_token_by_their_share_of_the_steps() {
+        let p = EngineProfile::default();
+        // 100 decodes over 200K tokens of KV: a memory-bound step of about 16 ms.
+        let batch = busy(0, 100, 200_000);
+        let t = terms(
+            &input(&[batch, LoadTotals::default()], &[0.0; 2], &[false; 2]),
+            &p,
+        );
+        assert_eq!(t[1].wait, 0.0, "nothing runs on replica 1");
+        // A 4,096-token prefill: half the step in progress, then one step whose compute (4,196
+        // tokens) outlasts the batch's read, so the batch adds its tokens and sampling only.
+        let step = p.step_s(100.0, 200_000.0);
+        let shared = (5.0 * 100.0 + 27.0 * 100.0) * 1e-6;
+        assert!((t[0].wait - (0.5 * step + shared)).abs() < 1e-12, "{t:?}");
+        // A 16-token prefill (the rest cached) is bound by the batch's read: about a whole step.
+        let one = [batch];
+        let t = terms(&input(&one, &[255.0], &[false]), &p);
+        let own = p.prefill_s(16.0, 4080.0);
+        assert!(t[0].wait > step, "{t:?}");
+        assert!(t[0].ttft() > own + step, "{t:?}");
+    }
+
+    #[test]
     fn a_replica_whose_cache_is_full_of_decodes_waits_for_room() {
         let p = EngineProfile::default();
         // Both idle in prefill; replica 0's running requests fill its cache, replica 1's half of it.
         let full = busy(0, 100, p.kv_cache_tokens as u64);
         let half = busy(0, 50, p.kv_cache_tokens as u64 / 2);
         let t = terms(&input(&[full, half], &[0.0, 0.0], &[false; 2]), &p);
-        assert!(t[0].wait > 0.05, "{t:?}");
-        assert_eq!(t[1].wait, 0.0);
+        // Beyond what their running decodes add to the steps, only the full one waits for room.
+        let batch = |n: f64, k: f64| batch_s(&p, n, k, 0.0, 4096.0);
+        assert!(t[0].wait - batch(100.0, p.kv_cache_tokens) > 0.05, "{t:?}");
+        assert_eq!(
+            t[1].wait,
+            batch(50.0, (p.kv_cache_tokens as u64 / 2) as f64)
+        );
     }
 
     #[test]
