@@ -3,7 +3,7 @@
 
 use super::*;
 
-const GOOD: &str = r#"{"replicas":[
+pub(super) const GOOD: &str = r#"{"replicas":[
     {"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"feed_r0"},
     {"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"feed_r1","feed_authority":"r1.local"}]}"#;
 
@@ -21,65 +21,10 @@ fn defaults_fill_in() {
     assert_eq!(c.feed_apply_us_per_tick, 500);
 }
 
-fn refused(json: &str) -> String {
+pub(super) fn refused(json: &str) -> String {
     FilterConfig::from_json(json.as_bytes())
         .unwrap_err()
         .to_string()
-}
-
-fn with_peers(peers: &str) -> String {
-    format!(
-        r#"{{"replicas":[{{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f"}}],"peers":{peers}}}"#
-    )
-}
-
-#[test]
-fn the_peers_section_is_off_by_default_and_checked() {
-    let c = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
-    assert_eq!(c.peers, None);
-    assert_eq!(c.peer_path(), "/.kvsteer/working-set");
-    let ok = with_peers(r#"{"proxies":[{"cluster":"peer_b"}],"token":"0123456789abcdef"}"#);
-    let c = FilterConfig::from_json(ok.as_bytes()).unwrap();
-    let p = c.peers.unwrap();
-    assert_eq!(
-        (p.poll_ms, p.timeout_ms, p.max_response_bytes),
-        (100, 1000, 4 << 20)
-    );
-    assert_eq!(p.token_header, "x-kvsteer-peer-token");
-    assert_eq!(p.path, "/.kvsteer/working-set");
-    for (bad, field) in [
-        (r#"{"proxies":[]}"#, "token"),
-        (r#"{"token":"short"}"#, "peers.token"),
-        (r#"{"token":"0123456789abcdef","path":"x"}"#, "peers.path"),
-        (
-            r#"{"token":"0123456789abcdef","path":"/a?b"}"#,
-            "peers.path",
-        ),
-        (
-            r#"{"token":"0123456789abcdef","poll_ms":10}"#,
-            "peers.poll_ms",
-        ),
-        (
-            r#"{"token":"0123456789abcdef","timeout_ms":0}"#,
-            "peers.timeout_ms",
-        ),
-        (
-            r#"{"token":"0123456789abcdef","max_response_bytes":1}"#,
-            "peers.max_response_bytes",
-        ),
-        (
-            r#"{"token":"0123456789abcdef","token_header":"X Y"}"#,
-            "peers.token_header",
-        ),
-        (
-            r#"{"token":"0123456789abcdef","proxies":[{"cluster":""}]}"#,
-            "peers.proxies[0]",
-        ),
-        (r#"{"token":"0123456789abcdef","typo":1}"#, "typo"),
-    ] {
-        let e = refused(&with_peers(bad));
-        assert!(e.contains(field), "{bad}: {e}");
-    }
 }
 
 /// A `peers` section wants the other proxies' load too (`reported_load` merge or others) under
