@@ -9,6 +9,7 @@ use kvsteer_core::disaggregation::Role;
 use serde::Deserialize;
 
 mod discovery;
+mod feeds;
 mod pd;
 mod peers;
 pub use discovery::{DEFAULT_DISCOVERY_PATH, DiscoverySection, slot_name};
@@ -87,34 +88,6 @@ fn d_role() -> String {
     "both".into()
 }
 
-fn d_feed_period() -> u64 {
-    200
-}
-fn d_tick() -> u64 {
-    100
-}
-fn d_feed_timeout() -> u64 {
-    1000
-}
-fn d_feed_backoff_max() -> u64 {
-    3_000
-}
-
-fn d_stale_after() -> u32 {
-    3
-}
-fn d_max_events() -> u32 {
-    kvsteer_core::feed::DEFAULT_MAX_EVENTS
-}
-fn d_feed_max_bytes() -> usize {
-    8 << 20
-}
-fn d_feed_apply_blocks() -> u32 {
-    8192
-}
-fn d_feed_apply_us() -> u32 {
-    500
-}
 fn d_session_header() -> String {
     "x-session-id".into()
 }
@@ -143,10 +116,6 @@ fn d_hold_max() -> usize {
     64 << 20
 }
 
-fn d_feed_path_prefix() -> String {
-    String::new()
-}
-
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FilterConfig {
@@ -158,31 +127,31 @@ pub struct FilterConfig {
     #[serde(default)]
     pub routing: RoutingConfig,
     /// How often each replica's feed is polled.
-    #[serde(default = "d_feed_period")]
+    #[serde(default = "feeds::d_feed_period")]
     pub feed_period_ms: u64,
     /// Timer period: peer load is exchanged every tick, feeds polled when their period is due.
-    #[serde(default = "d_tick")]
+    #[serde(default = "feeds::d_tick")]
     pub tick_ms: u64,
-    #[serde(default = "d_feed_timeout")]
+    #[serde(default = "feeds::d_feed_timeout")]
     pub feed_timeout_ms: u64,
     /// The longest wait between polls of a replica that cannot be reached (connection refused or
     /// reset): after the polls that mark it down, the wait doubles from two periods up to this (at
     /// or below `feed_period_ms`: no backoff, every period as before).
-    #[serde(default = "d_feed_backoff_max")]
+    #[serde(default = "feeds::d_feed_backoff_max")]
     pub feed_backoff_max_ms: u64,
     /// Consecutive failed polls after which a replica's cache view is treated as stale.
-    #[serde(default = "d_stale_after")]
+    #[serde(default = "feeds::d_stale_after")]
     pub stale_after_failures: u32,
     /// Events asked per poll; an answer with more is refused (counted as oversized).
-    #[serde(default = "d_max_events")]
+    #[serde(default = "feeds::d_max_events")]
     pub feed_max_events: u32,
     /// Feed answers with a body over this many bytes are refused unread (counted as oversized): the
     /// feed goes stale, the replica is not marked down.
-    #[serde(default = "d_feed_max_bytes")]
+    #[serde(default = "feeds::d_feed_max_bytes")]
     pub feed_max_bytes: usize,
     /// Block hashes (and events) this worker applies to its index per tick, all replicas together;
     /// a larger batch is applied in slices over the next ticks.
-    #[serde(default = "d_feed_apply_blocks")]
+    #[serde(default = "feeds::d_feed_apply_blocks")]
     pub feed_apply_blocks_per_tick: u32,
     /// Microseconds of the proxy's clock this worker may spend applying feed batches per tick, all
     /// replicas together (0: no time bound, only the block budget). A block count alone bounds the
@@ -190,10 +159,10 @@ pub struct FilterConfig {
     /// takes milliseconds for the same count, during which the worker serves no request. Each
     /// replica with work left still gets a first slice of up to 256 blocks a tick whatever the
     /// clock says, so every batch completes. 500 us is 0.5% of the default 100 ms tick.
-    #[serde(default = "d_feed_apply_us")]
+    #[serde(default = "feeds::d_feed_apply_us")]
     pub feed_apply_us_per_tick: u32,
     /// Prepended to the feed path, for replicas whose feed sits behind a path prefix.
-    #[serde(default = "d_feed_path_prefix")]
+    #[serde(default = "feeds::d_feed_path_prefix")]
     pub feed_path_prefix: String,
     #[serde(default = "d_session_header")]
     pub session_header: String,
@@ -470,49 +439,7 @@ impl FilterConfig {
                 return err(field, format!("{value:?} must be a lowercase header name"));
             }
         }
-        if self.tick_ms == 0 || self.tick_ms > 60_000 {
-            return err(
-                "tick_ms",
-                format!("must be 1..=60000, got {}", self.tick_ms),
-            );
-        }
-        if self.feed_backoff_max_ms > 3_600_000 {
-            return err(
-                "feed_backoff_max_ms",
-                format!("must be at most 3600000, got {}", self.feed_backoff_max_ms),
-            );
-        }
-        if self.feed_period_ms < self.tick_ms {
-            return err(
-                "feed_period_ms",
-                format!(
-                    "must be at least tick_ms ({}), got {}",
-                    self.tick_ms, self.feed_period_ms
-                ),
-            );
-        }
-        if self.feed_timeout_ms == 0 {
-            return err("feed_timeout_ms", "must be positive");
-        }
-        if self.feed_max_events == 0 {
-            return err("feed_max_events", "must be positive");
-        }
-        if !(kvsteer_core::feed::HEADER_LEN..=1 << 30).contains(&self.feed_max_bytes) {
-            return err(
-                "feed_max_bytes",
-                format!(
-                    "must be {}..=1073741824, got {}",
-                    kvsteer_core::feed::HEADER_LEN,
-                    self.feed_max_bytes
-                ),
-            );
-        }
-        if self.feed_apply_blocks_per_tick == 0 {
-            return err("feed_apply_blocks_per_tick", "must be positive");
-        }
-        if self.stale_after_failures == 0 {
-            return err("stale_after_failures", "must be positive");
-        }
+        self.validate_feed_polling()?;
         if !valid_name(&self.shared_key_prefix) {
             return err(
                 "shared_key_prefix",
@@ -598,21 +525,6 @@ impl FilterConfig {
             );
         }
         out
-    }
-
-    /// `:authority` for a replica's feed callout.
-    pub fn feed_authority(&self, i: usize) -> &str {
-        let r = &self.replicas[i];
-        r.feed_authority.as_deref().unwrap_or(&r.endpoint)
-    }
-
-    /// The upstream argument of `dispatch_http_call` for a replica's feed.
-    pub fn feed_upstream(&self, i: usize) -> &str {
-        let r = &self.replicas[i];
-        match self.output {
-            OutputMode::NginxVariable => r.feed_address.as_deref().unwrap_or(&r.endpoint),
-            _ => r.feed_cluster.as_deref().unwrap_or(""),
-        }
     }
 }
 
