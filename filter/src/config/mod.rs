@@ -8,27 +8,16 @@ use kvsteer_core::config::RoutingConfig;
 use kvsteer_core::disaggregation::Role;
 use serde::Deserialize;
 
+mod admission;
 mod discovery;
 mod feeds;
+mod headers;
 mod pd;
 mod peers;
 pub use discovery::{DEFAULT_DISCOVERY_PATH, DiscoverySection, slot_name};
+pub use headers::OutputMode;
 pub use pd::PdSection;
 pub use peers::{DEFAULT_PEER_PATH, DEFAULT_PEER_TOKEN_HEADER, PeerSpec, PeersSection};
-
-/// How the chosen replica is handed to the proxy.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum OutputMode {
-    /// Write `IP:port` into the destination header, read by Envoy's `override_host` LB policy.
-    #[default]
-    DestinationHeader,
-    /// Write the replica's cluster name into `cluster_header` and clear the route cache, for users who
-    /// keep one Envoy cluster per replica and route with `cluster_header`.
-    ClusterHeader,
-    /// Write `IP:port` into an nginx variable with `set_property(["ngx", VAR])` (ngx_wasm_module).
-    NginxVariable,
-}
 
 /// Most routing units (replicas, each DP rank counting as one): shared load and health records and
 /// the metrics are per unit.
@@ -88,21 +77,6 @@ fn d_role() -> String {
     "both".into()
 }
 
-fn d_session_header() -> String {
-    "x-session-id".into()
-}
-fn d_destination_header() -> String {
-    "x-gateway-destination-endpoint".into()
-}
-fn d_cluster_header() -> String {
-    "x-kvsteer-cluster".into()
-}
-fn d_rank_header() -> String {
-    kvsteer_core::dp::DEFAULT_RANK_HEADER.into()
-}
-fn d_nginx_variable() -> String {
-    "kvsteer_upstream".into()
-}
 fn d_prefix() -> String {
     "kvsteer".into()
 }
@@ -164,20 +138,20 @@ pub struct FilterConfig {
     /// Prepended to the feed path, for replicas whose feed sits behind a path prefix.
     #[serde(default = "feeds::d_feed_path_prefix")]
     pub feed_path_prefix: String,
-    #[serde(default = "d_session_header")]
+    #[serde(default = "headers::d_session_header")]
     pub session_header: String,
-    #[serde(default = "d_destination_header")]
+    #[serde(default = "headers::d_destination_header")]
     pub destination_header: String,
     /// Header carrying the chosen data-parallel rank (vLLM reads `X-data-parallel-rank`), written
     /// only for replicas with `dp_ranks` > 1; a client's copy is always removed, like the destination
     /// header's: clients never pick a rank themselves.
-    #[serde(default = "d_rank_header")]
+    #[serde(default = "headers::d_rank_header")]
     pub rank_header: String,
     #[serde(default)]
     pub output: OutputMode,
-    #[serde(default = "d_cluster_header")]
+    #[serde(default = "headers::d_cluster_header")]
     pub cluster_header: String,
-    #[serde(default = "d_nginx_variable")]
+    #[serde(default = "headers::d_nginx_variable")]
     pub nginx_variable: String,
     /// Prefix of shared-data keys. Istio leaves `vm_id` empty, so keys from several plugins would meet:
     /// give each plugin its own prefix.
@@ -261,13 +235,6 @@ pub(crate) fn valid_name(s: &str) -> bool {
         && s.len() <= 64
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
-}
-
-fn valid_header(s: &str) -> bool {
-    !s.is_empty()
-        && !s.starts_with(':')
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 impl FilterConfig {
@@ -429,16 +396,7 @@ impl FilterConfig {
                 );
             }
         }
-        for (field, value) in [
-            ("session_header", &self.session_header),
-            ("destination_header", &self.destination_header),
-            ("cluster_header", &self.cluster_header),
-            ("rank_header", &self.rank_header),
-        ] {
-            if !valid_header(value) {
-                return err(field, format!("{value:?} must be a lowercase header name"));
-            }
-        }
+        self.validate_headers()?;
         self.validate_feed_polling()?;
         if !valid_name(&self.shared_key_prefix) {
             return err(
@@ -467,38 +425,6 @@ impl FilterConfig {
                 "this kvsteer_filter.wasm is the lean build, without the `tokenizer` cargo feature \
                  (no vocabulary or chat templates): use the full build or remove the section",
             );
-        }
-        Ok(())
-    }
-
-    /// Shedding fits a fleet where one decision sends the request (not a P/D fleet's two legs), and
-    /// the priority header must not be one the filter writes or reads for something else: removing
-    /// an untrusted copy would remove the filter's own.
-    fn validate_admission(&self) -> Result<(), ConfigError> {
-        let Some(a) = &self.routing.admission else {
-            return Ok(());
-        };
-        if self.disaggregated() {
-            return err(
-                "routing.admission",
-                "not supported in a prefill/decode fleet (replicas with roles)",
-            );
-        }
-        if let Some(h) = &a.priority_header {
-            let taken = [
-                ("destination_header", &self.destination_header),
-                ("cluster_header", &self.cluster_header),
-                ("rank_header", &self.rank_header),
-                ("session_header", &self.session_header),
-            ];
-            for (field, name) in taken {
-                if name.eq_ignore_ascii_case(h) {
-                    return err(
-                        "routing.admission.priority_header",
-                        format!("{h:?} is already {field}"),
-                    );
-                }
-            }
         }
         Ok(())
     }

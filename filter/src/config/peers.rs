@@ -1,7 +1,8 @@
 //! The working-set exchange with other proxies as configured: the `peers` section, its defaults,
 //! its refusals and the reserved path and token header it gives the filter.
 
-use super::{ConfigError, FilterConfig, err, valid_header};
+use super::headers::valid_header;
+use super::{ConfigError, FilterConfig, err};
 use serde::Deserialize;
 
 /// The path a proxy answers its peers on when `peers.path` is not set; reserved either way: a

@@ -194,26 +194,6 @@ fn the_full_build_reads_the_tokenizer_section() {
     let c = FilterConfig::from_json(WITH_TOKENIZER.as_bytes()).unwrap();
     assert_eq!(c.tokenizer.unwrap().chat_template, "kvsteer_sim");
 }
-#[test]
-fn admission_is_checked_against_the_rest_of_the_configuration() {
-    let replicas = r#""replicas":[{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}]"#;
-    let with = |extra: &str| {
-        FilterConfig::from_json(format!("{{{replicas}, {extra}}}").as_bytes()).map(|_| ())
-    };
-    assert!(with(r#""routing":{"admission":{"priority_header":"x-priority"}}"#).is_ok());
-    let e = with(r#""routing":{"admission":{"priority_header":"x-gateway-destination-endpoint"}}"#)
-        .unwrap_err();
-    assert!(e.to_string().contains("already destination_header"), "{e}");
-    let e = with(r#""routing":{"admission":{"bounds_s":{"urgent":1}}}"#).unwrap_err();
-    assert!(e.to_string().contains("admission.bounds_s.urgent"), "{e}");
-    let pd = r#""replicas":[
-        {"name":"p","endpoint":"127.0.0.1:8000","feed_cluster":"f0","role":"prefill","prefill_cluster":"c"},
-        {"name":"d","endpoint":"127.0.0.1:8001","feed_cluster":"f1","role":"decode"}],
-        "routing":{"admission":{}}"#;
-    let e = FilterConfig::from_json(format!("{{{pd}}}").as_bytes()).unwrap_err();
-    assert!(e.to_string().contains("prefill/decode"), "{e}");
-}
-
 fn with_discovery(replicas: &str, discovery: &str, extra: &str) -> String {
     format!(r#"{{"replicas":[{replicas}],"discovery":{discovery}{extra}}}"#)
 }
