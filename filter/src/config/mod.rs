@@ -5,7 +5,6 @@
 //! names them: a typo in a production config must not silently fall back to a default.
 
 use kvsteer_core::config::RoutingConfig;
-use kvsteer_core::disaggregation::Role;
 use serde::Deserialize;
 
 mod admission;
@@ -14,68 +13,13 @@ mod feeds;
 mod headers;
 mod pd;
 mod peers;
+mod replicas;
 pub use discovery::{DEFAULT_DISCOVERY_PATH, DiscoverySection, slot_name};
 pub use headers::OutputMode;
 pub use pd::PdSection;
 pub use peers::{DEFAULT_PEER_PATH, DEFAULT_PEER_TOKEN_HEADER, PeerSpec, PeersSection};
-
-/// Most routing units (replicas, each DP rank counting as one): shared load and health records and
-/// the metrics are per unit.
-pub const MAX_UNITS: usize = 256;
-
-/// One engine replica.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct ReplicaSpec {
-    /// Name used in metrics and logs (ASCII letters, digits, `-`, `_`, `.`).
-    pub name: String,
-    /// `IP:port` written into the destination header; must be in the cluster's endpoint set.
-    pub endpoint: String,
-    /// Envoy cluster that reaches this replica's feed (a STATIC cluster; never an ORIGINAL_DST one).
-    #[serde(default)]
-    pub feed_cluster: Option<String>,
-    /// `:authority` of feed callouts; defaults to `endpoint`.
-    #[serde(default)]
-    pub feed_authority: Option<String>,
-    /// nginx mode: the feed's `IP:port`, passed to `dispatch_http_call` as the upstream.
-    #[serde(default)]
-    pub feed_address: Option<String>,
-    /// cluster_header mode: this replica's Envoy cluster.
-    #[serde(default)]
-    pub cluster: Option<String>,
-    /// Data-parallel ranks the endpoint serves, each with its own KV cache and queue (vLLM
-    /// `--data-parallel-size`); 1 (the default) is an ordinary replica. An entry with N > 1 becomes N
-    /// routing units, `NAME_dp0` .. `NAME_dp{N-1}`, at configure time (docs/design/dp.md).
-    #[serde(default = "d_one")]
-    pub dp_ranks: u32,
-    /// What the replica does in a prefill/decode (P/D) fleet (docs/design/pd.md): `prefill`,
-    /// `decode` or `both` (the default). A fleet where every replica is `both` routes one request
-    /// to one replica, exactly as without the field; any other role makes the filter split each
-    /// request into a prefill leg (a callout to a replica that prefills) and a decode leg (the
-    /// request itself).
-    #[serde(default = "d_role")]
-    pub role: String,
-    /// P/D: the Envoy cluster the prefill leg is sent to for this replica (`dispatch_http_call` names
-    /// a cluster, not an address): a STATIC cluster holding only this replica's serving address.
-    /// Required for every replica that prefills in a fleet with roles.
-    #[serde(default)]
-    pub prefill_cluster: Option<String>,
-    /// P/D: `:authority` of the prefill leg; defaults to `endpoint`.
-    #[serde(default)]
-    pub prefill_authority: Option<String>,
-    /// Set by the expansion, never read from JSON: this unit's rank, `None` for an endpoint with one
-    /// rank (no rank header is written and its feed is polled without a rank).
-    #[serde(skip)]
-    pub rank: Option<u32>,
-}
-
-fn d_one() -> u32 {
-    1
-}
-
-fn d_role() -> String {
-    "both".into()
-}
+pub(crate) use replicas::valid_name;
+pub use replicas::{MAX_UNITS, ReplicaSpec};
 
 fn d_prefix() -> String {
     "kvsteer".into()
@@ -230,13 +174,6 @@ fn err<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T, Con
     Err(ConfigError::at(field, message))
 }
 
-pub(crate) fn valid_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 64
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
-}
-
 impl FilterConfig {
     pub fn from_json(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
         let mut cfg: FilterConfig = serde_json::from_slice(bytes)
@@ -245,60 +182,6 @@ impl FilterConfig {
         cfg.expand_ranks()?;
         cfg.add_discovery_slots();
         Ok(cfg)
-    }
-
-    /// Turns every replica entry with `dp_ranks` > 1 into one entry per rank (same endpoint, feed and
-    /// cluster; `rank` set; name `NAME_dp<r>`), so that everything per replica (the router's units,
-    /// feeds, metrics, shared load) is per (endpoint, rank) with no other change, and a configuration
-    /// without ranks is left exactly as it was. Refuses more than 256 units in all, and a generated
-    /// name that another entry already has.
-    pub fn expand_ranks(&mut self) -> Result<(), ConfigError> {
-        if self
-            .replicas
-            .iter()
-            .all(|r| r.dp_ranks == 1 && r.rank.is_none())
-        {
-            return Ok(());
-        }
-        if self.replicas.iter().any(|r| r.rank.is_some()) {
-            return Ok(()); // already expanded
-        }
-        let ranks: Vec<u32> = self.replicas.iter().map(|r| r.dp_ranks).collect();
-        let units = kvsteer_core::dp::Units::new(&ranks, MAX_UNITS)
-            .map_err(|e| ConfigError::at("replicas", e.to_string()))?;
-        let mut out = Vec::with_capacity(units.len());
-        for u in units.iter() {
-            let mut r = self.replicas[u.endpoint].clone();
-            if let Some(rank) = u.rank {
-                r.name = format!("{}_dp{rank}", r.name);
-                r.rank = Some(rank);
-                if !valid_name(&r.name) {
-                    return err(
-                        format!("replicas[{}].name", u.endpoint),
-                        format!("{:?} with its rank suffix is over 64 characters", r.name),
-                    );
-                }
-            }
-            out.push(r);
-        }
-        for (i, r) in out.iter().enumerate() {
-            if out[..i].iter().any(|o| o.name == r.name) {
-                return err(
-                    "replicas",
-                    format!(
-                        "the name {:?} is given twice once DP ranks are expanded",
-                        r.name
-                    ),
-                );
-            }
-        }
-        self.replicas = out;
-        Ok(())
-    }
-
-    /// The rank header's value for a unit, `None` for a unit without a rank.
-    pub fn rank_of(&self, i: usize) -> Option<u32> {
-        self.replicas.get(i).and_then(|r| r.rank)
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -311,91 +194,7 @@ impl FilterConfig {
         if let Some(d) = &self.discovery {
             d.validate(self)?;
         }
-        if let Some((i, r)) = self
-            .replicas
-            .iter()
-            .enumerate()
-            .find(|(_, r)| r.dp_ranks == 0 || r.dp_ranks > kvsteer_core::dp::MAX_DP_RANKS)
-        {
-            return err(
-                format!("replicas[{i}].dp_ranks"),
-                format!(
-                    "must be 1..={}, got {}",
-                    kvsteer_core::dp::MAX_DP_RANKS,
-                    r.dp_ranks
-                ),
-            );
-        }
-        let units: u64 = self.replicas.iter().map(|r| r.dp_ranks as u64).sum();
-        if units > MAX_UNITS as u64 {
-            return err(
-                "replicas",
-                format!("at most {MAX_UNITS} routing units (replicas x dp_ranks), got {units}"),
-            );
-        }
-        if self.replicas.len() > 256 {
-            return err(
-                "replicas",
-                format!("at most 256, got {}", self.replicas.len()),
-            );
-        }
-        for (i, r) in self.replicas.iter().enumerate() {
-            if !valid_name(&r.name) {
-                return err(
-                    format!("replicas[{i}].name"),
-                    format!("{:?} must be 1-64 of [A-Za-z0-9._-]", r.name),
-                );
-            }
-            if self.replicas[..i].iter().any(|o| o.name == r.name) {
-                return err(
-                    format!("replicas[{i}].name"),
-                    format!("duplicate {:?}", r.name),
-                );
-            }
-            if r.endpoint.parse::<std::net::SocketAddr>().is_err() {
-                return err(
-                    format!("replicas[{i}].endpoint"),
-                    format!("{:?} is not IP:port", r.endpoint),
-                );
-            }
-            match self.output {
-                OutputMode::NginxVariable => {
-                    if r.feed_address.is_none() {
-                        return err(
-                            format!("replicas[{i}].feed_address"),
-                            "required in nginx_variable mode",
-                        );
-                    }
-                }
-                _ => {
-                    if r.feed_cluster.as_deref().is_none_or(str::is_empty) {
-                        return err(format!("replicas[{i}].feed_cluster"), "required with Envoy");
-                    }
-                }
-            }
-            let Some(role) = Role::parse(&r.role) else {
-                return err(
-                    format!("replicas[{i}].role"),
-                    format!("{:?} must be prefill, decode or both", r.role),
-                );
-            };
-            if self.disaggregated()
-                && role.prefills()
-                && r.prefill_cluster.as_deref().is_none_or(str::is_empty)
-            {
-                return err(
-                    format!("replicas[{i}].prefill_cluster"),
-                    "required for a replica that prefills in a fleet with roles (the prefill leg \
-                     is a callout to this cluster)",
-                );
-            }
-            if self.output == OutputMode::ClusterHeader && r.cluster.is_none() {
-                return err(
-                    format!("replicas[{i}].cluster"),
-                    "required in cluster_header mode",
-                );
-            }
-        }
+        self.validate_replicas()?;
         self.validate_headers()?;
         self.validate_feed_polling()?;
         if !valid_name(&self.shared_key_prefix) {

@@ -108,68 +108,6 @@ fn problems_are_named() {
     }
 }
 
-/// `dp_ranks` expands an entry into one unit per rank; without it the configuration is exactly
-/// what it was; bad counts, too many units and clashing generated names are refused by name.
-#[test]
-fn dp_ranks_expand_into_units() {
-    let plain = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
-    assert_eq!(plain.replicas.len(), 2);
-    assert!(
-        plain
-            .replicas
-            .iter()
-            .all(|r| r.rank.is_none() && r.dp_ranks == 1)
-    );
-    assert_eq!(plain.rank_header, "x-data-parallel-rank");
-    let dp = GOOD.replacen(
-        r#""feed_cluster":"feed_r0""#,
-        r#""feed_cluster":"feed_r0","dp_ranks":3"#,
-        1,
-    );
-    let c = FilterConfig::from_json(dp.as_bytes()).unwrap();
-    let names: Vec<&str> = c.replicas.iter().map(|r| r.name.as_str()).collect();
-    assert_eq!(names, ["r0_dp0", "r0_dp1", "r0_dp2", "r1"]);
-    assert_eq!(c.rank_of(1), Some(1));
-    assert_eq!(c.rank_of(3), None);
-    assert_eq!(c.rank_of(9), None);
-    assert_eq!(c.feed_upstream(2), "feed_r0");
-    assert_eq!(c.feed_authority(2), "127.0.0.1:8000");
-    assert!(
-        c.replicas[..3]
-            .iter()
-            .all(|r| r.endpoint == "127.0.0.1:8000")
-    );
-    for bad in ["0", "257"] {
-        let j = GOOD.replacen(
-            r#""feed_cluster":"feed_r0""#,
-            &format!(r#""feed_cluster":"feed_r0","dp_ranks":{bad}"#),
-            1,
-        );
-        assert!(refused(&j).starts_with("replicas[0].dp_ranks"), "{bad}");
-    }
-    let many = GOOD
-        .replacen(
-            r#""feed_cluster":"feed_r0""#,
-            r#""feed_cluster":"feed_r0","dp_ranks":200"#,
-            1,
-        )
-        .replacen(
-            r#""feed_cluster":"feed_r1""#,
-            r#""feed_cluster":"feed_r1","dp_ranks":100"#,
-            1,
-        );
-    assert!(refused(&many).contains("at most 256 routing units"));
-    let clash = r#"{"replicas":[{"name":"a","endpoint":"1.2.3.4:5","feed_cluster":"f","dp_ranks":2},
-                               {"name":"a_dp1","endpoint":"1.2.3.4:6","feed_cluster":"g"}]}"#;
-    assert!(refused(clash).contains("a_dp1"));
-    let bad_header = GOOD.replacen(
-        "{\"replicas\"",
-        "{\"rank_header\":\"X-Rank\",\"replicas\"",
-        1,
-    );
-    assert!(refused(&bad_header).starts_with("rank_header"));
-}
-
 const WITH_TOKENIZER: &str = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000",
     "feed_cluster":"f0"}],"tokenizer":{"chat_template":"kvsteer_sim"}}"#;
 
