@@ -14,12 +14,14 @@ mod headers;
 mod pd;
 mod peers;
 mod replicas;
+mod tokenizer;
 pub use discovery::{DEFAULT_DISCOVERY_PATH, DiscoverySection, slot_name};
 pub use headers::OutputMode;
 pub use pd::PdSection;
 pub use peers::{DEFAULT_PEER_PATH, DEFAULT_PEER_TOKEN_HEADER, PeerSpec, PeersSection};
 pub(crate) use replicas::valid_name;
 pub use replicas::{MAX_UNITS, ReplicaSpec};
+pub use tokenizer::TokenizerSection;
 
 fn d_prefix() -> String {
     "kvsteer".into()
@@ -151,15 +153,6 @@ pub struct FilterConfig {
     pub discovery: Option<DiscoverySection>,
 }
 
-/// The `tokenizer` section: the tokenizer's own configuration in the full build.
-#[cfg(feature = "tokenizer")]
-pub type TokenizerSection = kvsteer_tokenizer::TokenizerConfig;
-/// The lean build (without the `tokenizer` cargo feature) still reads the section, as any JSON, so
-/// that [`FilterConfig::validate`] refuses it naming the missing feature rather than serde calling it
-/// an unknown field, and never silently routes by the approximate identity an operator did not ask for.
-#[cfg(not(feature = "tokenizer"))]
-pub type TokenizerSection = serde_json::Value;
-
 fn d_true() -> bool {
     true
 }
@@ -217,15 +210,7 @@ impl FilterConfig {
         if let Some(p) = &self.peers {
             p.validate(self.tick_ms)?;
         }
-        #[cfg(not(feature = "tokenizer"))]
-        if self.tokenizer.is_some() {
-            return err(
-                "tokenizer",
-                "this kvsteer_filter.wasm is the lean build, without the `tokenizer` cargo feature \
-                 (no vocabulary or chat templates): use the full build or remove the section",
-            );
-        }
-        Ok(())
+        self.validate_tokenizer()
     }
 
     /// What a valid configuration is still likely wrong about: settings that work but do not fit

@@ -108,30 +108,6 @@ fn problems_are_named() {
     }
 }
 
-const WITH_TOKENIZER: &str = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000",
-    "feed_cluster":"f0"}],"tokenizer":{"chat_template":"kvsteer_sim"}}"#;
-
-#[cfg(not(feature = "tokenizer"))]
-#[test]
-fn the_lean_build_refuses_a_tokenizer_section_naming_the_feature() {
-    let e = refused(WITH_TOKENIZER);
-    assert!(e.starts_with("tokenizer:"), "{e}");
-    assert!(e.contains("`tokenizer` cargo feature"), "{e}");
-    // An empty section is refused too; an explicit null means no tokenizer, as in the full build.
-    assert!(
-        refused(&WITH_TOKENIZER.replace(r#"{"chat_template":"kvsteer_sim"}"#, "{}"))
-            .contains("lean build")
-    );
-    let null = WITH_TOKENIZER.replace(r#"{"chat_template":"kvsteer_sim"}"#, "null");
-    assert!(FilterConfig::from_json(null.as_bytes()).is_ok());
-}
-
-#[cfg(feature = "tokenizer")]
-#[test]
-fn the_full_build_reads_the_tokenizer_section() {
-    let c = FilterConfig::from_json(WITH_TOKENIZER.as_bytes()).unwrap();
-    assert_eq!(c.tokenizer.unwrap().chat_template, "kvsteer_sim");
-}
 fn with_discovery(replicas: &str, discovery: &str, extra: &str) -> String {
     format!(r#"{{"replicas":[{replicas}],"discovery":{discovery}{extra}}}"#)
 }
