@@ -3,6 +3,13 @@
 //! Everything has a default except the replica list (which may be empty when a `discovery` section
 //! reads the members at run time). Unknown fields are refused with a message that
 //! names them: a typo in a production config must not silently fall back to a default.
+//!
+//! This file holds [`FilterConfig`] and its entry points (`from_json`, `validate`, `warnings`);
+//! each concept's types, defaults, checks and tests are in a file of its own: `replicas.rs` (the
+//! replica list and its data-parallel ranks), `headers.rs` (the header names and the output mode),
+//! `feeds.rs` (feed polling), `pd.rs` (prefill/decode), `peers.rs` (other proxies), `discovery.rs`
+//! (membership at run time), `tokenizer.rs` (the `tokenizer` section) and `admission.rs` (shedding
+//! against the rest). `tests.rs` holds the fixtures they share and the tests of the whole.
 
 use kvsteer_core::config::RoutingConfig;
 use serde::Deserialize;
@@ -34,6 +41,9 @@ fn d_early_max() -> usize {
 }
 fn d_hold_max() -> usize {
     64 << 20
+}
+fn d_true() -> bool {
+    true
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -153,10 +163,6 @@ pub struct FilterConfig {
     pub discovery: Option<DiscoverySection>,
 }
 
-fn d_true() -> bool {
-    true
-}
-
 /// A refused configuration is the routing core's [`ConfigError`], its field named by the dotted path
 /// from the plugin configuration's root (`replicas[0].endpoint`), so the filter, `kvsteer-check` and
 /// the routing core refuse with one type.
@@ -168,6 +174,8 @@ fn err<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T, Con
 }
 
 impl FilterConfig {
+    /// Reads the plugin configuration, refuses what is wrong, expands the data-parallel ranks and
+    /// adds the discovery slots: the configuration the filter runs with.
     pub fn from_json(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
         let mut cfg: FilterConfig = serde_json::from_slice(bytes)
             .map_err(|e| ConfigError::at("plugin configuration", e.to_string()))?;
@@ -177,6 +185,8 @@ impl FilterConfig {
         Ok(cfg)
     }
 
+    /// Refuses the first setting that is wrong, by its field; each section's checks are in its
+    /// file, called in this order.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.replicas.is_empty() && self.discovery.is_none() {
             return err(

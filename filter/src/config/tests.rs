@@ -1,5 +1,5 @@
-//! The configuration's parsing and validation, natively: every default, every refusal naming its
-//! field.
+//! The configuration's parsing and validation as a whole, natively: the defaults, the refusals
+//! that name their field, the warnings; and the fixtures the sections' own tests share.
 
 use super::*;
 
