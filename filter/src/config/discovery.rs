@@ -69,18 +69,30 @@ pub struct DiscoverySection {
     pub feed_cluster: Option<String>,
 }
 
+/// Refuses the section's `field` (`discovery.FIELD`; the section itself for an empty one).
+fn err(field: &str, m: String) -> Result<(), ConfigError> {
+    let path = if field.is_empty() {
+        "discovery".to_string()
+    } else {
+        format!("discovery.{field}")
+    };
+    Err(ConfigError::at(path, m))
+}
+
+/// A cluster or authority the filter calls out to: 1-256 printable ASCII characters.
+fn printable(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic())
+}
+
 impl DiscoverySection {
     pub(super) fn validate(&self, cfg: &FilterConfig) -> Result<(), ConfigError> {
-        let err = |field: &str, m: String| {
-            let path = if field.is_empty() {
-                "discovery".to_string()
-            } else {
-                format!("discovery.{field}")
-            };
-            Err(ConfigError::at(path, m))
-        };
-        let printable =
-            |s: &str| !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic());
+        self.validate_settings(cfg)?;
+        self.validate_fit(cfg)
+    }
+
+    /// The section's own settings: where and how often the list is polled, how long a member that
+    /// left keeps its slot, how many slots (within the units the static replicas leave).
+    fn validate_settings(&self, cfg: &FilterConfig) -> Result<(), ConfigError> {
         if !printable(&self.cluster) || !self.authority.as_deref().is_none_or(printable) {
             return err(
                 "cluster",
@@ -138,6 +150,13 @@ impl DiscoverySection {
                 format!("must be 64..=67108864, got {}", self.max_response_bytes),
             );
         }
+        Ok(())
+    }
+
+    /// Discovery against the rest of the configuration: an output mode that can route to a
+    /// discovered member (and, with Envoy, the cluster its feed is polled through), no P/D roles,
+    /// no static replica named like a slot.
+    fn validate_fit(&self, cfg: &FilterConfig) -> Result<(), ConfigError> {
         match cfg.output {
             OutputMode::NginxVariable => {}
             OutputMode::ClusterHeader => {
