@@ -69,18 +69,30 @@ pub struct DiscoverySection {
     pub feed_cluster: Option<String>,
 }
 
+/// Refuses the section's `field` (`discovery.FIELD`; the section itself for an empty one).
+fn err(field: &str, m: String) -> Result<(), ConfigError> {
+    let path = if field.is_empty() {
+        "discovery".to_string()
+    } else {
+        format!("discovery.{field}")
+    };
+    Err(ConfigError::at(path, m))
+}
+
+/// A cluster or authority the filter calls out to: 1-256 printable ASCII characters.
+fn printable(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic())
+}
+
 impl DiscoverySection {
     pub(super) fn validate(&self, cfg: &FilterConfig) -> Result<(), ConfigError> {
-        let err = |field: &str, m: String| {
-            let path = if field.is_empty() {
-                "discovery".to_string()
-            } else {
-                format!("discovery.{field}")
-            };
-            Err(ConfigError::at(path, m))
-        };
-        let printable =
-            |s: &str| !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic());
+        self.validate_settings(cfg)?;
+        self.validate_fit(cfg)
+    }
+
+    /// The section's own settings: where and how often the list is polled, how long a member that
+    /// left keeps its slot, how many slots (within the units the static replicas leave).
+    fn validate_settings(&self, cfg: &FilterConfig) -> Result<(), ConfigError> {
         if !printable(&self.cluster) || !self.authority.as_deref().is_none_or(printable) {
             return err(
                 "cluster",
@@ -138,6 +150,13 @@ impl DiscoverySection {
                 format!("must be 64..=67108864, got {}", self.max_response_bytes),
             );
         }
+        Ok(())
+    }
+
+    /// Discovery against the rest of the configuration: an output mode that can route to a
+    /// discovered member (and, with Envoy, the cluster its feed is polled through), no P/D roles,
+    /// no static replica named like a slot.
+    fn validate_fit(&self, cfg: &FilterConfig) -> Result<(), ConfigError> {
         match cfg.output {
             OutputMode::NginxVariable => {}
             OutputMode::ClusterHeader => {
@@ -211,5 +230,140 @@ impl FilterConfig {
         self.discovery
             .as_ref()
             .map_or("", |d| d.authority.as_deref().unwrap_or(&d.cluster))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::FilterConfig;
+    use crate::config::tests::{GOOD, refused};
+
+    fn with_discovery(replicas: &str, discovery: &str, extra: &str) -> String {
+        format!(r#"{{"replicas":[{replicas}],"discovery":{discovery}{extra}}}"#)
+    }
+
+    #[test]
+    fn the_discovery_section_adds_empty_slots_after_the_static_replicas() {
+        let c = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
+        assert_eq!(c.discovery, None);
+        assert_eq!(c.static_units(), 2);
+        let json = with_discovery(
+            r#"{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0","dp_ranks":2}"#,
+            r#"{"cluster":"members","feed_cluster":"member_feeds"}"#,
+            "",
+        );
+        let c = FilterConfig::from_json(json.as_bytes()).unwrap();
+        let d = c.discovery.as_ref().unwrap();
+        assert_eq!(
+            (
+                d.path.as_str(),
+                d.period_ms,
+                d.timeout_ms,
+                d.hold_ms,
+                d.max_members
+            ),
+            ("/kvsteer/members", 1_000, 1_000, 10_000, 64)
+        );
+        assert_eq!(d.max_response_bytes, 1 << 20);
+        assert_eq!(c.static_units(), 2, "the two ranks");
+        assert_eq!(c.replicas.len(), 66);
+        assert_eq!(c.replicas[2].name, "_slot0");
+        assert_eq!(c.feed_upstream(65), "member_feeds");
+        assert_eq!(c.discovery_authority(), "members");
+        // Discovery alone: no static replica needed.
+        let json = with_discovery(
+            "",
+            r#"{"cluster":"members","feed_cluster":"mf","max_members":3,"authority":"disco.local"}"#,
+            "",
+        );
+        let c = FilterConfig::from_json(json.as_bytes()).unwrap();
+        assert_eq!((c.static_units(), c.replicas.len()), (0, 3));
+        assert_eq!(c.discovery_authority(), "disco.local");
+        // nginx: no feed cluster (a callout names the member's address).
+        let json = with_discovery(
+            "",
+            r#"{"cluster":"127.0.0.1:7000"}"#,
+            r#","output":"nginx_variable""#,
+        );
+        assert!(FilterConfig::from_json(json.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn the_discovery_section_is_checked() {
+        let r0 = r#"{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}"#;
+        let ok = r#""cluster":"m","feed_cluster":"mf""#;
+        for (discovery, extra, needle) in [
+            (
+                r#"{"cluster":"m"}"#.to_string(),
+                "",
+                "discovery.feed_cluster: required with Envoy",
+            ),
+            (
+                format!("{{{ok},\"max_members\":0}}"),
+                "",
+                "discovery.max_members: must be 1..=255",
+            ),
+            (
+                format!("{{{ok},\"max_members\":256}}"),
+                "",
+                "discovery.max_members",
+            ),
+            (
+                format!("{{{ok},\"period_ms\":50}}"),
+                "",
+                "discovery.period_ms",
+            ),
+            (
+                format!("{{{ok},\"timeout_ms\":0}}"),
+                "",
+                "discovery.timeout_ms",
+            ),
+            (
+                format!("{{{ok},\"hold_ms\":3600001}}"),
+                "",
+                "discovery.hold_ms",
+            ),
+            (
+                format!("{{{ok},\"path\":\"members\"}}"),
+                "",
+                "discovery.path",
+            ),
+            (
+                format!("{{{ok},\"max_response_bytes\":10}}"),
+                "",
+                "discovery.max_response_bytes",
+            ),
+            (format!("{{{ok},\"typo\":1}}"), "", "unknown field `typo`"),
+            (
+                r#"{"cluster":"","feed_cluster":"mf"}"#.into(),
+                "",
+                "discovery.cluster",
+            ),
+            (
+                format!("{{{ok}}}"),
+                r#","output":"cluster_header""#,
+                "output: cluster_header mode",
+            ),
+        ] {
+            let json = with_discovery(r0, &discovery, extra);
+            let e = refused(&json);
+            assert!(e.contains(needle), "{discovery} {extra}: {e}");
+        }
+        let json = with_discovery(
+            r#"{"name":"_slot0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}"#,
+            &format!("{{{ok}}}"),
+            "",
+        );
+        assert!(refused(&json).contains("_slot"));
+        assert!(refused(r#"{"replicas":[]}"#).contains("or a discovery section"));
+        assert!(refused("{}").contains("or a discovery section"));
+        let absent = r#"{"discovery":{"cluster":"m","feed_cluster":"mf","max_members":2}}"#;
+        assert_eq!(
+            FilterConfig::from_json(absent.as_bytes())
+                .unwrap()
+                .replicas
+                .len(),
+            2
+        );
     }
 }
