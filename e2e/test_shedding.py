@@ -11,8 +11,8 @@ sheddable bound of 0.5 s.
 
 Once the filter has routed all 8 (its `kvsteer_requests_routed` counter) and the workers have
 exchanged their bookings (half a second: a tick publishes, the next reads), a mix follows on fresh
-connections: sheddable requests (the trusted header `x-kvsteer-priority: sheddable`) and small
-critical ones. Asserted: every sheddable request is answered at once with 429, a `Retry-After` of
+connections: sheddable requests (the trusted header `x-kvsteer-priority: sheddable`, and two with no
+header whose model, `batch-sim`, `model_classes` names sheddable) and small critical ones. Asserted: every sheddable request is answered at once with 429, a `Retry-After` of
 whole seconds >= 1 and the OpenAI error body (`error.type` `rate_limit_exceeded`); every critical
 request completes with 200; the filter counts what it did (`kvsteer_shed_sheddable`,
 `kvsteer_admitted_critical`); and once traffic stops `kvsteer_bookings` equals `kvsteer_releases`
@@ -38,15 +38,19 @@ from stack import Stack
 REPLICAS = 4
 SIM_TIME_SCALE = "1"
 HEADER = "x-kvsteer-priority"
+BATCH_MODEL = "batch-sim"
 ADMISSION = {
     "priority_header": HEADER,
     "trust_priority_header": True,
     "bounds_s": {"standard": 30, "sheddable": 0.5},
+    # The other way to class a request, with nothing to trust: its model name.
+    "model_classes": {BATCH_MODEL: "sheddable"},
 }
 BIG_PROMPT = 48 * 1024
 CRITICAL_LOAD = 8
 SHEDDABLE = 6
 CRITICAL_SMALL = 3
+BY_MODEL = 2
 # Bounded waits (each normally a fraction of this).
 ROUTED_WAIT_S = 30.0
 SETTLE_WAIT_S = 10.0
@@ -75,11 +79,13 @@ class Shedding(unittest.TestCase):
     def tearDownClass(cls) -> None:
         cls.stack.close_checked()
 
-    def send(self, prompt: list[int], max_tokens: int, cls_name: str) -> Result:
+    def send(self, prompt: list[int], max_tokens: int, cls_name: str | None,
+             model: str | None = None) -> Result:
         c = Client("127.0.0.1", self.stack.listen_port, timeout_s=120)
         try:
             return c.complete(prompt, max_tokens=max_tokens, ignore_eos=True,
-                              headers={HEADER: cls_name})
+                              headers={HEADER: cls_name} if cls_name else {},
+                              extra={"model": model} if model else None)
         finally:
             c.close()
 
@@ -106,6 +112,9 @@ class Shedding(unittest.TestCase):
             shed.append(self.send(tokens(256, 92_000 + i), 8, "sheddable"))
             if i < CRITICAL_SMALL:
                 small.append(self.send(tokens(256, 93_000 + i), 8, "critical"))
+        # No header: the class comes from the model name (`model_classes`).
+        for i in range(BY_MODEL):
+            shed.append(self.send(tokens(256, 94_000 + i), 8, None, model=BATCH_MODEL))
         for t in threads:
             t.join(timeout=120)
         self.assertFalse(any(t.is_alive() for t in threads), "a critical request never ended")
@@ -133,7 +142,7 @@ class Shedding(unittest.TestCase):
             released = s.get("wasmcustom.kvsteer_releases", -2)
             shed_n = s.get("wasmcustom.kvsteer_shed_sheddable", 0)
             critical_n = s.get("wasmcustom.kvsteer_admitted_critical", 0)
-            if (booked == released and shed_n >= SHEDDABLE
+            if (booked == released and shed_n >= SHEDDABLE + BY_MODEL
                     and critical_n >= CRITICAL_LOAD + CRITICAL_SMALL):
                 break
             if time.monotonic() > deadline:
