@@ -19,14 +19,16 @@ use crate::lora::{LoraConfig, LoraSlots};
 use crate::output::{OutputLen, mix64, output_token};
 use crate::profile::Profile;
 use hashbrown::HashMap;
-use kvsteer_core::block::{BlockHasher, SeqHash};
-use kvsteer_core::feed::{AdapterReport, FeedBatch, FeedQuery, ReplicaLoad};
+use kvsteer_core::block::BlockHasher;
 use std::collections::VecDeque;
 
+mod report;
 mod stats;
 mod step;
+mod submit;
 
 pub use stats::{EngineStats, Histogram, ITL_BUCKETS, TTFT_BUCKETS};
+pub use submit::{EngineRequest, SubmitError};
 
 /// Engine configuration. [`EngineConfig::default`] is Llama-3.1-8B on one H100 with vLLM's defaults.
 #[derive(Clone, Debug, PartialEq)]
@@ -84,58 +86,6 @@ impl EngineConfig {
         EngineConfig {
             seed: self.seed.wrapping_add(i as u64 * 7919 + 1),
             ..self.clone()
-        }
-    }
-}
-
-/// One request as the engine sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EngineRequest {
-    pub id: u64,
-    pub prompt: Vec<u32>,
-    pub max_tokens: u32,
-    /// Generate exactly `max_tokens` (vLLM's `ignore_eos`).
-    pub ignore_eos: bool,
-    /// Generate at least this many tokens (vLLM's `min_tokens`).
-    pub min_tokens: u32,
-}
-
-/// Why a request was refused at submission.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum SubmitError {
-    EmptyPrompt,
-    ZeroMaxTokens,
-    DuplicateId(u64),
-    /// Prompt plus `max_tokens` exceeds the context limit.
-    TooLong {
-        tokens: u64,
-        max_model_len: u32,
-    },
-    /// The request could never fit in the KV cache even alone.
-    ExceedsKvCapacity {
-        blocks: u64,
-        kv_blocks: u32,
-    },
-}
-
-impl core::fmt::Display for SubmitError {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        match self {
-            SubmitError::EmptyPrompt => write!(f, "the prompt is empty"),
-            SubmitError::ZeroMaxTokens => write!(f, "max_tokens must be at least 1"),
-            SubmitError::DuplicateId(id) => write!(f, "request id {id} is already in flight"),
-            SubmitError::TooLong {
-                tokens,
-                max_model_len,
-            } => write!(
-                f,
-                "this model's maximum context length is {max_model_len} tokens, but the request \
-                 needs {tokens} tokens (prompt plus max_tokens)"
-            ),
-            SubmitError::ExceedsKvCapacity { blocks, kv_blocks } => write!(
-                f,
-                "the request needs {blocks} KV blocks but the cache holds {kv_blocks}"
-            ),
         }
     }
 }
@@ -429,168 +379,6 @@ impl Engine {
         (hit.gpu_blocks + hit.host_blocks) * bs
     }
 
-    /// Queues a request arriving at `now_us`.
-    pub fn submit(&mut self, now_us: u64, req: EngineRequest) -> Result<(), SubmitError> {
-        let hashes = self.prompt_hashes(&req.prompt);
-        self.submit_hashed(now_us, req, hashes)
-    }
-
-    /// [`Engine::submit`] with the prompt's [`Engine::prompt_hashes`] already computed.
-    fn submit_hashed(
-        &mut self,
-        now_us: u64,
-        req: EngineRequest,
-        hashes: Vec<u64>,
-    ) -> Result<(), SubmitError> {
-        if req.prompt.is_empty() {
-            return Err(SubmitError::EmptyPrompt);
-        }
-        if req.max_tokens == 0 {
-            return Err(SubmitError::ZeroMaxTokens);
-        }
-        if self.by_id.contains_key(&req.id) {
-            return Err(SubmitError::DuplicateId(req.id));
-        }
-        let tokens = req.prompt.len() as u64 + req.max_tokens as u64;
-        if tokens > self.cfg.max_model_len as u64 {
-            return Err(SubmitError::TooLong {
-                tokens,
-                max_model_len: self.cfg.max_model_len,
-            });
-        }
-        let blocks = tokens.div_ceil(self.cfg.block_size as u64);
-        if blocks > self.cfg.kv_blocks as u64 {
-            return Err(SubmitError::ExceedsKvCapacity {
-                blocks,
-                kv_blocks: self.cfg.kv_blocks,
-            });
-        }
-        let now_us = now_us.max(self.now_us);
-        self.now_us = now_us;
-        let target = self.cfg.output_len.target(
-            self.cfg.seed,
-            req.id,
-            req.max_tokens,
-            req.ignore_eos,
-            req.min_tokens,
-        );
-        let prompt_len = req.prompt.len() as u32;
-        let mut tokens = req.prompt;
-        tokens.reserve(target as usize);
-        let seq = Seq {
-            id: req.id,
-            tokens,
-            prompt_len,
-            hashes,
-            registered: 0,
-            blocks: Vec::new(),
-            computed: 0,
-            generated: 0,
-            target,
-            max_tokens: req.max_tokens,
-            cached_tokens: None,
-            arrival_us: now_us,
-            last_token_us: now_us,
-            remote_ready_us: self.pending_remote,
-            adapter: self.pending_adapter,
-        };
-        let slot = match self.free_slots.pop() {
-            Some(s) => {
-                self.slots[s as usize] = Some(seq);
-                s
-            }
-            None => {
-                self.slots.push(Some(seq));
-                (self.slots.len() - 1) as u32
-            }
-        };
-        self.by_id.insert(req.id, slot);
-        self.waiting.push_back(slot);
-        self.stats.prompt_tokens += prompt_len as u64;
-        if self.step.is_none() {
-            self.plan(now_us);
-        }
-        self.log.publish();
-        Ok(())
-    }
-
-    /// Queues a decode-role request whose prompt KV was computed by a prefill engine (vLLM's
-    /// `kv_transfer_params` with `do_remote_prefill`, docs/design/pd.md): the part of the prompt
-    /// not in this engine's own prefix cache now is read over `link` before the request can be
-    /// scheduled (the read runs beside the engine's steps, as NIXL's does, so it costs no step
-    /// time); once admitted, every prompt token but the last counts as computed and the last is
-    /// computed to sample the first token, as vLLM does after a remote load. Returns the tokens
-    /// read over the link. Simplification: the decode engine's blocks are allocated at admission,
-    /// after the read, not before it as vLLM does.
-    pub fn submit_remote(
-        &mut self,
-        now_us: u64,
-        req: EngineRequest,
-        link: &crate::kv_link::KvLink,
-    ) -> Result<u64, SubmitError> {
-        let now_us = now_us.max(self.now_us);
-        let hashes = self.prompt_hashes(&req.prompt);
-        let local = self.cached_prefix_tokens(&hashes, req.prompt.len()) as u64;
-        let transferred = (req.prompt.len() as u64).saturating_sub(local);
-        // Mark before `submit` plans, so a free engine does not start computing the prompt.
-        let ready = now_us.saturating_add(link.transfer_us(transferred));
-        self.pending_remote = Some(ready);
-        let r = self.submit_hashed(now_us, req, hashes);
-        self.pending_remote = None;
-        r?;
-        self.stats.remote_prefill_requests += 1;
-        self.stats.remote_prefill_tokens += transferred;
-        Ok(transferred)
-    }
-
-    /// [`Engine::submit`] for a request whose OpenAI `model` names a LoRA adapter: it runs with that
-    /// adapter, loaded when it is admitted if not resident ([`crate::lora`]), and its prompt's blocks
-    /// are hashed in the adapter's namespace ([`kvsteer_core::block::namespace_seed`]). With LoRA off
-    /// (no slots) or no adapter, exactly [`Engine::submit`].
-    pub fn submit_with_adapter(
-        &mut self,
-        now_us: u64,
-        req: EngineRequest,
-        adapter: Option<&str>,
-    ) -> Result<(), SubmitError> {
-        self.pending_adapter = adapter.and_then(|a| self.lora.intern(a));
-        // vLLM hashes an adapter's blocks with the adapter: its requests share cache with each
-        // other, never with the base model's or another adapter's.
-        let hashes = match self.pending_adapter {
-            Some(_) => self
-                .hasher
-                .namespaced(adapter, None)
-                .sequence_hashes(&req.prompt)
-                .into_iter()
-                .map(|h| h.0)
-                .collect(),
-            None => self.prompt_hashes(&req.prompt),
-        };
-        let r = self.submit_hashed(now_us, req, hashes);
-        self.pending_adapter = None;
-        r
-    }
-
-    /// Adapter loads since the engine started.
-    pub fn adapter_loads(&self) -> u64 {
-        self.lora.loads
-    }
-
-    /// Adapters resident on the GPU now, least recently used first.
-    pub fn resident_adapters(&self) -> Vec<&str> {
-        self.lora.resident()
-    }
-
-    /// What the feed reports about adapters (the adapters of running and of waiting requests, and
-    /// the slots); `None` with LoRA off.
-    pub fn adapter_report(&self) -> Option<AdapterReport> {
-        let adapter = |s: &u32| self.slots[*s as usize].as_ref().and_then(|q| q.adapter);
-        self.lora.report(
-            self.running.iter().filter_map(adapter),
-            self.waiting.iter().filter_map(adapter),
-        )
-    }
-
     /// Aborts a request; true when it was in flight. Its `Finished { reason: Abort }` comes out of the
     /// next [`Engine::advance`].
     pub fn abort(&mut self, now_us: u64, id: u64) -> bool {
@@ -675,109 +463,6 @@ impl Engine {
         }
         self.now_us = self.now_us.max(to_us);
         self.log.publish();
-    }
-
-    /// Load as the replica reports it in the feed (field meanings: docs/reference/feed.md). Prefill
-    /// tokens are the prompt tokens the engine will really compute: what running sequences have
-    /// left, plus each waiting request's prompt minus the prefix it would find cached (GPU or host
-    /// tier) if scheduled now. Counting a waiting prompt whole would charge the replica that holds
-    /// a session's cache for tokens it will never compute, exactly when queues form.
-    pub fn load(&self) -> ReplicaLoad {
-        let mut prefill = 0u64;
-        for &s in &self.running {
-            if let Some(seq) = &self.slots[s as usize]
-                && !seq.decoding()
-            {
-                prefill += (seq.tokens.len() - seq.computed) as u64;
-            }
-        }
-        let bs = self.cfg.block_size as u64;
-        for &s in &self.waiting {
-            if let Some(seq) = &self.slots[s as usize] {
-                if seq.remote_ready_us.is_some() {
-                    // Its prompt arrives over the link: only the last token is computed here.
-                    prefill += 1;
-                    continue;
-                }
-                let hit = self.kv.lookup(&seq.hashes, seq.hashes.len());
-                let cached = (hit.gpu_blocks + hit.host_blocks) as u64 * bs;
-                prefill += (seq.tokens.len() as u64).saturating_sub(cached);
-            }
-        }
-        ReplicaLoad {
-            running: self.running.len() as u32,
-            waiting: self.waiting.len() as u32,
-            prefill_tokens: prefill,
-            decode_blocks: self.decode_blocks(),
-            kv_used_blocks: self.kv.used_blocks() as u64,
-            kv_total_blocks: self.kv.total_blocks() as u64,
-            block_size: self.cfg.block_size as u32,
-        }
-    }
-
-    /// Tokens the replica holds or has queued, as SGLang's `/get_load` counts them (`num_tokens`):
-    /// the KV blocks referenced by running sequences, in tokens, plus each waiting request's prompt
-    /// minus the prefix it would find cached if scheduled now.
-    pub fn load_tokens(&self) -> u64 {
-        let bs = self.cfg.block_size as u64;
-        let mut waiting = 0u64;
-        for &s in &self.waiting {
-            if let Some(seq) = &self.slots[s as usize] {
-                let hit = self.kv.lookup(&seq.hashes, seq.hashes.len());
-                let cached = (hit.gpu_blocks + hit.host_blocks) as u64 * bs;
-                waiting += (seq.tokens.len() as u64).saturating_sub(cached);
-            }
-        }
-        self.kv.referenced_blocks() as u64 * bs + waiting
-    }
-
-    /// KV blocks held by decoding sequences (the decode-block CV, docs/design/design.md section 7).
-    pub fn decode_blocks(&self) -> u64 {
-        self.running
-            .iter()
-            .filter_map(|&s| self.slots[s as usize].as_ref())
-            .filter(|seq| seq.decoding())
-            .map(|seq| seq.blocks.len() as u64)
-            .sum()
-    }
-
-    /// Fraction of GPU blocks referenced by running sequences (vLLM's `kv_cache_usage_perc`).
-    pub fn kv_usage(&self) -> f64 {
-        if self.kv.total_blocks() == 0 {
-            0.0
-        } else {
-            self.kv.referenced_blocks() as f64 / self.kv.total_blocks() as f64
-        }
-    }
-
-    /// Answers a feed poll.
-    pub fn feed(&mut self, q: &FeedQuery) -> FeedBatch {
-        self.log.publish();
-        let load = self.load();
-        let kv = &self.kv;
-        self.log.answer(q, load, || kv.snapshot())
-    }
-
-    /// Answers a feed poll as the bytes a replica sends: the batch, stamped with `rank` when one
-    /// was asked for, and the adapter section when `query` asks for it (`adapters=1`) and LoRA is on
-    /// (docs/reference/feed.md, "Adapters").
-    pub fn feed_answer(&mut self, q: &FeedQuery, query: &str, rank: Option<u16>) -> Vec<u8> {
-        let batch = self.feed(q);
-        let mut body = match rank {
-            Some(r) => batch.encode_for_rank(r),
-            None => batch.encode(),
-        };
-        if kvsteer_core::feed::query_adapters(query)
-            && let Some(r) = self.adapter_report()
-        {
-            r.append_to(&mut body);
-        }
-        body
-    }
-
-    /// Whether a sequence hash is cached on the GPU (for tests and diagnostics).
-    pub fn is_cached(&self, h: SeqHash) -> bool {
-        self.kv.is_cached(h.0)
     }
 
     fn seq(&self, slot: u32) -> &Seq {
