@@ -1,7 +1,8 @@
 //! A stream context: one request, from its headers (client copies of the routing headers removed),
 //! through its body (read as it arrives, then routed), to its response (followed to the last token,
 //! its outcome reported for the replica's health) and the release of its load. The P/D leg is in
-//! `prefill.rs`.
+//! `prefill.rs`; the headers a client must not set in `stream/client_headers.rs`, the body while
+//! it is held in `stream/body.rs`, the outcome for the replica's health in `stream/outcome.rs`.
 
 use super::metrics::inc;
 use super::prefill::{PrefillLeg, prefill_id};
@@ -18,6 +19,10 @@ use kvsteer_core::request::EarlyScan;
 use kvsteer_core::router::Decision;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, LogLevel, MapType};
+
+mod body;
+mod client_headers;
+mod outcome;
 
 /// Where a stream is in its life, as far as the router's load table is concerned.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -211,151 +216,6 @@ impl Stream {
         Action::Pause
     }
 
-    /// Reads the slice of the body that arrived since the last call (the host's buffer holds
-    /// `body_size` bytes so far, from the start), lets the early scan go on, and drops what the scan
-    /// will not look at again. Anything inconsistent (a buffer shorter than what was read, a host
-    /// error, fewer bytes than asked) or the VM's share for held bodies spent turns the early
-    /// reading off for this request: the body is then read whole at the end, as without the scan.
-    fn read_arrived(&mut self, body_size: usize) {
-        let (Some(vm), Some(scan)) = (self.vm.clone(), self.early.as_ref()) else {
-            return;
-        };
-        if !scan.is_on() {
-            // Nothing the scan follows: reading more would buy nothing.
-            return self.drop_arrived();
-        }
-        let have = self.seen;
-        if body_size == have || scan.keep_from() == usize::MAX {
-            // Nothing new, or the prompt's array closed: the rest is for the final read.
-            return;
-        }
-        let want = body_size.saturating_sub(have);
-        let slice = match abi::get_buffer(BufferType::HttpRequestBody, have, want) {
-            Ok(Some(slice)) if body_size > have && slice.len() == want => slice,
-            _ => return self.drop_arrived(),
-        };
-        if self.arrived.is_empty() {
-            self.base = have;
-            self.arrived = slice;
-        } else {
-            self.arrived.extend_from_slice(&slice);
-        }
-        self.seen = body_size;
-        if !self.count_held(&vm) {
-            return self.drop_arrived();
-        }
-        let Some(scan) = self.early.as_mut() else {
-            return;
-        };
-        scan.advance_window(self.base, &self.arrived);
-        // Drop what the scan has read: it never looks before `keep_from` again.
-        let keep = scan.keep_from().min(self.seen);
-        if keep > self.base {
-            self.arrived.drain(..keep - self.base);
-            self.base = keep;
-        }
-        if self.arrived.capacity() > 2 * self.arrived.len() + (64 << 10) {
-            self.arrived.shrink_to(2 * self.arrived.len());
-        }
-        self.count_held(&vm);
-    }
-
-    /// Counts `arrived`'s capacity in the VM's share for the early scan; false (nothing counted
-    /// beyond what was) when it would pass `early_body_scan_max_bytes`, counted as declined.
-    fn count_held(&mut self, vm: &Shared) -> bool {
-        let capacity = self.arrived.capacity();
-        let mut vm = vm.borrow_mut();
-        let others = vm.early_held.saturating_sub(self.held);
-        if others + capacity > vm.state.config().early_body_scan_max_bytes {
-            inc(vm.metrics.early_declined, 1);
-            return false;
-        }
-        vm.early_held = others + capacity;
-        self.held = capacity;
-        true
-    }
-
-    /// Gives up the early reading of this request's body (the body is read whole at the end) and
-    /// returns its buffer's share to the VM.
-    fn drop_arrived(&mut self) {
-        self.early = None;
-        self.arrived = Vec::new();
-        self.return_held();
-    }
-
-    fn return_held(&mut self) {
-        if self.held > 0
-            && let Some(vm) = &self.vm
-            && let Ok(mut vm) = vm.try_borrow_mut()
-        {
-            vm.early_held = vm.early_held.saturating_sub(self.held);
-            self.held = 0;
-        }
-    }
-
-    /// Counts `bytes` of this body as held by the proxy for the filter (`body_hold_max_bytes`,
-    /// all the VM's streams together); false, with nothing more counted, when that would pass the
-    /// bound.
-    fn count_hold(&mut self, bytes: usize) -> bool {
-        let Some(vm) = &self.vm else {
-            return true;
-        };
-        let mut vm = vm.borrow_mut();
-        let others = vm.body_held.saturating_sub(self.hold);
-        let bytes = bytes.max(self.declared);
-        if others.saturating_add(bytes) > vm.state.config().body_hold_max_bytes {
-            return false;
-        }
-        vm.body_held = others + bytes;
-        self.hold = bytes;
-        true
-    }
-
-    /// Returns this stream's share of the VM's held bodies: the filter holds its body no more.
-    fn return_hold(&mut self) {
-        if self.hold > 0
-            && let Some(vm) = &self.vm
-            && let Ok(mut vm) = vm.try_borrow_mut()
-        {
-            vm.body_held = vm.body_held.saturating_sub(self.hold);
-            self.hold = 0;
-        }
-    }
-
-    /// Routes by load, its body unread, a stream whose body would pass `body_hold_max_bytes` (in a
-    /// P/D fleet, where an unread body is never forwarded, refused with a 503), counted; the proxy
-    /// then lets the body flow on. `bytes`: what the body is known to hold.
-    fn route_over_hold(&mut self, bytes: usize) -> Action {
-        self.drop_arrived();
-        self.return_hold();
-        if let Some(vm) = &self.vm {
-            let vm = vm.borrow();
-            inc(vm.metrics.body_hold_fallbacks, 1);
-        }
-        if self
-            .vm
-            .as_ref()
-            .is_some_and(|vm| vm.borrow().state.disaggregated())
-        {
-            return self.refuse_unread_pd(503, "the proxy holds as many request bodies as allowed");
-        }
-        self.route_fallback(BodyFallback::HoldLimit, bytes)
-    }
-
-    /// The whole request body, up to `max` bytes, read from the proxy's buffer (what
-    /// [`Stream::read_arrived`] read was dropped as the scan went). A buffer shorter than what the
-    /// scan saw turns the scan's work off for this body.
-    fn take_body(&mut self, max: usize) -> Result<Vec<u8>, u32> {
-        self.arrived = Vec::new();
-        self.return_held();
-        self.return_hold();
-        let body = abi::get_buffer(BufferType::HttpRequestBody, 0, max)?.unwrap_or_default();
-        if body.len() < self.seen {
-            self.early = None;
-        }
-        Ok(body)
-    }
-
     /// Reads the whole buffered request body (at most `max` bytes asked for), routes the request by
     /// it and admits it; every way the body cannot be read is routed by load instead (refused in a
     /// P/D fleet, [`Stream::refuse_unread_pd`]). In a P/D fleet
@@ -456,66 +316,6 @@ impl Stream {
         }
     }
 
-    /// Reports how the request ended for its replica's health, once: the replica the proxy says
-    /// answered (`upstream.address`, Envoy) tells a retry elsewhere from the first choice's answer.
-    /// A request whose failures do not count (an oversized body) blames no retry either.
-    fn report_outcome(&mut self, outcome: Outcome) {
-        if self.outcome_reported {
-            return;
-        }
-        let (Some(replica), Some(vm)) = (self.replica, self.vm.as_ref()) else {
-            return;
-        };
-        self.outcome_reported = true;
-        let served = abi::get_property(&["upstream", "address"]).ok().flatten();
-        vm.borrow_mut().state.request_outcome(
-            replica,
-            served.as_deref(),
-            outcome,
-            !self.oversized,
-            now_ms(),
-        );
-    }
-
-    /// Settles the request's outcome as counting for no replica (at most once); `failed`: the client
-    /// got a failure (a 5xx, a failed attempt, an engine error), counted in
-    /// `kvsteer_failures_not_blamed`.
-    fn settle_unblamed(&mut self, failed: bool) {
-        if self.outcome_reported || self.replica.is_none() {
-            return;
-        }
-        self.outcome_reported = true;
-        if failed && let Some(vm) = &self.vm {
-            let mut vm = vm.borrow_mut();
-            vm.state.failure_not_blamed();
-            inc(vm.metrics.failures_not_blamed, 1);
-        }
-    }
-
-    /// Who produced the response ([`Origin`]). Envoy: `response.code_details`; a host without them
-    /// (or refusing the call) falls back to whether an upstream was reached at all
-    /// (`upstream.address`). nginx: `$upstream_status`, read through ngx_wasm_module's `ngx.*`
-    /// properties; without it, the proxy's (nothing counts: conservative where nginx cannot tell).
-    fn answer_origin(&self) -> Origin {
-        let nginx = self
-            .vm
-            .as_ref()
-            .is_some_and(|vm| vm.borrow().state.config().output == OutputMode::NginxVariable);
-        if nginx {
-            return match abi::get_property(&["ngx", "upstream_status"]) {
-                Ok(Some(v)) => Origin::from_nginx_upstream_status(&v),
-                _ => Origin::Proxy,
-            };
-        }
-        match abi::get_property(&["response", "code_details"]) {
-            Ok(Some(d)) => Origin::from_envoy_details(&d),
-            _ => match abi::get_property(&["upstream", "address"]) {
-                Ok(Some(_)) => Origin::Replica,
-                _ => Origin::Proxy,
-            },
-        }
-    }
-
     fn release(&mut self) {
         if matches!(
             self.phase,
@@ -533,87 +333,6 @@ impl Stream {
         if self.phase != Phase::Untracked {
             self.phase = Phase::Released;
         }
-    }
-
-    /// The priority header (`routing.admission.priority_header`): a trusted one's class is kept for
-    /// admission; an untrusted copy is removed before the request goes upstream and counted, so a
-    /// client can neither raise its own priority nor pass the header on. Every value is hostile:
-    /// only a bounded comparison with the three class names reads it. `Some`: the header that could
-    /// not be removed.
-    fn read_priority_header(
-        &mut self,
-        state: &mut crate::router_state::RouterState,
-    ) -> Option<(String, u32)> {
-        let adm = state.admission()?;
-        let name = adm.priority_header()?;
-        let map = MapType::HttpRequestHeaders;
-        let present = abi::get_header(map, name);
-        if adm.trusts_header() {
-            if let Ok(Some(v)) = present {
-                self.header_class = adm.header_class(&v);
-            }
-            return None;
-        }
-        if matches!(present, Ok(None)) {
-            return None;
-        }
-        match abi::remove_header(map, name) {
-            Ok(()) => {
-                if present.is_ok() {
-                    state.priority_header_removed();
-                }
-                None
-            }
-            Err(e) => Some((name.to_string(), e)),
-        }
-    }
-
-    /// Clients must never choose a replica: drops any copy of the routing header they sent, on every
-    /// request, routed or not, and of the rank header (nor a DP rank). `Err`: the action for a
-    /// request refused because a copy could not be removed.
-    fn remove_client_routing_headers(&mut self, vm: &Shared) -> Result<(), Action> {
-        // Clients must never choose a replica: drop any copy of the routing header they sent,
-        // on every request, routed or not. (The header names are borrowed from the VM's
-        // configuration; host calls never re-enter the VM, so the borrow is safe across them.)
-        let mut vm = vm.borrow_mut();
-        let vm = &mut *vm;
-        // The rank header too: a client must not pick a DP rank either.
-        let mut removed = 0;
-        let mut stuck = None;
-        let map = MapType::HttpRequestHeaders;
-        for name in [vm.state.routing_header(), vm.state.rank_header()] {
-            let present = abi::get_header(map, name);
-            if matches!(present, Ok(None)) {
-                continue;
-            }
-            // Present, or the host would not say: remove it either way.
-            match abi::remove_header(map, name) {
-                Ok(()) => removed += present.is_ok() as usize,
-                Err(e) => stuck = Some((name.to_string(), e)),
-            }
-        }
-        for _ in 0..removed {
-            vm.state.spoofed_header_removed();
-            inc(vm.metrics.spoofed, 1);
-        }
-        if stuck.is_none() {
-            stuck = self.read_priority_header(&mut vm.state);
-        }
-        if let Some((name, e)) = stuck {
-            // A client's copy that cannot be removed must not reach the proxy's balancer.
-            log(
-                LogLevel::Warn,
-                &format!(
-                    "kvsteer: could not remove the client's {name} header (status {e}); request refused"
-                ),
-            );
-            return Err(self.refuse(
-                500,
-                "internal_error",
-                &format!("kvsteer: the request's {name} header could not be removed"),
-            ));
-        }
-        Ok(())
     }
 }
 
