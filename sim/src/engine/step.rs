@@ -15,17 +15,48 @@ impl Engine {
         work.clear();
         let mut budget = self.cfg.max_batch_tokens as usize;
         let mut w = StepWork::default();
-        let mut preempted = false;
 
         // Running sequences first, in admission order.
+        let preempted = self.schedule_running(&mut work, &mut budget, &mut w);
+        // Then waiting requests, FCFS, unless this step had to preempt.
+        let load_us = if preempted {
+            0
+        } else {
+            self.admit_waiting(start_us, &mut work, &mut budget, &mut w)
+        };
+
+        if work.is_empty() {
+            self.scratch = work;
+            self.step = None;
+            return;
+        }
+        let dur = (self.cfg.profile.step_us(&w) * self.slowdown)
+            .round()
+            .max(1.0) as u64
+            + load_us;
+        self.step = Some(Step {
+            end_us: start_us.saturating_add(dur),
+            work,
+        });
+    }
+
+    /// Gives the running sequences, in admission order, their next tokens within `budget`,
+    /// preempting the most recently admitted when blocks run out; true when it had to preempt.
+    fn schedule_running(
+        &mut self,
+        work: &mut Vec<(u32, u64, u32)>,
+        budget: &mut usize,
+        w: &mut StepWork,
+    ) -> bool {
+        let mut preempted = false;
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
             let (computed, total, held) = {
                 let s = self.seq(slot);
                 (s.computed, s.tokens.len(), s.blocks.len())
             };
-            let n = (total - computed).min(budget);
+            let n = (total - computed).min(*budget);
             let need = self.blocks_for(computed + n).saturating_sub(held);
             let mut scheduled = true;
             loop {
@@ -52,12 +83,23 @@ impl Engine {
                 break;
             }
             let s = self.seq(slot);
-            self.account(&mut w, s, n);
+            self.account(w, s, n);
             work.push((slot, s.id, n as u32));
-            budget -= n;
+            *budget -= n;
             i += 1;
         }
+        preempted
+    }
 
+    /// Admits waiting requests, FCFS, while the budget, the running cap and the free blocks allow
+    /// (after a prefix-cache lookup); returns the time loading their adapters adds to the step.
+    fn admit_waiting(
+        &mut self,
+        start_us: u64,
+        work: &mut Vec<(u32, u64, u32)>,
+        budget: &mut usize,
+        w: &mut StepWork,
+    ) -> u64 {
         // The batch's distinct adapters, and the time loading new ones adds to the step.
         let mut adapters: Vec<u32> = Vec::new();
         if self.lora.enabled() {
@@ -66,10 +108,7 @@ impl Engine {
             adapters.dedup();
         }
         let mut load_us = 0u64;
-
-        // Then waiting requests, FCFS, unless this step had to preempt.
-        while !preempted
-            && budget > 0
+        while *budget > 0
             && self.running.len() < self.cfg.max_running as usize
             && let Some(pos) = self.waiting.iter().position(|&s| {
                 // A request whose KV read has not ended is passed over, as vLLM's scheduler skips
@@ -93,7 +132,7 @@ impl Engine {
             let cached = hit_blocks * bs;
             // After a remote read every prompt token but the last is there.
             let start = if remote { total - 1 } else { cached };
-            let n = (total - start).min(budget);
+            let n = (total - start).min(*budget);
             let need = self.blocks_for(start + n) - hit.gpu_blocks;
             let taken_free = self.kv.free_among_hits(&s.hashes, hit.gpu_blocks);
             if self.kv.free_blocks() < need + taken_free {
@@ -125,24 +164,11 @@ impl Engine {
             self.stats.prefix_cache_hits += cached as u64;
             self.running.push(slot);
             let s = self.seq(slot);
-            self.account(&mut w, s, n);
+            self.account(w, s, n);
             work.push((slot, s.id, n as u32));
-            budget -= n;
+            *budget -= n;
         }
-
-        if work.is_empty() {
-            self.scratch = work;
-            self.step = None;
-            return;
-        }
-        let dur = (self.cfg.profile.step_us(&w) * self.slowdown)
-            .round()
-            .max(1.0) as u64
-            + load_us;
-        self.step = Some(Step {
-            end_us: start_us.saturating_add(dur),
-            work,
-        });
+        load_us
     }
 
     pub(super) fn account(&self, w: &mut StepWork, s: &Seq, n: usize) {
