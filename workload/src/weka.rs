@@ -213,68 +213,8 @@ pub fn parse(text: &str, p: &WekaParams) -> Result<Workload, WorkloadError> {
             line: ln + 1,
             message: e.to_string(),
         })?;
-        if raw.block_size == 0 || raw.block_size > 4096 {
-            return Err(WorkloadError::Parse {
-                line: ln + 1,
-                message: format!("block_size {} out of range", raw.block_size),
-            });
-        }
-        match block_size {
-            None => block_size = Some(raw.block_size),
-            Some(b) if b != raw.block_size => {
-                return Err(WorkloadError::Parse {
-                    line: ln + 1,
-                    message: format!(
-                        "block_size {} differs from earlier sessions' {b}",
-                        raw.block_size
-                    ),
-                });
-            }
-            _ => {}
-        }
-        // Local id -> global key, for the tool+system trunks.
-        let mut global: HashMap<u64, u64> = HashMap::new();
-        let main: Vec<&RawRequest> = raw
-            .requests
-            .iter()
-            .filter(|r| r.kind != "subagent")
-            .collect();
-        let k = prefix_blocks(
-            raw.tool_tokens,
-            raw.system_tokens,
-            raw.block_size,
-            p.shared_prefix_fraction,
-        );
-        for (i, id) in trunk(&main, k).into_iter().enumerate() {
-            global
-                .entry(id)
-                .or_insert_with(|| block_key("global:weka-main", i as u64));
-        }
-        let mut by_type: Vec<(String, Vec<&RawRequest>, usize)> = Vec::new();
-        for sa in raw.requests.iter().filter(|r| r.kind == "subagent") {
-            let ty = sa.subagent_type.clone().unwrap_or_default();
-            let k = prefix_blocks(
-                sa.tool_tokens,
-                sa.system_tokens,
-                raw.block_size,
-                p.shared_prefix_fraction,
-            );
-            match by_type.iter_mut().find(|(t, _, _)| *t == ty) {
-                Some((_, reqs, kk)) => {
-                    reqs.extend(sa.requests.iter());
-                    *kk = (*kk).min(k);
-                }
-                None => by_type.push((ty, sa.requests.iter().collect(), k)),
-            }
-        }
-        for (ty, reqs, k) in &by_type {
-            let gns = format!("global:weka-sub:{ty}");
-            for (i, id) in trunk(reqs, *k).into_iter().enumerate() {
-                global
-                    .entry(id)
-                    .or_insert_with(|| block_key(&gns, i as u64));
-            }
-        }
+        check_block_size(&raw, ln, &mut block_size)?;
+        let global = trunk_keys(&raw, p);
         global_ids += global.len() as u64;
 
         let ns = format!("weka:{}", raw.id);
@@ -302,20 +242,7 @@ pub fn parse(text: &str, p: &WekaParams) -> Result<Workload, WorkloadError> {
     };
     Ok(Workload {
         name: "weka".into(),
-        params: vec![
-            ("path".into(), p.path.display().to_string()),
-            ("max_prompt_tokens".into(), p.max_prompt_tokens.to_string()),
-            ("over_long".into(), format!("{:?}", p.over_long)),
-            (
-                "shared_prefix_fraction".into(),
-                p.shared_prefix_fraction.to_string(),
-            ),
-            ("think_scale".into(), p.think_scale.to_string()),
-            ("max_think_s".into(), p.max_think_s.to_string()),
-            ("concurrency".into(), p.concurrency.to_string()),
-            ("copies".into(), p.copies.to_string()),
-            ("think_jitter".into(), p.think_jitter.to_string()),
-        ],
+        params: params(p),
         block_size: block_size.unwrap_or(64),
         default_mode: Mode::Closed {
             concurrency: p.concurrency,
@@ -329,6 +256,101 @@ pub fn parse(text: &str, p: &WekaParams) -> Result<Workload, WorkloadError> {
             (NOTE_ZERO_OUTPUT.into(), c.zero_out),
         ],
     })
+}
+
+/// Checks a session's block size: in range, and the same as every earlier session's (`first`, set
+/// by the first session read).
+fn check_block_size(
+    raw: &RawSession,
+    ln: usize,
+    first: &mut Option<u32>,
+) -> Result<(), WorkloadError> {
+    if raw.block_size == 0 || raw.block_size > 4096 {
+        return Err(WorkloadError::Parse {
+            line: ln + 1,
+            message: format!("block_size {} out of range", raw.block_size),
+        });
+    }
+    match *first {
+        None => *first = Some(raw.block_size),
+        Some(b) if b != raw.block_size => {
+            return Err(WorkloadError::Parse {
+                line: ln + 1,
+                message: format!(
+                    "block_size {} differs from earlier sessions' {b}",
+                    raw.block_size
+                ),
+            });
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// A session's local block ids mapped to global keys, for the tool+system trunks: the main
+/// agent's shared with every session's main agent, each subagent type's with that type's.
+fn trunk_keys(raw: &RawSession, p: &WekaParams) -> HashMap<u64, u64> {
+    let mut global: HashMap<u64, u64> = HashMap::new();
+    let main: Vec<&RawRequest> = raw
+        .requests
+        .iter()
+        .filter(|r| r.kind != "subagent")
+        .collect();
+    let k = prefix_blocks(
+        raw.tool_tokens,
+        raw.system_tokens,
+        raw.block_size,
+        p.shared_prefix_fraction,
+    );
+    for (i, id) in trunk(&main, k).into_iter().enumerate() {
+        global
+            .entry(id)
+            .or_insert_with(|| block_key("global:weka-main", i as u64));
+    }
+    let mut by_type: Vec<(String, Vec<&RawRequest>, usize)> = Vec::new();
+    for sa in raw.requests.iter().filter(|r| r.kind == "subagent") {
+        let ty = sa.subagent_type.clone().unwrap_or_default();
+        let k = prefix_blocks(
+            sa.tool_tokens,
+            sa.system_tokens,
+            raw.block_size,
+            p.shared_prefix_fraction,
+        );
+        match by_type.iter_mut().find(|(t, _, _)| *t == ty) {
+            Some((_, reqs, kk)) => {
+                reqs.extend(sa.requests.iter());
+                *kk = (*kk).min(k);
+            }
+            None => by_type.push((ty, sa.requests.iter().collect(), k)),
+        }
+    }
+    for (ty, reqs, k) in &by_type {
+        let gns = format!("global:weka-sub:{ty}");
+        for (i, id) in trunk(reqs, *k).into_iter().enumerate() {
+            global
+                .entry(id)
+                .or_insert_with(|| block_key(&gns, i as u64));
+        }
+    }
+    global
+}
+
+/// The parameters a workload built from this trace records.
+fn params(p: &WekaParams) -> Vec<(String, String)> {
+    vec![
+        ("path".into(), p.path.display().to_string()),
+        ("max_prompt_tokens".into(), p.max_prompt_tokens.to_string()),
+        ("over_long".into(), format!("{:?}", p.over_long)),
+        (
+            "shared_prefix_fraction".into(),
+            p.shared_prefix_fraction.to_string(),
+        ),
+        ("think_scale".into(), p.think_scale.to_string()),
+        ("max_think_s".into(), p.max_think_s.to_string()),
+        ("concurrency".into(), p.concurrency.to_string()),
+        ("copies".into(), p.copies.to_string()),
+        ("think_jitter".into(), p.think_jitter.to_string()),
+    ]
 }
 
 /// The turns of one session (or one copy of it, under namespace `ns`).
