@@ -81,45 +81,10 @@ impl Router {
         self.health.refresh(now_ms);
         let avoided = self.avoided();
         let needs = self.needs;
-        let active_prefix: Vec<f64> = if needs.active_prefix {
-            let (n, id) = (req.identity.blocks(), &req.identity);
-            (0..self.replicas)
-                .map(|r| self.load.active_prefix_by(r, n, |i| id.key(i)) as f64)
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let active_prefix = self.active_prefix(req);
         let mut affinity = std::mem::take(&mut self.scratch_approx);
-        affinity.clear();
-        if needs.affinity {
-            match &req.identity {
-                PromptIdentity::Exact(h) => {
-                    self.approx_seq
-                        .match_prefix(h, now_ms, self.replicas, &mut affinity)
-                }
-                PromptIdentity::Approximate(h) => {
-                    self.approx_text
-                        .match_prefix(h, now_ms, self.replicas, &mut affinity)
-                }
-            }
-        }
-        // The router keeps a working set only when the policy asks for one (`Router::new`).
-        if let Some(ws) = &mut self.working_set {
-            ws.expire(now_ms);
-        }
-        let working_set: Vec<CacheFit> = match (&self.working_set, needs.working_set) {
-            (Some(ws), Some(sizing)) => {
-                let added = ws.added(sampled);
-                (0..self.replicas)
-                    .map(|r| CacheFit {
-                        working_set: ws.blocks(r),
-                        added: added.get(r).copied().unwrap_or(0.0),
-                        cache: self.cache_blocks_by(r, sizing),
-                    })
-                    .collect()
-            }
-            _ => Vec::new(),
-        };
+        self.affinity(req, now_ms, &mut affinity);
+        let working_set = self.cache_fits(now_ms, sampled);
         let (speed, reuse_share) = match (needs.speed, &self.working_set) {
             (true, Some(ws)) => (self.speeds.factors(), ws.reuse_share()),
             (true, None) => (self.speeds.factors(), 0.0),
@@ -157,16 +122,7 @@ impl Router {
         // The policy's terms, where it keeps any, now describe this request.
         self.terms_unadmitted = true;
         self.scratch_approx = affinity;
-        // An ejected replica's probe, when one is due, takes this request; the policy's choice
-        // becomes its backup (Envoy retries a failed probe there).
-        let (present, down) = (&self.present, &self.down);
-        let probe = self
-            .health
-            .take_probe(now_ms, |r| Self::probe_eligible(present, down, r));
-        let (replica, probe_backup) = match probe {
-            Some(p) if p != replica => (p, Some(replica)),
-            _ => (replica, None),
-        };
+        let (replica, probe, probe_backup) = self.probe_or(replica, now_ms);
         let matched_tokens: Vec<u64> = overlap
             .iter()
             .map(|&o| ((o * bs) as u64).min(req.prompt_tokens))
@@ -187,6 +143,72 @@ impl Router {
             costs,
             backup,
             probe: probe.is_some(),
+        }
+    }
+
+    /// Leading blocks of the request already booked on each replica by requests in flight (the
+    /// policy's `active_prefix`); empty unless the policy asks for it.
+    fn active_prefix(&self, req: &RouteRequest) -> Vec<f64> {
+        if self.needs.active_prefix {
+            let (n, id) = (req.identity.blocks(), &req.identity);
+            (0..self.replicas)
+                .map(|r| self.load.active_prefix_by(r, n, |i| id.key(i)) as f64)
+                .collect()
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Leading blocks this router itself last sent to each replica (the approximate index, the
+    /// policy's `affinity`), into `out`: cleared, and left empty unless the policy asks for it.
+    fn affinity(&mut self, req: &RouteRequest, now_ms: u64, out: &mut Vec<u32>) {
+        out.clear();
+        if self.needs.affinity {
+            match &req.identity {
+                PromptIdentity::Exact(h) => {
+                    self.approx_seq.match_prefix(h, now_ms, self.replicas, out)
+                }
+                PromptIdentity::Approximate(h) => {
+                    self.approx_text.match_prefix(h, now_ms, self.replicas, out)
+                }
+            }
+        }
+    }
+
+    /// The working-set term's input (section 2.6), after what has aged out expires: per replica
+    /// its working set, what `sampled` adds to it and the cache it must fit; empty unless the
+    /// policy asks for it.
+    fn cache_fits(&mut self, now_ms: u64, sampled: &[u64]) -> Vec<CacheFit> {
+        // The router keeps a working set only when the policy asks for one (`Router::new`).
+        if let Some(ws) = &mut self.working_set {
+            ws.expire(now_ms);
+        }
+        match (&self.working_set, self.needs.working_set) {
+            (Some(ws), Some(sizing)) => {
+                let added = ws.added(sampled);
+                (0..self.replicas)
+                    .map(|r| CacheFit {
+                        working_set: ws.blocks(r),
+                        added: added.get(r).copied().unwrap_or(0.0),
+                        cache: self.cache_blocks_by(r, sizing),
+                    })
+                    .collect()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// An ejected replica's probe, when one is due, takes this request; the policy's `choice`
+    /// becomes its backup (Envoy retries a failed probe there). Returns the replica the request
+    /// goes to, the probed replica if any, and the backup the probe leaves.
+    fn probe_or(&mut self, choice: usize, now_ms: u64) -> (usize, Option<usize>, Option<usize>) {
+        let (present, down) = (&self.present, &self.down);
+        let probe = self
+            .health
+            .take_probe(now_ms, |r| Self::probe_eligible(present, down, r));
+        match probe {
+            Some(p) if p != choice => (p, probe, Some(choice)),
+            _ => (choice, probe, None),
         }
     }
 
