@@ -193,6 +193,34 @@ pub struct Router {
 /// requests are not learned from (a proxy that loses stream ends would otherwise grow it forever).
 pub const MAX_PENDING_PREDICTIONS: usize = 1 << 16;
 
+/// The token-load table, accounting as the configured policy reads load: queued prefill booked in
+/// time for `kv_load` with `queue_in_time` and for `kv_time`, and no prefix counted as shared for
+/// `kv_time`.
+fn load_table(cfg: &RoutingConfig, replicas: usize) -> LoadTable {
+    let in_time = match cfg.policy {
+        PolicyKind::KvLoad if cfg.kv_load.queue_in_time_active() => {
+            Some(cfg.kv_load.attention_context_tokens as u64)
+        }
+        PolicyKind::KvTime => {
+            let profile = cfg.kv_time.profile.profile();
+            Some(profile.attention_context_tokens().min(1e15) as u64)
+        }
+        _ => None,
+    };
+    LoadTable::new(
+        replicas,
+        cfg.block_size,
+        Accounting {
+            prompt_blocks_at_admission: cfg.kv_load.prompt_blocks_at_admission,
+            // kv_time reads decode load as the KV its steps read: every sequence reads its
+            // whole context, a prefix shared with others included, so nothing is counted once.
+            assume_kv_reuse: cfg.kv_load.assume_kv_reuse && cfg.policy != PolicyKind::KvTime,
+            use_output_hint: cfg.kv_load.use_output_hint,
+            prefill_in_time: in_time,
+        },
+    )
+}
+
 impl Router {
     pub fn new(cfg: RoutingConfig, replicas: usize) -> Result<Router, ConfigError> {
         cfg.validate()?;
@@ -203,16 +231,6 @@ impl Router {
             ));
         }
         let pa = &cfg.prefix_affinity;
-        let in_time = match cfg.policy {
-            PolicyKind::KvLoad if cfg.kv_load.queue_in_time_active() => {
-                Some(cfg.kv_load.attention_context_tokens as u64)
-            }
-            PolicyKind::KvTime => {
-                let profile = cfg.kv_time.profile.profile();
-                Some(profile.attention_context_tokens().min(1e15) as u64)
-            }
-            _ => None,
-        };
         let policy = crate::policy::from_config(&cfg, replicas);
         let needs = policy.needs();
         Ok(Router {
@@ -227,19 +245,7 @@ impl Router {
             index: KvIndex::new(cfg.index_capacity_blocks, replicas, cfg.seed ^ 0xA5A5_5A5A),
             approx_seq: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
             approx_text: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
-            load: LoadTable::new(
-                replicas,
-                cfg.block_size,
-                Accounting {
-                    prompt_blocks_at_admission: cfg.kv_load.prompt_blocks_at_admission,
-                    // kv_time reads decode load as the KV its steps read: every sequence reads its
-                    // whole context, a prefix shared with others included, so nothing is counted once.
-                    assume_kv_reuse: cfg.kv_load.assume_kv_reuse
-                        && cfg.policy != PolicyKind::KvTime,
-                    use_output_hint: cfg.kv_load.use_output_hint,
-                    prefill_in_time: in_time,
-                },
-            ),
+            load: load_table(&cfg, replicas),
             outputs: OutputEstimate::new(),
             address_groups: Vec::new(),
             peers: HashMap::new(),

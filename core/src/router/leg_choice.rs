@@ -18,33 +18,13 @@ impl Router {
         params: &PdParams,
         now_ms: u64,
     ) -> Result<PdDecision, PdError> {
-        if roles.len() != self.replicas {
-            return Err(PdError::RolesLength {
-                roles: roles.len(),
-                replicas: self.replicas,
-            });
-        }
-        if !roles.iter().any(|r| r.prefills()) {
-            return Err(PdError::NoPrefillReplica);
-        }
-        if !roles.iter().any(|r| r.decodes()) {
-            return Err(PdError::NoDecodeReplica);
-        }
+        check_roles(roles, self.replicas)?;
         self.clock_ms = self.clock_ms.max(now_ms);
         let bs = self.cfg.block_size as f64;
         let request_blocks = (req.prompt_tokens as f64 / bs).ceil();
         let overlap = self.overlap_blocks(req, now_ms);
         self.health.refresh(now_ms);
-        let usable: Vec<bool> = (0..self.replicas).map(|r| self.is_usable(r)).collect();
-        // A side avoids unusable replicas unless it has no usable one.
-        let side_avoided = |takes: &dyn Fn(Role) -> bool| -> Vec<bool> {
-            let any = (0..roles.len()).any(|r| takes(roles[r]) && usable[r]);
-            (0..roles.len())
-                .map(|r| !takes(roles[r]) || !self.present[r] || (any && !usable[r]))
-                .collect()
-        };
-        let p_avoided = side_avoided(&|r: Role| r.prefills());
-        let d_avoided = side_avoided(&|r: Role| r.decodes());
+        let (p_avoided, d_avoided) = self.sides_avoided(roles);
         let (prefill, decode, prefill_costs, decode_costs) = if self.cfg.policy
             == PolicyKind::RoundRobin
         {
@@ -89,14 +69,7 @@ impl Router {
             }
         };
         let prefill_backup = prefill_backup.map(|b| (b, matched(b)));
-        let d_probe = self
-            .health
-            .take_probe(now_ms, |r| roles[r].decodes() && up(r) && r != prefill)
-            .filter(|&d| d != decode);
-        let (decode, decode_backup) = match d_probe {
-            Some(d) => (d, Some(decode)),
-            None => (decode, None),
-        };
+        let (decode, decode_backup) = self.probe_decode(roles, prefill, decode, now_ms);
         let prefill_matched_tokens = matched(prefill);
         self.count_decision(prefill, None, req.prompt_tokens, prefill_matched_tokens);
         Ok(PdDecision {
@@ -111,6 +84,44 @@ impl Router {
             prefill_probe,
             decode_backup,
         })
+    }
+
+    /// A due probe of a replica that decodes takes the decode leg (never on `prefill`, the prefill
+    /// leg's replica); the side's own choice, `decode`, becomes its backup.
+    fn probe_decode(
+        &mut self,
+        roles: &[Role],
+        prefill: usize,
+        decode: usize,
+        now_ms: u64,
+    ) -> (usize, Option<usize>) {
+        let (present, down) = (&self.present, &self.down);
+        let up = |r: usize| Self::probe_eligible(present, down, r);
+        let d_probe = self
+            .health
+            .take_probe(now_ms, |r| roles[r].decodes() && up(r) && r != prefill)
+            .filter(|&d| d != decode);
+        match d_probe {
+            Some(d) => (d, Some(decode)),
+            None => (decode, None),
+        }
+    }
+
+    /// The replicas each side of a P/D request avoids (prefill, decode): those not in its role or
+    /// not present, and unusable ones unless the side has no usable one.
+    fn sides_avoided(&self, roles: &[Role]) -> (Vec<bool>, Vec<bool>) {
+        let usable: Vec<bool> = (0..self.replicas).map(|r| self.is_usable(r)).collect();
+        // A side avoids unusable replicas unless it has no usable one.
+        let side_avoided = |takes: &dyn Fn(Role) -> bool| -> Vec<bool> {
+            let any = (0..roles.len()).any(|r| takes(roles[r]) && usable[r]);
+            (0..roles.len())
+                .map(|r| !takes(roles[r]) || !self.present[r] || (any && !usable[r]))
+                .collect()
+        };
+        (
+            side_avoided(&|r: Role| r.prefills()),
+            side_avoided(&|r: Role| r.decodes()),
+        )
     }
 
     /// The decode leg of a P/D decision as a [`Decision`] (what a proxy writes as the destination),
@@ -235,4 +246,21 @@ impl Router {
             now_ms,
         );
     }
+}
+
+/// A P/D request needs one role per replica, and at least one replica on each side.
+fn check_roles(roles: &[Role], replicas: usize) -> Result<(), PdError> {
+    if roles.len() != replicas {
+        return Err(PdError::RolesLength {
+            roles: roles.len(),
+            replicas,
+        });
+    }
+    if !roles.iter().any(|r| r.prefills()) {
+        return Err(PdError::NoPrefillReplica);
+    }
+    if !roles.iter().any(|r| r.decodes()) {
+        return Err(PdError::NoDecodeReplica);
+    }
+    Ok(())
 }
