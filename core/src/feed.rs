@@ -345,6 +345,35 @@ fn check(buf: &[u8]) -> Result<Checked, FeedError> {
     if !resync && first_seq.checked_add(count as u64) != Some(next_seq) {
         return Err(FeedError::InconsistentSequence);
     }
+    let hashes = check_events(&mut r, count)?;
+    let adapters = if flags & FLAG_ADAPTERS != 0 {
+        Some(AdapterReport::decode(&buf[r.pos..])?)
+    } else if r.remaining() != 0 {
+        return Err(FeedError::TrailingBytes {
+            extra: r.remaining(),
+        });
+    } else {
+        None
+    };
+    Ok(Checked {
+        adapters,
+        header: FeedBatch {
+            epoch,
+            resync,
+            more: flags & FLAG_MORE != 0,
+            first_seq,
+            next_seq,
+            load,
+            events: Vec::new(),
+        },
+        events: count,
+        hashes,
+    })
+}
+
+/// Checks `count` events from the reader's position on (each one's kind, tier and length, its hashes
+/// skipped, not read) and returns how many hashes they hold.
+fn check_events(r: &mut Reader<'_>, count: u32) -> Result<u64, FeedError> {
     let mut hashes = 0u64;
     for index in 0..count {
         let kind = r.u8().ok_or(FeedError::Truncated { index })?;
@@ -371,29 +400,7 @@ fn check(buf: &[u8]) -> Result<Checked, FeedError> {
         r.pos += n * 8;
         hashes += n as u64;
     }
-    let adapters = if flags & FLAG_ADAPTERS != 0 {
-        Some(AdapterReport::decode(&buf[r.pos..])?)
-    } else if r.remaining() != 0 {
-        return Err(FeedError::TrailingBytes {
-            extra: r.remaining(),
-        });
-    } else {
-        None
-    };
-    Ok(Checked {
-        adapters,
-        header: FeedBatch {
-            epoch,
-            resync,
-            more: flags & FLAG_MORE != 0,
-            first_seq,
-            next_seq,
-            load,
-            events: Vec::new(),
-        },
-        events: count,
-        hashes,
-    })
+    Ok(hashes)
 }
 
 /// What a slice of an event does.

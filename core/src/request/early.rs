@@ -154,6 +154,7 @@ impl EarlyScan {
     /// `window`: the body from offset `base` on (`base` at most the next member's offset, checked
     /// by the caller); every offset kept is one into the whole body.
     fn locate(&mut self, base: usize, window: &[u8]) {
+        // Kept whole: one resumable walk over the members; each early return sets where to resume.
         let State::Locating {
             mut next,
             mut opened,

@@ -62,35 +62,7 @@ pub(super) fn read(
     let model = f.model.flatten();
     let lora = adapters.and_then(|a| a.adapter_of(model.as_deref()));
     let hasher = plain.namespaced(lora, salt.as_deref());
-    let mut prompt = match f.prompt.flatten() {
-        None => None,
-        Some(PromptScan::Text(t)) => Some(Final::Text(t)),
-        Some(PromptScan::Texts { first, rest_chars }) => Some(Final::Texts { first, rest_chars }),
-        // Hashed before the salt or the adapter was known: read the array again under the
-        // request's namespace.
-        Some(PromptScan::Tokens { at, ids }) => {
-            let ids = if ids.seed != hasher.seed() {
-                rehash(body, at, &hasher, false)?
-            } else {
-                ids.builder
-            };
-            Some(Final::Tokens {
-                count: ids.tokens(),
-                hashes: ids.finish(),
-            })
-        }
-        Some(PromptScan::TokenLists { at, count, first }) => {
-            let first = if first.seed != hasher.seed() {
-                rehash(body, at, &hasher, true)?
-            } else {
-                first.builder
-            };
-            Some(Final::Tokens {
-                count,
-                hashes: first.finish(),
-            })
-        }
-    };
+    let mut prompt = final_prompt(body, f.prompt.flatten(), &hasher)?;
     let read = prompt.as_mut().map(|p| match p {
         Final::Text(t) => PromptRead::Text(t),
         Final::Texts { first, rest_chars } => PromptRead::Texts {
@@ -146,6 +118,45 @@ enum Final<'a> {
         count: u64,
         hashes: Vec<SeqHash>,
     },
+}
+
+/// The prompt as the request's namespace (its salt and adapter) identifies it: token ids hashed
+/// before that namespace was known are read again under it. `None`: a re-read failed (the bytes
+/// changed), left to the general reader.
+fn final_prompt<'a>(
+    body: &[u8],
+    scan: Option<PromptScan<'a>>,
+    hasher: &BlockHasher,
+) -> Option<Option<Final<'a>>> {
+    Some(match scan {
+        None => None,
+        Some(PromptScan::Text(t)) => Some(Final::Text(t)),
+        Some(PromptScan::Texts { first, rest_chars }) => Some(Final::Texts { first, rest_chars }),
+        // Hashed before the salt or the adapter was known: read the array again under the
+        // request's namespace.
+        Some(PromptScan::Tokens { at, ids }) => {
+            let ids = if ids.seed != hasher.seed() {
+                rehash(body, at, hasher, false)?
+            } else {
+                ids.builder
+            };
+            Some(Final::Tokens {
+                count: ids.tokens(),
+                hashes: ids.finish(),
+            })
+        }
+        Some(PromptScan::TokenLists { at, count, first }) => {
+            let first = if first.seed != hasher.seed() {
+                rehash(body, at, hasher, true)?
+            } else {
+                first.builder
+            };
+            Some(Final::Tokens {
+                count,
+                hashes: first.finish(),
+            })
+        }
+    })
 }
 
 /// Hashes the token ids of the array at `at` (the first inner array when `first_list`) again under
