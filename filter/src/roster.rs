@@ -268,56 +268,7 @@ fn read_document(body: &[u8], rules: &RosterRules, slots: usize) -> Result<Vec<S
     let mut units: Vec<Seat> = Vec::new();
     for (i, m) in doc.members.iter().enumerate() {
         let bad = |what: String| Err(Refusal::BadMember(format!("members[{i}]: {what}")));
-        if !valid_name(&m.name) {
-            return bad(format!("name {:?} must be 1-64 of [A-Za-z0-9._-]", m.name));
-        }
-        let Ok(endpoint) = m.endpoint.parse::<SocketAddr>() else {
-            return bad(format!("endpoint {:?} is not IP:port", m.endpoint));
-        };
-        let feed = match &m.feed {
-            Some(f) => match f.parse::<SocketAddr>() {
-                Ok(a) => a,
-                Err(_) => return bad(format!("feed {f:?} is not IP:port")),
-            },
-            None => endpoint,
-        };
-        if endpoint.port() == 0 || feed.port() == 0 || endpoint.ip().is_unspecified() {
-            return bad(format!("{} has no routable address", m.name));
-        }
-        if m.ranks == 0 || m.ranks > kvsteer_core::dp::MAX_DP_RANKS {
-            return bad(format!("ranks must be 1..=256, got {}", m.ranks));
-        }
-        match m.role.as_deref().map(Role::parse) {
-            None | Some(Some(Role::Both)) => {}
-            Some(_) => {
-                return bad(format!(
-                    "role {:?}: discovered members serve both phases (prefill/decode fleets are \
-                     configured statically)",
-                    m.role.as_deref().unwrap_or_default()
-                ));
-            }
-        }
-        if rules.static_names.contains(&m.name) {
-            return Err(Refusal::Duplicate(format!(
-                "members[{i}]: {:?} is a static replica's name",
-                m.name
-            )));
-        }
-        if doc.members[..i].iter().any(|o| o.name == m.name) {
-            return Err(Refusal::Duplicate(format!(
-                "members[{i}]: name {:?} listed twice",
-                m.name
-            )));
-        }
-        if doc.members[..i].iter().any(|o| {
-            o.endpoint
-                .parse::<SocketAddr>()
-                .is_ok_and(|e| e == endpoint)
-        }) {
-            return Err(Refusal::Duplicate(format!(
-                "members[{i}]: endpoint {endpoint} listed twice"
-            )));
-        }
+        let (endpoint, feed) = check_member(i, m, &doc.members[..i], rules)?;
         for rank in 0..m.ranks {
             if units.len() >= slots {
                 return Err(Refusal::TooMany {
@@ -345,6 +296,68 @@ fn read_document(body: &[u8], rules: &RosterRules, slots: usize) -> Result<Vec<S
         }
     }
     Ok(units)
+}
+
+/// Checks member `i` of a discovery document on its own and against the `earlier` ones (a name
+/// and endpoint listed once, no static replica's name); its serving and feed addresses.
+fn check_member(
+    i: usize,
+    m: &DocMember,
+    earlier: &[DocMember],
+    rules: &RosterRules,
+) -> Result<(SocketAddr, SocketAddr), Refusal> {
+    let bad = |what: String| Err(Refusal::BadMember(format!("members[{i}]: {what}")));
+    if !valid_name(&m.name) {
+        return bad(format!("name {:?} must be 1-64 of [A-Za-z0-9._-]", m.name));
+    }
+    let Ok(endpoint) = m.endpoint.parse::<SocketAddr>() else {
+        return bad(format!("endpoint {:?} is not IP:port", m.endpoint));
+    };
+    let feed = match &m.feed {
+        Some(f) => match f.parse::<SocketAddr>() {
+            Ok(a) => a,
+            Err(_) => return bad(format!("feed {f:?} is not IP:port")),
+        },
+        None => endpoint,
+    };
+    if endpoint.port() == 0 || feed.port() == 0 || endpoint.ip().is_unspecified() {
+        return bad(format!("{} has no routable address", m.name));
+    }
+    if m.ranks == 0 || m.ranks > kvsteer_core::dp::MAX_DP_RANKS {
+        return bad(format!("ranks must be 1..=256, got {}", m.ranks));
+    }
+    match m.role.as_deref().map(Role::parse) {
+        None | Some(Some(Role::Both)) => {}
+        Some(_) => {
+            return bad(format!(
+                "role {:?}: discovered members serve both phases (prefill/decode fleets are \
+                 configured statically)",
+                m.role.as_deref().unwrap_or_default()
+            ));
+        }
+    }
+    if rules.static_names.contains(&m.name) {
+        return Err(Refusal::Duplicate(format!(
+            "members[{i}]: {:?} is a static replica's name",
+            m.name
+        )));
+    }
+    if earlier.iter().any(|o| o.name == m.name) {
+        return Err(Refusal::Duplicate(format!(
+            "members[{i}]: name {:?} listed twice",
+            m.name
+        )));
+    }
+    if earlier.iter().any(|o| {
+        o.endpoint
+            .parse::<SocketAddr>()
+            .is_ok_and(|e| e == endpoint)
+    }) {
+        return Err(Refusal::Duplicate(format!(
+            "members[{i}]: endpoint {endpoint} listed twice"
+        )));
+    }
+    Ok((endpoint, feed))
 }
 
 #[cfg(test)]

@@ -172,6 +172,7 @@ fn tokenizer_error(e: String) -> ConfigError {
 
 impl RouterState {
     pub fn new(cfg: FilterConfig) -> Result<RouterState, ConfigError> {
+        // Kept whole: most of it is the state's literal, one line per field.
         let mut router = Router::new(cfg.routing.clone(), cfg.replicas.len())
             .map_err(|e| ConfigError::at("routing", e.to_string()))?;
         // The ranks of one endpoint share its address: a retry backup is taken from another one.

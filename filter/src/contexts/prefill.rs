@@ -117,19 +117,7 @@ impl Stream {
                 self.phase = Phase::Admitted;
                 Action::Continue
             }
-            PdRoute::Unavailable { replica, why } => {
-                inc(vm.metrics.pd_unavailable, 1);
-                let name =
-                    replica.map_or("any replica that prefills", |r| vm.state.replica_name(r));
-                log(
-                    LogLevel::Warn,
-                    &format!("kvsteer: P/D request refused: {name} {why}"),
-                );
-                let err = leg_bodies::error_body(503, "prefill", name, &why);
-                self.phase = Phase::Released;
-                Self::send_error(503, &err);
-                Action::Pause
-            }
+            PdRoute::Unavailable { replica, why } => self.refuse_unavailable(vm, replica, &why),
             PdRoute::Legs {
                 prefill,
                 decode,
@@ -165,6 +153,21 @@ impl Stream {
                 Action::Pause
             }
         }
+    }
+
+    /// Answers a P/D request no prefill replica can take (`replica`: the one chosen, when the
+    /// failure is its) with a 503; nothing was booked for it.
+    fn refuse_unavailable(&mut self, vm: &Vm, replica: Option<usize>, why: &str) -> Action {
+        inc(vm.metrics.pd_unavailable, 1);
+        let name = replica.map_or("any replica that prefills", |r| vm.state.replica_name(r));
+        log(
+            LogLevel::Warn,
+            &format!("kvsteer: P/D request refused: {name} {why}"),
+        );
+        let err = leg_bodies::error_body(503, "prefill", name, why);
+        self.phase = Phase::Released;
+        Self::send_error(503, &err);
+        Action::Pause
     }
 
     /// The prefill leg's answer (or its failure): on success the client's request becomes the decode

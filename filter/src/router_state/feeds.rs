@@ -279,36 +279,8 @@ impl RouterState {
         if let Some(f) = self.feeds.get_mut(replica) {
             f.in_flight = None;
         }
-        match status {
-            Some(200) => {}
-            Some(s) if proxy_could_not_connect(s, body.as_deref()) => {
-                let r = self.fail(
-                    replica,
-                    FeedFailure::Unreachable,
-                    format!("HTTP {s} from the proxy: replica unreachable"),
-                );
-                return self.unreachable(replica, r, store, now_ms);
-            }
-            Some(s) if proxy_timed_out(s, body.as_deref()) => {
-                self.feeds[replica].timeouts += 1;
-                return self.fail(
-                    replica,
-                    FeedFailure::Slow,
-                    format!(
-                        "no answer within {} ms: slow feed",
-                        self.cfg.feed_timeout_ms
-                    ),
-                );
-            }
-            Some(s) => return self.fail(replica, FeedFailure::Http(s), format!("HTTP {s}")),
-            None => {
-                let r = self.fail(
-                    replica,
-                    FeedFailure::Unreachable,
-                    "connection refused or reset".into(),
-                );
-                return self.unreachable(replica, r, store, now_ms);
-            }
+        if let Some(failed) = self.status_failure(replica, status, body.as_deref(), store, now_ms) {
+            return failed;
         }
         let body = body.unwrap_or_default();
         let body_len = body.len();
@@ -357,6 +329,50 @@ impl RouterState {
         self.feed_ok(replica, now_ms, more);
         self.set_down(replica, false, store, now_ms);
         FeedResult::Applied { replica, outcome }
+    }
+
+    /// The failure a feed answer other than a 200 counts as (the proxy's own answer when it could
+    /// not reach the replica or gave up waiting, the replica's HTTP status, no answer at all), with
+    /// what it does to the replica's state; `None` for a 200.
+    fn status_failure(
+        &mut self,
+        replica: usize,
+        status: Option<u16>,
+        body: Option<&[u8]>,
+        store: Option<&dyn SharedStore>,
+        now_ms: u64,
+    ) -> Option<FeedResult> {
+        match status {
+            Some(200) => None,
+            Some(s) if proxy_could_not_connect(s, body) => {
+                let r = self.fail(
+                    replica,
+                    FeedFailure::Unreachable,
+                    format!("HTTP {s} from the proxy: replica unreachable"),
+                );
+                Some(self.unreachable(replica, r, store, now_ms))
+            }
+            Some(s) if proxy_timed_out(s, body) => {
+                self.feeds[replica].timeouts += 1;
+                Some(self.fail(
+                    replica,
+                    FeedFailure::Slow,
+                    format!(
+                        "no answer within {} ms: slow feed",
+                        self.cfg.feed_timeout_ms
+                    ),
+                ))
+            }
+            Some(s) => Some(self.fail(replica, FeedFailure::Http(s), format!("HTTP {s}"))),
+            None => {
+                let r = self.fail(
+                    replica,
+                    FeedFailure::Unreachable,
+                    "connection refused or reset".into(),
+                );
+                Some(self.unreachable(replica, r, store, now_ms))
+            }
+        }
     }
 
     /// A feed answer whose body is over `feed_max_bytes`, refused before it is read (the proxy
