@@ -76,6 +76,7 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
+        // Kept whole: one registration per metric, a flat list.
         let r = Registry::new();
         Self {
             batches: c(

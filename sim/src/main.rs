@@ -34,6 +34,7 @@ fn parse<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, Strin
 }
 
 fn run() -> Result<(), String> {
+    // Kept whole: a flat match with one arm per flag, then the checks of what the flags set.
     let mut args = std::env::args().skip(1);
     match args.next().as_deref() {
         Some("serve") => {}

@@ -33,6 +33,7 @@ fn histogram(out: &mut String, name: &str, help: &str, labels: &str, h: &Histogr
 
 /// Renders the engine's state and counters.
 pub fn render(engine: &Engine, model: &str) -> String {
+    // Kept whole: a flat list of metric families, in the order the exposition prints them.
     let l = format!("model_name=\"{model}\"");
     let s = engine.stats();
     let load = engine.load();

@@ -62,6 +62,7 @@ impl<'a> Reader<'a> {
     }
 
     pub(super) fn item(&mut self) -> R<Item<'a>> {
+        // Kept whole: a flat match over MessagePack's markers.
         let b = self.be::<1>()?[0];
         Ok(match Marker::from_u8(b) {
             Marker::FixPos(v) => Item::Uint(v as u64),

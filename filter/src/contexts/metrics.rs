@@ -212,6 +212,7 @@ impl TokenizerMetrics {
 
 impl Metrics {
     pub(super) fn define(cfg: &FilterConfig) -> Metrics {
+        // Kept whole: one definition per metric, a flat list.
         use MetricType::{Counter, Gauge};
         let policy = cfg.routing.policy.name();
         let per = |kind, what: &str| -> Vec<Option<u32>> {
