@@ -361,53 +361,57 @@ async fn on_message(sh: &Shared, replay: Option<&Replay>, topic: &str, frames: V
                 "engine sequence went back: engine restart, new epoch"
             );
         }
-        SeqVerdict::Gap { from, to } => {
-            {
-                let mut st = lock(&sh.state);
-                let s = st.stats_mut();
-                s.gaps += 1;
-                s.gap_batches += to - from;
-            }
-            let recovered = match replay {
-                Some(r) => {
-                    sh.io(|io| io.replay_requests += 1);
-                    match fetch_replay(r, from, to).await {
-                        Ok(b) if b.len() as u64 == to - from => Some(b),
-                        Ok(b) => {
-                            sh.io(|io| io.replay_failed += 1);
-                            warn!(from, to, got = b.len(), "replay did not cover the gap");
-                            None
-                        }
-                        Err(e) => {
-                            sh.io(|io| io.replay_failed += 1);
-                            warn!(from, to, error = %e, "replay failed");
-                            None
-                        }
-                    }
-                }
-                None => None,
-            };
-            match recovered {
-                Some(b) => {
-                    apply_replayed(sh, &b);
-                    lock(&sh.state).stats_mut().gaps_recovered += 1;
-                    info!(from, to, "gap recovered by replay");
-                }
-                None => {
-                    let mut st = lock(&sh.state);
-                    st.reset(ResetReason::Gap, entropy());
-                    warn!(
-                        from,
-                        to,
-                        epoch = st.epoch(),
-                        "batches lost: view reset, new epoch"
-                    );
-                }
-            }
-            lock(&sh.state).set_expected_seq(seq.wrapping_add(1));
-        }
+        SeqVerdict::Gap { from, to } => on_gap(sh, replay, seq, from, to).await,
     }
     apply(sh, seq, payload);
+}
+
+/// Batches `from..to` were lost before batch `seq`: read them again from the engine's replay
+/// endpoint when it has them all, else reset the view (a new epoch); either way `seq` comes next.
+async fn on_gap(sh: &Shared, replay: Option<&Replay>, seq: u64, from: u64, to: u64) {
+    {
+        let mut st = lock(&sh.state);
+        let s = st.stats_mut();
+        s.gaps += 1;
+        s.gap_batches += to - from;
+    }
+    let recovered = match replay {
+        Some(r) => {
+            sh.io(|io| io.replay_requests += 1);
+            match fetch_replay(r, from, to).await {
+                Ok(b) if b.len() as u64 == to - from => Some(b),
+                Ok(b) => {
+                    sh.io(|io| io.replay_failed += 1);
+                    warn!(from, to, got = b.len(), "replay did not cover the gap");
+                    None
+                }
+                Err(e) => {
+                    sh.io(|io| io.replay_failed += 1);
+                    warn!(from, to, error = %e, "replay failed");
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+    match recovered {
+        Some(b) => {
+            apply_replayed(sh, &b);
+            lock(&sh.state).stats_mut().gaps_recovered += 1;
+            info!(from, to, "gap recovered by replay");
+        }
+        None => {
+            let mut st = lock(&sh.state);
+            st.reset(ResetReason::Gap, entropy());
+            warn!(
+                from,
+                to,
+                epoch = st.epoch(),
+                "batches lost: view reset, new epoch"
+            );
+        }
+    }
+    lock(&sh.state).set_expected_seq(seq.wrapping_add(1));
 }
 
 fn apply_replayed(sh: &Shared, batches: &[(u64, Bytes)]) {

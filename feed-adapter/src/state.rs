@@ -562,22 +562,7 @@ impl AdapterState {
                 }
             }
         };
-        // Blocks after the first (or every block when chained to a parent) may carry only the LoRA name.
-        let first_checked = usize::from(st.parent.is_none());
-        let mut usable = n;
-        for i in first_checked..n {
-            let ok = match extra(i) {
-                None | Some(ExtraKeys::None) => true,
-                Some(ExtraKeys::Strings(v)) => {
-                    matches!((lora, v.as_slice()), (Some(l), [a]) if a == l)
-                }
-                Some(ExtraKeys::Opaque) => false,
-            };
-            if !ok {
-                usable = i;
-                break;
-            }
-        }
+        let usable = usable_blocks(st, lora);
         if usable < n {
             self.skip(Skip::Unidentifiable, n - usable);
         }
@@ -783,6 +768,29 @@ impl AdapterState {
         }
         batch
     }
+}
+
+/// How many leading blocks of a stored batch kvsteer can identify: blocks after the first (or
+/// every block when chained to a parent) may carry only the LoRA name as extra keys.
+fn usable_blocks(st: &Stored, lora: Option<&str>) -> usize {
+    let n = st.hashes.len();
+    let extra = |i: usize| st.extra_keys.as_ref().and_then(|v| v.get(i));
+    let first_checked = usize::from(st.parent.is_none());
+    let mut usable = n;
+    for i in first_checked..n {
+        let ok = match extra(i) {
+            None | Some(ExtraKeys::None) => true,
+            Some(ExtraKeys::Strings(v)) => {
+                matches!((lora, v.as_slice()), (Some(l), [a]) if a == l)
+            }
+            Some(ExtraKeys::Opaque) => false,
+        };
+        if !ok {
+            usable = i;
+            break;
+        }
+    }
+    usable
 }
 
 #[cfg(test)]
