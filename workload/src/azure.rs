@@ -117,24 +117,7 @@ pub fn parse(text: &str, p: &AzureParams) -> Result<Workload, WorkloadError> {
         {
             break;
         }
-        let err = |message: String| WorkloadError::Parse {
-            line: ln + 1,
-            message,
-        };
-        let mut f = line.split(',');
-        let (Some(ts), Some(ctx), Some(gen_), None) = (f.next(), f.next(), f.next(), f.next())
-        else {
-            return Err(err("expected 3 fields".into()));
-        };
-        let ts = parse_timestamp(ts).ok_or_else(|| err(format!("bad timestamp {ts:?}")))?;
-        let ctx: u64 = ctx
-            .trim()
-            .parse()
-            .map_err(|_| err(format!("bad ContextTokens {ctx:?}")))?;
-        let gen_: u64 = gen_
-            .trim()
-            .parse()
-            .map_err(|_| err(format!("bad GeneratedTokens {gen_:?}")))?;
+        let (ts, ctx, gen_) = parse_row(ln, line)?;
         if ctx > u64::from(p.max_prompt_tokens) {
             skipped += 1;
             continue;
@@ -174,6 +157,29 @@ pub fn parse(text: &str, p: &AzureParams) -> Result<Workload, WorkloadError> {
         sessions,
         skipped,
     ))
+}
+
+/// One row (`TIMESTAMP,ContextTokens,GeneratedTokens`, line `ln` counted from 0): its timestamp,
+/// context and generated tokens.
+fn parse_row(ln: usize, line: &str) -> Result<(u64, u64, u64), WorkloadError> {
+    let err = |message: String| WorkloadError::Parse {
+        line: ln + 1,
+        message,
+    };
+    let mut f = line.split(',');
+    let (Some(ts), Some(ctx), Some(gen_), None) = (f.next(), f.next(), f.next(), f.next()) else {
+        return Err(err("expected 3 fields".into()));
+    };
+    let ts = parse_timestamp(ts).ok_or_else(|| err(format!("bad timestamp {ts:?}")))?;
+    let ctx: u64 = ctx
+        .trim()
+        .parse()
+        .map_err(|_| err(format!("bad ContextTokens {ctx:?}")))?;
+    let gen_: u64 = gen_
+        .trim()
+        .parse()
+        .map_err(|_| err(format!("bad GeneratedTokens {gen_:?}")))?;
+    Ok((ts, ctx, gen_))
 }
 
 #[cfg(test)]

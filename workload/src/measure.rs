@@ -355,15 +355,23 @@ impl Recorder {
         s.tpot_ms = Percentiles::of(&tpot);
         s.e2e_ms = Percentiles::of(&e2e);
         s.session_e2e_s = Percentiles::of(&sess_e2e);
+        s.decode_cv = self.mean_decode_cv();
+        s
+    }
+
+    /// The decode-block CV (docs/design/design.md section 7): the mean over the decode series of
+    /// their coefficients of variation; `None` when no series has one.
+    fn mean_decode_cv(&self) -> Option<f64> {
         let cvs: Vec<f64> = self
             .decode_series()
             .iter()
             .filter_map(|(_, v)| coefficient_of_variation(v))
             .collect();
-        if !cvs.is_empty() {
-            s.decode_cv = Some(cvs.iter().sum::<f64>() / cvs.len() as f64);
+        if cvs.is_empty() {
+            None
+        } else {
+            Some(cvs.iter().sum::<f64>() / cvs.len() as f64)
         }
-        s
     }
 }
 

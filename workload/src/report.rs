@@ -105,41 +105,7 @@ impl Frame {
             x1 - x0,
             y0 - y1
         );
-        for i in 0..=4 {
-            let fy = f.y.0 + (f.y.1 - f.y.0) * f64::from(i) / 4.0;
-            let py = f.py(fy);
-            let _ = write!(
-                f.svg,
-                r##"<line x1="{x0}" y1="{py:.1}" x2="{x1}" y2="{py:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">{}</text>"##,
-                x0 - 6.0,
-                py + 4.0,
-                tick(fy)
-            );
-        }
-        let xticks: Vec<f64> = if log_x {
-            let (a, b) = (f.x.0.floor() as i32, f.x.1.ceil() as i32);
-            (a..=b)
-                .map(f64::from)
-                .filter(|e| *e >= f.x.0 && *e <= f.x.1)
-                .collect()
-        } else {
-            (0..=5)
-                .map(|i| f.x.0 + (f.x.1 - f.x.0) * f64::from(i) / 5.0)
-                .collect()
-        };
-        for fx in xticks {
-            let px = x0 + (fx - f.x.0) / (f.x.1 - f.x.0) * (x1 - x0);
-            let label = if log_x {
-                tick(10f64.powf(fx))
-            } else {
-                tick(fx)
-            };
-            let _ = write!(
-                f.svg,
-                r##"<line x1="{px:.1}" y1="{y0}" x2="{px:.1}" y2="{y1}" stroke="#eee"/><text x="{px:.1}" y="{}" text-anchor="middle">{label}</text>"##,
-                y0 + 16.0
-            );
-        }
+        f.grid();
         let _ = write!(
             f.svg,
             r#"<text x="{}" y="{}" text-anchor="middle">{}</text><text x="16" y="{}" text-anchor="middle" transform="rotate(-90 16 {})">{}</text>"#,
@@ -151,6 +117,52 @@ impl Frame {
             escape(y_label)
         );
         f
+    }
+
+    /// The grid: five horizontal lines with the y values, and the x ticks (powers of ten on a log
+    /// axis, six even steps otherwise) with their vertical lines.
+    fn grid(&mut self) {
+        let (x0, y0, x1, y1) = (
+            self.left,
+            self.h - self.bottom,
+            self.w - self.right,
+            self.top,
+        );
+        for i in 0..=4 {
+            let fy = self.y.0 + (self.y.1 - self.y.0) * f64::from(i) / 4.0;
+            let py = self.py(fy);
+            let _ = write!(
+                self.svg,
+                r##"<line x1="{x0}" y1="{py:.1}" x2="{x1}" y2="{py:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">{}</text>"##,
+                x0 - 6.0,
+                py + 4.0,
+                tick(fy)
+            );
+        }
+        let xticks: Vec<f64> = if self.log_x {
+            let (a, b) = (self.x.0.floor() as i32, self.x.1.ceil() as i32);
+            (a..=b)
+                .map(f64::from)
+                .filter(|e| *e >= self.x.0 && *e <= self.x.1)
+                .collect()
+        } else {
+            (0..=5)
+                .map(|i| self.x.0 + (self.x.1 - self.x.0) * f64::from(i) / 5.0)
+                .collect()
+        };
+        for fx in xticks {
+            let px = x0 + (fx - self.x.0) / (self.x.1 - self.x.0) * (x1 - x0);
+            let label = if self.log_x {
+                tick(10f64.powf(fx))
+            } else {
+                tick(fx)
+            };
+            let _ = write!(
+                self.svg,
+                r##"<line x1="{px:.1}" y1="{y0}" x2="{px:.1}" y2="{y1}" stroke="#eee"/><text x="{px:.1}" y="{}" text-anchor="middle">{label}</text>"##,
+                y0 + 16.0
+            );
+        }
     }
 
     fn px(&self, x: f64) -> f64 {
