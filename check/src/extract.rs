@@ -243,41 +243,12 @@ fn from_nginx(s: &str) -> Result<Vec<Found>, String> {
             }
             _ => {
                 let start_line = line;
-                let mut token = String::new();
-                if c == '\'' || c == '"' {
-                    let mut closed = false;
-                    while let Some(d) = chars.next() {
-                        match d {
-                            '\\' => match chars.next() {
-                                Some('n') => token.push('\n'),
-                                Some('r') => token.push('\r'),
-                                Some('t') => token.push('\t'),
-                                Some(e) if e == c || e == '\\' => token.push(e),
-                                Some(e) => {
-                                    if e == '\n' {
-                                        line += 1;
-                                    }
-                                    token.push('\\');
-                                    token.push(e);
-                                }
-                                None => break,
-                            },
-                            d if d == c => {
-                                closed = true;
-                                break;
-                            }
-                            d => {
-                                if d == '\n' {
-                                    line += 1;
-                                }
-                                token.push(d);
-                            }
-                        }
-                    }
-                    if !closed {
-                        return Err(format!("line {start_line}: unterminated {c}-quoted string"));
-                    }
+                let token = if c == '\'' || c == '"' {
+                    quoted(&mut chars, c, &mut line).ok_or_else(|| {
+                        format!("line {start_line}: unterminated {c}-quoted string")
+                    })?
                 } else {
+                    let mut token = String::new();
                     token.push(c);
                     while let Some(&d) = chars.peek() {
                         if d.is_whitespace() || matches!(d, ';' | '{' | '}') {
@@ -286,7 +257,8 @@ fn from_nginx(s: &str) -> Result<Vec<Found>, String> {
                         token.push(d);
                         chars.next();
                     }
-                }
+                    token
+                };
                 if let Some((_, args)) = directive.as_mut() {
                     args.push(token);
                 } else if at_statement_start && token == "proxy_wasm" {
@@ -300,6 +272,42 @@ fn from_nginx(s: &str) -> Result<Vec<Found>, String> {
         return Err(format!("line {at}: proxy_wasm directive not ended by ';'"));
     }
     Ok(out)
+}
+
+/// A `quote`-quoted argument, read after its opening quote by nginx's escapes, with the lines it
+/// spans counted into `line`; `None` when the text ends before the closing quote.
+fn quoted(
+    chars: &mut std::iter::Peekable<std::str::Chars<'_>>,
+    quote: char,
+    line: &mut usize,
+) -> Option<String> {
+    let mut token = String::new();
+    while let Some(d) = chars.next() {
+        match d {
+            '\\' => match chars.next() {
+                Some('n') => token.push('\n'),
+                Some('r') => token.push('\r'),
+                Some('t') => token.push('\t'),
+                Some(e) if e == quote || e == '\\' => token.push(e),
+                Some(e) => {
+                    if e == '\n' {
+                        *line += 1;
+                    }
+                    token.push('\\');
+                    token.push(e);
+                }
+                None => break,
+            },
+            d if d == quote => return Some(token),
+            d => {
+                if d == '\n' {
+                    *line += 1;
+                }
+                token.push(d);
+            }
+        }
+    }
+    None
 }
 
 #[cfg(test)]
