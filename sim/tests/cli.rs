@@ -106,12 +106,23 @@ fn hostile_bytes_get_errors_and_the_process_survives() {
         ),
     ];
     for (raw, want) in cases {
-        let mut s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(&raw).unwrap();
-        s.shutdown(std::net::Shutdown::Write).unwrap();
+        // The server answers an error and closes before it has read the rest of what was sent;
+        // the kernel then resets the connection, and a reset that overtakes the answer discards
+        // it on the client's side (seen about once in 10-20 runs). Only that is tried again: an
+        // answer that is there, or is wrong, is judged at once.
         let mut out = Vec::new();
-        let _ = s.read_to_end(&mut out);
+        for attempt in 1..=5 {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s.write_all(&raw).unwrap();
+            let _ = s.shutdown(std::net::Shutdown::Write);
+            out.clear();
+            let read = s.read_to_end(&mut out);
+            let reset = matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset);
+            if !(reset && out.is_empty() && !want.is_empty() && attempt < 5) {
+                break;
+            }
+        }
         let resp = String::from_utf8_lossy(&out);
         if want.is_empty() {
             assert!(resp.is_empty(), "{resp}");
