@@ -108,8 +108,9 @@ fn hostile_bytes_get_errors_and_the_process_survives() {
     for (raw, want) in cases {
         // The server answers an error and closes before it has read the rest of what was sent;
         // the kernel then resets the connection, and a reset that overtakes the answer discards
-        // it on the client's side (seen about once in 10-20 runs). Only that is tried again: an
-        // answer that is there, or is wrong, is judged at once.
+        // it on the client's side (seen about once in 10-20 runs, as a reset or as an end with
+        // nothing read). Only an empty read is tried again, up to five times: an answer that is
+        // there, or is wrong, is judged at once, and a server that never answers still fails.
         let mut out = Vec::new();
         for attempt in 1..=5 {
             let mut s = TcpStream::connect(addr).unwrap();
@@ -117,9 +118,8 @@ fn hostile_bytes_get_errors_and_the_process_survives() {
             s.write_all(&raw).unwrap();
             let _ = s.shutdown(std::net::Shutdown::Write);
             out.clear();
-            let read = s.read_to_end(&mut out);
-            let reset = matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset);
-            if !(reset && out.is_empty() && !want.is_empty() && attempt < 5) {
+            let _ = s.read_to_end(&mut out);
+            if !(out.is_empty() && !want.is_empty() && attempt < 5) {
                 break;
             }
         }
