@@ -44,6 +44,12 @@ fn min_share(policy: &str, replicas: usize, seed: u64) -> (f64, Vec<u64>) {
         false,
     )
     .unwrap_or_else(|e| panic!("{e}"));
+    // Every replica is counted, the idle ones after the last busy one too (as 0).
+    assert_eq!(
+        m.requests_per_replica.len(),
+        replicas,
+        "{policy} seed {seed}"
+    );
     let total: u64 = m.requests_per_replica.iter().sum();
     let least = m.requests_per_replica.iter().copied().min().unwrap_or(0);
     (least as f64 / total.max(1) as f64, m.requests_per_replica)

@@ -563,14 +563,7 @@ fn calibration(h: &Harness) -> Option<Calibration> {
 }
 
 impl Measured {
-    /// `replicas`: the fleet's size. The summary counts requests only up to the highest replica
-    /// that served one; the replicas after it served none and are counted as 0 here, so that the
-    /// least loaded replica of a fleet that left its last ones idle reads 0, not the next lowest.
-    fn from(cell: &str, policy: &str, seed: u64, s: &Summary, replicas: usize) -> Measured {
-        let mut requests_per_replica = s.requests_per_replica.clone();
-        if requests_per_replica.len() < replicas {
-            requests_per_replica.resize(replicas, 0);
-        }
+    fn from(cell: &str, policy: &str, seed: u64, s: &Summary) -> Measured {
         Measured {
             cell: cell.into(),
             policy: policy.into(),
@@ -582,7 +575,7 @@ impl Measured {
             session_p99_s: s.session_e2e_s.p99,
             hit_rate: s.hit_rate,
             failed: s.failed,
-            requests_per_replica,
+            requests_per_replica: s.requests_per_replica.clone(),
             calibration: None,
             requests: Vec::new(),
         }
@@ -691,7 +684,7 @@ pub fn replay_configured(
     h.run_workload(Driver::new(workload, mode), |_, _| {})
         .map_err(|e| format!("{}: {spec}: {e}", c.id))?;
     let s = h.summary(spec);
-    let mut m = Measured::from(&c.id, spec, seed, &s, c.replicas);
+    let mut m = Measured::from(&c.id, spec, seed, &s);
     m.calibration = calibration(&h);
     if keep_requests {
         m.requests = h.records().map(request_row).collect();
@@ -739,20 +732,6 @@ mod tests {
             (rank_correlation(&[1.0, 2.0, 3.0, 4.0], &[4.0, 3.0, 2.0, 1.0]) + 1.0).abs() < 1e-12
         );
         assert!(rank_correlation(&[1.0], &[1.0]).is_nan());
-    }
-
-    #[test]
-    fn replicas_that_served_nothing_after_the_last_busy_one_count_as_zero() {
-        let s = Summary {
-            requests_per_replica: vec![3, 4],
-            ..Summary::default()
-        };
-        let m = Measured::from("c", "p", 0, &s, 4);
-        assert_eq!(m.requests_per_replica, vec![3, 4, 0, 0]);
-        assert_eq!(
-            Measured::from("c", "p", 0, &s, 1).requests_per_replica,
-            vec![3, 4]
-        );
     }
 
     #[test]

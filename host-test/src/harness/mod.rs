@@ -223,7 +223,13 @@ impl Harness {
     }
 
     pub fn summary(&self, label: &str) -> Summary {
-        self.recorder.summary(label)
+        let mut s = self.recorder.summary(label);
+        // The recorder counts requests only up to the highest engine that served one; the engines
+        // after it served none, and a fleet that left its last engines idle must show them.
+        if s.requests_per_replica.len() < self.replicas.len() {
+            s.requests_per_replica.resize(self.replicas.len(), 0);
+        }
+        s
     }
 }
 
