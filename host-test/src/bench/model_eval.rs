@@ -35,6 +35,10 @@ pub enum Set {
     /// The fourth validation round (docs/reports/model-eval.md), written down after the third had
     /// been looked at and before any change made since was replayed on these cells.
     Validation4,
+    /// The fifth validation round (docs/reports/model-eval.md), written down after the fourth had
+    /// been looked at, before any replay of it; its chat cells run long enough that a run's p99 is
+    /// not its fleet's first prefills.
+    Validation5,
     /// Not a set of this protocol: the fleet-size measurement ([`super::fleet`]) replays its own
     /// cells with the same replay, and its cells say so.
     Fleet,
@@ -445,6 +449,103 @@ pub fn validation4() -> Vec<Cell> {
     ]
 }
 
+/// The fifth validation round, as written in docs/reports/model-eval.md before any replay of it:
+/// fleet sizes 5, 9 and 14, new combinations of workload, engine, rate and slowdown, and chat
+/// cells of 900 sessions (about 3,100 requests, so a run's p99 is about its 31st slowest request,
+/// not one of the fleet's first prefills of the shared prompt).
+pub fn validation5() -> Vec<Cell> {
+    let v = Set::Validation5;
+    let slow = |mut c: Cell, slowdowns: Vec<(usize, f64, u64)>| {
+        c.slowdowns = slowdowns;
+        c
+    };
+    let chat = |p: ChatParams| Source::Chat(ChatParams { sessions: 900, ..p });
+    vec![
+        cell(
+            "z-chat-9",
+            v,
+            chat(ChatParams {
+                sessions_per_s: 6.0,
+                ..ChatParams::default()
+            }),
+            9,
+            H100_8B,
+        ),
+        cell(
+            "z-chat-14-long",
+            v,
+            chat(ChatParams {
+                sessions_per_s: 10.0,
+                long_output_share: 0.15,
+                ..ChatParams::default()
+            }),
+            14,
+            H100_8B,
+        ),
+        cell(
+            "z-chat-5-70b",
+            v,
+            chat(ChatParams {
+                sessions_per_s: 2.5,
+                system_tokens: 5120,
+                ..ChatParams::default()
+            }),
+            5,
+            "llama-3.1-70b-h100-tp4",
+        ),
+        slow(
+            cell(
+                "z-chat-9-a100-slows",
+                v,
+                chat(ChatParams {
+                    sessions_per_s: 5.0,
+                    user_tokens_min: 128,
+                    user_tokens_max: 768,
+                    ..ChatParams::default()
+                }),
+                9,
+                "llama-3.1-8b-a100-40gb",
+            ),
+            vec![(4, 1.5, 60_000_000)],
+        ),
+        cell("z-rl-9", v, rl(30), 9, H100_8B),
+        cell("z-rl-14-a100", v, rl(56), 14, "llama-3.1-8b-a100-40gb"),
+        cell("z-weka-c32-9", v, weka(32, 1, Some(24)), 9, H100_8B),
+        cell(
+            "z-weka-c20-5-a100",
+            v,
+            weka(20, 1, Some(16)),
+            5,
+            "llama-3.1-8b-a100-40gb",
+        ),
+        cell(
+            "z-mooncake-x4-14",
+            v,
+            Source::Mooncake {
+                speed: 4.0,
+                max_requests: Some(3000),
+                arrival_jitter: ARRIVAL_JITTER,
+            },
+            14,
+            H100_8B,
+        ),
+        slow(
+            cell(
+                "z-azure-x3-9-slows",
+                v,
+                Source::Azure {
+                    speed: 3.0,
+                    max_rows: Some(4000),
+                    arrival_jitter: ARRIVAL_JITTER,
+                },
+                9,
+                H100_8B,
+            ),
+            vec![(1, 2.0, 20_000_000)],
+        ),
+    ]
+}
+
 /// What one replay measured, as the goals read it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Measured {
@@ -742,6 +843,7 @@ mod tests {
             .chain(validation2())
             .chain(validation3())
             .chain(validation4())
+            .chain(validation5())
             .map(|c| c.id)
             .collect();
         let n = ids.len();
@@ -752,11 +854,13 @@ mod tests {
         assert!(validation2().iter().all(|c| c.set == Set::Validation2));
         assert!(validation3().iter().all(|c| c.set == Set::Validation3));
         assert!(validation4().iter().all(|c| c.set == Set::Validation4));
+        assert!(validation5().iter().all(|c| c.set == Set::Validation5));
         for c in validation()
             .into_iter()
             .chain(validation2())
             .chain(validation3())
             .chain(validation4())
+            .chain(validation5())
         {
             assert!(Profile::named(c.profile).is_some(), "{}", c.profile);
             assert!(

@@ -20,8 +20,8 @@ use std::path::PathBuf;
 )]
 struct Args {
     /// Which cells: training, validation (the first round), validation2 (the second), validation3
-    /// (the third), validation4 (the fourth) or all.
-    #[arg(long, default_value = "all", value_parser = ["training", "validation", "validation2", "validation3", "validation4", "all"])]
+    /// (the third), validation4 (the fourth), validation5 (the fifth) or all.
+    #[arg(long, default_value = "all", value_parser = ["training", "validation", "validation2", "validation3", "validation4", "validation5", "all"])]
     set: String,
     /// The training cells at their cut-down size (the coding-agent trace's first 16 sessions).
     #[arg(long)]
@@ -78,6 +78,9 @@ fn main() {
     if args.set == "validation4" || args.set == "all" {
         cells.extend(model_eval::validation4());
     }
+    if args.set == "validation5" || args.set == "all" {
+        cells.extend(model_eval::validation5());
+    }
     if let Some(only) = &args.only {
         let only = split_list(only);
         cells.retain(|c| only.contains(&c.id));
@@ -106,6 +109,7 @@ fn main() {
             Set::Validation2 => "validation2",
             Set::Validation3 => "validation3",
             Set::Validation4 => "validation4",
+            Set::Validation5 => "validation5",
             Set::Fleet => "fleet",
         });
         let msg = format!(
