@@ -85,7 +85,7 @@ impl Sampling {
 
     /// One block in `n`; `None` unless `n` is a power of two from 1 to [`Sampling::MAX_ONE_IN`].
     pub fn one_in(n: u64) -> Option<Sampling> {
-        (n.is_power_of_two() && n <= Self::MAX_ONE_IN).then_some(Sampling { mask: n - 1 })
+        (n.is_power_of_two() && n <= Self::MAX_ONE_IN).then(|| Sampling { mask: n - 1 })
     }
 
     /// Whether this sample keeps the block `key`.

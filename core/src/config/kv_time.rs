@@ -1,0 +1,97 @@
+//! The `kv_time` section: the engine profile predictions start from and the cost's weights, each
+//! with its unit.
+
+use serde::Deserialize;
+
+use super::{ConfigError, err};
+
+/// The engine profile `kv_time` starts from: a built-in name or the coefficients themselves.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum ProfileSpec {
+    Named(String),
+    Custom(crate::speed::EngineProfile),
+}
+
+impl ProfileSpec {
+    /// The profile (the default for an unknown name, which [`KvTimeParams::validate`] refuses).
+    pub fn profile(&self) -> crate::speed::EngineProfile {
+        match self {
+            ProfileSpec::Named(n) => crate::speed::EngineProfile::named(n).unwrap_or_default(),
+            ProfileSpec::Custom(p) => p.clone(),
+        }
+    }
+}
+
+/// The `kv_time` section: the cost in seconds (docs/design/design.md section 2.7;
+/// [`crate::policy::kv_time`]). Five tunables, each with its unit.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvTimeParams {
+    /// The engine profile predictions start from: `llama-3.1-8b-h100` (the default),
+    /// `llama-3.1-70b-h100-tp4`, `llama-3.1-8b-a100-40gb`, or an object with the coefficients
+    /// (`scripts/fit-profile`'s output).
+    pub profile: ProfileSpec,
+    /// Seconds of this request's time to first token that one second of delay to the requests
+    /// already running on a replica is worth (s/s).
+    pub stall_weight: f64,
+    /// Seconds of this request's time to first token that one second of re-prefill of the contexts
+    /// a placement pushes out of a cache (times the share that comes back) is worth (s/s).
+    pub evict_weight: f64,
+    /// Seconds of this request's time to first token that one second more of its own decode time
+    /// is worth (s/s).
+    pub decode_weight: f64,
+    /// Observed first tokens after which an older observation of a replica's speed weighs half
+    /// (requests); 0: speeds are not learned.
+    pub speed_halflife: f64,
+    /// How many times faster or slower than its profile a replica may be learned to be (x, >= 1).
+    pub speed_bound: f64,
+}
+
+impl Default for KvTimeParams {
+    fn default() -> Self {
+        Self {
+            profile: ProfileSpec::Named(crate::speed::PROFILE_NAMES[0].to_string()),
+            stall_weight: 0.1,
+            evict_weight: 1.0,
+            decode_weight: 0.1,
+            speed_halflife: 32.0,
+            speed_bound: 4.0,
+        }
+    }
+}
+
+impl KvTimeParams {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        match &self.profile {
+            ProfileSpec::Named(n) if crate::speed::EngineProfile::named(n).is_none() => {
+                return Err(err(
+                    "kv_time.profile",
+                    format!(
+                        "unknown profile {n:?} (known: {})",
+                        crate::speed::PROFILE_NAMES.join(", ")
+                    ),
+                ));
+            }
+            ProfileSpec::Custom(p) => p.validate().map_err(|m| err("kv_time.profile", m))?,
+            _ => {}
+        }
+        for (name, v) in [
+            ("kv_time.stall_weight", self.stall_weight),
+            ("kv_time.evict_weight", self.evict_weight),
+            ("kv_time.decode_weight", self.decode_weight),
+            ("kv_time.speed_halflife", self.speed_halflife),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(err(name, format!("must be a finite number >= 0, got {v}")));
+            }
+        }
+        if !(self.speed_bound.is_finite() && self.speed_bound >= 1.0) {
+            return Err(err(
+                "kv_time.speed_bound",
+                format!("must be a finite number >= 1, got {}", self.speed_bound),
+            ));
+        }
+        Ok(())
+    }
+}

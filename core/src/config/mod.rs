@@ -1,0 +1,157 @@
+//! Routing configuration: JSON via serde, every field defaulted, unknown fields refused, and every
+//! error names the field it is about (`kv_load.temperature: ...`). One file per section that has
+//! rules of its own (`kv_load`, `kv_time`), the refusal type, and the whole document's checks.
+
+mod error;
+mod kv_load;
+mod kv_time;
+mod validate;
+
+pub use error::ConfigError;
+pub(crate) use error::err;
+pub use kv_load::{KvLoadParams, KvLoadPreset, ReportedLoad};
+pub use kv_time::{KvTimeParams, ProfileSpec};
+
+use serde::Deserialize;
+
+use crate::health::HealthParams;
+
+/// Which policy scores replicas.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    RoundRobin,
+    LeastLoad,
+    SessionHash,
+    PrefixAffinity,
+    KvAffinity,
+    #[default]
+    KvLoad,
+    KvTime,
+    /// The Gateway API Inference Extension's LoRA rule, as a baseline: [`crate::policy::adapter_affinity`].
+    /// Not in [`PolicyKind::ALL`]: on a fleet without adapters it is `least_load`, so the benches that
+    /// compare every policy would only run `least_load` twice; the LoRA bench
+    /// (`host-test/examples/lora-bench.rs`) compares it.
+    AdapterAffinity,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 7] = [
+        PolicyKind::RoundRobin,
+        PolicyKind::LeastLoad,
+        PolicyKind::SessionHash,
+        PolicyKind::PrefixAffinity,
+        PolicyKind::KvAffinity,
+        PolicyKind::KvTime,
+        PolicyKind::KvLoad,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::LeastLoad => "least_load",
+            PolicyKind::SessionHash => "session_hash",
+            PolicyKind::PrefixAffinity => "prefix_affinity",
+            PolicyKind::KvAffinity => "kv_affinity",
+            PolicyKind::KvLoad => "kv_load",
+            PolicyKind::KvTime => "kv_time",
+            PolicyKind::AdapterAffinity => "adapter_affinity",
+        }
+    }
+}
+
+/// `session_hash`: a consistent-hash ring on the session key.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionHashParams {
+    /// Points per replica on the ring (Ray Serve's ConsistentHashRouter uses 100).
+    pub virtual_nodes: usize,
+    /// Seeds the hash of session keys: which sessions share a replica is one draw of the hash, and
+    /// with tens of sessions per replica the draw decides how evenly their work is spread. Every proxy
+    /// of a fleet must use the same value (0 by default), or they send a session to different
+    /// replicas; the benchmark varies it with its seed so the baseline is measured over draws.
+    pub ring_seed: u64,
+}
+
+impl Default for SessionHashParams {
+    fn default() -> Self {
+        Self {
+            virtual_nodes: 100,
+            ring_seed: 0,
+        }
+    }
+}
+
+/// `prefix_affinity`: the approximate index of prefixes this router sent.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixAffinityParams {
+    /// Fraction of the request's blocks that must match on the best replica; below it, least load.
+    pub match_threshold: f64,
+    /// How long a recorded prefix is trusted (ms).
+    pub ttl_ms: u64,
+    /// Hard cap of each approximate index (token and text), in blocks.
+    pub capacity_blocks: usize,
+}
+
+impl Default for PrefixAffinityParams {
+    fn default() -> Self {
+        Self {
+            match_threshold: 0.1,
+            ttl_ms: 600_000,
+            capacity_blocks: 131_072,
+        }
+    }
+}
+
+/// Everything the routing core is told.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    pub policy: PolicyKind,
+    /// KV block size in tokens; must equal the engines'.
+    pub block_size: usize,
+    /// Hard cap of the KV index in distinct blocks.
+    pub index_capacity_blocks: usize,
+    /// Seed of the tie-break / softmax generator.
+    pub seed: u64,
+    pub kv_load: KvLoadParams,
+    pub kv_time: KvTimeParams,
+    pub session_hash: SessionHashParams,
+    pub prefix_affinity: PrefixAffinityParams,
+    /// Replica health learned from completions (`crate::health`).
+    pub health: HealthParams,
+    /// Request bodies larger than this are refused by the parser (the request is then routed by load).
+    pub max_body_bytes: usize,
+    /// Priority classes and shedding at saturation (`crate::admission`); absent: every request is
+    /// admitted, as without the feature.
+    pub admission: Option<crate::admission::AdmissionConfig>,
+    /// LoRA adapters: which `model` names are adapters and what loading one costs
+    /// ([`crate::adapters::AdapterParams`]); absent: no request is an adapter's.
+    pub adapters: Option<crate::adapters::AdapterParams>,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            policy: PolicyKind::KvLoad,
+            block_size: 16,
+            index_capacity_blocks: 1_000_000,
+            seed: 0x006B_7673_7465_6572, // "kvsteer"
+            kv_load: KvLoadParams::default(),
+            kv_time: KvTimeParams::default(),
+            session_hash: SessionHashParams::default(),
+            prefix_affinity: PrefixAffinityParams::default(),
+            health: HealthParams::default(),
+            max_body_bytes: 4 << 20,
+            admission: None,
+            adapters: None,
+        }
+    }
+}
+
+/// Most virtual nodes per replica accepted (the ring has replicas x virtual_nodes points).
+pub const MAX_VIRTUAL_NODES: usize = 10_000;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,91 @@
+use super::*;
+
+#[test]
+fn presets_fill_the_section_and_explicit_fields_win() {
+    let c = RoutingConfig::from_json(r#"{"kv_load":{"preset":"ray_balanced"}}"#).unwrap();
+    let k = &c.kv_load;
+    assert_eq!(k.preset, Some(KvLoadPreset::RayBalanced));
+    assert_eq!(
+        (
+            k.overlap_credit,
+            k.overlap_credit_decay,
+            k.active_request_weight
+        ),
+        (0.5, 1.0, 32.0)
+    );
+    assert!(k.use_output_hint && k.assume_kv_reuse && k.prompt_blocks_at_admission);
+    assert_eq!(k.reported_load, ReportedLoad::Ignore);
+    let c = RoutingConfig::from_json(
+        r#"{"kv_load":{"preset":"ray_kv_biased","overlap_credit":3,"use_output_hint":false}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.kv_load.overlap_credit, 3.0);
+    assert!(!c.kv_load.use_output_hint);
+    assert_eq!(c.kv_load.overlap_credit_decay, 0.0);
+    let d = RoutingConfig::from_json(r#"{"kv_load":{"preset":"dynamo"}}"#).unwrap();
+    assert_eq!(d.kv_load.overlap_credit, 1.0);
+    // The presets are the published routers' formula: none has kvsteer's working-set term.
+    for p in [
+        KvLoadPreset::Dynamo,
+        KvLoadPreset::RayBalanced,
+        KvLoadPreset::RayKvBiased,
+    ] {
+        assert_eq!(p.params().overflow_weight, 0.0, "{p:?}");
+    }
+    assert_eq!(d.kv_load.reported_load, ReportedLoad::Ignore);
+    let e = RoutingConfig::from_json(r#"{"kv_load":{"preset":"sglang"}}"#).unwrap_err();
+    assert_eq!(e.field, "kv_load.preset", "{e}");
+    let e = RoutingConfig::from_json(r#"{"kv_load":{"reported_load":"min"}}"#).unwrap_err();
+    assert_eq!(e.field, "kv_load.reported_load", "{e}");
+    let e = RoutingConfig::from_json(r#"{"kv_load":{"overlap_credit_decay":-1}}"#).unwrap_err();
+    assert_eq!(e.field, "kv_load.overlap_credit_decay", "{e}");
+    let e = RoutingConfig::from_json(r#"{"kv_load":{"overflow_reuse_floor":1.5}}"#).unwrap_err();
+    assert_eq!(e.field, "kv_load.overflow_reuse_floor", "{e}");
+    for bad in ["0", "12", "2048", "-8", "8.5"] {
+        let json = format!(r#"{{"kv_load":{{"working_set_sample":{bad}}}}}"#);
+        let e = RoutingConfig::from_json(&json).unwrap_err();
+        assert!(e.to_string().contains("working_set_sample"), "{bad}: {e}");
+    }
+    let c = RoutingConfig::from_json(r#"{"kv_load":{"working_set_sample":32}}"#).unwrap();
+    assert_eq!(c.kv_load.sampling().one_in_n(), 32);
+    assert_eq!(RoutingConfig::default().kv_load.sampling().one_in_n(), 8);
+}
+
+#[test]
+fn empty_is_default_and_fields_parse() {
+    assert_eq!(
+        RoutingConfig::from_json("{}").unwrap(),
+        RoutingConfig::default()
+    );
+    let c = RoutingConfig::from_json(
+        r#"{"policy":"session_hash","block_size":64,"kv_load":{"temperature":0.5},
+            "session_hash":{"virtual_nodes":50}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.policy, PolicyKind::SessionHash);
+    assert_eq!(c.block_size, 64);
+    assert_eq!(c.kv_load.temperature, 0.5);
+    assert_eq!(c.kv_load.queue_weight, 0.25, "the default kept");
+    assert!(c.kv_load.time_cost, "the default kept");
+    assert_eq!(c.session_hash.virtual_nodes, 50);
+}
+
+#[test]
+fn errors_name_the_field() {
+    let e = RoutingConfig::from_json(r#"{"polcy":"kv_load"}"#).unwrap_err();
+    assert_eq!(e.field, "polcy", "{e}");
+    let e = RoutingConfig::from_json(r#"{"kv_load":{"temprature":1}}"#).unwrap_err();
+    assert_eq!(e.field, "kv_load.temprature", "{e}");
+    let e = RoutingConfig::from_json(r#"{"kv_load":{"temperature":"hot"}}"#).unwrap_err();
+    assert_eq!(e.field, "kv_load.temperature", "{e}");
+    let e = RoutingConfig::from_json(r#"{"policy":"fastest"}"#).unwrap_err();
+    assert_eq!(e.field, "policy", "{e}");
+    let e = RoutingConfig::from_json(r#"{"block_size":0}"#).unwrap_err();
+    assert_eq!(e.field, "block_size");
+    let e = RoutingConfig::from_json(r#"{"kv_load":{"temperature":-1}}"#).unwrap_err();
+    assert_eq!(e.field, "kv_load.temperature");
+    let e = RoutingConfig::from_json(r#"{"kv_load":{"host_tier_credit":2}}"#).unwrap_err();
+    assert_eq!(e.field, "kv_load.host_tier_credit");
+    assert!(RoutingConfig::from_json("[").is_err());
+    assert!(e.to_string().contains("kv_load.host_tier_credit"));
+}
