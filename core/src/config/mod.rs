@@ -82,6 +82,29 @@ impl Default for SessionHashParams {
     }
 }
 
+/// `least_load`: the weights of a replica's load, in decode blocks, for the policy of that name and
+/// for every load-only choice (`session_hash` without a session key, `prefix_affinity` below its
+/// threshold, `adapter_affinity`, a request whose body was not read). Its own section, so changing
+/// `kv_load`'s coefficients or preset does not move the baseline they are compared with.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LeastLoadParams {
+    /// Decode blocks one queued or requested prefill block weighs (the same default as `kv_load`'s
+    /// `prefill_scale`: a prefill block costs a replica about 16 decode blocks' time).
+    pub prefill_scale: f64,
+    /// Decode blocks one active request weighs (0: requests count by their blocks only).
+    pub active_request_weight: f64,
+}
+
+impl Default for LeastLoadParams {
+    fn default() -> Self {
+        Self {
+            prefill_scale: 16.0,
+            active_request_weight: 0.0,
+        }
+    }
+}
+
 /// `prefix_affinity`: the approximate index of prefixes this router sent.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -117,6 +140,7 @@ pub struct RoutingConfig {
     pub seed: u64,
     pub kv_load: KvLoadParams,
     pub kv_time: KvTimeParams,
+    pub least_load: LeastLoadParams,
     pub session_hash: SessionHashParams,
     pub prefix_affinity: PrefixAffinityParams,
     /// Replica health learned from completions (`crate::health`).
@@ -140,6 +164,7 @@ impl Default for RoutingConfig {
             seed: 0x006B_7673_7465_6572, // "kvsteer"
             kv_load: KvLoadParams::default(),
             kv_time: KvTimeParams::default(),
+            least_load: LeastLoadParams::default(),
             session_hash: SessionHashParams::default(),
             prefix_affinity: PrefixAffinityParams::default(),
             health: HealthParams::default(),

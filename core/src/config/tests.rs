@@ -89,3 +89,25 @@ fn errors_name_the_field() {
     assert!(RoutingConfig::from_json("[").is_err());
     assert!(e.to_string().contains("kv_load.host_tier_credit"));
 }
+
+#[test]
+fn least_load_has_its_own_weights_that_kv_load_does_not_move() {
+    let c = RoutingConfig::from_json(
+        r#"{"policy":"least_load","kv_load":{"preset":"dynamo","active_request_weight":5}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.kv_load.prefill_scale, 1.0);
+    assert_eq!(c.least_load, LeastLoadParams::default());
+    assert_eq!(c.least_load.prefill_scale, 16.0);
+    let c = RoutingConfig::from_json(r#"{"least_load":{"prefill_scale":4}}"#).unwrap();
+    assert_eq!(c.least_load.prefill_scale, 4.0);
+    assert_eq!(c.kv_load.prefill_scale, 16.0);
+    for bad in [
+        r#"{"least_load":{"prefill_scale":-1}}"#,
+        r#"{"least_load":{"active_request_weight":-0.5}}"#,
+        r#"{"least_load":{"queue_weight":1}}"#,
+    ] {
+        let e = RoutingConfig::from_json(bad).unwrap_err();
+        assert!(e.field.starts_with("least_load."), "{bad}: {e}");
+    }
+}

@@ -34,6 +34,17 @@ impl RoutingConfig {
             a.validate()?;
         }
         self.kv_load.validate()?;
+        for (name, v) in [
+            ("least_load.prefill_scale", self.least_load.prefill_scale),
+            (
+                "least_load.active_request_weight",
+                self.least_load.active_request_weight,
+            ),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(err(name, format!("must be a finite number >= 0, got {v}")));
+            }
+        }
         let t = self.prefix_affinity.match_threshold;
         if !(0.0..=1.0).contains(&t) {
             return Err(err(

@@ -8,12 +8,12 @@
 //! cache is ignored, as GIE's LoRA filter ignores it.
 
 use super::{AdapterFit, Choice, Input, Policy, least_load, pick_lowest};
-use crate::config::KvLoadParams;
+use crate::config::LeastLoadParams;
 use crate::rng::SplitMix64;
 
 /// The rule's choice: `least_load`'s costs, with every replica outside the first non-empty tier
 /// (holding the adapter, then a free slot, then any) priced out.
-pub fn choose(input: &Input, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
+pub fn choose(input: &Input, k: &LeastLoadParams, rng: &mut SplitMix64) -> Choice {
     let costs = least_load::costs(input.load, input.block_size, input.request_blocks, k);
     let usable = |r: usize| !input.avoided.get(r).copied().unwrap_or(false);
     let fit = |r: usize| input.adapter.get(r).copied().unwrap_or_default();
@@ -35,14 +35,14 @@ pub fn choose(input: &Input, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
     }
 }
 
-/// `adapter_affinity` as a [`Policy`], with `kv_load`'s load coefficients.
+/// `adapter_affinity` as a [`Policy`], with `least_load`'s weights.
 #[derive(Clone, Debug)]
 pub struct AdapterAffinity {
-    params: KvLoadParams,
+    params: LeastLoadParams,
 }
 
 impl AdapterAffinity {
-    pub fn new(params: KvLoadParams) -> AdapterAffinity {
+    pub fn new(params: LeastLoadParams) -> AdapterAffinity {
         AdapterAffinity { params }
     }
 }
@@ -68,7 +68,7 @@ mod tests {
 
     #[test]
     fn the_holder_wins_over_a_shorter_queue_then_a_free_slot_then_any() {
-        let k = KvLoadParams::default();
+        let k = LeastLoadParams::default();
         let mut rng = SplitMix64::new(1);
         let load = [loaded(100), loaded(5000), loaded(0)];
         let mut i = load_only_input(&load, &[false; 3]);

@@ -3,17 +3,17 @@
 //! read.
 
 use super::{Choice, Input, Policy, pick_lowest};
-use crate::config::KvLoadParams;
+use crate::config::LeastLoadParams;
 use crate::load::LoadTotals;
 use crate::rng::SplitMix64;
 
 /// `prefill_scale * (queued prefill blocks + request blocks) + decode blocks + w * active requests`,
-/// per replica, with `kv_load`'s coefficients.
+/// per replica, with the `least_load` section's weights.
 pub fn costs(
     load: &[LoadTotals],
     block_size: f64,
     request_blocks: f64,
-    k: &KvLoadParams,
+    k: &LeastLoadParams,
 ) -> Vec<f64> {
     load.iter()
         .map(|e| {
@@ -24,7 +24,7 @@ pub fn costs(
         .collect()
 }
 
-pub fn choose(input: &Input, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
+pub fn choose(input: &Input, k: &LeastLoadParams, rng: &mut SplitMix64) -> Choice {
     let costs = costs(input.load, input.block_size, input.request_blocks, k);
     Choice {
         replica: pick_lowest(&costs, input.avoided, rng),
@@ -33,14 +33,14 @@ pub fn choose(input: &Input, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
     }
 }
 
-/// `least_load` as a [`Policy`], with `kv_load`'s load coefficients.
+/// `least_load` as a [`Policy`], with its section's weights.
 #[derive(Clone, Debug)]
 pub struct LeastLoad {
-    params: KvLoadParams,
+    params: LeastLoadParams,
 }
 
 impl LeastLoad {
-    pub fn new(params: KvLoadParams) -> LeastLoad {
+    pub fn new(params: LeastLoadParams) -> LeastLoad {
         LeastLoad { params }
     }
 }

@@ -196,18 +196,18 @@ pub enum CacheSizing {
 pub fn from_config(cfg: &RoutingConfig, replicas: usize) -> Box<dyn Policy> {
     match cfg.policy {
         PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin::default()),
-        PolicyKind::LeastLoad => Box::new(least_load::LeastLoad::new(cfg.kv_load.clone())),
+        PolicyKind::LeastLoad => Box::new(least_load::LeastLoad::new(cfg.least_load.clone())),
         PolicyKind::SessionHash => Box::new(session_hash::SessionHash::new(
             HashRing::seeded(
                 0..replicas,
                 cfg.session_hash.virtual_nodes,
                 cfg.session_hash.ring_seed,
             ),
-            cfg.kv_load.clone(),
+            cfg.least_load.clone(),
         )),
         PolicyKind::PrefixAffinity => Box::new(prefix_affinity::PrefixAffinity::new(
             cfg.prefix_affinity.match_threshold,
-            cfg.kv_load.clone(),
+            cfg.least_load.clone(),
         )),
         PolicyKind::KvAffinity => Box::new(kv_affinity::KvAffinity),
         PolicyKind::KvLoad => Box::new(kv_load::KvLoad::new(cfg.kv_load.clone())),
@@ -215,9 +215,9 @@ pub fn from_config(cfg: &RoutingConfig, replicas: usize) -> Box<dyn Policy> {
             cfg.kv_time.clone(),
             cfg.kv_time.profile.profile(),
         )),
-        PolicyKind::AdapterAffinity => {
-            Box::new(adapter_affinity::AdapterAffinity::new(cfg.kv_load.clone()))
-        }
+        PolicyKind::AdapterAffinity => Box::new(adapter_affinity::AdapterAffinity::new(
+            cfg.least_load.clone(),
+        )),
     }
 }
 

@@ -4,13 +4,13 @@
 //! `match_threshold` of the request.
 
 use super::{Choice, FallbackReason, Input, Needs, Policy, least_load, pick_lowest};
-use crate::config::KvLoadParams;
+use crate::config::LeastLoadParams;
 use crate::rng::SplitMix64;
 
 pub fn choose(
     input: &Input,
     match_threshold: f64,
-    k: &KvLoadParams,
+    k: &LeastLoadParams,
     rng: &mut SplitMix64,
 ) -> Choice {
     let matched: Vec<u32> = input
@@ -53,15 +53,15 @@ pub fn choose(
 }
 
 /// `prefix_affinity` as a [`Policy`]: the share of the request the best match must cover (0..=1),
-/// and `kv_load`'s load coefficients for the least-load choice.
+/// and `least_load`'s weights for the least-load choice.
 #[derive(Clone, Debug)]
 pub struct PrefixAffinity {
     match_threshold: f64,
-    params: KvLoadParams,
+    params: LeastLoadParams,
 }
 
 impl PrefixAffinity {
-    pub fn new(match_threshold: f64, params: KvLoadParams) -> PrefixAffinity {
+    pub fn new(match_threshold: f64, params: LeastLoadParams) -> PrefixAffinity {
         PrefixAffinity {
             match_threshold,
             params,

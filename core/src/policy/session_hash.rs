@@ -3,10 +3,10 @@
 //! move to the next replica on the ring, the others stay. Without a session key: least load.
 
 use super::{Choice, FallbackReason, HashRing, Input, Policy, least_load};
-use crate::config::KvLoadParams;
+use crate::config::LeastLoadParams;
 use crate::rng::SplitMix64;
 
-pub fn choose(input: &Input, ring: &HashRing, k: &KvLoadParams, rng: &mut SplitMix64) -> Choice {
+pub fn choose(input: &Input, ring: &HashRing, k: &LeastLoadParams, rng: &mut SplitMix64) -> Choice {
     match input.session_key {
         Some(key) => Choice {
             replica: ring
@@ -24,16 +24,16 @@ pub fn choose(input: &Input, ring: &HashRing, k: &KvLoadParams, rng: &mut SplitM
     }
 }
 
-/// `session_hash` as a [`Policy`]: its ring, and `kv_load`'s load coefficients for least load
+/// `session_hash` as a [`Policy`]: its ring, and `least_load`'s weights for least load
 /// without a session key.
 #[derive(Clone, Debug)]
 pub struct SessionHash {
     ring: HashRing,
-    params: KvLoadParams,
+    params: LeastLoadParams,
 }
 
 impl SessionHash {
-    pub fn new(ring: HashRing, params: KvLoadParams) -> SessionHash {
+    pub fn new(ring: HashRing, params: LeastLoadParams) -> SessionHash {
         SessionHash { ring, params }
     }
 }

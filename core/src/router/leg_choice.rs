@@ -174,7 +174,7 @@ impl Router {
         self.clock_ms = self.clock_ms.max(now_ms);
         let eff = self.effective_load();
         self.health.refresh(now_ms);
-        let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.kv_load);
+        let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.least_load);
         let decodes = |r: usize| roles.get(r).is_none_or(|x| x.decodes());
         let base = self.avoided();
         let any = (0..self.replicas).any(|r| decodes(r) && !base[r]);

@@ -287,7 +287,7 @@ impl Router {
         self.clock_ms = self.clock_ms.max(now_ms);
         let eff = self.effective_load();
         self.health.refresh(now_ms);
-        let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.kv_load);
+        let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.least_load);
         let replica = pick_lowest(&costs, &self.avoided(), &mut self.rng);
         let backup = self.backup_for(replica, &costs);
         self.unread_decision(replica, costs, backup)
