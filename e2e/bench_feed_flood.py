@@ -128,10 +128,6 @@ def perf_summary(data: Path) -> str:
     return "\n".join(out)
 
 
-def stat(s: Stack, name: str) -> int:
-    return sum(v for k, v in s.stats(name).items() if k.endswith("." + name) or k == name)
-
-
 def wait(what: str, cond, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -194,7 +190,7 @@ def main() -> int:
             idle[phase + "_heap"] = heap_mib(s)
         s.flood_mode(FLOODER, blocks=0, every_poll=0)
         wait("the flood drained", lambda: s.flood_stats(FLOODER)["snapshots"] >= 1
-             and all(stat(s, "kvsteer_feed_pending_blocks") == 0 for _ in range(3)), drain_s)
+             and all(s.metric("kvsteer_feed_pending_blocks") == 0 for _ in range(3)), drain_s)
         # Warm up connections, the filter's index and V8's code.
         run_load(s.listen_port, 3, 4, args.prompt, 1)
         seed = 100
@@ -209,7 +205,7 @@ def main() -> int:
                     # The quiet snapshot is polled once the flood's last one is applied (up to
                     # about 12 s at 1M blocks); then nothing is left to apply.
                     wait("the flood drained", lambda: s.flood_stats(FLOODER)["snapshots"] >= 1
-                         and all(stat(s, "kvsteer_feed_pending_blocks") == 0 for _ in range(3)),
+                         and all(s.metric("kvsteer_feed_pending_blocks") == 0 for _ in range(3)),
                          drain_s)
                 for level in levels:
                     cpu0 = cpu_s(pid)
@@ -248,9 +244,9 @@ def main() -> int:
                           f"{snaps} flood snapshots ({mb:.1f} MB) served so far",
                           file=sys.stderr, flush=True)
         rss_end, hwm = rss_kb(pid)
-        evictions = stat(s, "kvsteer_index_evictions")
-        blocks_gauge = stat(s, "kvsteer_index_blocks")
-        time_cuts = stat(s, "kvsteer_feed_apply_time_cuts")
+        evictions = s.metric("kvsteer_index_evictions")
+        blocks_gauge = s.metric("kvsteer_index_blocks")
+        time_cuts = s.metric("kvsteer_feed_apply_time_cuts")
 
     load = os.getloadavg()
     print(f"\nEnvoy 1.40 --concurrency 2, envoy/envoy.yaml (kv_load), 4 simulated replicas at time "

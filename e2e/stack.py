@@ -528,6 +528,10 @@ class Stack:
                 continue
         return out
 
+    def metric(self, name: str) -> int:
+        """A filter metric (`kvsteer_...`) as Envoy shows it (`wasmcustom.<name>`), 0 when absent."""
+        return sum(v for k, v in self.stats(name).items() if k.endswith("." + name) or k == name)
+
     def host_health(self, cluster: str) -> dict[str, str]:
         """Endpoints of `cluster` and their health flags (`healthy`, or e.g. `/failed_active_hc`)."""
         flags: dict[str, str] = {}

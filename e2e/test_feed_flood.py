@@ -79,11 +79,6 @@ def send(stack: Stack, prompt: list[int], **kw) -> Result:
         c.close()
 
 
-def stat(stack: Stack, name: str) -> int:
-    """A filter metric (`kvsteer_...`) as Envoy shows it (`wasmcustom.<name>`), 0 when absent."""
-    return sum(v for k, v in stack.stats(name).items() if k.endswith("." + name) or k == name)
-
-
 def replica_name(stack: Stack, res: Result) -> str:
     r = stack.by_sim_name(res.replica)
     return r.name if r is not None else f"?{res.replica}"
@@ -141,8 +136,8 @@ class FloodingFeed(unittest.TestCase):
 
     def test_unrelated_requests_keep_flowing_while_the_snapshots_are_sliced(self):
         s = self.stack
-        routed0, fallbacks0 = stat(s, "kvsteer_requests_routed"), stat(s, "kvsteer_fallbacks")
-        decisions0 = stat(s, f"kvsteer_decisions_kv_load_{self.FLOODER}")
+        routed0, fallbacks0 = s.metric("kvsteer_requests_routed"), s.metric("kvsteer_fallbacks")
+        decisions0 = s.metric(f"kvsteer_decisions_kv_load_{self.FLOODER}")
         s.flood_mode(self.FLOODER, blocks=FLOOD_BLOCKS, every_poll=1)
         # Sample the filter's backlog of feed blocks while clients send requests.
         pending: list[int] = []
@@ -150,7 +145,7 @@ class FloodingFeed(unittest.TestCase):
 
         def sample() -> None:
             while not done.is_set():
-                pending.append(stat(s, "kvsteer_feed_pending_blocks"))
+                pending.append(s.metric("kvsteer_feed_pending_blocks"))
                 time.sleep(0.2)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -165,9 +160,9 @@ class FloodingFeed(unittest.TestCase):
         lat = sorted(r.total_s for r in results if r.ok)
         p50 = statistics.median(lat) if lat else float("inf")
         p99 = lat[int(0.99 * (len(lat) - 1))] if lat else float("inf")
-        routed = stat(s, "kvsteer_requests_routed") - routed0
-        fallbacks = stat(s, "kvsteer_fallbacks") - fallbacks0
-        to_flooder = stat(s, f"kvsteer_decisions_kv_load_{self.FLOODER}") - decisions0
+        routed = s.metric("kvsteer_requests_routed") - routed0
+        fallbacks = s.metric("kvsteer_fallbacks") - fallbacks0
+        to_flooder = s.metric(f"kvsteer_decisions_kv_load_{self.FLOODER}") - decisions0
         print(f"\n{len(results)} requests under the flood, {len(failed)} failed, p50 "
               f"{p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {lat[-1] * 1e3 if lat else 0:.1f} ms; "
               f"flood feed served {served['snapshots']} snapshots "
@@ -183,11 +178,11 @@ class FloodingFeed(unittest.TestCase):
         # slices over several ticks.
         self.assertGreaterEqual(served["snapshots"], 1)
         self.assertGreaterEqual(served["snapshot_bytes"], 8_000_000 * served["snapshots"])
-        self.assertEqual(stat(s, f"kvsteer_feed_oversized_{self.FLOODER}"), 0)
+        self.assertEqual(s.metric(f"kvsteer_feed_oversized_{self.FLOODER}"), 0)
         self.assertGreater(max(pending, default=0), 0, "the snapshot was applied in slices")
         self.assertLessEqual(max(pending, default=0), 3 * (FLOOD_BLOCKS + 2))
         # The flooding replica is not down: its completions kept getting traffic.
-        self.assertEqual(stat(s, f"kvsteer_down_{self.FLOODER}"), 0)
+        self.assertEqual(s.metric(f"kvsteer_down_{self.FLOODER}"), 0)
         self.assertGreater(to_flooder, 0)
 
 
@@ -215,12 +210,12 @@ class FairIndexShare(unittest.TestCase):
         """One request sharing `prefix`; asserts it lands on `holder` and the engine reused the
         prefix; returns the tokens the filter's index matched for it."""
         time.sleep(PEER_SETTLE_S)
-        before = stat(self.stack, "kvsteer_matched_tokens")
+        before = self.stack.metric("kvsteer_matched_tokens")
         res = send(self.stack, prefix + tokens(32, seed))
         self.assertTrue(res.ok, res)
         self.assertEqual(replica_name(self.stack, res), holder, res)
         self.assertGreaterEqual(res.cached_tokens, len(prefix), res)
-        return stat(self.stack, "kvsteer_matched_tokens") - before
+        return self.stack.metric("kvsteer_matched_tokens") - before
 
     def test_a_flood_of_a_million_blocks_keeps_another_replicas_prefix(self):
         s = self.stack
@@ -238,23 +233,23 @@ class FairIndexShare(unittest.TestCase):
         time.sleep(FEED_SETTLE_S)
         self.assertGreaterEqual(self.follow_up(prefix, holder, 41_000), 1024, "before the flood")
 
-        evictions0 = stat(s, "kvsteer_index_evictions")
+        evictions0 = s.metric("kvsteer_index_evictions")
         s.flood_mode(self.FLOODER, blocks=FLOOD_BLOCKS, every_poll=0)
         # Until every VM has applied the snapshot (8,192 blocks a tick: about 12 s): the eviction
         # counter has moved by at least one VM's worth and then stands still, nothing pending.
         history: list[int] = []
 
         def applied():
-            history.append(stat(s, "kvsteer_index_evictions") - evictions0)
+            history.append(s.metric("kvsteer_index_evictions") - evictions0)
             quiet = len(history) >= 4 and len(set(history[-4:])) == 1
-            pending = stat(s, "kvsteer_feed_pending_blocks")
+            pending = s.metric("kvsteer_feed_pending_blocks")
             if quiet and history[-1] >= FLOOD_BLOCKS - self.CAP and pending == 0:
                 return history[-1]
             return 0
 
         evicted = wait_for("the flood applied", applied, 60, every_s=0.5)
         served = s.flood_stats(self.FLOODER)
-        blocks = stat(s, "kvsteer_index_blocks")
+        blocks = s.metric("kvsteer_index_blocks")
         matched = [self.follow_up(prefix, holder, 42_000 + k) for k in range(4)]
         print(f"\nflood: {served['snapshots']} snapshot(s), {served['snapshot_bytes'] / 1e6:.1f} MB; "
               f"{evicted} evictions over the VMs, index gauge {blocks} blocks (cap {self.CAP}); "
@@ -290,11 +285,11 @@ class SlowAndOversizedFeeds(unittest.TestCase):
 
         def settled():
             now = {
-                "timeouts": stat(s, f"kvsteer_feed_timeouts_{self.SLOW}"),
-                "oversized": stat(s, f"kvsteer_feed_oversized_{self.OVERSIZED}"),
-                "stale_slow": stat(s, f"kvsteer_feed_stale_{self.SLOW}"),
-                "stale_oversized": stat(s, f"kvsteer_feed_stale_{self.OVERSIZED}"),
-                "down_unreachable": stat(s, f"kvsteer_down_{self.UNREACHABLE}"),
+                "timeouts": s.metric(f"kvsteer_feed_timeouts_{self.SLOW}"),
+                "oversized": s.metric(f"kvsteer_feed_oversized_{self.OVERSIZED}"),
+                "stale_slow": s.metric(f"kvsteer_feed_stale_{self.SLOW}"),
+                "stale_oversized": s.metric(f"kvsteer_feed_stale_{self.OVERSIZED}"),
+                "down_unreachable": s.metric(f"kvsteer_down_{self.UNREACHABLE}"),
             }
             ok = (now["timeouts"] >= 3 and now["oversized"] >= 3 and now["stale_slow"] == 1
                   and now["stale_oversized"] == 1 and now["down_unreachable"] == 1)
@@ -309,7 +304,7 @@ class SlowAndOversizedFeeds(unittest.TestCase):
         failed = [r for r in results if not r.ok]
         n = max(1, len(results))
         share = {k: round(v / n, 3) for k, v in sorted(by.items())}
-        down = {r: stat(s, f"kvsteer_down_{r}") for r in (self.SLOW, self.OVERSIZED)}
+        down = {r: s.metric(f"kvsteer_down_{r}") for r in (self.SLOW, self.OVERSIZED)}
         print(f"\nfilter counters once settled: {counted}; {len(results)} requests, "
               f"{len(failed)} failed, answered by {share}; down gauges {down}", flush=True)
         self.assertGreater(len(results), 100)
@@ -321,7 +316,7 @@ class SlowAndOversizedFeeds(unittest.TestCase):
         # Down: avoided.
         self.assertLess(share.get(self.UNREACHABLE, 0), 0.02, share)
         # Oversized answers are refused, never counted as unreachable or applied.
-        self.assertEqual(stat(s, f"kvsteer_feed_timeouts_{self.OVERSIZED}"), 0)
+        self.assertEqual(s.metric(f"kvsteer_feed_timeouts_{self.OVERSIZED}"), 0)
 
 
 class StaleMeansNoCacheCredit(unittest.TestCase):
@@ -352,10 +347,10 @@ class StaleMeansNoCacheCredit(unittest.TestCase):
         """One request sharing `prefix` on an idle fleet: its result and the tokens the filter's
         index matched on the replica it chose."""
         time.sleep(PEER_SETTLE_S)
-        before = stat(self.stack, "kvsteer_matched_tokens")
+        before = self.stack.metric("kvsteer_matched_tokens")
         res = send(self.stack, prefix + tokens(32, seed), max_tokens=2)
         self.assertTrue(res.ok, res)
-        return res, stat(self.stack, "kvsteer_matched_tokens") - before
+        return res, self.stack.metric("kvsteer_matched_tokens") - before
 
     def test_a_stale_replicas_cached_prefix_earns_no_credit(self):
         s = self.stack
@@ -372,8 +367,8 @@ class StaleMeansNoCacheCredit(unittest.TestCase):
             self.assertGreaterEqual(res.cached_tokens, 1024, res)
 
         self.feed_outage(holder, True)
-        wait_for(f"{holder} stale", lambda: stat(s, f"kvsteer_feed_stale_{holder}") == 1, 15)
-        self.assertEqual(stat(s, f"kvsteer_down_{holder}"), 0, "a live feed's errors: stale")
+        wait_for(f"{holder} stale", lambda: s.metric(f"kvsteer_feed_stale_{holder}") == 1, 15)
+        self.assertEqual(s.metric(f"kvsteer_down_{holder}"), 0, "a live feed's errors: stale")
         # Stale: the prefix matches nothing (its blocks are the stale replica's alone), so the
         # follow-ups go by load, a third of them to each idle replica. Once one lands on a fresh
         # replica, that one caches the prefix and draws the rest. With the stale holder's cache
@@ -395,7 +390,7 @@ class StaleMeansNoCacheCredit(unittest.TestCase):
         self.assertEqual(replica_name(s, res), new_holder, res)
         self.assertGreaterEqual(matched, 1024, "a fresh replica's copy is credited")
         self.feed_outage(holder, False)
-        wait_for(f"{holder} fresh again", lambda: stat(s, f"kvsteer_feed_stale_{holder}") == 0, 15)
+        wait_for(f"{holder} fresh again", lambda: s.metric(f"kvsteer_feed_stale_{holder}") == 0, 15)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,6 @@ FEED_WAIT_S = 1.0
 DONE_WAIT_S = 120.0
 
 
-def stat(stack: Stack, name: str) -> int:
-    return stack.stats("wasmcustom.").get("wasmcustom." + name, 0)
-
-
 class LoraFleet(unittest.TestCase):
     stack: Stack
 
@@ -99,7 +95,7 @@ class LoraFleet(unittest.TestCase):
 
     def test_2_adapter_blocks_are_found(self) -> None:
         prompt = tokens(1024, 300)
-        before = stat(self.stack, "kvsteer_matched_tokens")
+        before = self.stack.metric("kvsteer_matched_tokens")
         first = self.send(prompt, "ops")
         self.assertTrue(first.ok, f"{first.status} {first.error}")
         # The replica's feed must report the blocks before the filter can find them.
@@ -109,10 +105,10 @@ class LoraFleet(unittest.TestCase):
             time.sleep(FEED_WAIT_S)
             second = self.send(prompt, "ops")
             self.assertTrue(second.ok, f"{second.status} {second.error}")
-            if stat(self.stack, "kvsteer_matched_tokens") > before:
+            if self.stack.metric("kvsteer_matched_tokens") > before:
                 break
         assert second is not None
-        self.assertGreater(stat(self.stack, "kvsteer_matched_tokens"), before,
+        self.assertGreater(self.stack.metric("kvsteer_matched_tokens"), before,
                            "the adapter's prompt never matched its own cached blocks")
         self.assertEqual(second.replica, first.replica)
         self.assertGreater(second.cached_tokens, 0)

@@ -56,10 +56,6 @@ ROUTED_WAIT_S = 30.0
 SETTLE_WAIT_S = 10.0
 
 
-def stat(stack: Stack, name: str) -> int:
-    return stack.stats("wasmcustom.").get("wasmcustom." + name, 0)
-
-
 class Shedding(unittest.TestCase):
     stack: Stack
 
@@ -90,7 +86,7 @@ class Shedding(unittest.TestCase):
             c.close()
 
     def test_sheddable_requests_get_429_and_critical_ones_complete(self):
-        routed0 = stat(self.stack, "kvsteer_requests_routed")
+        routed0 = self.stack.metric("kvsteer_requests_routed")
         heavy: list[Result] = [Result(status=-1)] * CRITICAL_LOAD
 
         def run_heavy(i: int) -> None:
@@ -100,7 +96,7 @@ class Shedding(unittest.TestCase):
         for t in threads:
             t.start()
         deadline = time.monotonic() + ROUTED_WAIT_S
-        while stat(self.stack, "kvsteer_requests_routed") < routed0 + CRITICAL_LOAD:
+        while self.stack.metric("kvsteer_requests_routed") < routed0 + CRITICAL_LOAD:
             self.assertLess(time.monotonic(), deadline, "the critical load was not routed")
             time.sleep(0.05)
         # One tick publishes a worker's bookings, the next tick of the other worker reads them.
