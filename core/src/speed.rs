@@ -147,13 +147,21 @@ impl EngineProfile {
         work * self.compute_us_per_token * 1e-6
     }
 
+    /// Chunked-prefill steps `tokens` of prompt take (`chunk_tokens` a step), at least `min_steps`:
+    /// the one count every prefill and mixed-step estimate uses.
+    pub fn prefill_steps(&self, tokens: f64, min_steps: f64) -> f64 {
+        (tokens.max(0.0) / self.chunk_tokens.max(1.0))
+            .ceil()
+            .max(min_steps)
+    }
+
     /// Seconds to prefill `uncached` tokens after `cached` ones on an otherwise idle replica: linear
     /// layers (or the weights' read, whichever is longer, per chunk), attention over each token's
     /// context, and a step's overhead per chunk.
     pub fn prefill_s(&self, uncached: f64, cached: f64) -> f64 {
         let u = uncached.max(0.0);
         let c = cached.max(0.0);
-        let chunks = (u / self.chunk_tokens).ceil().max(1.0);
+        let chunks = self.prefill_steps(u, 1.0);
         let linear = (self.compute_us_per_token * u).max(self.weights_us * chunks);
         let attention = self.attn_us_per_pair * u * (c + u / 2.0);
         (linear + attention + self.step_overhead_us * chunks) * 1e-6

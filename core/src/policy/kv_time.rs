@@ -148,11 +148,10 @@ fn batch_s(profile: &EngineProfile, n: f64, context: f64, queued: f64, uncached:
     if n <= 0.0 {
         return 0.0;
     }
-    let chunk = profile.chunk_tokens.max(1.0);
     let in_progress = 0.5 * profile.step_s(n, context);
     let mut shared = 0.0;
     for (work, min_steps) in [(queued, 0.0), (uncached, 1.0)] {
-        let steps = (work.max(0.0) / chunk).ceil().max(min_steps);
+        let steps = profile.prefill_steps(work, min_steps);
         if steps > 0.0 {
             shared += steps * profile.mixed_step_extra_s(n, context, work.max(0.0) / steps);
         }
