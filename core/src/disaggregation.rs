@@ -306,18 +306,7 @@ mod tests {
                 RoutingConfig::from_json(&format!(r#"{{"policy":"{policy}","block_size":16}}"#))
                     .unwrap();
             let router = Router::new(cfg, 4).unwrap();
-            let prompt: Vec<u32> = (0..1024).collect();
-            let body = format!(
-                r#"{{"prompt":{},"max_tokens":8}}"#,
-                serde_json::to_string(&prompt).unwrap()
-            );
-            let req = router
-                .read_request("/v1/completions", body.as_bytes(), None)
-                .unwrap();
-            let hashes: Vec<u64> = match &req.identity {
-                crate::PromptIdentity::Exact(h) => h.iter().map(|h| h.0).collect(),
-                other => panic!("token prompt expected, got {other:?}"),
-            };
+            let (req, hashes) = crate::router::token_prompt_request(&router, 1024);
             (router, req, hashes)
         }
 

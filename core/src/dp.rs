@@ -251,18 +251,7 @@ mod tests {
         let units = Units::new(&[4, 4], 256).unwrap();
         let cfg = RoutingConfig::from_json(r#"{"policy":"kv_load","block_size":16}"#).unwrap();
         let mut router = Router::new(cfg, units.len()).unwrap();
-        let prompt: Vec<u32> = (0..1024).collect();
-        let body = format!(
-            r#"{{"prompt":{},"max_tokens":8}}"#,
-            serde_json::to_string(&prompt).unwrap()
-        );
-        let req = router
-            .read_request("/v1/completions", body.as_bytes(), None)
-            .unwrap();
-        let hashes: Vec<u64> = match &req.identity {
-            crate::PromptIdentity::Exact(h) => h.iter().map(|h| h.0).collect(),
-            other => panic!("token prompt expected, got {other:?}"),
-        };
+        let (req, hashes) = crate::router::token_prompt_request(&router, 1024);
         let target = units.unit_of(0, Some(2)).unwrap();
         router.apply_feed(target, &batch(7, hashes.clone()));
         let d = router.route(&req, 0);

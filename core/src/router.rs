@@ -359,3 +359,25 @@ impl Router {
         &self.index
     }
 }
+
+/// For the crate's tests: a completions request whose prompt is the tokens `0..tokens`, as `router`
+/// reads it, and its blocks' hashes (what a feed reports for a replica that caches it).
+#[cfg(test)]
+pub(crate) fn token_prompt_request(
+    router: &Router,
+    tokens: u32,
+) -> (crate::RouteRequest, Vec<u64>) {
+    let prompt: Vec<u32> = (0..tokens).collect();
+    let body = format!(
+        r#"{{"prompt":{},"max_tokens":8}}"#,
+        serde_json::to_string(&prompt).unwrap()
+    );
+    let req = router
+        .read_request("/v1/completions", body.as_bytes(), None)
+        .unwrap();
+    let hashes = match &req.identity {
+        crate::PromptIdentity::Exact(h) => h.iter().map(|h| h.0).collect(),
+        other => panic!("token prompt expected, got {other:?}"),
+    };
+    (req, hashes)
+}
