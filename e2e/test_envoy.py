@@ -59,7 +59,7 @@ def stat_sum(stack: Stack, needle: str) -> int:
 
 
 class KvsteerBehindEnvoy(unittest.TestCase):
-    """envoy/envoy.yaml: override_host on the destination header, kv_load."""
+    """envoy/envoy.yaml: override_host on the destination header, kv_time (the default)."""
 
     stack: Stack
 
@@ -239,7 +239,7 @@ class BusyReplicaAvoided(unittest.TestCase):
     independent proxies (the default, `ignore`, scores on this proxy's own bookings)."""
 
     def test_busy_replica_is_avoided(self):
-        max_reports = {"routing": {"kv_load": {"reported_load": "max"}}}
+        max_reports = {"routing": {"policy": "kv_load", "kv_load": {"reported_load": "max"}}}
         with new_stack("envoy", plugin_overrides=max_reports) as stack:
             busy = stack.replicas[0]
             prefix = tokens(256, 60_000)

@@ -137,7 +137,7 @@ class FloodingFeed(unittest.TestCase):
     def test_unrelated_requests_keep_flowing_while_the_snapshots_are_sliced(self):
         s = self.stack
         routed0, fallbacks0 = s.metric("kvsteer_requests_routed"), s.metric("kvsteer_fallbacks")
-        decisions0 = s.metric(f"kvsteer_decisions_kv_load_{self.FLOODER}")
+        decisions0 = s.metric(f"kvsteer_decisions_kv_time_{self.FLOODER}")
         s.flood_mode(self.FLOODER, blocks=FLOOD_BLOCKS, every_poll=1)
         # Sample the filter's backlog of feed blocks while clients send requests.
         pending: list[int] = []
@@ -162,7 +162,7 @@ class FloodingFeed(unittest.TestCase):
         p99 = lat[int(0.99 * (len(lat) - 1))] if lat else float("inf")
         routed = s.metric("kvsteer_requests_routed") - routed0
         fallbacks = s.metric("kvsteer_fallbacks") - fallbacks0
-        to_flooder = s.metric(f"kvsteer_decisions_kv_load_{self.FLOODER}") - decisions0
+        to_flooder = s.metric(f"kvsteer_decisions_kv_time_{self.FLOODER}") - decisions0
         print(f"\n{len(results)} requests under the flood, {len(failed)} failed, p50 "
               f"{p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {lat[-1] * 1e3 if lat else 0:.1f} ms; "
               f"flood feed served {served['snapshots']} snapshots "

@@ -1,8 +1,8 @@
 """End-to-end: no healthy replica starved under `kv_time`, through Envoy 1.40 (`--concurrency 2`)
 with envoy/envoy.yaml, the built filter and 4 simulated replicas.
 
-The workload is chat behind one shared system prompt, the shape on which the default policy
-`kv_load` has been seen sending a whole run to three of four healthy replicas: once some replicas
+The workload is chat behind one shared system prompt, the shape on which `kv_load`, the default
+policy before `kv_time`, has been seen sending a whole run to three of four healthy replicas: once some replicas
 held the shared prompt, the others never looked cheap. 80 sessions arrive open-loop at 8 a second
 (2 a second per replica, as in host-test/tests/no_starved_replica.rs), each on its own thread and
 connection, 2 to 4 turns each; every prompt is the same 2,048-token system prompt, then the
@@ -22,8 +22,9 @@ cost more it is chosen, and from then on it holds the prompt too. At this load t
 do grow (each replica's `vllm:num_requests_running` and `waiting` are sampled and printed); at half
 of it `kv_time` was seen leaving one replica without requests, rightly by its prediction.
 
-The same workload then runs under `kv_load` (the default), shorter (48 sessions), and its split is
-printed, not asserted: leaving replicas without requests here is the known limit of the default.
+The same workload then runs under `kv_load` (the default before `kv_time`), shorter (48 sessions),
+and its split is printed, not asserted: leaving replicas without requests here is the known limit
+of that cost.
 
 The replicas run at time scale 1 whatever `E2E_TIME_SCALE` says: `kv_time` predicts in the
 profile's seconds and learns each replica's speed from streamed first tokens against the wall

@@ -82,9 +82,9 @@ fn every_committed_configuration_is_accepted() {
                 0 => {
                     // The discovery variant has no static replica and 16 slots for members.
                     let want = if shown == "envoy/envoy-discovery.yaml" {
-                        ": ok: 0 replicas and 16 discovery slots, policy kv_load"
+                        ": ok: 0 replicas and 16 discovery slots, policy kv_time"
                     } else {
-                        ": ok: 4 replicas, policy kv_load"
+                        ": ok: 4 replicas, policy kv_time"
                     };
                     for line in r.stdout.lines() {
                         assert!(line.contains(want), "{shown}: {line}");
@@ -122,12 +122,12 @@ fn where_each_configuration_was_found_is_named() {
     assert_eq!(r.code, 0);
     assert_eq!(
         r.stdout,
-        "wasm filter \"kvsteer\": ok: 4 replicas, policy kv_load\n"
+        "wasm filter \"kvsteer\": ok: 4 replicas, policy kv_time\n"
     );
     let r = run(&[&file("istio/wasmplugin.yaml")], None);
     assert_eq!(
         r.stdout,
-        "WasmPlugin \"kvsteer\" pluginConfig: ok: 4 replicas, policy kv_load\n"
+        "WasmPlugin \"kvsteer\" pluginConfig: ok: 4 replicas, policy kv_time\n"
     );
     let r = run(&[&file("nginx/nginx.conf")], None);
     assert!(
@@ -148,7 +148,7 @@ fn more_replicas_than_the_filter_holds_are_refused() {
     );
     let r = run(&[], Some(&config(&replicas[..256])));
     assert_eq!(r.code, 0, "{}", r.stdout);
-    assert_eq!(r.stdout, "ok: 256 replicas, policy kv_load\n");
+    assert_eq!(r.stdout, "ok: 256 replicas, policy kv_time\n");
 }
 
 #[test]
@@ -205,7 +205,10 @@ fn a_bad_configuration_inside_a_manifest_is_found_and_refused() {
 
 #[test]
 fn warnings_are_printed_after_ok() {
-    let cfg = config_with(r#""peers": {"token": "0123456789abcdef0123456789abcdef"}"#);
+    // The warning is `kv_load`'s (its reported-load modes were measured with peers).
+    let cfg = config_with(
+        r#""peers": {"token": "0123456789abcdef0123456789abcdef"}, "routing": {"policy": "kv_load"}"#,
+    );
     let r = run(&[], Some(&cfg));
     assert_eq!(r.code, 0, "{}", r.stdout);
     let lines: Vec<&str> = r.stdout.lines().collect();

@@ -25,8 +25,11 @@ pub enum PolicyKind {
     SessionHash,
     PrefixAffinity,
     KvAffinity,
-    #[default]
+    /// The block-count cost, kvsteer's default until `kv_time` passed its validation gate
+    /// (docs/reports/model-eval.md); kept by name for comparison.
     KvLoad,
+    /// The cost in seconds (docs/design/design.md section 2.7): the default.
+    #[default]
     KvTime,
     /// The Gateway API Inference Extension's LoRA rule, as a baseline: [`crate::policy::adapter_affinity`].
     /// Not in [`PolicyKind::ALL`]: on a fleet without adapters it is `least_load`, so the benches that
@@ -158,7 +161,7 @@ pub struct RoutingConfig {
 impl Default for RoutingConfig {
     fn default() -> Self {
         Self {
-            policy: PolicyKind::KvLoad,
+            policy: PolicyKind::KvTime,
             block_size: 16,
             index_capacity_blocks: 1_000_000,
             seed: 0x006B_7673_7465_6572, // "kvsteer"
