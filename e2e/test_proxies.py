@@ -53,7 +53,12 @@ def replica_gauges(endpoint: str) -> dict[str, float]:
 
 
 def overrides_for(reported_load: str, **kv_load) -> dict:
-    return {"routing": {"kv_load": {"reported_load": reported_load, **kv_load}}}
+    """Under `kv_load`, the policy the reported-load modes were designed and measured with
+    (docs/reports/proxies.md): a replica's reported decode blocks against this proxy's own bookings
+    decide where it sends. (`kv_time`, the default, prices the same load in seconds, and at two
+    replicas may rightly put a short request beside one long decode.)"""
+    return {"routing": {"policy": "kv_load",
+                        "kv_load": {"reported_load": reported_load, **kv_load}}}
 
 
 def two_envoys(reported_load: str, **kv_load) -> tuple[Stack, Stack]:
