@@ -1,6 +1,6 @@
 //! No replica left idle: on the chat workload behind one shared system prompt (the shape that showed
 //! `kv_load` sending a whole run to a subset of the fleet), every replica of a fleet of N gets at
-//! least 1/(4N) of the requests under `kv_time`, on every draw.
+//! least 1/(4N) of the requests under `kv_time`, the default policy, on every draw.
 //!
 //! Why a quarter of a fair share: `kv_time` may rightly keep a replica lighter (a cold replica must
 //! first prefill the shared prompt, and at light load the holders are cheaper), but a replica that is
@@ -55,13 +55,16 @@ fn min_share(policy: &str, replicas: usize, seed: u64) -> (f64, Vec<u64>) {
     (least as f64 / total.max(1) as f64, m.requests_per_replica)
 }
 
+/// The policy a configuration without `policy` gets (`kv_time`): the invariant is the default's.
 #[test]
-fn kv_time_gives_every_replica_a_quarter_of_a_fair_share() {
+fn the_default_policy_gives_every_replica_a_quarter_of_a_fair_share() {
+    let default = kvsteer_core::PolicyKind::default().name();
+    assert_eq!(default, "kv_time");
     for (replicas, seed) in [(4, 0), (4, 1), (4, 2)] {
-        let (share, per) = min_share("kv_time", replicas, seed);
+        let (share, per) = min_share(default, replicas, seed);
         assert!(
             share >= 1.0 / (4.0 * replicas as f64),
-            "{replicas} replicas, seed {seed}: {per:?}"
+            "{default}, {replicas} replicas, seed {seed}: {per:?}"
         );
     }
 }
