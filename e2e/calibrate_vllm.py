@@ -275,27 +275,28 @@ def routed(s: RealStack, prompt: list[int], max_tokens: int, profile: dict) -> d
 
 
 def probes(s: RealStack, a: argparse.Namespace, profile: dict) -> list[dict]:
-    """Prompts cached but for their last token, straight to an engine and through Envoy (which routes
-    them to the engine holding them), alternately: what a request costs beyond the engine's
-    computing one token, by path and prompt length."""
+    """Prompts cached but for their last token on both engines, so that wherever the filter sends
+    one it computes one token: each through Envoy, then straight to the engine that served it (same
+    cache state, same engine), `probe_reps` times per length. What a request costs beyond the
+    engine's computing one token, by path and prompt length."""
     out = []
+    by_name = {e.name: e for e in s.engines}
     lengths = [32, 1024, 4096, (a.max_model_len - 64) // BLOCK * BLOCK]
-    for e in s.engines:
-        for n in lengths:
-            prompt = tokens(n, 80_000 + 10 * n + e.index) + [7]
-            direct(e, prompt)  # caches the n tokens' blocks on e alone
+    for n in lengths:
+        prompt = tokens(n, 80_000 + n) + [7]
+        for e in s.engines:
+            direct(e, prompt)  # caches the n tokens' blocks on every engine
+        for k in range(a.probe_reps):
             settle(s)
-            for k in range(a.probe_reps):
-                d = direct(e, prompt)
-                settle(s)
-                v = routed(s, prompt, 4, profile)
-                if v["replica"] != e.name:
-                    log(f"probe {n} on {e.name}: routed to {v['replica']}")
-                out.append({"engine": e.name, "prompt_tokens": n + 1, "rep": k,
-                            "direct_ttft_s": d.ttfb_s, "direct_cached": d.cached_tokens,
-                            "envoy_ttft_s": v["ttft_s"], "envoy_cached": v["cached_tokens"],
-                            "envoy_replica": v["replica"], "predicted_s": v["predicted_s"],
-                            "predicted_profile_s": v["predicted_profile_s"]})
+            v = routed(s, prompt, 4, profile)
+            e = by_name[v["replica"]]
+            d = direct(e, prompt)
+            out.append({"engine": e.name, "prompt_tokens": n + 1, "rep": k,
+                        "direct_ttft_s": d.ttfb_s, "direct_cached": d.cached_tokens,
+                        "envoy_ttft_s": v["ttft_s"], "envoy_cached": v["cached_tokens"],
+                        "predicted_s": v["predicted_s"],
+                        "predicted_profile_s": v["predicted_profile_s"],
+                        "speed_in_use": v["speed_in_use"], "explain": v["explain"]})
     return out
 
 
@@ -365,79 +366,98 @@ def groups(rows: list[dict]) -> list[tuple[str, list[dict]]]:
 def probe_summary(ps: list[dict]) -> list[dict]:
     out = []
     for n in sorted({p["prompt_tokens"] for p in ps}):
-        every = [p for p in ps if p["prompt_tokens"] == n]
-        # A probe the filter sent to the engine without the prompt (its learned speed made the other
-        # engine's full prefill look cheaper) measures a prefill, not the path: counted, left out.
-        sel = [p for p in every if p["envoy_replica"] == p["engine"]]
-        if not sel:
-            out.append({"prompt_tokens": n, "n": 0, "misrouted": len(every)})
-            continue
+        sel = [p for p in ps if p["prompt_tokens"] == n]
         d = statistics.median(p["direct_ttft_s"] for p in sel) * 1e3
         v = statistics.median(p["envoy_ttft_s"] for p in sel) * 1e3
         pr = statistics.median(p["predicted_s"] for p in sel) * 1e3
-        pr1 = statistics.median(p["predicted_profile_s"] for p in sel
-                                if p["predicted_profile_s"] == p["predicted_profile_s"]) * 1e3 \
-            if any(p["predicted_profile_s"] == p["predicted_profile_s"] for p in sel) else float("nan")
+        pr1 = statistics.median(p["predicted_profile_s"] for p in sel) * 1e3
         out.append({"prompt_tokens": n, "cached_tokens": min(p["envoy_cached"] for p in sel),
-                    "n": len(sel), "direct_ms": d, "envoy_ms": v, "envoy_minus_direct_ms": v - d,
+                    "n": len(sel), "engines": sorted({p["engine"] for p in sel}),
+                    "direct_ms": d, "envoy_ms": v, "envoy_minus_direct_ms": v - d,
+                    "envoy_minus_direct_each_ms": statistics.median(
+                        (p["envoy_ttft_s"] - p["direct_ttft_s"]) * 1e3 for p in sel),
                     "predicted_ms": pr, "predicted_profile_ms": pr1,
-                    "unmodelled_ms": v - pr, "misrouted": len(every) - len(sel)})
+                    "direct_minus_profile_ms": d - pr1, "envoy_minus_predicted_ms": v - pr})
     return out
 
 
 # -- report -----------------------------------------------------------------------------------------
 
 
-def table(res: dict) -> str:
-    md = []
-    md.append("| requests | n | Spearman | median abs error ms | median realized - predicted ms | "
-              "realized / predicted p10 / p50 / p90 | predicted p50 ms | realized p50 ms |")
-    md.append("|---|---:|---:|---:|---:|---|---:|---:|")
-    for label, s in res["summary"]:
+def group_table(summary: list) -> list[str]:
+    md = ["| requests | n | Spearman | median abs error ms | median realized - predicted ms | "
+          "realized / predicted p10 / p50 / p90 | predicted p50 ms | realized p50 ms |",
+          "|---|---:|---:|---:|---:|---|---:|---:|"]
+    for label, s in summary:
         if not s.get("n"):
             md.append(f"| {label} | 0 | - | - | - | - | - | - |")
             continue
-        md.append(f"| {label} | {s['n']} | {s['spearman']:.3f} | {s['median_abs_error_ms']:.1f} | "
+        rho = f"{s['spearman']:.3f}" if s["spearman"] == s["spearman"] else "-"
+        md.append(f"| {label} | {s['n']} | {rho} | {s['median_abs_error_ms']:.1f} | "
                   f"{s['median_gap_ms']:+.1f} | {s['ratio_p10']:.2f} / {s['ratio_p50']:.2f} / "
                   f"{s['ratio_p90']:.2f} | {s['predicted_p50_ms']:.1f} | {s['realized_p50_ms']:.1f} |")
+    return md
+
+
+def table(res: dict) -> str:
+    md = ["The winner's predicted TTFT as routed (wait + prefill (+ adapter), with the learned "
+          "speed), against the client's:\n"]
+    md += group_table(res["summary"])
+    md.append("\nThe same at the profile's own speed (divided by the learned factor in use):\n")
+    md += group_table(res["summary_profile_speed"])
     md.append("")
-    s1 = res["summary_profile_speed"]
-    if s1.get("n"):
-        md.append(f"At the profile's own speed (the header's prediction divided by the learned factor "
-                  f"in use): n {s1['n']}, Spearman {s1['spearman']:.3f}, median abs error "
-                  f"{s1['median_abs_error_ms']:.1f} ms, realized / predicted {s1['ratio_p10']:.2f} / "
-                  f"{s1['ratio_p50']:.2f} / {s1['ratio_p90']:.2f} (p10 / p50 / p90).")
     ps = res["summary_engine_view"]
     if ps.get("n"):
-        md.append(f"The profile priced with the engine's own cached tokens (speed 1): Spearman "
-                  f"{ps['spearman']:.3f}, median abs error {ps['median_abs_error_ms']:.1f} ms, "
-                  f"ratio p50 {ps['ratio_p50']:.2f}.")
+        md.append(f"The profile priced with the engine's own cached tokens, exact token counts, speed "
+                  f"1: Spearman {ps['spearman']:.3f}, median abs error {ps['median_abs_error_ms']:.1f} "
+                  f"ms, realized / predicted {ps['ratio_p10']:.2f} / {ps['ratio_p50']:.2f} / "
+                  f"{ps['ratio_p90']:.2f}.")
     v = res["view"]
     md.append(f"Filter's matched tokens against the engine's cached tokens: equal on {v['equal']} of "
               f"{v['n']} requests; the filter credited more on {v['filter_more']}, fewer on "
               f"{v['filter_less']} (largest gap {v['max_gap']} tokens).")
     md.append("")
-    md.append("Overhead: prompts cached but for one token (median of the probes per length), TTFT "
-              "straight to the engine and through Envoy, and the prediction:\n")
-    md.append("| prompt tokens | cached | probes (routed elsewhere) | direct ms | via Envoy ms | "
-              "Envoy - direct ms | predicted ms | predicted at speed 1 ms | via Envoy - predicted ms |")
-    md.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    md.append("Overhead: prompts cached on both engines but for one token (median of the probes per "
+              "length), TTFT through Envoy and then straight to the engine that served it, and the "
+              "prediction:\n")
+    md.append("| prompt tokens | cached | probes | via Envoy ms | direct ms | Envoy - direct ms "
+              "(median of pairs) | predicted ms | at speed 1 ms | direct - speed 1 ms | "
+              "via Envoy - predicted ms |")
+    md.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for p in res["probe_summary"]:
-        if not p["n"]:
-            md.append(f"| {p['prompt_tokens']} | - | 0 ({p['misrouted']}) | - | - | - | - | - | - |")
-            continue
-        md.append(f"| {p['prompt_tokens']} | {p['cached_tokens']} | {p['n']} ({p['misrouted']}) | "
-                  f"{p['direct_ms']:.1f} | {p['envoy_ms']:.1f} | {p['envoy_minus_direct_ms']:+.1f} | "
-                  f"{p['predicted_ms']:.2f} | {p['predicted_profile_ms']:.2f} | "
-                  f"{p['unmodelled_ms']:+.1f} |")
+        md.append(f"| {p['prompt_tokens']} | {p['cached_tokens']} | {p['n']} | {p['envoy_ms']:.1f} | "
+                  f"{p['direct_ms']:.1f} | {p['envoy_minus_direct_each_ms']:+.1f} | "
+                  f"{p['predicted_ms']:.1f} | {p['predicted_profile_ms']:.1f} | "
+                  f"{p['direct_minus_profile_ms']:+.1f} | {p['envoy_minus_predicted_ms']:+.1f} |")
     md.append("")
     md.append("Filter gauges `kvsteer_ttft_observed_per_predicted_milli_<replica>` at the end of the "
               "workload: " + ", ".join(f"{k} {v}" for k, v in res["gauges_end"].items()) +
-              f"; requests per replica: {res['per_replica']}.")
+              f" (after the probes: " + ", ".join(f"{k} {v}" for k, v in
+                                                  res["gauges_after_probes"].items()) +
+              f"); requests per replica: {res['per_replica']}.")
     md.append(f"Profile `request_overhead_us` (fitted, not used by kv_time): "
               f"{res['profile'].get('request_overhead_us', 0):.0f} us. Load average (1 min) during "
               f"the workload: {res['loadavg_min']:.2f}-{res['loadavg_max']:.2f}.")
     return "\n".join(md) + "\n"
+
+
+def analyse(res: dict) -> None:
+    """The summaries, from the rows and probes in `res`."""
+    rows = res["rows"]
+    res["summary"] = [(label, summarize(sel)) for label, sel in groups(rows)]
+    res["summary_profile_speed"] = [(label, summarize(sel, "predicted_profile_s"))
+                                    for label, sel in groups(rows)]
+    res["summary_engine_view"] = summarize(rows, "predicted_engine_view_s")
+    res["view"] = {"n": len(rows),
+                   "equal": sum(1 for r in rows if r["matched_tokens"] == r["cached_tokens"]),
+                   "filter_more": sum(1 for r in rows if r["matched_tokens"] > r["cached_tokens"]),
+                   "filter_less": sum(1 for r in rows if r["matched_tokens"] < r["cached_tokens"]),
+                   "max_gap": max((abs(r["matched_tokens"] - r["cached_tokens"]) for r in rows),
+                                  default=0)}
+    res["per_replica"] = {e: sum(1 for r in rows if r["replica"] == e)
+                          for e in sorted({r["replica"] for r in rows})}
+    res["probe_summary"] = probe_summary(res["probes"])
+    res["table"] = table(res)
 
 
 def top_processes() -> list[str]:
@@ -460,8 +480,17 @@ def main() -> int:
     ap.add_argument("--max-tokens-min", type=int, default=4)
     ap.add_argument("--max-tokens-max", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--probe-reps", type=int, default=5)
+    ap.add_argument("--probe-reps", type=int, default=8)
+    ap.add_argument("--summarize", action="store_true",
+                    help="only recompute and print the tables of <out>/results.json")
     a = ap.parse_args()
+    if a.summarize:
+        path = Path(a.out) / "results.json"
+        res = json.loads(path.read_text())
+        analyse(res)
+        path.write_text(json.dumps(res, indent=1))
+        print(res["table"])
+        return 0
     t_start = time.monotonic()
     profile, eng = kv_time_profile(Path(a.profile))
     log(f"profile {profile.get('name')}: kv_cache_tokens {profile['kv_cache_tokens']:.0f}, "
@@ -507,22 +536,10 @@ def main() -> int:
     res["rows"] = rows
     res["loadavg_min"], res["loadavg_max"] = min(loads), max(loads)
     res["top_processes_end"] = top_processes()
-    res["summary"] = [(label, summarize(sel)) for label, sel in groups(rows)]
-    res["summary_profile_speed"] = summarize(rows, "predicted_profile_s")
-    res["summary_engine_view"] = summarize(rows, "predicted_engine_view_s")
-    res["view"] = {"n": len(rows),
-                   "equal": sum(1 for r in rows if r["matched_tokens"] == r["cached_tokens"]),
-                   "filter_more": sum(1 for r in rows if r["matched_tokens"] > r["cached_tokens"]),
-                   "filter_less": sum(1 for r in rows if r["matched_tokens"] < r["cached_tokens"]),
-                   "max_gap": max((abs(r["matched_tokens"] - r["cached_tokens"]) for r in rows),
-                                  default=0)}
-    res["per_replica"] = {e: sum(1 for r in rows if r["replica"] == e)
-                          for e in sorted({r["replica"] for r in rows})}
-    res["probe_summary"] = probe_summary(res["probes"])
     res["wall_s"] = time.monotonic() - t_start
     res["ended_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    text = table(res)
-    res["table"] = text
+    analyse(res)
+    text = res["table"]
     (out / "results.json").write_text(json.dumps(res, indent=1))
     print(text)
     log(f"calibrate-vllm: {res['wall_s']:.0f} s in all; {out / 'results.json'}")
