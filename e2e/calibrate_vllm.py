@@ -363,10 +363,13 @@ def groups(rows: list[dict]) -> list[tuple[str, list[dict]]]:
     return out
 
 
-def probe_summary(ps: list[dict]) -> list[dict]:
+def probe_summary(ps: list[dict], profile: dict) -> list[dict]:
     out = []
     for n in sorted({p["prompt_tokens"] for p in ps}):
         sel = [p for p in ps if p["prompt_tokens"] == n]
+        # What the profile says of the one token the engine computes (its exact count: the filter
+        # prices the last, partial block as a whole one).
+        exact = prefill_s(profile, 1, n - 1) * 1e3
         d = statistics.median(p["direct_ttft_s"] for p in sel) * 1e3
         v = statistics.median(p["envoy_ttft_s"] for p in sel) * 1e3
         pr = statistics.median(p["predicted_s"] for p in sel) * 1e3
@@ -376,8 +379,8 @@ def probe_summary(ps: list[dict]) -> list[dict]:
                     "direct_ms": d, "envoy_ms": v, "envoy_minus_direct_ms": v - d,
                     "envoy_minus_direct_each_ms": statistics.median(
                         (p["envoy_ttft_s"] - p["direct_ttft_s"]) * 1e3 for p in sel),
-                    "predicted_ms": pr, "predicted_profile_ms": pr1,
-                    "direct_minus_profile_ms": d - pr1, "envoy_minus_predicted_ms": v - pr})
+                    "predicted_ms": pr, "predicted_profile_ms": pr1, "exact_ms": exact,
+                    "direct_minus_exact_ms": d - exact, "envoy_minus_predicted_ms": v - pr})
     return out
 
 
@@ -421,14 +424,15 @@ def table(res: dict) -> str:
               "length), TTFT through Envoy and then straight to the engine that served it, and the "
               "prediction:\n")
     md.append("| prompt tokens | cached | probes | via Envoy ms | direct ms | Envoy - direct ms "
-              "(median of pairs) | predicted ms | at speed 1 ms | direct - speed 1 ms | "
-              "via Envoy - predicted ms |")
-    md.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "(median of pairs) | predicted ms | at speed 1 ms | profile, 1 token ms | "
+              "direct - profile, 1 token ms | via Envoy - predicted ms |")
+    md.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for p in res["probe_summary"]:
         md.append(f"| {p['prompt_tokens']} | {p['cached_tokens']} | {p['n']} | {p['envoy_ms']:.1f} | "
                   f"{p['direct_ms']:.1f} | {p['envoy_minus_direct_each_ms']:+.1f} | "
                   f"{p['predicted_ms']:.1f} | {p['predicted_profile_ms']:.1f} | "
-                  f"{p['direct_minus_profile_ms']:+.1f} | {p['envoy_minus_predicted_ms']:+.1f} |")
+                  f"{p['exact_ms']:.1f} | {p['direct_minus_exact_ms']:+.1f} | "
+                  f"{p['envoy_minus_predicted_ms']:+.1f} |")
     md.append("")
     md.append("Filter gauges `kvsteer_ttft_observed_per_predicted_milli_<replica>` at the end of the "
               "workload: " + ", ".join(f"{k} {v}" for k, v in res["gauges_end"].items()) +
@@ -456,7 +460,7 @@ def analyse(res: dict) -> None:
                                   default=0)}
     res["per_replica"] = {e: sum(1 for r in rows if r["replica"] == e)
                           for e in sorted({r["replica"] for r in rows})}
-    res["probe_summary"] = probe_summary(res["probes"])
+    res["probe_summary"] = probe_summary(res["probes"], res["profile"])
     res["table"] = table(res)
 
 
