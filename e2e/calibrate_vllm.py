@@ -29,9 +29,9 @@ replica's learned speed), the replica, the filter's matched tokens, the engine's
 realized TTFT at the client (send to the first streamed event), and the prediction at the profile's
 own speed (the header's divided by the learned factor in use, read from the filter's gauge
 before the request). Then: the overhead the profile does not model, from probes whose prompt is
-cached but for one token (so the engine computes one token): their TTFT straight to the engine and
-through Envoy, against the prediction. Finally the filter's `kvsteer_ttft_observed_per_predicted_milli_<replica>`
-gauges.
+cached on both engines but for one token (so the engine computes one token wherever it goes): their
+TTFT through Envoy and then straight to the engine that served them, against the prediction.
+Finally the filter's `kvsteer_ttft_observed_per_predicted_milli_<replica>` gauges.
 
 Writes <out>/results.json (parameters, the profile, every request, the probes, the summary) and
 prints the tables. Run by scripts/calibrate-vllm.
