@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_envoy import commit, pct  # noqa: E402
 from client import Client, Result, tokens  # noqa: E402
-from stack import Replica, StackError, free_ports, report_path, wasm_path  # noqa: E402
+from stack import Replica, StackError, report_path, wasm_path  # noqa: E402
 from test_real_vllm import (BLOCK, PEER_SETTLE_S, REPLICA_HEADER, Engine, RealStack,  # noqa: E402
                             feed_polls, prom, require_vllm, wait_until)
 from test_real_vllm import http as http_req  # noqa: E402
@@ -171,18 +171,7 @@ def start(a: argparse.Namespace, profile: dict) -> RealStack:
     require_vllm()
     s = RealStack(gpu_blocks=None, max_model_len=a.max_model_len)
     try:
-        ports = free_ports(4 * REPLICAS)
-        for i in range(REPLICAS):
-            s.engines.append(Engine(f"v{i}", i, *ports[4 * i:4 * i + 4]))
-        # Adapters first: they bind the ZMQ endpoints the engines' PUB sockets connect to.
-        for e in s.engines:
-            s.start_adapter(e)
-        t0 = time.monotonic()
-        for e in s.engines:
-            s.start_engine(e)
-        for e in s.engines:
-            s.wait_engine(e, ENGINE_START_S)
-        log(f"engines ready in {time.monotonic() - t0:.0f} s")
+        log(f"engines ready in {s.start_fleet(REPLICAS, ENGINE_START_S):.0f} s")
         s.replicas = [Replica(e.name, e.port, e.engine) for e in s.engines]
         for e in s.engines:
             wait_until(f"{e.name}'s adapter learns the block count",

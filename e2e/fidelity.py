@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_envoy import commit, pct, replay, summarize  # noqa: E402
 from client import Client, tokens  # noqa: E402
-from stack import Stack, StackError, free_ports, report_path, sim_path, wasm_path  # noqa: E402
+from stack import Stack, StackError, report_path, sim_path, wasm_path  # noqa: E402
 from test_real_vllm import BLOCK, Engine, RealStack, prom, wait_until  # noqa: E402
 from test_real_vllm import http as http_req  # noqa: E402
 
@@ -147,17 +147,7 @@ def reset_caches(s: RealStack, salt: int) -> None:
 def real_side(doc: dict, policies: list[str], a: argparse.Namespace, results: dict) -> None:
     s = RealStack(gpu_blocks=None, max_model_len=a.max_model_len)
     try:
-        ports = free_ports(4 * REPLICAS)
-        for i in range(REPLICAS):
-            s.engines.append(Engine(f"v{i}", i, *ports[4 * i:4 * i + 4]))
-        for e in s.engines:
-            s.start_adapter(e)
-        t0 = time.monotonic()
-        for e in s.engines:
-            s.start_engine(e)
-        for e in s.engines:
-            s.wait_engine(e, ENGINE_START_S)
-        results["real_engines_start_s"] = time.monotonic() - t0
+        results["real_engines_start_s"] = s.start_fleet(REPLICAS, ENGINE_START_S)
         log(f"real: 4 engines ready in {results['real_engines_start_s']:.0f} s")
         s.replicas = [_replica(e) for e in s.engines]
         for e in s.engines:

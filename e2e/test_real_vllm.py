@@ -167,6 +167,22 @@ class RealStack(Stack):
         self.stop_engines(self.engines)
         super().close()
 
+    def start_fleet(self, replicas: int, start_s: float = ENGINE_START_S) -> float:
+        """Starts `replicas` engines named v0, v1, ... with an adapter beside each (the adapters
+        first: they bind the ZMQ endpoints the engines' PUB sockets connect to) and waits for them;
+        returns the seconds the engines took to come up."""
+        ports = free_ports(4 * replicas)
+        for i in range(replicas):
+            self.engines.append(Engine(f"v{i}", i, *ports[4 * i:4 * i + 4]))
+        for e in self.engines:
+            self.start_adapter(e)
+        t0 = time.monotonic()
+        for e in self.engines:
+            self.start_engine(e)
+        for e in self.engines:
+            self.wait_engine(e, start_s)
+        return time.monotonic() - t0
+
     def stop_engines(self, engines: list[Engine], kill: bool = False) -> None:
         """Stops (SIGTERM, or SIGKILL with `kill`) the engines' process groups together, SIGKILLs
         what is left of them after 8 s, and unlinks the POSIX shared memory their processes had
