@@ -52,3 +52,13 @@ impl std::error::Error for ConfigError {}
 pub(crate) fn err(field: &str, message: impl Into<String>) -> ConfigError {
     ConfigError::routing(field, message)
 }
+
+/// The one check of a field that must be a finite number >= 0 (a weight, a scale, a count of
+/// tokens): every section's such fields are refused with the same words.
+pub(crate) fn non_negative(field: &str, v: f64) -> Result<(), ConfigError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(err(field, format!("must be a finite number >= 0, got {v}")))
+    }
+}

@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 
-use super::{ConfigError, err};
+use super::{ConfigError, err, non_negative};
 
 /// Coefficients of the `kv_load` cost (docs/design/design.md section 2.1). Its defaults are
 /// kvsteer's own (see `Default`); NVIDIA Dynamo's KV router's are the `dynamo` preset.
@@ -322,26 +322,19 @@ impl KvLoadParams {
     /// Checks ranges that types alone do not.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let k = self;
-        let nonneg = |name: &str, v: f64| {
-            if v.is_finite() && v >= 0.0 {
-                Ok(())
-            } else {
-                Err(err(name, format!("must be a finite number >= 0, got {v}")))
-            }
-        };
-        nonneg("kv_load.prefill_scale", k.prefill_scale)?;
-        nonneg("kv_load.overlap_credit", k.overlap_credit)?;
-        nonneg("kv_load.overlap_credit_decay", k.overlap_credit_decay)?;
-        nonneg("kv_load.queue_weight", k.queue_weight)?;
+        non_negative("kv_load.prefill_scale", k.prefill_scale)?;
+        non_negative("kv_load.overlap_credit", k.overlap_credit)?;
+        non_negative("kv_load.overlap_credit_decay", k.overlap_credit_decay)?;
+        non_negative("kv_load.queue_weight", k.queue_weight)?;
         if let Some(c) = k.cold_queue_weight {
-            nonneg("kv_load.cold_queue_weight", c)?;
+            non_negative("kv_load.cold_queue_weight", c)?;
         }
         if let Some(c) = k.short_queue_weight {
-            nonneg("kv_load.short_queue_weight", c)?;
+            non_negative("kv_load.short_queue_weight", c)?;
         }
-        nonneg("kv_load.short_prompt_tokens", k.short_prompt_tokens)?;
-        nonneg("kv_load.replica_cache_tokens", k.replica_cache_tokens)?;
-        nonneg("kv_load.working_set_window_ms", k.working_set_window_ms)?;
+        non_negative("kv_load.short_prompt_tokens", k.short_prompt_tokens)?;
+        non_negative("kv_load.replica_cache_tokens", k.replica_cache_tokens)?;
+        non_negative("kv_load.working_set_window_ms", k.working_set_window_ms)?;
         if crate::working_set::Sampling::one_in(k.working_set_sample).is_none() {
             return Err(err(
                 "kv_load.working_set_sample",
@@ -352,8 +345,8 @@ impl KvLoadParams {
                 ),
             ));
         }
-        nonneg("kv_load.overflow_weight", k.overflow_weight)?;
-        nonneg("kv_load.overflow_softness", k.overflow_softness)?;
+        non_negative("kv_load.overflow_weight", k.overflow_weight)?;
+        non_negative("kv_load.overflow_softness", k.overflow_softness)?;
         if !(k.attention_context_tokens.is_finite() && k.attention_context_tokens >= 1.0) {
             return Err(err(
                 "kv_load.attention_context_tokens",
@@ -363,8 +356,8 @@ impl KvLoadParams {
                 ),
             ));
         }
-        nonneg("kv_load.active_request_weight", k.active_request_weight)?;
-        nonneg("kv_load.temperature", k.temperature)?;
+        non_negative("kv_load.active_request_weight", k.active_request_weight)?;
+        non_negative("kv_load.temperature", k.temperature)?;
         for (name, v) in [
             ("kv_load.host_tier_credit", k.host_tier_credit),
             ("kv_load.disk_tier_credit", k.disk_tier_credit),

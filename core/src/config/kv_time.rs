@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 
-use super::{ConfigError, err};
+use super::{ConfigError, err, non_negative};
 
 /// The engine profile `kv_time` starts from: a built-in name or the coefficients themselves.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -82,9 +82,7 @@ impl KvTimeParams {
             ("kv_time.decode_weight", self.decode_weight),
             ("kv_time.speed_halflife", self.speed_halflife),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(err(name, format!("must be a finite number >= 0, got {v}")));
-            }
+            non_negative(name, v)?;
         }
         if !(self.speed_bound.is_finite() && self.speed_bound >= 1.0) {
             return Err(err(

@@ -8,7 +8,7 @@ mod kv_time;
 mod validate;
 
 pub use error::ConfigError;
-pub(crate) use error::err;
+pub(crate) use error::{err, non_negative};
 pub use kv_load::{KvLoadParams, KvLoadPreset, ReportedLoad};
 pub use kv_time::{KvTimeParams, ProfileSpec};
 

@@ -1,6 +1,6 @@
 //! Parsing and the whole document's checks; each section with rules of its own checks itself.
 
-use super::{ConfigError, MAX_VIRTUAL_NODES, RoutingConfig, err};
+use super::{ConfigError, MAX_VIRTUAL_NODES, RoutingConfig, err, non_negative};
 use crate::block::MAX_BLOCK_SIZE;
 
 impl RoutingConfig {
@@ -34,17 +34,11 @@ impl RoutingConfig {
             a.validate()?;
         }
         self.kv_load.validate()?;
-        for (name, v) in [
-            ("least_load.prefill_scale", self.least_load.prefill_scale),
-            (
-                "least_load.active_request_weight",
-                self.least_load.active_request_weight,
-            ),
-        ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(err(name, format!("must be a finite number >= 0, got {v}")));
-            }
-        }
+        non_negative("least_load.prefill_scale", self.least_load.prefill_scale)?;
+        non_negative(
+            "least_load.active_request_weight",
+            self.least_load.active_request_weight,
+        )?;
         let t = self.prefix_affinity.match_threshold;
         if !(0.0..=1.0).contains(&t) {
             return Err(err(
