@@ -287,12 +287,7 @@ def main() -> int:
             nb = Engine("neighbor", args.core, *ports[4:])
             s.engines.append(nb)
             s.start_adapter(nb)
-        t0 = time.monotonic()
-        for x in s.engines:
-            s.start_engine(x)
-        for x in s.engines:
-            s.wait_engine(x, ENGINE_START_S)
-        log(f"engine ready in {time.monotonic() - t0:.1f} s")
+        log(f"engine ready in {s.start_engines(ENGINE_START_S):.1f} s")
         wait_until("the adapter learns the block count",
                    lambda: prom(e.adapter_metrics(), "kvsteer_feed_max_blocks") > 0, 20)
         limits = engine_limits(e)

@@ -176,6 +176,11 @@ class RealStack(Stack):
             self.engines.append(Engine(f"v{i}", i, *ports[4 * i:4 * i + 4]))
         for e in self.engines:
             self.start_adapter(e)
+        return self.start_engines(start_s)
+
+    def start_engines(self, start_s: float = ENGINE_START_S) -> float:
+        """Starts every engine of the stack, then waits for each (they load in parallel); returns the
+        seconds they took."""
         t0 = time.monotonic()
         for e in self.engines:
             self.start_engine(e)
@@ -368,19 +373,8 @@ class RealVllm(VllmCase):
         require_vllm()
         s = cls.stack = RealStack()
         try:
-            ports = free_ports(8)
-            for i in range(2):
-                s.engines.append(Engine(f"v{i}", i, *ports[4 * i:4 * i + 4]))
-            # Adapters first: they bind the ZMQ endpoint the engines connect their PUB sockets to.
-            for e in s.engines:
-                s.start_adapter(e)
             log(f"vLLM: {VLLM_BIN}, model {MODEL_DIR}")
-            t0 = time.monotonic()
-            for e in s.engines:
-                s.start_engine(e)
-            for e in s.engines:
-                s.wait_engine(e, ENGINE_START_S)
-            cls.timings["engines_start_s"] = time.monotonic() - t0
+            cls.timings["engines_start_s"] = s.start_fleet(2)
             log(f"engines ready in {cls.timings['engines_start_s']:.1f} s")
             s.replicas = [Replica(e.name, e.port, e.engine) for e in s.engines]
             for e in s.engines:
