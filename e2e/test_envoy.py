@@ -26,7 +26,7 @@ REPLICAS = 4
 FEED_SETTLE_S = 0.5
 # Each worker sees the other workers' in-flight load as published at their last tick (100 ms): a
 # request that has just finished on one worker still counts as load on its replica in another's view
-# for up to a tick (filter/src/workers.rs). Sequential requests that must see every replica idle are
+# for up to a tick (filter/src/worker/share/mod.rs). Sequential requests that must see every replica idle are
 # spaced by this much.
 PEER_SETTLE_S = 0.25
 
@@ -163,7 +163,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
 
     def test_feed_polls_run_on_the_main_thread(self):
         # Envoy's main thread runs a VM of the plugin that ticks but never routes; it holds every
-        # feed lease (taking it from a worker that routes, filter/src/relay.rs), so the callouts stay
+        # feed lease (taking it from a worker that routes, filter/src/worker/relay.rs), so the callouts stay
         # off the threads serving requests. Requests on fresh connections reach both workers.
         for k in range(16):
             self.assertTrue(send(self.stack, tokens(64, 40_000 + k)).ok)
@@ -328,7 +328,7 @@ class ReplicaKilledMidRun(unittest.TestCase):
     # A dead replica reports no load, so a load-aware policy would keep choosing it (it looks idle).
     # Envoy answers the filter's feed callout to a host that refuses connections with its own 503
     # ("upstream connect error ..."); the filter reads that as unreachable and, after
-    # stale_after_failures polls, avoids the replica (filter/src/router_state/failures.rs,
+    # stale_after_failures polls, avoids the replica (filter/src/worker/failures.rs,
     # proxy_could_not_connect).
     def test_a_dead_replica_stops_being_chosen(self):
         with new_stack("envoy") as stack:

@@ -10,7 +10,7 @@ mod extract;
 
 use clap::Parser;
 use extract::{Format, Found};
-use kvsteer_filter::RouterState;
+use kvsteer_filter::WorkerState;
 use kvsteer_filter::config::FilterConfig;
 use serde_json::json;
 use std::io::Read;
@@ -49,7 +49,7 @@ enum Verdict {
 /// parser with its validation, then the router state, which also refuses routing and tokenizer
 /// settings the parser lets through.
 fn judge(bytes: &[u8]) -> Verdict {
-    let state = match FilterConfig::from_json(bytes).and_then(RouterState::new) {
+    let state = match FilterConfig::from_json(bytes).and_then(WorkerState::new) {
         Ok(s) => s,
         Err(e) => return Verdict::Refused(e.to_string()),
     };

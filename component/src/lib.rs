@@ -2,7 +2,7 @@
 //! `kvsteer:router@0.1.0` (`wit/router.wit`), built for `wasm32-wasip2` (`scripts/component`).
 //!
 //! This crate is an adapter and nothing more: every decision is `kvsteer_core::Router`'s, called the
-//! way the proxy-wasm filter calls it (`filter/src/router_state.rs`: read the body, route, admit under
+//! way the proxy-wasm filter calls it (`filter/src/worker/mod.rs`: read the body, route, admit under
 //! the request id; a body that cannot be read is routed by load and tracked at `bytes / 4` tokens).
 //! What is here converts between the core's Rust types and the WIT records and variants, so that a
 //! component host sees the same decisions the filter makes (`host-test/tests/component.rs` checks it).

@@ -1,8 +1,8 @@
 //! kvsteer's proxy-wasm filter: sits in a proxy (Envoy, Istio's sidecar, nginx with ngx_wasm_module)
 //! and routes each inference request with the routing core.
 //!
-//! Per VM (one per Envoy worker) the root context (`contexts`, the guest side of the proxy-wasm ABI)
-//! owns one [`RouterState`]: the core `Router` (block index, token-load table, policy), the feed
+//! Per VM (one per Envoy worker) the root context ([`host`], the guest side of the proxy-wasm ABI)
+//! owns one [`WorkerState`] ([`worker`]): the core `Router` (block index, token-load table, policy), the feed
 //! pollers, the lease and relay, and the load shared with other workers, all free of host calls so they
 //! are tested natively. Stream contexts borrow it to route a request and to follow its response
 //! through prefill, decode and release. The VM is single-threaded, so an `Rc<RefCell<_>>` is all the
@@ -16,19 +16,9 @@
 //! never sees) is listed there too.
 
 pub mod config;
-pub mod exchange;
-pub mod leg_bodies;
-pub mod relay;
-pub mod roster;
-pub mod router_state;
+pub mod host;
 pub mod sse;
-pub mod store;
-pub mod workers;
-
-#[cfg(target_arch = "wasm32")]
-mod abi;
-#[cfg(target_arch = "wasm32")]
-mod contexts;
+pub mod worker;
 
 #[cfg(target_arch = "wasm32")]
 proxy_wasm::main! {{
@@ -36,8 +26,8 @@ proxy_wasm::main! {{
     // `critical` before the trap).
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
-        Box::new(contexts::Root::default())
+        Box::new(host::Root::default())
     });
 }}
 
-pub use router_state::{INFERENCE_PATHS, RouterState, is_inference_path};
+pub use worker::{INFERENCE_PATHS, WorkerState, is_inference_path};

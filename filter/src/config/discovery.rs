@@ -202,7 +202,7 @@ impl FilterConfig {
     }
 
     /// Appends the discovery slots to the (expanded) static replicas: each a placeholder unit,
-    /// vacant until a member is seated in it (`crate::roster`).
+    /// vacant until a member is seated in it (`crate::worker::discovery::roster`).
     pub(super) fn add_discovery_slots(&mut self) {
         let Some(d) = &self.discovery else { return };
         if self.replicas.iter().any(|r| r.name.starts_with("_slot")) {

@@ -3,9 +3,9 @@
 //! the request goes upstream; a trusted priority header's class is read.
 
 use super::Stream;
-use crate::abi;
-use crate::contexts::metrics::inc;
-use crate::contexts::{Shared, log};
+use crate::host::abi;
+use crate::host::metrics::inc;
+use crate::host::vm::{Shared, log};
 use proxy_wasm::types::{Action, LogLevel, MapType};
 
 impl Stream {
@@ -16,7 +16,7 @@ impl Stream {
     /// not be removed.
     fn read_priority_header(
         &mut self,
-        state: &mut crate::router_state::RouterState,
+        state: &mut crate::worker::WorkerState,
     ) -> Option<(String, u32)> {
         let adm = state.admission()?;
         let name = adm.priority_header()?;

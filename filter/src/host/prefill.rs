@@ -2,12 +2,14 @@
 //! as a callout while the client's request is held, then the request sent on as the decode leg with
 //! the prefill answer's `kv_transfer_params`; a leg that fails ends in a 502 naming it.
 
+use super::clock::now_ms;
 use super::metrics::inc;
+use super::store::host_store;
 use super::stream::{Phase, Stream};
-use super::{Vm, callout_status, header, host_store, log, now_ms};
-use crate::abi;
-use crate::leg_bodies::{self, LegFailure, PrefillAnswer};
-use crate::router_state::PdRoute;
+use super::vm::{Vm, callout_status, header, log};
+use crate::host::abi;
+use crate::worker::PdRoute;
+use crate::worker::leg_bodies::{self, LegFailure, PrefillAnswer};
 use kvsteer_core::health::Outcome;
 use kvsteer_core::request::RouteRequest;
 use kvsteer_core::router::Decision;

@@ -5,7 +5,7 @@
 //! every request on it. A host may well answer another status: nginx's module refuses calls in a
 //! phase it does not allow them in, and a host may answer `Unimplemented` for a call it lacks. (The
 //! SDK also declares the status as a Rust enum, so a code outside that enum is not even a valid
-//! value.) Here every status is a plain `u32`, and the callers in [`crate::contexts`] each have a
+//! value.) Here every status is a plain `u32`, and the callers in [`crate::host`] each have a
 //! fallback, listed in docs/design/filter.md ("Host-call failures").
 //!
 //! Every refusal (a status the call does not document as a normal answer) is counted, and published

@@ -3,9 +3,9 @@
 //! request ended, told apart from a retry elsewhere by the address that answered, and the probe of an
 //! ejected replica, claimed once for the whole proxy.
 
-use super::RouterState;
-use crate::store::SharedStore;
-use crate::workers;
+use super::WorkerState;
+use crate::host::store::SharedStore;
+use crate::worker::share;
 use kvsteer_core::health::{Health, Outcome};
 
 /// Who produced the response a routed request got, as the proxy tells it. Only a replica's own
@@ -100,7 +100,7 @@ pub fn answer_outcome(status: u16, origin: Origin, oversized: bool) -> Option<Ou
     }
 }
 
-impl RouterState {
+impl WorkerState {
     /// How a routed request ended, for the replicas' health (`kvsteer_core::health`). `chosen`: the
     /// replica the filter chose; `served_by`: the upstream address the proxy reports for the answer
     /// (Envoy's `upstream.address`), if any. An answer from another replica means the proxy retried
@@ -147,7 +147,7 @@ impl RouterState {
         };
         let interval = self.cfg.routing.health.probe_interval_ms;
         if let Err(last) =
-            workers::claim_probe(store, &self.cfg.shared_key_prefix, r, now_ms, interval)
+            share::claim_probe(store, &self.cfg.shared_key_prefix, r, now_ms, interval)
         {
             self.router.probed_elsewhere(r, last);
         }
@@ -182,7 +182,7 @@ impl RouterState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::router_state::testing::*;
+    use crate::worker::testing::*;
 
     #[test]
     fn envoy_details_tell_the_replica_from_the_proxy() {
@@ -302,7 +302,7 @@ mod tests {
 
     #[test]
     fn health_is_shared_between_workers() {
-        let store = crate::store::tests::MemStore::default();
+        let store = crate::host::store::tests::MemStore::default();
         let mut a = worker("least_load");
         let mut b = worker("least_load");
         a.claim_worker_id(&store);

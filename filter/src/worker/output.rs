@@ -1,7 +1,7 @@
 //! Writing a decision where the proxy reads it: the routing header (destination or cluster), the
 //! nginx variable, the DP rank header, and the values they carry, formatted at configure time.
 
-use super::RouterState;
+use super::WorkerState;
 use crate::config::{FilterConfig, OutputMode};
 use kvsteer_core::router::Decision;
 use std::borrow::Cow;
@@ -96,7 +96,7 @@ impl Destinations {
     }
 }
 
-impl RouterState {
+impl WorkerState {
     /// The header that carries the routing decision (destination or cluster header): clients must
     /// never send it.
     pub fn routing_header(&self) -> &str {
@@ -156,7 +156,7 @@ impl RouterState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::router_state::testing::*;
+    use crate::worker::testing::*;
 
     /// The destination table gives what formatting per request gave, for small fleets (the table)
     /// and large ones (formatted per request), in every output mode.
@@ -180,7 +180,7 @@ mod tests {
                 let Ok(cfg) = FilterConfig::from_json(json.as_bytes()) else {
                     continue;
                 };
-                let mut w = RouterState::new(cfg.clone()).unwrap();
+                let mut w = WorkerState::new(cfg.clone()).unwrap();
                 let mut d = w.router.route_fallback(0);
                 for (r, b) in [
                     (0, None),

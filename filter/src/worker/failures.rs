@@ -3,9 +3,9 @@
 //! down (avoided), which the lease holder tells the other workers; a feed that goes quiet is stale
 //! too.
 
-use super::{FeedResult, RouterState};
-use crate::relay;
-use crate::store::SharedStore;
+use super::{FeedResult, WorkerState};
+use crate::host::store::SharedStore;
+use crate::worker::relay;
 
 /// Whether a callout's answer is the proxy saying it could not reach the replica, rather than the
 /// replica answering. Envoy 1.40 reports a refused or reset connection to a `dispatch_http_call` as
@@ -47,7 +47,7 @@ pub enum FeedFailure {
     WrongRank { reported: u16 },
 }
 
-impl RouterState {
+impl WorkerState {
     /// Marks replicas stale whose feed has not been applied for `stale_after_failures + 1` periods
     /// (a follower learns of a failing poller this way). Returns the replicas that just became stale.
     pub fn check_staleness(&mut self, now_ms: u64) -> Vec<usize> {
@@ -198,7 +198,7 @@ fn jittered(wait_ms: u64, worker: Option<u32>, replica: usize, now_ms: u64) -> u
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::router_state::testing::*;
+    use crate::worker::testing::*;
     use kvsteer_core::feed::{FeedEvent, ReplicaLoad};
 
     /// A replica with nothing listening is polled every period until it is down, then at waits
@@ -285,7 +285,7 @@ mod tests {
 
     #[test]
     fn unreachable_replicas_go_down_http_errors_only_stale() {
-        use crate::store::tests::MemStore;
+        use crate::host::store::tests::MemStore;
         let store = MemStore::default();
         let mut w = worker("kv_load");
         let mut follower = worker("kv_load");
@@ -296,7 +296,7 @@ mod tests {
             f.leased = true;
         }
         let mut token = 0;
-        let mut poll = |w: &mut RouterState, replica: usize, status: Option<u16>, t: u64| {
+        let mut poll = |w: &mut WorkerState, replica: usize, status: Option<u16>, t: u64| {
             token += 1;
             w.poll_started(replica, token, t);
             w.on_feed_response(token, status, None, Some(&store), t)
@@ -394,7 +394,7 @@ mod tests {
         let mut w = worker_with(r#", "feed_max_bytes": 1000, "feed_max_events": 4"#);
         let timeout = b"upstream request timeout".as_slice();
         let mut token = 0;
-        let mut poll = |w: &mut RouterState, replica: usize, status, body: Option<&[u8]>, t| {
+        let mut poll = |w: &mut WorkerState, replica: usize, status, body: Option<&[u8]>, t| {
             token += 1;
             w.poll_started(replica, token, t);
             w.on_feed_response(token, status, body, None, t)

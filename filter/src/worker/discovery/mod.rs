@@ -1,13 +1,15 @@
 //! Membership at run time: polling the discovery source, and seating what it lists in the routing
-//! slots after the static replicas ([`crate::roster`]). A member seated in a slot is routed to from
+//! slots after the static replicas ([`crate::worker::discovery::roster`]). A member seated in a slot is routed to from
 //! its first feed snapshot; one that leaves drains (no new requests, what it has in flight is
 //! released as usual) and is vacated after `discovery.hold_ms`, when the router drops its blocks
 //! and bookings. A refused answer changes nothing: the last good membership stays.
 
-use super::{FeedState, RouterState};
+pub mod roster;
+
+use super::{FeedState, WorkerState};
 use crate::config::{OutputMode, slot_name};
-use crate::roster::{ROSTER_KEY, Refusal, Roster, RosterRules};
-use crate::store::SharedStore;
+use crate::host::store::SharedStore;
+use crate::worker::discovery::roster::{ROSTER_KEY, Refusal, Roster, RosterRules};
 use kvsteer_core::router::Membership;
 
 /// Poll state and counters of the discovery source.
@@ -75,7 +77,7 @@ struct Moves {
     vacated: usize,
 }
 
-impl RouterState {
+impl WorkerState {
     /// Whether any unit takes requests (discovery may not have seated anyone yet).
     pub fn has_members(&self) -> bool {
         self.router.member_count() > 0
@@ -117,7 +119,7 @@ impl RouterState {
     }
 
     /// Whether the discovery poll is out (and not yet counted lost): nginx sends no other callout
-    /// meanwhile ([`RouterState::callout_out`]).
+    /// meanwhile ([`WorkerState::callout_out`]).
     pub(super) fn discovery_out(&self, now_ms: u64) -> bool {
         let Some(d) = self.cfg.discovery.as_ref() else {
             return false;
@@ -317,7 +319,12 @@ impl RouterState {
     /// Writes a slot's member (or the placeholder of an empty slot) where the filter reads a unit's
     /// name, addresses and rank, and starts its feed afresh. The relay position is kept: relayed
     /// batches already seen belong to the slot's previous member.
-    fn seat_unit(&mut self, unit: usize, k: usize, seat: Option<&crate::roster::Seat>) {
+    fn seat_unit(
+        &mut self,
+        unit: usize,
+        k: usize,
+        seat: Option<&crate::worker::discovery::roster::Seat>,
+    ) {
         let nginx = self.cfg.output == OutputMode::NginxVariable;
         let Some(spec) = self.cfg.replicas.get_mut(unit) else {
             return;

@@ -1,7 +1,7 @@
 //! The working-set exchange between proxies (`peers` in the configuration; docs/reports/proxies.md,
 //! "Working set across proxies").
 //!
-//! The workers of one proxy share their working-set journals in shared data ([`crate::workers`]);
+//! The workers of one proxy share their working-set journals in shared data ([`crate::worker::share`]);
 //! separate proxies share nothing, so each would see a fraction of every replica's working set. With
 //! `peers` configured, every worker polls every peer proxy on its tick (one poll per peer in flight,
 //! at most every `poll_ms`) with `GET <path>?after=<worker>:<seq>,...` and the shared token; the
@@ -14,9 +14,11 @@
 //! does not decode whole is refused whole and counted. A request for the path without the token is
 //! refused (403) and counted, and the path is never forwarded whatever the request.
 
+mod polls;
+
 use crate::config::{FilterConfig, PeersSection};
-use crate::store::SharedStore;
-use crate::workers;
+use crate::host::store::SharedStore;
+use crate::worker::share;
 use kvsteer_core::router::Router;
 use kvsteer_core::working_set::{self, encode_bundle, journal_after, parse_after};
 use std::collections::HashMap;
@@ -274,9 +276,8 @@ fn bundle(
         let prefix = &cfg.shared_key_prefix;
         let replicas = cfg.replicas.len();
         let mut size = 8;
-        for w in 0..workers::worker_count(store, prefix) {
-            let Some(j) =
-                workers::read_working_set_fresh(store, prefix, w, now_ms, cfg.peer_ttl_ms)
+        for w in 0..share::worker_count(store, prefix) {
+            let Some(j) = share::read_working_set_fresh(store, prefix, w, now_ms, cfg.peer_ttl_ms)
             else {
                 continue;
             };
@@ -298,7 +299,7 @@ fn bundle(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::tests::MemStore;
+    use crate::host::store::tests::MemStore;
     use kvsteer_core::config::RoutingConfig;
     use kvsteer_core::working_set::{Sampling, WorkingSet, decode_bundle};
 
@@ -372,9 +373,9 @@ mod tests {
             ws.start_journal();
             ws.record(i, &[8, 16], 10);
             ws.record(i, &[32], 20);
-            workers::claim_worker_id(&store, "kvsteer");
+            share::claim_worker_id(&store, "kvsteer");
             let j = ws.encode_journal(30, 1_000).unwrap();
-            workers::publish_working_set(&store, "kvsteer", i as u32, &j);
+            share::publish_working_set(&store, "kvsteer", i as u32, &j);
         }
         let mut x = Exchange::new(&c);
         let path = b"/.kvsteer/working-set?after=1:1";

@@ -1,18 +1,23 @@
-//! One VM's routing state ([`RouterState`]), free of host calls so it can be tested natively. The
-//! proxy-wasm contexts call its methods, one per thing that happened or is to be done, and only move
-//! bytes to and from the host. This file holds the state itself and the requests' routing and
-//! bookkeeping; each other job has its own file in `router_state/`:
+//! One worker VM's routing state ([`WorkerState`]), free of host calls so it can be tested
+//! natively. The proxy-wasm contexts ([`crate::host`]) call its methods, one per thing that happened
+//! or is to be done, and only move bytes to and from the host. This file holds the state itself and
+//! the requests' routing and bookkeeping; each other job has its own room in `worker/`:
 //!
 //! - [`feeds`]: when to poll each replica's feed, and its answers;
-//! - [`discovery`]: membership at run time, polled and seated in the slots after the static list;
+//! - [`relay`]: one feed poll per replica for the whole proxy (the lease) and the batches relayed
+//!   to the other workers; [`follow`]: following the holder's relayed batches and its word on down
+//!   replicas;
 //! - [`failures`]: what a failed poll means (stale, down);
 //! - [`budget`]: applying accepted feed batches in slices within each tick's budget;
-//! - [`follow`]: following the lease holder's relayed batches and its word on down replicas;
-//! - [`workers`]: this worker's number and the load, health and working set shared with the others;
+//! - [`discovery`]: membership at run time, polled and seated in the slots after the static list
+//!   (its [`discovery::roster`]);
+//! - [`share`]: the load, health and working set this worker shares with the proxy's other
+//!   workers, and its worker number;
 //! - [`exchange`]: the working-set exchange with other proxies (`peers`);
 //! - [`health`]: request outcomes and health probes;
-//! - [`leg_booking`]: prefill/decode requests split into two legs;
-//! - [`output`]: where and how a decision is written for the proxy.
+//! - [`leg_booking`] and [`leg_bodies`]: prefill/decode requests split into two legs, booked and
+//!   carried out;
+//! - [`output`]: where and how a decision is written for the proxy (the destinations).
 
 /// The VM's tokenizer as the core reads a prompt with it; none in the lean build, where a
 /// `tokenizer` section is refused and text prompts keep the approximate identity. A macro rather
@@ -31,15 +36,17 @@ macro_rules! prompt_tokenizer {
 }
 
 mod budget;
-mod discovery;
-mod exchange;
+pub mod discovery;
+pub mod exchange;
 mod failures;
 mod feeds;
 mod follow;
 mod health;
+pub mod leg_bodies;
 mod leg_booking;
 mod output;
-mod workers;
+pub mod relay;
+pub mod share;
 
 pub use budget::FEED_MIN_SLICE;
 pub use discovery::{DiscoveryPoll, DiscoveryResult, DiscoveryState};
@@ -48,10 +55,10 @@ pub use feeds::{FeedPoll, FeedResult, FeedState};
 pub use health::{Origin, answer_outcome};
 pub use leg_booking::PdRoute;
 pub use output::{DecisionOutput, Destinations};
-pub use workers::WORKING_SET_KEEP_TICKS;
+pub use share::WORKING_SET_KEEP_TICKS;
 
 use crate::config::{ConfigError, FilterConfig};
-use crate::exchange::Exchange;
+use crate::worker::exchange::Exchange;
 use kvsteer_core::admission::{self, Admission, Class, Shed, Verdict};
 use kvsteer_core::disaggregation::{PdParams, Role};
 use kvsteer_core::request::EarlyScan;
@@ -86,7 +93,7 @@ pub enum BodyFallback {
 
 /// One VM's (one proxy worker's) routing state: its configuration, the core `Router`, the feed
 /// pollers and the per-request bookkeeping.
-pub struct RouterState {
+pub struct WorkerState {
     cfg: FilterConfig,
     router: Router,
     feeds: Vec<FeedState>,
@@ -111,7 +118,7 @@ pub struct RouterState {
     worker_id: Option<u32>,
     started_ms: Option<u64>,
     /// Callouts (feed and peer polls) planned in this tick, counted only where a tick's callouts are
-    /// bounded ([`RouterState::callouts_per_tick`]).
+    /// bounded ([`WorkerState::callouts_per_tick`]).
     tick_callouts: usize,
     /// Where the next bounded tick starts looking for a feed to poll, so every replica gets its turn.
     poll_cursor: usize,
@@ -128,7 +135,7 @@ pub struct RouterState {
     /// Feed slices cut short by the time budget (the block budget had room left).
     time_cuts: u64,
     scratch: Vec<u64>,
-    /// Every value [`RouterState::destination`] can write, formatted once per VM (see
+    /// Every value [`WorkerState::destination`] can write, formatted once per VM (see
     /// [`Destinations`]).
     destinations: Destinations,
     /// Text-prompt tokenizer, when configured (full build only).
@@ -146,7 +153,7 @@ pub struct RouterState {
     /// over its workers) differ once traffic stops has leaked load.
     bookings: u64,
     releases: u64,
-    /// The working-set exchange with other proxies (`peers`; [`crate::exchange`]).
+    /// The working-set exchange with other proxies (`peers`; [`crate::worker::exchange`]).
     exchange: Exchange,
     /// Priority classes and shedding (`routing.admission`); `None`: every request is admitted.
     admission: Option<Admission>,
@@ -170,8 +177,8 @@ fn tokenizer_error(e: String) -> ConfigError {
     }
 }
 
-impl RouterState {
-    pub fn new(cfg: FilterConfig) -> Result<RouterState, ConfigError> {
+impl WorkerState {
+    pub fn new(cfg: FilterConfig) -> Result<WorkerState, ConfigError> {
         // Kept whole: most of it is the state's literal, one line per field.
         let mut router = Router::new(cfg.routing.clone(), cfg.replicas.len())
             .map_err(|e| ConfigError::at("routing", e.to_string()))?;
@@ -204,7 +211,9 @@ impl RouterState {
         let pd_params = cfg.pd.params();
         let exchange = Exchange::new(&cfg);
         let discovery = DiscoveryState {
-            roster: crate::roster::Roster::new(cfg.replicas.len() - cfg.static_units()),
+            roster: crate::worker::discovery::roster::Roster::new(
+                cfg.replicas.len() - cfg.static_units(),
+            ),
             ..DiscoveryState::default()
         };
         // Discovery's slots start empty: nothing is routed to them until a member is seated.
@@ -213,7 +222,7 @@ impl RouterState {
         }
         let admission = cfg.routing.admission.as_ref().map(Admission::new);
         let profile = cfg.routing.kv_time.profile.profile();
-        Ok(RouterState {
+        Ok(WorkerState {
             exchange,
             discovery,
             admission,
@@ -372,7 +381,7 @@ impl RouterState {
     }
 
     /// A scan for a request body that will arrive in slices, when the configuration wants one
-    /// (`early_body_scan`), the body will be routed by [`RouterState::route_body_early`] (not in
+    /// (`early_body_scan`), the body will be routed by [`WorkerState::route_body_early`] (not in
     /// a P/D fleet, whose bodies are split rather than routed whole) and it is for
     /// `/v1/completions`, the one endpoint whose prompt can be token ids (a chat body's would be
     /// copied slice by slice for nothing).
@@ -385,7 +394,7 @@ impl RouterState {
             .then(|| EarlyScan::new(self.cfg.routing.block_size))
     }
 
-    /// [`RouterState::route_body`] for a body an [`EarlyScan`] followed as it arrived.
+    /// [`WorkerState::route_body`] for a body an [`EarlyScan`] followed as it arrived.
     pub fn route_body_early(
         &mut self,
         request_id: u64,
@@ -424,7 +433,7 @@ impl RouterState {
         (self.admitted, self.shed, self.priority_headers_removed)
     }
 
-    /// [`RouterState::route_body_early`] with admission: with `routing.admission` the request is
+    /// [`WorkerState::route_body_early`] with admission: with `routing.admission` the request is
     /// classed (the trusted header's class `header`, else its model's, else the default) and, when
     /// the chosen replica's predicted wait exceeds its class's bound, refused with nothing booked
     /// (`Err`, for the filter's 429). Without the section, exactly `route_body_early`.
@@ -480,7 +489,7 @@ impl RouterState {
         Ok(d)
     }
 
-    /// [`RouterState::route_fallback`] with admission (see [`RouterState::route_body_admitted`]):
+    /// [`WorkerState::route_fallback`] with admission (see [`WorkerState::route_body_admitted`]):
     /// a request routed without its body is classed by the trusted header or the default (its model
     /// is unknown) and judged by the same bound.
     pub fn route_fallback_admitted(
@@ -614,30 +623,30 @@ mod testing {
     pub use super::*;
     pub use kvsteer_core::feed::FeedBatch;
 
-    pub fn worker(policy: &str) -> RouterState {
+    pub fn worker(policy: &str) -> WorkerState {
         worker_routing(&format!(r#"{{"policy":"{policy}"}}"#))
     }
 
     /// Two replicas with the given `routing` section.
-    pub fn worker_routing(routing: &str) -> RouterState {
+    pub fn worker_routing(routing: &str) -> WorkerState {
         let json = format!(
             r#"{{"replicas":[
                 {{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}},
                 {{"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"f1"}}],
                "routing":{routing}, "stale_after_failures": 2}}"#
         );
-        RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+        WorkerState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
     }
 
     /// Two replicas, `stale_after_failures` 2, the given extra top-level fields.
-    pub fn worker_with(extra: &str) -> RouterState {
+    pub fn worker_with(extra: &str) -> WorkerState {
         let json = format!(
             r#"{{"replicas":[
                 {{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}},
                 {{"name":"r1","endpoint":"127.0.0.1:8001","feed_cluster":"f1"}}],
                "stale_after_failures": 2 {extra}}}"#
         );
-        RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+        WorkerState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
     }
 
     pub fn snapshot(epoch: u64, keys: std::ops::Range<u64>) -> FeedBatch {
@@ -648,7 +657,7 @@ mod testing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::router_state::testing::*;
+    use crate::worker::testing::*;
 
     #[test]
     fn inference_paths() {
@@ -676,7 +685,7 @@ mod tests {
     fn a_configured_tokenizer_gives_chat_prompts_exact_token_counts() {
         let json = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}],
             "tokenizer":{"vocabulary":"o200k_harmony","chat_template":"kvsteer_sim"}}"#;
-        let mut w = RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
+        let mut w = WorkerState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
         let body = br#"{"messages":[{"role":"user","content":"hello world"}]}"#;
         let d = w.route_body(1, "/v1/chat/completions", body, None, 0);
         // <|start|> user \n hello world <|end|> \n <|start|> assistant \n
@@ -695,7 +704,7 @@ mod tests {
         // Without the section nothing changes: no tokenizer.
         assert!(worker("kv_load").tokenizer.is_none());
         let bad = json.replace("kvsteer_sim", "nope");
-        let e = RouterState::new(FilterConfig::from_json(bad.as_bytes()).unwrap()).err();
+        let e = WorkerState::new(FilterConfig::from_json(bad.as_bytes()).unwrap()).err();
         assert!(e.unwrap().to_string().contains("tokenizer.chat_template"));
         let typo = json.replace("\"vocabulary\"", "\"vocab\"");
         assert!(FilterConfig::from_json(typo.as_bytes()).is_err());

@@ -1,16 +1,16 @@
 use super::*;
 use crate::config::FilterConfig;
-use crate::router_state::testing::*;
-use crate::store::tests::MemStore;
+use crate::host::store::tests::MemStore;
+use crate::worker::testing::*;
 
 /// One static replica and four discovery slots, round robin (every member gets its turn), a hold
 /// of 1 s.
-fn worker() -> RouterState {
+fn worker() -> WorkerState {
     let json = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f0"}],
         "routing":{"policy":"round_robin"},
         "discovery":{"cluster":"members","period_ms":500,"hold_ms":1000,"max_members":4,
                      "feed_cluster":"member_feeds"}}"#;
-    RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+    WorkerState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
 }
 
 fn doc(ports: &[u16]) -> Vec<u8> {
@@ -28,7 +28,7 @@ fn doc(ports: &[u16]) -> Vec<u8> {
 
 /// Polls the source at `now` and answers it with `body`.
 fn answer(
-    w: &mut RouterState,
+    w: &mut WorkerState,
     store: Option<&dyn SharedStore>,
     body: &[u8],
     now: u64,
@@ -41,7 +41,7 @@ fn answer(
 }
 
 /// The units requests go to, over `n` requests routed (and released) at `now`.
-fn routed(w: &mut RouterState, n: u64, now: u64) -> Vec<usize> {
+fn routed(w: &mut WorkerState, n: u64, now: u64) -> Vec<usize> {
     let mut out: Vec<usize> = (0..n)
         .map(|i| {
             let d = w.route_body(
@@ -223,7 +223,7 @@ fn bad_answers_are_counted_and_leave_the_last_good_membership() {
     ];
     let mut now = 500;
     for (body, kind) in cases {
-        let i = crate::roster::Refusal::KINDS
+        let i = crate::worker::discovery::roster::Refusal::KINDS
             .iter()
             .position(|&k| k == kind)
             .unwrap();
@@ -294,7 +294,7 @@ fn workers_of_one_proxy_agree_on_the_seating_through_shared_data() {
 fn in_nginx_mode_members_are_polled_at_their_feed_address_one_callout_a_tick() {
     let json = r#"{"replicas":[], "output":"nginx_variable",
         "discovery":{"cluster":"127.0.0.1:7000","period_ms":500,"max_members":2}}"#;
-    let mut w = RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
+    let mut w = WorkerState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
     assert!(
         !w.has_members(),
         "nobody to route to before the first answer"

@@ -2,9 +2,9 @@
 //! feeds answered, and brought up to date with the router's own counters on every tick. A host
 //! without metrics leaves every id `None`, and nothing is counted.
 
-use crate::abi;
 use crate::config::FilterConfig;
-use crate::router_state::{FeedFailure, RouterState};
+use crate::host::abi;
+use crate::worker::{FeedFailure, WorkerState};
 use kvsteer_core::router::Decision;
 use proxy_wasm::types::MetricType;
 
@@ -73,11 +73,11 @@ pub(super) struct Metrics {
     cache_size_blocks: Vec<Option<u32>>,
     /// `kv_time`: each replica's observed against predicted time to first token, in thousandths.
     speed_milli: Vec<Option<u32>>,
-    /// Other workers' working-set entries missed (and other proxies' too, [`crate::exchange`]) and
+    /// Other workers' working-set entries missed (and other proxies' too, [`crate::worker::exchange`]) and
     /// journals refused.
     working_set_missed: TotalCounter,
     working_set_refused: TotalCounter,
-    /// The working-set exchange with other proxies ([`crate::exchange`]).
+    /// The working-set exchange with other proxies ([`crate::worker::exchange`]).
     peer_polls: TotalCounter,
     peer_poll_failures: TotalCounter,
     peer_answers_refused: TotalCounter,
@@ -130,7 +130,7 @@ struct DiscoveryMetrics {
     polls: TotalCounter,
     poll_failures: TotalCounter,
     updates: TotalCounter,
-    /// By [`crate::roster::Refusal::KINDS`].
+    /// By [`crate::worker::discovery::roster::Refusal::KINDS`].
     refused: Vec<TotalCounter>,
     joined: TotalCounter,
     left: TotalCounter,
@@ -146,7 +146,7 @@ impl DiscoveryMetrics {
             polls: c("polls"),
             poll_failures: c("poll_failures"),
             updates: c("updates"),
-            refused: crate::roster::Refusal::KINDS
+            refused: crate::worker::discovery::roster::Refusal::KINDS
                 .iter()
                 .map(|k| c(&format!("refused_{k}")))
                 .collect(),
@@ -158,7 +158,7 @@ impl DiscoveryMetrics {
         }
     }
 
-    fn update(&mut self, state: &RouterState) {
+    fn update(&mut self, state: &WorkerState) {
         let d = state.discovery();
         self.polls.update(d.polls);
         self.poll_failures.update(d.failures);
@@ -330,7 +330,7 @@ impl Metrics {
     }
 
     /// The gauges as they stand and the counters the router keeps, brought up to date (each tick).
-    pub(super) fn update(&mut self, state: &RouterState) {
+    pub(super) fn update(&mut self, state: &WorkerState) {
         let stats = state.stats();
         gauge(self.index_blocks, stats.index_blocks);
         gauge(self.feed_pending_blocks, state.pending_blocks());
@@ -374,7 +374,7 @@ impl Metrics {
         self.update_replicas(state);
     }
 
-    fn update_replicas(&mut self, state: &RouterState) {
+    fn update_replicas(&mut self, state: &WorkerState) {
         for i in 0..state.replicas() {
             gauge(of(&self.feed_stale, i), state.is_stale(i) as u64);
             gauge(of(&self.down, i), state.is_down(i) as u64);

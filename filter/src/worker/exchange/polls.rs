@@ -1,11 +1,11 @@
-//! The working-set exchange with other proxies (the `peers` section, [`crate::exchange`]): the
+//! The working-set exchange with other proxies (the `peers` section, [`crate::worker::exchange`]): the
 //! polls this worker sends, the answers it applies and the reserved path it serves.
 
-use super::RouterState;
-use crate::exchange::{Exchange, ExchangeStats, PeerCall, PeerResponse};
-use crate::store::SharedStore;
+use crate::host::store::SharedStore;
+use crate::worker::WorkerState;
+use crate::worker::exchange::{Exchange, ExchangeStats, PeerCall, PeerResponse};
 
-impl RouterState {
+impl WorkerState {
     /// The peer polls due at `now_ms` (none without `peers`, or while this worker has no working
     /// set to share: before it has a number in shared data, or with the term off).
     pub fn plan_peer_polls(&mut self, now_ms: u64) -> Vec<PeerCall> {
@@ -62,7 +62,7 @@ impl RouterState {
     /// Whether a request's path is the reserved one peers poll: the filter answers it and never
     /// forwards it.
     pub fn is_peer_path(&self, path: &[u8]) -> bool {
-        crate::exchange::is_reserved(path, self.cfg.peer_path())
+        crate::worker::exchange::is_reserved(path, self.cfg.peer_path())
     }
 
     /// The header a peer's poll carries the shared token in.
@@ -103,9 +103,9 @@ mod tests {
                     "routing":{{"policy":"{policy}"}},
                     "peers":{{"proxies":[{{"cluster":"b"}}],"token":"0123456789abcdef"}}}}"#
             );
-            RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+            WorkerState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
         };
-        let store = crate::store::tests::MemStore::default();
+        let store = crate::host::store::tests::MemStore::default();
         let mut kv = with("kv_load");
         assert!(kv.plan_peer_polls(0).is_empty(), "no worker number yet");
         kv.claim_worker_id(&store);

@@ -16,7 +16,7 @@
 //! `n u64 | polled_ms u64 | batch bytes` (the feed wire format; `polled_ms`: when the holder sent the
 //! poll, which `reported_load` `merge` needs to know which bookings the batch's load already holds).
 
-use crate::store::SharedStore;
+use crate::host::store::SharedStore;
 
 /// Relayed batches kept per replica.
 pub const RING: u64 = 8;
@@ -185,7 +185,7 @@ pub fn health(store: &dyn SharedStore, prefix: &str, replica: usize) -> Option<b
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::tests::{MemStore, NgxStore};
+    use crate::host::store::tests::{MemStore, NgxStore};
 
     #[test]
     fn one_holder_at_a_time_and_expiry_hands_over() {

@@ -1,7 +1,7 @@
 //! The slice of the proxy's shared-data API the filter uses, as a trait, so that everything built on
-//! shared data (the feed lease and relay in [`crate::relay`], the worker numbers and load records in
-//! [`crate::workers`]) runs natively in unit tests against an in-memory store. The proxy's own shared
-//! data is `HostStore` in the proxy-wasm contexts.
+//! shared data (the feed lease and relay in [`crate::worker::relay`], the worker numbers and load records in
+//! [`crate::worker::share`]) runs natively in unit tests against an in-memory store. The proxy's own shared
+//! data is `HostStore`, here too, built for the wasm target only.
 
 /// Tries of [`SharedStore::overwrite`] before it gives up: each lost try means another worker wrote
 /// the same key between the read and the write, which for the records written this way (each has one
@@ -38,6 +38,58 @@ pub fn overwrite_by_cas<S: SharedStore + ?Sized>(store: &S, key: &str, value: &[
         store.set(key, value, cas)
     })
 }
+
+/// The proxy's own shared data (only in the wasm build, where the host exists).
+#[cfg(target_arch = "wasm32")]
+mod host {
+    use super::{SharedStore, overwrite_by_cas};
+    use crate::config::{FilterConfig, OutputMode};
+
+    /// The proxy's shared data, for the feed lease and relay, worker numbers and shared load. A read the
+    /// proxy refuses reads as absent and a refused write did not happen ([`SharedStore`]'s "absent or
+    /// unavailable" and `false`), as a lost CAS race does: the lease, relay and peer records already
+    /// treat both as normal (another worker got there first, or nothing is shared yet).
+    pub(crate) struct HostStore {
+        /// The host writes a key without a CAS token only if it does not exist yet (ngx_wasm_module),
+        /// so a record is replaced by reading its token first ([`SharedStore::overwrite`]). Envoy writes
+        /// such a key whatever it holds, in one call, as the filter always has there.
+        cas_zero_creates: bool,
+    }
+
+    static ENVOY_STORE: HostStore = HostStore {
+        cas_zero_creates: false,
+    };
+    static NGX_STORE: HostStore = HostStore {
+        cas_zero_creates: true,
+    };
+
+    /// The shared data of the proxy this configuration is for (nginx mode: ngx_wasm_module's CAS rule).
+    pub(crate) fn host_store(cfg: &FilterConfig) -> &'static HostStore {
+        if cfg.output == OutputMode::NginxVariable {
+            &NGX_STORE
+        } else {
+            &ENVOY_STORE
+        }
+    }
+
+    impl SharedStore for HostStore {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            crate::host::abi::get_shared_data(key).ok().flatten()
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+            matches!(crate::host::abi::set_shared_data(key, value, cas), Ok(true))
+        }
+        fn overwrite(&self, key: &str, value: &[u8]) -> bool {
+            if self.cas_zero_creates {
+                overwrite_by_cas(self, key, value)
+            } else {
+                self.set(key, value, None)
+            }
+        }
+    }
+}
+#[cfg(target_arch = "wasm32")]
+pub(crate) use host::host_store;
 
 #[cfg(test)]
 pub(crate) mod tests {

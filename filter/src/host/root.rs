@@ -2,12 +2,14 @@
 //! with the other workers, feeds polled and followed, peer proxies polled, metrics brought up to
 //! date), and the answers to the callouts the tick sent.
 
+use super::clock::{now_ms, now_ns};
 use super::metrics::Metrics;
+use super::store::host_store;
 use super::stream::Stream;
-use super::{Shared, Vm, callout_body, callout_status, host_store, log, now_ms, now_ns};
-use crate::abi;
+use super::vm::{Shared, Vm, callout_body, callout_status, log};
 use crate::config::FilterConfig;
-use crate::router_state::{DiscoveryResult, FeedPoll, FeedResult, RouterState};
+use crate::host::abi;
+use crate::worker::{DiscoveryResult, FeedPoll, FeedResult, WorkerState};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use std::cell::RefCell;
@@ -97,7 +99,7 @@ impl Root {
                 (":method", "GET"),
                 (":path", call.path.as_str()),
                 (":authority", call.authority.as_str()),
-                ("accept", crate::exchange::BUNDLE_CONTENT_TYPE),
+                ("accept", crate::worker::exchange::BUNDLE_CONTENT_TYPE),
                 (p.token_header.as_str(), p.token.as_str()),
             ];
             match abi::dispatch_http_call(&call.upstream, headers, None, timeout) {
@@ -307,7 +309,7 @@ impl RootContext for Root {
         let Some(cfg) = read_configuration() else {
             return false;
         };
-        let mut state = match RouterState::new(cfg) {
+        let mut state = match WorkerState::new(cfg) {
             Ok(s) => s,
             Err(e) => {
                 log(

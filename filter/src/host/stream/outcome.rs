@@ -3,11 +3,11 @@
 //! counting for none.
 
 use super::Stream;
-use crate::abi;
 use crate::config::OutputMode;
-use crate::contexts::metrics::inc;
-use crate::contexts::now_ms;
-use crate::router_state::Origin;
+use crate::host::abi;
+use crate::host::clock::now_ms;
+use crate::host::metrics::inc;
+use crate::worker::Origin;
 use kvsteer_core::health::Outcome;
 
 impl Stream {

@@ -3,10 +3,10 @@
 //! (`early_body_scan_max_bytes`, `body_hold_max_bytes`), and taken whole once it has all arrived.
 
 use super::Stream;
-use crate::abi;
-use crate::contexts::Shared;
-use crate::contexts::metrics::inc;
-use crate::router_state::BodyFallback;
+use crate::host::abi;
+use crate::host::metrics::inc;
+use crate::host::vm::Shared;
+use crate::worker::BodyFallback;
 use proxy_wasm::types::{Action, BufferType};
 
 impl Stream {

@@ -1,11 +1,11 @@
 //! Prefill/decode disaggregation (docs/design/pd.md): a request split into a prefill and a decode
-//! leg, each booked on its own replica; the bodies themselves are [`crate::leg_bodies`]'s.
+//! leg, each booked on its own replica; the bodies themselves are [`crate::worker::leg_bodies`]'s.
 
-use super::{BodyFallback, RouterState};
+use super::{BodyFallback, WorkerState};
 use kvsteer_core::request::RouteRequest;
 use kvsteer_core::router::Decision;
 
-/// How a request in a P/D fleet goes (docs/design/pd.md), from [`RouterState::route_pd`].
+/// How a request in a P/D fleet goes (docs/design/pd.md), from [`WorkerState::route_pd`].
 #[derive(Clone, Debug, PartialEq)]
 pub enum PdRoute {
     /// Both legs booked, the prefill leg under `prefill_id`, the decode leg under `decode_id`: send
@@ -19,7 +19,7 @@ pub enum PdRoute {
         prefill_matched_tokens: u64,
         /// Where to send the prefill leg if it fails with a 5xx or no answer (the side's backup, its
         /// cached prompt tokens) and the request, to book it there
-        /// ([`RouterState::rebook_prefill`]): for a health probe the side's own choice, otherwise
+        /// ([`WorkerState::rebook_prefill`]): for a health probe the side's own choice, otherwise
         /// the next cheapest replica that prefills when `pd.retry_prefill` is on.
         prefill_backup: Option<(usize, u64, Box<RouteRequest>)>,
     },
@@ -36,7 +36,7 @@ pub enum PdRoute {
     Unavailable { replica: Option<usize>, why: String },
 }
 
-impl RouterState {
+impl WorkerState {
     /// Whether requests are split into a prefill and a decode leg: some replica's role is not `both`.
     pub fn disaggregated(&self) -> bool {
         self.disaggregated
@@ -50,7 +50,7 @@ impl RouterState {
     /// A fresh `x-request-id` for both legs of one P/D request.
     pub fn next_pd_request_id(&mut self) -> String {
         self.pd_requests += 1;
-        crate::leg_bodies::request_id(self.pd_nonce, self.pd_requests)
+        crate::worker::leg_bodies::request_id(self.pd_nonce, self.pd_requests)
     }
 
     /// Routes a P/D request: reads it, picks both ends (`Router::route_pd`) and books both legs, or
@@ -67,9 +67,9 @@ impl RouterState {
     ) -> PdRoute {
         let whole = |s: &mut Self, why: BodyFallback| {
             let decision = s.route_fallback(decode_id, why, body.len(), now_ms);
-            let body = crate::leg_bodies::client_request(body)
-                .filter(|m| m.contains_key(crate::leg_bodies::KV_TRANSFER_PARAMS))
-                .map(|m| crate::leg_bodies::decode_body(m, None));
+            let body = crate::worker::leg_bodies::client_request(body)
+                .filter(|m| m.contains_key(crate::worker::leg_bodies::KV_TRANSFER_PARAMS))
+                .map(|m| crate::worker::leg_bodies::decode_body(m, None));
             PdRoute::Whole { decision, body }
         };
         if body.len() > self.cfg.routing.max_body_bytes {
@@ -80,7 +80,7 @@ impl RouterState {
             Ok(r) => r,
             Err(_) => return whole(self, BodyFallback::Unreadable),
         };
-        let Some(client) = crate::leg_bodies::client_request(body) else {
+        let Some(client) = crate::worker::leg_bodies::client_request(body) else {
             return whole(self, BodyFallback::Unreadable);
         };
         let d = match self
@@ -109,7 +109,7 @@ impl RouterState {
         PdRoute::Legs {
             prefill: d.prefill,
             decode,
-            prefill_body: crate::leg_bodies::prefill_body(&client),
+            prefill_body: crate::worker::leg_bodies::prefill_body(&client),
             client,
             prefill_matched_tokens: d.prefill_matched_tokens,
             prefill_backup: d
@@ -140,15 +140,15 @@ impl RouterState {
 mod tests {
     use super::*;
     use crate::config::FilterConfig;
-    use crate::router_state::testing::*;
+    use crate::worker::testing::*;
 
-    fn pd_worker() -> RouterState {
+    fn pd_worker() -> WorkerState {
         let json = r#"{"replicas":[
             {"name":"p0","endpoint":"10.0.0.1:8000","feed_cluster":"f0","role":"prefill","prefill_cluster":"c0"},
             {"name":"p1","endpoint":"10.0.0.2:8000","feed_cluster":"f1","role":"prefill","prefill_cluster":"c1"},
             {"name":"d0","endpoint":"10.0.0.3:8000","feed_cluster":"f2","role":"decode"},
             {"name":"d1","endpoint":"10.0.0.4:8000","feed_cluster":"f3","role":"decode"}]}"#;
-        RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
+        WorkerState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap()
     }
 
     /// A readable request is split into two booked legs (prefill side, decode side), each released

@@ -4,15 +4,15 @@
 //! `prefill.rs`; the headers a client must not set in `stream/client_headers.rs`, the body while
 //! it is held in `stream/body.rs`, the outcome for the replica's health in `stream/outcome.rs`.
 
+use super::clock::now_ms;
 use super::metrics::inc;
 use super::prefill::{PrefillLeg, prefill_id};
-use super::{Shared, Vm, header, host_store, log, now_ms};
-use crate::abi;
+use super::store::host_store;
+use super::vm::{Shared, Vm, header, log};
 use crate::config::OutputMode;
-use crate::router_state::{
-    BodyFallback, DecisionOutput, Origin, answer_outcome, is_inference_path,
-};
+use crate::host::abi;
 use crate::sse::SseTracker;
+use crate::worker::{BodyFallback, DecisionOutput, Origin, answer_outcome, is_inference_path};
 use kvsteer_core::admission::{Class, Shed};
 use kvsteer_core::health::Outcome;
 use kvsteer_core::request::EarlyScan;
@@ -58,7 +58,7 @@ pub struct Stream {
     /// Who produced the response (read with its headers); `None` before them.
     origin: Option<Origin>,
     /// The body was over `max_body_bytes` and routed unread: its failures count against no replica
-    /// (`router_state::answer_outcome`).
+    /// (`worker::answer_outcome`).
     oversized: bool,
     /// The request body's size as buffered: what a rewrite of it replaces.
     pub(super) body_len: usize,
@@ -280,7 +280,7 @@ impl Stream {
         Action::Continue
     }
 
-    /// Answers a request for the reserved peer path itself ([`crate::exchange`]): served to a peer
+    /// Answers a request for the reserved peer path itself ([`crate::worker::exchange`]): served to a peer
     /// proxy with the token, refused otherwise, never forwarded.
     fn serve_peer(&mut self, vm: &Shared, method: &[u8], path: &[u8]) -> Action {
         let mut vm = vm.borrow_mut();
@@ -291,7 +291,7 @@ impl Stream {
             .serve_peer(store, method, path, token.as_deref(), now_ms());
         self.phase = Phase::Released;
         let ct = if r.status == 200 {
-            crate::exchange::BUNDLE_CONTENT_TYPE
+            crate::worker::exchange::BUNDLE_CONTENT_TYPE
         } else {
             "text/plain"
         };

@@ -1,15 +1,15 @@
 //! A worker that does not hold a replica's feed lease follows the holder through shared data
-//! ([`crate::relay`]): it applies the batches the holder relays, in order and within its own feed
+//! ([`crate::worker::relay`]): it applies the batches the holder relays, in order and within its own feed
 //! budget, and takes the holder's word on whether the replica is down.
 
-use super::{FeedResult, RouterState};
-use crate::relay;
-use crate::store::SharedStore;
+use super::{FeedResult, WorkerState};
+use crate::host::store::SharedStore;
+use crate::worker::relay;
 use kvsteer_core::feed::FeedFrame;
 use kvsteer_core::router::FeedOutcome;
 use kvsteer_core::router::Membership;
 
-impl RouterState {
+impl WorkerState {
     /// Applies the batches other workers relayed for the feeds this worker does not poll, oldest
     /// first, within this tick's feed budget: a batch that does not fit is finished over the next
     /// ticks, and the relays after it wait until it is.
@@ -82,12 +82,12 @@ impl RouterState {
 
 #[cfg(test)]
 mod tests {
-    use crate::router_state::testing::*;
+    use crate::worker::testing::*;
     use kvsteer_core::feed::{FeedBatch, FeedEvent, ReplicaLoad, Tier};
 
     #[test]
     fn merge_marks_a_relayed_report_with_the_leaders_poll_time_and_shares_bookings_since() {
-        use crate::store::tests::MemStore;
+        use crate::host::store::tests::MemStore;
         let store = MemStore::default();
         let routing = r#"{"policy":"kv_load","kv_load":{"reported_load":"merge"}}"#;
         let mut lead = worker_routing(routing);
@@ -151,7 +151,7 @@ mod tests {
 
     #[test]
     fn a_follower_of_an_idle_replica_stays_fresh_and_takes_its_load() {
-        use crate::store::tests::MemStore;
+        use crate::host::store::tests::MemStore;
         let store = MemStore::default();
         // Reports combined by max, so the relayed load shows in what the policies see.
         let routing = r#"{"policy":"kv_load","kv_load":{"reported_load":"max"}}"#;
@@ -220,7 +220,7 @@ mod tests {
 
     #[test]
     fn a_follower_applies_relayed_batches_in_slices_and_in_order() {
-        use crate::store::tests::MemStore;
+        use crate::host::store::tests::MemStore;
         let store = MemStore::default();
         let extra = r#", "feed_apply_blocks_per_tick": 500"#;
         let (mut lead, mut follow) = (worker_with(extra), worker_with(extra));

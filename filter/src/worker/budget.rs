@@ -3,7 +3,7 @@
 //! replica's large snapshot cannot hold a worker's requests for long; what does not fit waits, pending,
 //! for the next ticks.
 
-use super::RouterState;
+use super::WorkerState;
 use kvsteer_core::feed::FeedFrame;
 use kvsteer_core::router::FeedOutcome;
 
@@ -12,7 +12,7 @@ use kvsteer_core::router::FeedOutcome;
 /// of microseconds; a clock read is one host call.
 pub const FEED_MIN_SLICE: u64 = 256;
 
-impl RouterState {
+impl WorkerState {
     /// Installs the proxy's clock (nanoseconds; any epoch), read between feed slices to bound the
     /// time a tick spends applying feed batches (`feed_apply_us_per_tick`).
     pub fn set_clock(&mut self, clock: fn() -> u64) {
@@ -25,7 +25,7 @@ impl RouterState {
     }
 
     /// Grants a new tick's feed budget when a tick period has passed since the last grant (answers
-    /// arrive between ticks; [`RouterState::start_tick`] grants one on every tick).
+    /// arrive between ticks; [`WorkerState::start_tick`] grants one on every tick).
     pub(super) fn refill(&mut self, now_ms: u64) {
         let due = self
             .budget_from_ms
@@ -160,7 +160,7 @@ impl RouterState {
 
 #[cfg(test)]
 mod tests {
-    use crate::router_state::testing::*;
+    use crate::worker::testing::*;
     use kvsteer_core::router::FeedOutcome;
 
     #[test]

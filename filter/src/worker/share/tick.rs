@@ -1,22 +1,22 @@
 //! The worker VMs of one proxy: this worker's number, and the load, health and working set it shares
-//! with the others each tick through shared data (the records are [`crate::workers`]').
+//! with the others each tick through shared data (the records are [`crate::worker::share`]').
 
-use super::RouterState;
-use crate::store::SharedStore;
-use crate::workers;
+use crate::host::store::SharedStore;
+use crate::worker::WorkerState;
+use crate::worker::share;
 
 /// A worker's working-set journal keeps this many ticks of its admissions for the other workers.
 pub const WORKING_SET_KEEP_TICKS: u64 = 4;
 
-impl RouterState {
+impl WorkerState {
     /// This worker's number among the proxy's workers; `None` until claimed, or without shared data.
     pub fn worker_id(&self) -> Option<u32> {
         self.worker_id
     }
 
-    /// Claims this worker's number from the shared counter ([`workers::claim_worker_id`]).
+    /// Claims this worker's number from the shared counter ([`share::claim_worker_id`]).
     pub fn claim_worker_id(&mut self, store: &dyn SharedStore) -> Option<u32> {
-        self.worker_id = workers::claim_worker_id(store, &self.cfg.shared_key_prefix);
+        self.worker_id = share::claim_worker_id(store, &self.cfg.shared_key_prefix);
         if self.worker_id.is_some() {
             self.router.share_working_set();
         }
@@ -36,16 +36,16 @@ impl RouterState {
             return;
         };
         let prefix = &self.cfg.shared_key_prefix;
-        let rec = workers::WorkerLoad {
+        let rec = share::WorkerLoad {
             totals: self.router.local_load(),
             since: self.router.local_load_since(),
             released: self.router.local_released_since(),
             held: self.router.local_held(),
         };
-        workers::publish(store, prefix, me, now_ms, &rec);
-        workers::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
+        share::publish(store, prefix, me, now_ms, &rec);
+        share::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
         if self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime {
-            workers::publish_speeds(store, prefix, me, now_ms, &self.router.local_speeds());
+            share::publish_speeds(store, prefix, me, now_ms, &self.router.local_speeds());
         }
         // Kept for a few ticks, so every worker reads each entry at least once (ticks drift), and
         // with peer proxies for a few of their polls too (they read the same records).
@@ -56,13 +56,13 @@ impl RouterState {
             .max(poll_ms)
             .saturating_mul(WORKING_SET_KEEP_TICKS);
         if let Some(journal) = self.router.working_set_journal(now_ms, keep) {
-            workers::publish_working_set(store, prefix, me, &journal);
+            share::publish_working_set(store, prefix, me, &journal);
         }
-        let count = workers::worker_count(store, prefix);
+        let count = share::worker_count(store, prefix);
         let replicas = self.cfg.replicas.len();
         let ttl = self.cfg.peer_ttl_ms;
         for peer in (0..count).filter(|&p| p != me) {
-            match workers::read_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+            match share::read_fresh(store, prefix, peer, replicas, now_ms, ttl) {
                 Some(rec) => {
                     self.router.set_peer_load(peer, &rec.totals);
                     self.router
@@ -71,12 +71,12 @@ impl RouterState {
                 }
                 None => self.router.clear_peer(peer),
             }
-            match workers::read_health_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+            match share::read_health_fresh(store, prefix, peer, replicas, now_ms, ttl) {
                 Some((at, counts)) => self.router.set_peer_health(peer, at, &counts),
                 None => self.router.clear_peer_health(peer),
             }
             if self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime {
-                match workers::read_speeds_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+                match share::read_speeds_fresh(store, prefix, peer, replicas, now_ms, ttl) {
                     Some(estimates) => self.router.set_peer_speeds(peer, &estimates),
                     None => self.router.clear_peer_speeds(peer),
                 }
@@ -91,8 +91,7 @@ impl RouterState {
             if !self.has_routed() {
                 continue;
             }
-            if let Some(journal) = workers::read_working_set_fresh(store, prefix, peer, now_ms, ttl)
-            {
+            if let Some(journal) = share::read_working_set_fresh(store, prefix, peer, now_ms, ttl) {
                 match self.router.apply_peer_working_set(peer, &journal) {
                     Some(applied) => self.working_set_missed += applied.missed,
                     None => self.working_set_refused += 1,
@@ -111,11 +110,11 @@ impl RouterState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::router_state::testing::*;
+    use crate::worker::testing::*;
 
     #[test]
     fn a_worker_applies_the_others_working_sets_from_its_first_request() {
-        let store = crate::store::tests::MemStore::default();
+        let store = crate::host::store::tests::MemStore::default();
         let (mut a, mut b) = (worker("kv_load"), worker("kv_load"));
         a.claim_worker_id(&store);
         b.claim_worker_id(&store);
@@ -125,7 +124,7 @@ mod tests {
             a.route_body(id, "/v1/completions", body.as_bytes(), Some("s"), 5);
             a.release(id);
         }
-        let held = |w: &RouterState| w.working_set(0).0 + w.working_set(1).0;
+        let held = |w: &WorkerState| w.working_set(0).0 + w.working_set(1).0;
         assert!(held(&a) > 0.0, "a asked for its prompt twice");
         a.share_load(&store, 10);
         b.share_load(&store, 10);
@@ -143,7 +142,7 @@ mod tests {
     /// exchange, and no longer once that worker's record is past `peer_ttl_ms`.
     #[test]
     fn workers_share_what_they_learned_of_the_replicas_speeds() {
-        let store = crate::store::tests::MemStore::default();
+        let store = crate::host::store::tests::MemStore::default();
         let (mut a, mut b) = (worker("kv_time"), worker("kv_time"));
         a.claim_worker_id(&store);
         b.claim_worker_id(&store);
@@ -174,7 +173,7 @@ mod tests {
 
     #[test]
     fn workers_share_their_load_through_the_store_and_forget_silent_ones() {
-        use crate::store::tests::MemStore;
+        use crate::host::store::tests::MemStore;
         let store = MemStore::default();
         let (mut a, mut b) = (worker("least_load"), worker("least_load"));
         let mut lone = worker("least_load");

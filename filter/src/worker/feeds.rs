@@ -3,15 +3,15 @@
 //! [`super::failures`]; applying an accepted batch within the tick's budget in [`super::budget`]; the
 //! batches other workers relay are read in [`super::follow`].
 
-use super::{FeedFailure, RouterState, proxy_could_not_connect, proxy_timed_out};
+use super::{FeedFailure, WorkerState, proxy_could_not_connect, proxy_timed_out};
 use crate::config::OutputMode;
-use crate::relay;
-use crate::store::SharedStore;
+use crate::host::store::SharedStore;
+use crate::worker::relay;
 use kvsteer_core::feed::FeedFrame;
 use kvsteer_core::router::FeedOutcome;
 
 /// Poll state of one replica's feed. Whether the replica is stale or down is not kept here: the
-/// router holds it ([`RouterState::is_stale`], [`RouterState::is_down`]), the one place routing reads.
+/// router holds it ([`WorkerState::is_stale`], [`WorkerState::is_down`]), the one place routing reads.
 #[derive(Clone, Debug, Default)]
 pub struct FeedState {
     pub in_flight: Option<u32>,
@@ -35,7 +35,7 @@ pub struct FeedState {
     pub consecutive_unreachable: u32,
     /// While the replica cannot be reached: how long after the last poll the next one waits (before
     /// jitter). It doubles with each unreachable poll from the one that marks the replica down, up
-    /// to `feed_backoff_max_ms`; 0 once the replica answers ([`RouterState::unreachable`]).
+    /// to `feed_backoff_max_ms`; 0 once the replica answers ([`WorkerState::unreachable`]).
     pub backoff_ms: u64,
     /// Polls that timed out (slow feed).
     pub timeouts: u64,
@@ -81,7 +81,7 @@ pub enum FeedResult {
     Unknown,
 }
 
-impl RouterState {
+impl WorkerState {
     /// A replica's poll state.
     pub fn feed(&self, replica: usize) -> Option<&FeedState> {
         self.feeds.get(replica)
@@ -105,10 +105,10 @@ impl RouterState {
     /// Replicas whose feed this worker should poll now, with the query path. With shared data, a
     /// replica is polled only by the worker holding its lease (the others follow the relay), except
     /// that a worker needing a snapshot polls for it itself. Marks nothing in flight until
-    /// [`RouterState::poll_started`] or [`RouterState::poll_not_started`] is called for each.
+    /// [`WorkerState::poll_started`] or [`WorkerState::poll_not_started`] is called for each.
     ///
-    /// In nginx mode at most [`RouterState::callouts_per_tick`] polls a tick, and none while a
-    /// callout is out ([`RouterState::callout_out`]), taken in turn from where the last bounded tick
+    /// In nginx mode at most [`WorkerState::callouts_per_tick`] polls a tick, and none while a
+    /// callout is out ([`WorkerState::callout_out`]), taken in turn from where the last bounded tick
     /// stopped; a replica over the bound is not examined (no lease is taken for a poll that is not
     /// sent) and waits for a later tick.
     pub fn plan_polls(&mut self, store: Option<&dyn SharedStore>, now_ms: u64) -> Vec<FeedPoll> {
@@ -204,11 +204,11 @@ impl RouterState {
     /// Callouts one tick may dispatch: one in nginx mode, since ngx_wasm_module leaves the
     /// connection of every callout a tick dispatches but the last open for good (a worker runs out
     /// of `worker_connections` within minutes of polling 4 replicas); no bound elsewhere. Counted
-    /// from [`RouterState::start_tick`].
+    /// from [`WorkerState::start_tick`].
     ///
     /// The module's rule is in fact wider: a callout answered while another one of the VM is still
     /// out keeps its connection (the module releases them only when none is left), so in nginx mode
-    /// no callout is sent while one is out either ([`RouterState::callout_out`]).
+    /// no callout is sent while one is out either ([`WorkerState::callout_out`]).
     pub fn callouts_per_tick(&self) -> usize {
         if self.cfg.output == OutputMode::NginxVariable {
             1
@@ -264,7 +264,7 @@ impl RouterState {
         self.on_feed_answer(token, status, body.map(<[u8]>::to_vec), store, now_ms)
     }
 
-    /// [`RouterState::on_feed_response`] taking the body the host handed over, without copying it.
+    /// [`WorkerState::on_feed_response`] taking the body the host handed over, without copying it.
     pub fn on_feed_answer(
         &mut self,
         token: u32,
@@ -402,7 +402,7 @@ impl RouterState {
 mod tests {
     use super::*;
     use crate::config::FilterConfig;
-    use crate::router_state::testing::*;
+    use crate::worker::testing::*;
     use kvsteer_core::feed::{FeedEvent, ReplicaLoad, Tier};
     use kvsteer_core::health::Outcome;
 
@@ -418,14 +418,14 @@ mod tests {
                "output":"{output}","feed_period_ms":100,"tick_ms":100,"feed_timeout_ms":500}}"#
             )
         };
-        let mut envoy = RouterState::new(
+        let mut envoy = WorkerState::new(
             FilterConfig::from_json(json("destination_header").as_bytes()).unwrap(),
         )
         .unwrap();
         envoy.start_tick(0);
         assert_eq!(envoy.plan_polls(None, 0).len(), 3);
         let mut w =
-            RouterState::new(FilterConfig::from_json(json("nginx_variable").as_bytes()).unwrap())
+            WorkerState::new(FilterConfig::from_json(json("nginx_variable").as_bytes()).unwrap())
                 .unwrap();
         assert_eq!(w.callouts_per_tick(), 1);
         let mut order = Vec::new();
@@ -473,7 +473,7 @@ mod tests {
             {"name":"e0","endpoint":"127.0.0.1:8000","feed_cluster":"f0","dp_ranks":4},
             {"name":"e1","endpoint":"127.0.0.1:8001","feed_cluster":"f1"}],
            "routing":{"policy":"kv_load","block_size":4}}"#;
-        let mut w = RouterState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
+        let mut w = WorkerState::new(FilterConfig::from_json(json.as_bytes()).unwrap()).unwrap();
         assert_eq!(w.replicas(), 5);
         assert_eq!(w.replica_name(2), "e0_dp2");
         assert_eq!(w.replica_name(4), "e1");

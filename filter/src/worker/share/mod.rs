@@ -1,5 +1,5 @@
 //! Sharing in-flight load, health and working sets between the worker VMs of one proxy (the `peers`
-//! configuration section is about other proxies: [`crate::exchange`]).
+//! configuration section is about other proxies: [`crate::worker::exchange`]).
 //!
 //! Envoy runs one VM per worker thread and the VMs share no memory, so each worker's router only sees
 //! the requests that worker admitted. Every tick each worker publishes its own per-replica totals in
@@ -32,7 +32,11 @@
 //! [`read_speeds_fresh`]): a proxy with N workers learns a slow replica from all its requests, not
 //! from one worker's Nth.
 
-use crate::store::SharedStore;
+mod tick;
+
+pub use tick::WORKING_SET_KEEP_TICKS;
+
+use crate::host::store::SharedStore;
 use kvsteer_core::health::HealthCounts;
 use kvsteer_core::load::{self, LoadTotals};
 use kvsteer_core::speed::SpeedEstimate;
@@ -312,7 +316,7 @@ pub fn read_working_set_fresh(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::tests::{MemStore, NgxStore};
+    use crate::host::store::tests::{MemStore, NgxStore};
 
     #[test]
     fn round_trip_and_refusals() {
