@@ -2,7 +2,7 @@
 //! (docs/design/discovery.md). Discovered members take the routing slots after the static
 //! replicas; the two lists add up.
 
-use super::{ConfigError, FilterConfig, MAX_UNITS, OutputMode, ReplicaSpec};
+use super::{ConfigError, FilterConfig, MAX_UNITS, OutputMode, Unit};
 use serde::Deserialize;
 
 /// The path polled when `discovery.path` is not set (what `kvsteer-feed discover` answers).
@@ -196,8 +196,8 @@ impl FilterConfig {
     /// The routing units configured statically; discovery's slots follow them.
     pub fn static_units(&self) -> usize {
         match &self.discovery {
-            Some(d) => self.replicas.len().saturating_sub(d.max_members),
-            None => self.replicas.len(),
+            Some(d) => self.units.len().saturating_sub(d.max_members),
+            None => self.units.len(),
         }
     }
 
@@ -205,18 +205,17 @@ impl FilterConfig {
     /// vacant until a member is seated in it (`crate::worker::discovery::roster`).
     pub(super) fn add_discovery_slots(&mut self) {
         let Some(d) = &self.discovery else { return };
-        if self.replicas.iter().any(|r| r.name.starts_with("_slot")) {
+        if self.units.iter().any(|u| u.name.starts_with("_slot")) {
             return; // already added
         }
         for k in 0..d.max_members {
-            self.replicas.push(ReplicaSpec {
+            self.units.push(Unit {
                 name: slot_name(k),
                 endpoint: "0.0.0.0:0".into(),
                 feed_cluster: d.feed_cluster.clone(),
                 feed_authority: None,
                 feed_address: None,
                 cluster: None,
-                dp_ranks: 1,
                 role: "both".into(),
                 prefill_cluster: None,
                 prefill_authority: None,
@@ -266,8 +265,8 @@ mod tests {
         );
         assert_eq!(d.max_response_bytes, 1 << 20);
         assert_eq!(c.static_units(), 2, "the two ranks");
-        assert_eq!(c.replicas.len(), 66);
-        assert_eq!(c.replicas[2].name, "_slot0");
+        assert_eq!(c.units.len(), 66);
+        assert_eq!(c.units[2].name, "_slot0");
         assert_eq!(c.feed_upstream(65), "member_feeds");
         assert_eq!(c.discovery_authority(), "members");
         // Discovery alone: no static replica needed.
@@ -277,7 +276,7 @@ mod tests {
             "",
         );
         let c = FilterConfig::from_json(json.as_bytes()).unwrap();
-        assert_eq!((c.static_units(), c.replicas.len()), (0, 3));
+        assert_eq!((c.static_units(), c.units.len()), (0, 3));
         assert_eq!(c.discovery_authority(), "disco.local");
         // nginx: no feed cluster (a callout names the member's address).
         let json = with_discovery(
@@ -361,7 +360,7 @@ mod tests {
         assert_eq!(
             FilterConfig::from_json(absent.as_bytes())
                 .unwrap()
-                .replicas
+                .units
                 .len(),
             2
         );

@@ -88,13 +88,13 @@ impl FilterConfig {
 
     /// `:authority` for a replica's feed callout.
     pub fn feed_authority(&self, i: usize) -> &str {
-        let r = &self.replicas[i];
+        let r = &self.units[i];
         r.feed_authority.as_deref().unwrap_or(&r.endpoint)
     }
 
     /// The upstream argument of `dispatch_http_call` for a replica's feed.
     pub fn feed_upstream(&self, i: usize) -> &str {
-        let r = &self.replicas[i];
+        let r = &self.units[i];
         match self.output {
             OutputMode::NginxVariable => r.feed_address.as_deref().unwrap_or(&r.endpoint),
             _ => r.feed_cluster.as_deref().unwrap_or(""),

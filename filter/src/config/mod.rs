@@ -27,7 +27,7 @@ pub use headers::OutputMode;
 pub use pd::PdSection;
 pub use peers::{DEFAULT_PEER_PATH, DEFAULT_PEER_TOKEN_HEADER, PeerSpec, PeersSection};
 pub(crate) use replicas::valid_name;
-pub use replicas::{MAX_UNITS, ReplicaSpec};
+pub use replicas::{MAX_UNITS, ReplicaSpec, Unit};
 pub use tokenizer::TokenizerSection;
 
 fn d_prefix() -> String {
@@ -52,6 +52,12 @@ pub struct FilterConfig {
     /// The static replicas; absent or empty only with a `discovery` section (`validate` says so).
     #[serde(default)]
     pub replicas: Vec<ReplicaSpec>,
+    /// The routing units built from `replicas` at configure time (one per data-parallel rank)
+    /// and the discovery slots after them; never read from JSON. The router, the load table, the
+    /// shared records and the metrics are indexed by unit, and discovery seats members here, so
+    /// `replicas` stays the list as the operator wrote it.
+    #[serde(skip)]
+    pub units: Vec<Unit>,
     /// Policy, coefficients, block size, index cap: see the routing section of
     /// docs/reference/configuration.md.
     #[serde(default)]
@@ -174,13 +180,13 @@ fn err<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T, Con
 }
 
 impl FilterConfig {
-    /// Reads the plugin configuration, refuses what is wrong, expands the data-parallel ranks and
-    /// adds the discovery slots: the configuration the filter runs with.
+    /// Reads the plugin configuration, refuses what is wrong, builds the routing units (each
+    /// data-parallel rank one) and adds the discovery slots: the configuration the filter runs with.
     pub fn from_json(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
         let mut cfg: FilterConfig = serde_json::from_slice(bytes)
             .map_err(|e| ConfigError::at("plugin configuration", e.to_string()))?;
         cfg.validate()?;
-        cfg.expand_ranks()?;
+        cfg.build_units()?;
         cfg.add_discovery_slots();
         Ok(cfg)
     }

@@ -77,18 +77,22 @@ impl PdSection {
     }
 }
 
+/// Roles parsed, `both` for a value that does not parse (`validate` refuses those).
+fn roles_of<'a>(roles: impl Iterator<Item = &'a str>) -> Vec<Role> {
+    roles
+        .map(|r| Role::parse(r).unwrap_or(Role::Both))
+        .collect()
+}
+
 impl FilterConfig {
     /// Whether the fleet is disaggregated: some replica has a role other than `both`.
     pub fn disaggregated(&self) -> bool {
         self.replicas.iter().any(|r| r.role != "both")
     }
 
-    /// Every replica's role (`both` for a value that does not parse; `validate` refuses those).
+    /// Every unit's role (`both` for a value that does not parse; `validate` refuses those).
     pub fn roles(&self) -> Vec<Role> {
-        self.replicas
-            .iter()
-            .map(|r| Role::parse(&r.role).unwrap_or(Role::Both))
-            .collect()
+        roles_of(self.units.iter().map(|u| u.role.as_str()))
     }
 
     pub(super) fn validate_pd(&self) -> Result<(), ConfigError> {
@@ -130,7 +134,8 @@ impl FilterConfig {
                  nginx_variable mode has no prefill leg",
             );
         }
-        let roles = self.roles();
+        // The entries as written: the units (built after the checks) carry the same roles.
+        let roles = roles_of(self.replicas.iter().map(|r| r.role.as_str()));
         if !roles.iter().any(|r| r.prefills()) {
             return err(
                 "replicas[].role",
@@ -148,7 +153,7 @@ impl FilterConfig {
 
     /// The cluster a replica's prefill leg is sent to (empty when not configured).
     pub fn prefill_upstream(&self, i: usize) -> &str {
-        self.replicas
+        self.units
             .get(i)
             .and_then(|r| r.prefill_cluster.as_deref())
             .unwrap_or("")
@@ -156,7 +161,7 @@ impl FilterConfig {
 
     /// `:authority` of a replica's prefill leg.
     pub fn prefill_authority(&self, i: usize) -> &str {
-        self.replicas.get(i).map_or("", |r| {
+        self.units.get(i).map_or("", |r| {
             r.prefill_authority.as_deref().unwrap_or(&r.endpoint)
         })
     }

@@ -49,10 +49,47 @@ pub struct ReplicaSpec {
     /// P/D: `:authority` of the prefill leg; defaults to `endpoint`.
     #[serde(default)]
     pub prefill_authority: Option<String>,
-    /// Set by the expansion, never read from JSON: this unit's rank, `None` for an endpoint with one
-    /// rank (no rank header is written and its feed is polled without a rank).
-    #[serde(skip)]
+}
+
+/// One routing unit: a replica, one data-parallel rank of a replica, or a discovery slot (a
+/// placeholder until a member is seated in it). Its fields are the replica entry's, with the rank's
+/// name and number for a rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unit {
+    /// `NAME`, `NAME_dpK` for rank K, or `_slotK` for an empty discovery slot.
+    pub name: String,
+    pub endpoint: String,
+    pub feed_cluster: Option<String>,
+    pub feed_authority: Option<String>,
+    pub feed_address: Option<String>,
+    pub cluster: Option<String>,
+    pub role: String,
+    pub prefill_cluster: Option<String>,
+    pub prefill_authority: Option<String>,
+    /// This unit's rank, `None` for an endpoint with one rank (no rank header is written and its
+    /// feed is polled without a rank).
     pub rank: Option<u32>,
+}
+
+impl Unit {
+    /// The unit of `spec`'s rank `rank` (`None`: the whole replica), named for it.
+    fn of(spec: &ReplicaSpec, rank: Option<u32>) -> Unit {
+        Unit {
+            name: match rank {
+                Some(k) => format!("{}_dp{k}", spec.name),
+                None => spec.name.clone(),
+            },
+            endpoint: spec.endpoint.clone(),
+            feed_cluster: spec.feed_cluster.clone(),
+            feed_authority: spec.feed_authority.clone(),
+            feed_address: spec.feed_address.clone(),
+            cluster: spec.cluster.clone(),
+            role: spec.role.clone(),
+            prefill_cluster: spec.prefill_cluster.clone(),
+            prefill_authority: spec.prefill_authority.clone(),
+            rank,
+        }
+    }
 }
 
 fn d_one() -> u32 {
@@ -173,53 +210,45 @@ impl FilterConfig {
     /// feeds, metrics, shared load) is per (endpoint, rank) with no other change, and a configuration
     /// without ranks is left exactly as it was. Refuses more than 256 units in all, and a generated
     /// name that another entry already has.
-    pub fn expand_ranks(&mut self) -> Result<(), ConfigError> {
-        if self
-            .replicas
-            .iter()
-            .all(|r| r.dp_ranks == 1 && r.rank.is_none())
-        {
-            return Ok(());
-        }
-        if self.replicas.iter().any(|r| r.rank.is_some()) {
-            return Ok(()); // already expanded
+    /// The routing units of the static list: one per replica, or one per rank of a replica with
+    /// `dp_ranks` > 1 (`NAME_dp0` ..), refused when a rank's name is too long or clashes with
+    /// another unit's. Built once: a configuration that has its units keeps them.
+    pub(super) fn build_units(&mut self) -> Result<(), ConfigError> {
+        if !self.units.is_empty() || self.replicas.is_empty() {
+            return Ok(()); // built already, or discovery alone (its slots are added after)
         }
         let ranks: Vec<u32> = self.replicas.iter().map(|r| r.dp_ranks).collect();
-        let units = kvsteer_core::dp::Units::new(&ranks, MAX_UNITS)
+        let layout = kvsteer_core::dp::Units::new(&ranks, MAX_UNITS)
             .map_err(|e| ConfigError::at("replicas", e.to_string()))?;
-        let mut out = Vec::with_capacity(units.len());
-        for u in units.iter() {
-            let mut r = self.replicas[u.endpoint].clone();
-            if let Some(rank) = u.rank {
-                r.name = format!("{}_dp{rank}", r.name);
-                r.rank = Some(rank);
-                if !valid_name(&r.name) {
-                    return err(
-                        format!("replicas[{}].name", u.endpoint),
-                        format!("{:?} with its rank suffix is over 64 characters", r.name),
-                    );
-                }
+        let mut units = Vec::with_capacity(layout.len());
+        for u in layout.iter() {
+            let unit = Unit::of(&self.replicas[u.endpoint], u.rank);
+            if !valid_name(&unit.name) {
+                return err(
+                    format!("replicas[{}].name", u.endpoint),
+                    format!("{:?} with its rank suffix is over 64 characters", unit.name),
+                );
             }
-            out.push(r);
+            units.push(unit);
         }
-        for (i, r) in out.iter().enumerate() {
-            if out[..i].iter().any(|o| o.name == r.name) {
+        for (i, u) in units.iter().enumerate() {
+            if units[..i].iter().any(|o| o.name == u.name) {
                 return err(
                     "replicas",
                     format!(
                         "the name {:?} is given twice once DP ranks are expanded",
-                        r.name
+                        u.name
                     ),
                 );
             }
         }
-        self.replicas = out;
+        self.units = units;
         Ok(())
     }
 
-    /// The rank header's value for a unit, `None` for a unit without a rank.
+    /// Unit `i`'s data-parallel rank (`None`: a whole replica, or no such unit).
     pub fn rank_of(&self, i: usize) -> Option<u32> {
-        self.replicas.get(i).and_then(|r| r.rank)
+        self.units.get(i).and_then(|u| u.rank)
     }
 }
 
@@ -233,13 +262,10 @@ mod tests {
     #[test]
     fn dp_ranks_expand_into_units() {
         let plain = FilterConfig::from_json(GOOD.as_bytes()).unwrap();
-        assert_eq!(plain.replicas.len(), 2);
-        assert!(
-            plain
-                .replicas
-                .iter()
-                .all(|r| r.rank.is_none() && r.dp_ranks == 1)
-        );
+        assert_eq!(plain.units.len(), 2);
+        assert!(plain.units.iter().all(|u| u.rank.is_none()));
+        let names: Vec<&str> = plain.units.iter().map(|u| u.name.as_str()).collect();
+        assert_eq!(names, ["r0", "r1"]);
         assert_eq!(plain.rank_header, "x-data-parallel-rank");
         let dp = GOOD.replacen(
             r#""feed_cluster":"feed_r0""#,
@@ -247,18 +273,20 @@ mod tests {
             1,
         );
         let c = FilterConfig::from_json(dp.as_bytes()).unwrap();
-        let names: Vec<&str> = c.replicas.iter().map(|r| r.name.as_str()).collect();
+        let names: Vec<&str> = c.units.iter().map(|u| u.name.as_str()).collect();
         assert_eq!(names, ["r0_dp0", "r0_dp1", "r0_dp2", "r1"]);
+        // The list as written is kept: the ranks are the units', not rewritten entries.
+        assert_eq!(c.replicas.len(), 2);
+        assert_eq!(
+            (c.replicas[0].name.as_str(), c.replicas[0].dp_ranks),
+            ("r0", 3)
+        );
         assert_eq!(c.rank_of(1), Some(1));
         assert_eq!(c.rank_of(3), None);
         assert_eq!(c.rank_of(9), None);
         assert_eq!(c.feed_upstream(2), "feed_r0");
         assert_eq!(c.feed_authority(2), "127.0.0.1:8000");
-        assert!(
-            c.replicas[..3]
-                .iter()
-                .all(|r| r.endpoint == "127.0.0.1:8000")
-        );
+        assert!(c.units[..3].iter().all(|u| u.endpoint == "127.0.0.1:8000"));
         for bad in ["0", "257"] {
             let j = GOOD.replacen(
                 r#""feed_cluster":"feed_r0""#,

@@ -216,13 +216,13 @@ impl Metrics {
         use MetricType::{Counter, Gauge};
         let policy = cfg.routing.policy.name();
         let per = |kind, what: &str| -> Vec<Option<u32>> {
-            cfg.replicas
+            cfg.units
                 .iter()
                 .map(|r| define(kind, &format!("kvsteer_{what}_{}", r.name)))
                 .collect()
         };
         let per_total = |what: &str| -> Vec<TotalCounter> {
-            cfg.replicas
+            cfg.units
                 .iter()
                 .map(|r| TotalCounter::define(&format!("kvsteer_{what}_{}", r.name)))
                 .collect()
@@ -241,7 +241,7 @@ impl Metrics {
                 )
             }),
             decisions: cfg
-                .replicas
+                .units
                 .iter()
                 .map(|r| define(Counter, &format!("kvsteer_decisions_{policy}_{}", r.name)))
                 .collect(),

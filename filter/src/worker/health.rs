@@ -120,7 +120,7 @@ impl WorkerState {
                 let a = a.trim();
                 // Several DP ranks share one address: an answer from the chosen unit's own address
                 // is the chosen unit's, not a retry to its endpoint's first rank.
-                match self.cfg.replicas.get(chosen) {
+                match self.cfg.units.get(chosen) {
                     Some(r) if r.endpoint == a => Some(chosen),
                     _ => self.replica_of_address(a),
                 }
@@ -155,7 +155,7 @@ impl WorkerState {
 
     /// The replica whose `endpoint` is `address` (`IP:port`).
     pub fn replica_of_address(&self, address: &str) -> Option<usize> {
-        self.cfg.replicas.iter().position(|r| r.endpoint == address)
+        self.cfg.units.iter().position(|r| r.endpoint == address)
     }
 
     /// A failed answer was not held against any replica ([`answer_outcome`]).

@@ -182,21 +182,21 @@ fn tokenizer_error(e: String) -> ConfigError {
 impl WorkerState {
     pub fn new(cfg: FilterConfig) -> Result<WorkerState, ConfigError> {
         // Kept whole: most of it is the state's literal, one line per field.
-        let mut router = Router::new(cfg.routing.clone(), cfg.replicas.len())
+        let mut router = Router::new(cfg.routing.clone(), cfg.units.len())
             .map_err(|e| ConfigError::at("routing", e.to_string()))?;
         // The ranks of one endpoint share its address: a retry backup is taken from another one.
         router.set_address_groups(
-            cfg.replicas
+            cfg.units
                 .iter()
                 .map(|r| {
-                    cfg.replicas
+                    cfg.units
                         .iter()
                         .position(|o| o.endpoint == r.endpoint)
                         .unwrap_or(0)
                 })
                 .collect(),
         );
-        let feeds = vec![FeedState::default(); cfg.replicas.len()];
+        let feeds = vec![FeedState::default(); cfg.units.len()];
         #[cfg(feature = "tokenizer")]
         let tokenizer = match &cfg.tokenizer {
             Some(t) => Some(TextTokenizer::new(t).map_err(tokenizer_error)?),
@@ -204,7 +204,7 @@ impl WorkerState {
         };
         let destinations = Destinations::new(&cfg);
         let rank_values = cfg
-            .replicas
+            .units
             .iter()
             .map(|r| r.rank.map(|k| k.to_string()))
             .collect();
@@ -214,12 +214,12 @@ impl WorkerState {
         let exchange = Exchange::new(&cfg);
         let discovery = DiscoveryState {
             roster: crate::worker::discovery::roster::Roster::new(
-                cfg.replicas.len() - cfg.static_units(),
+                cfg.units.len() - cfg.static_units(),
             ),
             ..DiscoveryState::default()
         };
         // Discovery's slots start empty: nothing is routed to them until a member is seated.
-        for unit in cfg.static_units()..cfg.replicas.len() {
+        for unit in cfg.static_units()..cfg.units.len() {
             router.set_membership(unit, kvsteer_core::router::Membership::Vacant);
         }
         let admission = cfg.routing.admission.as_ref().map(Admission::new);
@@ -309,15 +309,12 @@ impl WorkerState {
 
     /// Number of replicas.
     pub fn replicas(&self) -> usize {
-        self.cfg.replicas.len()
+        self.cfg.units.len()
     }
 
     /// A replica's name, for logs (`?` for an unknown index).
     pub fn replica_name(&self, replica: usize) -> &str {
-        self.cfg
-            .replicas
-            .get(replica)
-            .map_or("?", |r| r.name.as_str())
+        self.cfg.units.get(replica).map_or("?", |r| r.name.as_str())
     }
 
     /// The working-set term's view of a replica, in blocks: (its recent working set, 0 with the term

@@ -38,7 +38,7 @@ impl Destinations {
 
     pub(super) fn new(cfg: &FilterConfig) -> Destinations {
         let single: Vec<String> = cfg
-            .replicas
+            .units
             .iter()
             .map(|r| match cfg.output {
                 OutputMode::ClusterHeader => {
@@ -47,7 +47,7 @@ impl Destinations {
                 _ => r.endpoint.clone(),
             })
             .collect();
-        let n = cfg.replicas.len();
+        let n = cfg.units.len();
         let pairs = if cfg.output == OutputMode::DestinationHeader
             && cfg.retry_backup
             && n <= Self::MAX_PAIR_TABLE
@@ -56,8 +56,8 @@ impl Destinations {
                 .map(|k| {
                     format!(
                         "{},{}",
-                        cfg.replicas[k / n].endpoint,
-                        cfg.replicas[k % n].endpoint
+                        cfg.units[k / n].endpoint,
+                        cfg.units[k % n].endpoint
                     )
                 })
                 .collect()
@@ -192,7 +192,7 @@ mod tests {
                     d.replica = r;
                     d.backup = b;
                     let last = n - 1;
-                    let rep = &cfg.replicas[r.min(last)];
+                    let rep = &cfg.units[r.min(last)];
                     let want = match cfg.output {
                         OutputMode::ClusterHeader => {
                             rep.cluster.clone().unwrap_or_else(|| rep.endpoint.clone())
@@ -200,7 +200,7 @@ mod tests {
                         OutputMode::NginxVariable => rep.endpoint.clone(),
                         OutputMode::DestinationHeader => match b.filter(|_| cfg.retry_backup) {
                             Some(b) => {
-                                format!("{},{}", rep.endpoint, cfg.replicas[b.min(last)].endpoint)
+                                format!("{},{}", rep.endpoint, cfg.units[b.min(last)].endpoint)
                             }
                             None => rep.endpoint.clone(),
                         },

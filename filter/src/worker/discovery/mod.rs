@@ -189,7 +189,7 @@ impl WorkerState {
         if body.len() > d.max_response_bytes {
             return refuse(&mut self.discovery, Refusal::Oversized(body.len()));
         }
-        let static_names: Vec<String> = self.cfg.replicas[..self.cfg.static_units()]
+        let static_names: Vec<String> = self.cfg.units[..self.cfg.static_units()]
             .iter()
             .map(|r| r.name.clone())
             .collect();
@@ -326,7 +326,7 @@ impl WorkerState {
         seat: Option<&crate::worker::discovery::roster::Seat>,
     ) {
         let nginx = self.cfg.output == OutputMode::NginxVariable;
-        let Some(spec) = self.cfg.replicas.get_mut(unit) else {
+        let Some(spec) = self.cfg.units.get_mut(unit) else {
             return;
         };
         match seat {
@@ -362,11 +362,11 @@ impl WorkerState {
         self.destinations = super::Destinations::new(&self.cfg);
         let groups = self
             .cfg
-            .replicas
+            .units
             .iter()
             .map(|r| {
                 self.cfg
-                    .replicas
+                    .units
                     .iter()
                     .position(|o| o.endpoint == r.endpoint)
                     .unwrap_or(0)
@@ -381,7 +381,7 @@ impl WorkerState {
         if unit < self.cfg.static_units() || self.cfg.output != OutputMode::DestinationHeader {
             return None;
         }
-        self.cfg.replicas.get(unit)?.feed_authority.as_deref()
+        self.cfg.units.get(unit)?.feed_authority.as_deref()
     }
 }
 

@@ -274,7 +274,7 @@ fn bundle(
     let mut parts: Vec<(u32, Vec<u8>)> = Vec::new();
     if let Some(store) = store {
         let prefix = &cfg.shared_key_prefix;
-        let replicas = cfg.replicas.len();
+        let replicas = cfg.units.len();
         let mut size = 8;
         for w in 0..share::worker_count(store, prefix) {
             let Some(j) = share::read_working_set_fresh(store, prefix, w, now_ms, cfg.peer_ttl_ms)

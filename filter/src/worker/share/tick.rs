@@ -59,7 +59,7 @@ impl WorkerState {
             share::publish_working_set(store, prefix, me, &journal);
         }
         let count = share::worker_count(store, prefix);
-        let replicas = self.cfg.replicas.len();
+        let replicas = self.cfg.units.len();
         let ttl = self.cfg.peer_ttl_ms;
         for peer in (0..count).filter(|&p| p != me) {
             match share::read_fresh(store, prefix, peer, replicas, now_ms, ttl) {
