@@ -8,7 +8,7 @@
 //! this load (about 100 requests a replica) it must draw a measurable share. At lighter load a
 //! replica may rightly get nothing: on 8 replicas at 8 new sessions a second (about 70 requests a
 //! replica) the holders' predicted cost stays below a cold prefill's and `kv_time` leaves one idle on
-//! some draws (docs/reports/model-results.md). The same check on
+//! some draws (docs/reports/notebook/model-results.md). The same check on
 //! `kv_load` fails on these draws (its cache term leaves a replica with none: `docs/design/design.md`,
 //! "No replica starved"), which is what shows the check can fail.
 
