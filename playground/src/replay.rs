@@ -184,95 +184,166 @@ struct Flight {
 
 /// Runs one replay to the end.
 pub fn run(req: &ReplayRequest, trace: &str) -> Result<ReplayResult, String> {
-    if req.replicas == 0 || req.replicas > 64 {
-        return Err(format!("replicas must be 1..=64, got {}", req.replicas));
+    let mut replay = Replay::new(req, trace)?;
+    while let Some(t) = replay.next_time() {
+        replay.now = t.max(replay.now);
+        replay.advance_engines();
+        replay.poll_feeds_when_due();
+        replay.sample_when_due();
+        replay.issue_due_requests();
     }
-    let workload = build_workload(&req.workload, trace)?;
-    let block_size = workload.block_size as usize;
-    let mut routing = req.routing.clone();
-    match &mut routing {
-        serde_json::Value::Object(m) => {
-            m.insert("block_size".into(), block_size.into());
+    Ok(replay.result())
+}
+
+/// One replay in virtual time: the router and the simulated engines it routes to, the workload's
+/// driver, and what is recorded.
+struct Replay {
+    policy: String,
+    name: String,
+    router: Router,
+    hasher: BlockHasher,
+    engines: Vec<Engine>,
+    driver: Driver,
+    recorder: Recorder,
+    flights: HashMap<u64, Flight>,
+    events: Vec<EngineEvent>,
+    issues: Vec<Issue>,
+    feed_period_us: u64,
+    next_feed: u64,
+    next_sample: u64,
+    now: u64,
+}
+
+impl Replay {
+    /// The fleet and the router as the request asks (the workload's block size imposed on the
+    /// routing section), nothing run yet.
+    fn new(req: &ReplayRequest, trace: &str) -> Result<Replay, String> {
+        if req.replicas == 0 || req.replicas > 64 {
+            return Err(format!("replicas must be 1..=64, got {}", req.replicas));
         }
-        _ => return Err("routing must be a JSON object".into()),
+        let workload = build_workload(&req.workload, trace)?;
+        let block_size = workload.block_size as usize;
+        let mut routing = req.routing.clone();
+        match &mut routing {
+            serde_json::Value::Object(m) => {
+                m.insert("block_size".into(), block_size.into());
+            }
+            _ => return Err("routing must be a JSON object".into()),
+        }
+        let cfg = RoutingConfig::from_json(&routing.to_string()).map_err(|e| e.to_string())?;
+        let policy = cfg.policy.name().to_string();
+        let router = Router::new(cfg, req.replicas).map_err(|e| e.to_string())?;
+        let hasher = BlockHasher::new(block_size).map_err(|e| e.to_string())?;
+
+        let mut engine_cfg = EngineConfig {
+            block_size,
+            seed: req.seed,
+            ..EngineConfig::default()
+        };
+        let kv16 = if req.kv_blocks_16 > 0 {
+            req.kv_blocks_16
+        } else {
+            engine_cfg.profile.kv_blocks_16
+        };
+        engine_cfg.kv_blocks = ((kv16 as u64 * 16) / block_size as u64).max(1) as u32;
+        let engines = (0..req.replicas)
+            .map(|r| Engine::new(engine_cfg.for_replica(r)))
+            .collect();
+
+        let name = workload.name.clone();
+        let mode = match (&req.workload, workload.default_mode) {
+            (WorkloadChoice::Mooncake { .. }, _) => Mode::Open,
+            (_, m) => m,
+        };
+        Ok(Replay {
+            policy,
+            name,
+            router,
+            hasher,
+            engines,
+            driver: Driver::new(workload, mode),
+            recorder: Recorder::new(),
+            flights: HashMap::new(),
+            events: Vec::new(),
+            issues: Vec::new(),
+            feed_period_us: req.feed_period_ms.max(1) * 1000,
+            next_feed: 0,
+            next_sample: 0,
+            now: 0,
+        })
     }
-    let cfg = RoutingConfig::from_json(&routing.to_string()).map_err(|e| e.to_string())?;
-    let policy = cfg.policy.name().to_string();
-    let mut router = Router::new(cfg, req.replicas).map_err(|e| e.to_string())?;
-    let hasher = BlockHasher::new(block_size).map_err(|e| e.to_string())?;
 
-    let mut engine_cfg = EngineConfig {
-        block_size,
-        seed: req.seed,
-        ..EngineConfig::default()
-    };
-    let kv16 = if req.kv_blocks_16 > 0 {
-        req.kv_blocks_16
-    } else {
-        engine_cfg.profile.kv_blocks_16
-    };
-    engine_cfg.kv_blocks = ((kv16 as u64 * 16) / block_size as u64).max(1) as u32;
-    let mut engines: Vec<Engine> = (0..req.replicas)
-        .map(|r| Engine::new(engine_cfg.for_replica(r)))
-        .collect();
-
-    let name = workload.name.clone();
-    let mode = workload.default_mode;
-    let mode = match (&req.workload, mode) {
-        (WorkloadChoice::Mooncake { .. }, _) => Mode::Open,
-        (_, m) => m,
-    };
-    let mut driver = Driver::new(workload, mode);
-    let mut recorder = Recorder::new();
-    let mut flights: HashMap<u64, Flight> = HashMap::new();
-    let mut events = Vec::new();
-    let mut issues: Vec<Issue> = Vec::new();
-    let feed_period_us = req.feed_period_ms.max(1) * 1000;
-    let mut next_feed = 0u64;
-    let mut next_sample = 0u64;
-    let mut now = 0u64;
-
-    loop {
-        let driver_wake = driver.next_wakeup();
-        if driver_wake.is_none() && flights.is_empty() {
-            break;
+    /// The next moment something happens (a feed poll, a sample, the workload, an engine step);
+    /// `None` once the workload is done and nothing is in flight.
+    fn next_time(&self) -> Option<u64> {
+        let driver_wake = self.driver.next_wakeup();
+        if driver_wake.is_none() && self.flights.is_empty() {
+            return None;
         }
-        let mut t = next_feed.min(next_sample);
+        let mut t = self.next_feed.min(self.next_sample);
         if let Some(w) = driver_wake {
             t = t.min(w);
         }
-        for e in &engines {
+        for e in &self.engines {
             if let Some(x) = e.next_event_time() {
                 t = t.min(x);
             }
         }
-        now = t.max(now);
+        Some(t)
+    }
 
-        for (r, engine) in engines.iter_mut().enumerate() {
-            if engine.next_event_time().is_some_and(|x| x <= now) {
-                engine.advance(now, &mut events);
-                for ev in events.drain(..) {
-                    handle_event(r, ev, &mut router, &mut recorder, &mut driver, &mut flights);
+    /// Every engine whose next event is due steps, and its events reach the router, the recorder
+    /// and the driver.
+    fn advance_engines(&mut self) {
+        for (r, engine) in self.engines.iter_mut().enumerate() {
+            if engine.next_event_time().is_some_and(|x| x <= self.now) {
+                engine.advance(self.now, &mut self.events);
+                for ev in self.events.drain(..) {
+                    handle_event(
+                        r,
+                        ev,
+                        &mut self.router,
+                        &mut self.recorder,
+                        &mut self.driver,
+                        &mut self.flights,
+                    );
                 }
             }
         }
-        if now >= next_feed {
-            for (r, engine) in engines.iter_mut().enumerate() {
-                let q = router.feed_query(r, kvsteer_core::feed::DEFAULT_MAX_EVENTS);
-                let batch = engine.feed(&q);
-                router.apply_feed(r, &batch);
-            }
-            next_feed = now + feed_period_us;
+    }
+
+    /// Every feed polled and applied, once a feed period.
+    fn poll_feeds_when_due(&mut self) {
+        if self.now < self.next_feed {
+            return;
         }
-        if now >= next_sample {
-            let blocks: Vec<u64> = engines.iter().map(Engine::decode_blocks).collect();
-            recorder.sample(now, &blocks);
-            next_sample = now + SAMPLE_US;
+        for (r, engine) in self.engines.iter_mut().enumerate() {
+            let q = self
+                .router
+                .feed_query(r, kvsteer_core::feed::DEFAULT_MAX_EVENTS);
+            let batch = engine.feed(&q);
+            self.router.apply_feed(r, &batch);
         }
-        driver.poll(now, &mut issues);
-        for issue in issues.drain(..) {
-            recorder.issued_from(&issue);
-            let hashes = hasher.sequence_hashes(&issue.prompt);
+        self.next_feed = self.now + self.feed_period_us;
+    }
+
+    /// The engines' decode blocks sampled for the page's series.
+    fn sample_when_due(&mut self) {
+        if self.now < self.next_sample {
+            return;
+        }
+        let blocks: Vec<u64> = self.engines.iter().map(Engine::decode_blocks).collect();
+        self.recorder.sample(self.now, &blocks);
+        self.next_sample = self.now + SAMPLE_US;
+    }
+
+    /// The requests the workload issues now, each routed, admitted and submitted to its engine.
+    fn issue_due_requests(&mut self) {
+        let now = self.now;
+        self.driver.poll(now, &mut self.issues);
+        for issue in std::mem::take(&mut self.issues) {
+            self.recorder.issued_from(&issue);
+            let hashes = self.hasher.sequence_hashes(&issue.prompt);
             let route_req = RouteRequest {
                 endpoint: Endpoint::Completions,
                 model: None,
@@ -282,10 +353,11 @@ pub fn run(req: &ReplayRequest, trace: &str) -> Result<ReplayResult, String> {
                 prompt_tokens: issue.prompt.len() as u64,
                 identity: PromptIdentity::Exact(hashes),
             };
-            let now_ms = now / 1000;
-            let d = router.route_and_admit(issue.request_id, &route_req, now_ms);
-            recorder.routed(issue.request_id, d.replica);
-            let submitted = engines[d.replica].submit(
+            let d = self
+                .router
+                .route_and_admit(issue.request_id, &route_req, now / 1000);
+            self.recorder.routed(issue.request_id, d.replica);
+            let submitted = self.engines[d.replica].submit(
                 now,
                 EngineRequest {
                     id: issue.request_id,
@@ -297,49 +369,49 @@ pub fn run(req: &ReplayRequest, trace: &str) -> Result<ReplayResult, String> {
             );
             match submitted {
                 Ok(()) => {
-                    flights.insert(
-                        issue.request_id,
-                        Flight {
-                            replica: d.replica,
-                            generated: 0,
-                            output: Vec::new(),
-                        },
-                    );
+                    let flight = Flight {
+                        replica: d.replica,
+                        generated: 0,
+                        output: Vec::new(),
+                    };
+                    self.flights.insert(issue.request_id, flight);
                 }
                 Err(_) => {
                     // The engine refused it (too long for the context or the cache): failed, as a
                     // 400 would be; the session moves on.
-                    router.release(issue.request_id);
-                    recorder.failed(issue.request_id, now);
-                    let _ = driver.fail(issue.request_id, now);
+                    self.router.release(issue.request_id);
+                    self.recorder.failed(issue.request_id, now);
+                    let _ = self.driver.fail(issue.request_id, now);
                 }
             }
         }
     }
 
-    let s = recorder.summary(&policy);
-    let mut ttft = recorder.ttft_ms();
-    ttft.sort_by(f64::total_cmp);
-    let ttft_cdf = cdf(&ttft);
-    Ok(ReplayResult {
-        policy,
-        workload: name,
-        requests: s.requests,
-        failed: s.failed,
-        ttft_ms: (&s.ttft_ms).into(),
-        tpot_ms: (&s.tpot_ms).into(),
-        session_e2e_s: (&s.session_e2e_s).into(),
-        output_tokens_per_s: s.output_tokens_per_s,
-        hit_rate: s.hit_rate,
-        decode_cv: s.decode_cv,
-        requests_per_replica: s.requests_per_replica,
-        prompt_tokens: s.prompt_tokens,
-        cached_tokens: s.cached_tokens,
-        span_s: s.span_s,
-        decode_series: recorder.decode_series(),
-        ttft_cdf,
-        virtual_s: now as f64 / 1e6,
-    })
+    /// The figures the page shows.
+    fn result(self) -> ReplayResult {
+        let s = self.recorder.summary(&self.policy);
+        let mut ttft = self.recorder.ttft_ms();
+        ttft.sort_by(f64::total_cmp);
+        ReplayResult {
+            policy: self.policy,
+            workload: self.name,
+            requests: s.requests,
+            failed: s.failed,
+            ttft_ms: (&s.ttft_ms).into(),
+            tpot_ms: (&s.tpot_ms).into(),
+            session_e2e_s: (&s.session_e2e_s).into(),
+            output_tokens_per_s: s.output_tokens_per_s,
+            hit_rate: s.hit_rate,
+            decode_cv: s.decode_cv,
+            requests_per_replica: s.requests_per_replica,
+            prompt_tokens: s.prompt_tokens,
+            cached_tokens: s.cached_tokens,
+            span_s: s.span_s,
+            decode_series: self.recorder.decode_series(),
+            ttft_cdf: cdf(&ttft),
+            virtual_s: self.now as f64 / 1e6,
+        }
+    }
 }
 
 fn handle_event(

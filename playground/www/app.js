@@ -7,7 +7,7 @@ import init, { run_replay, policies } from "./pkg/kvsteer_playground.js";
 const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
   "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd"];
 const TRACES = { coding: "data/weka_slice.jsonl", mooncake: "data/mooncake_slice.jsonl" };
-const DEFAULT_POLICIES = ["round_robin", "session_hash", "kv_affinity", "kv_load"];
+const DEFAULT_POLICIES = ["round_robin", "session_hash", "kv_load", "kv_time"];
 
 const $ = (id) => document.getElementById(id);
 const num = (id) => Number($(id).value);
