@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import envoy_config
+from client import Client, Result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -588,15 +589,27 @@ class Stack:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.listen_port}"
 
+    def send(self, prompt: list[int], timeout_s: float = 60.0, **kw) -> Result:
+        """One completion through Envoy on a fresh connection, so that requests spread over Envoy's
+        workers; `kw` as `Client.complete` takes them."""
+        c = Client("127.0.0.1", self.listen_port, timeout_s=timeout_s)
+        try:
+            return c.complete(prompt, **kw)
+        finally:
+            c.close()
+
 
 def envoy_fleet(replicas: int, time_scale: str, variant: str = "envoy",
-                plugin_overrides: dict | None = None) -> Stack:
-    """`replicas` simulated replicas at `time_scale` behind Envoy (`envoy/<variant>.yaml`, two
-    workers), healthy and with every feed polled; closed again if any part fails to start."""
+                plugin_overrides: dict | None = None, sim_args: list[str] | None = None,
+                replica_overrides: dict | None = None) -> Stack:
+    """`replicas` simulated replicas at `time_scale` (with `sim_args` besides) behind Envoy
+    (`envoy/<variant>.yaml`, two workers), healthy and with every feed polled; closed again if any
+    part fails to start."""
     s = Stack()
     try:
-        s.start_replicas(replicas, extra=["--time-scale", time_scale])
-        s.start_envoy(variant, concurrency=2, plugin_overrides=plugin_overrides)
+        s.start_replicas(replicas, extra=["--time-scale", time_scale, *(sim_args or [])])
+        s.start_envoy(variant, concurrency=2, plugin_overrides=plugin_overrides,
+                      replica_overrides=replica_overrides)
     except BaseException:
         s.close()
         raise

@@ -15,21 +15,13 @@ import time
 import unittest
 import urllib.request
 
-from client import Client, Result, tokens
-from stack import Stack
+from client import tokens
+from stack import Stack, envoy_fleet
 
 TIME_SCALE = os.environ.get("E2E_TIME_SCALE", "10")
 RANKS = 4
 PROMPT = 512
 BLOCK = 16
-
-
-def send(stack: Stack, prompt: list[int], **kw) -> Result:
-    c = Client("127.0.0.1", stack.listen_port)
-    try:
-        return c.complete(prompt, **kw)
-    finally:
-        c.close()
 
 
 def served_per_rank(endpoint: str) -> list[float]:
@@ -53,14 +45,8 @@ class DpRanksBehindEnvoy(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
-        s = Stack()
-        try:
-            s.start_replicas(2, extra=["--time-scale", TIME_SCALE, "--dp-ranks", str(RANKS)])
-            s.start_envoy("envoy", concurrency=2, replica_overrides={"dp_ranks": RANKS})
-        except BaseException:
-            s.close()
-            raise
-        cls.stack = s
+        cls.stack = envoy_fleet(2, TIME_SCALE, sim_args=["--dp-ranks", str(RANKS)],
+                                replica_overrides={"dp_ranks": RANKS})
 
     @classmethod
     def tearDownClass(cls) -> None:
@@ -72,14 +58,14 @@ class DpRanksBehindEnvoy(unittest.TestCase):
         prompts = [tokens(PROMPT, 18_000 + i) for i in range(8)]
         for p in prompts:
             # A client naming rank 3 itself: the filter removes it and writes its own choice.
-            res = send(s, p, headers={"x-data-parallel-rank": "3"})
+            res = s.send(p, headers={"x-data-parallel-rank": "3"})
             self.assertTrue(res.ok, res)
             # Spaced beyond the balancer's 100 ms stats period and a feed poll: an idle endpoint's
             # balancer would put every one of these on rank 0.
             time.sleep(0.5)
         first = {r.name: served_per_rank(r.endpoint) for r in s.replicas}
         for p in prompts:
-            res = send(s, p)
+            res = s.send(p)
             self.assertTrue(res.ok, res)
             # Served from the cache of the rank the first copy ran on: the rank header pinned it.
             self.assertGreaterEqual(res.cached_tokens, PROMPT - 2 * BLOCK, res)

@@ -35,15 +35,6 @@ def new_stack(variant: str = "envoy", plugin_overrides: dict | None = None) -> S
     return envoy_fleet(REPLICAS, TIME_SCALE, variant, plugin_overrides)
 
 
-def send(stack: Stack, prompt: list[int], **kw) -> Result:
-    """One request through Envoy on a fresh connection, so requests spread over Envoy's workers."""
-    c = Client("127.0.0.1", stack.listen_port)
-    try:
-        return c.complete(prompt, **kw)
-    finally:
-        c.close()
-
-
 def replica_of(stack: Stack, res: Result) -> str:
     """Our name (r0..) for the replica that answered."""
     r = stack.by_sim_name(res.replica)
@@ -74,7 +65,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
     def seed_prefix(self, seed: int, n: int = 1024) -> tuple[list[int], str]:
         """Sends a fresh prefix once; returns it and the replica that now caches it."""
         prefix = tokens(n, seed)
-        first = send(self.stack, prefix + tokens(32, seed + 1))
+        first = self.stack.send(prefix + tokens(32, seed + 1))
         self.assertTrue(first.ok, first)
         return prefix, replica_of(self.stack, first)
 
@@ -86,7 +77,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
         for p, (prefix, holder) in holders.items():
             for k in range(3):
                 time.sleep(PEER_SETTLE_S)
-                res = send(self.stack, prefix + tokens(32, 50_000 + 100 * p + k))
+                res = self.stack.send(prefix + tokens(32, 50_000 + 100 * p + k))
                 self.assertTrue(res.ok, res)
                 self.assertEqual(replica_of(self.stack, res), holder,
                                  f"prefix {p} follow-up {k}: {res.cached_tokens} cached")
@@ -104,7 +95,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
         for k in range(6):
             # Longer than the staleness window after the last cache event.
             time.sleep(1.3)
-            res = send(self.stack, prefix + tokens(32, 15_100 + k))
+            res = self.stack.send(prefix + tokens(32, 15_100 + k))
             self.assertTrue(res.ok, res)
             self.assertEqual(replica_of(self.stack, res), holder, f"after pause {k}: {res}")
 
@@ -116,7 +107,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
         before = stat_sum(self.stack, "kvsteer_early_scan_bodies")
         prefix, holder = self.seed_prefix(25_000, n=20_000)
         time.sleep(FEED_SETTLE_S)
-        res = send(self.stack, prefix + tokens(32, 25_100))
+        res = self.stack.send(prefix + tokens(32, 25_100))
         self.assertTrue(res.ok, res)
         self.assertEqual(replica_of(self.stack, res), holder, res)
         self.assertGreaterEqual(res.cached_tokens, 20_000 - 16, res)
@@ -126,11 +117,11 @@ class KvsteerBehindEnvoy(unittest.TestCase):
     def test_streamed_and_non_streamed_requests_both_work(self):
         prompt = tokens(300, 777)
         for chat in (False, True):
-            plain = send(self.stack, prompt, max_tokens=12, chat=chat, ignore_eos=True)
+            plain = self.stack.send(prompt, max_tokens=12, chat=chat, ignore_eos=True)
             self.assertTrue(plain.ok, plain)
             self.assertEqual(plain.completion_tokens, 12)
             self.assertTrue(plain.text)
-            streamed = send(self.stack, prompt, max_tokens=12, stream=True, chat=chat,
+            streamed = self.stack.send(prompt, max_tokens=12, stream=True, chat=chat,
                             ignore_eos=True)
             self.assertTrue(streamed.ok, streamed)
             self.assertTrue(streamed.done, "stream closed with [DONE]")
@@ -148,7 +139,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
         spoofs = others + ["127.0.0.1:1", ",".join(others)]
         for k, spoof in enumerate(spoofs):
             time.sleep(PEER_SETTLE_S)
-            res = send(self.stack, prefix + tokens(16, 21_000 + k),
+            res = self.stack.send(prefix + tokens(16, 21_000 + k),
                        headers={"x-gateway-destination-endpoint": spoof})
             self.assertTrue(res.ok, res)
             self.assertEqual(replica_of(self.stack, res), holder, f"spoofed {spoof}")
@@ -166,7 +157,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
         # feed lease (taking it from a worker that routes, filter/src/worker/relay.rs), so the callouts stay
         # off the threads serving requests. Requests on fresh connections reach both workers.
         for k in range(16):
-            self.assertTrue(send(self.stack, tokens(64, 40_000 + k)).ok)
+            self.assertTrue(self.stack.send(tokens(64, 40_000 + k)).ok)
         time.sleep(1.0)  # longer than a poll period (200 ms) plus a tick: any handover is done
         text = "\n".join(self.stack.envoy_logs())
         line = r"^\[[^\]]*\]\[(\d+)\]\[info\]\[wasm\].*kvsteer: "
@@ -186,7 +177,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
     def test_filter_metrics_appear_in_envoy_stats(self):
         before = stat_sum(self.stack, "kvsteer_requests_routed")
         for k in range(3):
-            self.assertTrue(send(self.stack, tokens(64, 30_000 + k)).ok)
+            self.assertTrue(self.stack.send(tokens(64, 30_000 + k)).ok)
         stats = self.stack.stats("kvsteer_")
         names = {k.split("kvsteer_", 1)[1] for k in stats}
         for want in ("requests_routed", "prompt_tokens", "matched_tokens",
@@ -205,7 +196,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
             # Long enough for the filter to mark every feed stale (3 failed polls).
             time.sleep(1.2)
             for k in range(8):
-                res = send(self.stack, prefix + tokens(16, 41_000 + k), max_tokens=6,
+                res = self.stack.send(prefix + tokens(16, 41_000 + k), max_tokens=6,
                            stream=bool(k % 2), ignore_eos=True)
                 self.assertTrue(res.ok, res)
                 self.assertEqual(res.completion_tokens, 6)
@@ -218,7 +209,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
         time.sleep(2 * FEED_SETTLE_S)
         again, holder = self.seed_prefix(42_000)
         time.sleep(FEED_SETTLE_S)
-        res = send(self.stack, again + tokens(16, 42_500))
+        res = self.stack.send(again + tokens(16, 42_500))
         self.assertEqual(replica_of(self.stack, res), holder, res)
         self.assertGreaterEqual(res.cached_tokens, 1024, res)
 
@@ -264,11 +255,11 @@ class BusyReplicaAvoided(unittest.TestCase):
                 time.sleep(FEED_SETTLE_S + 0.5)
                 landed = []
                 for k in range(6):
-                    res = send(stack, prefix + tokens(16, 62_000 + k))
+                    res = stack.send(prefix + tokens(16, 62_000 + k))
                     self.assertTrue(res.ok, res)
                     landed.append(replica_of(stack, res))
                     # Fresh prompts too: nothing cached anywhere, load decides.
-                    res = send(stack, tokens(256, 63_000 + k))
+                    res = stack.send(tokens(256, 63_000 + k))
                     self.assertTrue(res.ok, res)
                     landed.append(replica_of(stack, res))
                 self.assertNotIn(busy.name, landed, landed)
@@ -407,7 +398,7 @@ class EnvoyVariants(unittest.TestCase):
     def test_cluster_header_variant_routes_by_prefix_and_ignores_spoofs(self):
         self.with_envoy("envoy-cluster-header")
         prefix = tokens(1024, 80_000)
-        first = send(self.stack, prefix + tokens(16, 80_001))
+        first = self.stack.send(prefix + tokens(16, 80_001))
         self.assertTrue(first.ok, first)
         holder = replica_of(self.stack, first)
         time.sleep(FEED_SETTLE_S)
@@ -416,7 +407,7 @@ class EnvoyVariants(unittest.TestCase):
             spoof = {"x-kvsteer-cluster": f"replica_{other}"} if other else {
                 "x-kvsteer-cluster": "kvsteer_feed_" + holder}
             time.sleep(PEER_SETTLE_S)
-            res = send(self.stack, prefix + tokens(16, 80_010 + k), headers=spoof)
+            res = self.stack.send(prefix + tokens(16, 80_010 + k), headers=spoof)
             self.assertTrue(res.ok, res)
             self.assertEqual(replica_of(self.stack, res), holder, f"{spoof}: {res}")
             self.assertGreaterEqual(res.cached_tokens, 1024, res)
@@ -424,7 +415,7 @@ class EnvoyVariants(unittest.TestCase):
     def spread(self, n: int = 12, session=None) -> list[str]:
         landed = []
         for k in range(n):
-            res = send(self.stack, tokens(64, 90_000 + k),
+            res = self.stack.send(tokens(64, 90_000 + k),
                        session=session(k) if session else None)
             self.assertTrue(res.ok, res)
             landed.append(replica_of(self.stack, res))

@@ -70,15 +70,6 @@ def fleet(replicas: int, flooders: list[str], plugin_overrides: dict | None = No
     return s
 
 
-def send(stack: Stack, prompt: list[int], **kw) -> Result:
-    """One request through Envoy on a fresh connection, so requests spread over Envoy's workers."""
-    c = Client("127.0.0.1", stack.listen_port, timeout_s=30)
-    try:
-        return c.complete(prompt, **kw)
-    finally:
-        c.close()
-
-
 def replica_name(stack: Stack, res: Result) -> str:
     r = stack.by_sim_name(res.replica)
     return r.name if r is not None else f"?{res.replica}"
@@ -93,7 +84,7 @@ def drive(stack: Stack, seconds: float, clients: int, seed: int) -> list[Result]
     def client(n: int) -> None:
         i = 0
         while not stop.is_set():
-            res = send(stack, tokens(256, seed + 100_000 * n + i), max_tokens=2)
+            res = stack.send(tokens(256, seed + 100_000 * n + i), max_tokens=2, timeout_s=30)
             with lock:
                 out.append(res)
             i += 1
@@ -211,7 +202,7 @@ class FairIndexShare(unittest.TestCase):
         prefix; returns the tokens the filter's index matched for it."""
         time.sleep(PEER_SETTLE_S)
         before = self.stack.metric("kvsteer_matched_tokens")
-        res = send(self.stack, prefix + tokens(32, seed))
+        res = self.stack.send(prefix + tokens(32, seed), timeout_s=30)
         self.assertTrue(res.ok, res)
         self.assertEqual(replica_name(self.stack, res), holder, res)
         self.assertGreaterEqual(res.cached_tokens, len(prefix), res)
@@ -224,7 +215,7 @@ class FairIndexShare(unittest.TestCase):
         holder = ""
         for k in range(8):
             prefix = tokens(1024, 40_000 + 100 * k)
-            res = send(s, prefix + tokens(32, 40_001 + 100 * k))
+            res = s.send(prefix + tokens(32, 40_001 + 100 * k), timeout_s=30)
             self.assertTrue(res.ok, res)
             holder = replica_name(s, res)
             if holder != self.FLOODER:
@@ -348,14 +339,14 @@ class StaleMeansNoCacheCredit(unittest.TestCase):
         index matched on the replica it chose."""
         time.sleep(PEER_SETTLE_S)
         before = self.stack.metric("kvsteer_matched_tokens")
-        res = send(self.stack, prefix + tokens(32, seed), max_tokens=2)
+        res = self.stack.send(prefix + tokens(32, seed), max_tokens=2, timeout_s=30)
         self.assertTrue(res.ok, res)
         return res, self.stack.metric("kvsteer_matched_tokens") - before
 
     def test_a_stale_replicas_cached_prefix_earns_no_credit(self):
         s = self.stack
         prefix = tokens(1024, 60_000)
-        res = send(s, prefix + tokens(32, 60_001), max_tokens=2)
+        res = s.send(prefix + tokens(32, 60_001), max_tokens=2, timeout_s=30)
         self.assertTrue(res.ok, res)
         holder = replica_name(s, res)
         time.sleep(FEED_SETTLE_S)

@@ -22,7 +22,7 @@ import time
 import unittest
 
 from client import Client, Result, tokens
-from stack import Stack
+from stack import Stack, envoy_fleet
 
 REPLICAS = 4
 # Long enough that the first requests still run while the follow-ups are routed (about 7 ms a
@@ -37,21 +37,13 @@ class LoraFleet(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
-        cls.stack = Stack()
-        try:
-            cls.stack.start_replicas(
-                REPLICAS,
-                extra=["--time-scale", "1", "--model", "sim", "--max-loras", "2",
-                       "--lora-load-ms", "300"])
-            cls.stack.start_envoy(
-                "envoy", concurrency=2,
-                plugin_overrides={"routing": {
-                    "policy": "kv_time",
-                    "adapters": {"base_models": ["sim"], "load_ms": 300},
-                }})
-        except BaseException:
-            cls.stack.close()
-            raise
+        cls.stack = envoy_fleet(
+            REPLICAS, "1",
+            sim_args=["--model", "sim", "--max-loras", "2", "--lora-load-ms", "300"],
+            plugin_overrides={"routing": {
+                "policy": "kv_time",
+                "adapters": {"base_models": ["sim"], "load_ms": 300},
+            }})
 
     @classmethod
     def tearDownClass(cls) -> None:

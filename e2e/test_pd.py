@@ -21,8 +21,8 @@ import time
 import unittest
 import urllib.request
 
-from client import Client, Result, tokens
-from stack import Stack
+from client import Result, tokens
+from stack import Stack, envoy_fleet
 
 TIME_SCALE = os.environ.get("E2E_TIME_SCALE", "10")
 BLOCK = 16
@@ -30,14 +30,6 @@ PREFILL = ("r0", "r1")
 DECODE = ("r2", "r3")
 # Two feed periods (200 ms) and a tick: the filter has seen the caches the last request left.
 FEED_SETTLE_S = 0.5
-
-
-def send(stack: Stack, prompt: list[int], **kw) -> Result:
-    c = Client("127.0.0.1", stack.listen_port)
-    try:
-        return c.complete(prompt, **kw)
-    finally:
-        c.close()
 
 
 def sim_counter(endpoint: str, name: str) -> float:
@@ -70,14 +62,7 @@ def settled_bookings(stack: Stack) -> tuple[int, int]:
 
 
 def start(cls) -> None:
-    s = Stack()
-    try:
-        s.start_replicas(4, extra=["--time-scale", TIME_SCALE])
-        s.start_envoy("envoy-pd", concurrency=2)
-    except BaseException:
-        s.close()
-        raise
-    cls.stack = s
+    cls.stack = envoy_fleet(4, TIME_SCALE, "envoy-pd")
 
 
 class PdBehindEnvoy(unittest.TestCase):
@@ -101,7 +86,7 @@ class PdBehindEnvoy(unittest.TestCase):
             prompt = tokens(600, 31_000 + session)
             for turn in range(3):
                 stream = (session + turn) % 2 == 0
-                res = send(s, prompt, max_tokens=6, stream=stream, session=f"s{session}",
+                res = s.send(prompt, max_tokens=6, stream=stream, session=f"s{session}",
                            ignore_eos=True)
                 sent += 1
                 what = f"session {session} turn {turn} (stream {stream})"
@@ -137,7 +122,7 @@ class PdBehindEnvoy(unittest.TestCase):
         s = self.stack
         before = stat_sum(s, "kvsteer_pd_requests")
         for stream in (False, True):
-            res = send(s, tokens(120, 33_000), max_tokens=4, stream=stream, chat=True)
+            res = s.send(tokens(120, 33_000), max_tokens=4, stream=stream, chat=True)
             self.assertTrue(res.ok, res)
             self.assertIn(s.by_sim_name(res.replica).name, DECODE)
         self.assertEqual(stat_sum(s, "kvsteer_pd_requests") - before, 2)
@@ -181,7 +166,7 @@ class PdPrefillFailures(unittest.TestCase):
         s = self.stack
         before = self.prefill_legs()
         prompt = tokens(3000, 35_000)
-        first = send(s, prompt, max_tokens=4, session="f")
+        first = s.send(prompt, max_tokens=4, session="f")
         self.assertTrue(first.ok, first)
         after = self.prefill_legs()
         (cached,) = [n for n in PREFILL if after[n] > before[n]]
@@ -190,7 +175,7 @@ class PdPrefillFailures(unittest.TestCase):
         try:
             for turn in range(5):
                 prompt = prompt + tokens(100, 35_100 + turn)
-                res = send(s, prompt, max_tokens=4, session="f", stream=turn % 2 == 0)
+                res = s.send(prompt, max_tokens=4, session="f", stream=turn % 2 == 0)
                 self.assertTrue(res.ok, f"turn {turn}: {res}")
                 self.assertIn(s.by_sim_name(res.replica).name, DECODE, res)
         finally:
@@ -205,12 +190,12 @@ class PdPrefillFailures(unittest.TestCase):
 
     def test_prefill_500s_give_502_and_a_dead_prefill_side_503(self) -> None:
         s = self.stack
-        ok = send(s, tokens(100, 34_000), max_tokens=4)
+        ok = s.send(tokens(100, 34_000), max_tokens=4)
         self.assertTrue(ok.ok, ok)
         for n in PREFILL:
             self.set_fault(n, {"error_rate": 1.0})
         for i in range(4):
-            res = send(s, tokens(100, 34_100 + i), max_tokens=4, stream=i % 2 == 0)
+            res = s.send(tokens(100, 34_100 + i), max_tokens=4, stream=i % 2 == 0)
             self.assertEqual(res.status, 502, res)
             err = self.error_of(res)
             self.assertEqual(err["leg"], "prefill", err)
@@ -225,7 +210,7 @@ class PdPrefillFailures(unittest.TestCase):
             s.replica(n).proc.stop()
         deadline = time.monotonic() + 15
         while True:
-            res = send(s, tokens(100, 34_200), max_tokens=4)
+            res = s.send(tokens(100, 34_200), max_tokens=4)
             self.assertIn(res.status, (502, 503), res)
             self.assertEqual(self.error_of(res)["leg"], "prefill", res)
             if res.status == 503:

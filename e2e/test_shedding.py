@@ -33,7 +33,7 @@ import time
 import unittest
 
 from client import Client, Result, tokens
-from stack import Stack
+from stack import Stack, envoy_fleet
 
 REPLICAS = 4
 SIM_TIME_SCALE = "1"
@@ -61,15 +61,9 @@ class Shedding(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
-        cls.stack = Stack()
-        try:
-            cls.stack.start_replicas(REPLICAS, extra=["--time-scale", SIM_TIME_SCALE])
-            cls.stack.start_envoy(
-                "envoy", concurrency=2,
-                plugin_overrides={"routing": {"policy": "kv_load", "admission": ADMISSION}})
-        except BaseException:
-            cls.stack.close()
-            raise
+        cls.stack = envoy_fleet(
+            REPLICAS, SIM_TIME_SCALE,
+            plugin_overrides={"routing": {"policy": "kv_load", "admission": ADMISSION}})
 
     @classmethod
     def tearDownClass(cls) -> None:

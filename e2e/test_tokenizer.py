@@ -14,7 +14,7 @@ import time
 import unittest
 
 from client import Client, REPLICA_HEADER
-from stack import Stack
+from stack import Stack, envoy_fleet
 from test_envoy import FEED_SETTLE_S, PEER_SETTLE_S, REPLICAS, TIME_SCALE, stat_sum
 
 TOKENIZER = {"vocabulary": "o200k_harmony", "chat_template": "kvsteer_sim"}
@@ -56,15 +56,8 @@ class ExactChatRouting(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
-        cls.stack = Stack()
-        try:
-            cls.stack.start_replicas(
-                REPLICAS, extra=["--time-scale", TIME_SCALE, "--tokenizer", "o200k_harmony"])
-            cls.stack.start_envoy("envoy", concurrency=2,
-                                  plugin_overrides={"tokenizer": TOKENIZER})
-        except BaseException:
-            cls.stack.close()
-            raise
+        cls.stack = envoy_fleet(REPLICAS, TIME_SCALE, sim_args=["--tokenizer", "o200k_harmony"],
+                                plugin_overrides={"tokenizer": TOKENIZER})
 
     @classmethod
     def tearDownClass(cls) -> None:
