@@ -11,7 +11,6 @@ pub mod config;
 pub mod disaggregation;
 pub mod dp;
 pub mod feed;
-pub mod feed_log;
 pub mod health;
 pub mod index;
 pub mod load;

@@ -20,7 +20,7 @@ use crate::engine::Engine;
 use kvsteer_core::feed::{
     CursorVerdict, FeedBatch, FeedCursor, FeedEvent, FeedQuery, ReplicaLoad, Tier,
 };
-use kvsteer_core::feed_log::FeedLog;
+use kvsteer_core::feed::log::FeedLog;
 use std::collections::{HashMap, HashSet};
 
 /// How often vLLM's DP coordinator publishes the engines' request counts to the API servers

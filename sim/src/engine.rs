@@ -13,7 +13,7 @@
 //! current step ends and [`Engine::advance`] completes every step that ends by a time. Nothing depends
 //! on wall time or on hash-map iteration order, so a run is reproducible for a seed.
 
-use crate::feed_log::FeedLog;
+use kvsteer_core::feed::log::FeedLog;
 use crate::kv::KvCache;
 use crate::lora::{LoraConfig, LoraSlots};
 use crate::output::{OutputLen, mix64, output_token};

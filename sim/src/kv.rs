@@ -8,7 +8,7 @@
 //! order, so its last blocks (least likely to be shared) go first; blocks that never got a hash (a
 //! partial tail) return to the head, since nothing can hit them.
 
-use crate::feed_log::FeedLog;
+use kvsteer_core::feed::log::FeedLog;
 use hashbrown::HashMap;
 use kvsteer_core::feed::Tier;
 

@@ -8,7 +8,6 @@
 
 pub mod dp;
 pub mod engine;
-pub mod feed_log;
 pub mod kv;
 pub mod kv_link;
 pub mod lora;
