@@ -12,7 +12,7 @@
 //! printed per worker.
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
-    Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, filter_wasm_path,
+    Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, WorkerVm, filter_wasm_path,
 };
 use serde_json::json;
 use std::time::Instant;
@@ -52,41 +52,59 @@ fn main() {
         proxy.set_now_ns(now_us * 1000);
         if now_us >= next_tick {
             for (k, w) in ws.iter_mut().enumerate() {
-                let t = Instant::now();
-                w.tick().unwrap();
-                tick_us.push(t.elapsed().as_secs_f64() * 1e6);
-                worker_tick_us[k].push(t.elapsed().as_secs_f64() * 1e6);
-                for call in w.take_callouts() {
-                    w.answer_callout(&call, CallOutcome::timeout()).unwrap();
-                }
+                let us = tick(w);
+                tick_us.push(us);
+                worker_tick_us[k].push(us);
             }
             next_tick = now_us + 100_000;
         }
         let w = &mut ws[if one { 0 } else { i % 2 }];
-        let ids: Vec<String> = (0..8192)
-            .map(|_| (lcg(&mut seed) % 128_000).to_string())
-            .collect();
-        let body = format!(
-            "{{\"model\":\"m\",\"prompt\":[{}],\"max_tokens\":4,\"stream\":true}}",
-            ids.join(",")
-        );
-        let body = body.into_bytes();
-        let headers = request_headers("/v1/completions", body.len(), None, &[]);
-        let t = Instant::now();
-        let id = w.new_stream().unwrap();
-        let mut last = w.request_headers(id, headers, false).unwrap();
-        let mut chunks = body.chunks(16 * 1024).peekable();
-        while let Some(c) = chunks.next() {
-            if let Some(x) = w.request_body(id, c, chunks.peek().is_none()).unwrap() {
-                last = x;
-            }
-        }
-        assert_eq!(last, Action::Continue);
-        w.end_stream(id).unwrap();
-        req_us.push(t.elapsed().as_secs_f64() * 1e6);
+        req_us.push(request(w, &mut seed));
     }
-    let mut r = req_us.clone();
-    let mut tk = tick_us.clone();
+    report(ow, &req_us, &tick_us, one.then_some(&mut worker_tick_us));
+}
+
+/// One tick of a worker, its feed polls answered with timeouts; its wall time (us).
+fn tick(w: &mut WorkerVm) -> f64 {
+    let t = Instant::now();
+    w.tick().unwrap();
+    let us = t.elapsed().as_secs_f64() * 1e6;
+    for call in w.take_callouts() {
+        w.answer_callout(&call, CallOutcome::timeout()).unwrap();
+    }
+    us
+}
+
+/// A request with a fresh random 8,192-id prompt through `w`, in 16 KiB chunks; its wall time (us).
+fn request(w: &mut WorkerVm, seed: &mut u64) -> f64 {
+    let ids: Vec<String> = (0..8192)
+        .map(|_| (lcg(seed) % 128_000).to_string())
+        .collect();
+    let body = format!(
+        "{{\"model\":\"m\",\"prompt\":[{}],\"max_tokens\":4,\"stream\":true}}",
+        ids.join(",")
+    );
+    let body = body.into_bytes();
+    let headers = request_headers("/v1/completions", body.len(), None, &[]);
+    let t = Instant::now();
+    let id = w.new_stream().unwrap();
+    let mut last = w.request_headers(id, headers, false).unwrap();
+    let mut chunks = body.chunks(16 * 1024).peekable();
+    while let Some(c) = chunks.next() {
+        if let Some(x) = w.request_body(id, c, chunks.peek().is_none()).unwrap() {
+            last = x;
+        }
+    }
+    assert_eq!(last, Action::Continue);
+    w.end_stream(id).unwrap();
+    t.elapsed().as_secs_f64() * 1e6
+}
+
+/// The request path's and the ticks' wall times, per worker too when given, and the slowest
+/// requests' places.
+fn report(ow: f64, req_us: &[f64], tick_us: &[f64], per_worker: Option<&mut [Vec<f64>; 2]>) {
+    let mut r = req_us.to_vec();
+    let mut tk = tick_us.to_vec();
     println!(
         "ow {ow}: requests {} p50 {:.1} p99 {:.1} max {:.1} us; ticks {} p50 {:.1} p99 {:.1} max {:.1} us; tick total {:.1} ms, request total {:.1} ms",
         r.len(),
@@ -100,16 +118,17 @@ fn main() {
         tick_us.iter().sum::<f64>() / 1e3,
         req_us.iter().sum::<f64>() / 1e3
     );
-    if one {
-        for (k, t) in worker_tick_us.iter_mut().enumerate() {
-            let total = t.iter().sum::<f64>() / 1e3;
-            println!(
-                "worker {k} ticks: p50 {:.1} p99 {:.1} max {:.1} us, total {total:.1} ms",
-                pct(t, 0.5),
-                pct(t, 0.99),
-                pct(t, 1.0)
-            );
-        }
+    for (k, t) in per_worker
+        .into_iter()
+        .flat_map(|w| w.iter_mut().enumerate())
+    {
+        let total = t.iter().sum::<f64>() / 1e3;
+        println!(
+            "worker {k} ticks: p50 {:.1} p99 {:.1} max {:.1} us, total {total:.1} ms",
+            pct(t, 0.5),
+            pct(t, 0.99),
+            pct(t, 1.0)
+        );
     }
     // The slowest requests: where in the run.
     let mut idx: Vec<usize> = (0..req_us.len()).collect();

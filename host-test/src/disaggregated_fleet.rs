@@ -25,7 +25,7 @@ use kvsteer_core::disaggregation::{PdParams, Role};
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedQuery};
 use kvsteer_sim::kv_link::KvLink;
 use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest, FinishReason};
-use kvsteer_workload::{Driver, Mode, Recorder, Workload};
+use kvsteer_workload::{Driver, Issue, Mode, Recorder, Workload};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -194,340 +194,462 @@ pub fn replay_pd(
     mut progress: impl FnMut(u64, u64),
 ) -> Result<(Outcome, PdStats), String> {
     let started = Instant::now();
-    let n = cfg.prefill + cfg.decode;
-    if cfg.prefill == 0 || cfg.decode == 0 {
-        return Err(format!(
-            "a P/D fleet needs both roles ({} prefill, {} decode)",
-            cfg.prefill, cfg.decode
-        ));
-    }
-    let block_size = cfg.engine.block_size;
-    let proxy = Proxy::new(
-        module,
-        ProxyOptions::new(HostMode::Envoy, plugin_config(cfg).to_string()),
-    );
-    let mut w = proxy.start_worker().map_err(host)?;
-    let mut engines: Vec<Engine> = (0..n)
-        .map(|i| Engine::new(cfg.engine.for_replica(i)))
-        .collect();
-    let total = workload.total_requests() as u64;
-    let mut driver = Driver::new(workload, mode);
-    let mut rec = Recorder::new();
-    let mut stats = PdStats::default();
-    let mut flights: HashMap<u64, Flight> = HashMap::new();
-    let mut now: u64 = 0;
-    let mut next_tick: u64 = 0;
-    let mut next_sample: u64 = 0;
-    let mut events: Vec<(usize, EngineEvent)> = Vec::new();
-    let mut scratch = Vec::new();
-    let mut issues = Vec::new();
-    let mut dirty: Vec<u64> = Vec::new();
-    let mut done: u64 = 0;
-    // Ends a request that failed: the filter's stream is ended (releasing whatever it booked).
-    let fail = |w: &mut WorkerVm,
-                f: Flight,
-                id: u64,
-                t_us: u64,
-                rec: &mut Recorder,
-                driver: &mut Driver,
-                stats: &mut PdStats|
-     -> Result<(), String> {
-        w.end_stream(f.stream).map_err(host)?;
-        rec.failed(id, t_us);
-        let _ = driver.fail(id, t_us);
-        stats.failed += 1;
-        Ok(())
-    };
+    let mut r = PdReplay::new(module, workload, mode, cfg, label)?;
     loop {
-        proxy.set_now_ns(now * 1000);
-        // Every engine step ending by `now`, in engine order.
+        r.proxy.set_now_ns(r.now * 1000);
+        r.engine_events()?;
+        r.flush_tokens()?;
+        if r.now >= r.next_tick {
+            r.tick()?;
+        }
+        if r.now >= r.next_sample {
+            let blocks: Vec<u64> = r.engines.iter().map(|e| e.decode_blocks()).collect();
+            r.rec.sample(r.now, &blocks);
+            r.next_sample = r.now + cfg.sample_us.max(1);
+        }
+        r.issue_due()?;
+        progress(r.done, r.total);
+        match r.next_time()? {
+            Some(next) => r.now = next,
+            None => break,
+        }
+    }
+    r.finish(seed, started)
+}
+
+/// A P/D replay in progress: the filter's worker, the engines and the workload's driver, with the
+/// requests in flight between them. Each step of [`replay_pd`]'s loop is one method.
+struct PdReplay<'a> {
+    cfg: &'a PdConfig,
+    label: &'a str,
+    proxy: Proxy,
+    w: WorkerVm,
+    engines: Vec<Engine>,
+    driver: Driver,
+    rec: Recorder,
+    stats: PdStats,
+    flights: HashMap<u64, Flight>,
+    now: u64,
+    next_tick: u64,
+    next_sample: u64,
+    /// Requests ended, failed or not, and the workload's total (the progress callback's figures).
+    done: u64,
+    total: u64,
+    /// Buffers kept across steps: the step's engine events, one engine's events, the driver's
+    /// issues, and the streams with tokens to hand to the filter.
+    events: Vec<(usize, EngineEvent)>,
+    scratch: Vec<EngineEvent>,
+    issues: Vec<Issue>,
+    dirty: Vec<u64>,
+}
+
+impl<'a> PdReplay<'a> {
+    fn new(
+        module: &FilterModule,
+        workload: Workload,
+        mode: Mode,
+        cfg: &'a PdConfig,
+        label: &'a str,
+    ) -> Result<Self, String> {
+        if cfg.prefill == 0 || cfg.decode == 0 {
+            return Err(format!(
+                "a P/D fleet needs both roles ({} prefill, {} decode)",
+                cfg.prefill, cfg.decode
+            ));
+        }
+        let proxy = Proxy::new(
+            module,
+            ProxyOptions::new(HostMode::Envoy, plugin_config(cfg).to_string()),
+        );
+        let w = proxy.start_worker().map_err(host)?;
+        let engines = (0..cfg.prefill + cfg.decode)
+            .map(|i| Engine::new(cfg.engine.for_replica(i)))
+            .collect();
+        let total = workload.total_requests() as u64;
+        Ok(PdReplay {
+            cfg,
+            label,
+            proxy,
+            w,
+            engines,
+            driver: Driver::new(workload, mode),
+            rec: Recorder::new(),
+            stats: PdStats::default(),
+            flights: HashMap::new(),
+            now: 0,
+            next_tick: 0,
+            next_sample: 0,
+            done: 0,
+            total,
+            events: Vec::new(),
+            scratch: Vec::new(),
+            issues: Vec::new(),
+            dirty: Vec::new(),
+        })
+    }
+
+    /// Every engine step ending by `now`, in engine order, each handed to its role's handler.
+    fn engine_events(&mut self) -> Result<(), String> {
+        let mut events = std::mem::take(&mut self.events);
         events.clear();
-        for (e, eng) in engines.iter_mut().enumerate() {
-            scratch.clear();
-            eng.advance(now, &mut scratch);
-            events.extend(scratch.drain(..).map(|ev| (e, ev)));
+        for (e, eng) in self.engines.iter_mut().enumerate() {
+            self.scratch.clear();
+            eng.advance(self.now, &mut self.scratch);
+            events.extend(self.scratch.drain(..).map(|ev| (e, ev)));
         }
         for (e, ev) in events.drain(..) {
-            let id = ev.id();
-            if e < cfg.prefill {
-                // The prefill leg: only its end matters (its one token is discarded).
-                let EngineEvent::Finished {
-                    t_us,
-                    cached_tokens,
-                    reason,
-                    ..
-                } = ev
-                else {
-                    continue;
-                };
-                let Some(f) = flights.get_mut(&id) else {
-                    continue;
-                };
-                let Some(call) = f.call.take() else { continue };
-                f.prefill_cached = cached_tokens as u64;
-                let answer = if reason == FinishReason::Abort {
-                    CallOutcome::ok(500, "application/json", b"{\"error\":\"aborted\"}".to_vec())
-                } else {
-                    let body = prefill_answer(id, e, f.prompt.len(), block_size);
-                    CallOutcome::ok(200, "application/json", body)
-                };
-                w.answer_callout(&call, answer).map_err(host)?;
-                let st = w
-                    .stream(f.stream)
-                    .ok_or_else(|| format!("{label}: stream of request {id} vanished"))?;
-                let decode = st
-                    .upstream_header(DESTINATION)
-                    .and_then(replica_of_destination)
-                    .filter(|&d| d < n && st.local_response.is_none());
-                let sent = match decode {
-                    Some(d) => {
-                        f.decode = d;
-                        rec.routed(id, d);
-                        let req = EngineRequest {
-                            id,
-                            prompt: f.prompt.to_vec(),
-                            max_tokens: f.max_tokens,
-                            ignore_eos: true,
-                            min_tokens: 0,
-                        };
-                        engines[d]
-                            .submit_remote(t_us, req, &cfg.link)
-                            .map_err(|e| e.to_string())
-                    }
-                    None => Err("the prefill leg failed".into()),
-                };
-                match sent {
-                    Ok(moved) => {
-                        stats.transferred_tokens += moved;
-                        stats.decode_prompt_tokens += f.prompt.len() as u64;
-                        if (moved as usize) < f.prompt.len() {
-                            stats.decode_local_hits += 1;
-                        }
-                    }
-                    Err(_) => {
-                        // Either leg failing fails the request; the filter releases its load.
-                        let f = flights.remove(&id).expect("checked above");
-                        fail(&mut w, f, id, t_us, &mut rec, &mut driver, &mut stats)?;
-                        done += 1;
-                    }
-                }
-                continue;
-            }
-            let Some(f) = flights.get_mut(&id) else {
-                continue;
-            };
-            match ev {
-                EngineEvent::FirstToken { t_us, token, .. } => {
-                    f.output.push(token);
-                    f.pending.push(token);
-                    rec.first_token(id, t_us);
-                    dirty.push(id);
-                }
-                EngineEvent::Token { token, .. } => {
-                    f.output.push(token);
-                    f.pending.push(token);
-                    dirty.push(id);
-                }
-                EngineEvent::Finished {
-                    t_us,
-                    prompt_tokens,
-                    cached_tokens,
-                    completion_tokens,
-                    reason,
-                    ..
-                } => {
-                    let mut f = flights.remove(&id).expect("checked above");
-                    done += 1;
-                    if reason == FinishReason::Abort {
-                        fail(&mut w, f, id, t_us, &mut rec, &mut driver, &mut stats)?;
-                    } else {
-                        if !f.headers_sent {
-                            w.response_headers(f.stream, sse_headers(), false)
-                                .map_err(host)?;
-                        }
-                        let last = f.sse.finish(
-                            &f.pending,
-                            "length",
-                            prompt_tokens,
-                            completion_tokens,
-                            cached_tokens,
-                        );
-                        w.response_body(f.stream, &last, true).map_err(host)?;
-                        w.end_stream(f.stream).map_err(host)?;
-                        rec.finished(id, t_us, f.prefill_cached, completion_tokens as u64);
-                        let _ = driver.complete(id, t_us, &f.output);
-                    }
-                }
+            if e < self.cfg.prefill {
+                self.on_prefill_event(e, ev)?;
+            } else {
+                self.on_decode_event(ev)?;
             }
         }
-        // The tokens of this step reach the filter as one chunk per stream, as a proxy hands over
-        // what arrived since its last read.
-        for id in dirty.drain(..) {
-            let Some(f) = flights.get_mut(&id) else {
+        self.events = events;
+        Ok(())
+    }
+
+    /// The prefill leg: only its end matters (its one token is discarded). The filter's callout is
+    /// answered, and the request goes on to the decode replica the filter then names.
+    fn on_prefill_event(&mut self, e: usize, ev: EngineEvent) -> Result<(), String> {
+        let id = ev.id();
+        let EngineEvent::Finished {
+            t_us,
+            cached_tokens,
+            reason,
+            ..
+        } = ev
+        else {
+            return Ok(());
+        };
+        let Some(f) = self.flights.get_mut(&id) else {
+            return Ok(());
+        };
+        let Some(call) = f.call.take() else {
+            return Ok(());
+        };
+        f.prefill_cached = cached_tokens as u64;
+        let answer = if reason == FinishReason::Abort {
+            CallOutcome::ok(500, "application/json", b"{\"error\":\"aborted\"}".to_vec())
+        } else {
+            let body = prefill_answer(id, e, f.prompt.len(), self.cfg.engine.block_size);
+            CallOutcome::ok(200, "application/json", body)
+        };
+        self.w.answer_callout(&call, answer).map_err(host)?;
+        let label = self.label;
+        let st = self
+            .w
+            .stream(f.stream)
+            .ok_or_else(|| format!("{label}: stream of request {id} vanished"))?;
+        let n = self.engines.len();
+        let decode = st
+            .upstream_header(DESTINATION)
+            .and_then(replica_of_destination)
+            .filter(|&d| d < n && st.local_response.is_none());
+        let sent = match decode {
+            Some(d) => {
+                f.decode = d;
+                self.rec.routed(id, d);
+                let req = EngineRequest {
+                    id,
+                    prompt: f.prompt.to_vec(),
+                    max_tokens: f.max_tokens,
+                    ignore_eos: true,
+                    min_tokens: 0,
+                };
+                self.engines[d]
+                    .submit_remote(t_us, req, &self.cfg.link)
+                    .map_err(|e| e.to_string())
+            }
+            None => Err("the prefill leg failed".into()),
+        };
+        match sent {
+            Ok(moved) => {
+                self.stats.transferred_tokens += moved;
+                self.stats.decode_prompt_tokens += f.prompt.len() as u64;
+                if (moved as usize) < f.prompt.len() {
+                    self.stats.decode_local_hits += 1;
+                }
+                Ok(())
+            }
+            Err(_) => {
+                // Either leg failing fails the request; the filter releases its load.
+                let f = self.flights.remove(&id).expect("checked above");
+                self.fail(f, id, t_us)
+            }
+        }
+    }
+
+    /// The decode leg: its tokens wait for this step's chunk; its end closes the client's stream,
+    /// or fails the request when the engine aborted it.
+    fn on_decode_event(&mut self, ev: EngineEvent) -> Result<(), String> {
+        let id = ev.id();
+        let Some(f) = self.flights.get_mut(&id) else {
+            return Ok(());
+        };
+        match ev {
+            EngineEvent::FirstToken { t_us, token, .. } => {
+                f.output.push(token);
+                f.pending.push(token);
+                self.rec.first_token(id, t_us);
+                self.dirty.push(id);
+            }
+            EngineEvent::Token { token, .. } => {
+                f.output.push(token);
+                f.pending.push(token);
+                self.dirty.push(id);
+            }
+            EngineEvent::Finished {
+                t_us,
+                prompt_tokens,
+                cached_tokens,
+                completion_tokens,
+                reason,
+                ..
+            } => {
+                let mut f = self.flights.remove(&id).expect("checked above");
+                if reason == FinishReason::Abort {
+                    return self.fail(f, id, t_us);
+                }
+                self.done += 1;
+                if !f.headers_sent {
+                    self.w
+                        .response_headers(f.stream, sse_headers(), false)
+                        .map_err(host)?;
+                }
+                let last = f.sse.finish(
+                    &f.pending,
+                    "length",
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                );
+                self.w.response_body(f.stream, &last, true).map_err(host)?;
+                self.w.end_stream(f.stream).map_err(host)?;
+                self.rec
+                    .finished(id, t_us, f.prefill_cached, completion_tokens as u64);
+                let _ = self.driver.complete(id, t_us, &f.output);
+            }
+        }
+        Ok(())
+    }
+
+    /// The tokens of this step reach the filter as one chunk per stream, as a proxy hands over
+    /// what arrived since its last read.
+    fn flush_tokens(&mut self) -> Result<(), String> {
+        for id in self.dirty.drain(..) {
+            let Some(f) = self.flights.get_mut(&id) else {
                 continue;
             };
             if f.pending.is_empty() {
                 continue;
             }
             if !f.headers_sent {
-                w.response_headers(f.stream, sse_headers(), false)
+                self.w
+                    .response_headers(f.stream, sse_headers(), false)
                     .map_err(host)?;
                 f.headers_sent = true;
             }
             let chunk = f.sse.tokens(&f.pending);
             f.pending.clear();
-            w.response_body(f.stream, &chunk, false).map_err(host)?;
+            self.w
+                .response_body(f.stream, &chunk, false)
+                .map_err(host)?;
         }
-        if now >= next_tick {
-            // The filter's timer: feed polls when due, answered at once from the engines.
-            w.tick().map_err(host)?;
-            loop {
-                let calls = w.take_callouts();
-                if calls.is_empty() {
-                    break;
-                }
-                for call in calls {
-                    let r = call
-                        .upstream
-                        .strip_prefix("kvsteer_feed_r")
-                        .and_then(|s| s.parse::<usize>().ok())
-                        .filter(|&r| r < n)
-                        .ok_or_else(|| {
-                            format!("{label}: unexpected callout to {}", call.upstream)
-                        })?;
-                    let path = call.header(":path").unwrap_or("");
-                    let q = path.split_once('?').map_or("", |p| p.1);
-                    let outcome = match FeedQuery::parse(q) {
-                        Ok(q) => {
-                            CallOutcome::ok(200, FEED_CONTENT_TYPE, engines[r].feed(&q).encode())
-                        }
-                        Err(e) => CallOutcome::ok(400, "text/plain", e.into_bytes()),
-                    };
-                    w.answer_callout(&call, outcome).map_err(host)?;
-                }
+        Ok(())
+    }
+
+    /// The filter's timer: feed polls when due, answered at once from the engines.
+    fn tick(&mut self) -> Result<(), String> {
+        self.w.tick().map_err(host)?;
+        loop {
+            let calls = self.w.take_callouts();
+            if calls.is_empty() {
+                break;
             }
-            next_tick = now + TICK_MS * 1000;
-        }
-        if now >= next_sample {
-            let blocks: Vec<u64> = engines.iter().map(|e| e.decode_blocks()).collect();
-            rec.sample(now, &blocks);
-            next_sample = now + cfg.sample_us.max(1);
-        }
-        issues.clear();
-        driver.poll(now, &mut issues);
-        for issue in issues.drain(..) {
-            rec.issued_from(&issue);
-            stats.requests += 1;
-            let id = issue.request_id;
-            let body = completion_body(&issue.prompt, issue.output_tokens);
-            let stream = w.new_stream().map_err(host)?;
-            let headers = request_headers(
-                "/v1/completions",
-                body.len(),
-                Some(("x-session-id", issue.session_id.as_str())),
-                &[],
-            );
-            w.request_headers(stream, headers, false).map_err(host)?;
-            w.request_body(stream, &body, true).map_err(host)?;
-            let mut calls = w.take_callouts();
-            let call = match calls.len() {
-                1 => calls.pop(),
-                0 => None,
-                more => return Err(format!("{label}: {more} callouts for one request")),
-            };
-            let mut f = Flight {
-                stream,
-                prompt: issue.prompt.clone(),
-                max_tokens: issue.output_tokens,
-                call: None,
-                decode: 0,
-                prefill_cached: 0,
-                output: Vec::new(),
-                pending: Vec::new(),
-                sse: SseWriter::new(id, now / 1_000_000, 0),
-                headers_sent: false,
-            };
-            let prefill = call.as_ref().and_then(|c| {
-                c.upstream
-                    .strip_prefix("prefill_r")
+            for call in calls {
+                let r = call
+                    .upstream
+                    .strip_prefix("kvsteer_feed_r")
                     .and_then(|s| s.parse::<usize>().ok())
-                    .filter(|&p| p < cfg.prefill)
-            });
-            let sent = match (prefill, call) {
-                (Some(p), Some(call)) => {
-                    f.call = Some(call);
-                    engines[p]
-                        .submit(
-                            now,
-                            EngineRequest {
-                                id,
-                                prompt: issue.prompt.to_vec(),
-                                max_tokens: 1,
-                                ignore_eos: true,
-                                min_tokens: 0,
-                            },
-                        )
-                        .map_err(|e| e.to_string())
-                }
-                // No prefill leg: the filter answered (503) or sent the request whole.
-                _ => Err("no prefill leg".into()),
-            };
-            if sent.is_err() {
-                if let Some(call) = f.call.take() {
-                    let refused =
-                        CallOutcome::ok(503, "application/json", b"{\"error\":\"full\"}".to_vec());
-                    w.answer_callout(&call, refused).map_err(host)?;
-                }
-                fail(&mut w, f, id, now, &mut rec, &mut driver, &mut stats)?;
-                done += 1;
-                continue;
+                    .filter(|&r| r < self.engines.len())
+                    .ok_or_else(|| {
+                        format!("{}: unexpected callout to {}", self.label, call.upstream)
+                    })?;
+                let path = call.header(":path").unwrap_or("");
+                let q = path.split_once('?').map_or("", |p| p.1);
+                let outcome = match FeedQuery::parse(q) {
+                    Ok(q) => {
+                        CallOutcome::ok(200, FEED_CONTENT_TYPE, self.engines[r].feed(&q).encode())
+                    }
+                    Err(e) => CallOutcome::ok(400, "text/plain", e.into_bytes()),
+                };
+                self.w.answer_callout(&call, outcome).map_err(host)?;
             }
-            flights.insert(id, f);
         }
-        progress(done, total);
-        let engine_next = engines.iter().filter_map(|e| e.next_event_time()).min();
-        let driver_next = driver.next_wakeup();
-        if driver_next.is_none() && flights.is_empty() {
-            break;
+        self.next_tick = self.now + TICK_MS * 1000;
+        Ok(())
+    }
+
+    /// The requests the workload issues by `now`, each handed to the filter.
+    fn issue_due(&mut self) -> Result<(), String> {
+        let mut issues = std::mem::take(&mut self.issues);
+        issues.clear();
+        self.driver.poll(self.now, &mut issues);
+        for issue in issues.drain(..) {
+            self.issue(&issue)?;
+        }
+        self.issues = issues;
+        Ok(())
+    }
+
+    /// Starts the prefill leg on the prefill engine the filter's callout names; a request with no
+    /// prefill leg (the filter answered it, 503, or sent it whole) or one the engine refuses fails.
+    fn issue(&mut self, issue: &Issue) -> Result<(), String> {
+        self.rec.issued_from(issue);
+        self.stats.requests += 1;
+        let id = issue.request_id;
+        let (stream, call) = self.open_stream(issue)?;
+        let mut f = Flight {
+            stream,
+            prompt: issue.prompt.clone(),
+            max_tokens: issue.output_tokens,
+            call: None,
+            decode: 0,
+            prefill_cached: 0,
+            output: Vec::new(),
+            pending: Vec::new(),
+            sse: SseWriter::new(id, self.now / 1_000_000, 0),
+            headers_sent: false,
+        };
+        let prefill = call.as_ref().and_then(|c| {
+            c.upstream
+                .strip_prefix("prefill_r")
+                .and_then(|s| s.parse::<usize>().ok())
+                .filter(|&p| p < self.cfg.prefill)
+        });
+        let sent = match (prefill, call) {
+            (Some(p), Some(call)) => {
+                f.call = Some(call);
+                let req = EngineRequest {
+                    id,
+                    prompt: issue.prompt.to_vec(),
+                    max_tokens: 1,
+                    ignore_eos: true,
+                    min_tokens: 0,
+                };
+                self.engines[p]
+                    .submit(self.now, req)
+                    .map_err(|e| e.to_string())
+            }
+            _ => Err("no prefill leg".into()),
+        };
+        if sent.is_err() {
+            if let Some(call) = f.call.take() {
+                let refused =
+                    CallOutcome::ok(503, "application/json", b"{\"error\":\"full\"}".to_vec());
+                self.w.answer_callout(&call, refused).map_err(host)?;
+            }
+            return self.fail(f, id, self.now);
+        }
+        self.flights.insert(id, f);
+        Ok(())
+    }
+
+    /// Hands the client's request to the filter: its stream, and the prefill callout it made, if
+    /// any.
+    fn open_stream(&mut self, issue: &Issue) -> Result<(u32, Option<Callout>), String> {
+        let body = completion_body(&issue.prompt, issue.output_tokens);
+        let stream = self.w.new_stream().map_err(host)?;
+        let headers = request_headers(
+            "/v1/completions",
+            body.len(),
+            Some(("x-session-id", issue.session_id.as_str())),
+            &[],
+        );
+        self.w
+            .request_headers(stream, headers, false)
+            .map_err(host)?;
+        self.w.request_body(stream, &body, true).map_err(host)?;
+        let mut calls = self.w.take_callouts();
+        match calls.len() {
+            1 => Ok((stream, calls.pop())),
+            0 => Ok((stream, None)),
+            more => Err(format!("{}: {more} callouts for one request", self.label)),
+        }
+    }
+
+    /// Ends a request that failed: the filter's stream is ended (releasing whatever it booked).
+    fn fail(&mut self, f: Flight, id: u64, t_us: u64) -> Result<(), String> {
+        self.done += 1;
+        self.w.end_stream(f.stream).map_err(host)?;
+        self.rec.failed(id, t_us);
+        let _ = self.driver.fail(id, t_us);
+        self.stats.failed += 1;
+        Ok(())
+    }
+
+    /// When the loop runs next: `None` once the workload is done and nothing is in flight.
+    fn next_time(&self) -> Result<Option<u64>, String> {
+        let engine_next = self
+            .engines
+            .iter()
+            .filter_map(|e| e.next_event_time())
+            .min();
+        let driver_next = self.driver.next_wakeup();
+        if driver_next.is_none() && self.flights.is_empty() {
+            return Ok(None);
         }
         if driver_next.is_none() && engine_next.is_none() {
             return Err(format!(
-                "{label}: {} requests in flight and no engine event to finish them",
-                flights.len()
+                "{}: {} requests in flight and no engine event to finish them",
+                self.label,
+                self.flights.len()
             ));
         }
-        let next = [engine_next, driver_next, Some(next_tick), Some(next_sample)]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or(now + 1);
+        let next = [
+            engine_next,
+            driver_next,
+            Some(self.next_tick),
+            Some(self.next_sample),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(self.now + 1);
         // Everything due at `now` was handled, so the clock always moves on.
-        now = next.max(now + 1);
+        Ok(Some(next.max(self.now + 1)))
     }
-    // The filter's own view: prompt tokens its index expected cached on the chosen prefill replicas.
-    stats.prefill_matched_tokens = proxy
-        .metric("kvsteer_matched_tokens")
-        .map_or(0, |m| m.value.max(0) as u64);
-    if w.is_dead() {
-        return Err(format!("{label}: the filter's worker died"));
+
+    /// The run's outcome: the recorder's figures, the counters, and the filter's own view of what
+    /// the prefill replicas held.
+    fn finish(mut self, seed: u64, started: Instant) -> Result<(Outcome, PdStats), String> {
+        // Prompt tokens the filter's index expected cached on the chosen prefill replicas.
+        self.stats.prefill_matched_tokens = self
+            .proxy
+            .metric("kvsteer_matched_tokens")
+            .map_or(0, |m| m.value.max(0) as u64);
+        if self.w.is_dead() {
+            return Err(format!("{}: the filter's worker died", self.label));
+        }
+        let hs = HarnessStats {
+            requests: self.stats.requests,
+            failed: self.stats.failed,
+            ..HarnessStats::default()
+        };
+        let label = self.label;
+        let outcome = Outcome {
+            policy: label.to_string(),
+            seed,
+            summary: self.rec.summary(label),
+            ttft_ms: self.rec.ttft_ms(),
+            decode_series: self.rec.decode_series(),
+            rows: self.rec.rows(),
+            stats: hs,
+            wall_s: started.elapsed().as_secs_f64(),
+            virtual_s: self.now as f64 / 1e6,
+        };
+        Ok((outcome, self.stats))
     }
-    let hs = HarnessStats {
-        requests: stats.requests,
-        failed: stats.failed,
-        ..HarnessStats::default()
-    };
-    let outcome = Outcome {
-        policy: label.to_string(),
-        seed,
-        summary: rec.summary(label),
-        ttft_ms: rec.ttft_ms(),
-        decode_series: rec.decode_series(),
-        rows: rec.rows(),
-        stats: hs,
-        wall_s: started.elapsed().as_secs_f64(),
-        virtual_s: now as f64 / 1e6,
-    };
-    Ok((outcome, stats))
 }
 
 /// Splits the `@pd.KEY=NUMBER` parts (`transfer_weight`, `prefill_queue_weight`,

@@ -46,7 +46,7 @@
 //! which usually finds a good bound first.
 
 use kvsteer_sim::profile::attn_pairs;
-use kvsteer_sim::{Engine, EngineEvent, EngineRequest};
+use kvsteer_sim::{Engine, EngineEvent, EngineRequest, Profile, SeqView};
 
 /// The name the bench gives the oracle in its policy list (`--policies kv_load,oracle`).
 pub const ORACLE: &str = "oracle";
@@ -203,36 +203,19 @@ fn estimate(
         },
     )
     .ok()?;
-    let mut events = Vec::new();
-    let mut first = None;
-    let mut abandoned = false;
-    while first.is_none() {
-        let Some(t) = fork.next_event_time() else {
-            break; // cannot happen with the request in flight; treated as never served
-        };
-        if t.saturating_sub(now_us) as f64 > bound {
-            abandoned = true;
-            break;
+    let t_first = match first_token(&mut fork, now_us, req.id, bound) {
+        Ok(t) => t,
+        Err(ttft_us) => {
+            return Some(Estimate {
+                replica,
+                cached_tokens: cached,
+                ttft_us,
+                prefill_stall_us: 0.0,
+                decode_us: 0.0,
+                cost_us: ttft_us,
+                complete: false,
+            });
         }
-        fork.advance(t, &mut events);
-        first = events.iter().find_map(|e| match e {
-            EngineEvent::FirstToken { id, t_us, .. } if *id == req.id => Some(*t_us),
-            _ => None,
-        });
-        events.clear();
-    }
-    let partial = |ttft_us: f64| Estimate {
-        replica,
-        cached_tokens: cached,
-        ttft_us,
-        prefill_stall_us: 0.0,
-        decode_us: 0.0,
-        cost_us: ttft_us,
-        complete: false,
-    };
-    let Some(t_first) = first else {
-        let reached = fork.now_us().saturating_sub(now_us) as f64;
-        return Some(partial(if abandoned { bound } else { reached }));
     };
     let ttft_us = t_first.saturating_sub(now_us) as f64;
     let p = &engine.config().profile;
@@ -245,20 +228,8 @@ fn estimate(
         .filter(|s| s.running && s.id != req.id)
         .count();
     let prefill_stall_us = weights.stall * prefill_work_us * beside as f64;
-    let output = req.output_tokens as f64;
-    let context = req.prompt.len() as f64;
     let decode_us = if weights.decode > 0.0 {
-        let per_pair: f64 = others
-            .iter()
-            .filter(|s| s.id != req.id)
-            .map(|s| {
-                let overlap = (s.remaining as f64).min(output);
-                overlap
-                    * (p.kv_read_us_per_token * (s.context_tokens as f64 + context + overlap)
-                        + 2.0 * p.per_seq_us)
-            })
-            .sum();
-        weights.decode * per_pair
+        weights.decode * decode_pairs_us(p, &others, req)
     } else {
         0.0
     };
@@ -271,6 +242,48 @@ fn estimate(
         cost_us: ttft_us + prefill_stall_us + decode_us,
         complete: true,
     })
+}
+
+/// Runs `fork` until request `id`'s first token: its time, or, when it gives up past `bound` (or
+/// the fork runs dry), the time to first token it reached, for a partial estimate.
+fn first_token(fork: &mut Engine, now_us: u64, id: u64, bound: f64) -> Result<u64, f64> {
+    let mut events = Vec::new();
+    loop {
+        let Some(t) = fork.next_event_time() else {
+            // Cannot happen with the request in flight; treated as never served.
+            return Err(fork.now_us().saturating_sub(now_us) as f64);
+        };
+        if t.saturating_sub(now_us) as f64 > bound {
+            return Err(bound);
+        }
+        fork.advance(t, &mut events);
+        let first = events.iter().find_map(|e| match e {
+            EngineEvent::FirstToken { id: i, t_us, .. } if *i == id => Some(*t_us),
+            _ => None,
+        });
+        if let Some(t) = first {
+            return Ok(t);
+        }
+        events.clear();
+    }
+}
+
+/// The decode time `req` and each other sequence on the engine cost each other while both run:
+/// over the tokens they decode side by side, each step reads both contexts and pays both
+/// sequences' fixed cost.
+fn decode_pairs_us(p: &Profile, others: &[SeqView], req: &OracleRequest) -> f64 {
+    let output = req.output_tokens as f64;
+    let context = req.prompt.len() as f64;
+    others
+        .iter()
+        .filter(|s| s.id != req.id)
+        .map(|s| {
+            let overlap = (s.remaining as f64).min(output);
+            overlap
+                * (p.kv_read_us_per_token * (s.context_tokens as f64 + context + overlap)
+                    + 2.0 * p.per_seq_us)
+        })
+        .sum()
 }
 
 #[cfg(test)]

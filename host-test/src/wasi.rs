@@ -20,6 +20,7 @@ const MODULE: &str = "wasi_snapshot_preview1";
 
 /// Adds the WASI functions to the linker.
 pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> Result<()> {
+    // Kept whole: one registration per WASI function, a flat list.
     linker.func_wrap(
         MODULE,
         "fd_write",

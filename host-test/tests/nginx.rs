@@ -8,7 +8,6 @@ mod common;
 use common::*;
 use kvsteer_host_test::host::NginxLimits;
 use kvsteer_host_test::{FeedFault, HarnessConfig, HostMode, Output, RequestSpec};
-use std::collections::BTreeSet;
 
 const IDLE: u64 = 600_000_000;
 
@@ -112,37 +111,11 @@ fn workers_share_the_index_across_laps_of_the_relay_ring() {
     assert_clean(&h);
 }
 
-/// Each worker publishes its load every tick under one key: the other worker must see the newest
-/// record, not the first one written (which is soon too old to count).
+/// Load shared between workers (`check_workers_see_each_others_load`) under the module's shared
+/// data rules, after two seconds of feed polls.
 #[test]
 fn workers_see_each_others_load() {
-    for seed in 1..=4u64 {
-        let mut cfg = nginx("least_load");
-        // Feeds polled once at start: worker 1 can only learn worker 0's requests through shared data.
-        cfg.feed_period_ms = 3_600_000;
-        cfg.routing = serde_json::json!({"policy": "least_load", "block_size": 16, "seed": seed});
-        let mut h = harness_with(cfg);
-        h.run_for(2_000_000).unwrap();
-        let mut busy = BTreeSet::new();
-        for i in 0..3u64 {
-            let id = h
-                .send(&RequestSpec::new(tokens(40 + i, 1024), 4000).worker(0))
-                .unwrap();
-            busy.insert(h.record(id).unwrap().replica.unwrap());
-        }
-        assert_eq!(busy.len(), 3, "{busy:?}");
-        h.run_for(300_000).unwrap();
-        let id = h
-            .send(&RequestSpec::new(tokens(99, 1024), 4000).worker(1))
-            .unwrap();
-        let r = h.record(id).unwrap().replica.unwrap();
-        assert!(
-            !busy.contains(&r),
-            "seed {seed}: worker 1 picked busy replica {r} (busy: {busy:?})"
-        );
-        h.run_until_idle(IDLE).unwrap();
-        assert_clean(&h);
-    }
+    check_workers_see_each_others_load(nginx, 2_000_000);
 }
 
 /// Feed polling for 20 minutes (virtual) at the shipped tick: the module leaves open the connection

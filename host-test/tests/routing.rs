@@ -156,38 +156,8 @@ fn session_hash_is_sticky() {
     assert_clean(&h);
 }
 
+/// Load shared between workers (`check_workers_see_each_others_load`), in Envoy mode.
 #[test]
 fn two_workers_see_each_others_load() {
-    // Feeds polled once at start (so replica-reported load cannot leak what worker 0 did): worker 1
-    // can only learn worker 0's requests through shared data. Four routing seeds, so a blind worker 1
-    // (a random pick among four tied replicas) passes by luck with probability 1/256.
-    for seed in 1..=4u64 {
-        let mut cfg = HarnessConfig::small("least_load");
-        cfg.feed_period_ms = 3_600_000;
-        cfg.routing = serde_json::json!({"policy": "least_load", "block_size": 16, "seed": seed});
-        let mut h = harness_with(cfg);
-        let mut busy = BTreeSet::new();
-        for i in 0..3u64 {
-            let id = h
-                .send(&RequestSpec::new(tokens(40 + i, 1024), 4000).worker(0))
-                .unwrap();
-            busy.insert(h.record(id).unwrap().replica.unwrap());
-        }
-        assert_eq!(
-            busy.len(),
-            3,
-            "least_load spreads worker 0's requests: {busy:?}"
-        );
-        h.run_for(300_000).unwrap();
-        let id = h
-            .send(&RequestSpec::new(tokens(99, 1024), 4000).worker(1))
-            .unwrap();
-        let r = h.record(id).unwrap().replica.unwrap();
-        assert!(
-            !busy.contains(&r),
-            "seed {seed}: worker 1 picked busy replica {r} (busy: {busy:?})"
-        );
-        h.run_until_idle(IDLE).unwrap();
-        assert_clean(&h);
-    }
+    check_workers_see_each_others_load(HarnessConfig::small, 0);
 }

@@ -12,7 +12,7 @@
 
 use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest};
 use kvsteer_workload::weka::{self, OverLong, WekaParams};
-use kvsteer_workload::{Driver, Issue, Mode};
+use kvsteer_workload::{Driver, Issue, Mode, Workload};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -23,54 +23,88 @@ fn usage(msg: &str) -> ! {
     std::process::exit(2)
 }
 
-fn main() {
-    let mut trace = weka::DEFAULT_PATH.to_string();
-    let mut limit = 2000usize;
-    let mut replicas = 4usize;
-    let mut concurrency = 16usize;
+/// The command line's settings.
+struct Args {
+    trace: String,
+    /// Requests replayed, the trace's first in session order.
+    limit: usize,
+    replicas: usize,
+    concurrency: usize,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        trace: weka::DEFAULT_PATH.to_string(),
+        limit: 2000,
+        replicas: 4,
+        concurrency: 16,
+    };
     let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
+    while let Some(f) = args.next() {
         let Some(v) = args.next() else {
-            usage(&format!("{a} needs a value"))
+            usage(&format!("{f} needs a value"))
         };
         let number = |v: &str| -> usize {
             v.parse()
                 .ok()
                 .filter(|&n| n > 0)
-                .unwrap_or_else(|| usage(&format!("{a} needs a positive number, got {v:?}")))
+                .unwrap_or_else(|| usage(&format!("{f} needs a positive number, got {v:?}")))
         };
-        match a.as_str() {
-            "--trace" => trace = v,
-            "--requests" => limit = number(&v),
-            "--replicas" => replicas = number(&v),
-            "--concurrency" => concurrency = number(&v),
-            _ => usage(&format!("unknown flag {a}")),
+        match f.as_str() {
+            "--trace" => a.trace = v,
+            "--requests" => a.limit = number(&v),
+            "--replicas" => a.replicas = number(&v),
+            "--concurrency" => a.concurrency = number(&v),
+            _ => usage(&format!("unknown flag {f}")),
         }
     }
-    let engine_cfg = EngineConfig::default();
+    a
+}
+
+/// The trace's first `limit` requests in session order.
+fn load(a: &Args, engine_cfg: &EngineConfig) -> Workload {
     // Leave room for the longest output in the trace's first requests (the engine refuses a prompt plus
     // output above its context; such a request is counted as refused below).
     let max_prompt = engine_cfg.max_model_len.saturating_sub(32_768);
     let mut workload = weka::read(&WekaParams {
-        path: trace.clone().into(),
+        path: a.trace.clone().into(),
         max_prompt_tokens: max_prompt,
         over_long: OverLong::Truncate,
-        concurrency,
+        concurrency: a.concurrency,
         ..Default::default()
     })
-    .unwrap_or_else(|e| usage(&format!("cannot read {trace}: {e}")));
-    // Keep the first `limit` requests in session order.
-    let mut left = limit;
+    .unwrap_or_else(|e| usage(&format!("cannot read {}: {e}", a.trace)));
+    let mut left = a.limit;
     workload.sessions.retain_mut(|s| {
         s.turns.truncate(left);
         left -= s.turns.len();
         !s.turns.is_empty()
     });
+    workload
+}
+
+/// What the replay counted.
+#[derive(Default)]
+struct Counts {
+    prompt_tokens: u64,
+    out_tokens: u64,
+    done: usize,
+    refused: usize,
+    cached: u64,
+    ttft_sum: u64,
+    /// The last request's end (virtual us).
+    end: u64,
+}
+
+fn main() {
+    let a = parse_args();
+    let engine_cfg = EngineConfig::default();
+    let workload = load(&a, &engine_cfg);
     let total = workload.total_requests();
     let sessions = workload.sessions.len();
 
     let wall = Instant::now();
-    let mut engines: Vec<Engine> = (0..replicas)
+    let mut engines: Vec<Engine> = (0..a.replicas)
         .map(|i| {
             Engine::new(EngineConfig {
                 seed: i as u64,
@@ -78,13 +112,54 @@ fn main() {
             })
         })
         .collect();
-    let mut driver = Driver::new(workload, Mode::Closed { concurrency });
+    let mut driver = Driver::new(
+        workload,
+        Mode::Closed {
+            concurrency: a.concurrency,
+        },
+    );
+    let c = replay(&mut engines, &mut driver, a.replicas);
+    let secs = wall.elapsed().as_secs_f64();
+    let pre: u64 = engines.iter().map(|e| e.stats().preemptions).sum();
+    let steps: u64 = engines.iter().map(|e| e.stats().steps).sum();
+    println!("| figure | value |");
+    println!("|---|---|");
+    println!("| sessions | {sessions} |");
+    println!(
+        "| requests completed | {} of {total} ({} refused: prompt plus output over the context) |",
+        c.done, c.refused
+    );
+    println!(
+        "| replicas, sessions in flight | {}, {} |",
+        a.replicas, a.concurrency
+    );
+    println!("| prompt tokens | {} |", c.prompt_tokens);
+    println!("| output (decode) tokens | {} |", c.out_tokens);
+    println!("| engine steps | {steps} |");
+    println!("| preemptions | {pre} |");
+    println!(
+        "| prefix-cache hit rate | {:.1}% |",
+        100.0 * c.cached as f64 / c.prompt_tokens.max(1) as f64
+    );
+    println!(
+        "| mean TTFT (virtual) | {:.3} s |",
+        c.ttft_sum as f64 / c.done.max(1) as f64 / 1e6
+    );
+    println!("| virtual makespan | {:.1} s |", c.end as f64 / 1e6);
+    println!("| wall time of the replay | {secs:.2} s |");
+    println!(
+        "| decode tokens per wall second | {:.0} |",
+        c.out_tokens as f64 / secs
+    );
+}
+
+/// Runs the driver's requests on the engines until both are done: each session on replica
+/// `session % replicas`.
+fn replay(engines: &mut [Engine], driver: &mut Driver, replicas: usize) -> Counts {
+    let mut c = Counts::default();
     let mut issued: Vec<Issue> = Vec::new();
     let mut arrival: HashMap<u64, u64> = HashMap::new();
     let mut events = Vec::new();
-    let (mut prompt_tokens, mut out_tokens) = (0u64, 0u64);
-    let (mut done, mut refused, mut cached, mut ttft_sum, mut end) =
-        (0usize, 0usize, 0u64, 0u64, 0u64);
     loop {
         let next_issue = driver.next_wakeup();
         let next_step = engines.iter().filter_map(Engine::next_event_time).min();
@@ -92,7 +167,7 @@ fn main() {
             (None, None) => break,
             (a, s) => a.unwrap_or(u64::MAX).min(s.unwrap_or(u64::MAX)),
         };
-        for e in &mut engines {
+        for e in engines.iter_mut() {
             e.advance(now, &mut events);
         }
         driver.poll(now, &mut issued);
@@ -108,11 +183,11 @@ fn main() {
             match engines[ei].submit(now, req) {
                 Ok(()) => {
                     arrival.insert(r.request_id, now);
-                    prompt_tokens += r.prompt.len() as u64;
-                    out_tokens += u64::from(r.output_tokens);
+                    c.prompt_tokens += r.prompt.len() as u64;
+                    c.out_tokens += u64::from(r.output_tokens);
                 }
                 Err(_) => {
-                    refused += 1;
+                    c.refused += 1;
                     driver.fail(r.request_id, now).expect("just issued");
                 }
             }
@@ -125,44 +200,17 @@ fn main() {
                     cached_tokens,
                     ..
                 } => {
-                    cached += u64::from(cached_tokens);
-                    ttft_sum += t_us - arrival[&id];
+                    c.cached += u64::from(cached_tokens);
+                    c.ttft_sum += t_us - arrival[&id];
                 }
                 EngineEvent::Finished { id, t_us, .. } => {
-                    done += 1;
-                    end = end.max(t_us);
+                    c.done += 1;
+                    c.end = c.end.max(t_us);
                     driver.complete(id, t_us, &[]).expect("issued");
                 }
                 EngineEvent::Token { .. } => {}
             }
         }
     }
-    let secs = wall.elapsed().as_secs_f64();
-    let pre: u64 = engines.iter().map(|e| e.stats().preemptions).sum();
-    let steps: u64 = engines.iter().map(|e| e.stats().steps).sum();
-    println!("| figure | value |");
-    println!("|---|---|");
-    println!("| sessions | {sessions} |");
-    println!(
-        "| requests completed | {done} of {total} ({refused} refused: prompt plus output over the context) |"
-    );
-    println!("| replicas, sessions in flight | {replicas}, {concurrency} |");
-    println!("| prompt tokens | {prompt_tokens} |");
-    println!("| output (decode) tokens | {out_tokens} |");
-    println!("| engine steps | {steps} |");
-    println!("| preemptions | {pre} |");
-    println!(
-        "| prefix-cache hit rate | {:.1}% |",
-        100.0 * cached as f64 / prompt_tokens.max(1) as f64
-    );
-    println!(
-        "| mean TTFT (virtual) | {:.3} s |",
-        ttft_sum as f64 / done.max(1) as f64 / 1e6
-    );
-    println!("| virtual makespan | {:.1} s |", end as f64 / 1e6);
-    println!("| wall time of the replay | {secs:.2} s |");
-    println!(
-        "| decode tokens per wall second | {:.0} |",
-        out_tokens as f64 / secs
-    );
+    c
 }

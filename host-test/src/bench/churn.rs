@@ -250,7 +250,41 @@ pub fn replay(
         });
         late += usize::from(!listed);
     }
-    // Fair shares by second of the span: each second's requests split over the members listed.
+    let shares = fair_shares(&h, c, &presence, &counts);
+    let ever: Vec<u64> = (0..c.cell.replicas)
+        .filter(|&r| !presence[r].is_empty())
+        .map(|r| base.requests_per_replica.get(r).copied().unwrap_or(0))
+        .collect();
+    let rates = member_rates(c, &presence, &counts);
+    let mut moves = move_ttfts_ms(&h, c);
+    let m = ChurnMeasured {
+        ttft_moves_p50_ms: quantile(&mut moves, 0.5),
+        ttft_moves_p99_ms: quantile(&mut moves, 0.99),
+        moves_requests: moves.len(),
+        member_rate_min: rates.iter().copied().fold(f64::INFINITY, f64::min),
+        member_rate_max: rates.iter().copied().fold(0.0, f64::max),
+        member_share_min: shares.iter().copied().fold(f64::INFINITY, f64::min),
+        member_share_max: shares.iter().copied().fold(0.0, f64::max),
+        member_requests_min: ever.iter().copied().min().unwrap_or(0),
+        member_requests_max: ever.iter().copied().max().unwrap_or(0),
+        late_on_removed: late,
+        fallbacks,
+        dropped_bookings: metric(&h, "kvsteer_discovery_dropped_bookings"),
+        bookings: metric(&h, "kvsteer_bookings"),
+        releases: metric(&h, "kvsteer_releases"),
+        base,
+    };
+    Ok((m, h))
+}
+
+/// Each member's requests over its fair share, for the members that had one: each second's requests
+/// split over the members listed at its middle.
+fn fair_shares(
+    h: &Harness,
+    c: &ChurnCell,
+    presence: &[Vec<(u64, u64)>],
+    counts: &[u64],
+) -> Vec<f64> {
     let seconds = c.span_us.div_ceil(1_000_000) as usize;
     let mut per_second = vec![0u64; seconds];
     for r in h
@@ -270,17 +304,18 @@ pub fn replay(
             fair[r] += n as f64 / listed.len() as f64;
         }
     }
-    let shares: Vec<f64> = (0..c.cell.replicas)
+    (0..c.cell.replicas)
         .filter(|&r| fair[r] > 0.0)
         .map(|r| counts[r] as f64 / fair[r])
-        .collect();
-    let ever: Vec<u64> = (0..c.cell.replicas)
-        .filter(|&r| !presence[r].is_empty())
-        .map(|r| base.requests_per_replica.get(r).copied().unwrap_or(0))
-        .collect();
-    let rates: Vec<f64> = presence
+        .collect()
+}
+
+/// Requests per second each member got while it was listed (within the span), for the members
+/// that ever were.
+fn member_rates(c: &ChurnCell, presence: &[Vec<(u64, u64)>], counts: &[u64]) -> Vec<f64> {
+    presence
         .iter()
-        .zip(&counts)
+        .zip(counts)
         .filter_map(|(iv, &n)| {
             let listed_us: u64 = iv
                 .iter()
@@ -288,9 +323,12 @@ pub fn replay(
                 .sum();
             (listed_us > 0).then(|| n as f64 / (listed_us as f64 / 1e6))
         })
-        .collect();
-    let mut moves: Vec<f64> = h
-        .records()
+        .collect()
+}
+
+/// TTFTs (ms) of the requests issued within [`MOVE_WINDOW_US`] after a membership move.
+fn move_ttfts_ms(h: &Harness, c: &ChurnCell) -> Vec<f64> {
+    h.records()
         .filter(|r| {
             c.moves_us
                 .iter()
@@ -300,25 +338,7 @@ pub fn replay(
             r.first_token_us
                 .map(|f| f.saturating_sub(r.issued_us) as f64 / 1e3)
         })
-        .collect();
-    let m = ChurnMeasured {
-        ttft_moves_p50_ms: quantile(&mut moves, 0.5),
-        ttft_moves_p99_ms: quantile(&mut moves, 0.99),
-        moves_requests: moves.len(),
-        member_rate_min: rates.iter().copied().fold(f64::INFINITY, f64::min),
-        member_rate_max: rates.iter().copied().fold(0.0, f64::max),
-        member_share_min: shares.iter().copied().fold(f64::INFINITY, f64::min),
-        member_share_max: shares.iter().copied().fold(0.0, f64::max),
-        member_requests_min: ever.iter().copied().min().unwrap_or(0),
-        member_requests_max: ever.iter().copied().max().unwrap_or(0),
-        late_on_removed: late,
-        fallbacks,
-        dropped_bookings: metric(&h, "kvsteer_discovery_dropped_bookings"),
-        bookings: metric(&h, "kvsteer_bookings"),
-        releases: metric(&h, "kvsteer_releases"),
-        base,
-    };
-    Ok((m, h))
+        .collect()
 }
 
 #[cfg(test)]

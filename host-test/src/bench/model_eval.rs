@@ -356,6 +356,7 @@ pub fn validation3() -> Vec<Cell> {
 /// third was looked into (its chat tail), so it judges no change made after that. Fleet sizes (7 and
 /// 10) no earlier set has, and combinations of engine, rate, prompt shape and slowdown none has.
 pub fn validation4() -> Vec<Cell> {
+    // Kept whole: a data list, one cell per line of the round as it was fixed in advance.
     let v = Set::Validation4;
     let slow = |mut c: Cell, slowdowns: Vec<(usize, f64, u64)>| {
         c.slowdowns = slowdowns;
@@ -454,6 +455,7 @@ pub fn validation4() -> Vec<Cell> {
 /// cells of 900 sessions (about 3,100 requests, so a run's p99 is about its 31st slowest request,
 /// not one of the fleet's first prefills of the shared prompt).
 pub fn validation5() -> Vec<Cell> {
+    // Kept whole: a data list, one cell per line of the round as it was fixed in advance.
     let v = Set::Validation5;
     let slow = |mut c: Cell, slowdowns: Vec<(usize, f64, u64)>| {
         c.slowdowns = slowdowns;

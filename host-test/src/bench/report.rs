@@ -174,113 +174,128 @@ fn mark(ok: bool) -> &'static str {
 pub fn claims(all: &[ScenarioRuns]) -> String {
     let mut s = String::new();
     if let Some(rl) = all.iter().find(|r| r.scenario.group == "rl") {
-        let _ = writeln!(s, "### RL stragglers (`{}`)\n", rl.scenario.id);
-        let best = rl
-            .deployable()
-            .map(|c| (c.policy, c.median(|m| m.session_e2e_s.p99)))
-            .min_by(|a, b| a.1.total_cmp(&b.1));
-        if let (Some((bp, bv)), Some(kv), Some(sh)) =
-            (best, rl.cell("kv_load"), rl.cell("session_hash"))
-        {
-            let kv_p99 = kv.median(|m| m.session_e2e_s.p99);
-            let (kv_hit, sh_hit) = (kv.median(|m| m.hit_rate), sh.median(|m| m.hit_rate));
-            let _ = writeln!(
-                s,
-                "| claim | measured (median over seeds) | holds |\n|---|---|---|\n\
-                 | `kv_load` has the best p99 rollout latency | kv_load {kv_p99:.1} s; best is {bp} {bv:.1} s | {} |\n\
-                 | ... despite a lower hit rate than `session_hash` | kv_load {:.1}% vs session_hash {:.1}% | {} |\n",
-                mark(bp == "kv_load"),
-                kv_hit * 100.0,
-                sh_hit * 100.0,
-                mark(kv_hit < sh_hit),
-            );
-            let kv_max = kv.spread(|m| m.session_e2e_s.p99).max;
-            let others_min = rl
-                .deployable()
-                .filter(|c| c.policy != "kv_load")
-                .map(|c| c.spread(|m| m.session_e2e_s.p99).min)
-                .fold(f64::INFINITY, f64::min);
-            let _ = writeln!(
-                s,
-                "Over every seed: kv_load's worst rollout p99 is {kv_max:.1} s, the best any other \
-                 policy reached on any seed is {others_min:.1} s ({}).\n",
-                if kv_max < others_min {
-                    "kv_load wins on every seed"
-                } else {
-                    "the ranges overlap"
-                }
-            );
-        }
+        rl_claims(&mut s, rl);
     }
     let weka: Vec<&ScenarioRuns> = all.iter().filter(|r| r.scenario.group == "weka").collect();
     if !weka.is_empty() {
-        let _ = writeln!(
-            s,
-            "### Coding-agent traces: `kv_load` against `session_hash` by concurrency\n\n\
-             Ratios are kv_load / session_hash (medians over seeds); below 1 is better for latency, \
-             above 1 for throughput.\n\n\
-             | sessions in flight | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | output tok/s | hit rate kv_load / session_hash | decode CV kv_load / session_hash | kv_load better on TTFT, TPOT and tok/s |\n\
-             |---:|---:|---:|---:|---:|---:|---:|---:|---|"
-        );
-        for r in weka {
-            let (Some(kv), Some(sh)) = (r.cell("kv_load"), r.cell("session_hash")) else {
-                continue;
-            };
-            let ratio = |f: &dyn Fn(&Summary) -> f64| kv.median(f) / sh.median(f);
-            let (t50, t99) = (ratio(&|m| m.ttft_ms.p50), ratio(&|m| m.ttft_ms.p99));
-            let (p50, p99) = (ratio(&|m| m.tpot_ms.p50), ratio(&|m| m.tpot_ms.p99));
-            let tput = ratio(&|m| m.output_tokens_per_s);
-            let level = r.scenario.id.trim_start_matches("weka-c");
-            let _ = writeln!(
-                s,
-                "| {level} | {t50:.2} | {t99:.2} | {p50:.2} | {p99:.2} | {tput:.2} | {:.1}% / {:.1}% | {:.3} / {:.3} | {} |",
-                kv.median(|m| m.hit_rate) * 100.0,
-                sh.median(|m| m.hit_rate) * 100.0,
-                kv.median(cv),
-                sh.median(cv),
-                mark(t50 < 1.0 && p50 < 1.0 && tput > 1.0),
-            );
-        }
-        s.push('\n');
+        weka_claims(&mut s, &weka);
     }
-    let control: Vec<&ScenarioRuns> = all.iter().filter(|r| r.scenario.group == "azure").collect();
-    for r in control {
-        let _ = writeln!(
-            s,
-            "### No-reuse control (`{}`): cache-aware must not lose to load-only\n\n\
-             | policy | TTFT p99 ms | e2e p99 s | output tok/s | vs best load-only (least_load, round_robin) on TTFT p99 |\n\
-             |---|---:|---:|---:|---|",
-            r.scenario.id
-        );
-        let load_only = ["least_load", "round_robin"];
-        let best_lo = r
-            .cells
-            .iter()
-            .filter(|c| load_only.contains(&c.policy))
-            .map(|c| c.median(|m| m.ttft_ms.p99))
-            .fold(f64::INFINITY, f64::min);
-        for c in r.cells.iter() {
-            let t = c.median(|m| m.ttft_ms.p99);
-            let verdict = if load_only.contains(&c.policy) {
-                "(load-only)".to_string()
-            } else if !best_lo.is_finite() {
-                "-".to_string()
-            } else {
-                format!("{:+.1}%", (t / best_lo - 1.0) * 100.0)
-            };
-            let _ = writeln!(
-                s,
-                "| {} | {:.0} | {:.1} | {:.0} | {} |",
-                row_label(c.policy),
-                t,
-                c.median(|m| m.e2e_ms.p99) / 1e3,
-                c.median(|m| m.output_tokens_per_s),
-                verdict
-            );
-        }
-        s.push('\n');
+    for r in all.iter().filter(|r| r.scenario.group == "azure") {
+        control_claims(&mut s, r);
     }
     s
+}
+
+/// The RL straggler claims: `kv_load` has the best rollout p99 despite a lower hit rate than
+/// `session_hash`, and over every seed.
+fn rl_claims(s: &mut String, rl: &ScenarioRuns) {
+    let _ = writeln!(s, "### RL stragglers (`{}`)\n", rl.scenario.id);
+    let best = rl
+        .deployable()
+        .map(|c| (c.policy, c.median(|m| m.session_e2e_s.p99)))
+        .min_by(|a, b| a.1.total_cmp(&b.1));
+    if let (Some((bp, bv)), Some(kv), Some(sh)) =
+        (best, rl.cell("kv_load"), rl.cell("session_hash"))
+    {
+        let kv_p99 = kv.median(|m| m.session_e2e_s.p99);
+        let (kv_hit, sh_hit) = (kv.median(|m| m.hit_rate), sh.median(|m| m.hit_rate));
+        let _ = writeln!(
+            s,
+            "| claim | measured (median over seeds) | holds |\n|---|---|---|\n\
+             | `kv_load` has the best p99 rollout latency | kv_load {kv_p99:.1} s; best is {bp} {bv:.1} s | {} |\n\
+             | ... despite a lower hit rate than `session_hash` | kv_load {:.1}% vs session_hash {:.1}% | {} |\n",
+            mark(bp == "kv_load"),
+            kv_hit * 100.0,
+            sh_hit * 100.0,
+            mark(kv_hit < sh_hit),
+        );
+        let kv_max = kv.spread(|m| m.session_e2e_s.p99).max;
+        let others_min = rl
+            .deployable()
+            .filter(|c| c.policy != "kv_load")
+            .map(|c| c.spread(|m| m.session_e2e_s.p99).min)
+            .fold(f64::INFINITY, f64::min);
+        let _ = writeln!(
+            s,
+            "Over every seed: kv_load's worst rollout p99 is {kv_max:.1} s, the best any other \
+             policy reached on any seed is {others_min:.1} s ({}).\n",
+            if kv_max < others_min {
+                "kv_load wins on every seed"
+            } else {
+                "the ranges overlap"
+            }
+        );
+    }
+}
+
+/// The coding-agent traces: `kv_load` over `session_hash` per concurrency.
+fn weka_claims(s: &mut String, weka: &[&ScenarioRuns]) {
+    let _ = writeln!(
+        s,
+        "### Coding-agent traces: `kv_load` against `session_hash` by concurrency\n\n\
+         Ratios are kv_load / session_hash (medians over seeds); below 1 is better for latency, \
+         above 1 for throughput.\n\n\
+         | sessions in flight | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | output tok/s | hit rate kv_load / session_hash | decode CV kv_load / session_hash | kv_load better on TTFT, TPOT and tok/s |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    );
+    for r in weka {
+        let (Some(kv), Some(sh)) = (r.cell("kv_load"), r.cell("session_hash")) else {
+            continue;
+        };
+        let ratio = |f: &dyn Fn(&Summary) -> f64| kv.median(f) / sh.median(f);
+        let (t50, t99) = (ratio(&|m| m.ttft_ms.p50), ratio(&|m| m.ttft_ms.p99));
+        let (p50, p99) = (ratio(&|m| m.tpot_ms.p50), ratio(&|m| m.tpot_ms.p99));
+        let tput = ratio(&|m| m.output_tokens_per_s);
+        let level = r.scenario.id.trim_start_matches("weka-c");
+        let _ = writeln!(
+            s,
+            "| {level} | {t50:.2} | {t99:.2} | {p50:.2} | {p99:.2} | {tput:.2} | {:.1}% / {:.1}% | {:.3} / {:.3} | {} |",
+            kv.median(|m| m.hit_rate) * 100.0,
+            sh.median(|m| m.hit_rate) * 100.0,
+            kv.median(cv),
+            sh.median(cv),
+            mark(t50 < 1.0 && p50 < 1.0 && tput > 1.0),
+        );
+    }
+    s.push('\n');
+}
+
+/// The no-reuse control: cache-aware policies against the best load-only one on TTFT p99.
+fn control_claims(s: &mut String, r: &ScenarioRuns) {
+    let _ = writeln!(
+        s,
+        "### No-reuse control (`{}`): cache-aware must not lose to load-only\n\n\
+         | policy | TTFT p99 ms | e2e p99 s | output tok/s | vs best load-only (least_load, round_robin) on TTFT p99 |\n\
+         |---|---:|---:|---:|---|",
+        r.scenario.id
+    );
+    let load_only = ["least_load", "round_robin"];
+    let best_lo = r
+        .cells
+        .iter()
+        .filter(|c| load_only.contains(&c.policy))
+        .map(|c| c.median(|m| m.ttft_ms.p99))
+        .fold(f64::INFINITY, f64::min);
+    for c in r.cells.iter() {
+        let t = c.median(|m| m.ttft_ms.p99);
+        let verdict = if load_only.contains(&c.policy) {
+            "(load-only)".to_string()
+        } else if !best_lo.is_finite() {
+            "-".to_string()
+        } else {
+            format!("{:+.1}%", (t / best_lo - 1.0) * 100.0)
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {:.0} | {:.1} | {:.0} | {} |",
+            row_label(c.policy),
+            t,
+            c.median(|m| m.e2e_ms.p99) / 1e3,
+            c.median(|m| m.output_tokens_per_s),
+            verdict
+        );
+    }
+    s.push('\n');
 }
 
 /// The default policy against the limit: per scenario, `kv_load`'s figures beside the oracle's on

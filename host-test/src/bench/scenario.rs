@@ -245,6 +245,7 @@ pub const WEKA_LEVELS: [usize; 5] = [8, 16, 24, 32, 40];
 
 /// Every scenario of a scale, in report order.
 pub fn matrix(scale: Scale) -> Vec<Scenario> {
+    // Kept whole: a data list, one scenario literal per row of the report, in its order.
     let mut v = Vec::new();
     let rl = match scale {
         Scale::Full | Scale::Quick => RlParams::default(),

@@ -165,6 +165,25 @@ fn write_outputs(
         markdown_table(&summaries(outcomes))
     );
     std::fs::write(args.out.join("rl.md"), md)?;
+    write_plots(&args.out, outcomes)?;
+    std::fs::write(
+        args.out.join("rl.json"),
+        serde_json::to_string_pretty(&rl_json(args, params, outcomes, wall)).unwrap_or_default(),
+    )?;
+    eprintln!(
+        "wrote {}/rl.md, rl.json and rl_*.svg (TTFT CDF, hit rate vs decode CV, decode load)",
+        args.out.display()
+    );
+    Ok(())
+}
+
+/// `rl.json`: the workload's parameters and each policy's summary, harness counters and wall time.
+fn rl_json(
+    args: &DemoArgs,
+    params: &RlParams,
+    outcomes: &[Outcome],
+    wall: f64,
+) -> serde_json::Value {
     let runs: Vec<serde_json::Value> = outcomes
         .iter()
         .map(|o| {
@@ -177,7 +196,7 @@ fn write_outputs(
             })
         })
         .collect();
-    let doc = json!({
+    json!({
         "workload": "rl",
         "params": {
             "steps": params.steps, "rollouts_per_step": params.rollouts_per_step,
@@ -188,12 +207,16 @@ fn write_outputs(
         "workers": args.workers,
         "wall_s": wall,
         "runs": runs,
-    });
+    })
+}
+
+/// The plots: TTFT CDFs, hit rate against decode CV, and each policy's decode load per replica.
+fn write_plots(out: &std::path::Path, outcomes: &[Outcome]) -> std::io::Result<()> {
     let series: Vec<(&str, &[f64])> = outcomes
         .iter()
         .map(|o| (o.policy.as_str(), o.ttft_ms.as_slice()))
         .collect();
-    std::fs::write(args.out.join("rl_ttft_cdf.svg"), ttft_cdf_svg(&series))?;
+    std::fs::write(out.join("rl_ttft_cdf.svg"), ttft_cdf_svg(&series))?;
     let points: Vec<(&str, f64, f64)> = outcomes
         .iter()
         .map(|o| {
@@ -204,24 +227,13 @@ fn write_outputs(
             )
         })
         .collect();
-    std::fs::write(
-        args.out.join("rl_hit_vs_cv.svg"),
-        hit_cv_scatter_svg(&points),
-    )?;
+    std::fs::write(out.join("rl_hit_vs_cv.svg"), hit_cv_scatter_svg(&points))?;
     for o in outcomes {
         let title = format!("{}: KV blocks of decoding requests per replica", o.policy);
         std::fs::write(
-            args.out.join(format!("rl_decode_{}.svg", o.policy)),
+            out.join(format!("rl_decode_{}.svg", o.policy)),
             decode_load_svg(&title, &o.decode_series),
         )?;
     }
-    std::fs::write(
-        args.out.join("rl.json"),
-        serde_json::to_string_pretty(&doc).unwrap_or_default(),
-    )?;
-    eprintln!(
-        "wrote {}/rl.md, rl.json and rl_*.svg (TTFT CDF, hit rate vs decode CV, decode load)",
-        args.out.display()
-    );
     Ok(())
 }

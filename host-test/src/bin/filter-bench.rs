@@ -153,48 +153,12 @@ fn seed_index(
                 .and_then(|p| p.split_once('?'))
                 .map(|(_, q)| FeedQuery::parse(q))
                 .ok_or("callout without a feed query")??;
-            let epoch = 1000 + r as u64;
             let mut hashes: Vec<u64> = (0..per).map(|_| lcg(&mut rng)).collect();
             if r == 3 {
                 hashes.extend_from_slice(warm);
             }
-            let batch = if q.epoch == epoch {
-                FeedBatch {
-                    epoch,
-                    resync: false,
-                    more: false,
-                    first_seq: q.cursor,
-                    next_seq: q.cursor,
-                    load: ReplicaLoad {
-                        block_size: 16,
-                        kv_total_blocks: 1 << 20,
-                        ..Default::default()
-                    },
-                    events: Vec::new(),
-                }
-            } else {
-                answered[r] = true;
-                FeedBatch {
-                    epoch,
-                    resync: true,
-                    more: false,
-                    first_seq: 1,
-                    next_seq: 1,
-                    load: ReplicaLoad {
-                        block_size: 16,
-                        kv_total_blocks: 1 << 20,
-                        kv_used_blocks: hashes.len() as u64,
-                        ..Default::default()
-                    },
-                    events: vec![
-                        FeedEvent::Cleared,
-                        FeedEvent::Stored {
-                            tier: Tier::Gpu,
-                            hashes,
-                        },
-                    ],
-                }
-            };
+            let batch = feed_answer(1000 + r as u64, &q, hashes);
+            answered[r] |= batch.resync;
             worker
                 .answer_callout(
                     &call,
@@ -209,7 +173,50 @@ fn seed_index(
     if !answered.iter().all(|a| *a) {
         return Err("the filter did not poll every replica".into());
     }
-    // The filter applies `feed_apply_blocks_per_tick` hashes a tick: tick until it has applied all.
+    apply_snapshots(proxy, worker, now_ms)
+}
+
+/// A replica's answer to a feed poll: nothing new once the filter holds `epoch`, else a snapshot of
+/// `hashes` (a resync).
+fn feed_answer(epoch: u64, q: &FeedQuery, hashes: Vec<u64>) -> FeedBatch {
+    let load = ReplicaLoad {
+        block_size: 16,
+        kv_total_blocks: 1 << 20,
+        ..Default::default()
+    };
+    if q.epoch == epoch {
+        return FeedBatch {
+            epoch,
+            resync: false,
+            more: false,
+            first_seq: q.cursor,
+            next_seq: q.cursor,
+            load,
+            events: Vec::new(),
+        };
+    }
+    FeedBatch {
+        epoch,
+        resync: true,
+        more: false,
+        first_seq: 1,
+        next_seq: 1,
+        load: ReplicaLoad {
+            kv_used_blocks: hashes.len() as u64,
+            ..load
+        },
+        events: vec![
+            FeedEvent::Cleared,
+            FeedEvent::Stored {
+                tier: Tier::Gpu,
+                hashes,
+            },
+        ],
+    }
+}
+
+/// The filter applies `feed_apply_blocks_per_tick` hashes a tick: ticks until it has applied all.
+fn apply_snapshots(proxy: &Proxy, worker: &mut WorkerVm, mut now_ms: u64) -> Result<(), String> {
     for _ in 0..100_000 {
         now_ms += worker.tick_period_ms().max(1) as u64;
         proxy.set_now_ns(now_ms * 1_000_000);
@@ -329,36 +336,14 @@ fn run() -> Result<(), String> {
     let t = Instant::now();
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
     let compile_ms = t.elapsed().as_secs_f64() * 1e3;
-    let replicas: Vec<_> = (0..args.replicas)
-        .map(|i| {
-            json!({"name": format!("r{i}"), "endpoint": format!("10.0.{}.{}:8000", i / 250, i % 250 + 1),
-                   "feed_cluster": format!("feed_r{i}")})
-        })
-        .collect();
-    let mut cfg = json!({
-        "replicas": replicas,
-        "routing": {"policy": args.policy, "block_size": 16,
-                    "index_capacity_blocks": (args.index_blocks + 100_000).max(1_000_000),
-                    "kv_load": args.kv_load},
-        "feed_period_ms": 3_600_000,
-        "tick_ms": 100,
-    });
-    // Only when turned off, so that a filter from before the option can be measured by default.
-    if !args.early_scan {
-        cfg["early_body_scan"] = json!(false);
-    }
+    let cfg = filter_config(&args);
     let proxy = Proxy::new(&module, ProxyOptions::new(HostMode::Envoy, cfg.to_string()));
     let mut worker = proxy.start_worker().map_err(|e| e.to_string())?;
 
-    // The prompts: a shared prefix (cached on replica 3) and a 192-id tail that differs per request.
-    const TAIL: usize = 192;
-    let mut seed = 42u64;
-    let prefix: Vec<u32> = (0..SIZES[3] - TAIL)
-        .map(|_| (lcg(&mut seed) % 128_000) as u32)
-        .collect();
+    let prompts = Prompts::new();
     let warm: Vec<u64> = BlockHasher::new(16)
         .map_err(|e| e.to_string())?
-        .sequence_hashes(&prefix)
+        .sequence_hashes(&prompts.prefix)
         .into_iter()
         .map(|h| h.0)
         .collect();
@@ -367,107 +352,13 @@ fn run() -> Result<(), String> {
     let seed_ms = t.elapsed().as_secs_f64() * 1e3;
     let seeded_memory = worker.memory_bytes();
     let index_blocks = proxy.metric("kvsteer_index_blocks").map_or(0, |m| m.value);
-
-    // Bodies are the fixed part, built once per size, plus the part that differs per request.
-    let id_heads: Vec<String> = SIZES
-        .iter()
-        .map(|&n| {
-            let mut s = String::from("{\"model\":\"m\",\"prompt\":[");
-            for t in &prefix[..n - TAIL] {
-                s.push_str(&t.to_string());
-                s.push(',');
-            }
-            s
-        })
-        .collect();
-    let token_body = |size: usize, i: usize| {
-        let mut body = id_heads[size].clone();
-        let mut s = i as u64 + 1;
-        let tail: Vec<String> = (0..TAIL)
-            .map(|_| (lcg(&mut s) % 128_000).to_string())
-            .collect();
-        body.push_str(&tail.join(","));
-        body.push_str(
-            "],\"max_tokens\":256,\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
-        );
-        body.into_bytes()
-    };
-    let texts: Vec<String> = SIZES
-        .iter()
-        .map(|&n| {
-            let words = [
-                "routing ", "tokens ", "cache ", "replica ", "prefill ", "decode ",
-            ];
-            let mut text = String::with_capacity(4 * n);
-            let mut s = 7u64;
-            while text.len() < 4 * n - 64 {
-                text.push_str(words[(lcg(&mut s) % 6) as usize]);
-            }
-            text
-        })
-        .collect();
-    let text_body = |size: usize, i: usize| {
-        json!({"model": "m", "stream": true, "max_tokens": 256,
-               "messages": [{"role": "system", "content": "You are a coding agent."},
-                            {"role": "user", "content": format!("{}question {i}", texts[size])}]})
-        .to_string()
-        .into_bytes()
-    };
     // One tick publishes the index gauges.
     worker.tick().map_err(|e| e.to_string())?;
     let _ = worker.take_callouts();
     let index_blocks = proxy
         .metric("kvsteer_index_blocks")
         .map_or(index_blocks, |m| m.value);
-    let mut pass = BytePass::new()?;
-    // Warm-up (first-call costs: lazy allocations in the guest, wasmtime's lazy init).
-    bench(
-        &proxy,
-        &mut worker,
-        &mut pass,
-        50,
-        "/v1/completions",
-        &|i| token_body(1, i),
-    )?;
-    let mut rows: Vec<(String, Measured)> = Vec::new();
-    let chosen = |n: &usize| args.sizes.contains(n);
-    for (k, &n) in SIZES.iter().enumerate().filter(|(_, n)| chosen(n)) {
-        let m = bench(
-            &proxy,
-            &mut worker,
-            &mut pass,
-            args.requests,
-            "/v1/completions",
-            &|i| token_body(k, i),
-        )?;
-        rows.push((format!("{n} token ids (/v1/completions)"), m));
-    }
-    for (k, &n) in SIZES
-        .iter()
-        .enumerate()
-        .filter(|(_, n)| chosen(n) && !args.ids_only)
-    {
-        let m = bench(
-            &proxy,
-            &mut worker,
-            &mut pass,
-            args.requests,
-            "/v1/chat/completions",
-            &|i| text_body(k, i),
-        )?;
-        rows.push((format!("chat text, ~{n} tokens (/v1/chat/completions)"), m));
-    }
-    if !args.ids_only {
-        let empty = bench(
-            &proxy,
-            &mut worker,
-            &mut pass,
-            args.requests,
-            "/v1/completions",
-            &|_| Vec::new(),
-        )?;
-        rows.push(("headers only, no body (fallback path)".into(), empty));
-    }
+    let rows = measure_rows(&proxy, &mut worker, &args, &prompts)?;
 
     println!(
         "filter: {} ({:.0} KB), compiled in {compile_ms:.0} ms; {} replicas, index seeded with {} \
@@ -482,36 +373,7 @@ fn run() -> Result<(), String> {
         if args.early_scan { "on" } else { "off" }
     );
     println!();
-    println!(
-        "| request | body | headers+body+decision p50 us | p99 us | mean us | byte pass p50 us | p50 / byte pass | after the last byte p50 us | p99 us | stream end p50 us | p99 us |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for (name, m) in &rows {
-        let sorted = |v: &[f64]| {
-            let mut v = v.to_vec();
-            v.sort_by(f64::total_cmp);
-            v
-        };
-        let (r, e, p) = (sorted(&m.request_us), sorted(&m.end_us), sorted(&m.pass_us));
-        let l = sorted(&m.last_us);
-        let mean = r.iter().sum::<f64>() / r.len().max(1) as f64;
-        let p50 = percentile(&r, 50.0);
-        let pass50 = percentile(&p, 50.0);
-        let ratio = if m.body_bytes > 0 && pass50 > 0.0 {
-            format!("{:.1}x", p50 / pass50)
-        } else {
-            "-".into()
-        };
-        println!(
-            "| {name} | {:.1} KB | {p50:.1} | {:.1} | {mean:.1} | {pass50:.1} | {ratio} | {:.1} | {:.1} | {:.1} | {:.1} |",
-            m.body_bytes as f64 / 1024.0,
-            percentile(&r, 99.0),
-            percentile(&l, 50.0),
-            percentile(&l, 99.0),
-            percentile(&e, 50.0),
-            percentile(&e, 99.0)
-        );
-    }
+    print_rows(&rows);
     println!();
     for (name, m) in &rows {
         if name.starts_with("8192 ") {
@@ -538,4 +400,192 @@ fn run() -> Result<(), String> {
         return Err(format!("the filter misbehaved: {:?}", worker.notes()));
     }
     Ok(())
+}
+
+/// The filter's configuration: `--replicas` replicas with a feed each, polled once an hour so that
+/// only [`seed_index`]'s polls fill the index.
+fn filter_config(args: &Args) -> serde_json::Value {
+    let replicas: Vec<_> = (0..args.replicas)
+        .map(|i| {
+            json!({"name": format!("r{i}"), "endpoint": format!("10.0.{}.{}:8000", i / 250, i % 250 + 1),
+                   "feed_cluster": format!("feed_r{i}")})
+        })
+        .collect();
+    let mut cfg = json!({
+        "replicas": replicas,
+        "routing": {"policy": args.policy, "block_size": 16,
+                    "index_capacity_blocks": (args.index_blocks + 100_000).max(1_000_000),
+                    "kv_load": args.kv_load},
+        "feed_period_ms": 3_600_000,
+        "tick_ms": 100,
+    });
+    // Only when turned off, so that a filter from before the option can be measured by default.
+    if !args.early_scan {
+        cfg["early_body_scan"] = json!(false);
+    }
+    cfg
+}
+
+/// Ids of a prompt's tail, which differs per request.
+const TAIL: usize = 192;
+
+/// The bench's prompts: a shared prefix (cached on replica 3) and a [`TAIL`]-id tail that differs
+/// per request. Bodies are the fixed part, built once per size, plus the part that differs.
+struct Prompts {
+    prefix: Vec<u32>,
+    /// Per size: a token-id body up to its tail.
+    id_heads: Vec<String>,
+    /// Per size: chat text of about four characters a token.
+    texts: Vec<String>,
+}
+
+impl Prompts {
+    fn new() -> Prompts {
+        let mut seed = 42u64;
+        let prefix: Vec<u32> = (0..SIZES[3] - TAIL)
+            .map(|_| (lcg(&mut seed) % 128_000) as u32)
+            .collect();
+        let id_heads = SIZES
+            .iter()
+            .map(|&n| {
+                let mut s = String::from("{\"model\":\"m\",\"prompt\":[");
+                for t in &prefix[..n - TAIL] {
+                    s.push_str(&t.to_string());
+                    s.push(',');
+                }
+                s
+            })
+            .collect();
+        let texts = SIZES
+            .iter()
+            .map(|&n| {
+                let words = [
+                    "routing ", "tokens ", "cache ", "replica ", "prefill ", "decode ",
+                ];
+                let mut text = String::with_capacity(4 * n);
+                let mut s = 7u64;
+                while text.len() < 4 * n - 64 {
+                    text.push_str(words[(lcg(&mut s) % 6) as usize]);
+                }
+                text
+            })
+            .collect();
+        Prompts {
+            prefix,
+            id_heads,
+            texts,
+        }
+    }
+
+    /// Request `i`'s `/v1/completions` body of size index `size`.
+    fn token_body(&self, size: usize, i: usize) -> Vec<u8> {
+        let mut body = self.id_heads[size].clone();
+        let mut s = i as u64 + 1;
+        let tail: Vec<String> = (0..TAIL)
+            .map(|_| (lcg(&mut s) % 128_000).to_string())
+            .collect();
+        body.push_str(&tail.join(","));
+        body.push_str(
+            "],\"max_tokens\":256,\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
+        );
+        body.into_bytes()
+    }
+
+    /// Request `i`'s `/v1/chat/completions` body of size index `size`.
+    fn text_body(&self, size: usize, i: usize) -> Vec<u8> {
+        json!({"model": "m", "stream": true, "max_tokens": 256,
+               "messages": [{"role": "system", "content": "You are a coding agent."},
+                            {"role": "user", "content": format!("{}question {i}", self.texts[size])}]})
+        .to_string()
+        .into_bytes()
+    }
+}
+
+/// A warm-up, then every row the arguments chose: token ids per size, chat text per size, headers
+/// only.
+fn measure_rows(
+    proxy: &Proxy,
+    worker: &mut WorkerVm,
+    args: &Args,
+    prompts: &Prompts,
+) -> Result<Vec<(String, Measured)>, String> {
+    let mut pass = BytePass::new()?;
+    // Warm-up (first-call costs: lazy allocations in the guest, wasmtime's lazy init).
+    bench(proxy, worker, &mut pass, 50, "/v1/completions", &|i| {
+        prompts.token_body(1, i)
+    })?;
+    let mut rows: Vec<(String, Measured)> = Vec::new();
+    let chosen = |n: &usize| args.sizes.contains(n);
+    for (k, &n) in SIZES.iter().enumerate().filter(|(_, n)| chosen(n)) {
+        let m = bench(
+            proxy,
+            worker,
+            &mut pass,
+            args.requests,
+            "/v1/completions",
+            &|i| prompts.token_body(k, i),
+        )?;
+        rows.push((format!("{n} token ids (/v1/completions)"), m));
+    }
+    for (k, &n) in SIZES
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| chosen(n) && !args.ids_only)
+    {
+        let m = bench(
+            proxy,
+            worker,
+            &mut pass,
+            args.requests,
+            "/v1/chat/completions",
+            &|i| prompts.text_body(k, i),
+        )?;
+        rows.push((format!("chat text, ~{n} tokens (/v1/chat/completions)"), m));
+    }
+    if !args.ids_only {
+        let empty = bench(
+            proxy,
+            worker,
+            &mut pass,
+            args.requests,
+            "/v1/completions",
+            &|_| Vec::new(),
+        )?;
+        rows.push(("headers only, no body (fallback path)".into(), empty));
+    }
+    Ok(rows)
+}
+
+/// The table of figures, one line per row.
+fn print_rows(rows: &[(String, Measured)]) {
+    println!(
+        "| request | body | headers+body+decision p50 us | p99 us | mean us | byte pass p50 us | p50 / byte pass | after the last byte p50 us | p99 us | stream end p50 us | p99 us |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, m) in rows {
+        let sorted = |v: &[f64]| {
+            let mut v = v.to_vec();
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        let (r, e, p) = (sorted(&m.request_us), sorted(&m.end_us), sorted(&m.pass_us));
+        let l = sorted(&m.last_us);
+        let mean = r.iter().sum::<f64>() / r.len().max(1) as f64;
+        let p50 = percentile(&r, 50.0);
+        let pass50 = percentile(&p, 50.0);
+        let ratio = if m.body_bytes > 0 && pass50 > 0.0 {
+            format!("{:.1}x", p50 / pass50)
+        } else {
+            "-".into()
+        };
+        println!(
+            "| {name} | {:.1} KB | {p50:.1} | {:.1} | {mean:.1} | {pass50:.1} | {ratio} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            m.body_bytes as f64 / 1024.0,
+            percentile(&r, 99.0),
+            percentile(&l, 50.0),
+            percentile(&l, 99.0),
+            percentile(&e, 50.0),
+            percentile(&e, 99.0)
+        );
+    }
 }

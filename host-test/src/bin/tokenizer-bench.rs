@@ -127,26 +127,7 @@ fn main() {
 }
 
 fn run() -> Result<(), String> {
-    let mut reps = 5usize;
-    let mut vocabulary = "o200k_harmony".to_string();
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--reps" => {
-                reps = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .ok_or("--reps needs a number")?
-            }
-            "--vocabulary" => vocabulary = args.next().ok_or("--vocabulary needs a value")?,
-            _ => {
-                return Err(format!(
-                    "unknown argument {a:?}; usage: tokenizer-bench [--reps N] [--vocabulary V]"
-                ));
-            }
-        }
-    }
-    let reps = reps.max(1);
+    let (reps, vocabulary) = parse_args()?;
     let path = filter_wasm_path()?;
     let t = Instant::now();
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
@@ -156,30 +137,7 @@ fn run() -> Result<(), String> {
         path.display(),
         module.size() as f64 / 1024.0
     );
-    let tok_cfg = json!({"vocabulary": vocabulary, "chat_template": "harmony"});
-
-    // VM start and memory, without and with the tokenizer (each VM parses its own vocabulary).
-    println!();
-    println!("| worker VM | start (on_vm_start + on_configure) ms | resident memory growth MB |");
-    println!("|---|---:|---:|");
-    let mut plain = start(&module, None)?;
-    println!(
-        "| no tokenizer | {:.1} | {:.1} |",
-        plain.start_ms, plain.rss_mb
-    );
-    let mut vms = Vec::new();
-    for i in 0..2 {
-        let vm = start(&module, Some(tok_cfg.clone()))?;
-        println!(
-            "| tokenizer {vocabulary}, worker {} | {:.1} | {:.1} |",
-            i + 1,
-            vm.start_ms,
-            vm.rss_mb
-        );
-        vms.push(vm);
-    }
-    let mut tok = vms.pop().ok_or("no vm")?;
-    drop(vms);
+    let (mut plain, mut tok) = start_vms(&module, &vocabulary)?;
 
     // Words per message so that 8K, 32K, 128K tokens take 8, 32, 128 messages of ~1K tokens: calibrate.
     let probe = body(&conversation(1, 0, 1000));
@@ -194,45 +152,12 @@ fn run() -> Result<(), String> {
     println!("|---|---:|---:|---|---:|---:|---:|");
     let mut seed = 100u64;
     for (label, target) in [("8K", 8_192usize), ("32K", 32_768), ("128K", 131_072)] {
-        let turns = (target / 1000).saturating_sub(1) / 2;
         let n = if target > 100_000 {
             reps.div_ceil(2)
         } else {
             reps
         };
-        let (mut first, mut follow, mut plain_first, mut plain_follow) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut tokens1, mut tokens2, mut kb1, mut kb2) = (0, 0, 0.0, 0.0);
-        for _ in 0..n {
-            seed += 1;
-            let mut convo = conversation(seed, turns, words);
-            let b1 = body(&convo);
-            let (us, n1) = request(&mut tok, &b1)?;
-            first.push(us / 1e3);
-            plain_first.push(request(&mut plain, &b1)?.0 / 1e3);
-            for (role, content) in sample::follow_up(seed) {
-                convo.push(json!({"role": role, "content": content}));
-            }
-            let b2 = body(&convo);
-            let (us, n2) = request(&mut tok, &b2)?;
-            follow.push(us / 1e3);
-            plain_follow.push(request(&mut plain, &b2)?.0 / 1e3);
-            (tokens1, tokens2) = (n1, n2);
-            (kb1, kb2) = (b1.len() as f64 / 1024.0, b2.len() as f64 / 1024.0);
-        }
-        let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
-        println!(
-            "| {label} | {tokens1} | {kb1:.0} | first | {:.2} | {:.2} | {:.2} |",
-            median(first.clone()),
-            min(&first),
-            median(plain_first)
-        );
-        println!(
-            "| {label} | {tokens2} | {kb2:.0} | follow-up | {:.2} | {:.2} | {:.2} |",
-            median(follow.clone()),
-            min(&follow),
-            median(plain_follow)
-        );
+        conversation_rows(&mut tok, &mut plain, label, target, n, words, &mut seed)?;
     }
     tok.worker.tick().map_err(|e| e.to_string())?;
     let m = |n: &str| tok.proxy.metric(n).map_or(0, |m| m.value);
@@ -253,5 +178,105 @@ fn run() -> Result<(), String> {
     if tok.worker.is_dead() || !tok.worker.notes().is_empty() {
         return Err(format!("the filter misbehaved: {:?}", tok.worker.notes()));
     }
+    Ok(())
+}
+
+/// `--reps` (at least 1) and `--vocabulary`.
+fn parse_args() -> Result<(usize, String), String> {
+    let mut reps = 5usize;
+    let mut vocabulary = "o200k_harmony".to_string();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--reps" => {
+                reps = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .ok_or("--reps needs a number")?
+            }
+            "--vocabulary" => vocabulary = args.next().ok_or("--vocabulary needs a value")?,
+            _ => {
+                return Err(format!(
+                    "unknown argument {a:?}; usage: tokenizer-bench [--reps N] [--vocabulary V]"
+                ));
+            }
+        }
+    }
+    Ok((reps.max(1), vocabulary))
+}
+
+/// VM start and memory, without and with the tokenizer (each VM parses its own vocabulary): the
+/// table, and the VM without a tokenizer and the last one with.
+fn start_vms(module: &FilterModule, vocabulary: &str) -> Result<(Vm, Vm), String> {
+    let tok_cfg = json!({"vocabulary": vocabulary, "chat_template": "harmony"});
+    println!();
+    println!("| worker VM | start (on_vm_start + on_configure) ms | resident memory growth MB |");
+    println!("|---|---:|---:|");
+    let plain = start(module, None)?;
+    println!(
+        "| no tokenizer | {:.1} | {:.1} |",
+        plain.start_ms, plain.rss_mb
+    );
+    let mut vms = Vec::new();
+    for i in 0..2 {
+        let vm = start(module, Some(tok_cfg.clone()))?;
+        println!(
+            "| tokenizer {vocabulary}, worker {} | {:.1} | {:.1} |",
+            i + 1,
+            vm.start_ms,
+            vm.rss_mb
+        );
+        vms.push(vm);
+    }
+    let tok = vms.pop().ok_or("no vm")?;
+    drop(vms);
+    Ok((plain, tok))
+}
+
+/// The two rows of one conversation size: `n` conversations of about `target` tokens, each sent
+/// as a first turn and then a follow-up, through the tokenizer VM and the plain one.
+fn conversation_rows(
+    tok: &mut Vm,
+    plain: &mut Vm,
+    label: &str,
+    target: usize,
+    n: usize,
+    words: usize,
+    seed: &mut u64,
+) -> Result<(), String> {
+    let turns = (target / 1000).saturating_sub(1) / 2;
+    let (mut first, mut follow, mut plain_first, mut plain_follow) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut tokens1, mut tokens2, mut kb1, mut kb2) = (0, 0, 0.0, 0.0);
+    for _ in 0..n {
+        *seed += 1;
+        let mut convo = conversation(*seed, turns, words);
+        let b1 = body(&convo);
+        let (us, n1) = request(tok, &b1)?;
+        first.push(us / 1e3);
+        plain_first.push(request(plain, &b1)?.0 / 1e3);
+        for (role, content) in sample::follow_up(*seed) {
+            convo.push(json!({"role": role, "content": content}));
+        }
+        let b2 = body(&convo);
+        let (us, n2) = request(tok, &b2)?;
+        follow.push(us / 1e3);
+        plain_follow.push(request(plain, &b2)?.0 / 1e3);
+        (tokens1, tokens2) = (n1, n2);
+        (kb1, kb2) = (b1.len() as f64 / 1024.0, b2.len() as f64 / 1024.0);
+    }
+    let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    println!(
+        "| {label} | {tokens1} | {kb1:.0} | first | {:.2} | {:.2} | {:.2} |",
+        median(first.clone()),
+        min(&first),
+        median(plain_first)
+    );
+    println!(
+        "| {label} | {tokens2} | {kb2:.0} | follow-up | {:.2} | {:.2} | {:.2} |",
+        median(follow.clone()),
+        min(&follow),
+        median(plain_follow)
+    );
     Ok(())
 }

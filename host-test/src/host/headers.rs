@@ -57,6 +57,7 @@ impl VmState {
 
 /// Links the header-map calls.
 pub(super) fn add_headers(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    // Kept whole: one registration per header-map host function, a flat list.
     linker.func_wrap(
         ENV,
         "proxy_get_header_map_pairs",

@@ -91,6 +91,7 @@ fn is_address(s: &str) -> bool {
 
 /// Links `proxy_http_call` and `proxy_get_status`.
 pub(super) fn add_http_call(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    // Kept whole: one registration per host function (the call and its status), a flat list.
     linker.func_wrap(
         ENV,
         "proxy_http_call",

@@ -19,6 +19,7 @@ pub struct Metric {
 
 /// Links the metric calls.
 pub(super) fn add_metrics(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    // Kept whole: one registration per metric host function, a flat list.
     linker.func_wrap(
         ENV,
         "proxy_define_metric",

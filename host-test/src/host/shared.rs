@@ -199,6 +199,7 @@ pub(super) fn add_shared_data(linker: &mut Linker<VmState>) -> wasmtime::Result<
 
 /// Links the shared-queue calls.
 pub(super) fn add_shared_queues(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    // Kept whole: one registration per shared-queue host function, a flat list.
     linker.func_wrap(
         ENV,
         "proxy_register_shared_queue",

@@ -152,6 +152,23 @@ impl Fleet {
         (id, calls.into_iter().next())
     }
 
+    /// Asserts that stream `id` was released to a decode replica, not answered by the filter;
+    /// returns the body that replica received.
+    pub(crate) fn released_to_decode(&self, id: u32) -> &[u8] {
+        let st = self.w.stream(id).unwrap();
+        assert!(st.released && st.local_response.is_none());
+        assert!(endpoint_index(st.upstream_header(DEST).unwrap()) >= PREFILL);
+        &st.upstream_body
+    }
+
+    /// Ends stream `id` with its upstream's answer: headers only, with `status`.
+    pub(crate) fn finish(&mut self, id: u32, status: &str) {
+        self.w
+            .response_headers(id, pairs(&[(":status", status)]), true)
+            .unwrap();
+        self.w.end_stream(id).unwrap();
+    }
+
     /// Runs engine `e` until request `id` finishes; its cached prompt tokens and output length.
     pub(crate) fn run_to_end(&mut self, e: usize, id: u64) -> (u32, u32) {
         let mut ev = Vec::new();

@@ -106,14 +106,9 @@ fn a_failed_prefill_leg_is_sent_once_more_to_the_other_prefill_replica() {
     assert_eq!(f.booked(), 2, "the prefill leg moved, not doubled");
     let (answer, _, _) = f.prefill_answer(&retry[0], 1);
     f.w.answer_callout(&retry[0], answer).unwrap();
-    let st = f.w.stream(id).unwrap();
-    assert!(st.released && st.local_response.is_none());
-    assert!(endpoint_index(st.upstream_header(DEST).unwrap()) >= PREFILL);
-    let up: Value = serde_json::from_slice(&st.upstream_body).unwrap();
+    let up: Value = serde_json::from_slice(f.released_to_decode(id)).unwrap();
     assert_eq!(up["kv_transfer_params"]["do_remote_prefill"], json!(true));
-    f.w.response_headers(id, pairs(&[(":status", "200")]), true)
-        .unwrap();
-    f.w.end_stream(id).unwrap();
+    f.finish(id, "200");
     assert_eq!(f.counter("kvsteer_pd_prefill_retries"), 1);
     assert_eq!(f.counter("kvsteer_pd_prefill_failures"), 0);
     assert_eq!(f.booked(), 0);
@@ -210,17 +205,12 @@ fn hostile_prefill_answers_never_trap_and_release_everything() {
         let (id, call) = f.send(&body, &[]);
         f.w.answer_callout(&call.unwrap(), bad(200, answer))
             .unwrap();
-        let st = f.w.stream(id).unwrap();
-        assert!(st.local_response.is_none() && st.released);
-        let up: Value = serde_json::from_slice(&st.upstream_body).unwrap();
+        let up: Value = serde_json::from_slice(f.released_to_decode(id)).unwrap();
         assert!(
             up.get("kv_transfer_params").is_none(),
             "the client's own params never pass: {up}"
         );
-        assert!(endpoint_index(st.upstream_header(DEST).unwrap()) >= PREFILL);
-        f.w.response_headers(id, pairs(&[(":status", "200")]), true)
-            .unwrap();
-        f.w.end_stream(id).unwrap();
+        f.finish(id, "200");
     }
     assert_eq!(f.counter("kvsteer_pd_plain_decodes"), 2);
     assert_eq!(f.booked(), 0);
@@ -263,9 +253,7 @@ fn a_late_prefill_answer_for_a_finished_stream_is_ignored() {
     );
     assert!(f.w.stream(id).unwrap().local_response.is_none());
     f.w.end_stream(a).unwrap();
-    f.w.response_headers(id, pairs(&[(":status", "200")]), true)
-        .unwrap();
-    f.w.end_stream(id).unwrap();
+    f.finish(id, "200");
     assert_eq!(f.booked(), 0);
     f.assert_clean();
 }
@@ -318,12 +306,8 @@ fn unavailable_prefill_unsendable_callouts_and_unsplittable_bodies() {
     for body in [json!({"max_tokens": 4}), json!([1, 2])] {
         let (id, call) = f.send(&body, &[]);
         assert!(call.is_none());
-        let st = f.w.stream(id).unwrap();
-        assert!(st.released && st.local_response.is_none());
-        assert!(endpoint_index(st.upstream_header(DEST).unwrap()) >= PREFILL);
-        f.w.response_headers(id, pairs(&[(":status", "400")]), true)
-            .unwrap();
-        f.w.end_stream(id).unwrap();
+        f.released_to_decode(id);
+        f.finish(id, "400");
     }
     assert_eq!(f.counter("kvsteer_pd_whole_requests"), 2);
     assert_eq!(f.booked(), 0);
@@ -389,11 +373,6 @@ fn a_fleet_without_roles_makes_no_prefill_callout() {
 fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing() {
     let mut f = Fleet::with("round_robin");
     let body = |i: u64| json!({"prompt": tokens(600 + i, 100), "max_tokens": 4});
-    let finish = |f: &mut Fleet, id: u32| {
-        f.w.response_headers(id, pairs(&[(":status", "200")]), true)
-            .unwrap();
-        f.w.end_stream(id).unwrap();
-    };
     // Round robin alternates r0, r1; r0 answers 500 three times in a row: ejected. Each of its
     // failed legs goes on to r1, so no client sees them.
     let mut r0_failures = 0;
@@ -410,12 +389,12 @@ fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing(
             let (answer, _, _) = f.prefill_answer(&retry[0], 500 + i);
             f.w.answer_callout(&retry[0], answer).unwrap();
             assert!(f.w.stream(id).unwrap().released);
-            finish(&mut f, id);
+            f.finish(id, "200");
             r0_failures += 1;
         } else {
             let (answer, _, _) = f.prefill_answer(&call, 1000 + i);
             f.w.answer_callout(&call, answer).unwrap();
-            finish(&mut f, id);
+            f.finish(id, "200");
         }
     }
     assert_eq!(r0_failures, 3);
@@ -434,7 +413,7 @@ fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing(
         assert_eq!(call.upstream, "prefill_r1", "r0 is ejected");
         let (answer, _, _) = f.prefill_answer(&call, 1000 + i);
         f.w.answer_callout(&call, answer).unwrap();
-        finish(&mut f, id);
+        f.finish(id, "200");
     }
     // A probe interval later the next prefill leg probes r0; it fails, and the leg goes on to r1.
     f.tick(1_100_000);
@@ -461,7 +440,7 @@ fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing(
     f.w.answer_callout(&retry[0], answer).unwrap();
     let st = f.w.stream(id).unwrap();
     assert!(st.released && st.local_response.is_none());
-    finish(&mut f, id);
+    f.finish(id, "200");
     assert_eq!(
         f.counter("kvsteer_pd_prefill_failures"),
         0,
@@ -475,14 +454,14 @@ fn a_failing_prefill_replica_is_ejected_probed_and_a_failed_probe_costs_nothing(
     assert_eq!(call.upstream, "prefill_r0", "the next probe");
     let (answer, _, _) = f.prefill_answer(&call, 3000);
     f.w.answer_callout(&call, answer).unwrap();
-    finish(&mut f, id);
+    f.finish(id, "200");
     let ups: Vec<String> = (0..4)
         .map(|i| {
             let (id, call) = f.send(&body(40 + i), &[]);
             let call = call.unwrap();
             let (answer, _, _) = f.prefill_answer(&call, 4000 + i);
             f.w.answer_callout(&call, answer).unwrap();
-            finish(&mut f, id);
+            f.finish(id, "200");
             call.upstream
         })
         .collect();

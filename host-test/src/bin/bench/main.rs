@@ -160,15 +160,7 @@ fn run(args: &Args) -> Result<(), String> {
         .zip(&per_scenario)
         .map(|(sc, runs)| ScenarioRuns::group(sc, &args.policies, runs))
         .collect();
-    for g in &grouped {
-        println!("\n## {}\n\n{}", g.scenario.id, scenario_table(g));
-    }
-    println!("{}", claims(&grouped));
-    let gap = limit_gap(&grouped);
-    if !gap.is_empty() {
-        println!("### The default against the limit\n\n{gap}");
-    }
-    println!("total wall time {wall:.1} s");
+    print_report(&grouped, wall);
     let meta = RunMeta {
         scale,
         seeds,
@@ -205,6 +197,19 @@ fn run(args: &Args) -> Result<(), String> {
         return Err(format!("{} replays failed", failures.len()));
     }
     Ok(())
+}
+
+/// The report on stdout: each scenario's table, the claims, the default against the limit.
+fn print_report(grouped: &[ScenarioRuns], wall: f64) {
+    for g in grouped {
+        println!("\n## {}\n\n{}", g.scenario.id, scenario_table(g));
+    }
+    println!("{}", claims(grouped));
+    let gap = limit_gap(grouped);
+    if !gap.is_empty() {
+        println!("### The default against the limit\n\n{gap}");
+    }
+    println!("total wall time {wall:.1} s");
 }
 
 /// Says on stderr what the run is about to do.

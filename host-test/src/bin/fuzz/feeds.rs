@@ -109,7 +109,6 @@ pub(crate) fn feed_input(rng: &mut Rng, call: &Callout, epoch: u64) -> FeedInput
         .and_then(|p| p.split_once('?'))
         .and_then(|(_, q)| FeedQuery::parse(q).ok())
         .unwrap_or(FeedQuery::resync(FEED_MAX_EVENTS));
-    let mut mutations = Vec::new();
     match rng.below(100) {
         0..=2 => {
             return FeedInput {
@@ -125,8 +124,18 @@ pub(crate) fn feed_input(rng: &mut Rng, call: &Callout, epoch: u64) -> FeedInput
         }
         _ => {}
     }
-    let mut body = feed_batch(rng, &q, epoch).encode();
-    let other = feed_batch(rng, &q, epoch).encode();
+    let (body, mutations) = mutated_batch(rng, &q, epoch);
+    let outcome = feed_answer(rng, body);
+    FeedInput { outcome, mutations }
+}
+
+/// A valid batch for the query, encoded, with a few mutations (header fields set to odd values,
+/// event counts, byte-level ones with pieces of a second batch), sometimes sized near the byte
+/// limit; the mutations' names.
+fn mutated_batch(rng: &mut Rng, q: &FeedQuery, epoch: u64) -> (Vec<u8>, Vec<&'static str>) {
+    let mut mutations = Vec::new();
+    let mut body = feed_batch(rng, q, epoch).encode();
+    let other = feed_batch(rng, q, epoch).encode();
     let n = match rng.below(10) {
         0..=2 => 0,
         3..=6 => 1,
@@ -165,6 +174,12 @@ pub(crate) fn feed_input(rng: &mut Rng, call: &Callout, epoch: u64) -> FeedInput
         body.resize(target, rng.next() as u8);
         mutations.push("near the byte limit");
     }
+    (body, mutations)
+}
+
+/// The answer carrying `body`: mostly 200 with the feed's content type, sometimes another status or
+/// type, a lying or missing header.
+fn feed_answer(rng: &mut Rng, body: Vec<u8>) -> CallOutcome {
     let status = if rng.chance(90) {
         200
     } else {
@@ -188,5 +203,5 @@ pub(crate) fn feed_input(rng: &mut Rng, call: &Callout, epoch: u64) -> FeedInput
             headers[0].1 = header_bytes(rng);
         }
     }
-    FeedInput { outcome, mutations }
+    outcome
 }

@@ -467,32 +467,9 @@ fn run() -> Result<bool, String> {
     let end = args.from + args.count;
     let mut next_check = args.from + args.check_every;
     while index < end {
-        let mut rng = Rng::for_input(args.seed, index);
-        // Keep the kinds at `feed_share` percent of the inputs (a feed round answers every replica
-        // the filter polled, usually all four).
-        let feed = t.feeds * (100 - args.feed_share) < t.requests * args.feed_share
-            || args.feed_share == 100;
-        let result;
-        let mut answers = Vec::new();
-        let mut request = None;
-        let mut note = "";
         let before = index;
-        if feed {
-            result = run_feed_round(&mut vm, &mut rng, &mut t, &mut answers);
-            let n = *result.as_ref().unwrap_or(&1);
-            t.feeds += n;
-            index += n.max(1);
-        } else {
-            let inp = request_input(&mut rng);
-            for m in &inp.mutations {
-                *t.mutations.entry(m).or_insert(0) += 1;
-            }
-            result = run_request(&mut vm, &inp, &mut t).map(|_| 1);
-            request = Some(inp);
-            t.requests += 1;
-            index += 1;
-        }
-        let mut result = result.map(|_| ());
+        let (input, mut result) = next_input(&mut vm, &args, &mut t, &mut index);
+        let mut note = "";
         if result.is_ok() && index >= next_check {
             next_check = index + args.check_every;
             t.checks += 1;
@@ -502,39 +479,7 @@ fn run() -> Result<bool, String> {
             }
         }
         if let Err(f) = result {
-            let (what, trap) = match &f {
-                Failure::Trap(e) => (format!("TRAP: {e}"), true),
-                Failure::Violation(v) => (format!("VIOLATION: {v}"), false),
-            };
-            if trap {
-                t.traps += 1;
-            } else {
-                t.violations += 1;
-            }
-            let descr = match &request {
-                Some(r) => format!(
-                    "kind: request body (replay with --feed-share 0)\n{}",
-                    describe_request(r)
-                ),
-                None => format!(
-                    "kind: feed round (replay with --feed-share 100; the cause may be an earlier \
-                     round's answer, still being applied)\n{}",
-                    describe_feed(&answers)
-                ),
-            };
-            let file = write_failure(
-                &args,
-                before,
-                &what,
-                &format!("{note}{descr}"),
-                request.as_ref().map(|r| r.body.as_slice()),
-            )?;
-            let line = format!(
-                "input {before} (seed {}): {} -> {}",
-                args.seed,
-                what.lines().next().unwrap_or(""),
-                file.display()
-            );
+            let line = record_failure(&args, before, f, note, &input, &mut t)?;
             println!("{line}");
             failures.push(line);
             add_metrics(&vm, &mut t);
@@ -565,7 +510,98 @@ fn run() -> Result<bool, String> {
         t.violations += 1;
     }
     add_metrics(&vm, &mut t);
-    let secs = start.elapsed().as_secs_f64();
+    print_totals(&args, &t, start.elapsed().as_secs_f64(), &failures);
+    Ok(failures.is_empty())
+}
+
+/// One input as it was run, kept to describe it if it failed: a request, or a feed round's answers.
+struct Input {
+    request: Option<RequestInput>,
+    answers: Vec<(Callout, CallOutcome, Vec<&'static str>)>,
+}
+
+/// Runs the input at `index`, a feed round or a request body, and moves `index` past it.
+fn next_input(
+    vm: &mut Vm,
+    args: &Args,
+    t: &mut Totals,
+    index: &mut u64,
+) -> (Input, Result<(), Failure>) {
+    let mut rng = Rng::for_input(args.seed, *index);
+    // Keep the kinds at `feed_share` percent of the inputs (a feed round answers every replica
+    // the filter polled, usually all four).
+    let feed =
+        t.feeds * (100 - args.feed_share) < t.requests * args.feed_share || args.feed_share == 100;
+    let mut input = Input {
+        request: None,
+        answers: Vec::new(),
+    };
+    let result = if feed {
+        let result = run_feed_round(vm, &mut rng, t, &mut input.answers);
+        let n = *result.as_ref().unwrap_or(&1);
+        t.feeds += n;
+        *index += n.max(1);
+        result.map(|_| ())
+    } else {
+        let inp = request_input(&mut rng);
+        for m in &inp.mutations {
+            *t.mutations.entry(m).or_insert(0) += 1;
+        }
+        let result = run_request(vm, &inp, t);
+        input.request = Some(inp);
+        t.requests += 1;
+        *index += 1;
+        result
+    };
+    (input, result)
+}
+
+/// Counts a failure and writes its input under `--out`; returns the line that names it.
+fn record_failure(
+    args: &Args,
+    index: u64,
+    f: Failure,
+    note: &str,
+    input: &Input,
+    t: &mut Totals,
+) -> Result<String, String> {
+    let (what, trap) = match &f {
+        Failure::Trap(e) => (format!("TRAP: {e}"), true),
+        Failure::Violation(v) => (format!("VIOLATION: {v}"), false),
+    };
+    if trap {
+        t.traps += 1;
+    } else {
+        t.violations += 1;
+    }
+    let descr = match &input.request {
+        Some(r) => format!(
+            "kind: request body (replay with --feed-share 0)\n{}",
+            describe_request(r)
+        ),
+        None => format!(
+            "kind: feed round (replay with --feed-share 100; the cause may be an earlier \
+             round's answer, still being applied)\n{}",
+            describe_feed(&input.answers)
+        ),
+    };
+    let file = write_failure(
+        args,
+        index,
+        &what,
+        &format!("{note}{descr}"),
+        input.request.as_ref().map(|r| r.body.as_slice()),
+    )?;
+    Ok(format!(
+        "input {index} (seed {}): {} -> {}",
+        args.seed,
+        what.lines().next().unwrap_or(""),
+        file.display()
+    ))
+}
+
+/// The run's table, what the requests and feed answers did, and the failures.
+fn print_totals(args: &Args, t: &Totals, secs: f64, failures: &[String]) {
     let total = t.requests + t.feeds;
     println!();
     println!(
@@ -599,9 +635,8 @@ fn run() -> Result<bool, String> {
     }
     if !failures.is_empty() {
         println!("{} failures:", failures.len());
-        for f in &failures {
+        for f in failures {
             println!("  {f}");
         }
     }
-    Ok(failures.is_empty())
 }

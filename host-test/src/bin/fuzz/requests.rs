@@ -242,6 +242,7 @@ pub(crate) fn value_of(b: &[u8], key: &str) -> Option<(usize, usize)> {
 
 /// One random mutation of a JSON body (or of any bytes).
 pub(crate) fn mutate(rng: &mut Rng, b: &mut Vec<u8>, other: &[u8]) -> &'static str {
+    // Kept whole: one arm per mutation kind.
     let len = b.len();
     let at = |rng: &mut Rng| rng.below(len + 1);
     match rng.below(15) {
@@ -462,7 +463,29 @@ pub(crate) fn header_bytes(rng: &mut Rng) -> Vec<u8> {
 
 pub(crate) fn request_input(rng: &mut Rng) -> RequestInput {
     let chat = rng.chance(50);
-    let path = match rng.below(100) {
+    let path = request_path(rng, chat);
+    let (body, mutations) = mutated_body(rng, chat);
+    let headers = fuzzed_headers(rng, &path, body.len());
+    let chunks = chunking(rng, body.len());
+    let abort_after = if rng.chance(3) {
+        Some(rng.below(chunks.len()))
+    } else {
+        None
+    };
+    RequestInput {
+        path,
+        headers,
+        body,
+        chunks,
+        trailers: rng.chance(5),
+        abort_after,
+        mutations,
+    }
+}
+
+/// The request's path: mostly the body's own endpoint, sometimes one the filter must not take for it.
+fn request_path(rng: &mut Rng, chat: bool) -> String {
+    match rng.below(100) {
         0..=91 => {
             if chat {
                 "/v1/chat/completions".to_string()
@@ -478,7 +501,12 @@ pub(crate) fn request_input(rng: &mut Rng) -> RequestInput {
         97 => "/V1/COMPLETIONS".into(),
         98 => "/v1/completions#frag".into(),
         _ => "*".into(),
-    };
+    }
+}
+
+/// A valid body of the kind `chat` says with a few mutations (pieces spliced in from a body of the
+/// other kind), sometimes emptied; the mutations' names.
+fn mutated_body(rng: &mut Rng, chat: bool) -> (Vec<u8>, Vec<&'static str>) {
     let mut body = valid_body(rng, chat).into_bytes();
     let other = valid_body(rng, !chat).into_bytes();
     let n = match rng.below(10) {
@@ -495,11 +523,17 @@ pub(crate) fn request_input(rng: &mut Rng) -> RequestInput {
         body.clear();
         mutations.push("empty body");
     }
+    (body, mutations)
+}
+
+/// A client's headers for the body, sometimes with another method, a missing or lying
+/// content-length or content-type, or spoofed routing headers.
+fn fuzzed_headers(rng: &mut Rng, path: &str, body_len: usize) -> Pairs {
     let mut extra: Vec<(String, String)> = Vec::new();
     if rng.chance(30) {
         extra.push(("x-session-id".into(), format!("s{}", rng.below(100))));
     }
-    let mut headers = request_headers(&path, body.len(), None, &extra);
+    let mut headers = request_headers(path, body_len, None, &extra);
     if rng.chance(10) {
         let m = rng
             .pick(&["GET", "PUT", "post", "", "OPTIONS"])
@@ -525,15 +559,19 @@ pub(crate) fn request_input(rng: &mut Rng) -> RequestInput {
             headers.push((name.as_bytes().to_vec(), header_bytes(rng)));
         }
     }
-    // Chunking: cut points anywhere, empty chunks allowed; at most 16 chunks (each `on_request_body`
-    // sees everything buffered so far, as Envoy delivers it).
+    headers
+}
+
+/// Chunking: cut points anywhere, empty chunks allowed; at most 16 chunks (each `on_request_body`
+/// sees everything buffered so far, as Envoy delivers it).
+fn chunking(rng: &mut Rng, body_len: usize) -> Vec<usize> {
     let mut chunks = Vec::new();
     let pieces = match rng.below(10) {
         0..=4 => 1,
         5..=7 => rng.below(4) + 2,
         _ => rng.below(16) + 1,
     };
-    let mut left = body.len();
+    let mut left = body_len;
     for k in 0..pieces {
         if k + 1 == pieces {
             chunks.push(left);
@@ -547,18 +585,5 @@ pub(crate) fn request_input(rng: &mut Rng) -> RequestInput {
             left -= c;
         }
     }
-    let abort_after = if rng.chance(3) {
-        Some(rng.below(chunks.len()))
-    } else {
-        None
-    };
-    RequestInput {
-        path,
-        headers,
-        body,
-        chunks,
-        trailers: rng.chance(5),
-        abort_after,
-        mutations,
-    }
+    chunks
 }
