@@ -23,8 +23,8 @@
 use crate::wire::{DecodeError, EngineBatch, EngineEvent, ExtraKeys, Limits, Medium, Stored};
 use hashbrown::HashMap;
 use kvsteer_core::block::{BlockHasher, MAX_BLOCK_SIZE, SeqHash, namespace_seed};
-use kvsteer_core::feed::{FeedBatch, FeedQuery, ReplicaLoad, Tier};
 use kvsteer_core::feed::log::FeedLog;
+use kvsteer_core::feed::{FeedBatch, FeedQuery, ReplicaLoad, Tier};
 use std::collections::VecDeque;
 
 /// Default bound on blocks held before the engine's block count is known.

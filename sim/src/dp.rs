@@ -17,10 +17,10 @@
 //!   address ranks could know, so it is the fair baseline for rank-aware routing.
 
 use crate::engine::Engine;
+use kvsteer_core::feed::log::FeedLog;
 use kvsteer_core::feed::{
     CursorVerdict, FeedBatch, FeedCursor, FeedEvent, FeedQuery, ReplicaLoad, Tier,
 };
-use kvsteer_core::feed::log::FeedLog;
 use std::collections::{HashMap, HashSet};
 
 /// How often vLLM's DP coordinator publishes the engines' request counts to the API servers

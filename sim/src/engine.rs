@@ -13,13 +13,13 @@
 //! current step ends and [`Engine::advance`] completes every step that ends by a time. Nothing depends
 //! on wall time or on hash-map iteration order, so a run is reproducible for a seed.
 
-use kvsteer_core::feed::log::FeedLog;
 use crate::kv::KvCache;
 use crate::lora::{LoraConfig, LoraSlots};
 use crate::output::{OutputLen, mix64, output_token};
 use crate::profile::Profile;
 use hashbrown::HashMap;
 use kvsteer_core::block::BlockHasher;
+use kvsteer_core::feed::log::FeedLog;
 use std::collections::VecDeque;
 
 mod report;

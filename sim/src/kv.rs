@@ -8,9 +8,9 @@
 //! order, so its last blocks (least likely to be shared) go first; blocks that never got a hash (a
 //! partial tail) return to the head, since nothing can hit them.
 
-use kvsteer_core::feed::log::FeedLog;
 use hashbrown::HashMap;
 use kvsteer_core::feed::Tier;
+use kvsteer_core::feed::log::FeedLog;
 
 const NIL: u32 = u32::MAX;
 

@@ -36,12 +36,12 @@ mod cursor;
 mod frame;
 pub mod log;
 
-pub use cursor::{CursorVerdict, FeedCursor, FeedQuery};
-pub use frame::{EventKind, FeedFrame, FeedSlice};
-use frame::{EventReader, check};
 pub use adapters::{
     ADAPTERS_QUERY, AdapterReport, FLAG_ADAPTERS, MAX_ADAPTER_NAMES, query_adapters,
 };
+pub use cursor::{CursorVerdict, FeedCursor, FeedQuery};
+pub use frame::{EventKind, FeedFrame, FeedSlice};
+use frame::{EventReader, check};
 
 /// Path of the feed endpoint on a replica.
 pub const FEED_PATH: &str = "/kvsteer/feed";
