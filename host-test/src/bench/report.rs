@@ -165,6 +165,12 @@ pub fn scenario_table(sr: &ScenarioRuns) -> String {
     s
 }
 
+/// The policy the claims and the distance to the limit are about: the default, whichever it is
+/// when the report is generated.
+pub fn default_policy() -> &'static str {
+    kvsteer_core::PolicyKind::default().name()
+}
+
 /// Better-or-worse verdict text.
 fn mark(ok: bool) -> &'static str {
     if ok { "yes" } else { "**no**" }
@@ -186,25 +192,24 @@ pub fn claims(all: &[ScenarioRuns]) -> String {
     s
 }
 
-/// The RL straggler claims: `kv_load` has the best rollout p99 despite a lower hit rate than
+/// The RL straggler claims: the default policy has the best rollout p99 despite a lower hit rate than
 /// `session_hash`, and over every seed.
 fn rl_claims(s: &mut String, rl: &ScenarioRuns) {
+    let d = default_policy();
     let _ = writeln!(s, "### RL stragglers (`{}`)\n", rl.scenario.id);
     let best = rl
         .deployable()
         .map(|c| (c.policy, c.median(|m| m.session_e2e_s.p99)))
         .min_by(|a, b| a.1.total_cmp(&b.1));
-    if let (Some((bp, bv)), Some(kv), Some(sh)) =
-        (best, rl.cell("kv_load"), rl.cell("session_hash"))
-    {
+    if let (Some((bp, bv)), Some(kv), Some(sh)) = (best, rl.cell(d), rl.cell("session_hash")) {
         let kv_p99 = kv.median(|m| m.session_e2e_s.p99);
         let (kv_hit, sh_hit) = (kv.median(|m| m.hit_rate), sh.median(|m| m.hit_rate));
         let _ = writeln!(
             s,
             "| claim | measured (median over seeds) | holds |\n|---|---|---|\n\
-             | `kv_load` has the best p99 rollout latency | kv_load {kv_p99:.1} s; best is {bp} {bv:.1} s | {} |\n\
-             | ... despite a lower hit rate than `session_hash` | kv_load {:.1}% vs session_hash {:.1}% | {} |\n",
-            mark(bp == "kv_load"),
+             | `{d}` has the best p99 rollout latency | {d} {kv_p99:.1} s; best is {bp} {bv:.1} s | {} |\n\
+             | ... despite a lower hit rate than `session_hash` | {d} {:.1}% vs session_hash {:.1}% | {} |\n",
+            mark(bp == d),
             kv_hit * 100.0,
             sh_hit * 100.0,
             mark(kv_hit < sh_hit),
@@ -212,34 +217,35 @@ fn rl_claims(s: &mut String, rl: &ScenarioRuns) {
         let kv_max = kv.spread(|m| m.session_e2e_s.p99).max;
         let others_min = rl
             .deployable()
-            .filter(|c| c.policy != "kv_load")
+            .filter(|c| c.policy != d)
             .map(|c| c.spread(|m| m.session_e2e_s.p99).min)
             .fold(f64::INFINITY, f64::min);
         let _ = writeln!(
             s,
-            "Over every seed: kv_load's worst rollout p99 is {kv_max:.1} s, the best any other \
+            "Over every seed: {d}'s worst rollout p99 is {kv_max:.1} s, the best any other \
              policy reached on any seed is {others_min:.1} s ({}).\n",
             if kv_max < others_min {
-                "kv_load wins on every seed"
+                format!("{d} wins on every seed")
             } else {
-                "the ranges overlap"
+                "the ranges overlap".to_string()
             }
         );
     }
 }
 
-/// The coding-agent traces: `kv_load` over `session_hash` per concurrency.
+/// The coding-agent traces: the default policy over `session_hash` per concurrency.
 fn weka_claims(s: &mut String, weka: &[&ScenarioRuns]) {
+    let d = default_policy();
     let _ = writeln!(
         s,
-        "### Coding-agent traces: `kv_load` against `session_hash` by concurrency\n\n\
-         Ratios are kv_load / session_hash (medians over seeds); below 1 is better for latency, \
+        "### Coding-agent traces: `{d}` against `session_hash` by concurrency\n\n\
+         Ratios are {d} / session_hash (medians over seeds); below 1 is better for latency, \
          above 1 for throughput.\n\n\
-         | sessions in flight | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | output tok/s | hit rate kv_load / session_hash | decode CV kv_load / session_hash | kv_load better on TTFT, TPOT and tok/s |\n\
+         | sessions in flight | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | output tok/s | hit rate {d} / session_hash | decode CV {d} / session_hash | {d} better on TTFT, TPOT and tok/s |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|---|"
     );
     for r in weka {
-        let (Some(kv), Some(sh)) = (r.cell("kv_load"), r.cell("session_hash")) else {
+        let (Some(kv), Some(sh)) = (r.cell(d), r.cell("session_hash")) else {
             continue;
         };
         let ratio = |f: &dyn Fn(&Summary) -> f64| kv.median(f) / sh.median(f);
@@ -298,12 +304,13 @@ fn control_claims(s: &mut String, r: &ScenarioRuns) {
     s.push('\n');
 }
 
-/// The default policy against the limit: per scenario, `kv_load`'s figures beside the oracle's on
+/// The default policy against the limit: per scenario, the default policy's figures beside the oracle's on
 /// TTFT p50 and p99, TPOT p99, output tokens a second and the rollout (RL) or session p99 (medians
 /// over seeds), their ratio, and the
 /// best deployable policy on each, so the report says how much room routing has left and where.
 /// Generated, never hand-written: the figures change with every run. Empty when no scenario ran both.
 pub fn limit_gap(all: &[ScenarioRuns]) -> String {
+    let d = default_policy();
     type Metric = (&'static str, fn(&Summary) -> f64, bool, usize);
     const METRICS: [Metric; 5] = [
         ("TTFT p50 ms", |m| m.ttft_ms.p50, true, 0),
@@ -315,7 +322,7 @@ pub fn limit_gap(all: &[ScenarioRuns]) -> String {
     let mut rows = String::new();
     let mut beaten = Vec::new();
     for r in all {
-        let (Some(kv), Some(or)) = (r.cell("kv_load"), r.oracle()) else {
+        let (Some(kv), Some(or)) = (r.cell(d), r.oracle()) else {
             continue;
         };
         let mut cols = Vec::new();
@@ -345,10 +352,10 @@ pub fn limit_gap(all: &[ScenarioRuns]) -> String {
     if rows.is_empty() {
         return String::new();
     }
-    let mut s = String::from(
-        "How far the default is from the limit: `kv_load` / `oracle` (medians over seeds) and their \
+    let mut s = format!(
+        "How far the default is from the limit: `{d}` / `oracle` (medians over seeds) and their \
          ratio (above 1 on latency, below 1 on tok/s: the distance left to the limit; the other way: \
-         `kv_load` did better than the oracle), then the best deployable policy on that figure. The \
+         `{d}` did better than the oracle), then the best deployable policy on that figure. The \
          oracle knows every request's true output \
          length and the engines' exact state and places greedily, one request at a time, by its own \
          time to first token and the stall its prefill puts on others; it is a reference point, not \
@@ -359,14 +366,15 @@ pub fn limit_gap(all: &[ScenarioRuns]) -> String {
     );
     s.push_str(&rows);
     if beaten.is_empty() {
-        s.push_str(
-            "\nThe oracle is as good as `kv_load` or better on every figure above (within 0.5%, the \
-             shown ratio's rounding, counts as a tie).\n",
+        let _ = writeln!(
+            s,
+            "\nThe oracle is as good as `{d}` or better on every figure above (within 0.5%, the \
+             shown ratio's rounding, counts as a tie)."
         );
     } else {
         let _ = writeln!(
             s,
-            "\n`kv_load` beats the greedy oracle on: {}.",
+            "\n`{d}` beats the greedy oracle on: {}.",
             beaten.join(", ")
         );
     }
@@ -522,42 +530,41 @@ mod tests {
 
     #[test]
     fn the_oracle_is_labelled_and_never_ranked_among_the_policies() {
+        let d = default_policy();
         let sc = rl_scenario();
-        let policies: Vec<String> = ["session_hash", "kv_load", "oracle"]
-            .map(String::from)
-            .to_vec();
-        // The oracle is best on rollout p99 and TTFT p99; kv_load is best among the policies.
+        let policies: Vec<String> = ["session_hash", d, "oracle"].map(String::from).to_vec();
+        // The oracle is best on rollout p99 and TTFT p99; the default is best among the policies.
         let runs = [
             ranked("session_hash", 80.0, 12.0, 900.0),
-            ranked("kv_load", 100.0, 10.0, 1000.0),
+            ranked(d, 100.0, 10.0, 1000.0),
             ranked("oracle", 50.0, 5.0, 950.0),
         ];
         let sr = ScenarioRuns::group(&sc, &policies, &runs);
         let names: Vec<&str> = sr.deployable().map(|c| c.policy).collect();
-        assert_eq!(names, ["session_hash", "kv_load"]);
+        assert_eq!(names, ["session_hash", d]);
         assert_eq!(sr.oracle().map(|c| c.policy), Some("oracle"));
         let table = scenario_table(&sr);
         assert!(
             table.contains(&format!("| oracle ({ORACLE_NOTE}) |")),
             "{table}"
         );
-        assert!(table.contains("| kv_load |"));
+        assert!(table.contains(&format!("| {} |", row_label(d))), "{table}");
         let c = claims(std::slice::from_ref(&sr));
         assert!(
-            c.contains("best is kv_load 10.0 s | yes"),
+            c.contains(&format!("best is {d} 10.0 s | yes")),
             "the oracle must not take the best-policy claim: {c}"
         );
-        assert!(c.contains("kv_load wins on every seed"), "{c}");
+        assert!(c.contains(&format!("{d} wins on every seed")), "{c}");
         let gap = limit_gap(std::slice::from_ref(&sr));
-        // TTFT p99: kv_load 100 against the oracle's 50, and the best policy is session_hash, not
+        // TTFT p99: the default's 100 against the oracle's 50, and the best policy is session_hash, not
         // the oracle.
         assert!(
             gap.contains("100 / 50 = 2.00x; best session_hash 80"),
             "{gap}"
         );
-        // Throughput: kv_load beats the oracle, and the report says so; TPOT (equal) is not listed.
+        // Throughput: the default beats the oracle, and the report says so; TPOT (equal) is not listed.
         assert!(
-            gap.contains("1000 / 950 = 1.05x; best kv_load 1000"),
+            gap.contains(&format!("1000 / 950 = 1.05x; best {d} 1000")),
             "{gap}"
         );
         assert!(
@@ -567,27 +574,28 @@ mod tests {
     }
 
     #[test]
-    fn no_gap_section_without_both_kv_load_and_the_oracle() {
+    fn no_gap_section_without_both_the_default_and_the_oracle() {
+        let d = default_policy();
         let sc = rl_scenario();
-        let policies: Vec<String> = ["kv_load", "session_hash"].map(String::from).to_vec();
+        let policies: Vec<String> = [d, "session_hash"].map(String::from).to_vec();
         let runs = [
-            ranked("kv_load", 100.0, 10.0, 1000.0),
+            ranked(d, 100.0, 10.0, 1000.0),
             ranked("session_hash", 80.0, 12.0, 900.0),
         ];
         let sr = ScenarioRuns::group(&sc, &policies, &runs);
         assert_eq!(limit_gap(std::slice::from_ref(&sr)), "");
         assert!(!scenario_table(&sr).contains("limit"));
         // A variant of the oracle counts as the limit too.
-        let policies: Vec<String> = ["kv_load", "oracle@decode=1"].map(String::from).to_vec();
+        let policies: Vec<String> = [d, "oracle@decode=1"].map(String::from).to_vec();
         let runs = [
-            ranked("kv_load", 100.0, 10.0, 1000.0),
+            ranked(d, 100.0, 10.0, 1000.0),
             ranked("oracle@decode=1", 90.0, 9.0, 1100.0),
         ];
         let sr = ScenarioRuns::group(&sc, &policies, &runs);
         assert_eq!(sr.oracle().map(|c| c.policy), Some("oracle@decode=1"));
         let gap = limit_gap(std::slice::from_ref(&sr));
         assert!(
-            gap.contains("as good as `kv_load` or better on every figure"),
+            gap.contains(&format!("as good as `{d}` or better on every figure")),
             "{gap}"
         );
     }

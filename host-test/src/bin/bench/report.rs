@@ -5,7 +5,7 @@
 use kvsteer_host_test::artifact::{report_path, workspace_root};
 use kvsteer_host_test::bench::args::POLICIES;
 use kvsteer_host_test::bench::report::{
-    ScenarioRuns, claims, hit_cv_plot, limit_gap, scenario_plots, scenario_table,
+    ScenarioRuns, claims, default_policy, hit_cv_plot, limit_gap, scenario_plots, scenario_table,
 };
 use kvsteer_host_test::bench::run::ROUTER_SEED;
 use kvsteer_host_test::bench::scenario::{Scale, Scenario};
@@ -191,10 +191,11 @@ fn harness_json(
 
 /// The TTFT CDFs and decode-load plots of each scenario, and the hit-rate-against-CV plots.
 fn write_plots(w: &Writer, grouped: &[ScenarioRuns]) -> Result<(), String> {
+    let against = ["session_hash", default_policy()];
     for g in grouped {
         let decode: &[&str] = match g.scenario.group {
             "rl" => &POLICIES,
-            "weka" => &["session_hash", "kv_load"],
+            "weka" => &against,
             _ => &[],
         };
         for (name, svg) in scenario_plots(g, decode) {
@@ -213,10 +214,7 @@ fn write_plots(w: &Writer, grouped: &[ScenarioRuns]) -> Result<(), String> {
         .filter(|g| g.scenario.group == "weka")
         .collect();
     if !weka.is_empty() {
-        w.write(
-            "weka_hit_vs_cv.svg",
-            &hit_cv_plot(&weka, &["session_hash", "kv_load"], true),
-        )?;
+        w.write("weka_hit_vs_cv.svg", &hit_cv_plot(&weka, &against, true))?;
     }
     Ok(())
 }
@@ -417,13 +415,15 @@ fn group_section(md: &mut String, grouped: &[ScenarioRuns], group: &str, title: 
             md.push('\n');
         }
         "weka" => {
-            md.push_str(
-                "Hit rate against decode-block CV across concurrency (kv_load and \
+            let _ = write!(
+                md,
+                "Hit rate against decode-block CV across concurrency ({} and \
                  session_hash, medians over seeds):\n\n\
                  ![hit rate vs CV across concurrency](results/weka_hit_vs_cv.svg)\n\n",
+                default_policy()
             );
             if let Some(last) = gs.last() {
-                for p in ["session_hash", "kv_load"] {
+                for p in ["session_hash", default_policy()] {
                     if last.cell(p).is_some() {
                         let _ = writeln!(
                             md,
@@ -452,7 +452,7 @@ const HOW_TO_READ: &str = "## How to read this\n\n\
   itself, knowing every request's true output length and the simulated engines' exact state (queues, \
   remaining tokens, KV cache contents), which no router can know (docs/design/harness.md, \"The oracle\"). \
   It is left out wherever policies are ranked (the claims, the goals), and the section \"The default \
-  against the limit\" gives `kv_load`'s distance to it.\n\
+  against the limit\" gives the default policy's distance to it.\n\
 - A high hit rate is not the goal: a policy can hit the cache every time by sending everything to \
   one replica. The claims below are about trading hit rate for even decode load.\n\
 - Everything runs in virtual time: the engines are a model of vLLM on an H100 \
