@@ -192,6 +192,25 @@ impl DiscoverySection {
     }
 }
 
+impl Unit {
+    /// Discovery slot `k` with no member seated: a placeholder named `_slotK`, routed to by
+    /// nobody, whose feed is polled through the discovery section's `feed_cluster`.
+    pub fn vacant_slot(k: usize, feed_cluster: Option<String>) -> Unit {
+        Unit {
+            name: slot_name(k),
+            endpoint: "0.0.0.0:0".into(),
+            feed_cluster,
+            feed_authority: None,
+            feed_address: None,
+            cluster: None,
+            role: "both".into(),
+            prefill_cluster: None,
+            prefill_authority: None,
+            rank: None,
+        }
+    }
+}
+
 impl FilterConfig {
     /// The routing units configured statically; discovery's slots follow them.
     pub fn static_units(&self) -> usize {
@@ -209,18 +228,8 @@ impl FilterConfig {
             return; // already added
         }
         for k in 0..d.max_members {
-            self.units.push(Unit {
-                name: slot_name(k),
-                endpoint: "0.0.0.0:0".into(),
-                feed_cluster: d.feed_cluster.clone(),
-                feed_authority: None,
-                feed_address: None,
-                cluster: None,
-                role: "both".into(),
-                prefill_cluster: None,
-                prefill_authority: None,
-                rank: None,
-            });
+            self.units
+                .push(Unit::vacant_slot(k, d.feed_cluster.clone()));
         }
     }
 

@@ -41,7 +41,7 @@ pub fn overwrite_by_cas<S: SharedStore + ?Sized>(store: &S, key: &str, value: &[
 
 /// The proxy's own shared data (only in the wasm build, where the host exists).
 #[cfg(target_arch = "wasm32")]
-mod host {
+mod proxy {
     use super::{SharedStore, overwrite_by_cas};
     use crate::config::{FilterConfig, OutputMode};
 
@@ -89,7 +89,7 @@ mod host {
     }
 }
 #[cfg(target_arch = "wasm32")]
-pub(crate) use host::host_store;
+pub(crate) use proxy::host_store;
 
 #[cfg(test)]
 pub(crate) mod tests {

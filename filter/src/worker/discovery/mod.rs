@@ -7,7 +7,7 @@
 pub mod roster;
 
 use super::{FeedState, WorkerState};
-use crate::config::{OutputMode, slot_name};
+use crate::config::{OutputMode, Unit};
 use crate::host::store::SharedStore;
 use crate::worker::discovery::roster::{ROSTER_KEY, Refusal, Roster, RosterRules};
 use kvsteer_core::router::Membership;
@@ -337,13 +337,7 @@ impl WorkerState {
                 spec.feed_address = nginx.then(|| s.feed.clone());
                 spec.rank = s.rank;
             }
-            None => {
-                spec.name = slot_name(k);
-                spec.endpoint = "0.0.0.0:0".into();
-                spec.feed_authority = None;
-                spec.feed_address = None;
-                spec.rank = None;
-            }
+            None => *spec = Unit::vacant_slot(k, spec.feed_cluster.take()),
         }
         if let Some(f) = self.feeds.get_mut(unit) {
             let relay_seen = f.relay_seen;
