@@ -340,8 +340,10 @@ impl Replay {
     /// The requests the workload issues now, each routed, admitted and submitted to its engine.
     fn issue_due_requests(&mut self) {
         let now = self.now;
-        self.driver.poll(now, &mut self.issues);
-        for issue in std::mem::take(&mut self.issues) {
+        // Taken out and put back so its capacity is reused on every poll.
+        let mut issues = std::mem::take(&mut self.issues);
+        self.driver.poll(now, &mut issues);
+        for issue in issues.drain(..) {
             self.recorder.issued_from(&issue);
             let hashes = self.hasher.sequence_hashes(&issue.prompt);
             let route_req = RouteRequest {
@@ -385,6 +387,7 @@ impl Replay {
                 }
             }
         }
+        self.issues = issues;
     }
 
     /// The figures the page shows.
