@@ -691,7 +691,8 @@ class RealVllm(VllmCase):
         self.direct(e, v + tokens(32, 7_101))
         self.wait_stored(e, since)
         served, res, matched = self.routed(v + tokens(32, 7_102))
-        self.assertEqual(served.name, e.name, res)
+        view = {k: self.stat(f"kvsteer_{k}_{e.name}") for k in ("ejected", "down", "feed_stale")}
+        self.assertEqual(served.name, e.name, f"{res}; the filter's gauges for {e.name}: {view}")
         self.assertGreaterEqual(matched, PREFIX)
 
 

@@ -377,6 +377,11 @@ impl Health {
             // Only successes restore: without outcomes both counts decay alike (and, after long
             // enough, to nothing), which is no news about the replica.
             self.ejected[r] = false;
+            // The success that restores it ends this worker's run of failures, even when another
+            // worker saw it: failures counted while it was ejected (requests in flight when it
+            // died, probes that failed) would otherwise eject it again at the next judgement, for
+            // a full probe interval, on this worker alone.
+            self.consecutive[r] = 0;
         }
     }
 
@@ -556,6 +561,30 @@ mod tests {
             !p.is_ejected(1),
             "not re-ejected by the run that ejected it"
         );
+        // Nor by failures this worker saw while the replica was ejected (its requests in flight
+        // when it died, its own failed probes): they came before the success that restored it.
+        let mut q = health(2);
+        for t in 0..7 {
+            q.record(1, Outcome::Failure, t);
+        }
+        assert!(q.is_ejected(1));
+        q.set_peer(
+            5,
+            30_000,
+            &[HealthCounts::default(), HealthCounts { ok: 1.0, err: 0.0 }],
+        );
+        q.refresh(30_000);
+        assert!(!q.is_ejected(1), "restored by the peer's success");
+        q.refresh(30_001);
+        assert!(
+            !q.is_ejected(1),
+            "not re-ejected by failures that came before the success"
+        );
+        q.record(1, Outcome::Failure, 30_002);
+        q.record(1, Outcome::Failure, 30_003);
+        assert!(!q.is_ejected(1), "a new run counts from the restore");
+        q.record(1, Outcome::Failure, 30_004);
+        assert!(q.is_ejected(1), "three in a row after it do eject");
         // A success in between resets the run.
         let mut h = Health::new(
             HealthParams {
