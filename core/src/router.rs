@@ -22,6 +22,7 @@ mod leg_choice;
 mod load;
 mod membership;
 mod route;
+mod text_share;
 mod working_set;
 
 use hashbrown::HashMap;
@@ -234,11 +235,7 @@ impl Router {
         let policy = crate::policy::from_config(&cfg, replicas);
         let needs = policy.needs();
         Ok(Router {
-            speeds: Speeds::new(
-                replicas,
-                cfg.kv_time.speed_halflife,
-                cfg.kv_time.speed_bound,
-            ),
+            speeds: Speeds::new(replicas, cfg.kv_time.speed_params()),
             terms_unadmitted: false,
             adapters: vec![None; replicas],
             pending: HashMap::new(),

@@ -692,3 +692,41 @@ fn a_replica_whose_cache_size_is_unknown_is_priced_like_the_others() {
     assert_eq!(r.cache_size_blocks(1), 0.0);
     assert_eq!(r.cache_size_blocks(0), 0.0);
 }
+
+/// `kv_time` prices a replica's cache with the size its feed reports (the load report's GPU KV
+/// blocks, in the router's block size); one that has reported none is priced like the smallest
+/// another has shown, never as the profile's far larger cache (issue 51: 35 of 40 fresh prompts
+/// went to the one replica whose size was not known yet, its evictions priced 0).
+#[test]
+fn kv_time_prices_the_reported_cache_and_never_an_unknown_one_as_free() {
+    let mut r = Router::new(cfg(PolicyKind::KvTime), 3).unwrap();
+    let profile_blocks = kvsteer_core::speed::EngineProfile::default().kv_cache_tokens / 4.0;
+    // Nothing shown: the profile's cache for every replica.
+    assert_eq!(r.priced_cache_blocks(0), profile_blocks);
+    let stored = |tokens: std::ops::Range<u32>| FeedEvent::Stored {
+        tier: Tier::Gpu,
+        hashes: hashes(&tokens.collect::<Vec<u32>>()),
+    };
+    // Replica 1 reports 250 blocks of 16 tokens: 1,000 of the router's 4-token blocks.
+    let mut b = batch(1, true, 0, vec![]);
+    b.load.kv_total_blocks = 250;
+    b.load.block_size = 16;
+    r.apply_feed(1, &b);
+    assert_eq!(r.priced_cache_blocks(1), 1_000.0);
+    // Replica 0 reports no size and holds 300 blocks: priced like the smallest shown.
+    r.apply_feed(0, &batch(1, true, 0, vec![stored(0..1_200)]));
+    assert_eq!(r.priced_cache_blocks(0), 1_000.0);
+    assert_eq!(r.priced_cache_blocks(2), 1_000.0);
+    // What it holds is a lower bound on its size.
+    r.apply_feed(0, &batch(1, false, 0, vec![stored(20_000..26_000)]));
+    assert_eq!(r.priced_cache_blocks(0), 1_800.0);
+    // Replica 0's reports carry 0 blocks: they say nothing; replica 2's real one is taken.
+    let mut b = batch(1, false, 0, vec![]);
+    b.load.kv_total_blocks = 4_000;
+    r.apply_feed(2, &b);
+    assert_eq!(r.priced_cache_blocks(2), 4_000.0);
+    assert_eq!(r.priced_cache_blocks(0), 1_800.0);
+    // `kv_load` keeps its own sizing (the term's configured or learned size).
+    let k = Router::new(cfg(PolicyKind::KvLoad), 1).unwrap();
+    assert_eq!(k.priced_cache_blocks(0), k.cache_size_blocks(0));
+}

@@ -24,7 +24,7 @@ impl ProfileSpec {
 }
 
 /// The `kv_time` section: the cost in seconds (docs/design/design.md section 2.7;
-/// [`crate::policy::kv_time`]). Five tunables, each with its unit.
+/// [`crate::policy::kv_time`]). Seven tunables, each with its unit.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KvTimeParams {
@@ -46,6 +46,14 @@ pub struct KvTimeParams {
     pub speed_halflife: f64,
     /// How many times faster or slower than its profile a replica may be learned to be (x, >= 1).
     pub speed_bound: f64,
+    /// Pseudo-observations at the profile's speed each replica's learned speed starts from
+    /// (requests): a replica's first few slow requests (a cold engine) move its factor only part
+    /// of the way. Halves with every `speed_halflife` of real evidence.
+    pub speed_prior: f64,
+    /// Seconds after which an observation of a replica's speed weighs half (s); 0: evidence never
+    /// fades with time. A replica that stopped being chosen sees its evidence fade back toward the
+    /// profile, so it is tried again instead of being locked out.
+    pub speed_memory_s: f64,
 }
 
 impl Default for KvTimeParams {
@@ -57,6 +65,8 @@ impl Default for KvTimeParams {
             decode_weight: 0.1,
             speed_halflife: 32.0,
             speed_bound: 4.0,
+            speed_prior: 2.0,
+            speed_memory_s: 10.0,
         }
     }
 }
@@ -81,6 +91,8 @@ impl KvTimeParams {
             ("kv_time.evict_weight", self.evict_weight),
             ("kv_time.decode_weight", self.decode_weight),
             ("kv_time.speed_halflife", self.speed_halflife),
+            ("kv_time.speed_prior", self.speed_prior),
+            ("kv_time.speed_memory_s", self.speed_memory_s),
         ] {
             non_negative(name, v)?;
         }
@@ -91,5 +103,15 @@ impl KvTimeParams {
             ));
         }
         Ok(())
+    }
+
+    /// How speeds are learned, from this section.
+    pub fn speed_params(&self) -> crate::speed::SpeedParams {
+        crate::speed::SpeedParams {
+            halflife: self.speed_halflife,
+            bound: self.speed_bound,
+            prior: self.speed_prior,
+            memory_s: self.speed_memory_s,
+        }
     }
 }

@@ -35,7 +35,9 @@
 //! idle once their queues cost more than its prefill (at lighter load they rightly may). The weights are an operator's exchange rates (seconds of this request's
 //! first token one second of the named delay is worth), not fitted constants.
 
-use super::{AdapterFit, CacheSizing, Choice, Input, Needs, Policy, pick_lowest};
+use super::{
+    AdapterFit, CacheSizing, Choice, Input, Needs, Policy, argmin_random_tie, pick_lowest,
+};
 use crate::config::KvTimeParams;
 use crate::rng::SplitMix64;
 use crate::speed::EngineProfile;
@@ -69,6 +71,26 @@ impl Terms {
     }
 }
 
+/// Which replicas are tied with `lowest` within their learned speeds' uncertainty; `None` when it
+/// stands alone (no uncertainty, or no other replica close enough).
+fn tied_with(input: &Input, costs: &[f64], lowest: usize) -> Option<Vec<bool>> {
+    let spread = |r: usize| input.speed_spread.get(r).copied().unwrap_or(0.0);
+    let low = costs.get(lowest).copied()?;
+    if input.speed_spread.is_empty() || !(low.is_finite() && low > 0.0) {
+        return None;
+    }
+    let tied: Vec<bool> = costs
+        .iter()
+        .enumerate()
+        .map(|(r, &c)| {
+            let avoided = input.avoided.get(r).copied().unwrap_or(false);
+            let band = TIE_STANDARD_ERRORS * spread(r).hypot(spread(lowest));
+            r == lowest || (!avoided && c.is_finite() && (c / low).ln() <= band)
+        })
+        .collect();
+    (tied.iter().filter(|&&t| t).count() > 1).then_some(tied)
+}
+
 /// Every replica's [`Terms`] for the request.
 pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
     let bs = input.block_size;
@@ -90,7 +112,15 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
             let queued = e.prefill_tokens as f64;
             let wait = s
                 * (profile.work_s(queued) + batch_s(profile, n, context, queued, uncached))
-                + memory_wait(profile, s, n, context, uncached, out);
+                + memory_wait(
+                    profile,
+                    kv_tokens(input, profile, r),
+                    s,
+                    n,
+                    context,
+                    uncached,
+                    out,
+                );
             let prefill = s * profile.prefill_s(uncached, cached);
             let decode = s * out * profile.decode_step_extra_s(n, context);
             let stall =
@@ -159,21 +189,32 @@ fn batch_s(profile: &EngineProfile, n: f64, context: f64, queued: f64, uncached:
     in_progress + shared
 }
 
+/// Replica `r`'s KV cache in tokens: as the router sizes it for the working-set term (the size the
+/// feed reports, [`crate::router::Router::priced_cache_blocks`]) where that is known, else the
+/// profile's.
+fn kv_tokens(input: &Input, profile: &EngineProfile, r: usize) -> f64 {
+    match input.working_set.get(r) {
+        Some(f) if f.cache > 0.0 => f.cache * input.block_size,
+        _ => profile.kv_cache_tokens,
+    }
+}
+
 /// Seconds a request needing `uncached` tokens of new KV waits for room on a replica whose `n`
-/// running requests hold `context` tokens of a `profile.kv_cache_tokens` cache: nothing while it
+/// running requests hold `context` tokens of a `kv_tokens` cache: nothing while it
 /// fits; past that, the engine admits it only as running requests finish and free their blocks,
 /// and with their remaining outputs spread evenly over `0..out` tokens, a share `f` of their KV is
 /// free after about `f * out` steps of r's current step time (`f = excess / context`, at most 1). Without it a replica whose cache is full of decodes looks as cheap as its prefill
 /// queue, and draws the requests that then wait behind its decodes.
 fn memory_wait(
     profile: &EngineProfile,
+    kv_tokens: f64,
     s: f64,
     n: f64,
     context: f64,
     uncached: f64,
     out: f64,
 ) -> f64 {
-    let excess = context + uncached - profile.kv_cache_tokens;
+    let excess = context + uncached - kv_tokens;
     if excess <= 0.0 || context <= 0.0 {
         return 0.0;
     }
@@ -181,23 +222,48 @@ fn memory_wait(
     s * (excess / context).min(1.0) * out * step
 }
 
-/// The lowest cost, ties broken at random; also returns every replica's terms.
+/// How far apart two replicas' costs must be, in standard errors of the difference of their
+/// learned log factors, before the cheaper one is trusted to be cheaper: 2, about a 95% interval.
+pub const TIE_STANDARD_ERRORS: f64 = 2.0;
+
+/// The lowest cost; also returns every replica's terms. Replicas whose cost is above the lowest
+/// by less than their learned speeds' uncertainty ([`Input::speed_spread`], times
+/// [`TIE_STANDARD_ERRORS`]) are tied with it, and among the tied the cost at the profile's speed
+/// decides (what is known: cache, queue, batch), then chance. Without this a fleet of alike
+/// replicas whose factors differ by estimator noise sent every fresh prompt to the one that
+/// happened to look fastest (issue 51: 40 of 40 at factors 1-6% apart), and a replica learned
+/// slow from a few unlucky requests was never tried again.
 pub fn choose(
     input: &Input,
     k: &KvTimeParams,
     profile: &EngineProfile,
     rng: &mut SplitMix64,
 ) -> (Choice, Vec<Terms>) {
-    let terms = terms(input, profile);
-    let costs: Vec<f64> = terms.iter().map(|t| t.cost(k)).collect();
-    let replica = pick_lowest(&costs, input.avoided, rng);
+    let all = terms(input, profile);
+    let costs: Vec<f64> = all.iter().map(|t| t.cost(k)).collect();
+    let lowest = pick_lowest(&costs, input.avoided, rng);
+    let replica = match tied_with(input, &costs, lowest) {
+        Some(tied) => {
+            let at_profile = Input {
+                speed: &[],
+                ..*input
+            };
+            let base: Vec<f64> = terms(&at_profile, profile)
+                .iter()
+                .zip(&tied)
+                .map(|(t, &tie)| if tie { t.cost(k) } else { f64::INFINITY })
+                .collect();
+            argmin_random_tie(&base, rng).unwrap_or(lowest)
+        }
+        None => lowest,
+    };
     (
         Choice {
             replica,
             costs,
             fallback: None,
         },
-        terms,
+        all,
     )
 }
 
@@ -312,6 +378,57 @@ mod tests {
         let t = terms(&i, &p);
         assert!((t[0].ttft() - 2.0 * t[1].ttft()).abs() < 1e-12);
         assert!(t[0].cost(&KvTimeParams::default()) > t[1].cost(&KvTimeParams::default()));
+    }
+
+    /// Issue 51's noise case: alike idle replicas whose learned factors differ by estimator noise
+    /// (1-6%) share fresh prompts; the same differences known exactly send every prompt to the
+    /// fastest.
+    #[test]
+    fn factors_apart_by_less_than_their_uncertainty_are_ties() {
+        let p = EngineProfile::default();
+        let k = KvTimeParams::default();
+        let load = [LoadTotals::default(); 4];
+        let speed = [1.0, 1.02, 1.04, 1.06];
+        let mut rng = SplitMix64::new(7);
+        let mut count = |spread: f64| {
+            let spreads = [spread; 4];
+            let mut i = input(&load, &[0.0; 4], &[false; 4]);
+            i.speed = &speed;
+            i.speed_spread = &spreads;
+            let mut n = [0u32; 4];
+            for _ in 0..400 {
+                n[choose(&i, &k, &p, &mut rng).0.replica] += 1;
+            }
+            n
+        };
+        let noisy = count(0.05);
+        assert!(noisy.iter().all(|&c| c > 60), "{noisy:?}");
+        assert_eq!(count(0.001), [400, 0, 0, 0]);
+        assert_eq!(count(0.0), [400, 0, 0, 0]);
+    }
+
+    /// Among tied replicas what is known decides: the one holding the prompt's cache keeps it,
+    /// even where its learned factor is a little higher; an avoided replica never ties.
+    #[test]
+    fn among_ties_the_cost_at_the_profiles_speed_decides() {
+        let p = EngineProfile::default();
+        let k = KvTimeParams::default();
+        let load = [LoadTotals::default(); 3];
+        // Replica 1 holds an eighth of the prompt and looks 30% slow; the uncertainty covers that.
+        let overlap = [0.0, 32.0, 0.0];
+        let speed = [1.0, 1.3, 1.0];
+        let spreads = [0.2; 3];
+        let mut i = input(&load, &overlap, &[true, false, false]);
+        i.speed = &speed;
+        i.speed_spread = &spreads;
+        let mut rng = SplitMix64::new(3);
+        for _ in 0..50 {
+            let (c, _) = choose(&i, &k, &p, &mut rng);
+            assert_eq!(c.replica, 1, "{:?}", c.costs);
+        }
+        // Known exactly, 30% slower outweighs an eighth of the prompt: replica 2 (0 avoided).
+        i.speed_spread = &[];
+        assert_eq!(choose(&i, &k, &p, &mut rng).0.replica, 2);
     }
 
     #[test]

@@ -84,6 +84,9 @@ pub struct Input<'a> {
     /// Per replica: its learned time factor against the engine profile (`kv_time`,
     /// [`crate::speed::Speeds`]); empty: 1 for every replica.
     pub speed: &'a [f64],
+    /// Per replica: the uncertainty of its learned factor, as the standard error of its log
+    /// ([`crate::speed::Speeds::spreads`]); empty: known exactly.
+    pub speed_spread: &'a [f64],
     /// Share of recently requested prompt blocks that had been requested before (`kv_time`'s chance
     /// that a context pushed out of a cache comes back); 0 when not tracked.
     pub reuse_share: f64,
@@ -185,9 +188,10 @@ pub enum CacheSizing {
     /// has evicted (the most blocks it held), else the largest another replica has shown
     /// ([`crate::router::Router::cache_size_blocks`]); 0 while none has.
     Configured,
-    /// As learned from the feed once the replica has evicted, else the larger of what it has held
-    /// and `cache_tokens` (tokens, the engine profile's cache): a replica that has not shown its
-    /// size yet is priced like one of its profile, not as one with room for everything.
+    /// As the feed shows it (the GPU KV blocks its load report gives, else the most it held once
+    /// it evicted); before that, `cache_tokens` (tokens, the engine profile's cache) or the
+    /// smallest cache another replica has shown, whichever is smaller, and at least what it holds:
+    /// a replica that has not shown its size yet is never priced as one with room for everything.
     AtLeast { cache_tokens: f64 },
 }
 
@@ -249,6 +253,7 @@ pub(crate) fn load_only_input<'a>(load: &'a [LoadTotals], avoided: &'a [bool]) -
         working_set: &[],
         working_set_scale: 1.0,
         speed: &[],
+        speed_spread: &[],
         reuse_share: 0.0,
         adapter: &[],
         adapter_load_s: 0.0,

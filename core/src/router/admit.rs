@@ -42,7 +42,7 @@ impl Router {
             && self.pending.len() < MAX_PENDING_PREDICTIONS
         {
             // The prediction at the profile's speed, so the observation measures the factor.
-            let at_profile = t.ttft() / self.speeds.factor(d.replica);
+            let at_profile = t.ttft() / self.speeds.factor(d.replica, now_ms);
             self.pending
                 .insert(request_id, (d.replica, at_profile, now_ms));
         }
@@ -97,9 +97,11 @@ impl Router {
     /// replica's speed from it (observed time to first token against the prediction at admission).
     pub fn first_token_at(&mut self, request_id: u64, now_ms: u64) {
         self.load.first_token(request_id);
+        self.clock_ms = self.clock_ms.max(now_ms);
         if let Some((replica, predicted_s, admitted_ms)) = self.pending.remove(&request_id) {
             let observed_s = now_ms.saturating_sub(admitted_ms) as f64 / 1e3;
-            self.speeds.observe(replica, predicted_s, observed_s);
+            self.speeds
+                .observe(replica, predicted_s, observed_s, now_ms);
         }
     }
 
@@ -112,12 +114,22 @@ impl Router {
     /// `kv_time`: one replica's learned time factor against the profile (2: twice as slow; 1 for an
     /// unknown replica or under another policy).
     pub fn speed_factor(&self, replica: usize) -> f64 {
-        self.speeds.factor(replica)
+        self.speeds.factor(replica, self.clock_ms)
+    }
+
+    /// `kv_time`: one replica's learned speed's uncertainty (the standard error of its log
+    /// factor; 0 before any observation or under another policy).
+    pub fn speed_spread(&self, replica: usize) -> f64 {
+        self.speeds
+            .spreads(self.clock_ms)
+            .get(replica)
+            .copied()
+            .unwrap_or(0.0)
     }
 
     /// This worker's own estimates of the replicas' speeds, for the proxy's other workers.
     pub fn local_speeds(&self) -> Vec<crate::speed::SpeedEstimate> {
-        self.speeds.local()
+        self.speeds.local(self.clock_ms)
     }
 
     /// Replaces a peer worker's estimates of the replicas' speeds.

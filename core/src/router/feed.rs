@@ -240,16 +240,64 @@ impl Router {
     }
 
     /// A replica's prefix-cache size in blocks for the working-set term, sized as the policy asks
-    /// ([`CacheSizing`]).
-    pub(super) fn cache_blocks_by(&self, replica: usize, sizing: CacheSizing) -> f64 {
+    /// ([`CacheSizing`]); `smallest` is [`Router::smallest_shown_cache`] (taken once per request).
+    pub(super) fn cache_blocks_by(
+        &self,
+        replica: usize,
+        sizing: CacheSizing,
+        smallest: f64,
+    ) -> f64 {
         let CacheSizing::AtLeast { cache_tokens } = sizing else {
             return self.cache_size_blocks(replica);
         };
-        let profile = cache_tokens / self.cfg.block_size as f64;
+        if let Some(shown) = self.shown_cache_blocks(replica) {
+            return shown;
+        }
+        // Not shown yet: never priced as free. The profile's cache, or the smallest another
+        // replica of the fleet has shown where that is smaller, at least what it holds (issue 51:
+        // a profile 25x the real caches made the one replica not yet evicting draw 35 of 40 fresh
+        // prompts, its evictions priced 0).
+        let held = self.cache_blocks.get(replica).map_or(0, |c| c.most_held) as f64;
+        (cache_tokens / self.cfg.block_size as f64)
+            .min(smallest)
+            .max(held)
+    }
+
+    /// A replica's cache in blocks as its feed shows it: the GPU KV blocks its load report gives
+    /// (in the router's block size), else the most blocks it held once it evicted; `None` before
+    /// either.
+    pub(super) fn shown_cache_blocks(&self, replica: usize) -> Option<f64> {
+        let bs = self.cfg.block_size as f64;
+        if let Some(Some(l)) = self.reported.get(replica)
+            && l.kv_total_blocks > 0
+        {
+            let engine_bs = if l.block_size > 0 {
+                l.block_size as f64
+            } else {
+                bs
+            };
+            return Some(l.kv_total_blocks as f64 * engine_bs / bs);
+        }
         match self.cache_blocks.get(replica) {
-            Some(c) if c.evicted => c.most_held as f64,
-            Some(c) => profile.max(c.most_held as f64),
-            None => profile,
+            Some(c) if c.evicted => Some(c.most_held as f64),
+            _ => None,
+        }
+    }
+
+    /// The smallest cache any replica's feed has shown, in blocks (infinite before any has).
+    pub(super) fn smallest_shown_cache(&self) -> f64 {
+        (0..self.replicas)
+            .filter_map(|r| self.shown_cache_blocks(r))
+            .fold(f64::INFINITY, f64::min)
+    }
+
+    /// A replica's cache in blocks as the policy prices it: [`Router::cache_size_blocks`] under a
+    /// policy that does not size caches itself, the working-set term's size under `kv_time` (the
+    /// feed's, else never more than the smallest shown). What the `cache_size_blocks` gauge shows.
+    pub fn priced_cache_blocks(&self, replica: usize) -> f64 {
+        match self.needs.working_set {
+            Some(sizing) => self.cache_blocks_by(replica, sizing, self.smallest_shown_cache()),
+            None => self.cache_size_blocks(replica),
         }
     }
 

@@ -85,10 +85,13 @@ impl Router {
         let mut affinity = std::mem::take(&mut self.scratch_approx);
         self.affinity(req, now_ms, &mut affinity);
         let working_set = self.cache_fits(now_ms, sampled);
-        let (speed, reuse_share) = match (needs.speed, &self.working_set) {
-            (true, Some(ws)) => (self.speeds.factors(), ws.reuse_share()),
-            (true, None) => (self.speeds.factors(), 0.0),
-            (false, _) => (Vec::new(), 0.0),
+        let (speed, speed_spread, reuse_share) = match (needs.speed, &self.working_set) {
+            (true, ws) => (
+                self.speeds.factors(now_ms),
+                self.speeds.spreads(now_ms),
+                ws.as_ref().map_or(0.0, |ws| ws.reuse_share()),
+            ),
+            (false, _) => (Vec::new(), Vec::new(), 0.0),
         };
         let floor = self.cfg.kv_load.overflow_reuse_floor;
         let working_set_scale = match &self.working_set {
@@ -110,6 +113,7 @@ impl Router {
             avoided: &avoided,
             expected_output_tokens: self.outputs.expected(),
             speed: &speed,
+            speed_spread: &speed_spread,
             reuse_share,
             adapter: &adapter,
             adapter_load_s,
@@ -186,11 +190,12 @@ impl Router {
         match (&self.working_set, self.needs.working_set) {
             (Some(ws), Some(sizing)) => {
                 let added = ws.added(sampled);
+                let smallest = self.smallest_shown_cache();
                 (0..self.replicas)
                     .map(|r| CacheFit {
                         working_set: ws.blocks(r),
                         added: added.get(r).copied().unwrap_or(0.0),
-                        cache: self.cache_blocks_by(r, sizing),
+                        cache: self.cache_blocks_by(r, sizing, smallest),
                     })
                     .collect()
             }

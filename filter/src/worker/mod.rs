@@ -11,8 +11,8 @@
 //! - [`budget`]: applying accepted feed batches in slices within each tick's budget;
 //! - [`discovery`]: membership at run time, polled and seated in the slots after the static list
 //!   (its [`discovery::roster`]);
-//! - [`share`]: the load, health and working set this worker shares with the proxy's other
-//!   workers, and its worker number;
+//! - [`share`]: the load, health, working set and text-prompt records this worker shares with the
+//!   proxy's other workers, and its worker number;
 //! - [`exchange`]: the working-set exchange with other proxies (`peers`);
 //! - [`admission`]: classes and shedding before a request is booked;
 //! - [`health`]: request outcomes and health probes;
@@ -114,6 +114,8 @@ pub struct WorkerState {
     working_set_missed: u64,
     /// Other workers' working-set journals refused as malformed or for another replica count.
     working_set_refused: u64,
+    /// Other workers' text-prompt records applied, missed and refused ([`share::TextSharing`]).
+    text_sharing: share::TextSharing,
     /// Per unit, the rank header's value (`None`: a unit without a rank), formatted once.
     rank_values: Vec<Option<String>>,
     /// This worker's number among the proxy's workers; `None` without shared data.
@@ -253,6 +255,7 @@ impl WorkerState {
             rank_mismatches: 0,
             working_set_missed: 0,
             working_set_refused: 0,
+            text_sharing: share::TextSharing::default(),
             worker_id: None,
             started_ms: None,
             tick_callouts: 0,
@@ -318,11 +321,11 @@ impl WorkerState {
     }
 
     /// The working-set term's view of a replica, in blocks: (its recent working set, 0 with the term
-    /// off; its cache size, configured or learned from the feed, 0 while unknown).
+    /// off; its cache size as the policy prices it, configured or from the feed, 0 while unknown).
     pub fn working_set(&self, replica: usize) -> (f64, f64) {
         (
             self.router.working_set_blocks(replica),
-            self.router.cache_size_blocks(replica),
+            self.router.priced_cache_blocks(replica),
         )
     }
 

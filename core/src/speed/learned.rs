@@ -1,0 +1,303 @@
+//! Each replica's speed against its engine profile, learned from observed times to first token.
+//!
+//! The estimate is a weighted mean of log ratios `x = ln(observed / predicted)` (a median-like
+//! estimate that one wild observation cannot move far; each `x` clamped to `ln bound`), with three
+//! guards against learning the wrong thing from a few unlucky observations:
+//!
+//! - **A prior toward the profile.** A replica starts with `prior` pseudo-observations at the
+//!   profile's speed (log factor 0): a replica whose first two or three requests met a cold engine
+//!   (a warm-up compile, an empty page cache) is not learned as `bound` times slower at once. The
+//!   prior halves with every `halflife` of real evidence, so a well-observed replica's factor is
+//!   its observations' (within a few percent).
+//! - **Evidence that fades with time** (`memory_s`): an observation `memory_s` seconds old weighs
+//!   half. A replica that stopped being chosen because it looked slow sees its old evidence fade
+//!   back toward the prior, so it is tried again; without this it was locked out for as long as
+//!   the others could take the load (issue 51: 60-90 s at 2-6 clients after three slow requests).
+//! - **An uncertainty per estimate** ([`Speeds::spreads`]): the pooled spread of the observations
+//!   around their replicas' estimates, over the evidence behind each estimate. `kv_time` treats two
+//!   replicas whose costs differ by less than their estimates' uncertainty as tied
+//!   ([`crate::policy::kv_time::choose`]), so estimator noise does not steer every fresh prompt to
+//!   whichever replica happens to look 2% faster.
+//!
+//! Each worker learns from its own share of the requests and takes in the other workers'
+//! estimates ([`SpeedEstimate`]), weighed by the evidence behind each.
+
+use std::collections::BTreeMap;
+
+/// Shortest predicted time to first token an observation is learned from: below it, what the
+/// router cannot see (the network, the API server, the first token's way back) dominates.
+pub const MIN_PREDICTED_S: f64 = 0.02;
+
+/// How speeds are learned; every field has a unit ([`crate::config::KvTimeParams`] documents the
+/// configuration names).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpeedParams {
+    /// Observations after which an older one weighs half (requests); 0 turns learning off.
+    pub halflife: f64,
+    /// How many times faster or slower than its profile a replica may be learned to be (x, >= 1).
+    pub bound: f64,
+    /// Pseudo-observations at the profile's speed a replica's estimate starts from (requests).
+    pub prior: f64,
+    /// Seconds after which an observation weighs half; 0: evidence does not fade with time.
+    pub memory_s: f64,
+}
+
+/// This worker's evidence about one replica: the weighted sum of log ratios and the weights, as of
+/// `at_ms` (fading with time is applied when read).
+#[derive(Clone, Copy, Debug, Default)]
+struct Evidence {
+    sum: f64,
+    weight: f64,
+    at_ms: u64,
+}
+
+/// Each replica's speed against its profile: this worker's own observations, and what the proxy's
+/// other workers learned from theirs (each sees a share of the requests, so alone each would learn
+/// a slow replica that many times later).
+#[derive(Clone, Debug)]
+pub struct Speeds {
+    own: Vec<Evidence>,
+    /// Weight an observation loses at each later one (from the half-life); 0: learning off.
+    alpha: f64,
+    halflife: f64,
+    /// ln(bound).
+    bound_ln: f64,
+    prior: f64,
+    memory_ms: f64,
+    /// Pooled variance of the observations around their replica's estimate (log units squared),
+    /// and how many observations it stands on.
+    noise_var: f64,
+    noise_n: u64,
+    /// The other workers' estimates, by worker number.
+    peers: BTreeMap<u32, Vec<SpeedEstimate>>,
+}
+
+/// One worker's estimate of one replica's speed, as it shares it with the other workers.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SpeedEstimate {
+    /// ln(observed / predicted): the mean of the worker's own observations (no prior), bounded by
+    /// the bound.
+    pub log_factor: f64,
+    /// The evidence it stands on, in observations, faded with age and at most the half-life's
+    /// window (`1 / alpha`): a worker that has seen more of a replica's recent requests weighs
+    /// more, one that saw long ago less.
+    pub weight: f64,
+}
+
+impl SpeedEstimate {
+    /// Bytes per estimate in [`SpeedEstimate::encode_all`].
+    pub const ENCODED_LEN: usize = 16;
+
+    /// Little-endian `log_factor f64, weight f64` per replica, for shared memory.
+    pub fn encode_all(all: &[SpeedEstimate]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(all.len() * Self::ENCODED_LEN);
+        for e in all {
+            out.extend_from_slice(&e.log_factor.to_le_bytes());
+            out.extend_from_slice(&e.weight.to_le_bytes());
+        }
+        out
+    }
+
+    /// Reads [`SpeedEstimate::encode_all`]'s bytes; `None` for a length that is not a whole
+    /// number of estimates. Values are taken as they are: [`Speeds::set_peer`] discards those it
+    /// cannot use.
+    pub fn decode_all(bytes: &[u8]) -> Option<Vec<SpeedEstimate>> {
+        if !bytes.len().is_multiple_of(Self::ENCODED_LEN) {
+            return None;
+        }
+        let read = |b: &[u8]| f64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+        Some(
+            bytes
+                .chunks_exact(Self::ENCODED_LEN)
+                .map(|c| SpeedEstimate {
+                    log_factor: read(&c[..8]),
+                    weight: read(&c[8..]),
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Speeds {
+    pub fn new(replicas: usize, p: SpeedParams) -> Speeds {
+        let alpha = if p.halflife > 0.0 {
+            1.0 - 0.5f64.powf(1.0 / p.halflife)
+        } else {
+            0.0
+        };
+        let finite_non_negative = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
+        Speeds {
+            own: vec![Evidence::default(); replicas],
+            alpha,
+            halflife: p.halflife,
+            bound_ln: p.bound.max(1.0).ln(),
+            prior: finite_non_negative(p.prior),
+            memory_ms: finite_non_negative(p.memory_s) * 1e3,
+            noise_var: 0.0,
+            noise_n: 0,
+            peers: Default::default(),
+        }
+    }
+
+    /// The evidence's weight window: at most this many observations count.
+    fn window(&self) -> f64 {
+        if self.alpha > 0.0 {
+            1.0 / self.alpha
+        } else {
+            0.0
+        }
+    }
+
+    /// What is left at `now_ms` of a weight last updated at `at_ms`.
+    fn fade(&self, at_ms: u64, now_ms: u64) -> f64 {
+        if self.memory_ms > 0.0 && now_ms > at_ms {
+            0.5f64.powf((now_ms - at_ms) as f64 / self.memory_ms)
+        } else {
+            1.0
+        }
+    }
+
+    /// Replica `r`'s own evidence faded to `now_ms`: (sum, weight).
+    fn own_at(&self, r: usize, now_ms: u64) -> (f64, f64) {
+        self.own.get(r).map_or((0.0, 0.0), |e| {
+            let d = self.fade(e.at_ms, now_ms);
+            (e.sum * d, e.weight * d)
+        })
+    }
+
+    /// Replica `r`'s estimate at `now_ms`: (log factor, the evidence's weight with the prior's).
+    fn estimate(&self, r: usize, now_ms: u64) -> (f64, f64) {
+        if self.alpha == 0.0 {
+            return (0.0, 0.0);
+        }
+        let (mut sum, mut weight) = self.own_at(r, now_ms);
+        for e in self.peers.values().filter_map(|v| v.get(r)) {
+            sum += e.log_factor * e.weight;
+            weight += e.weight;
+        }
+        // The prior halves with every half-life's worth of evidence.
+        let prior = self.prior * 0.5f64.powf(weight / self.halflife);
+        let all = prior + weight;
+        let l = if all > 0.0 { sum / all } else { 0.0 };
+        (l.clamp(-self.bound_ln, self.bound_ln), all)
+    }
+
+    /// The replica's time factor at `now_ms`: 2 means it takes twice the profile's time.
+    pub fn factor(&self, replica: usize, now_ms: u64) -> f64 {
+        self.estimate(replica, now_ms).0.exp()
+    }
+
+    /// Every replica's factor at `now_ms`.
+    pub fn factors(&self, now_ms: u64) -> Vec<f64> {
+        (0..self.own.len())
+            .map(|r| self.factor(r, now_ms))
+            .collect()
+    }
+
+    /// Every replica's uncertainty at `now_ms`: the standard error of its log factor (the pooled
+    /// spread of observations around their estimates over the square root of the evidence, prior
+    /// included), at most `ln bound`. 0 before any observation (every factor is then 1 and exact)
+    /// or with learning off.
+    pub fn spreads(&self, now_ms: u64) -> Vec<f64> {
+        let sigma = self.noise_var.max(0.0).sqrt();
+        (0..self.own.len())
+            .map(|r| {
+                let (_, all) = self.estimate(r, now_ms);
+                if sigma == 0.0 {
+                    0.0
+                } else if all > 0.0 {
+                    (sigma / all.sqrt()).min(self.bound_ln)
+                } else {
+                    self.bound_ln
+                }
+            })
+            .collect()
+    }
+
+    /// This worker's own estimates at `now_ms`, for the other workers.
+    pub fn local(&self, now_ms: u64) -> Vec<SpeedEstimate> {
+        let window = self.window();
+        (0..self.own.len())
+            .map(|r| {
+                let (sum, weight) = self.own_at(r, now_ms);
+                SpeedEstimate {
+                    log_factor: if weight > 0.0 {
+                        (sum / weight).clamp(-self.bound_ln, self.bound_ln)
+                    } else {
+                        0.0
+                    },
+                    weight: weight.min(window),
+                }
+            })
+            .collect()
+    }
+
+    /// Replaces worker `peer`'s estimates. Ignored when learning is off or the count is not the
+    /// replica count; values that are not finite, or weights below 0, count as no observation,
+    /// and factors are held within the bound (the record comes from shared memory).
+    pub fn set_peer(&mut self, peer: u32, estimates: &[SpeedEstimate]) {
+        if self.alpha == 0.0 || estimates.len() != self.own.len() {
+            return;
+        }
+        let window = self.window();
+        let clean = estimates
+            .iter()
+            .map(|e| {
+                if e.log_factor.is_finite() && e.weight.is_finite() && e.weight > 0.0 {
+                    SpeedEstimate {
+                        log_factor: e.log_factor.clamp(-self.bound_ln, self.bound_ln),
+                        weight: e.weight.min(window),
+                    }
+                } else {
+                    SpeedEstimate::default()
+                }
+            })
+            .collect();
+        self.peers.insert(peer, clean);
+    }
+
+    /// Forgets worker `peer`'s estimates (it stopped publishing).
+    pub fn clear_peer(&mut self, peer: u32) {
+        self.peers.remove(&peer);
+    }
+
+    /// Forgets a replica's learned factor (its slot now holds another engine).
+    pub fn forget(&mut self, replica: usize) {
+        if let Some(e) = self.own.get_mut(replica) {
+            *e = Evidence::default();
+        }
+    }
+
+    /// A request's observed time to first token against the profile's prediction at factor 1,
+    /// at `now_ms`. Ignored when either is not a positive finite number or the prediction is
+    /// below [`MIN_PREDICTED_S`].
+    pub fn observe(&mut self, replica: usize, predicted_s: f64, observed_s: f64, now_ms: u64) {
+        if self.alpha == 0.0
+            || replica >= self.own.len()
+            || !(predicted_s.is_finite() && observed_s.is_finite())
+            || predicted_s < MIN_PREDICTED_S
+            || observed_s <= 0.0
+        {
+            return;
+        }
+        let x = (observed_s / predicted_s)
+            .ln()
+            .clamp(-self.bound_ln, self.bound_ln);
+        // The spread around the estimate as it stood: a running mean at first, then an
+        // exponential one over the half-life's window.
+        let (before, _) = self.estimate(replica, now_ms);
+        self.noise_n = self.noise_n.saturating_add(1);
+        let w = self.alpha.max(1.0 / self.noise_n as f64);
+        self.noise_var += w * ((x - before).powi(2) - self.noise_var);
+        let (sum, weight) = self.own_at(replica, now_ms);
+        let keep = 1.0 - self.alpha;
+        self.own[replica] = Evidence {
+            sum: sum * keep + x,
+            weight: weight * keep + 1.0,
+            at_ms: now_ms,
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,156 @@
+use super::*;
+
+fn params(halflife: f64, prior: f64, memory_s: f64) -> SpeedParams {
+    SpeedParams {
+        halflife,
+        bound: 4.0,
+        prior,
+        memory_s,
+    }
+}
+
+#[test]
+fn a_replica_twice_as_slow_is_learned_and_the_bound_holds() {
+    let mut s = Speeds::new(2, params(16.0, 2.0, 0.0));
+    for _ in 0..64 {
+        s.observe(0, 0.1, 0.2, 0);
+        s.observe(1, 0.1, 0.1, 0);
+    }
+    // The prior, halved by every half-life of evidence, leaves a few percent.
+    assert!((s.factor(0, 0) - 2.0).abs() < 0.1, "{}", s.factor(0, 0));
+    assert!((s.factor(1, 0) - 1.0).abs() < 1e-9);
+    // Wild observations are clamped to the bound.
+    for _ in 0..400 {
+        s.observe(1, 0.1, 1e9, 0);
+    }
+    assert!((s.factor(1, 0) - 4.0).abs() < 0.2, "{}", s.factor(1, 0));
+    // Garbage and tiny predictions change nothing; an unknown replica is ignored.
+    let before = s.factors(0);
+    s.observe(0, f64::NAN, 1.0, 0);
+    s.observe(0, 0.001, 10.0, 0);
+    s.observe(0, 0.1, -1.0, 0);
+    s.observe(9, 0.1, 0.2, 0);
+    assert_eq!(s.factors(0), before);
+    assert_eq!(s.factor(9, 0), 1.0);
+}
+
+/// Issue 51's lock-out: three requests 20x slow on a cold engine. The prior keeps the factor well
+/// short of the bound, and as the evidence fades the factor returns toward the profile.
+#[test]
+fn a_few_slow_first_requests_are_not_trusted_and_fade() {
+    let mut s = Speeds::new(2, params(32.0, 2.0, 10.0));
+    for i in 0..3 {
+        s.observe(0, 0.1, 2.0, i);
+    }
+    let early = s.factor(0, 3);
+    assert!(early < 2.6 && early > 1.5, "{early}");
+    // 30 s later, nothing observed since: most of the way back.
+    let later = s.factor(0, 30_000);
+    assert!(later < 1.25, "{later}");
+    // Its uncertainty grew as the evidence faded.
+    s.observe(1, 0.1, 0.1, 0);
+    assert!(s.spreads(30_000)[0] > s.spreads(3)[0]);
+}
+
+#[test]
+fn estimates_are_uncertain_by_the_noise_over_the_evidence() {
+    let mut s = Speeds::new(3, params(32.0, 2.0, 0.0));
+    assert_eq!(
+        s.spreads(0),
+        vec![0.0; 3],
+        "nothing observed: nothing uncertain"
+    );
+    // Replica 0 well observed, replica 1 twice, replica 2 never; the noise is +-10% around 1.
+    for i in 0..100 {
+        let obs = if i % 2 == 0 { 0.11 } else { 0.09 };
+        s.observe(0, 0.1, obs, 0);
+    }
+    s.observe(1, 0.1, 0.11, 0);
+    s.observe(1, 0.1, 0.09, 0);
+    let sp = s.spreads(0);
+    assert!(sp[0] > 0.0 && sp[0] < sp[1] && sp[1] < sp[2], "{sp:?}");
+    assert!(sp[2] <= 4f64.ln());
+    // The pooled spread is about the observations' own (0.1 in log units).
+    let sigma = sp[2] * 2f64.sqrt();
+    assert!((sigma - 0.1).abs() < 0.03, "{sigma}");
+}
+
+#[test]
+fn other_workers_estimates_are_weighed_by_their_evidence() {
+    let mut a = Speeds::new(2, params(16.0, 0.0, 0.0));
+    let mut b = Speeds::new(2, params(16.0, 0.0, 0.0));
+    // Worker a has seen replica 0 run twice as slow; b has seen nothing of it yet.
+    for _ in 0..40 {
+        a.observe(0, 0.1, 0.2, 0);
+    }
+    b.set_peer(0, &a.local(0));
+    assert!((b.factor(0, 0) - 2.0).abs() < 0.01, "{}", b.factor(0, 0));
+    assert_eq!(b.factor(1, 0), 1.0);
+    // b's own observations at profile speed count as much as a's, window for window.
+    for _ in 0..40 {
+        b.observe(0, 0.1, 0.1, 0);
+    }
+    assert!(
+        (b.factor(0, 0) - 2f64.sqrt()).abs() < 0.02,
+        "{}",
+        b.factor(0, 0)
+    );
+    // A worker that stops publishing is forgotten.
+    b.clear_peer(0);
+    assert!((b.factor(0, 0) - 1.0).abs() < 1e-9);
+    // A record of the wrong length, or with garbage in it, changes nothing or counts as
+    // nothing; a factor past the bound is held to it.
+    b.set_peer(1, &[SpeedEstimate::default()]);
+    assert!((b.factor(0, 0) - 1.0).abs() < 1e-9);
+    let bad = |log_factor, weight| SpeedEstimate { log_factor, weight };
+    b.set_peer(1, &[bad(f64::NAN, 5.0), bad(1e9, 1e9)]);
+    assert!((b.factor(0, 0) - 1.0).abs() < 1e-9);
+    assert!((b.factor(1, 0) - 4.0).abs() < 1e-9, "{}", b.factor(1, 0));
+    b.set_peer(1, &[bad(1.0, -3.0), bad(1.0, f64::INFINITY)]);
+    assert!((b.factor(0, 0) - 1.0).abs() < 1e-9);
+    assert_eq!(b.factor(1, 0), 1.0);
+}
+
+#[test]
+fn shared_evidence_fades_with_its_age() {
+    let mut a = Speeds::new(1, params(32.0, 0.0, 10.0));
+    for _ in 0..20 {
+        a.observe(0, 0.1, 0.2, 0);
+    }
+    let now = a.local(0)[0].weight;
+    let later = a.local(10_000)[0].weight;
+    assert!((later - now / 2.0).abs() < 1e-9, "{now} {later}");
+    assert!((a.local(10_000)[0].log_factor - 2f64.ln()).abs() < 1e-9);
+}
+
+#[test]
+fn estimates_survive_their_encoding_and_odd_lengths_do_not_decode() {
+    let all = [
+        SpeedEstimate {
+            log_factor: -0.5,
+            weight: 12.0,
+        },
+        SpeedEstimate::default(),
+    ];
+    let bytes = SpeedEstimate::encode_all(&all);
+    assert_eq!(bytes.len(), 2 * SpeedEstimate::ENCODED_LEN);
+    assert_eq!(SpeedEstimate::decode_all(&bytes).unwrap(), all);
+    assert!(SpeedEstimate::decode_all(&bytes[1..]).is_none());
+    assert_eq!(SpeedEstimate::decode_all(&[]).unwrap(), vec![]);
+}
+
+#[test]
+fn a_zero_halflife_learns_nothing() {
+    let mut s = Speeds::new(1, params(0.0, 2.0, 10.0));
+    s.observe(0, 0.1, 0.4, 0);
+    assert_eq!(s.factor(0, 0), 1.0);
+    s.set_peer(
+        1,
+        &[SpeedEstimate {
+            log_factor: 1.0,
+            weight: 8.0,
+        }],
+    );
+    assert_eq!(s.factor(0, 0), 1.0);
+    assert_eq!(s.spreads(0), vec![0.0]);
+}
