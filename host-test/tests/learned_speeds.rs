@@ -1,0 +1,79 @@
+//! `kv_time`'s learned speeds cannot lock a replica out (issue 51). A cold engine (a warm-up
+//! compile, an empty page cache) answers its first requests 20x slowly, then runs at its profile's
+//! speed. The first version learned those requests as the speed bound and then never chose the
+//! replica again while the others could take the load; now the prior keeps a few requests from
+//! moving the factor far, the evidence fades with time, and costs within the estimates'
+//! uncertainty are ties, so the replica is tried again and wins back its share.
+
+mod common;
+
+use kvsteer_host_test::bench::model_eval::{self, Cell, Set};
+use kvsteer_host_test::bench::scenario::Source;
+use kvsteer_workload::rl::RlParams;
+use std::path::Path;
+
+/// Replica 0 runs 20x slow for its first `heal_s` seconds.
+const HEAL_S: f64 = 5.0;
+/// Requests issued within this many seconds after it heals are judged.
+const WINDOW_S: f64 = 30.0;
+
+/// Two clients in a closed loop, each request a fresh 2K-token prompt (one-turn rollouts sharing
+/// only their first two blocks), 64 output tokens.
+fn cell() -> Cell {
+    Cell {
+        id: "cold-replica".into(),
+        set: Set::Validation,
+        source: Source::Rl(RlParams {
+            steps: 60,
+            turns: 1,
+            system_tokens: 16,
+            step_tokens: 16,
+            rollout_tokens: 2048,
+            output_tokens: 64,
+            straggler_output_tokens: 64,
+            stragglers: Vec::new(),
+            concurrency: 2,
+            ..RlParams::default()
+        }),
+        replicas: 4,
+        profile: "llama-3.1-8b-h100",
+        slowdowns: vec![(0, 20.0, 0), (0, 1.0, (HEAL_S * 1e6) as u64)],
+    }
+}
+
+/// Per seed: replica 0's share of the requests issued in the window after it healed, and how many
+/// requests that window held.
+fn share_after_healing(seed: u64) -> (f64, usize) {
+    let m = model_eval::replay(
+        common::module(),
+        Path::new("traces"),
+        &cell(),
+        "kv_time",
+        seed,
+        true,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let in_window: Vec<u64> = m
+        .requests
+        .iter()
+        .filter(|r| {
+            let t = r["issued_ms"].as_f64().unwrap_or(0.0) / 1e3;
+            (HEAL_S..HEAL_S + WINDOW_S).contains(&t)
+        })
+        .filter_map(|r| r["replica"].as_u64())
+        .collect();
+    let on_0 = in_window.iter().filter(|&&r| r == 0).count();
+    (on_0 as f64 / in_window.len().max(1) as f64, in_window.len())
+}
+
+/// At least a quarter of a fair share (1/16 of the requests on 4 replicas) within 30 s of healing,
+/// on every draw.
+#[test]
+fn a_replica_slow_on_its_first_requests_wins_back_its_share() {
+    for seed in 0..3 {
+        let (share, n) = share_after_healing(seed);
+        eprintln!("seed {seed}: replica 0 took {share:.3} of {n} requests in the window");
+        assert!(n >= 40, "seed {seed}: only {n} requests in the window");
+        assert!(share >= 0.25 / 4.0, "seed {seed}: share {share:.3} of {n}");
+    }
+}
