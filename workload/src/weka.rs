@@ -69,6 +69,19 @@ pub struct WekaParams {
 /// File name of the vendored trace in `traces/` (see `traces/README.md`).
 pub const FILE: &str = "weka_cc_sample36.jsonl.xz";
 
+/// The three coding-agent validation samples in `traces/` (36 other sessions of the same corpus
+/// each, the same format): validation data, never tuned on (`traces/README.md`). Read them by
+/// passing `traces/<file>` as [`WekaParams::path`].
+pub const VALIDATION_FILES: [&str; 3] = [
+    "weka_cc_validation_v1.jsonl.xz",
+    "weka_cc_validation_v2.jsonl.xz",
+    "weka_cc_validation_v3.jsonl.xz",
+];
+
+/// The session ids of every coding-agent file in `traces/` ([`FILE`] and [`VALIDATION_FILES`]),
+/// one line per file: `<file>: <id> <id> ...` (`#` lines are comments).
+pub const SESSIONS_FILE: &str = "weka_cc_validation_sessions.txt";
+
 /// Default location of the trace, relative to the repository root.
 pub const DEFAULT_PATH: &str = "traces/weka_cc_sample36.jsonl.xz";
 

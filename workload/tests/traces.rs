@@ -26,6 +26,9 @@ fn vendored_traces_match_their_published_checksums() {
     .unwrap();
     for name in [
         "weka_cc_sample36.jsonl",
+        "weka_cc_validation_v1.jsonl",
+        "weka_cc_validation_v2.jsonl",
+        "weka_cc_validation_v3.jsonl",
         "mooncake_synthetic_trace.jsonl",
         "azure_llm_inference_conv_2023.csv",
     ] {
@@ -93,6 +96,63 @@ fn weka_counts_and_skips() {
     .unwrap();
     assert_eq!(truncated.total_requests(), 2111);
     assert_eq!(truncated.note(weka::NOTE_TRUNCATED), 500);
+}
+
+/// Each coding-agent file (the training sample and the three validation samples) opens and holds 36
+/// sessions, the ids `traces/weka_cc_validation_sessions.txt` lists for it, and no session is in two
+/// files. The request counts are the files' own (main + sub-agent requests, of which those above the
+/// 128K cap are skipped), so a replaced file fails here as well as on its checksum.
+#[test]
+fn coding_agent_samples_hold_36_sessions_each_and_share_none() {
+    let list = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../traces")
+            .join(weka::SESSIONS_FILE),
+    )
+    .unwrap();
+    let listed = |file: &str| -> Vec<String> {
+        let line = list
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{file}: ")))
+            .unwrap_or_else(|| panic!("{} lists no sessions for {file}", weka::SESSIONS_FILE));
+        line.split_whitespace().map(String::from).collect()
+    };
+    // (file, requests in the file, of them above the cap, sessions left with a request)
+    let files = [
+        (weka::FILE, 2050 + 61, 500, 28),
+        (weka::VALIDATION_FILES[0], 1675, 530, 27),
+        (weka::VALIDATION_FILES[1], 1945, 342, 28),
+        (weka::VALIDATION_FILES[2], 2630 + 44, 490, 32),
+    ];
+    let mut seen = HashSet::new();
+    for (file, requests, skipped, kept) in files {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../traces")
+            .join(file);
+        let all = weka::read(&WekaParams {
+            path: path.clone(),
+            over_long: weka::OverLong::Truncate,
+            ..Default::default()
+        })
+        .unwrap();
+        let ids: Vec<String> = all.sessions.iter().map(|s| s.id.clone()).collect();
+        assert_eq!(ids.len(), 36, "{file}");
+        assert_eq!(ids, listed(file), "{file}");
+        assert!(ids.iter().all(|id| seen.insert(id.clone())), "{file}");
+        assert_eq!(all.total_requests(), requests, "{file}");
+        let w = weka::read(&WekaParams {
+            path,
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(w.note(weka::NOTE_SKIPPED), skipped as u64, "{file}");
+        assert_eq!(w.total_requests() + skipped, requests, "{file}");
+        assert_eq!(w.sessions.len(), kept, "{file}");
+        assert_eq!(
+            w.sessions.len() as u64 + w.note(weka::NOTE_DROPPED_SESSIONS),
+            36
+        );
+    }
 }
 
 #[test]
