@@ -12,7 +12,7 @@ use kvsteer_host_test::Harness;
 use kvsteer_host_test::bench::run;
 use kvsteer_host_test::bench::scenario::{Scenario, Source};
 use kvsteer_host_test::{HarnessConfig, ProxySpread};
-use kvsteer_workload::Driver;
+use kvsteer_workload::{Driver, weka};
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::Path;
@@ -52,6 +52,7 @@ fn scenario(concurrency: usize) -> Scenario {
             copies: 2,
             max_sessions: Some(40),
             think_jitter: 0.0,
+            file: weka::FILE,
         },
         proxies: 1,
         spread: ProxySpread::PerRequest,

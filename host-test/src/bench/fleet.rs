@@ -20,6 +20,7 @@ use crate::FilterModule;
 use kvsteer_workload::Workload;
 use kvsteer_workload::chat::ChatParams;
 use kvsteer_workload::rl::RlParams;
+use kvsteer_workload::weka;
 use std::path::Path;
 
 /// The fleet sizes `fleet-bench` runs by default. scripts/fleet-bench adds 64 in a run of its own,
@@ -112,6 +113,7 @@ pub fn cells_for(n: usize) -> Vec<FleetCell> {
         copies: weka_sessions.div_ceil(28),
         max_sessions: None,
         think_jitter: THINK_JITTER,
+        file: weka::FILE,
     };
     let chat_sessions = CHAT_SESSIONS_PER_REPLICA * n;
     let chat = Source::Chat(ChatParams {

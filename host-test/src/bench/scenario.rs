@@ -52,6 +52,9 @@ pub enum Source {
         /// [`WekaParams::think_jitter`], drawn by the scenario's seed ([`THINK_JITTER`]
         /// everywhere but [`fixed_matrix`], which keeps the recorded timing).
         think_jitter: f64,
+        /// The sample's file in the traces folder: [`weka::FILE`] (the training sample) everywhere
+        /// but the coding-agent validation cells, which read one of [`weka::VALIDATION_FILES`].
+        file: &'static str,
     },
     Mooncake {
         speed: f64,
@@ -133,8 +136,9 @@ impl Scenario {
                 copies,
                 max_sessions,
                 think_jitter,
+                file,
             } => weka::read(&WekaParams {
-                path: traces.join(weka::FILE),
+                path: traces.join(file),
                 concurrency: *concurrency,
                 copies: *copies,
                 max_sessions: *max_sessions,
@@ -280,6 +284,7 @@ pub fn matrix(scale: Scale) -> Vec<Scenario> {
                 copies,
                 max_sessions,
                 think_jitter: THINK_JITTER,
+                file: weka::FILE,
             },
             proxies: 1,
             spread: ProxySpread::PerRequest,
@@ -423,6 +428,7 @@ pub fn proxy_matrix(scale: Scale) -> Vec<Scenario> {
                         copies,
                         max_sessions,
                         think_jitter: THINK_JITTER,
+                        file: weka::FILE,
                     },
                     proxies,
                     spread,
@@ -477,6 +483,7 @@ pub fn dp_matrix(scale: Scale) -> Vec<Scenario> {
                 copies,
                 max_sessions,
                 think_jitter: THINK_JITTER,
+                file: weka::FILE,
             },
         ));
     }
@@ -524,6 +531,7 @@ pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
                 copies,
                 max_sessions,
                 think_jitter: THINK_JITTER,
+                file: weka::FILE,
             },
         ));
     }
@@ -541,6 +549,7 @@ pub fn pd_matrix(scale: Scale) -> Vec<Scenario> {
                 copies,
                 max_sessions,
                 think_jitter: THINK_JITTER,
+                file: weka::FILE,
             },
         )
     });

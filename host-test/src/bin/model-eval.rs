@@ -20,10 +20,12 @@ use std::path::PathBuf;
 )]
 struct Args {
     /// Which cells: training, validation (the first round), validation2 (the second), validation3
-    /// (the third), validation4 (the fourth), validation5 (the fifth) or all.
-    #[arg(long, default_value = "all", value_parser = ["training", "validation", "validation2", "validation3", "validation4", "validation5", "all"])]
+    /// (the third), validation4 (the fourth), validation5 (the fifth), all (training and the five
+    /// rounds) or weka-validation (the coding-agent validation samples; not in all).
+    #[arg(long, default_value = "all", value_parser = ["training", "validation", "validation2", "validation3", "validation4", "validation5", "all", "weka-validation"])]
     set: String,
-    /// The training cells at their cut-down size (the coding-agent trace's first 16 sessions).
+    /// The training and weka-validation cells at their cut-down size (each coding-agent sample's
+    /// first 16 sessions; the same cell ids, so write such replays to another file).
     #[arg(long)]
     quick: bool,
     /// Draws (seeds 0..N) per cell and policy.
@@ -50,6 +52,47 @@ struct Args {
     requests: Option<PathBuf>,
 }
 
+/// A validation round: its `--set` name and its cells.
+type Round = (&'static str, fn() -> Vec<Cell>);
+
+/// The cells of `set` (a `--set` value).
+fn select(set: &str, quick: bool) -> Vec<Cell> {
+    if set == "weka-validation" {
+        return model_eval::weka_validation(quick);
+    }
+    let rounds: [Round; 5] = [
+        ("validation", model_eval::validation),
+        ("validation2", model_eval::validation2),
+        ("validation3", model_eval::validation3),
+        ("validation4", model_eval::validation4),
+        ("validation5", model_eval::validation5),
+    ];
+    let mut cells = Vec::new();
+    if set == "training" || set == "all" {
+        cells.extend(model_eval::training(quick));
+    }
+    for (name, round) in rounds {
+        if set == name || set == "all" {
+            cells.extend(round());
+        }
+    }
+    cells
+}
+
+/// A set's name in the replays' `set` field (the `--set` value that selects it).
+fn set_name(set: Set) -> &'static str {
+    match set {
+        Set::Training => "training",
+        Set::Validation => "validation",
+        Set::Validation2 => "validation2",
+        Set::Validation3 => "validation3",
+        Set::Validation4 => "validation4",
+        Set::Validation5 => "validation5",
+        Set::WekaValidation => "weka-validation",
+        Set::Fleet => "fleet",
+    }
+}
+
 fn main() {
     let args = Args::parse();
     let policies: Vec<String> = match &args.policies {
@@ -62,25 +105,7 @@ fn main() {
             eprintln!("model-eval: {e}");
             std::process::exit(1);
         });
-    let mut cells: Vec<Cell> = Vec::new();
-    if args.set == "training" || args.set == "all" {
-        cells.extend(model_eval::training(args.quick));
-    }
-    if args.set == "validation" || args.set == "all" {
-        cells.extend(model_eval::validation());
-    }
-    if args.set == "validation2" || args.set == "all" {
-        cells.extend(model_eval::validation2());
-    }
-    if args.set == "validation3" || args.set == "all" {
-        cells.extend(model_eval::validation3());
-    }
-    if args.set == "validation4" || args.set == "all" {
-        cells.extend(model_eval::validation4());
-    }
-    if args.set == "validation5" || args.set == "all" {
-        cells.extend(model_eval::validation5());
-    }
+    let mut cells = select(&args.set, args.quick);
     if let Some(only) = &args.only {
         let only = split_list(only);
         cells.retain(|c| only.contains(&c.id));
@@ -103,18 +128,10 @@ fn main() {
             write_requests(dir, &c.id, policy, *seed, &m.requests);
         }
         let mut v = serde_json::to_value(&m).unwrap_or_default();
-        v["set"] = serde_json::json!(match c.set {
-            Set::Training => "training",
-            Set::Validation => "validation",
-            Set::Validation2 => "validation2",
-            Set::Validation3 => "validation3",
-            Set::Validation4 => "validation4",
-            Set::Validation5 => "validation5",
-            Set::Fleet => "fleet",
-        });
+        v["set"] = serde_json::json!(set_name(c.set));
         let msg = format!(
-            "{} {policy} seed {seed}: ttft p50 {:.0} p99 {:.0} ms, per replica {:?}",
-            c.id, m.ttft_p50_ms, m.ttft_p99_ms, m.requests_per_replica,
+            "{} {policy} seed {seed}: ttft p50 {:.0} p99 {:.0} ms, session p50 {:.0} s, per replica {:?}",
+            c.id, m.ttft_p50_ms, m.ttft_p99_ms, m.session_p50_s, m.requests_per_replica,
         );
         Ok((v, msg))
     })

@@ -13,7 +13,10 @@ mod calibration;
 mod rounds;
 
 pub use calibration::{Calibration, predicted_ttft_s, rank_correlation};
-pub use rounds::{training, validation, validation2, validation3, validation4, validation5};
+pub use rounds::{
+    WEKA_SAMPLES, WEKA_VALIDATION_FLEETS, WEKA_VALIDATION_LEVELS, WEKA_VALIDATION_QUICK_SESSIONS,
+    training, validation, validation2, validation3, validation4, validation5, weka_validation,
+};
 
 use super::run;
 use super::scenario::{Scenario, Source};
@@ -43,6 +46,10 @@ pub enum Set {
     /// been looked at, before any replay of it; its chat cells run long enough that a run's p99 is
     /// not its fleet's first prefills.
     Validation5,
+    /// The coding-agent validation samples (issue 51; docs/reports/model-eval.md): three more
+    /// samples of the coding-agent corpus beside the training one, replayed whole on 4 and 9
+    /// replicas, written down before any replay of them.
+    WekaValidation,
     /// Not a set of this protocol: the fleet-size measurement ([`super::fleet`]) replays its own
     /// cells with the same replay, and its cells say so.
     Fleet,
@@ -82,10 +89,14 @@ pub struct Measured {
     pub cell: String,
     pub policy: String,
     pub seed: u64,
+    pub ttft_mean_ms: f64,
     pub ttft_p50_ms: f64,
     pub ttft_p99_ms: f64,
     pub tpot_p99_ms: f64,
     pub output_tok_s: f64,
+    /// A session's wall time (its first request issued to its last request's completion), over
+    /// the sessions of the run: what a coding agent's user waits for the whole task.
+    pub session_p50_s: f64,
     pub session_p99_s: f64,
     pub hit_rate: f64,
     pub failed: usize,
@@ -104,10 +115,12 @@ impl Measured {
             cell: cell.into(),
             policy: policy.into(),
             seed,
+            ttft_mean_ms: s.ttft_ms.mean,
             ttft_p50_ms: s.ttft_ms.p50,
             ttft_p99_ms: s.ttft_ms.p99,
             tpot_p99_ms: s.tpot_ms.p99,
             output_tok_s: s.output_tokens_per_s,
+            session_p50_s: s.session_e2e_s.p50,
             session_p99_s: s.session_e2e_s.p99,
             hit_rate: s.hit_rate,
             failed: s.failed,
@@ -177,17 +190,7 @@ pub fn replay_configured(
     shape: &dyn Fn(&mut kvsteer_workload::Workload),
     configure: &dyn Fn(&mut crate::HarnessConfig),
 ) -> Result<(Measured, Harness), String> {
-    let scenario = Scenario {
-        id: c.id.clone(),
-        group: "eval",
-        source: c.source.clone(),
-        proxies: 1,
-        spread: crate::ProxySpread::PerRequest,
-        endpoints: c.replicas,
-        dp_ranks: 1,
-        pd_prefill: 0,
-    };
-    let (mut workload, mode) = scenario.build(traces, seed)?;
+    let (mut workload, mode) = scenario(c).build(traces, seed)?;
     shape(&mut workload);
     let (policy, noop) = match spec.strip_suffix(NOOP) {
         Some(p) => (p, true),
@@ -226,6 +229,20 @@ pub fn replay_configured(
         m.requests = h.records().map(request_row).collect();
     }
     Ok((m, h))
+}
+
+/// The scenario a cell replays: its workload on its fleet, one proxy.
+pub fn scenario(c: &Cell) -> Scenario {
+    Scenario {
+        id: c.id.clone(),
+        group: "eval",
+        source: c.source.clone(),
+        proxies: 1,
+        spread: crate::ProxySpread::PerRequest,
+        endpoints: c.replicas,
+        dp_ranks: 1,
+        pd_prefill: 0,
+    }
 }
 
 /// The response header `kv_time` replays carry their predictions in.
@@ -279,6 +296,7 @@ mod tests {
             .chain(validation3())
             .chain(validation4())
             .chain(validation5())
+            .chain(weka_validation(false))
             .map(|c| c.id)
             .collect();
         let n = ids.len();
@@ -304,5 +322,79 @@ mod tests {
                     .all(|&(r, f, _)| r < c.replicas && f >= 1.0)
             );
         }
+    }
+
+    /// The coding-agent validation set: 4 samples x 4 levels x 2 fleets, ids naming all three, each
+    /// sample's own file, replayed whole once (the first 16 sessions at `--quick`), 8B on H100s.
+    #[test]
+    fn weka_validation_has_32_cells_over_the_four_samples() {
+        let files = [
+            ("train", "weka_cc_sample36.jsonl.xz"),
+            ("v1", "weka_cc_validation_v1.jsonl.xz"),
+            ("v2", "weka_cc_validation_v2.jsonl.xz"),
+            ("v3", "weka_cc_validation_v3.jsonl.xz"),
+        ];
+        for quick in [false, true] {
+            let cells = weka_validation(quick);
+            assert_eq!(cells.len(), 32);
+            let mut expected = Vec::new();
+            for (name, file) in files {
+                for replicas in [4, 9] {
+                    for c in [16, 24, 32, 40] {
+                        expected.push((format!("wv-{name}-c{c}-{replicas}"), file, c, replicas));
+                    }
+                }
+            }
+            for (cell, (id, file, c, replicas)) in cells.iter().zip(expected) {
+                assert_eq!(cell.id, id);
+                assert_eq!(cell.set, Set::WekaValidation);
+                assert_eq!(cell.replicas, replicas, "{id}");
+                assert_eq!(cell.profile, "llama-3.1-8b-h100", "{id}");
+                assert!(cell.slowdowns.is_empty(), "{id}");
+                let Source::Weka {
+                    concurrency,
+                    copies,
+                    max_sessions,
+                    think_jitter,
+                    file: f,
+                } = cell.source
+                else {
+                    panic!("{id}: not a coding-agent cell")
+                };
+                assert_eq!((f, concurrency, copies), (file, c, 1), "{id}");
+                assert_eq!(max_sessions, quick.then_some(16), "{id}");
+                assert_eq!(think_jitter, crate::bench::scenario::THINK_JITTER, "{id}");
+            }
+        }
+    }
+
+    /// Each sample's cells load: the scenario reads the sample's own file (the sessions it keeps
+    /// under the 128K cap, or its first 16 at `--quick`), and two seeds draw different think times.
+    #[test]
+    fn weka_validation_cells_read_their_own_sample() {
+        let traces = Path::new(env!("CARGO_MANIFEST_DIR")).join("../traces");
+        let kept = [("train", 28), ("v1", 27), ("v2", 28), ("v3", 32)];
+        for c in weka_validation(false)
+            .iter()
+            .filter(|c| c.id.ends_with("-c16-4"))
+        {
+            let (w, _) = scenario(c).build(&traces, 0).unwrap();
+            let want = kept.iter().find(|(n, _)| c.id == format!("wv-{n}-c16-4"));
+            assert_eq!(w.sessions.len(), want.unwrap().1, "{}", c.id);
+            assert!(!w.sessions.iter().any(|s| s.id.contains('#')), "{}", c.id);
+        }
+        let quick = &weka_validation(true)[8];
+        assert_eq!(quick.id, "wv-v1-c16-4");
+        let (a, _) = scenario(quick).build(&traces, 0).unwrap();
+        let (b, _) = scenario(quick).build(&traces, 1).unwrap();
+        assert!(a.sessions.len() <= 16 && !a.sessions.is_empty());
+        let think = |w: &kvsteer_workload::Workload| -> Vec<u64> {
+            w.sessions
+                .iter()
+                .flat_map(|s| &s.turns)
+                .map(|t| t.think_us)
+                .collect()
+        };
+        assert_ne!(think(&a), think(&b));
     }
 }

@@ -1,11 +1,12 @@
-//! The cells of each set: the training matrix and the five validation rounds, each round written
-//! down and committed before any replay of it (docs/reports/model-eval.md). Data, not logic: a
-//! round's function is its list of cells.
+//! The cells of each set: the training matrix, the five validation rounds and the coding-agent
+//! validation samples, each written down and committed before any replay of it
+//! (docs/reports/model-eval.md). Data, not logic: a round's function is its list of cells.
 
 use super::{Cell, Set};
 use crate::bench::scenario::{ARRIVAL_JITTER, Source, THINK_JITTER};
 use kvsteer_workload::chat::ChatParams;
 use kvsteer_workload::rl::RlParams;
+use kvsteer_workload::weka;
 
 fn cell(id: &str, set: Set, source: Source, replicas: usize, profile: &'static str) -> Cell {
     Cell {
@@ -21,11 +22,22 @@ fn cell(id: &str, set: Set, source: Source, replicas: usize, profile: &'static s
 const H100_8B: &str = "llama-3.1-8b-h100";
 
 fn weka(concurrency: usize, copies: usize, max_sessions: Option<usize>) -> Source {
+    weka_sample(weka::FILE, concurrency, copies, max_sessions)
+}
+
+/// [`weka`] on another coding-agent sample of the traces folder.
+fn weka_sample(
+    file: &'static str,
+    concurrency: usize,
+    copies: usize,
+    max_sessions: Option<usize>,
+) -> Source {
     Source::Weka {
         concurrency,
         copies,
         max_sessions,
         think_jitter: THINK_JITTER,
+        file,
     }
 }
 
@@ -481,4 +493,44 @@ pub fn validation5() -> Vec<Cell> {
             vec![(1, 2.0, 20_000_000)],
         ),
     ]
+}
+
+/// The coding-agent samples [`weka_validation`] replays, by the name its cell ids carry: the
+/// training sample and the three validation samples (`traces/README.md`).
+pub const WEKA_SAMPLES: [(&str, &str); 4] = [
+    ("train", weka::FILE),
+    ("v1", weka::VALIDATION_FILES[0]),
+    ("v2", weka::VALIDATION_FILES[1]),
+    ("v3", weka::VALIDATION_FILES[2]),
+];
+
+/// Sessions in flight and fleet sizes of [`weka_validation`].
+pub const WEKA_VALIDATION_LEVELS: [usize; 4] = [16, 24, 32, 40];
+pub const WEKA_VALIDATION_FLEETS: [usize; 2] = [4, 9];
+
+/// The sessions a `--quick` coding-agent validation cell keeps (the sample's first 16).
+pub const WEKA_VALIDATION_QUICK_SESSIONS: usize = 16;
+
+/// The coding-agent validation samples (issue 51), as written in docs/reports/model-eval.md
+/// before any replay of them: each sample ([`WEKA_SAMPLES`]) replayed whole, once (1 copy, think
+/// times drawn per seed as the training cells draw them), at 16, 24, 32 and 40 sessions in flight
+/// on 4 and on 9 replicas of Llama-3.1-8B on H100s. Ids `wv-<sample>-c<N>-<replicas>`. `quick`
+/// keeps each sample's first 16 sessions (the same ids: keep its replays in another file).
+pub fn weka_validation(quick: bool) -> Vec<Cell> {
+    let max = quick.then_some(WEKA_VALIDATION_QUICK_SESSIONS);
+    let mut v = Vec::new();
+    for (name, file) in WEKA_SAMPLES {
+        for replicas in WEKA_VALIDATION_FLEETS {
+            for c in WEKA_VALIDATION_LEVELS {
+                v.push(cell(
+                    &format!("wv-{name}-c{c}-{replicas}"),
+                    Set::WekaValidation,
+                    weka_sample(file, c, 1, max),
+                    replicas,
+                    H100_8B,
+                ));
+            }
+        }
+    }
+    v
 }
