@@ -6,30 +6,47 @@
 //! the least recently recorded blocks first. It is generic over the key newtype so token-prompt
 //! identities ([`SeqHash`]) and text-prompt identities ([`TextHash`]) live in two separate instances and
 //! can never be mixed with each other or with the KV index.
+//!
+//! Each worker VM of a proxy keeps its own instance; with [`ApproxIndex::start_journal`] an instance
+//! also journals its own records for the proxy's other workers and applies theirs
+//! ([`ApproxIndex::encode_journal`], [`ApproxIndex::apply_peer`]; the format is in `journal`).
+
+mod journal;
 
 use std::collections::VecDeque;
 
 use hashbrown::HashMap;
 
 use crate::block::{SeqHash, TextHash};
+pub use journal::{Applied, ENTRY_MAX_KEYS, JOURNAL_MAX_BYTES, JOURNAL_MAX_KEYS};
 
 /// A key type the approximate index can hold.
 pub trait PrefixKey: Copy + Eq + core::hash::Hash {
     fn raw(self) -> u64;
+    fn from_raw(raw: u64) -> Self;
 }
 impl PrefixKey for u64 {
     fn raw(self) -> u64 {
         self
+    }
+    fn from_raw(raw: u64) -> Self {
+        raw
     }
 }
 impl PrefixKey for SeqHash {
     fn raw(self) -> u64 {
         self.0
     }
+    fn from_raw(raw: u64) -> Self {
+        SeqHash(raw)
+    }
 }
 impl PrefixKey for TextHash {
     fn raw(self) -> u64 {
         self.0
+    }
+    fn from_raw(raw: u64) -> Self {
+        TextHash(raw)
     }
 }
 
@@ -55,20 +72,30 @@ impl Entry {
         (0..self.len as usize).map(|i| (self.replicas[i], self.times[i]))
     }
 
-    fn record(&mut self, r: u16, now_ms: u64, stamp: u64) {
+    /// Records that `r` was sent the block at `at_ms`. Times only move forward: a record another
+    /// worker made earlier than this index's own (applied a tick late) does not age a holder, and
+    /// on a full block it forgets the oldest holder only if it is newer than that one.
+    fn record(&mut self, r: u16, at_ms: u64, stamp: u64) {
         let n = self.len as usize;
         let i = match (0..n).find(|&i| self.replicas[i] == r) {
             Some(i) => i,
             None if n < MAX_HOLDERS => {
                 self.len += 1;
+                self.times[n] = at_ms;
                 n
             }
             // Full: forget the holder recorded longest ago.
-            None => (0..n).min_by_key(|&i| self.times[i]).unwrap_or(0),
+            None => match (0..n).min_by_key(|&i| self.times[i]) {
+                Some(i) if self.times[i] <= at_ms => {
+                    self.times[i] = at_ms;
+                    i
+                }
+                _ => return,
+            },
         };
         self.replicas[i] = r;
-        self.times[i] = now_ms;
-        self.last_ms = now_ms;
+        self.times[i] = self.times[i].max(at_ms);
+        self.last_ms = self.last_ms.max(at_ms);
         self.stamp = stamp;
     }
 
@@ -98,6 +125,13 @@ pub struct ApproxIndex<K: PrefixKey> {
     capacity: usize,
     ttl_ms: u64,
     evictions: u64,
+    /// The latest time this index was given (own records, peers' applied).
+    latest_ms: u64,
+    /// Per replica: one past `latest_ms` when it was last forgotten ([`ApproxIndex::remove_replica`];
+    /// 0: never); a peer's record of it from before then is not applied.
+    forgotten_ms: Vec<u64>,
+    /// This index's own records for the proxy's other workers; `None` while not sharing.
+    journal: Option<journal::Journal>,
 }
 
 impl<K: PrefixKey> ApproxIndex<K> {
@@ -109,6 +143,9 @@ impl<K: PrefixKey> ApproxIndex<K> {
             capacity: capacity_blocks.max(1),
             ttl_ms,
             evictions: 0,
+            latest_ms: 0,
+            forgotten_ms: Vec::new(),
+            journal: None,
         }
     }
 
@@ -126,18 +163,91 @@ impl<K: PrefixKey> ApproxIndex<K> {
     pub fn heap_bytes(&self) -> usize {
         self.map.capacity() * (size_of::<K>() + size_of::<Entry>() + 1)
             + self.order.capacity() * size_of::<(K, u64)>()
+            + self
+                .journal
+                .as_ref()
+                .map_or(0, journal::Journal::heap_bytes)
     }
 
-    /// Records that the blocks `keys` were sent to `replica` at `now_ms`.
+    /// Records that the blocks `keys` were sent to `replica` at `now_ms` (and journals it for the
+    /// other workers while sharing).
     pub fn record(&mut self, replica: usize, keys: &[K], now_ms: u64) {
         let r = replica.min(u16::MAX as usize) as u16;
-        for &k in keys {
+        self.insert(r, keys.iter().copied(), now_ms, now_ms);
+        if let Some(j) = &mut self.journal {
+            j.push(r, keys.iter().map(|k| k.raw()), now_ms);
+        }
+    }
+
+    /// Records `keys` for `r` at `at_ms`, then enforces the TTL and the cap as of `now_ms`.
+    fn insert(&mut self, r: u16, keys: impl Iterator<Item = K>, at_ms: u64, now_ms: u64) {
+        for k in keys {
             self.next_stamp += 1;
             let stamp = self.next_stamp;
-            self.map.entry(k).or_default().record(r, now_ms, stamp);
+            self.map.entry(k).or_default().record(r, at_ms, stamp);
             self.order.push_back((k, stamp));
         }
-        self.enforce_cap(now_ms);
+        self.latest_ms = self.latest_ms.max(now_ms);
+        self.enforce_cap(self.latest_ms);
+    }
+
+    /// Starts journaling this index's own records for the proxy's other workers, and applying
+    /// theirs ([`ApproxIndex::apply_peer`]).
+    pub fn start_journal(&mut self) {
+        self.journal.get_or_insert_with(journal::Journal::default);
+    }
+
+    /// This index's records of the last `keep_ms` for the other workers, stamped `now_ms`, for a
+    /// router of `replicas` replicas; `None` while not sharing, and before anything was recorded.
+    pub fn encode_journal(
+        &mut self,
+        now_ms: u64,
+        keep_ms: u64,
+        replicas: usize,
+    ) -> Option<Vec<u8>> {
+        self.journal.as_mut()?.encode(now_ms, keep_ms, replicas)
+    }
+
+    /// Applies the entries of worker `peer`'s journal (from [`ApproxIndex::encode_journal`]) that
+    /// this index has not applied yet, as if it had recorded them itself, at their own time (at most
+    /// `now_ms`; an entry already past the TTL, or for a replica forgotten since, is skipped). `None`,
+    /// and nothing changed, while not sharing and for a journal that is malformed, over the bounds
+    /// or for another replica count: it is checked whole before any of it is applied.
+    pub fn apply_peer(
+        &mut self,
+        peer: u32,
+        bytes: &[u8],
+        replicas: usize,
+        now_ms: u64,
+    ) -> Option<Applied> {
+        let last = self.journal.as_ref()?.applied.get(&peer).copied();
+        let (records, restarted) = journal::decode_since(bytes, replicas, last.unwrap_or(0))?;
+        // `None` until this index has seen one of the peer's entries: what the peer dropped before
+        // then was never this worker's to miss; after a restart its numbers start over.
+        let last = if restarted { None } else { last };
+        let mut applied = Applied::default();
+        let mut newest = last.unwrap_or(0);
+        for (i, rec) in records.iter().enumerate() {
+            if i == 0 {
+                applied.missed = last.map_or(0, |l| rec.seq - l - 1);
+            }
+            newest = rec.seq;
+            let at = rec.at_ms.min(now_ms);
+            let forgotten = self.forgotten_ms.get(rec.replica as usize);
+            if now_ms - at > self.ttl_ms || forgotten.is_some_and(|&f| at < f) {
+                continue;
+            }
+            let keys = journal::keys(bytes, rec).map(K::from_raw);
+            self.insert(rec.replica, keys, at, now_ms);
+            applied.entries += 1;
+            applied.blocks += (rec.keys.len() / 8) as u64;
+        }
+        if let Some(j) = &mut self.journal
+            && newest > 0
+        {
+            j.applied.insert(peer, newest);
+        }
+        Some(applied)
     }
 
     fn enforce_cap(&mut self, now_ms: u64) {
@@ -198,6 +308,10 @@ impl<K: PrefixKey> ApproxIndex<K> {
         let Ok(r) = u16::try_from(replica) else {
             return;
         };
+        if self.forgotten_ms.len() <= replica {
+            self.forgotten_ms.resize(replica + 1, 0);
+        }
+        self.forgotten_ms[replica] = self.latest_ms.saturating_add(1);
         self.map.retain(|_, e| {
             e.forget(r);
             e.len > 0

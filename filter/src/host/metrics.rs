@@ -77,6 +77,11 @@ pub(super) struct Metrics {
     /// journals refused.
     working_set_missed: TotalCounter,
     working_set_refused: TotalCounter,
+    /// Other workers' text-prompt records (the approximate text identity) applied, missed and
+    /// refused ([`crate::worker::share::TextSharing`]).
+    text_records_applied: TotalCounter,
+    text_records_missed: TotalCounter,
+    text_records_refused: TotalCounter,
     /// The working-set exchange with other proxies ([`crate::worker::exchange`]).
     peer_polls: TotalCounter,
     peer_poll_failures: TotalCounter,
@@ -267,6 +272,9 @@ impl Metrics {
             feed_rank_mismatches: define(Counter, "kvsteer_feed_rank_mismatches"),
             working_set_missed: TotalCounter::define("kvsteer_working_set_missed"),
             working_set_refused: TotalCounter::define("kvsteer_working_set_refused"),
+            text_records_applied: TotalCounter::define("kvsteer_text_records_applied"),
+            text_records_missed: TotalCounter::define("kvsteer_text_records_missed"),
+            text_records_refused: TotalCounter::define("kvsteer_text_records_refused"),
             peer_polls: TotalCounter::define("kvsteer_peer_polls"),
             peer_poll_failures: TotalCounter::define("kvsteer_peer_poll_failures"),
             peer_answers_refused: TotalCounter::define("kvsteer_peer_answers_refused"),
@@ -358,6 +366,10 @@ impl Metrics {
         self.working_set_missed
             .update(missed.saturating_add(x.missed));
         self.working_set_refused.update(refused);
+        let text = state.text_sharing();
+        self.text_records_applied.update(text.applied);
+        self.text_records_missed.update(text.missed);
+        self.text_records_refused.update(text.refused);
         self.peer_polls.update(x.polls);
         self.peer_poll_failures.update(x.failed);
         self.peer_answers_refused.update(x.refused);

@@ -24,6 +24,11 @@
 //! admissions under `<prefix>:ws:<worker>` (the core's encoding, which starts with `published_ms`)
 //! and applies the others' new entries ([`publish_working_set`], [`read_working_set_fresh`]).
 //!
+//! The approximate text identity's records (`kvsteer_core::approx`): each worker publishes the
+//! journal of its own text-prompt admissions under `<prefix>:text:<worker>` and applies the others'
+//! new entries into its own index, so a text follow-up on another worker finds its first turn's
+//! replica (`text.rs`).
+//!
 //! Health learned from completions (`kvsteer_core::health`) is shared the same way, each worker's own
 //! decayed success and failure counts under `<prefix>:health:<worker>`: `published_ms u64`, then
 //! `HealthCounts::encode_all` bytes ([`publish_health`], [`read_health_fresh`]). So are `kv_time`'s
@@ -32,8 +37,10 @@
 //! [`read_speeds_fresh`]): a proxy with N workers learns a slow replica from all its requests, not
 //! from one worker's Nth.
 
+mod text;
 mod tick;
 
+pub use text::{TextSharing, read_text_fresh, text_key};
 pub use tick::WORKING_SET_KEEP_TICKS;
 
 use crate::host::store::SharedStore;

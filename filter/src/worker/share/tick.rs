@@ -1,5 +1,6 @@
-//! The worker VMs of one proxy: this worker's number, and the load, health and working set it shares
-//! with the others each tick through shared data (the records are [`crate::worker::share`]').
+//! The worker VMs of one proxy: this worker's number, and the load, health, working set and text
+//! records it shares with the others each tick through shared data (the records are
+//! [`crate::worker::share`]').
 
 use crate::host::store::SharedStore;
 use crate::worker::WorkerState;
@@ -19,6 +20,7 @@ impl WorkerState {
         self.worker_id = share::claim_worker_id(store, &self.cfg.shared_key_prefix);
         if self.worker_id.is_some() {
             self.router.share_working_set();
+            self.router.share_text_records();
         }
         self.worker_id
     }
@@ -98,6 +100,7 @@ impl WorkerState {
                 }
             }
         }
+        self.share_text_records(store, me, count, now_ms);
         self.router.refresh_health(now_ms);
     }
 
