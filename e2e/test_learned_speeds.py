@@ -1,0 +1,136 @@
+"""End-to-end: `kv_time`'s learned speeds cannot lock a replica out (issue 51), through Envoy 1.40
+(`--concurrency 2`) with envoy/envoy.yaml, the built filter and 4 simulated replicas.
+
+A cold engine (a warm-up compile, an empty page cache) answers its first requests slowly, then runs
+at its profile's speed. Replica r0 is slowed 20x (the simulator's `slowdown` fault) until it has
+answered 3 requests, then healed. Two clients send fresh 2,048-token prompts, streamed, in a closed
+loop, each on a fresh connection (so both of Envoy's workers route). The first version of the
+learned speeds took those 3 requests as the speed bound (4x) and then never chose r0 again while
+the others could take the load: a hostile tester saw 0 requests in every 10 s window for 60-90 s
+at 2, 4 and 6 clients. Now a prior toward the profile keeps 3 requests from moving the factor far,
+evidence fades with time (`speed_memory_s`), and costs within the estimates' uncertainty are ties.
+
+Asserted: within 30 s of healing r0 answers at least a quarter of a fair share (1/16 of the
+requests), counted by the replica that answered each request (`x-kvsteer-replica`); no request
+fails. r0's requests per 5 s window and its learned factor (`kvsteer_ttft_observed_per_predicted_
+milli_r0`) are printed.
+
+The replicas run at time scale 1 (as in test_starvation): the filter learns speeds against the
+wall clock. Run by scripts/e2e (`scripts/e2e test_learned_speeds`); about 50 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import unittest
+
+from client import Client, Result, tokens
+from stack import Stack, envoy_fleet
+
+REPLICAS = 4
+SIM_TIME_SCALE = "1"
+PROFILE = "llama-3.1-8b-h100"
+PROMPT_TOKENS = 2048
+MAX_TOKENS = 32
+CLIENTS = 2
+COLD_FACTOR = 20.0
+# r0 stays slow until it has answered this many requests.
+COLD_REQUESTS = 3
+# The cold phase ends after this long even if r0 was not chosen 3 times.
+COLD_LIMIT_S = 30.0
+WINDOW_S = 30.0
+BIN_S = 5.0
+
+
+def set_fault(stack: Stack, name: str, fault: dict) -> None:
+    host, _, port = stack.replica(name).endpoint.rpartition(":")
+    c = Client(host, int(port))
+    try:
+        status, _, body = c.request("POST", "/admin/fault", json.dumps(fault).encode(),
+                                    {"content-type": "application/json"})
+    finally:
+        c.close()
+    if status != 200:
+        raise AssertionError(f"fault {fault} on {name}: {status} {body!r}")
+
+
+class Clients:
+    """`CLIENTS` closed-loop clients of fresh prompts; every answer kept with its send time."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.sent: list[tuple[float, Result]] = []
+        self.threads: list[threading.Thread] = []
+        self.t0 = time.monotonic()
+
+    def start(self) -> None:
+        for n in range(CLIENTS):
+            t = threading.Thread(target=self.loop, args=(n,), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def loop(self, n: int) -> None:
+        i = 0
+        while not self.stop.is_set():
+            at = time.monotonic() - self.t0
+            res = self.stack.send(tokens(PROMPT_TOKENS, 7_000_000 * (n + 1) + i),
+                                  max_tokens=MAX_TOKENS, stream=True, ignore_eos=True)
+            # Our name (r0..) of the replica that answered (the result carries the sim's own).
+            w = self.stack.by_sim_name(res.replica)
+            res.replica = w.name if w else ""
+            with self.lock:
+                self.sent.append((at, res))
+            i += 1
+
+    def answered_by(self, name: str) -> int:
+        with self.lock:
+            return sum(1 for _, r in self.sent if r.replica == name)
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+
+class LearnedSpeeds(unittest.TestCase):
+    def test_a_replica_slow_on_its_first_requests_wins_back_its_share(self):
+        routing = {"policy": "kv_time", "kv_time": {"profile": PROFILE}}
+        with envoy_fleet(REPLICAS, SIM_TIME_SCALE, "envoy", {"routing": routing}) as stack:
+            set_fault(stack, "r0", {"slowdown": COLD_FACTOR})
+            clients = Clients(stack)
+            clients.start()
+            deadline = time.monotonic() + COLD_LIMIT_S
+            while clients.answered_by("r0") < COLD_REQUESTS and time.monotonic() < deadline:
+                time.sleep(0.05)
+            set_fault(stack, "r0", {"slowdown": 1.0})
+            healed = time.monotonic() - clients.t0
+            cold_answers = clients.answered_by("r0")
+            time.sleep(WINDOW_S)
+            factor = stack.metric("kvsteer_ttft_observed_per_predicted_milli_r0") / 1000
+            clients.finish()
+
+        after = [(at, r) for at, r in clients.sent if at >= healed]
+        failed = [r for _, r in clients.sent if not r.ok]
+        on_r0 = [at for at, r in after if r.replica == "r0"]
+        bins = [sum(1 for at in on_r0 if healed + k * BIN_S <= at < healed + (k + 1) * BIN_S)
+                for k in range(int(WINDOW_S / BIN_S))]
+        per_replica = {f"r{i}": sum(1 for _, r in after if r.replica == f"r{i}")
+                       for i in range(REPLICAS)}
+        print(f"\nr0 answered {cold_answers} requests at {COLD_FACTOR:g}x, healed at {healed:.1f} s;"
+              f" after: {len(after)} requests, per replica {per_replica}; r0 per {BIN_S:g} s "
+              f"window {bins}; r0's learned factor at the end {factor:.2f}", flush=True)
+        self.assertEqual(failed, [], "requests failed")
+        self.assertGreaterEqual(cold_answers, 1, "r0 was never chosen while cold")
+        self.assertGreaterEqual(len(after), 40, "too few requests after healing to judge")
+        share = len(on_r0) / len(after)
+        self.assertGreaterEqual(share, 0.25 / REPLICAS,
+                                f"r0 took {share:.1%} of the requests in the {WINDOW_S:g} s "
+                                f"after healing (windows {bins})")
+
+
+if __name__ == "__main__":
+    unittest.main()
