@@ -11,12 +11,16 @@ at 2, 4 and 6 clients. Now a prior toward the profile keeps 3 requests from movi
 evidence fades with time (`speed_memory_s`), and costs within the estimates' uncertainty are ties.
 
 Asserted: within 30 s of healing r0 answers at least a quarter of a fair share (1/16 of the
-requests), counted by the replica that answered each request (`x-kvsteer-replica`); no request
-fails. r0's requests per 5 s window and its learned factor (`kvsteer_ttft_observed_per_predicted_
+requests), and so does every other replica, counted by the replica that answered each request;
+no request fails. r0's requests per 5 s window and its learned factor (`kvsteer_ttft_observed_per_predicted_
 milli_r0`) are printed.
 
+A second test: replicas whose cache (1,000 blocks) is far smaller than the profile's are priced
+with the size their feeds report, and 40 fresh prompts sent one by one spread (no replica more than
+half).
+
 The replicas run at time scale 1 (as in test_starvation): the filter learns speeds against the
-wall clock. Run by scripts/e2e (`scripts/e2e test_learned_speeds`); about 50 s on 2 cores.
+wall clock. Run by scripts/e2e (`scripts/e2e test_learned_speeds`); about 70 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ COLD_REQUESTS = 3
 COLD_LIMIT_S = 30.0
 WINDOW_S = 30.0
 BIN_S = 5.0
+# The cache-size test: the sims' KV cache in 16-token blocks, and the fresh prompts sent one by one.
+SMALL_CACHE_BLOCKS = 1000
+FRESH_PROMPTS = 40
 
 
 def set_fault(stack: Stack, name: str, fault: dict) -> None:
@@ -130,6 +137,32 @@ class LearnedSpeeds(unittest.TestCase):
         self.assertGreaterEqual(share, 0.25 / REPLICAS,
                                 f"r0 took {share:.1%} of the requests in the {WINDOW_S:g} s "
                                 f"after healing (windows {bins})")
+        # Alike healthy replicas share fresh prompts: none is starved by its factor being a few
+        # percent higher by noise (the first version sent everything to two of them).
+        for name, n in per_replica.items():
+            self.assertGreaterEqual(n / len(after), 0.25 / REPLICAS, f"{name}: {per_replica}")
+
+    def test_a_cache_not_reported_yet_is_not_priced_as_free(self):
+        """Replicas with a 1,000-block (16,000-token) cache behind a profile of 409,600 tokens: the
+        filter prices each with the size its feed reports (`kvsteer_cache_size_blocks_<r>`), not
+        the profile's, and fresh prompts spread (the first version priced a replica that had not
+        evicted yet at the profile's cache, its evictions free, and it drew 35 of 40)."""
+        routing = {"policy": "kv_time", "kv_time": {"profile": PROFILE}}
+        with envoy_fleet(REPLICAS, SIM_TIME_SCALE, "envoy", {"routing": routing},
+                         sim_args=["--kv-blocks", str(SMALL_CACHE_BLOCKS)]) as stack:
+            sizes = {f"r{i}": stack.metric(f"kvsteer_cache_size_blocks_r{i}")
+                     for i in range(REPLICAS)}
+            served: dict[str, int] = {}
+            for i in range(FRESH_PROMPTS):
+                res = stack.send(tokens(PROMPT_TOKENS, 9_000_000 + i), max_tokens=4)
+                self.assertTrue(res.ok, res.error or res.status)
+                w = stack.by_sim_name(res.replica)
+                name = w.name if w else "?"
+                served[name] = served.get(name, 0) + 1
+        print(f"\npriced cache sizes {sizes}; {FRESH_PROMPTS} fresh prompts served {served}",
+              flush=True)
+        self.assertEqual(set(sizes.values()), {SMALL_CACHE_BLOCKS}, sizes)
+        self.assertLessEqual(max(served.values()), FRESH_PROMPTS // 2, served)
 
 
 if __name__ == "__main__":
