@@ -140,7 +140,8 @@ pub fn split_filter_fields(spec: &str) -> (String, Vec<(String, Value)>) {
 /// `kv_load@overlap_credit=2@active_request_weight=32` gives
 /// `{"policy": "kv_load", "kv_load": {"overlap_credit": 2.0, "active_request_weight": 32.0}}`;
 /// values that are not numbers are booleans (`assume_kv_reuse=false`) or names
-/// (`preset=ray_balanced`, `reported_load=ignore`).
+/// (`preset=ray_balanced`, `reported_load=ignore`); `section.key=value` sets another section's
+/// field (`kv_time@kv_load.reported_load=others`).
 /// Variants let the bench measure how a result depends on a policy's coefficients (the report's
 /// sensitivity runs) without a configuration file per variant.
 pub fn routing(spec: &str) -> Result<Value, String> {
@@ -169,6 +170,9 @@ pub fn routing(spec: &str) -> Result<Value, String> {
         ));
     }
     let mut section = serde_json::Map::new();
+    // `section.key=value` sets another section's field (`kv_time@kv_load.reported_load=others`:
+    // settings every policy reads still live under `kv_load`).
+    let mut other: Vec<(String, String, Value)> = Vec::new();
     for kv in parts {
         let (k, v) = kv
             .split_once('=')
@@ -183,11 +187,22 @@ pub fn routing(spec: &str) -> Result<Value, String> {
             (_, _, name) if !name.is_empty() => json!(name),
             _ => return Err(format!("policy spec {spec:?}: {k} has no value")),
         };
-        section.insert(k.to_string(), v);
+        match k.split_once('.') {
+            Some((sec, key)) => other.push((sec.to_string(), key.to_string(), v)),
+            None => {
+                section.insert(k.to_string(), v);
+            }
+        }
     }
     let mut r = json!({ "policy": name });
     if !section.is_empty() {
         r[name] = Value::Object(section);
+    }
+    for (sec, key, v) in other {
+        if !r[&sec].is_object() {
+            r[&sec] = json!({});
+        }
+        r[&sec][&key] = v;
     }
     // Refuse a variant the filter would refuse, before anything runs, naming the field.
     kvsteer_core::RoutingConfig::from_json(&r.to_string())
@@ -328,6 +343,13 @@ mod tests {
         );
         assert!(routing("kv_load@overlap_credit").is_err());
         assert!(routing("kv_load@overlap_credit=lots").is_err());
+        // Another section's field, by its dotted name; a field that section lacks is refused.
+        assert_eq!(
+            routing("kv_time@speed_prior=0@kv_load.reported_load=others").unwrap(),
+            json!({"policy": "kv_time", "kv_time": {"speed_prior": 0},
+                   "kv_load": {"reported_load": "others"}})
+        );
+        assert!(routing("kv_time@kv_load.no_such_field=1").is_err());
         assert_eq!(
             routing("kv_load@preset=ray_balanced@assume_kv_reuse=false").unwrap(),
             json!({"policy": "kv_load",
