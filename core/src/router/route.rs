@@ -80,19 +80,11 @@ impl Router {
         let eff = self.effective_load();
         self.health.refresh(now_ms);
         let avoided = self.avoided();
-        let needs = self.needs;
         let active_prefix = self.active_prefix(req);
         let mut affinity = std::mem::take(&mut self.scratch_approx);
         self.affinity(req, now_ms, &mut affinity);
         let working_set = self.cache_fits(now_ms, sampled);
-        let (speed, speed_spread, reuse_share) = match (needs.speed, &self.working_set) {
-            (true, ws) => (
-                self.speeds.factors(now_ms),
-                self.speeds.spreads(now_ms),
-                ws.as_ref().map_or(0.0, |ws| ws.reuse_share()),
-            ),
-            (false, _) => (Vec::new(), Vec::new(), 0.0),
-        };
+        let (speed, speed_spread, reuse_share) = self.learned_speeds(now_ms);
         let floor = self.cfg.kv_load.overflow_reuse_floor;
         let working_set_scale = match &self.working_set {
             Some(ws) if floor > 0.0 => kv_load::reuse_ramp(ws.reuse_share(), floor),
@@ -148,6 +140,19 @@ impl Router {
             backup,
             probe: probe.is_some(),
         }
+    }
+
+    /// `kv_time`'s inputs from what it learned: each replica's speed factor and its uncertainty at
+    /// `now_ms`, and the traffic's reuse share; empty and 0 for a policy that does not price time.
+    fn learned_speeds(&self, now_ms: u64) -> (Vec<f64>, Vec<f64>, f64) {
+        if !self.needs.speed {
+            return (Vec::new(), Vec::new(), 0.0);
+        }
+        (
+            self.speeds.factors(now_ms),
+            self.speeds.spreads(now_ms),
+            self.working_set.as_ref().map_or(0.0, |ws| ws.reuse_share()),
+        )
     }
 
     /// Leading blocks of the request already booked on each replica by requests in flight (the
