@@ -361,7 +361,11 @@ mod tests {
                 else {
                     panic!("{id}: not a coding-agent cell")
                 };
-                assert_eq!((f, concurrency, copies), (file, c, 1), "{id}");
+                assert_eq!(
+                    (f, concurrency, copies),
+                    (file, c, rounds::WEKA_VALIDATION_COPIES),
+                    "{id}"
+                );
                 assert_eq!(max_sessions, quick.then_some(16), "{id}");
                 assert_eq!(think_jitter, crate::bench::scenario::THINK_JITTER, "{id}");
             }

@@ -516,6 +516,11 @@ pub const WEKA_VALIDATION_QUICK_SESSIONS: usize = 16;
 /// times drawn per seed as the training cells draw them), at 16, 24, 32 and 40 sessions in flight
 /// on 4 and on 9 replicas of Llama-3.1-8B on H100s. Ids `wv-<sample>-c<N>-<replicas>`. `quick`
 /// keeps each sample's first 16 sessions (the same ids: keep its replays in another file).
+/// Copies of each sample's sessions (each copy its own sessions, think times drawn apart): 2, as the
+/// training cells at full size, so that 32 and 40 sessions in flight differ (one copy keeps at most
+/// 32 sessions, and at 32 and 40 in flight the two cells replayed the same workload).
+pub const WEKA_VALIDATION_COPIES: usize = 2;
+
 pub fn weka_validation(quick: bool) -> Vec<Cell> {
     let max = quick.then_some(WEKA_VALIDATION_QUICK_SESSIONS);
     let mut v = Vec::new();
@@ -525,7 +530,7 @@ pub fn weka_validation(quick: bool) -> Vec<Cell> {
                 v.push(cell(
                     &format!("wv-{name}-c{c}-{replicas}"),
                     Set::WekaValidation,
-                    weka_sample(file, c, 1, max),
+                    weka_sample(file, c, WEKA_VALIDATION_COPIES, max),
                     replicas,
                     H100_8B,
                 ));
