@@ -384,14 +384,16 @@ mod tests {
         {
             let (w, _) = scenario(c).build(&traces, 0).unwrap();
             let want = kept.iter().find(|(n, _)| c.id == format!("wv-{n}-c16-4"));
-            assert_eq!(w.sessions.len(), want.unwrap().1, "{}", c.id);
-            assert!(!w.sessions.iter().any(|s| s.id.contains('#')), "{}", c.id);
+            let copies = rounds::WEKA_VALIDATION_COPIES;
+            assert_eq!(w.sessions.len(), want.unwrap().1 * copies, "{}", c.id);
+            let second = w.sessions.iter().filter(|s| s.id.contains('#')).count();
+            assert_eq!(second, want.unwrap().1 * (copies - 1), "{}", c.id);
         }
         let quick = &weka_validation(true)[8];
         assert_eq!(quick.id, "wv-v1-c16-4");
         let (a, _) = scenario(quick).build(&traces, 0).unwrap();
         let (b, _) = scenario(quick).build(&traces, 1).unwrap();
-        assert!(a.sessions.len() <= 16 && !a.sessions.is_empty());
+        assert!(a.sessions.len() <= 16 * rounds::WEKA_VALIDATION_COPIES && !a.sessions.is_empty());
         let think = |w: &kvsteer_workload::Workload| -> Vec<u64> {
             w.sessions
                 .iter()
