@@ -18,7 +18,7 @@ const HEAL_S: f64 = 5.0;
 const WINDOW_S: f64 = 30.0;
 
 /// Two clients in a closed loop, each request a fresh 2K-token prompt (one-turn rollouts sharing
-/// only their first two blocks), 64 output tokens.
+/// nothing), 64 output tokens.
 fn cell() -> Cell {
     Cell {
         id: "cold-replica".into(),
@@ -26,8 +26,8 @@ fn cell() -> Cell {
         source: Source::Rl(RlParams {
             steps: 60,
             turns: 1,
-            system_tokens: 16,
-            step_tokens: 16,
+            system_tokens: 0,
+            step_tokens: 0,
             rollout_tokens: 2048,
             output_tokens: 64,
             straggler_output_tokens: 64,
@@ -41,9 +41,9 @@ fn cell() -> Cell {
     }
 }
 
-/// Per seed: replica 0's share of the requests issued in the window after it healed, and how many
-/// requests that window held.
-fn share_after_healing(seed: u64) -> (f64, usize) {
+/// Per seed: replica 0's share of the requests issued in the window after it healed, how many
+/// requests that window held, and how many replica 0 took while slow.
+fn share_after_healing(seed: u64) -> (f64, usize, usize) {
     let m = model_eval::replay(
         common::module(),
         Path::new("traces"),
@@ -63,7 +63,17 @@ fn share_after_healing(seed: u64) -> (f64, usize) {
         .filter_map(|r| r["replica"].as_u64())
         .collect();
     let on_0 = in_window.iter().filter(|&&r| r == 0).count();
-    (on_0 as f64 / in_window.len().max(1) as f64, in_window.len())
+    let while_slow = m
+        .requests
+        .iter()
+        .filter(|r| r["issued_ms"].as_f64().unwrap_or(0.0) / 1e3 < HEAL_S)
+        .filter(|r| r["replica"].as_u64() == Some(0))
+        .count();
+    (
+        on_0 as f64 / in_window.len().max(1) as f64,
+        in_window.len(),
+        while_slow,
+    )
 }
 
 /// At least a quarter of a fair share (1/16 of the requests on 4 replicas) within 30 s of healing,
@@ -71,8 +81,15 @@ fn share_after_healing(seed: u64) -> (f64, usize) {
 #[test]
 fn a_replica_slow_on_its_first_requests_wins_back_its_share() {
     for seed in 0..3 {
-        let (share, n) = share_after_healing(seed);
-        eprintln!("seed {seed}: replica 0 took {share:.3} of {n} requests in the window");
+        let (share, n, while_slow) = share_after_healing(seed);
+        eprintln!(
+            "seed {seed}: replica 0 took {while_slow} requests while slow, then {share:.3} of {n} \
+             in the window"
+        );
+        assert!(
+            while_slow >= 1,
+            "seed {seed}: replica 0 was never tried while slow"
+        );
         assert!(n >= 40, "seed {seed}: only {n} requests in the window");
         assert!(share >= 0.25 / 4.0, "seed {seed}: share {share:.3} of {n}");
     }

@@ -46,13 +46,14 @@ pub struct KvTimeParams {
     pub speed_halflife: f64,
     /// How many times faster or slower than its profile a replica may be learned to be (x, >= 1).
     pub speed_bound: f64,
-    /// Pseudo-observations at the profile's speed each replica's learned speed starts from
-    /// (requests): a replica's first few slow requests (a cold engine) move its factor only part
-    /// of the way. Halves with every `speed_halflife` of real evidence.
+    /// Pseudo-observations at the other replicas' pooled speed (the profile's before they have
+    /// any) each replica's learned speed starts from (requests): a replica's first few slow
+    /// requests (a cold engine) move its factor only part of the way. Halves with every
+    /// `speed_halflife` of real evidence.
     pub speed_prior: f64,
     /// Seconds after which an observation of a replica's speed weighs half (s); 0: evidence never
     /// fades with time. A replica that stopped being chosen sees its evidence fade back toward the
-    /// profile, so it is tried again instead of being locked out.
+    /// others', so it is tried again instead of being locked out.
     pub speed_memory_s: f64,
 }
 

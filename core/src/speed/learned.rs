@@ -4,14 +4,16 @@
 //! estimate that one wild observation cannot move far; each `x` clamped to `ln bound`), with three
 //! guards against learning the wrong thing from a few unlucky observations:
 //!
-//! - **A prior toward the profile.** A replica starts with `prior` pseudo-observations at the
-//!   profile's speed (log factor 0): a replica whose first two or three requests met a cold engine
-//!   (a warm-up compile, an empty page cache) is not learned as `bound` times slower at once. The
-//!   prior halves with every `halflife` of real evidence, so a well-observed replica's factor is
-//!   its observations' (within a few percent).
+//! - **A prior toward the fleet.** A replica starts with `prior` pseudo-observations at the other
+//!   replicas' pooled factor (the profile's speed, log factor 0, before they have any): a
+//!   replica whose first two or three requests met a cold engine (a warm-up compile, an empty page
+//!   cache) is not learned as `bound` times slower at once. The prior halves with every `halflife`
+//!   of real evidence, so a well-observed replica's factor is its observations' (within a few
+//!   percent). Toward the fleet, not the profile: when every replica runs 30% slower than the
+//!   profile says, one whose evidence has faded must not look 30% cheaper than the others.
 //! - **Evidence that fades with time** (`memory_s`): an observation `memory_s` seconds old weighs
 //!   half. A replica that stopped being chosen because it looked slow sees its old evidence fade
-//!   back toward the prior, so it is tried again; without this it was locked out for as long as
+//!   back toward the fleet's, so it is tried again; without this it was locked out for as long as
 //!   the others could take the load (issue 51: 60-90 s at 2-6 clients after three slow requests).
 //! - **An uncertainty per estimate** ([`Speeds::spreads`]): the pooled spread of the observations
 //!   around their replicas' estimates, over the evidence behind each estimate. `kv_time` treats two
@@ -165,32 +167,68 @@ impl Speeds {
         })
     }
 
-    /// Replica `r`'s estimate at `now_ms`: (log factor, the evidence's weight with the prior's).
-    fn estimate(&self, r: usize, now_ms: u64) -> (f64, f64) {
-        if self.alpha == 0.0 {
-            return (0.0, 0.0);
-        }
+    /// Replica `r`'s evidence at `now_ms`, its own and the other workers': (sum, weight).
+    fn evidence(&self, r: usize, now_ms: u64) -> (f64, f64) {
         let (mut sum, mut weight) = self.own_at(r, now_ms);
         for e in self.peers.values().filter_map(|v| v.get(r)) {
             sum += e.log_factor * e.weight;
             weight += e.weight;
         }
+        (sum, weight)
+    }
+
+    /// Every replica's evidence at `now_ms` pooled: (sum, weight). What the others' evidence says
+    /// of a replica with little of its own ([`Speeds::estimate`]).
+    fn pooled(&self, now_ms: u64) -> (f64, f64) {
+        (0..self.own.len()).fold((0.0, 0.0), |(s, w), r| {
+            let (rs, rw) = self.evidence(r, now_ms);
+            (s + rs, w + rw)
+        })
+    }
+
+    /// Replica `r`'s estimate at `now_ms`, given every replica's evidence `pooled`: (log factor,
+    /// the evidence's weight with the prior's). The prior sits at the other replicas' pooled
+    /// factor (the profile's, 0, before they have any): when the whole fleet runs slower or faster
+    /// than the profile (another GPU clock, a model the profile fits loosely), a replica whose
+    /// evidence has faded is priced like the others, not at the profile's speed, which would make
+    /// it look cheaper than the replicas just observed and draw their sessions away. The others',
+    /// not its own: a replica's few slow requests must not set its own prior.
+    fn estimate(&self, r: usize, now_ms: u64, pooled: (f64, f64)) -> (f64, f64) {
+        if self.alpha == 0.0 {
+            return (0.0, 0.0);
+        }
+        let (sum, weight) = self.evidence(r, now_ms);
+        let (others_sum, others_weight) = (pooled.0 - sum, pooled.1 - weight);
+        let fleet = if others_weight > 1e-9 {
+            (others_sum / others_weight).clamp(-self.bound_ln, self.bound_ln)
+        } else {
+            0.0
+        };
         // The prior halves with every half-life's worth of evidence.
         let prior = self.prior * 0.5f64.powf(weight / self.halflife);
         let all = prior + weight;
-        let l = if all > 0.0 { sum / all } else { 0.0 };
+        let l = if all > 0.0 {
+            (sum + prior * fleet) / all
+        } else {
+            fleet
+        };
         (l.clamp(-self.bound_ln, self.bound_ln), all)
     }
 
-    /// The replica's time factor at `now_ms`: 2 means it takes twice the profile's time.
+    /// The replica's time factor at `now_ms`: 2 means it takes twice the profile's time; 1 for a
+    /// replica index out of range.
     pub fn factor(&self, replica: usize, now_ms: u64) -> f64 {
-        self.estimate(replica, now_ms).0.exp()
+        if replica >= self.own.len() {
+            return 1.0;
+        }
+        self.estimate(replica, now_ms, self.pooled(now_ms)).0.exp()
     }
 
     /// Every replica's factor at `now_ms`.
     pub fn factors(&self, now_ms: u64) -> Vec<f64> {
+        let pooled = self.pooled(now_ms);
         (0..self.own.len())
-            .map(|r| self.factor(r, now_ms))
+            .map(|r| self.estimate(r, now_ms, pooled).0.exp())
             .collect()
     }
 
@@ -200,9 +238,10 @@ impl Speeds {
     /// or with learning off.
     pub fn spreads(&self, now_ms: u64) -> Vec<f64> {
         let sigma = self.noise_var.max(0.0).sqrt();
+        let pooled = self.pooled(now_ms);
         (0..self.own.len())
             .map(|r| {
-                let (_, all) = self.estimate(r, now_ms);
+                let (_, all) = self.estimate(r, now_ms, pooled);
                 if sigma == 0.0 {
                     0.0
                 } else if all > 0.0 {
@@ -285,7 +324,7 @@ impl Speeds {
             .clamp(-self.bound_ln, self.bound_ln);
         // The spread around the estimate as it stood: a running mean at first, then an
         // exponential one over the half-life's window.
-        let (before, _) = self.estimate(replica, now_ms);
+        let (before, _) = self.estimate(replica, now_ms, self.pooled(now_ms));
         self.noise_n = self.noise_n.saturating_add(1);
         let w = self.alpha.max(1.0 / self.noise_n as f64);
         self.noise_var += w * ((x - before).powi(2) - self.noise_var);

@@ -16,9 +16,10 @@ fn a_replica_twice_as_slow_is_learned_and_the_bound_holds() {
         s.observe(0, 0.1, 0.2, 0);
         s.observe(1, 0.1, 0.1, 0);
     }
-    // The prior, halved by every half-life of evidence, leaves a few percent.
+    // The prior (at the other replica's factor), halved by every half-life of evidence, leaves a
+    // few percent.
     assert!((s.factor(0, 0) - 2.0).abs() < 0.1, "{}", s.factor(0, 0));
-    assert!((s.factor(1, 0) - 1.0).abs() < 1e-9);
+    assert!((s.factor(1, 0) - 1.0).abs() < 0.05, "{}", s.factor(1, 0));
     // Wild observations are clamped to the bound.
     for _ in 0..400 {
         s.observe(1, 0.1, 1e9, 0);
@@ -85,7 +86,8 @@ fn other_workers_estimates_are_weighed_by_their_evidence() {
     }
     b.set_peer(0, &a.local(0));
     assert!((b.factor(0, 0) - 2.0).abs() < 0.01, "{}", b.factor(0, 0));
-    assert_eq!(b.factor(1, 0), 1.0);
+    // Replica 1, never observed, is taken to be like the rest of the fleet.
+    assert!((b.factor(1, 0) - 2.0).abs() < 0.01, "{}", b.factor(1, 0));
     // b's own observations at profile speed count as much as a's, window for window.
     for _ in 0..40 {
         b.observe(0, 0.1, 0.1, 0);
