@@ -2,8 +2,8 @@
 //! compile, an empty page cache) answers its first requests 20x slowly, then runs at its profile's
 //! speed. The first version learned those requests as the speed bound and then never chose the
 //! replica again while the others could take the load; now the prior keeps a few requests from
-//! moving the factor far, the evidence fades with time, and costs within the estimates'
-//! uncertainty are ties, so the replica is tried again and wins back its share.
+//! moving the factor far and costs within the estimates' uncertainty are ties, so the replica is
+//! tried again and wins back its share (with the defaults: fading evidence off).
 
 mod common;
 

@@ -51,8 +51,9 @@ pub struct KvTimeParams {
     /// requests (a cold engine) move its factor only part of the way. Halves with every
     /// `speed_halflife` of real evidence.
     pub speed_prior: f64,
-    /// Seconds after which an observation of a replica's speed weighs half (s); 0: evidence never
-    /// fades with time. A replica that stopped being chosen sees its evidence fade back toward the
+    /// Seconds after which an observation of a replica's speed weighs half (s); 0 (the default):
+    /// evidence never fades with time. Off by default: on fleets with really slow replicas it
+    /// retried them with long requests (docs/reports/notebook/learned-speeds.md). A replica that stopped being chosen sees its evidence fade back toward the
     /// others', so it is tried again instead of being locked out.
     pub speed_memory_s: f64,
 }
@@ -67,7 +68,7 @@ impl Default for KvTimeParams {
             speed_halflife: 32.0,
             speed_bound: 4.0,
             speed_prior: 2.0,
-            speed_memory_s: 10.0,
+            speed_memory_s: 0.0,
         }
     }
 }
