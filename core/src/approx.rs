@@ -175,7 +175,13 @@ impl<K: PrefixKey> ApproxIndex<K> {
         let r = replica.min(u16::MAX as usize) as u16;
         self.insert(r, keys.iter().copied(), now_ms, now_ms);
         if let Some(j) = &mut self.journal {
-            j.push(r, keys.iter().map(|k| k.raw()), now_ms);
+            j.push(
+                u32::from(r),
+                keys.iter().map(|k| k.raw()),
+                now_ms,
+                journal::ENTRY_MAX_KEYS,
+                journal::JOURNAL_MAX_KEYS,
+            );
         }
     }
 
@@ -205,7 +211,10 @@ impl<K: PrefixKey> ApproxIndex<K> {
         keep_ms: u64,
         replicas: usize,
     ) -> Option<Vec<u8>> {
-        self.journal.as_mut()?.encode(now_ms, keep_ms, replicas)
+        let j = self.journal.as_mut()?;
+        // A worker that never recorded a text prompt publishes nothing.
+        j.recorded_any()
+            .then(|| j.encode(now_ms, keep_ms, replicas))
     }
 
     /// Applies the entries of worker `peer`'s journal (from [`ApproxIndex::encode_journal`]) that

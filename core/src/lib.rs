@@ -13,6 +13,7 @@ pub mod dp;
 pub mod feed;
 pub mod health;
 pub mod index;
+mod journal;
 pub mod load;
 pub mod output;
 pub mod policy;

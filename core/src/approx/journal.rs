@@ -10,8 +10,7 @@
 //! counts a replica's run of leading blocks and stops at the first block it lacks, so a sample
 //! would stop it at the first block left out.
 
-use hashbrown::HashMap;
-use std::collections::VecDeque;
+use crate::journal::{ENTRY_HEADER, HEADER};
 use std::ops::Range;
 
 /// The journal keeps at most this many keys (512 KiB of them; about 140 chat prompts of 30,000
@@ -21,93 +20,11 @@ pub const JOURNAL_MAX_KEYS: usize = 1 << 16;
 /// An entry carries at most its prompt's first this many blocks (a million characters at block
 /// size 16): the leading blocks are the ones a match reads first.
 pub const ENTRY_MAX_KEYS: usize = 1 << 14;
-const HEADER: usize = 16;
-const ENTRY_HEADER: usize = 24;
 /// The largest journal a writer can publish: its keys, and an entry header for each (an entry
 /// carries at least one key). Anything longer is refused unread.
 pub const JOURNAL_MAX_BYTES: usize = HEADER + JOURNAL_MAX_KEYS * (8 + ENTRY_HEADER);
 
-/// This index's own records for the other workers, and how far it applied theirs.
-#[derive(Clone, Debug, Default)]
-pub(super) struct Journal {
-    /// Per entry kept, oldest first: its time, key count and encoded length; the encodings follow
-    /// each other in `bytes[start..]`, written once when recorded.
-    entries: VecDeque<(u64, usize, usize)>,
-    bytes: Vec<u8>,
-    start: usize,
-    keys: usize,
-    next_seq: u64,
-    /// Per peer worker: the highest entry number applied.
-    pub(super) applied: HashMap<u32, u64>,
-}
-
-impl Journal {
-    /// Journals that `keys` (raw, at most [`ENTRY_MAX_KEYS`] of them are kept) went to `replica`
-    /// at `at_ms`, dropping the oldest entries past [`JOURNAL_MAX_KEYS`].
-    pub(super) fn push(&mut self, replica: u16, keys: impl Iterator<Item = u64>, at_ms: u64) {
-        let from = self.bytes.len();
-        self.next_seq += 1;
-        self.bytes.extend_from_slice(&self.next_seq.to_le_bytes());
-        self.bytes.extend_from_slice(&at_ms.to_le_bytes());
-        self.bytes
-            .extend_from_slice(&u32::from(replica).to_le_bytes());
-        let count_at = self.bytes.len();
-        self.bytes.extend_from_slice(&0u32.to_le_bytes());
-        let mut n = 0usize;
-        for k in keys.take(ENTRY_MAX_KEYS) {
-            self.bytes.extend_from_slice(&k.to_le_bytes());
-            n += 1;
-        }
-        if n == 0 {
-            // Nothing to share: the number is not used either.
-            self.bytes.truncate(from);
-            self.next_seq -= 1;
-            return;
-        }
-        self.bytes[count_at..count_at + 4].copy_from_slice(&(n as u32).to_le_bytes());
-        self.keys += n;
-        self.entries.push_back((at_ms, n, self.bytes.len() - from));
-        while self.keys > JOURNAL_MAX_KEYS && self.drop_oldest() {}
-    }
-
-    /// Drops the oldest entry; `false` when there is none. The bytes of dropped entries are
-    /// reclaimed once they are half of the buffer (each byte moved once on average).
-    fn drop_oldest(&mut self) -> bool {
-        let Some((_, keys, len)) = self.entries.pop_front() else {
-            return false;
-        };
-        self.keys -= keys;
-        self.start += len;
-        if self.start > self.bytes.len() / 2 {
-            self.bytes.drain(..self.start);
-            self.start = 0;
-        }
-        true
-    }
-
-    /// The journal for the other workers, stamped `now_ms`, for `replicas` replicas, after dropping
-    /// entries older than `keep_ms`. `None` before this index recorded anything: a worker that never
-    /// admitted a text prompt publishes nothing.
-    pub(super) fn encode(&mut self, now_ms: u64, keep_ms: u64, replicas: usize) -> Option<Vec<u8>> {
-        if self.next_seq == 0 {
-            return None;
-        }
-        let from = now_ms.saturating_sub(keep_ms);
-        while self.entries.front().is_some_and(|e| e.0 < from) && self.drop_oldest() {}
-        let kept = self.bytes.get(self.start..).unwrap_or_default();
-        let mut out = Vec::with_capacity(HEADER + kept.len());
-        out.extend_from_slice(&now_ms.to_le_bytes());
-        out.extend_from_slice(&(replicas as u32).to_le_bytes());
-        out.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
-        out.extend_from_slice(kept);
-        Some(out)
-    }
-
-    /// Bytes of heap held.
-    pub(super) fn heap_bytes(&self) -> usize {
-        self.bytes.capacity() + self.entries.capacity() * size_of::<(u64, usize, usize)>()
-    }
-}
+pub(super) use crate::journal::Journal;
 
 /// One entry of a peer's journal, its keys left where they are in the journal's bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -430,11 +347,8 @@ mod tests {
             "{got:?}"
         );
         let jr = a.journal.as_ref().unwrap();
-        assert!(jr.keys <= JOURNAL_MAX_KEYS);
-        assert!(
-            jr.start <= jr.bytes.len() / 2 + 1,
-            "dropped bytes reclaimed"
-        );
+        assert!(jr.keys() <= JOURNAL_MAX_KEYS);
+        assert!(jr.reclaimed(), "dropped bytes reclaimed");
     }
 
     proptest! {

@@ -2,7 +2,7 @@
 //! tick and applied by the others as if admitted there.
 
 use super::{Sampling, WorkingSet};
-use hashbrown::HashMap;
+#[cfg(test)]
 use std::collections::VecDeque;
 
 /// The journal keeps at most this many sampled keys (about 3,000 coding-agent requests); past it the
@@ -10,8 +10,7 @@ use std::collections::VecDeque;
 const JOURNAL_MAX_KEYS: usize = 1 << 18;
 /// Encoded journal: `published_ms u64, replicas u32, entries u32`, then per entry `seq u64,
 /// at_ms u64, replica u32, keys u32, keys x u64`, all little-endian.
-pub(super) const JOURNAL_HEADER: usize = 16;
-pub(super) const ENTRY_HEADER: usize = 24;
+pub(super) use crate::journal::{ENTRY_HEADER, HEADER as JOURNAL_HEADER};
 
 /// One admission in the journal: its number, time, replica and sampled keys.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,38 +40,7 @@ fn write_entry(out: &mut Vec<u8>, seq: u64, at_ms: u64, replica: u32, keys: &[u6
     }
 }
 
-/// This router's recent admissions for the other workers, and how far it read theirs.
-#[derive(Clone, Debug, Default)]
-pub(super) struct Journal {
-    /// Per entry kept, oldest first: its time, keys and encoded length. The encodings follow each
-    /// other in `bytes[start..]`: written once when recorded, so publishing the journal each tick
-    /// is one copy of them (encoding every kept entry again each tick was most of the admitting
-    /// worker's tick).
-    entries: VecDeque<(u64, usize, usize)>,
-    bytes: Vec<u8>,
-    start: usize,
-    keys: usize,
-    next_seq: u64,
-    /// Per peer worker: the highest entry number applied.
-    pub(super) applied: HashMap<u32, u64>,
-}
-
-impl Journal {
-    /// Drops the oldest entry; `false` when there is none. The bytes of dropped entries are
-    /// reclaimed once they are half of the buffer (each byte moved once on average).
-    fn drop_oldest(&mut self) -> bool {
-        let Some((_, keys, len)) = self.entries.pop_front() else {
-            return false;
-        };
-        self.keys -= keys;
-        self.start += len;
-        if self.start > self.bytes.len() / 2 {
-            self.bytes.drain(..self.start);
-            self.start = 0;
-        }
-        true
-    }
-}
+pub(super) use crate::journal::Journal;
 
 /// What [`WorkingSet::apply_peer`] did with a peer's journal.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -101,35 +69,21 @@ impl WorkingSet {
         if replica >= self.replicas.len() || sampled_keys.is_empty() {
             return;
         }
-        j.next_seq += 1;
-        j.keys += sampled_keys.len();
-        let len = j.bytes.len();
-        write_entry(
-            &mut j.bytes,
-            j.next_seq,
-            now_ms,
+        j.push(
             replica as u32,
-            sampled_keys,
+            sampled_keys.iter().copied(),
+            now_ms,
+            usize::MAX,
+            JOURNAL_MAX_KEYS,
         );
-        j.entries
-            .push_back((now_ms, sampled_keys.len(), j.bytes.len() - len));
-        while j.keys > JOURNAL_MAX_KEYS && j.drop_oldest() {}
     }
 
     /// The journal for the other workers, stamped `now_ms`, after dropping entries older than
     /// `keep_ms` (long enough for every worker to read them: the filter keeps a few ticks). `None`
     /// while not sharing.
     pub fn encode_journal(&mut self, now_ms: u64, keep_ms: u64) -> Option<Vec<u8>> {
-        let j = self.journal.as_mut()?;
-        let from = now_ms.saturating_sub(keep_ms);
-        while j.entries.front().is_some_and(|e| e.0 < from) && j.drop_oldest() {}
-        let kept = j.bytes.get(j.start..).unwrap_or_default();
-        let mut out = Vec::with_capacity(JOURNAL_HEADER + kept.len());
-        out.extend_from_slice(&now_ms.to_le_bytes());
-        out.extend_from_slice(&(self.replicas.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(j.entries.len() as u32).to_le_bytes());
-        out.extend_from_slice(kept);
-        Some(out)
+        let replicas = self.replicas.len();
+        Some(self.journal.as_mut()?.encode(now_ms, keep_ms, replicas))
     }
 
     /// Applies the entries of worker `peer`'s journal (from [`WorkingSet::encode_journal`]) that this
@@ -438,6 +392,6 @@ mod tests {
             }
         }
         let j = a.journal.as_ref().unwrap();
-        assert!(j.start <= j.bytes.len() / 2 + 1, "dropped bytes reclaimed");
+        assert!(j.reclaimed(), "dropped bytes reclaimed");
     }
 }
