@@ -529,6 +529,19 @@ class Stack:
                 continue
         return out
 
+    def set_fault(self, name: str, fault: dict) -> None:
+        """Sets the simulated replica `name`'s fault knobs (`POST /admin/fault`: restart, slowdown,
+        error_rate, feed_outage); an AssertionError, failing the test, unless it answers 200."""
+        host, _, port = self.replica(name).endpoint.rpartition(":")
+        c = Client(host, int(port))
+        try:
+            status, _, body = c.request("POST", "/admin/fault", json.dumps(fault).encode(),
+                                        {"content-type": "application/json"})
+        finally:
+            c.close()
+        if status != 200:
+            raise AssertionError(f"fault {fault} on {name}: {status} {body!r}")
+
     def metric(self, name: str) -> int:
         """A filter metric (`kvsteer_...`) as Envoy shows it (`wasmcustom.<name>`), 0 when absent."""
         return sum(v for k, v in self.stats(name).items() if k.endswith("." + name) or k == name)

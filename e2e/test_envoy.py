@@ -7,7 +7,6 @@ disturb the others) and stops exactly those processes afterwards.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
@@ -192,7 +191,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
         errors_before = stat_sum(self.stack, "kvsteer_feed_errors_")
         try:
             for r in self.stack.replicas:
-                self.set_fault(r.endpoint, {"feed_outage": True})
+                self.stack.set_fault(r.name, {"feed_outage": True})
             # Long enough for the filter to mark every feed stale (3 failed polls).
             time.sleep(1.2)
             for k in range(8):
@@ -204,7 +203,7 @@ class KvsteerBehindEnvoy(unittest.TestCase):
                                "the outage was seen by the filter")
         finally:
             for r in self.stack.replicas:
-                self.set_fault(r.endpoint, {"feed_outage": False})
+                self.stack.set_fault(r.name, {"feed_outage": False})
         # And when the feeds come back, routing by cache comes back.
         time.sleep(2 * FEED_SETTLE_S)
         again, holder = self.seed_prefix(42_000)
@@ -212,14 +211,6 @@ class KvsteerBehindEnvoy(unittest.TestCase):
         res = self.stack.send(again + tokens(16, 42_500))
         self.assertEqual(replica_of(self.stack, res), holder, res)
         self.assertGreaterEqual(res.cached_tokens, 1024, res)
-
-    def set_fault(self, endpoint: str, fault: dict) -> None:
-        host, _, port = endpoint.rpartition(":")
-        c = Client(host, int(port))
-        status, _, body = c.request("POST", "/admin/fault", json.dumps(fault).encode(),
-                                    {"content-type": "application/json"})
-        c.close()
-        self.assertEqual(status, 200, body)
 
 
 class BusyReplicaAvoided(unittest.TestCase):

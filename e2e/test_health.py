@@ -13,7 +13,6 @@ came from another replica).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -45,16 +44,6 @@ class Fleet(unittest.TestCase):
 
 
 class FailingReplica(Fleet):
-
-    def set_fault(self, name: str, fault: dict) -> None:
-        host, _, port = self.stack.replica(name).endpoint.rpartition(":")
-        c = Client(host, int(port))
-        try:
-            status, _, body = c.request("POST", "/admin/fault", json.dumps(fault).encode(),
-                                        {"content-type": "application/json"})
-        finally:
-            c.close()
-        self.assertEqual(status, 200, body)
 
     def decisions(self) -> dict[str, int]:
         """The filter's decisions per replica so far (all workers)."""
@@ -95,13 +84,13 @@ class FailingReplica(Fleet):
             time.sleep(HEALTHY_S - 1.0)
             healthy_from = self.decisions()
             before_share, before_n = self.share(start, healthy_from)
-            self.set_fault(BAD, {"error_rate": 1.0})
+            self.stack.set_fault(BAD, {"error_rate": 1.0})
             fault_at = time.monotonic()
             samples.append((0.0, healthy_from))
             while time.monotonic() - fault_at < FAILING_S:
                 time.sleep(1.0)
                 samples.append((time.monotonic() - fault_at, self.decisions()))
-            self.set_fault(BAD, {"error_rate": 0.0})
+            self.stack.set_fault(BAD, {"error_rate": 0.0})
             recovered_at = time.monotonic()
             recovered_from = len(samples)
             samples.append((recovered_at - fault_at, self.decisions()))

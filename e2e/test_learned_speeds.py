@@ -27,12 +27,11 @@ wall clock. Run by scripts/e2e (`scripts/e2e test_learned_speeds`); about 70 s o
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import unittest
 
-from client import Client, Result, tokens
+from client import Result, tokens
 from stack import Stack, envoy_fleet
 
 REPLICAS = 4
@@ -53,18 +52,6 @@ COLD_FLEET_MEMORY_S = 10
 # The cache-size test: the sims' KV cache in 16-token blocks, and the fresh prompts sent one by one.
 SMALL_CACHE_BLOCKS = 1000
 FRESH_PROMPTS = 40
-
-
-def set_fault(stack: Stack, name: str, fault: dict) -> None:
-    host, _, port = stack.replica(name).endpoint.rpartition(":")
-    c = Client(host, int(port))
-    try:
-        status, _, body = c.request("POST", "/admin/fault", json.dumps(fault).encode(),
-                                    {"content-type": "application/json"})
-    finally:
-        c.close()
-    if status != 200:
-        raise AssertionError(f"fault {fault} on {name}: {status} {body!r}")
 
 
 class Clients:
@@ -115,13 +102,13 @@ class LearnedSpeeds(unittest.TestCase):
         kv_time = {"profile": PROFILE, "speed_memory_s": COLD_FLEET_MEMORY_S}
         routing = {"policy": "kv_time", "kv_time": kv_time}
         with envoy_fleet(REPLICAS, SIM_TIME_SCALE, "envoy", {"routing": routing}) as stack:
-            set_fault(stack, "r0", {"slowdown": COLD_FACTOR})
+            stack.set_fault("r0", {"slowdown": COLD_FACTOR})
             clients = Clients(stack)
             clients.start()
             deadline = time.monotonic() + COLD_LIMIT_S
             while clients.answered_by("r0") < COLD_REQUESTS and time.monotonic() < deadline:
                 time.sleep(0.05)
-            set_fault(stack, "r0", {"slowdown": 1.0})
+            stack.set_fault("r0", {"slowdown": 1.0})
             healed = time.monotonic() - clients.t0
             cold_answers = clients.answered_by("r0")
             time.sleep(WINDOW_S)

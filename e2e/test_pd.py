@@ -142,14 +142,6 @@ class PdPrefillFailures(unittest.TestCase):
     def tearDownClass(cls) -> None:
         cls.stack.close_checked()
 
-    def set_fault(self, name: str, fault: dict) -> None:
-        req = urllib.request.Request(
-            f"http://{self.stack.replica(name).endpoint}/admin/fault",
-            data=json.dumps(fault).encode(), method="POST",
-            headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            self.assertEqual(r.status, 200)
-
     def error_of(self, res: Result) -> dict:
         return json.loads(res.error)["error"]
 
@@ -171,7 +163,7 @@ class PdPrefillFailures(unittest.TestCase):
         after = self.prefill_legs()
         (cached,) = [n for n in PREFILL if after[n] > before[n]]
         time.sleep(FEED_SETTLE_S)
-        self.set_fault(cached, {"error_rate": 1.0})
+        self.stack.set_fault(cached, {"error_rate": 1.0})
         try:
             for turn in range(5):
                 prompt = prompt + tokens(100, 35_100 + turn)
@@ -179,7 +171,7 @@ class PdPrefillFailures(unittest.TestCase):
                 self.assertTrue(res.ok, f"turn {turn}: {res}")
                 self.assertIn(s.by_sim_name(res.replica).name, DECODE, res)
         finally:
-            self.set_fault(cached, {"error_rate": 0.0})
+            self.stack.set_fault(cached, {"error_rate": 0.0})
         self.assertGreaterEqual(stat_sum(s, "kvsteer_pd_prefill_retries"), 1)
         self.assertEqual(stat_sum(s, "kvsteer_pd_prefill_failures"), 0)
         (other,) = [n for n in PREFILL if n != cached]
@@ -193,7 +185,7 @@ class PdPrefillFailures(unittest.TestCase):
         ok = s.send(tokens(100, 34_000), max_tokens=4)
         self.assertTrue(ok.ok, ok)
         for n in PREFILL:
-            self.set_fault(n, {"error_rate": 1.0})
+            self.stack.set_fault(n, {"error_rate": 1.0})
         for i in range(4):
             res = s.send(tokens(100, 34_100 + i), max_tokens=4, stream=i % 2 == 0)
             self.assertEqual(res.status, 502, res)
@@ -204,7 +196,7 @@ class PdPrefillFailures(unittest.TestCase):
         # One failure a client request, whether or not its leg was sent on to the other replica.
         self.assertEqual(stat_sum(s, "kvsteer_pd_prefill_failures"), 4)
         for n in PREFILL:
-            self.set_fault(n, {"error_rate": 0.0})
+            self.stack.set_fault(n, {"error_rate": 0.0})
         # Both prefill replicas gone: once their feeds fail (3 polls), a 503 without a callout.
         for n in PREFILL:
             s.replica(n).proc.stop()
