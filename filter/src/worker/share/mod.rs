@@ -315,7 +315,18 @@ pub fn read_working_set_fresh(
     now_ms: u64,
     ttl_ms: u64,
 ) -> Option<Vec<u8>> {
-    let (record, _) = store.get(&working_set_key(prefix, peer))?;
+    read_journal_fresh(store, &working_set_key(prefix, peer), now_ms, ttl_ms)
+}
+
+/// The journal under `key` (stamped by the core: `published_ms u64` first) if it is at most
+/// `ttl_ms` old.
+pub(super) fn read_journal_fresh(
+    store: &dyn SharedStore,
+    key: &str,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Option<Vec<u8>> {
+    let (record, _) = store.get(key)?;
     let ts = u64::from_le_bytes(record.get(0..8)?.try_into().ok()?);
     (now_ms.saturating_sub(ts) <= ttl_ms).then_some(record)
 }

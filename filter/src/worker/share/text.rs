@@ -43,9 +43,7 @@ pub fn read_text_fresh(
     now_ms: u64,
     ttl_ms: u64,
 ) -> Option<Vec<u8>> {
-    let (record, _) = store.get(&text_key(prefix, peer))?;
-    let ts = u64::from_le_bytes(record.get(0..8)?.try_into().ok()?);
-    (now_ms.saturating_sub(ts) <= ttl_ms).then_some(record)
+    super::read_journal_fresh(store, &text_key(prefix, peer), now_ms, ttl_ms)
 }
 
 impl WorkerState {
