@@ -37,6 +37,21 @@ class Result:
         return self.status == 200 and not self.error
 
 
+WORDS = ("routing tokens cache replica prefill decode block hash session agent tool result "
+         "context window engine").split()
+
+
+def prose(seed: int, words: int) -> str:
+    """`words` made-up words led by `[seed]`: equal seeds give equal text, distinct seeds distinct
+    text (a text prompt's counterpart of `tokens`)."""
+    x = seed * 2654435761 % 2**32 or 1
+    out = [f"[{seed}]"]
+    for _ in range(words):
+        x = (x * 1103515245 + 12345) % 2**31
+        out.append(WORDS[x % len(WORDS)])
+    return " ".join(out)
+
+
 def tokens(n: int, seed: int) -> list[int]:
     """`n` token ids drawn from `seed`: equal seeds give equal prompts, distinct seeds distinct ones."""
     rng = random.Random(seed)

@@ -29,9 +29,9 @@ import json
 import time
 import unittest
 
-from client import Client, REPLICA_HEADER
+from client import Client, REPLICA_HEADER, prose
 from stack import Stack
-from test_envoy import PEER_SETTLE_S, REPLICAS, TIME_SCALE, replica_of, stat_sum
+from test_envoy import PEER_SETTLE_S, REPLICAS, TIME_SCALE, stat_sum
 
 CONVERSATIONS = 24
 FOLLOW_UPS = 2
@@ -42,19 +42,6 @@ AFFINITY_FLOOR = 0.9
 # Between a first turn and its first follow-up: at least this (the admission is published at its
 # worker's next tick, 100 ms, and applied at each other worker's next one).
 SHARE_SETTLE_S = 0.3
-
-WORDS = ("routing tokens cache replica prefill decode block hash session agent tool result "
-         "context window engine").split()
-
-
-def prose(seed: int, words: int) -> str:
-    x = seed * 2654435761 % 2**32 or 1
-    out = [f"[{seed}]"]
-    for _ in range(words):
-        x = (x * 1103515245 + 12345) % 2**31
-        out.append(WORDS[x % len(WORDS)])
-    return " ".join(out)
-
 
 class Workers:
     """Which Envoy worker took each fresh connection, from the listener's per-worker counters

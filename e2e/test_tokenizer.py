@@ -13,24 +13,11 @@ import json
 import time
 import unittest
 
-from client import Client, REPLICA_HEADER
+from client import Client, REPLICA_HEADER, prose
 from stack import Stack, envoy_fleet
 from test_envoy import FEED_SETTLE_S, PEER_SETTLE_S, REPLICAS, TIME_SCALE, stat_sum
 
 TOKENIZER = {"vocabulary": "o200k_harmony", "chat_template": "kvsteer_sim"}
-WORDS = ("routing tokens cache replica prefill decode block hash session agent tool result "
-         "context window engine").split()
-
-
-def prose(seed: int, words: int) -> str:
-    x = seed * 2654435761 % 2**32 or 1
-    out = [f"[{seed}]"]
-    for _ in range(words):
-        x = (x * 1103515245 + 12345) % 2**31
-        out.append(WORDS[x % len(WORDS)])
-    return " ".join(out)
-
-
 def chat(stack: Stack, messages: list[dict], max_tokens: int = 8) -> dict:
     """One chat completion on a fresh connection; returns the JSON answer plus the replica."""
     c = Client("127.0.0.1", stack.listen_port)
