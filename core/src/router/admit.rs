@@ -117,16 +117,6 @@ impl Router {
         self.speeds.factor(replica, self.clock_ms)
     }
 
-    /// `kv_time`: one replica's learned speed's uncertainty (the standard error of its log
-    /// factor; 0 before any observation or under another policy).
-    pub fn speed_spread(&self, replica: usize) -> f64 {
-        self.speeds
-            .spreads(self.clock_ms)
-            .get(replica)
-            .copied()
-            .unwrap_or(0.0)
-    }
-
     /// This worker's own estimates of the replicas' speeds, for the proxy's other workers.
     pub fn local_speeds(&self) -> Vec<crate::speed::SpeedEstimate> {
         self.speeds.local(self.clock_ms)

@@ -148,11 +148,9 @@ impl Router {
         if !self.needs.speed {
             return (Vec::new(), Vec::new(), 0.0);
         }
-        (
-            self.speeds.factors(now_ms),
-            self.speeds.spreads(now_ms),
-            self.working_set.as_ref().map_or(0.0, |ws| ws.reuse_share()),
-        )
+        let (factors, spreads) = self.speeds.factors_and_spreads(now_ms);
+        let reuse_share = self.working_set.as_ref().map_or(0.0, |ws| ws.reuse_share());
+        (factors, spreads, reuse_share)
     }
 
     /// Leading blocks of the request already booked on each replica by requests in flight (the

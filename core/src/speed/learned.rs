@@ -226,31 +226,34 @@ impl Speeds {
 
     /// Every replica's factor at `now_ms`.
     pub fn factors(&self, now_ms: u64) -> Vec<f64> {
-        let pooled = self.pooled(now_ms);
-        (0..self.own.len())
-            .map(|r| self.estimate(r, now_ms, pooled).0.exp())
-            .collect()
+        self.factors_and_spreads(now_ms).0
     }
 
-    /// Every replica's uncertainty at `now_ms`: the standard error of its log factor (the pooled
-    /// spread of observations around their estimates over the square root of the evidence, prior
-    /// included), at most `ln bound`. 0 before any observation (every factor is then 1 and exact)
-    /// or with learning off.
+    /// Every replica's uncertainty at `now_ms` ([`Speeds::factors_and_spreads`]).
     pub fn spreads(&self, now_ms: u64) -> Vec<f64> {
+        self.factors_and_spreads(now_ms).1
+    }
+
+    /// Every replica's factor at `now_ms`, and its uncertainty: the standard error of its log
+    /// factor (the pooled spread of observations around their estimates over the square root of
+    /// the evidence, prior included), at most `ln bound`; 0 before any observation (every factor is
+    /// then 1 and exact) or with learning off. One pass, for the request path.
+    pub fn factors_and_spreads(&self, now_ms: u64) -> (Vec<f64>, Vec<f64>) {
         let sigma = self.noise_var.max(0.0).sqrt();
         let pooled = self.pooled(now_ms);
         (0..self.own.len())
             .map(|r| {
-                let (_, all) = self.estimate(r, now_ms, pooled);
-                if sigma == 0.0 {
+                let (l, all) = self.estimate(r, now_ms, pooled);
+                let spread = if sigma == 0.0 {
                     0.0
                 } else if all > 0.0 {
                     (sigma / all.sqrt()).min(self.bound_ln)
                 } else {
                     self.bound_ln
-                }
+                };
+                (l.exp(), spread)
             })
-            .collect()
+            .unzip()
     }
 
     /// This worker's own estimates at `now_ms`, for the other workers.
