@@ -1,4 +1,4 @@
-"""End-to-end: `kv_time`'s learned speeds cannot lock a replica out (issue 51), through Envoy 1.40
+"""End-to-end: `kv_time`'s learned speeds cannot lock a replica out, through Envoy 1.40
 (`--concurrency 2`) with envoy/envoy.yaml, the built filter and 4 simulated replicas.
 
 A cold engine (a warm-up compile, an empty page cache) answers its first requests slowly, then runs

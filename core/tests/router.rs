@@ -695,7 +695,7 @@ fn a_replica_whose_cache_size_is_unknown_is_priced_like_the_others() {
 
 /// `kv_time` prices a replica's cache with the size its feed reports (the load report's GPU KV
 /// blocks, in the router's block size); one that has reported none is priced like the smallest
-/// another has shown, never as the profile's far larger cache (issue 51: 35 of 40 fresh prompts
+/// another has shown, never as the profile's far larger cache (35 of 40 fresh prompts
 /// went to the one replica whose size was not known yet, its evictions priced 0).
 #[test]
 fn kv_time_prices_the_reported_cache_and_never_an_unknown_one_as_free() {

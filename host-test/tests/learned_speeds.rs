@@ -1,4 +1,4 @@
-//! `kv_time`'s learned speeds cannot lock a replica out (issue 51). A cold engine (a warm-up
+//! `kv_time`'s learned speeds cannot lock a replica out. A cold engine (a warm-up
 //! compile, an empty page cache) answers its first requests 20x slowly, then runs at its profile's
 //! speed. The first version learned those requests as the speed bound and then never chose the
 //! replica again while the others could take the load; now the prior keeps a few requests from

@@ -2,7 +2,7 @@
 //! straggler workload, 2 worker VMs, the same code path as the demo) and each of its figures must
 //! read as the demo formats it. A change to a policy that moves a figure fails this test until the
 //! README is regenerated, so the table and its claims cannot go on describing an older build (they
-//! did: issue 49 found all five of the default's figures stale).
+//! did: a review found all five of the default's figures stale).
 
 mod common;
 

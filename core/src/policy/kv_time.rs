@@ -231,7 +231,7 @@ pub const TIE_STANDARD_ERRORS: f64 = 2.0;
 /// [`TIE_STANDARD_ERRORS`]) are tied with it, and among the tied the cost at the profile's speed
 /// decides (what is known: cache, queue, batch), then chance. Without this a fleet of alike
 /// replicas whose factors differ by estimator noise sent every fresh prompt to the one that
-/// happened to look fastest (issue 51: 40 of 40 at factors 1-6% apart), and a replica learned
+/// happened to look fastest (40 of 40 at factors 1-6% apart), and a replica learned
 /// slow from a few unlucky requests was never tried again.
 pub fn choose(
     input: &Input,
@@ -380,7 +380,7 @@ mod tests {
         assert!(t[0].cost(&KvTimeParams::default()) > t[1].cost(&KvTimeParams::default()));
     }
 
-    /// Issue 51's noise case: alike idle replicas whose learned factors differ by estimator noise
+    /// The noise case: alike idle replicas whose learned factors differ by estimator noise
     /// (1-6%) share fresh prompts; the same differences known exactly send every prompt to the
     /// fastest.
     #[test]

@@ -254,8 +254,8 @@ impl Router {
             return shown;
         }
         // Not shown yet: never priced as free. The profile's cache, or the smallest another
-        // replica of the fleet has shown where that is smaller, at least what it holds (issue 51:
-        // a profile 25x the real caches made the one replica not yet evicting draw 35 of 40 fresh
+        // replica of the fleet has shown where that is smaller, at least what it holds (with
+        // a profile 25x the real caches, the one replica not yet evicting drew 35 of 40 fresh
         // prompts, its evictions priced 0).
         let held = self.cache_blocks.get(replica).map_or(0, |c| c.most_held) as f64;
         (cache_tokens / self.cfg.block_size as f64)

@@ -14,7 +14,7 @@
 //! - **Evidence that fades with time** (`memory_s`): an observation `memory_s` seconds old weighs
 //!   half. A replica that stopped being chosen because it looked slow sees its old evidence fade
 //!   back toward the fleet's, so it is tried again; without this it was locked out for as long as
-//!   the others could take the load (issue 51: 60-90 s at 2-6 clients after three slow requests).
+//!   the others could take the load (60-90 s at 2-6 clients after three slow requests).
 //! - **An uncertainty per estimate** ([`Speeds::spreads`]): the pooled spread of the observations
 //!   around their replicas' estimates, over the evidence behind each estimate. `kv_time` treats two
 //!   replicas whose costs differ by less than their estimates' uncertainty as tied

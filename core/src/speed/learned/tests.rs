@@ -35,8 +35,8 @@ fn a_replica_twice_as_slow_is_learned_and_the_bound_holds() {
     assert_eq!(s.factor(9, 0), 1.0);
 }
 
-/// Issue 51's lock-out: three requests 20x slow on a cold engine. The prior keeps the factor well
-/// short of the bound, and as the evidence fades the factor returns toward the profile.
+/// The cold-engine lock-out: three requests 20x slow. The prior keeps the factor well short of
+/// the bound, and as the evidence fades the factor returns toward the profile.
 #[test]
 fn a_few_slow_first_requests_are_not_trusted_and_fade() {
     let mut s = Speeds::new(2, params(32.0, 2.0, 10.0));

@@ -46,7 +46,7 @@ pub enum Set {
     /// been looked at, before any replay of it; its chat cells run long enough that a run's p99 is
     /// not its fleet's first prefills.
     Validation5,
-    /// The coding-agent validation samples (issue 51; docs/reports/model-eval.md): three more
+    /// The coding-agent validation samples (docs/reports/model-eval.md): three more
     /// samples of the coding-agent corpus beside the training one, replayed whole on 4 and 9
     /// replicas, written down before any replay of them.
     WekaValidation,

@@ -511,7 +511,7 @@ pub const WEKA_VALIDATION_FLEETS: [usize; 2] = [4, 9];
 /// The sessions a `--quick` coding-agent validation cell keeps (the sample's first 16).
 pub const WEKA_VALIDATION_QUICK_SESSIONS: usize = 16;
 
-/// The coding-agent validation samples (issue 51), as written in docs/reports/model-eval.md
+/// The coding-agent validation samples, as written in docs/reports/model-eval.md
 /// before any replay of them: each sample ([`WEKA_SAMPLES`]) replayed whole, once (1 copy, think
 /// times drawn per seed as the training cells draw them), at 16, 24, 32 and 40 sessions in flight
 /// on 4 and on 9 replicas of Llama-3.1-8B on H100s. Ids `wv-<sample>-c<N>-<replicas>`. `quick`
