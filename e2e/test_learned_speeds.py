@@ -8,9 +8,9 @@ loop, each on a fresh connection (so both of Envoy's workers route). The first v
 learned speeds took those 3 requests as the speed bound (4x) and then never chose r0 again while
 the others could take the load: a hostile tester saw 0 requests in every 10 s window for 60-90 s
 at 2, 4 and 6 clients. Now a prior toward the fleet keeps 3 requests from moving the factor far,
-costs within the estimates' uncertainty are ties, and with `speed_memory_s` set (off by default;
-this test sets 10 s, as an operator of a fleet whose engines start cold would) evidence fades with
-time.
+costs within the estimates' uncertainty are ties, and a replica this worker has not observed or
+sent a request to for `speed_retry_s` (5 s by default) is retried with a request it costs nothing
+known to send there; the evidence that retry's answer finds weighs half. All at the defaults.
 
 Asserted: within 30 s of healing r0 answers at least a quarter of a fair share (1/16 of the
 requests), and so does every other replica, counted by the replica that answered each request;
@@ -47,8 +47,6 @@ COLD_REQUESTS = 3
 COLD_LIMIT_S = 30.0
 WINDOW_S = 30.0
 BIN_S = 5.0
-# `kv_time.speed_memory_s` for a fleet whose engines start cold (docs/reference/configuration.md).
-COLD_FLEET_MEMORY_S = 10
 # The cache-size test: the sims' KV cache in 16-token blocks, and the fresh prompts sent one by one.
 SMALL_CACHE_BLOCKS = 1000
 FRESH_PROMPTS = 40
@@ -96,10 +94,10 @@ class Clients:
 
 class LearnedSpeeds(unittest.TestCase):
     def test_a_replica_slow_on_its_first_requests_wins_back_its_share(self):
-        # Fading evidence is off by default (it also retries replicas that really are slow); a
-        # fleet whose engines start cold turns it on, as here. Without it r0 stays out (0 of 224
-        # requests after healing, its factor 2.09).
-        kv_time = {"profile": PROFILE, "speed_memory_s": COLD_FLEET_MEMORY_S}
+        # With the defaults: a stale replica is retried with requests it costs nothing known to
+        # send there (`speed_retry_s`). Without that r0 stayed out (0 of 224 requests after
+        # healing, its factor 2.09).
+        kv_time = {"profile": PROFILE}
         routing = {"policy": "kv_time", "kv_time": kv_time}
         with envoy_fleet(REPLICAS, SIM_TIME_SCALE, "envoy", {"routing": routing}) as stack:
             stack.set_fault("r0", {"slowdown": COLD_FACTOR})

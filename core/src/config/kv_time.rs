@@ -56,6 +56,14 @@ pub struct KvTimeParams {
     /// retried them with long requests (docs/reports/notebook/learned-speeds.md). A replica that stopped being chosen sees its evidence fade back toward the
     /// others', so it is tried again instead of being locked out.
     pub speed_memory_s: f64,
+    /// Seconds a worker goes without observing or sending a request to a replica it has learned
+    /// something of before that estimate is stale (s); 0: never. A stale replica priced slower than
+    /// the one chosen is sent the request instead when its cost at the profile's speed is no
+    /// higher (so the retry gives up no cache and no queue position), and the evidence its next
+    /// observation finds weighs half. This is what keeps
+    /// a replica whose first requests met a cold engine from being locked out, at a bounded price
+    /// on a replica that really is slow: at most one request per `speed_retry_s` per worker.
+    pub speed_retry_s: f64,
 }
 
 impl Default for KvTimeParams {
@@ -69,6 +77,7 @@ impl Default for KvTimeParams {
             speed_bound: 4.0,
             speed_prior: 2.0,
             speed_memory_s: 0.0,
+            speed_retry_s: 5.0,
         }
     }
 }
@@ -95,6 +104,7 @@ impl KvTimeParams {
             ("kv_time.speed_halflife", self.speed_halflife),
             ("kv_time.speed_prior", self.speed_prior),
             ("kv_time.speed_memory_s", self.speed_memory_s),
+            ("kv_time.speed_retry_s", self.speed_retry_s),
         ] {
             non_negative(name, v)?;
         }
@@ -114,6 +124,7 @@ impl KvTimeParams {
             bound: self.speed_bound,
             prior: self.speed_prior,
             memory_s: self.speed_memory_s,
+            retry_s: self.speed_retry_s,
         }
     }
 }

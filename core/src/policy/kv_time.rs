@@ -222,6 +222,43 @@ fn memory_wait(
     s * (excess / context).min(1.0) * out * step
 }
 
+/// Per replica: whether its estimate is stale and it is priced slower than `chosen`, the replicas
+/// a retry may go to; `None` when there are none.
+fn stale_slower(input: &Input, chosen: usize) -> Option<Vec<bool>> {
+    let factor = |r: usize| input.speed.get(r).copied().unwrap_or(1.0);
+    let slower: Vec<bool> = (0..input.load.len())
+        .map(|r| {
+            input.speed_stale.get(r).copied().unwrap_or(false)
+                && !input.avoided.get(r).copied().unwrap_or(false)
+                && factor(r) > factor(chosen)
+        })
+        .collect();
+    slower.contains(&true).then_some(slower)
+}
+
+/// A stale replica priced slower than `chosen` whose cost at the profile's speed is no higher
+/// than `chosen`'s: sending it the request gives up no cache and no queue position, only the
+/// learned speed, which is what is in doubt. The retry is bounded by the staleness itself: once
+/// sent a request, a replica is not stale again for `speed_retry_s`.
+fn retry_instead(
+    input: &Input,
+    at_profile: &[f64],
+    chosen: usize,
+    rng: &mut SplitMix64,
+) -> Option<usize> {
+    let slower = stale_slower(input, chosen)?;
+    let limit = at_profile.get(chosen).copied()?;
+    let base: Vec<f64> = at_profile
+        .iter()
+        .zip(&slower)
+        .map(|(&c, &s)| if s && c <= limit { c } else { f64::INFINITY })
+        .collect();
+    if base.iter().all(|c| !c.is_finite()) {
+        return None;
+    }
+    argmin_random_tie(&base, rng)
+}
+
 /// How far apart two replicas' costs must be, in standard errors of the difference of their
 /// learned log factors, before the cheaper one is trusted to be cheaper: 2, about a 95% interval.
 pub const TIE_STANDARD_ERRORS: f64 = 2.0;
@@ -242,20 +279,34 @@ pub fn choose(
     let all = terms(input, profile);
     let costs: Vec<f64> = all.iter().map(|t| t.cost(k)).collect();
     let lowest = pick_lowest(&costs, input.avoided, rng);
-    let replica = match tied_with(input, &costs, lowest) {
-        Some(tied) => {
-            let at_profile = Input {
+    let tied = tied_with(input, &costs, lowest);
+    let retry = stale_slower(input, lowest);
+    let replica = if tied.is_none() && retry.is_none() {
+        lowest
+    } else {
+        // What is known without the learned speeds: cache, queue, batch.
+        let at_profile: Vec<f64> = terms(
+            &Input {
                 speed: &[],
                 ..*input
-            };
-            let base: Vec<f64> = terms(&at_profile, profile)
-                .iter()
-                .zip(&tied)
-                .map(|(t, &tie)| if tie { t.cost(k) } else { f64::INFINITY })
-                .collect();
-            argmin_random_tie(&base, rng).unwrap_or(lowest)
-        }
-        None => lowest,
+            },
+            profile,
+        )
+        .iter()
+        .map(|t| t.cost(k))
+        .collect();
+        let chosen = match tied {
+            Some(tied) => {
+                let base: Vec<f64> = at_profile
+                    .iter()
+                    .zip(&tied)
+                    .map(|(&c, &tie)| if tie { c } else { f64::INFINITY })
+                    .collect();
+                argmin_random_tie(&base, rng).unwrap_or(lowest)
+            }
+            None => lowest,
+        };
+        retry_instead(input, &at_profile, chosen, rng).unwrap_or(chosen)
     };
     (
         Choice {
@@ -405,6 +456,49 @@ mod tests {
         assert!(noisy.iter().all(|&c| c > 60), "{noisy:?}");
         assert_eq!(count(0.001), [400, 0, 0, 0]);
         assert_eq!(count(0.0), [400, 0, 0, 0]);
+    }
+
+    /// A stale replica learned slow is retried with a request it would serve as well at the
+    /// profile's speed (idle, no cache elsewhere), never with one that gives up a cache hit or a
+    /// shorter queue, and never when it is avoided.
+    #[test]
+    fn a_stale_replica_is_retried_only_where_it_costs_nothing_known() {
+        let p = EngineProfile::default();
+        let k = KvTimeParams::default();
+        let load = [LoadTotals::default(); 3];
+        let speed = [2.5, 1.0, 1.0];
+        let mut rng = SplitMix64::new(3);
+        let stale = [true, false, false];
+        let mut i = input(&load, &[0.0; 3], &[false; 3]);
+        i.speed = &speed;
+        assert_ne!(
+            choose(&i, &k, &p, &mut rng).0.replica,
+            0,
+            "fresh: priced slow"
+        );
+        i.speed_stale = &stale;
+        assert_eq!(choose(&i, &k, &p, &mut rng).0.replica, 0, "stale: retried");
+        // Replica 1 holds half the prompt: the retry would give that up.
+        let overlap = [0.0, 128.0, 0.0];
+        let mut cached = input(&load, &overlap, &[false; 3]);
+        cached.speed = &speed;
+        cached.speed_stale = &stale;
+        assert_eq!(choose(&cached, &k, &p, &mut rng).0.replica, 1);
+        // Replica 0 queues work: the retry would wait behind it.
+        let queued = [
+            busy(4096, 0, 0),
+            LoadTotals::default(),
+            LoadTotals::default(),
+        ];
+        let mut waits = input(&queued, &[0.0; 3], &[false; 3]);
+        waits.speed = &speed;
+        waits.speed_stale = &stale;
+        assert_ne!(choose(&waits, &k, &p, &mut rng).0.replica, 0);
+        // Avoided (unhealthy, draining): never.
+        let mut avoided = input(&load, &[0.0; 3], &[true, false, false]);
+        avoided.speed = &speed;
+        avoided.speed_stale = &stale;
+        assert_ne!(choose(&avoided, &k, &p, &mut rng).0.replica, 0);
     }
 
     /// Among tied replicas what is known decides: the one holding the prompt's cache keeps it,

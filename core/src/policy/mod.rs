@@ -87,6 +87,9 @@ pub struct Input<'a> {
     /// Per replica: the uncertainty of its learned factor, as the standard error of its log
     /// ([`crate::speed::Speeds::spreads`]); empty: known exactly.
     pub speed_spread: &'a [f64],
+    /// Per replica: whether its learned factor is stale and it may be retried
+    /// ([`crate::speed::Speeds::stale`]); empty: none is.
+    pub speed_stale: &'a [bool],
     /// Share of recently requested prompt blocks that had been requested before (`kv_time`'s chance
     /// that a context pushed out of a cache comes back); 0 when not tracked.
     pub reuse_share: f64,
@@ -254,6 +257,7 @@ pub(crate) fn load_only_input<'a>(load: &'a [LoadTotals], avoided: &'a [bool]) -
         working_set_scale: 1.0,
         speed: &[],
         speed_spread: &[],
+        speed_stale: &[],
         reuse_share: 0.0,
         adapter: &[],
         adapter_load_s: 0.0,

@@ -35,6 +35,9 @@ impl Router {
         if let Some(ws) = &mut self.working_set {
             ws.record(d.replica, sampled, now_ms);
         }
+        if self.needs.speed {
+            self.speeds.sent(d.replica, now_ms);
+        }
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
         if let Some(t) = self.policy.last_terms().get(d.replica)

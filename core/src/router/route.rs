@@ -85,6 +85,11 @@ impl Router {
         self.affinity(req, now_ms, &mut affinity);
         let working_set = self.cache_fits(now_ms, sampled);
         let (speed, speed_spread, reuse_share) = self.learned_speeds(now_ms);
+        let speed_stale = if self.needs.speed {
+            self.speeds.stale(now_ms)
+        } else {
+            Vec::new()
+        };
         let floor = self.cfg.kv_load.overflow_reuse_floor;
         let working_set_scale = match &self.working_set {
             Some(ws) if floor > 0.0 => kv_load::reuse_ramp(ws.reuse_share(), floor),
@@ -106,6 +111,7 @@ impl Router {
             expected_output_tokens: self.outputs.expected(),
             speed: &speed,
             speed_spread: &speed_spread,
+            speed_stale: &speed_stale,
             reuse_share,
             adapter: &adapter,
             adapter_load_s,

@@ -42,6 +42,10 @@ pub struct SpeedParams {
     pub prior: f64,
     /// Seconds after which an observation weighs half; 0: evidence does not fade with time.
     pub memory_s: f64,
+    /// Seconds without an observation or a request after which a replica's estimate is stale: it
+    /// is retried with a request it costs nothing to send there, and the evidence the next
+    /// observation finds weighs half; 0: never.
+    pub retry_s: f64,
 }
 
 /// This worker's evidence about one replica: the weighted sum of log ratios and the weights, as of
@@ -49,6 +53,9 @@ pub struct SpeedParams {
 #[derive(Clone, Copy, Debug, Default)]
 struct Evidence {
     sum: f64,
+    /// The weighted sum of squared log ratios: with `sum` and `weight`, how far this replica's
+    /// own observations disagree with each other.
+    sq: f64,
     weight: f64,
     at_ms: u64,
 }
@@ -59,6 +66,8 @@ struct Evidence {
 #[derive(Clone, Debug)]
 pub struct Speeds {
     own: Vec<Evidence>,
+    /// When this worker last sent each replica a request (ms).
+    sent_ms: Vec<u64>,
     /// Weight an observation loses at each later one (from the half-life); 0: learning off.
     alpha: f64,
     halflife: f64,
@@ -66,6 +75,7 @@ pub struct Speeds {
     bound_ln: f64,
     prior: f64,
     memory_ms: f64,
+    retry_ms: f64,
     /// Pooled variance of the observations around their replica's estimate (log units squared),
     /// and how many observations it stands on.
     noise_var: f64,
@@ -130,11 +140,13 @@ impl Speeds {
         let finite_non_negative = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
         Speeds {
             own: vec![Evidence::default(); replicas],
+            sent_ms: vec![0; replicas],
             alpha,
             halflife: p.halflife,
             bound_ln: p.bound.max(1.0).ln(),
             prior: finite_non_negative(p.prior),
             memory_ms: finite_non_negative(p.memory_s) * 1e3,
+            retry_ms: finite_non_negative(p.retry_s) * 1e3,
             noise_var: 0.0,
             noise_n: 0,
             peers: Default::default(),
@@ -161,10 +173,36 @@ impl Speeds {
 
     /// Replica `r`'s own evidence faded to `now_ms`: (sum, weight).
     fn own_at(&self, r: usize, now_ms: u64) -> (f64, f64) {
-        self.own.get(r).map_or((0.0, 0.0), |e| {
+        let e = self.own_faded(r, now_ms);
+        (e.sum, e.weight)
+    }
+
+    /// Replica `r`'s own evidence faded to `now_ms`, whole.
+    fn own_faded(&self, r: usize, now_ms: u64) -> Evidence {
+        self.own.get(r).map_or(Evidence::default(), |e| {
             let d = self.fade(e.at_ms, now_ms);
-            (e.sum * d, e.weight * d)
+            Evidence {
+                sum: e.sum * d,
+                sq: e.sq * d,
+                weight: e.weight * d,
+                at_ms: e.at_ms,
+            }
         })
+    }
+
+    /// How far replica `r`'s own observations spread around their mean (log units squared), held
+    /// toward the pooled spread by `max(prior, 1)` pseudo-observations of it: a replica whose
+    /// observations disagree with each other (a cold start, then healthy answers) is uncertain
+    /// even when it has several, so it ties with the others sooner and is tried again.
+    fn variance(&self, r: usize, now_ms: u64) -> f64 {
+        let e = self.own_faded(r, now_ms);
+        let ss = if e.weight > 0.0 {
+            (e.sq - e.sum * e.sum / e.weight).max(0.0)
+        } else {
+            0.0
+        };
+        let k = self.prior.max(1.0);
+        (k * self.noise_var.max(0.0) + ss) / (k + e.weight)
     }
 
     /// Replica `r`'s evidence at `now_ms`, its own and the other workers': (sum, weight).
@@ -239,21 +277,45 @@ impl Speeds {
     /// the evidence, prior included), at most `ln bound`; 0 before any observation (every factor is
     /// then 1 and exact) or with learning off. One pass, for the request path.
     pub fn factors_and_spreads(&self, now_ms: u64) -> (Vec<f64>, Vec<f64>) {
-        let sigma = self.noise_var.max(0.0).sqrt();
         let pooled = self.pooled(now_ms);
         (0..self.own.len())
             .map(|r| {
                 let (l, all) = self.estimate(r, now_ms, pooled);
-                let spread = if sigma == 0.0 {
+                let var = self.variance(r, now_ms);
+                let spread = if var == 0.0 {
                     0.0
                 } else if all > 0.0 {
-                    (sigma / all.sqrt()).min(self.bound_ln)
+                    (var / all).sqrt().min(self.bound_ln)
                 } else {
                     self.bound_ln
                 };
                 (l.exp(), spread)
             })
             .unzip()
+    }
+
+    /// This worker sent replica `r` a request at `now_ms`: its estimate is not stale before
+    /// `retry_s` has passed again.
+    pub fn sent(&mut self, r: usize, now_ms: u64) {
+        if let Some(t) = self.sent_ms.get_mut(r) {
+            *t = (*t).max(now_ms);
+        }
+    }
+
+    /// Which replicas' estimates are stale at `now_ms`: something was learned of them (by this
+    /// worker or another), and this worker has neither observed them nor sent them a request for
+    /// `retry_s`. Empty when learning or retrying is off.
+    pub fn stale(&self, now_ms: u64) -> Vec<bool> {
+        if self.alpha == 0.0 || self.retry_ms == 0.0 {
+            return Vec::new();
+        }
+        (0..self.own.len())
+            .map(|r| {
+                let learned = self.evidence(r, now_ms).1 > 0.0;
+                let last = self.own[r].at_ms.max(self.sent_ms[r]);
+                learned && now_ms.saturating_sub(last) as f64 >= self.retry_ms
+            })
+            .collect()
     }
 
     /// This worker's own estimates at `now_ms`, for the other workers.
@@ -331,13 +393,24 @@ impl Speeds {
         self.noise_n = self.noise_n.saturating_add(1);
         let w = self.alpha.max(1.0 / self.noise_n as f64);
         self.noise_var += w * ((x - before).powi(2) - self.noise_var);
-        let (sum, weight) = self.own_at(replica, now_ms);
-        let keep = 1.0 - self.alpha;
-        self.own[replica] = Evidence {
-            sum: sum * keep + x,
-            weight: weight * keep + 1.0,
+        let mut e = self.own_faded(replica, now_ms);
+        // Evidence the replica has gone `retry_s` without is stale: the replica may have changed
+        // (a cold engine warmed up), so it weighs half. Only half, however long the pause: a
+        // replica that really is slow keeps most of what was learned of it.
+        let gap = now_ms.saturating_sub(e.at_ms) as f64;
+        let stale = if self.retry_ms > 0.0 && e.weight > 0.0 && gap >= self.retry_ms {
+            0.5
+        } else {
+            1.0
+        };
+        let keep = (1.0 - self.alpha) * stale;
+        e = Evidence {
+            sum: e.sum * keep + x,
+            sq: e.sq * keep + x * x,
+            weight: e.weight * keep + 1.0,
             at_ms: now_ms,
         };
+        self.own[replica] = e;
     }
 }
 

@@ -1,11 +1,16 @@
 use super::*;
 
 fn params(halflife: f64, prior: f64, memory_s: f64) -> SpeedParams {
+    retrying(halflife, prior, memory_s, 0.0)
+}
+
+fn retrying(halflife: f64, prior: f64, memory_s: f64, retry_s: f64) -> SpeedParams {
     SpeedParams {
         halflife,
         bound: 4.0,
         prior,
         memory_s,
+        retry_s,
     }
 }
 
@@ -155,4 +160,70 @@ fn a_zero_halflife_learns_nothing() {
     );
     assert_eq!(s.factor(0, 0), 1.0);
     assert_eq!(s.spreads(0), vec![0.0]);
+}
+
+/// A replica this worker has not observed or sent anything to for `retry_s` is stale; sending it a
+/// request makes it fresh again; one nothing was learned of is never stale.
+#[test]
+fn an_estimate_goes_stale_without_observations_or_requests() {
+    let mut s = Speeds::new(3, retrying(32.0, 2.0, 0.0, 5.0));
+    assert!(s.stale(60_000).iter().all(|&x| !x), "nothing learned yet");
+    s.observe(0, 0.1, 2.0, 1_000);
+    s.observe(1, 0.1, 0.1, 1_000);
+    assert_eq!(s.stale(5_999), vec![false; 3]);
+    assert_eq!(s.stale(6_000), vec![true, true, false]);
+    s.sent(0, 6_000);
+    assert_eq!(s.stale(10_999), vec![false, true, false]);
+    assert_eq!(s.stale(11_000), vec![true, true, false]);
+    // Off: never stale.
+    let mut off = Speeds::new(1, retrying(32.0, 2.0, 0.0, 0.0));
+    off.observe(0, 0.1, 2.0, 0);
+    assert!(off.stale(1_000_000).is_empty());
+}
+
+/// The cold-engine case: three requests 20x slow, then healthy answers after a pause of
+/// `retry_s`. The stale evidence weighs half at the first healthy answer, and the replica's
+/// observations disagreeing with each other make its estimate uncertain, so a few answers bring
+/// it within its uncertainty of the fleet.
+#[test]
+fn a_healthy_answer_after_a_pause_outweighs_stale_slow_evidence() {
+    let mut s = Speeds::new(2, retrying(32.0, 2.0, 0.0, 5.0));
+    for i in 0..20 {
+        s.observe(1, 0.1, if i % 2 == 0 { 0.105 } else { 0.095 }, i * 100);
+    }
+    for i in 0..3 {
+        s.observe(0, 0.1, 2.0, 2_000 + i);
+    }
+    let cold = s.factor(0, 2_003);
+    s.observe(0, 0.1, 0.1, 7_003);
+    let (f, spread) = s.factors_and_spreads(7_003);
+    assert!(f[0] < cold.sqrt() * 1.05, "{cold} then {}", f[0]);
+    // Within two standard errors of the healthy replica: a tie in `kv_time`.
+    let band = 2.0 * spread[0].hypot(spread[1]);
+    assert!((f[0] / f[1]).ln() <= band, "{f:?} {spread:?}");
+    // Without retrying, the same answer moves it far less and it stands apart.
+    let mut held = Speeds::new(2, retrying(32.0, 2.0, 0.0, 0.0));
+    for i in 0..20 {
+        held.observe(1, 0.1, if i % 2 == 0 { 0.105 } else { 0.095 }, i * 100);
+    }
+    for i in 0..3 {
+        held.observe(0, 0.1, 2.0, 2_000 + i);
+    }
+    held.observe(0, 0.1, 0.1, 7_003);
+    assert!(held.factor(0, 7_003) > f[0] * 1.2);
+}
+
+/// A replica that really is slow stays priced slow after a retry: the fresh observation agrees
+/// with the stale evidence.
+#[test]
+fn a_retry_of_a_really_slow_replica_keeps_it_slow() {
+    let mut s = Speeds::new(2, retrying(32.0, 2.0, 0.0, 5.0));
+    for i in 0..40 {
+        s.observe(0, 0.1, 0.2, i * 100);
+        s.observe(1, 0.1, 0.1, i * 100);
+    }
+    s.observe(0, 0.1, 0.2, 60_000);
+    // Half its evidence stands against the prior's pull toward the fleet.
+    let f = s.factor(0, 60_000);
+    assert!(f > 1.8 && f < 2.05, "{f}");
 }
