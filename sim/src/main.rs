@@ -14,86 +14,142 @@
 //! `max_model_len` applies unless `--max-model-len` is given, its `kv_blocks_16` unless
 //! `--kv-blocks` is.
 //! Replica i listens on port P+i and is named `<prefix><i>`; one line `ready <name> <host>:<port>` is
-//! printed per replica once it listens. The process runs until killed.
+//! printed per replica once it listens. The process runs until killed. `kvsteer-sim serve --help`
+//! lists every flag with its unit and default.
 
+use clap::{Args, Parser, Subcommand};
 use kvsteer_sim::engine::EngineConfig;
 use kvsteer_sim::output::OutputLen;
 use kvsteer_sim::server::{ReplicaConfig, start_replicas};
+use kvsteer_sim::tokenize::TokenizerKind;
 use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] \
-[--seed S] [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192] \
-[--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r] \
-[--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json] [--dp-ranks 1] \
-[--max-loras 0] [--lora-load-ms 300]";
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvsteer-sim",
+    about = "Simulated vLLM-like replicas (engine model in virtual time) behind real \
+             OpenAI-compatible HTTP servers."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-fn parse<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String> {
-    let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
-    v.parse().map_err(|_| format!("{flag}: cannot parse {v:?}"))
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start the replicas; prints `ready <name> <host>:<port>` per replica once it listens, then
+    /// runs until killed.
+    Serve(Serve),
+}
+
+/// `serve`'s flags. A flag given twice keeps its last value; the engine defaults come from
+/// `EngineConfig::default()`.
+#[derive(Args, Debug)]
+#[command(args_override_self = true)]
+struct Serve {
+    /// Replicas to start (1 to 1024), each an HTTP server on its own port.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    replicas: usize,
+    /// Data-parallel ranks (engines) behind each replica's port, picked by the
+    /// `x-data-parallel-rank` header or vLLM's internal balancer (docs/design/dp.md).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    dp_ranks: usize,
+    /// Address the replicas listen on.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
+    host: String,
+    /// TCP port of replica 0; replica i listens on PORT+i (0 picks free ports).
+    #[arg(long, value_name = "P", default_value_t = 8000)]
+    port: u16,
+    /// Virtual seconds per wall-clock second (10: the simulated GPU runs ten times faster).
+    #[arg(long, value_name = "X", default_value_t = 1.0)]
+    time_scale: f64,
+    /// Seed of the engines' sampling (output lengths and ids); each replica derives its own.
+    #[arg(long, value_name = "S", default_value_t = EngineConfig::default().seed)]
+    seed: u64,
+    /// GPU KV-cache blocks per engine (default: the profile's `kv_blocks_16` scaled to the block
+    /// size, the same GPU memory).
+    #[arg(long, value_name = "B")]
+    kv_blocks: Option<u32>,
+    /// Tokens per KV block.
+    #[arg(long, value_name = "TOKENS", default_value_t = EngineConfig::default().block_size)]
+    block_size: usize,
+    /// Host-memory (CPU offload) KV blocks per engine; 0: no host tier.
+    #[arg(long, value_name = "H", default_value_t = EngineConfig::default().host_blocks)]
+    host_blocks: u32,
+    /// Token budget of one engine step (vLLM `max_num_batched_tokens`), in tokens.
+    #[arg(long, value_name = "TOKENS", default_value_t = EngineConfig::default().max_batch_tokens)]
+    max_batch_tokens: u32,
+    /// Most sequences running at once (vLLM `max_num_seqs`).
+    #[arg(long, value_name = "N", default_value_t = EngineConfig::default().max_running)]
+    max_running: u32,
+    /// LoRA adapters resident on the GPU at once (vLLM `--max-loras`); 0: LoRA off.
+    #[arg(long, value_name = "N", default_value_t = EngineConfig::default().lora.slots)]
+    max_loras: u32,
+    /// Time one adapter load adds to the step that admits its request, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = EngineConfig::default().lora.load_us / 1000)]
+    lora_load_ms: u64,
+    /// Context limit in tokens, prompt plus `max_tokens` (default: the profile's `max_model_len`).
+    #[arg(long, value_name = "TOKENS")]
+    max_model_len: Option<u32>,
+    /// Step-time profile as JSON (e.g. from `scripts/fit-profile`) instead of the built-in one
+    /// (Llama-3.1-8B on an H100); its `max_model_len` and `kv_blocks_16` apply unless
+    /// `--max-model-len` and `--kv-blocks` are given.
+    #[arg(long, value_name = "FILE.json")]
+    profile: Option<PathBuf>,
+    /// Mean output length in tokens of requests that do not set `ignore_eos` (exponentially
+    /// distributed; default 256).
+    #[arg(long, value_name = "TOKENS")]
+    output_mean: Option<f64>,
+    /// Served model name (requests may name any model; it is echoed back).
+    #[arg(long, value_name = "NAME", default_value = "llama-3.1-8b-sim")]
+    model: String,
+    /// Replica i is named `<PREFIX><i>`.
+    #[arg(long = "name-prefix", value_name = "PREFIX", default_value = "r")]
+    prefix: String,
+    /// How prompt text becomes token ids: stand_in, o200k_harmony or o200k_base (real BPE, the
+    /// filter's own code).
+    #[arg(long, value_name = "KIND", default_value = "stand_in")]
+    tokenizer: TokenizerKind,
 }
 
 fn run() -> Result<(), String> {
-    // Kept whole: a flat match with one arm per flag, then the checks of what the flags set.
-    let mut args = std::env::args().skip(1);
-    match args.next().as_deref() {
-        Some("serve") => {}
-        Some("-h" | "--help") | None => return Err(USAGE.into()),
-        Some(other) => return Err(format!("unknown command {other:?}\n{USAGE}")),
+    let Command::Serve(args) = Cli::parse().command;
+    let mut engine = EngineConfig {
+        seed: args.seed,
+        block_size: args.block_size,
+        host_blocks: args.host_blocks,
+        max_batch_tokens: args.max_batch_tokens,
+        max_running: args.max_running,
+        ..EngineConfig::default()
+    };
+    engine.lora.slots = args.max_loras;
+    engine.lora.load_us = args.lora_load_ms.saturating_mul(1000);
+    if let Some(path) = &args.profile {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        engine.profile = kvsteer_sim::Profile::from_json(&text)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
     }
-    let mut engine = EngineConfig::default();
+    if let Some(mean) = args.output_mean {
+        engine.output_len = OutputLen::Exponential { mean };
+    }
+    kvsteer_sim::tokenize::select(args.tokenizer)?;
     let mut cfg = ReplicaConfig {
         name: String::new(),
-        host: "127.0.0.1".into(),
-        port: 8000,
-        time_scale: 1.0,
-        model: "llama-3.1-8b-sim".into(),
+        host: args.host,
+        port: args.port,
+        time_scale: args.time_scale,
+        model: args.model,
         engine: EngineConfig::default(),
-        dp_ranks: 1,
+        dp_ranks: args.dp_ranks,
     };
-    let mut replicas = 1usize;
-    let mut kv_blocks: Option<u32> = None;
-    let mut prefix = "r".to_string();
-    let mut max_model_len: Option<u32> = None;
-    while let Some(flag) = args.next() {
-        let v = args.next();
-        match flag.as_str() {
-            "--replicas" => replicas = parse(&flag, v)?,
-            "--dp-ranks" => cfg.dp_ranks = parse(&flag, v)?,
-            "--host" => cfg.host = parse(&flag, v)?,
-            "--port" => cfg.port = parse(&flag, v)?,
-            "--time-scale" => cfg.time_scale = parse(&flag, v)?,
-            "--seed" => engine.seed = parse(&flag, v)?,
-            "--kv-blocks" => kv_blocks = Some(parse(&flag, v)?),
-            "--block-size" => engine.block_size = parse(&flag, v)?,
-            "--host-blocks" => engine.host_blocks = parse(&flag, v)?,
-            "--max-batch-tokens" => engine.max_batch_tokens = parse(&flag, v)?,
-            "--max-running" => engine.max_running = parse(&flag, v)?,
-            // LoRA adapter slots (vLLM `--max-loras`; 0: off) and one load's time (docs/design/simulator.md).
-            "--max-loras" => engine.lora.slots = parse(&flag, v)?,
-            "--lora-load-ms" => engine.lora.load_us = parse::<u64>(&flag, v)?.saturating_mul(1000),
-            "--max-model-len" => max_model_len = Some(parse(&flag, v)?),
-            "--profile" => {
-                let path: String = parse(&flag, v)?;
-                let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
-                engine.profile =
-                    kvsteer_sim::Profile::from_json(&text).map_err(|e| format!("{path}: {e}"))?;
-            }
-            "--output-mean" => {
-                engine.output_len = OutputLen::Exponential {
-                    mean: parse(&flag, v)?,
-                }
-            }
-            "--model" => cfg.model = parse(&flag, v)?,
-            "--name-prefix" => prefix = parse(&flag, v)?,
-            "--tokenizer" => {
-                let kind: kvsteer_sim::tokenize::TokenizerKind =
-                    v.ok_or("--tokenizer needs a value")?.parse()?;
-                kvsteer_sim::tokenize::select(kind)?;
-            }
-            _ => return Err(format!("unknown flag {flag:?}\n{USAGE}")),
-        }
-    }
+    let (replicas, kv_blocks, max_model_len, prefix) = (
+        args.replicas,
+        args.kv_blocks,
+        args.max_model_len,
+        args.prefix,
+    );
     if replicas == 0 || replicas > 1024 {
         return Err("--replicas must be between 1 and 1024".into());
     }
@@ -139,6 +195,52 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("kvsteer-sim: {e}");
             ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults_and_the_last_of_a_repeated_flag() {
+        let cli = Cli::try_parse_from(["kvsteer-sim", "serve", "--port", "1", "--port", "2"]);
+        let Command::Serve(a) = cli.expect("parses").command;
+        assert_eq!((a.replicas, a.dp_ranks, a.port), (1, 1, 2));
+        assert_eq!(
+            (a.host.as_str(), a.model.as_str()),
+            ("127.0.0.1", "llama-3.1-8b-sim")
+        );
+        assert_eq!(
+            (a.block_size, a.max_batch_tokens, a.max_running),
+            (16, 8192, 256)
+        );
+        assert_eq!(
+            (a.max_loras, a.lora_load_ms, a.prefix.as_str()),
+            (0, 300, "r")
+        );
+        assert_eq!(a.tokenizer, TokenizerKind::StandIn);
+        assert!(a.kv_blocks.is_none() && a.max_model_len.is_none() && a.output_mean.is_none());
+    }
+
+    #[test]
+    fn bad_values_are_usage_errors() {
+        for bad in [
+            &["kvsteer-sim"][..],
+            &["kvsteer-sim", "serve", "--replicas"],
+            &["kvsteer-sim", "serve", "--tokenizer", "gpt2"],
+            &["kvsteer-sim", "serve", "--port", "x"],
+            &["kvsteer-sim", "serve", "--nope", "1"],
+        ] {
+            let e = Cli::try_parse_from(bad).expect_err("rejected");
+            assert_eq!(e.exit_code(), 2, "{bad:?}");
         }
     }
 }

@@ -29,8 +29,10 @@
 //! `--blocks-per-replica` seeds the index in proportion to the fleet (scripts/fleet-bench sweeps
 //! `--replicas` so), because a bigger fleet caches more blocks and the filter's match, scoring and
 //! memory grow with both. The VM's linear memory is printed after seeding and after the run: it only
-//! grows, so it is the filter's high-water mark.
+//! grows, so it is the filter's high-water mark. `filter-bench --help` gives each flag's meaning and
+//! default.
 
+use clap::Parser;
 use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier};
 use kvsteer_host_test::byte_pass::BytePass;
@@ -41,6 +43,7 @@ use kvsteer_host_test::{
 use serde_json::json;
 use std::time::Instant;
 
+/// What the run measures, once the flags are read.
 struct Args {
     requests: usize,
     replicas: usize,
@@ -55,58 +58,74 @@ struct Args {
     early_scan: bool,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        requests: 1000,
-        replicas: 16,
-        index_blocks: 1_000_000,
-        policy: "kv_load".into(),
-        kv_load: json!({}),
-        sizes: SIZES.to_vec(),
-        ids_only: false,
-        early_scan: true,
-    };
-    let mut per_replica = None;
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut num = |name: &str| -> Result<usize, String> {
-            it.next()
-                .and_then(|v| v.parse().ok())
-                .ok_or(format!("{name} needs a number"))
-        };
-        match arg.as_str() {
-            "--requests" => a.requests = num("--requests")?.max(1),
-            "--replicas" => a.replicas = num("--replicas")?.clamp(1, 256),
-            "--index-blocks" => a.index_blocks = num("--index-blocks")?,
-            "--blocks-per-replica" => per_replica = Some(num("--blocks-per-replica")?),
-            "--policy" => a.policy = it.next().ok_or("--policy needs a value")?,
-            "--kv-load" => {
-                let v = it.next().ok_or("--kv-load needs a JSON object")?;
-                a.kv_load = serde_json::from_str(&v).map_err(|e| format!("--kv-load: {e}"))?;
-            }
-            "--sizes" => {
-                let v = it.next().ok_or("--sizes needs a list")?;
-                a.sizes = v
-                    .split(',')
-                    .map(|n| n.trim().parse().ok().filter(|n| SIZES.contains(n)))
-                    .collect::<Option<_>>()
-                    .ok_or(format!("--sizes: each of {SIZES:?}, comma-separated"))?;
-            }
-            "--ids-only" => a.ids_only = true,
-            "--no-early-scan" => a.early_scan = false,
-            other => {
-                return Err(format!(
-                    "unknown argument {other:?}; usage: filter-bench [--requests N] [--replicas R] \
-                     [--index-blocks B | --blocks-per-replica B] [--policy P] [--kv-load JSON] [--sizes 8192,131072] \
-                     [--ids-only] [--no-early-scan]"
-                ));
-            }
-        }
+#[derive(Parser, Debug)]
+#[command(
+    name = "filter-bench",
+    about = "Per-request cost of kvsteer_filter.wasm inside wasmtime, against a seeded index.",
+    args_override_self = true
+)]
+struct Cli {
+    /// Requests per row (at least 1).
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    requests: usize,
+    /// Replicas in the filter's configuration (clamped to 1..=256).
+    #[arg(long, value_name = "R", default_value_t = 16)]
+    replicas: usize,
+    /// KV blocks in the seeded index, over all replicas.
+    #[arg(long, value_name = "B", default_value_t = 1_000_000)]
+    index_blocks: usize,
+    /// KV blocks seeded per replica instead (index = B x replicas); overrides --index-blocks.
+    #[arg(long, value_name = "B")]
+    blocks_per_replica: Option<usize>,
+    /// Routing policy (`routing.policy`).
+    #[arg(long, value_name = "P", default_value = "kv_load")]
+    policy: String,
+    /// `routing.kv_load` fields as a JSON object, e.g. '{"overflow_weight":0.2}'.
+    #[arg(long, value_name = "JSON", default_value = "{}", value_parser = json_object)]
+    kv_load: serde_json::Value,
+    /// Prompt sizes to run, in tokens, comma-separated, each one of 1024, 8192, 32768, 131072
+    /// (default: all four).
+    #[arg(long, value_name = "8192,131072", value_parser = sizes)]
+    sizes: Option<Sizes>,
+    /// Token-id rows only: no chat text, no headers-only row.
+    #[arg(long)]
+    ids_only: bool,
+    /// Turn the filter's early body scan off (`early_body_scan: false`), for comparison.
+    #[arg(long)]
+    no_early_scan: bool,
+}
+
+fn json_object(s: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(s).map_err(|e| e.to_string())
+}
+
+/// A `--sizes` list (one value, so a flag given twice keeps its last list).
+#[derive(Clone, Debug)]
+struct Sizes(Vec<usize>);
+
+fn sizes(s: &str) -> Result<Sizes, String> {
+    s.split(',')
+        .map(|n| n.trim().parse().ok().filter(|n| SIZES.contains(n)))
+        .collect::<Option<_>>()
+        .map(Sizes)
+        .ok_or(format!("each of {SIZES:?}, comma-separated"))
+}
+
+fn parse_args() -> Args {
+    let cli = Cli::parse();
+    let replicas = cli.replicas.clamp(1, 256);
+    Args {
+        requests: cli.requests.max(1),
+        replicas,
+        index_blocks: cli
+            .blocks_per_replica
+            .map_or(cli.index_blocks, |b| b * replicas),
+        policy: cli.policy,
+        kv_load: cli.kv_load,
+        sizes: cli.sizes.map_or_else(|| SIZES.to_vec(), |s| s.0),
+        ids_only: cli.ids_only,
+        early_scan: !cli.no_early_scan,
     }
-    if let Some(b) = per_replica {
-        a.index_blocks = b * a.replicas;
-    }
-    Ok(a)
 }
 
 /// The prompt sizes, in token ids (text: about four characters a token).
@@ -331,7 +350,7 @@ fn main() {
 }
 
 fn run() -> Result<(), String> {
-    let args = parse_args()?;
+    let args = parse_args();
     let path = filter_wasm_path()?;
     let t = Instant::now();
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;

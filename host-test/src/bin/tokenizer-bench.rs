@@ -10,8 +10,10 @@
 //! Token counts come from the filter's own `kvsteer_prompt_tokens` counter. Memory is the process's
 //! resident set growth across starting the VM (the VM's touched linear memory plus wasmtime's state).
 //!
-//! Usage: `tokenizer-bench [--reps N] [--vocabulary o200k_harmony|o200k_base]`.
+//! Usage: `tokenizer-bench [--reps N] [--vocabulary o200k_harmony|o200k_base]` (`--help` says what
+//! each means).
 
+use clap::Parser;
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
     Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, WorkerVm, filter_wasm_path,
@@ -127,7 +129,7 @@ fn main() {
 }
 
 fn run() -> Result<(), String> {
-    let (reps, vocabulary) = parse_args()?;
+    let (reps, vocabulary) = parse_args();
     let path = filter_wasm_path()?;
     let t = Instant::now();
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
@@ -181,28 +183,26 @@ fn run() -> Result<(), String> {
     Ok(())
 }
 
+#[derive(Parser, Debug)]
+#[command(
+    name = "tokenizer-bench",
+    about = "Cost of exact tokenization inside kvsteer_filter.wasm: VM start, memory and the \
+             per-request path for chat conversations of 8K, 32K and 128K tokens.",
+    args_override_self = true
+)]
+struct Cli {
+    /// Timed requests per row (at least 1; half of them for the 128K rows).
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    reps: usize,
+    /// The filter's tokenizer vocabulary: o200k_harmony or o200k_base.
+    #[arg(long, value_name = "V", default_value = "o200k_harmony")]
+    vocabulary: String,
+}
+
 /// `--reps` (at least 1) and `--vocabulary`.
-fn parse_args() -> Result<(usize, String), String> {
-    let mut reps = 5usize;
-    let mut vocabulary = "o200k_harmony".to_string();
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--reps" => {
-                reps = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .ok_or("--reps needs a number")?
-            }
-            "--vocabulary" => vocabulary = args.next().ok_or("--vocabulary needs a value")?,
-            _ => {
-                return Err(format!(
-                    "unknown argument {a:?}; usage: tokenizer-bench [--reps N] [--vocabulary V]"
-                ));
-            }
-        }
-    }
-    Ok((reps.max(1), vocabulary))
+fn parse_args() -> (usize, String) {
+    let cli = Cli::parse();
+    (cli.reps.max(1), cli.vocabulary)
 }
 
 /// VM start and memory, without and with the tokenizer (each VM parses its own vocabulary): the

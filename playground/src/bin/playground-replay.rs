@@ -5,8 +5,24 @@
 //! `playground-replay REQUEST.json [TRACE_FILE]` prints the result as JSON. REQUEST.json holds one
 //! `ReplayRequest` or a list of them (one per policy); the output is then a list of results.
 
+use clap::Parser;
 use kvsteer_playground::replay::{ReplayRequest, run};
 use serde_json::Value;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "playground-replay",
+    about = "The browser playground's replay run natively; prints the result as JSON."
+)]
+struct Cli {
+    /// One `ReplayRequest` as JSON, or a list of them (one per policy; the output is then a list).
+    #[arg(value_name = "REQUEST.json")]
+    request: PathBuf,
+    /// The trace text the trace-based workloads (coding-agent, Mooncake slices) read (default: none).
+    #[arg(value_name = "TRACE_FILE")]
+    trace: Option<PathBuf>,
+}
 
 fn main() {
     if let Err(e) = real_main() {
@@ -16,13 +32,11 @@ fn main() {
 }
 
 fn real_main() -> Result<(), String> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(req_path) = args.first() else {
-        return Err("usage: playground-replay REQUEST.json [TRACE_FILE]".into());
-    };
-    let text = std::fs::read_to_string(req_path).map_err(|e| format!("{req_path}: {e}"))?;
-    let trace = match args.get(1) {
-        Some(p) => std::fs::read_to_string(p).map_err(|e| format!("{p}: {e}"))?,
+    let cli = Cli::parse();
+    let req_path = cli.request.display();
+    let text = std::fs::read_to_string(&cli.request).map_err(|e| format!("{req_path}: {e}"))?;
+    let trace = match &cli.trace {
+        Some(p) => std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?,
         None => String::new(),
     };
     let v: Value = serde_json::from_str(&text).map_err(|e| format!("{req_path}: {e}"))?;

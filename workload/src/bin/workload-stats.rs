@@ -10,6 +10,7 @@
 //! are inserted. Outputs are deterministic stand-ins derived from the request id, as an engine's output
 //! would be request-specific.
 
+use clap::Parser;
 use kvsteer_workload::catalog;
 use kvsteer_workload::report::Progress;
 use kvsteer_workload::token_blocks::{block_key, tokens};
@@ -103,23 +104,27 @@ fn replay(w: Workload, build_s: f64) -> Row {
     }
 }
 
+#[derive(Parser, Debug)]
+#[command(
+    name = "workload-stats",
+    about = "What each workload is (sessions, requests, tokens) and the prompt hit rate an infinite \
+             prefix cache would reach, as a markdown table.",
+    args_override_self = true
+)]
+struct Cli {
+    /// The traces' folder.
+    #[arg(long, value_name = "DIR", default_value = catalog::DEFAULT_TRACES)]
+    traces: PathBuf,
+    /// Workloads to measure, of rl, rl-small, weka, mooncake, azure (default: rl weka mooncake
+    /// azure).
+    #[arg(value_name = "WORKLOAD")]
+    names: Vec<String>,
+}
+
 fn main() {
-    let mut dir = PathBuf::from(catalog::DEFAULT_TRACES);
-    let mut names = vec![];
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        if a == "--traces" {
-            match args.next() {
-                Some(d) => dir = d.into(),
-                None => {
-                    eprintln!("--traces needs a directory");
-                    std::process::exit(2);
-                }
-            }
-        } else {
-            names.push(a);
-        }
-    }
+    let cli = Cli::parse();
+    let dir = cli.traces;
+    let mut names = cli.names;
     if names.is_empty() {
         names = ["rl", "weka", "mooncake", "azure"]
             .map(String::from)

@@ -23,12 +23,14 @@
 //! `--out` (default `target/fuzz-failures`) and the run goes on with a fresh VM.
 //!
 //! Usage: `fuzz [--count N] [--seed S] [--check-every N] [--out DIR] [--feed-share PERCENT]
-//! [--from INDEX]`. `--feed-share` (default 50) is the percentage of inputs that are feed answers; the
-//! kind of each input follows from the counts so far, its content from `(SEED, index)` alone, so
+//! [--from INDEX]` (`--help` says what each means). `--feed-share` (default 50) is the percentage
+//! of inputs that are feed answers; the kind of each input follows from the counts so far, its
+//! content from `(SEED, index)` alone, so
 //! `--from INDEX --count 1` with `--feed-share 0` (a request) or `100` (a feed round) regenerates a
 //! failure's input exactly on a fresh VM (whose state then differs from the original run's; the
 //! written file holds the input itself too).
 
+use clap::Parser;
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
     CallOutcome, Callout, FilterModule, HostError, HostMode, Proxy, ProxyOptions, WorkerVm,
@@ -93,41 +95,58 @@ struct Args {
     from: u64,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("target"));
-    let mut a = Args {
-        count: 100_000,
-        seed: 17,
-        check_every: 1000,
-        out: target.join("fuzz-failures"),
-        feed_share: 50,
-        from: 0,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut num = |name: &str| -> Result<u64, String> {
-            it.next()
-                .and_then(|v| v.replace('_', "").parse().ok())
-                .ok_or(format!("{name} needs a number"))
-        };
-        match arg.as_str() {
-            "--count" => a.count = num("--count")?,
-            "--seed" => a.seed = num("--seed")?,
-            "--check-every" => a.check_every = num("--check-every")?.max(1),
-            "--feed-share" => a.feed_share = num("--feed-share")?.min(100),
-            "--from" => a.from = num("--from")?,
-            "--out" => a.out = PathBuf::from(it.next().ok_or("--out needs a path")?),
-            other => {
-                return Err(format!(
-                    "unknown argument {other:?}; usage: fuzz [--count N] [--seed S] \
-                     [--check-every N] [--out DIR] [--feed-share PERCENT] [--from INDEX]"
-                ));
-            }
-        }
+#[derive(Parser, Debug)]
+#[command(
+    name = "fuzz",
+    about = "Fuzz campaign of the request reader and the feed decoder through kvsteer_filter.wasm; \
+             reproducible from (SEED, COUNT).",
+    args_override_self = true
+)]
+struct Cli {
+    /// Inputs to run (`_` separators allowed: 1_000_000).
+    #[arg(long, value_name = "N", default_value = "100_000", value_parser = number)]
+    count: u64,
+    /// Seed of the input generator; an input's content follows from (SEED, index) alone.
+    #[arg(long, value_name = "S", default_value_t = 17, value_parser = number)]
+    seed: u64,
+    /// Inputs between two checks that a plain valid request is still routed (at least 1).
+    #[arg(long, value_name = "N", default_value = "1000", value_parser = number)]
+    check_every: u64,
+    /// Where failures are written (default: $CARGO_TARGET_DIR/fuzz-failures, else
+    /// target/fuzz-failures).
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Percentage of inputs that are feed answers, 0 to 100 (larger values count as 100).
+    #[arg(long, value_name = "PERCENT", default_value_t = 50, value_parser = number)]
+    feed_share: u64,
+    /// Index of the first input (with `--count 1` regenerates one failure's input).
+    #[arg(long, value_name = "INDEX", default_value_t = 0, value_parser = number)]
+    from: u64,
+}
+
+/// A count with optional `_` separators.
+fn number(s: &str) -> Result<u64, String> {
+    s.replace('_', "")
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number"))
+}
+
+fn parse_args() -> Args {
+    let cli = Cli::parse();
+    let out = cli.out.unwrap_or_else(|| {
+        std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("target"))
+            .join("fuzz-failures")
+    });
+    Args {
+        count: cli.count,
+        seed: cli.seed,
+        check_every: cli.check_every.max(1),
+        out,
+        feed_share: cli.feed_share.min(100),
+        from: cli.from,
     }
-    Ok(a)
 }
 
 struct Vm {
@@ -442,7 +461,7 @@ fn main() {
 }
 
 fn run() -> Result<bool, String> {
-    let args = parse_args()?;
+    let args = parse_args();
     let path = filter_wasm_path()?;
     let module = FilterModule::load(&path).map_err(|e| e.to_string())?;
     println!(
