@@ -1,10 +1,8 @@
-//! Reports: a markdown table of summaries (one row per policy), hand-written SVG plots, and a terminal
-//! progress bar. No plotting crate: three plots do not justify the build time.
+//! Reports: a markdown table of summaries (one row per policy) and hand-written SVG plots. No
+//! plotting crate: three plots do not justify the build time.
 
 use crate::measure::Summary;
 use std::fmt::Write as _;
-use std::io::Write as _;
-use std::time::{Duration, Instant};
 
 /// One markdown table, one row per summary.
 pub fn markdown_table(summaries: &[Summary]) -> String {
@@ -336,75 +334,6 @@ pub fn hit_cv_scatter_svg(points: &[(&str, f64, f64)]) -> String {
     f.finish()
 }
 
-/// A progress bar on stderr that redraws in place, at most every 100 ms (cheap to call per request).
-pub struct Progress {
-    label: String,
-    total: u64,
-    start: Instant,
-    last_draw: Option<Instant>,
-    done: u64,
-    drawn: Option<u64>,
-}
-
-impl Progress {
-    pub fn new(label: &str, total: u64) -> Progress {
-        Progress {
-            label: label.to_string(),
-            total,
-            start: Instant::now(),
-            last_draw: None,
-            done: 0,
-            drawn: None,
-        }
-    }
-
-    /// Sets the count done; redraws if 100 ms passed since the last draw or the work is complete.
-    pub fn set(&mut self, done: u64) {
-        self.done = done;
-        let now = Instant::now();
-        let due = self
-            .last_draw
-            .is_none_or(|t| now.duration_since(t) >= Duration::from_millis(100));
-        if (due || done >= self.total) && self.drawn != Some(done) {
-            self.last_draw = Some(now);
-            self.drawn = Some(done);
-            let _ = std::io::stderr().write_all(self.line().as_bytes());
-        }
-    }
-
-    /// The bar's text (carriage return first, no newline).
-    pub fn line(&self) -> String {
-        const WIDTH: u64 = 30;
-        let frac = if self.total == 0 {
-            1.0
-        } else {
-            (self.done.min(self.total) as f64) / self.total as f64
-        };
-        let filled = (frac * WIDTH as f64).round() as u64;
-        format!(
-            "\r{} [{}{}] {:>3.0}% {}/{} {:.1}s",
-            self.label,
-            "#".repeat(filled as usize),
-            ".".repeat((WIDTH - filled) as usize),
-            frac * 100.0,
-            self.done,
-            self.total,
-            self.start.elapsed().as_secs_f64()
-        )
-    }
-
-    /// Draws the final state and ends the line.
-    pub fn finish(&mut self) {
-        let text = if self.drawn == Some(self.done) {
-            "\n".to_string()
-        } else {
-            format!("{}\n", self.line())
-        };
-        self.drawn = Some(self.done);
-        let _ = std::io::stderr().write_all(text.as_bytes());
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -440,14 +369,5 @@ mod tests {
         let sc = hit_cv_scatter_svg(&[("a", 0.5, 0.2), ("b", f64::NAN, 0.1)]);
         assert_eq!(sc.matches("<circle").count(), 1);
         assert!(!sc.contains("NaN"));
-    }
-
-    #[test]
-    fn progress_line() {
-        let mut p = Progress::new("run", 4);
-        p.done = 2;
-        let l = p.line();
-        assert!(l.starts_with("\rrun ["));
-        assert!(l.contains(" 50% 2/4"));
     }
 }

@@ -11,8 +11,8 @@
 //! would be request-specific.
 
 use clap::Parser;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvsteer_workload::catalog;
-use kvsteer_workload::report::Progress;
 use kvsteer_workload::token_blocks::{block_key, tokens};
 use kvsteer_workload::{Driver, Mode, Workload};
 use std::collections::HashSet;
@@ -49,6 +49,19 @@ fn chain_hashes(tokens: &[u32], block: usize) -> Vec<u64> {
         .collect()
 }
 
+/// The replay's bar of requests done, on stderr; hidden unless stderr is a terminal, so a run whose
+/// output goes to a file or a log gets no `\r` redraws.
+fn bar(label: &str, total: u64) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    if let Ok(style) =
+        ProgressStyle::with_template("{prefix} [{bar:30}] {percent:>3}% {pos}/{len} {elapsed}")
+    {
+        bar.set_style(style.progress_chars("#."));
+    }
+    bar.set_prefix(label.to_string());
+    bar
+}
+
 fn replay(w: Workload, build_s: f64) -> Row {
     let name = w.name.clone();
     let notes = w
@@ -63,7 +76,7 @@ fn replay(w: Workload, build_s: f64) -> Row {
     let t0 = Instant::now();
     let mut d = Driver::new(w, Mode::Closed { concurrency: 1 });
     let (_, total) = d.progress();
-    let mut bar = Progress::new(&format!("{name:>9}"), total as u64);
+    let bar = bar(&format!("{name:>9}"), total as u64);
     let mut cache: HashSet<u64> = HashSet::new();
     let (mut prompt_tokens, mut output_tokens, mut hit_tokens) = (0u64, 0u64, 0u64);
     let mut now = 0u64;
@@ -87,7 +100,7 @@ fn replay(w: Workload, build_s: f64) -> Row {
             cache.extend(chain_hashes(&full, block));
             d.complete(i.request_id, now, &output)
                 .expect("issued by this driver");
-            bar.set(d.progress().0 as u64);
+            bar.set_position(d.progress().0 as u64);
         }
     }
     bar.finish();
