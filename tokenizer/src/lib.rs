@@ -1,6 +1,7 @@
 //! Engine-exact tokenization of text prompts for kvsteer: the chat template rendered as the engine
-//! renders it, then a real BPE (o200k_base / o200k_harmony) with a per-segment cache, so the router
-//! can compute the same KV block hashes the engine does (see docs/design/tokenizer.md).
+//! renders it, then a real BPE (o200k_base / o200k_harmony compiled in, or a Hugging Face bundle's
+//! byte-level BPE read from its files at run time) with a per-segment cache, so the router can compute
+//! the same KV block hashes the engine does (see docs/design/tokenizer.md).
 //!
 //! [`TextTokenizer`] implements the core's [`PromptTokenizer`]: give it to
 //! `Router::read_request_with`. Anything it cannot do exactly (unknown roles, non-text parts, tool
@@ -9,6 +10,7 @@
 
 pub mod calendar_date;
 pub mod chat_template;
+pub mod hf;
 pub mod python_json;
 pub mod sample;
 pub mod segment_cache;
@@ -16,6 +18,7 @@ pub mod vocabulary;
 
 use calendar_date::CalendarDate;
 use chat_template::{ChatTemplate, PartJoin, RenderMessage, TemplateSettings};
+use hf::{HfChatConfig, HfTokenizer};
 use kvsteer_core::request::{ChatTurn, PromptTokenizer};
 use segment_cache::SegmentCache;
 use serde::Deserialize;
@@ -33,14 +36,47 @@ fn d_max_prompt_bytes() -> usize {
 fn d_effort() -> String {
     "medium".into()
 }
+fn d_true() -> bool {
+    true
+}
+fn d_max_bundle_bytes() -> usize {
+    hf::DEFAULT_MAX_BUNDLE_BYTES
+}
+
+/// A Hugging Face bundle: a model's `tokenizer.json` and `tokenizer_config.json`. The files are not
+/// compiled in (each model has its own, and their licences are the models'); this section carries
+/// their text inline, and a host that fetches them itself gives the bytes to
+/// [`TextTokenizer::with_huggingface`].
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HuggingFaceSource {
+    /// The text of `tokenizer.json` (the BPE, its pre-tokenizer, added tokens, post-processor).
+    #[serde(default)]
+    pub tokenizer_json: Option<String>,
+    /// The text of `tokenizer_config.json`: its `chat_template`, `bos_token` and `eos_token` are used
+    /// unless `chat_template_jinja`, `bos_token` or `eos_token` are set in the section.
+    #[serde(default)]
+    pub tokenizer_config_json: Option<String>,
+    /// Whether a completions prompt gets the post-processor's special tokens (Llama 3's and Mistral's
+    /// BOS), as engines tokenize completions prompts by default; chat prompts never do (the template
+    /// writes them, and engines tokenize rendered chats without adding any).
+    #[serde(default = "d_true")]
+    pub add_special_tokens: bool,
+    /// Bound on each file's size in bytes, checked before parsing.
+    #[serde(default = "d_max_bundle_bytes")]
+    pub max_bytes: usize,
+}
 
 /// The `tokenizer` section of the plugin configuration.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct TokenizerConfig {
-    /// `o200k_harmony` (gpt-oss, the default) or `o200k_base`.
+    /// `o200k_harmony` (gpt-oss, the default without `huggingface`) or `o200k_base`.
     #[serde(default)]
-    pub vocabulary: Vocabulary,
+    pub vocabulary: Option<Vocabulary>,
+    /// A Hugging Face bundle instead of a built-in vocabulary (exclusive with `vocabulary`).
+    #[serde(default)]
+    pub huggingface: Option<HuggingFaceSource>,
     /// Built-in template: `harmony` (default: gpt-oss's own template), `harmony_vllm` (gpt-oss as vLLM
     /// renders it; needs `current_date`) or `kvsteer_sim`; ignored when `chat_template_jinja` is set.
     #[serde(default = "d_template")]
@@ -78,7 +114,8 @@ impl Default for TokenizerConfig {
 
 fn serde_json_default() -> TokenizerConfig {
     TokenizerConfig {
-        vocabulary: Vocabulary::default(),
+        vocabulary: None,
+        huggingface: None,
         chat_template: d_template(),
         chat_template_jinja: None,
         current_date: None,
@@ -151,9 +188,33 @@ pub struct TokenizerStats {
 /// Roles a conversation may carry; anything else is refused before rendering.
 pub const KNOWN_ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
+/// The BPE behind a [`TextTokenizer`].
+enum Backend {
+    /// o200k, compiled in.
+    Tiktoken(Bpe),
+    /// A Hugging Face bundle, and whether completions prompts get its post-processor's ids.
+    HuggingFace(Box<HfTokenizer>, bool),
+}
+
+impl Backend {
+    fn segments(&self, text: &str, f: impl FnMut(Segment<'_>)) {
+        match self {
+            Backend::Tiktoken(b) => b.segments(text, f),
+            Backend::HuggingFace(h, _) => h.segments(text, f),
+        }
+    }
+
+    fn encode_ordinary(&self, text: &str) -> Option<Vec<u32>> {
+        match self {
+            Backend::Tiktoken(b) => b.encode_ordinary(text),
+            Backend::HuggingFace(h, _) => h.encode_ordinary(text),
+        }
+    }
+}
+
 /// A vocabulary, a chat template and a segment cache: one per proxy worker.
 pub struct TextTokenizer {
-    bpe: Bpe,
+    bpe: Backend,
     template: ChatTemplate,
     cache: SegmentCache,
     max_prompt_bytes: usize,
@@ -161,32 +222,68 @@ pub struct TextTokenizer {
 }
 
 impl TextTokenizer {
-    /// Loads the vocabulary (parsed once per process, tens of milliseconds natively) and compiles the
-    /// template. The error names the offending field.
+    /// Loads the vocabulary (o200k: parsed once per process, tens of milliseconds natively; a Hugging
+    /// Face bundle: from the section's inline text) and compiles the template. The error names the
+    /// offending field.
     pub fn new(cfg: &TokenizerConfig) -> Result<TextTokenizer, String> {
-        let current_date = match &cfg.current_date {
-            Some(d) => Some(CalendarDate::parse(d).map_err(|e| format!("current_date: {e}"))?),
-            None => None,
-        };
-        let settings = TemplateSettings {
-            current_date,
-            reasoning_effort: cfg.reasoning_effort.clone(),
-            bos_token: cfg.bos_token.clone(),
-            eos_token: cfg.eos_token.clone(),
-        };
-        let template = ChatTemplate::new(
-            &cfg.chat_template,
-            cfg.chat_template_jinja.as_deref(),
-            settings,
-        )
-        .map_err(|e| format!("chat_template: {e}"))?;
-        Ok(TextTokenizer {
-            bpe: Bpe::load(cfg.vocabulary),
+        if let Some(src) = &cfg.huggingface {
+            if cfg.vocabulary.is_some() {
+                return Err(
+                    "huggingface: give either `vocabulary` or `huggingface`, not both".into(),
+                );
+            }
+            let json = src.tokenizer_json.as_deref().ok_or(
+                "huggingface.tokenizer_json: missing (the text of the model's tokenizer.json)",
+            )?;
+            let config = src.tokenizer_config_json.as_deref().map(str::as_bytes);
+            return TextTokenizer::with_huggingface(cfg, json.as_bytes(), config);
+        }
+        let template = template(cfg, None)?;
+        Ok(TextTokenizer::assemble(
+            cfg,
+            Backend::Tiktoken(Bpe::load(cfg.vocabulary.unwrap_or_default())),
+            template,
+        ))
+    }
+
+    /// A Hugging Face bundle from its files' bytes, however the host got them: `tokenizer.json` and,
+    /// when the configuration has no `chat_template_jinja`, `tokenizer_config.json` for the template
+    /// (and `bos_token` / `eos_token` unless the configuration sets them). Errors start with the field
+    /// or the file they are about; hostile bytes are errors, never panics.
+    pub fn with_huggingface(
+        cfg: &TokenizerConfig,
+        tokenizer_json: &[u8],
+        tokenizer_config_json: Option<&[u8]>,
+    ) -> Result<TextTokenizer, String> {
+        let src = cfg.huggingface.clone().unwrap_or(HuggingFaceSource {
+            tokenizer_json: None,
+            tokenizer_config_json: None,
+            add_special_tokens: true,
+            max_bytes: hf::DEFAULT_MAX_BUNDLE_BYTES,
+        });
+        let hf_cfg = match tokenizer_config_json {
+            Some(b) => HfChatConfig::from_bytes(b, src.max_bytes),
+            None => Ok(HfChatConfig::default()),
+        }
+        .map_err(|e| format!("huggingface: {e}"))?;
+        let bpe = HfTokenizer::from_bytes(tokenizer_json, src.max_bytes)
+            .map_err(|e| format!("huggingface: {e}"))?;
+        let template = template(cfg, Some(&hf_cfg))?;
+        Ok(TextTokenizer::assemble(
+            cfg,
+            Backend::HuggingFace(Box::new(bpe), src.add_special_tokens),
+            template,
+        ))
+    }
+
+    fn assemble(cfg: &TokenizerConfig, bpe: Backend, template: ChatTemplate) -> TextTokenizer {
+        TextTokenizer {
+            bpe,
             template,
             cache: SegmentCache::new(cfg.cache_tokens),
             max_prompt_bytes: cfg.max_prompt_bytes,
             stats: TokenizerStats::default(),
-        })
+        }
     }
 
     pub fn stats(&self) -> TokenizerStats {
@@ -199,8 +296,12 @@ impl TextTokenizer {
         s
     }
 
-    pub fn bpe(&self) -> &Bpe {
-        &self.bpe
+    /// The Hugging Face bundle, when this tokenizer has one.
+    pub fn huggingface(&self) -> Option<&HfTokenizer> {
+        match &self.bpe {
+            Backend::HuggingFace(h, _) => Some(h),
+            Backend::Tiktoken(_) => None,
+        }
     }
 
     fn fail(&mut self, why: FallbackReason, detail: Option<String>) -> Option<Vec<u32>> {
@@ -213,10 +314,16 @@ impl TextTokenizer {
 
     /// Token ids of rendered text: special tokens recognised, ordinary segments through the cache.
     pub fn encode(&mut self, text: &str) -> Option<Vec<u32>> {
+        self.encode_with(text, &[], &[])
+    }
+
+    /// [`TextTokenizer::encode`] between the given ids (a post-processor's BOS ...).
+    fn encode_with(&mut self, text: &str, before: &[u32], after: &[u32]) -> Option<Vec<u32>> {
         if text.len() > self.max_prompt_bytes {
             return self.fail(FallbackReason::TooLarge, None);
         }
         let mut out = Vec::with_capacity(text.len() / 4 + 8);
+        out.extend_from_slice(before);
         let mut ok = true;
         let (bpe, cache) = (&self.bpe, &mut self.cache);
         bpe.segments(text, |seg| {
@@ -235,6 +342,7 @@ impl TextTokenizer {
         if !ok {
             return self.fail(FallbackReason::Encode, None);
         }
+        out.extend_from_slice(after);
         self.stats.exact += 1;
         self.stats.tokens += out.len() as u64;
         Some(out)
@@ -271,9 +379,48 @@ impl TextTokenizer {
     }
 }
 
+/// The chat template: `chat_template_jinja` if set, else a bundle's own template (a bundle without one
+/// is refused: a built-in gpt-oss template would render another model's format), else the built-in
+/// `chat_template`. A bundle's `bos_token` / `eos_token` are used unless the configuration sets them.
+fn template(cfg: &TokenizerConfig, bundle: Option<&HfChatConfig>) -> Result<ChatTemplate, String> {
+    let current_date = match &cfg.current_date {
+        Some(d) => Some(CalendarDate::parse(d).map_err(|e| format!("current_date: {e}"))?),
+        None => None,
+    };
+    let or_bundle = |own: &String, theirs: Option<&Option<String>>| match theirs {
+        Some(Some(t)) if own.is_empty() => t.clone(),
+        _ => own.clone(),
+    };
+    let settings = TemplateSettings {
+        current_date,
+        reasoning_effort: cfg.reasoning_effort.clone(),
+        bos_token: or_bundle(&cfg.bos_token, bundle.map(|b| &b.bos_token)),
+        eos_token: or_bundle(&cfg.eos_token, bundle.map(|b| &b.eos_token)),
+    };
+    let jinja = match (&cfg.chat_template_jinja, bundle) {
+        (Some(own), _) => Some(own.as_str()),
+        (None, Some(b)) => Some(b.chat_template.as_deref().ok_or(
+            "chat_template: the bundle's tokenizer_config.json has no chat_template; \
+             give chat_template_jinja",
+        )?),
+        (None, None) => None,
+    };
+    ChatTemplate::new(&cfg.chat_template, jinja, settings)
+        .map_err(|e| format!("chat_template: {e}"))
+}
+
 impl PromptTokenizer for TextTokenizer {
+    /// A completions prompt: with a Hugging Face bundle, between its post-processor's ids when
+    /// `add_special_tokens` (engines' default for completions).
     fn tokenize_text(&mut self, text: &str) -> Option<Vec<u32>> {
-        self.encode(text)
+        match &self.bpe {
+            Backend::HuggingFace(h, true) => {
+                let (before, after) = h.special_around();
+                let (before, after) = (before.to_vec(), after.to_vec());
+                self.encode_with(text, &before, &after)
+            }
+            _ => self.encode(text),
+        }
     }
 
     fn tokenize_chat(&mut self, turns: &[ChatTurn<'_>]) -> Option<Vec<u32>> {
