@@ -21,6 +21,7 @@ Usage: hf_reference.py DIR FAMILY...
 import json
 import random
 import sys
+import unicodedata
 from pathlib import Path
 
 import tokenizers
@@ -104,7 +105,40 @@ def text_cases():
     cases = [(f"text_{k}", v) for k, v in TEXTS.items()]
     rng = random.Random(11)
     cases += [(f"text_random_{i}", prose(rng, rng.randint(1, 400))) for i in range(12)]
+    cases += [(f"text_unicode_{i}", unicode_soup(rng, rng.randint(20, 400))) for i in range(40)]
     return cases
+
+
+# Characters where regex engines and normalizers are likely to disagree: every general category
+# (letters of all cases, marks, numbers, punctuation, symbols), Unicode spaces and line breaks,
+# contractions' apostrophes, CJK and kana ranges DeepSeek splits on, Hangul (NFC composes it),
+# emoji with modifiers and joiners.
+POOL = (" \t\n\r\x0b\x0c\x85\xa0\u1680\u2000\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+        "'’sStTmMdD\"\\!?.,;:-_/()[]{}<>|@#$%^&*~`+="
+        "aZéÉßſǅǈǋΣσςЖжԱաאبअािंक्षก่ี๕日本語かなカナー한국어ᄀ\u1161\u11a8"
+        "0123456789٠١٢³½Ⅻ①𝟘"
+        "\u0300\u0301\u0308\u20dd\u200b\u200c\u200d\ufe0f\U0001f3fd"
+        "😀👍🏿👨‍💻🇫🇷©®™€£¥₿∑√∞≠≤")
+
+
+def unicode_soup(rng, n):
+    """Random text from POOL and from the whole of Unicode, leaving out code points unassigned in this
+    Python's Unicode tables: a combining mark newer than the reference's tables (U+1AD3, unassigned
+    in Unicode 14) is reordered by NFC here and not there, a difference of Unicode versions, not of
+    algorithm (docs/design/tokenizer.md)."""
+    out = []
+    while len(out) < n:
+        r = rng.random()
+        if r < 0.75:
+            out.append(rng.choice(POOL))
+        elif r < 0.9:
+            out.append(chr(rng.randint(0x20, 0x2FFF)))
+        else:
+            out.append(chr(rng.choice([rng.randint(0x3000, 0xD7FF), rng.randint(0xE000, 0xFFFD),
+                                       rng.randint(0x10000, 0x1FAFF)])))
+            if unicodedata.category(out[-1]) == "Cn":
+                out.pop()
+    return "".join(out)
 
 
 def joined(messages):
