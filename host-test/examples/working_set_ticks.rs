@@ -1,5 +1,5 @@
-//! What the working-set term costs two workers that share it (docs/guide/envoy.md: the Envoy p99 it
-//! adds): two worker VMs of one proxy in wasmtime, fresh random 8,192-id prompts (every request
+//! What the working-set term costs two workers that share it (docs/reports/notebook/envoy-latency.md:
+//! the Envoy p99 it adds): two worker VMs of one proxy in wasmtime, fresh random 8,192-id prompts (every request
 //! adds to the working set, the worst case; `scripts/envoy-latency` sends the same), 3.3 ms apart
 //! in virtual time, requests alternating between the workers, each worker ticking every 100 ms.
 //! Prints the request path's and the ticks' wall times (p50, p99, max) and the slowest requests'

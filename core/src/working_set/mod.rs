@@ -32,8 +32,8 @@
 //!
 //! Scoring a request ([`WorkingSet::added`]) and recording it ask, per sampled block, whether any
 //! replica holds it and what each holds: one lookup. Recording a block is one lookup, its expiry
-//! one. This layout is the working set's cost in a proxy (docs/guide/envoy.md, "the working set's
-//! cost"): with up to a few hundred thousand sampled blocks, every lookup misses the caches, and
+//! one. This layout is the working set's cost in a proxy (docs/reports/notebook/envoy-latency.md, "the
+//! working set's cost"): with up to a few hundred thousand sampled blocks, every lookup misses the caches, and
 //! each worker applies every other worker's admissions on its tick, so the cost per block is the
 //! cost of the term. It replaced a map per replica (block -> time, counted) beside a map of holders
 //! (block -> bitmasks), where recording a block took three lookups and its expiry three more; it
