@@ -60,4 +60,30 @@ mod tests {
         let c = FilterConfig::from_json(WITH_TOKENIZER.as_bytes()).unwrap();
         assert_eq!(c.tokenizer.unwrap().chat_template, "kvsteer_sim");
     }
+
+    /// A Hugging Face bundle arrives as text inside the section; a bad one refuses the configuration
+    /// naming `tokenizer.huggingface` and what in the file was wrong.
+    #[cfg(feature = "tokenizer")]
+    #[test]
+    fn a_hugging_face_bundle_is_loaded_or_refused_by_name() {
+        let bundle = serde_json::json!({
+            "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]},
+            "pre_tokenizer": {"type": "ByteLevel", "use_regex": true}
+        });
+        let section = |json: &str| {
+            let t = serde_json::json!({"huggingface": {"tokenizer_json": json},
+                "chat_template_jinja": "{{ messages[0].content }}"});
+            WITH_TOKENIZER.replace(r#"{"chat_template":"kvsteer_sim"}"#, &t.to_string())
+        };
+        let ok = FilterConfig::from_json(section(&bundle.to_string()).as_bytes()).unwrap();
+        assert!(crate::worker::WorkerState::new(ok).is_ok());
+        let bad = bundle.to_string().replace("a b", "a c");
+        let cfg = FilterConfig::from_json(section(&bad).as_bytes()).unwrap();
+        let e = crate::worker::WorkerState::new(cfg)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.starts_with("tokenizer.huggingface"), "{e}");
+        assert!(e.contains("model.merges[0]"), "{e}");
+    }
 }

@@ -51,6 +51,15 @@ pub struct HfTokenizer {
     vocab_size: usize,
 }
 
+fn distinct_ids(file: &FileJson<'_>) -> usize {
+    let vocab = file.model.vocab.values().copied();
+    let added = file.added_tokens.iter().map(|t| t.id);
+    vocab
+        .chain(added)
+        .collect::<hashbrown::HashSet<u32>>()
+        .len()
+}
+
 impl std::fmt::Debug for HfTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HfTokenizer")
@@ -89,11 +98,11 @@ impl HfTokenizer {
                 .map_err(at("post_processor"))?,
             normalizer,
             added,
-            vocab_size: file.model.vocab.len() + file.added_tokens.len(),
+            vocab_size: distinct_ids(&file),
         })
     }
 
-    /// Tokens in the model's vocabulary plus added tokens (some appear in both).
+    /// Distinct ids of the model's vocabulary and the added tokens.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }
