@@ -178,6 +178,38 @@ fn family(fam: &str) -> Option<Counts> {
     Some(c)
 }
 
+/// Long runs a client may send (one 100 KB word, 100 KB of spaces, of newlines, of punctuation, of
+/// digits) encode in bounded time with every family's patterns: no regex blow-up, no fallback.
+#[test]
+fn long_runs_encode_in_bounded_time() {
+    for fam in FAMILIES {
+        let d = dir().join(fam);
+        let Ok(json) = std::fs::read(d.join("tokenizer.json")) else {
+            println!("long runs: {fam}: no bundle, skipped");
+            continue;
+        };
+        let t = kvsteer_tokenizer::hf::HfTokenizer::from_bytes(&json, 64 << 20).unwrap();
+        for (what, unit) in [
+            ("word", "a"),
+            ("spaces", " "),
+            ("newlines", "\n"),
+            ("punct", "=-"),
+            ("digits", "7"),
+            ("cjk", "語"),
+        ] {
+            let text = unit.repeat(100_000 / unit.len());
+            let start = std::time::Instant::now();
+            let ids = t.encode(&text, false);
+            let ms = start.elapsed().as_secs_f64() * 1e3;
+            println!(
+                "long runs: {fam}: 100 KB of {what}: {} ids in {ms:.1} ms",
+                ids.as_ref().map_or(0, Vec::len)
+            );
+            assert!(ids.is_some_and(|v| !v.is_empty()), "{fam} {what}");
+        }
+    }
+}
+
 #[test]
 fn hugging_face_bundles_match_the_reference_exactly() {
     let mut failed = Vec::new();
