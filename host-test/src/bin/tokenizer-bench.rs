@@ -10,8 +10,10 @@
 //! Token counts come from the filter's own `kvsteer_prompt_tokens` counter. Memory is the process's
 //! resident set growth across starting the VM (the VM's touched linear memory plus wasmtime's state).
 //!
-//! Usage: `tokenizer-bench [--reps N] [--vocabulary o200k_harmony|o200k_base]` (`--help` says what
-//! each means).
+//! Usage: `tokenizer-bench [--reps N] [--vocabulary o200k_harmony|o200k_base] [--huggingface DIR]`
+//! (`--help` says what each means). `--huggingface` takes a folder holding a model's `tokenizer.json`
+//! and `tokenizer_config.json` (`tokenizer/scripts/hf-fetch` puts Llama 3.1's in
+//! `target/tokenizers/llama3_1`) and configures that bundle, inline, with its own chat template.
 
 use clap::Parser;
 use kvsteer_host_test::openai::request_headers;
@@ -129,7 +131,7 @@ fn main() {
 }
 
 fn run() -> Result<(), String> {
-    let (reps, vocabulary) = parse_args();
+    let (reps, vocabulary, huggingface) = parse_args();
     let path = filter_wasm_path()?;
     let t = Instant::now();
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
@@ -139,7 +141,22 @@ fn run() -> Result<(), String> {
         path.display(),
         module.size() as f64 / 1024.0
     );
-    let (mut plain, mut tok) = start_vms(&module, &vocabulary)?;
+    let (tok_cfg, label) = match huggingface {
+        Some(dir) => {
+            let read = |f: &str| {
+                std::fs::read_to_string(dir.join(f))
+                    .map_err(|e| format!("{}: {e}", dir.join(f).display()))
+            };
+            let cfg = json!({"huggingface": {"tokenizer_json": read("tokenizer.json")?,
+                "tokenizer_config_json": read("tokenizer_config.json")?}});
+            (cfg, format!("bundle {}", dir.display()))
+        }
+        None => (
+            json!({"vocabulary": vocabulary, "chat_template": "harmony"}),
+            vocabulary,
+        ),
+    };
+    let (mut plain, mut tok) = start_vms(&module, tok_cfg, &label)?;
 
     // Words per message so that 8K, 32K, 128K tokens take 8, 32, 128 messages of ~1K tokens: calibrate.
     let probe = body(&conversation(1, 0, 1000));
@@ -197,18 +214,20 @@ struct Cli {
     /// The filter's tokenizer vocabulary: o200k_harmony or o200k_base.
     #[arg(long, value_name = "V", default_value = "o200k_harmony")]
     vocabulary: String,
+    /// A Hugging Face bundle instead: a folder with tokenizer.json and tokenizer_config.json.
+    #[arg(long, value_name = "DIR")]
+    huggingface: Option<std::path::PathBuf>,
 }
 
-/// `--reps` (at least 1) and `--vocabulary`.
-fn parse_args() -> (usize, String) {
+/// `--reps` (at least 1), `--vocabulary` and `--huggingface`.
+fn parse_args() -> (usize, String, Option<std::path::PathBuf>) {
     let cli = Cli::parse();
-    (cli.reps.max(1), cli.vocabulary)
+    (cli.reps.max(1), cli.vocabulary, cli.huggingface)
 }
 
 /// VM start and memory, without and with the tokenizer (each VM parses its own vocabulary): the
 /// table, and the VM without a tokenizer and the last one with.
-fn start_vms(module: &FilterModule, vocabulary: &str) -> Result<(Vm, Vm), String> {
-    let tok_cfg = json!({"vocabulary": vocabulary, "chat_template": "harmony"});
+fn start_vms(module: &FilterModule, tok_cfg: Value, label: &str) -> Result<(Vm, Vm), String> {
     println!();
     println!("| worker VM | start (on_vm_start + on_configure) ms | resident memory growth MB |");
     println!("|---|---:|---:|");
@@ -221,7 +240,7 @@ fn start_vms(module: &FilterModule, vocabulary: &str) -> Result<(Vm, Vm), String
     for i in 0..2 {
         let vm = start(module, Some(tok_cfg.clone()))?;
         println!(
-            "| tokenizer {vocabulary}, worker {} | {:.1} | {:.1} |",
+            "| tokenizer {label}, worker {} | {:.1} | {:.1} |",
             i + 1,
             vm.start_ms,
             vm.rss_mb
