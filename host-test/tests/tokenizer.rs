@@ -360,3 +360,59 @@ fn the_lean_build_refuses_a_tokenizer_section_at_configure_time() {
     assert_eq!(route(&mut w, &b), "10.0.0.1:8000");
     assert!(!w.is_dead());
 }
+
+/// A Hugging Face bundle in the real `.wasm`: Llama 3.1's files given inline in the configuration,
+/// the reference corpus' multi-turn chat (ids from the `tokenizers` library, written by
+/// tokenizer/scripts/hf_reference.py) is routed to the replica whose feed holds exactly those ids'
+/// blocks, and the filter counts the reference's number of tokens. Skipped, saying so, without the
+/// files of tokenizer/scripts/hf-fetch (the tokenizer crate's conformance test fails under CI then).
+#[test]
+fn a_hugging_face_bundle_routes_by_the_reference_ids() {
+    let dir = std::env::var_os("KVSTEER_HF_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/tokenizers").into())
+        .join("llama3_1");
+    let read = |f: &str| std::fs::read_to_string(dir.join(f));
+    let (Ok(json), Ok(config), Ok(reference)) = (
+        read("tokenizer.json"),
+        read("tokenizer_config.json"),
+        read("reference.json"),
+    ) else {
+        println!(
+            "no Hugging Face bundle in {} (tokenizer/scripts/hf-fetch): skipped",
+            dir.display()
+        );
+        return;
+    };
+    let reference: Value = serde_json::from_str(&reference).unwrap();
+    let case = reference["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "multi_turn")
+        .unwrap();
+    let ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+    let held: Vec<u64> = BlockHasher::new(16)
+        .unwrap()
+        .sequence_hashes(&ids)
+        .into_iter()
+        .map(|h| h.0)
+        .collect();
+    assert!(held.len() > 20, "{}", held.len());
+    let tok = json!({"huggingface": {"tokenizer_json": json, "tokenizer_config_json": config}});
+    let (p, mut w) = start(Some(tok));
+    feed(&p, &mut w, &held);
+    let b = json!({"model": "llama", "max_tokens": 8, "messages": case["messages"]}).to_string();
+    let before = metric(&p, "kvsteer_prompt_tokens");
+    assert_eq!(
+        route(&mut w, b.as_bytes()),
+        format!("10.0.0.{}:8000", HOLDER + 1)
+    );
+    assert_eq!(
+        metric(&p, "kvsteer_prompt_tokens") - before,
+        ids.len() as i64
+    );
+    w.tick().unwrap();
+    assert_eq!(metric(&p, "kvsteer_tokenizer_exact"), 1);
+    assert!(!w.is_dead() && w.notes().is_empty(), "{:?}", w.notes());
+}
