@@ -3,7 +3,7 @@
 //! first on ties, until no pair has a merge. That is not tiktoken's rule (tiktoken ranks a pair by the
 //! id of the token it makes), so the merge list's own order is kept here.
 
-use super::model::MergeTable;
+use super::merges::MergeTable;
 use hashbrown::HashMap;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;

@@ -11,6 +11,7 @@
 
 pub mod added;
 pub mod bpe;
+pub mod merges;
 pub mod model;
 pub mod pretokenize;
 
@@ -92,7 +93,7 @@ impl HfTokenizer {
         let added =
             AddedTokens::new(&file.added_tokens, &normalizer).map_err(at("added_tokens"))?;
         Ok(HfTokenizer {
-            bpe: model::build_bpe(&file.model).map_err(at("model"))?,
+            bpe: model::build_bpe(&file.model, bytes).map_err(at("model"))?,
             pre: PreTokenizer::from_json(&file.pre_tokenizer).map_err(at("pre_tokenizer"))?,
             around: model::post_processor_ids(&file.post_processor)
                 .map_err(at("post_processor"))?,

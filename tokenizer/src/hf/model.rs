@@ -1,35 +1,24 @@
-//! Reading `tokenizer.json`'s `model` (byte-level BPE) and `post_processor` from bytes. Strings are
-//! borrowed from the input where JSON allows it, so a 9 MB file with 280K merges is read without a
-//! second copy of every token; only what encoding needs is kept: the 256 byte ids, the merge table
-//! and, with `ignore_merges`, the whole-token table.
+//! Reading `tokenizer.json`'s `model` (byte-level BPE) and `post_processor` from bytes. Vocabulary
+//! strings are borrowed from the input where JSON allows it and merges are resolved as they are read
+//! (`merges.rs`), so a 9 MB file is read without a second copy of its tokens; only what encoding
+//! needs is kept: the 256 byte ids, the merge table and, with `ignore_merges`, the whole-token table.
 
 use super::bpe::{ByteLevelBpe, byte_chars, chars_to_bytes};
+use super::merges::{self, Str};
 use hashbrown::HashMap;
 use serde::Deserialize;
 use serde_json::Value;
-use std::borrow::Cow;
 
 /// Bounds on what a bundle may hold, well above any released model (Llama 3.1: 128,000 tokens and
 /// 280,147 merges), so hostile input cannot ask for unbounded tables.
 pub const MAX_VOCAB: usize = 4 << 20;
-pub const MAX_MERGES: usize = 4 << 20;
-
-/// A merge in either of `tokenizers`' two spellings: `"a b"` (older files) or `["a", "b"]`.
-#[derive(Deserialize)]
-#[serde(untagged)]
-pub enum MergeJson<'a> {
-    Line(#[serde(borrow)] Cow<'a, str>),
-    Pair(#[serde(borrow)] Cow<'a, str>, #[serde(borrow)] Cow<'a, str>),
-}
 
 #[derive(Deserialize)]
 pub struct ModelJson<'a> {
     #[serde(rename = "type", default)]
     pub kind: Option<String>,
     #[serde(borrow)]
-    pub vocab: std::collections::HashMap<Cow<'a, str>, u32>,
-    #[serde(borrow, default)]
-    pub merges: Vec<MergeJson<'a>>,
+    pub vocab: std::collections::HashMap<Str<'a>, u32>,
     #[serde(default)]
     pub ignore_merges: bool,
     #[serde(default)]
@@ -44,7 +33,7 @@ pub struct ModelJson<'a> {
 
 /// Builds the BPE. Refused: models other than BPE, and the BPE options byte-level families do not use
 /// (`byte_fallback`, dropout, subword prefixes and suffixes), rather than encoding them wrongly.
-pub fn build_bpe(m: &ModelJson<'_>) -> Result<ByteLevelBpe, String> {
+pub fn build_bpe(m: &ModelJson<'_>, file: &[u8]) -> Result<ByteLevelBpe, String> {
     if m.kind.as_deref().is_some_and(|k| k != "BPE") {
         return Err(format!("model type {:?}: only BPE is supported", m.kind));
     }
@@ -60,11 +49,10 @@ pub fn build_bpe(m: &ModelJson<'_>) -> Result<ByteLevelBpe, String> {
             "model: continuing_subword_prefix / end_of_word_suffix are not supported".into(),
         );
     }
-    if m.vocab.len() > MAX_VOCAB || m.merges.len() > MAX_MERGES {
+    if m.vocab.len() > MAX_VOCAB {
         return Err(format!(
-            "model: {} tokens and {} merges, over the bound of {MAX_VOCAB} each",
-            m.vocab.len(),
-            m.merges.len()
+            "model: {} tokens, over the bound of {MAX_VOCAB}",
+            m.vocab.len()
         ));
     }
     let chars = byte_chars();
@@ -72,7 +60,7 @@ pub fn build_bpe(m: &ModelJson<'_>) -> Result<ByteLevelBpe, String> {
     for (b, c) in chars.iter().enumerate() {
         byte_ids[b] = m.vocab.get(c.to_string().as_str()).copied();
     }
-    let merges = merge_table(m)?;
+    let merges = merges::merge_table(file, &m.vocab)?;
     let words = m.ignore_merges.then(|| {
         let inverse: HashMap<char, u8> = chars
             .iter()
@@ -81,38 +69,10 @@ pub fn build_bpe(m: &ModelJson<'_>) -> Result<ByteLevelBpe, String> {
             .collect();
         m.vocab
             .iter()
-            .filter_map(|(s, id)| Some((chars_to_bytes(s, &inverse)?.into_boxed_slice(), *id)))
+            .filter_map(|(s, id)| Some((chars_to_bytes(&s.0, &inverse)?.into_boxed_slice(), *id)))
             .collect()
     });
     Ok(ByteLevelBpe::new(byte_ids, merges, words))
-}
-
-/// (left id, right id) -> (rank, merged id).
-pub type MergeTable = HashMap<(u32, u32), (u32, u32)>;
-
-fn merge_table(m: &ModelJson<'_>) -> Result<MergeTable, String> {
-    let mut table = HashMap::with_capacity(m.merges.len());
-    let mut joined = String::new();
-    for (rank, merge) in m.merges.iter().enumerate() {
-        let (a, b) = match merge {
-            MergeJson::Line(l) => l
-                .split_once(' ')
-                .filter(|(_, b)| !b.contains(' '))
-                .ok_or_else(|| format!("model.merges[{rank}]: {l:?} is not two tokens"))?,
-            MergeJson::Pair(a, b) => (a.as_ref(), b.as_ref()),
-        };
-        joined.clear();
-        joined.push_str(a);
-        joined.push_str(b);
-        let id = |s: &str| {
-            m.vocab
-                .get(s)
-                .copied()
-                .ok_or_else(|| format!("model.merges[{rank}]: {s:?} is not in the vocabulary"))
-        };
-        table.insert((id(a)?, id(b)?), (rank as u32, id(&joined)?));
-    }
-    Ok(table)
 }
 
 /// The ids the post-processor puts around a single sequence (`add_special_tokens`, what an engine
