@@ -9,8 +9,8 @@ use aho_corasick::{AhoCorasick, MatchKind};
 use serde::Deserialize;
 use serde_json::Value;
 use std::borrow::Cow;
-use unicode_normalization::UnicodeNormalization;
-use unicode_normalization::{IsNormalized, is_nfc_quick, is_nfkc_quick};
+use unicode_normalization_alignments::UnicodeNormalization;
+use unicode_normalization_alignments::{IsNormalized, is_nfc_quick, is_nfkc_quick};
 
 /// One entry of `added_tokens`.
 #[derive(Deserialize)]
@@ -73,6 +73,7 @@ impl Normalizer {
     }
 
     /// The normalized text; borrowed when nothing changes (the usual case: NFC text stays as it is).
+    /// Unicode 9.0 data, as `tokenizers` has it: marks assigned later count as class 0.
     pub fn apply<'t>(&self, text: &'t str) -> Cow<'t, str> {
         let mut out = Cow::Borrowed(text);
         for form in &self.forms {
@@ -84,11 +85,12 @@ impl Normalizer {
             if done {
                 continue;
             }
+            let text: &str = &out;
             let s: String = match form {
-                Form::Nfc => out.nfc().collect(),
-                Form::Nfd => out.nfd().collect(),
-                Form::Nfkc => out.nfkc().collect(),
-                Form::Nfkd => out.nfkd().collect(),
+                Form::Nfc => text.nfc().map(|(c, _)| c).collect(),
+                Form::Nfd => text.nfd().map(|(c, _)| c).collect(),
+                Form::Nfkc => text.nfkc().map(|(c, _)| c).collect(),
+                Form::Nfkd => text.nfkd().map(|(c, _)| c).collect(),
             };
             if s != *out {
                 out = Cow::Owned(s);
