@@ -78,7 +78,8 @@ pub struct TokenizerConfig {
     #[serde(default)]
     pub huggingface: Option<HuggingFaceSource>,
     /// Built-in template: `harmony` (default: gpt-oss's own template), `harmony_vllm` (gpt-oss as vLLM
-    /// renders it; needs `current_date`) or `kvsteer_sim`; ignored when `chat_template_jinja` is set.
+    /// renders it; needs `current_date`) or `kvsteer_sim`; ignored when `chat_template_jinja` or a
+    /// `huggingface` bundle is set.
     #[serde(default = "d_template")]
     pub chat_template: String,
     /// A model's own chat template (Jinja text), used instead of a built-in one.
