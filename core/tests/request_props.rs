@@ -144,6 +144,16 @@ mod against_reference {
                     .collect(),
             )
         }
+        fn tokenize_chat_tools(
+            &mut self,
+            turns: &[ChatTurn<'_>],
+            tools: Option<&str>,
+        ) -> Option<Vec<u32>> {
+            self.calls.push(format!("tools {tools:?}"));
+            let mut ids = self.tokenize_chat(turns)?;
+            ids.extend(tools.unwrap_or("").bytes().map(u32::from));
+            Some(ids)
+        }
     }
 
     fn same(
@@ -380,10 +390,12 @@ mod against_reference {
             Just("max_tokens"),
             Just("max_completion_tokens"),
             Just("cache_salt"),
+            Just("tools"),
         ];
         prop_oneof![
             4 => prompt().prop_map(|p| format!("\"prompt\":{p}")),
             3 => messages.prop_map(|m| format!("\"messages\":{m}")),
+            1 => value().prop_map(|v| format!("\"tools\":{v}")),
             1 => (known, value()).prop_map(|(k, v)| format!("\"{k}\":{v}")),
             1 => string().prop_map(|s| format!("\"model\":{s}")),
             1 => string().prop_map(|s| format!("\"cache_salt\":{s}")),

@@ -87,6 +87,7 @@ def chat_cases():
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
     cases.append(("tools_defined", [{"role": "system", "content": sys_prompt},
                                     {"role": "user", "content": "Weather in Zürich?"}], tools))
+    cases += tool_cases(sys_prompt, tools)
     rng = random.Random(7)
     for i in range(24):
         msgs = []
@@ -98,6 +99,42 @@ def chat_cases():
         msgs.pop()
         cases.append((f"random_{i}", msgs, None))
     return cases
+
+
+def tool_cases(sys_prompt, weather):
+    """Requests with tool definitions, as clients send them: key order not alphabetical (`required`
+    before `properties`, `type` before `function`), every JSON type in schemas (numbers, floats,
+    booleans, null, nested objects and arrays, enums), text a JSON encoder may escape (`<`, `&`,
+    quotes, backslashes, non-ASCII), a tool without description or parameters."""
+    search = {"type": "function", "function": {
+        "name": "search_docs",
+        "description": "Search the <docs> & \"notes\" \\ index — fast; 日本語 ok",
+        "parameters": {"type": "object", "required": ["query"], "properties": {
+            "query": {"type": "string", "description": "what to look for"},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
+            "threshold": {"type": "number", "default": 0.5},
+            "exact": {"type": "boolean", "default": False},
+            "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}},
+            "filter": {"type": ["object", "null"], "default": None,
+                       "properties": {"after": {"type": "string", "format": "date"}}},
+        }, "additionalProperties": False}}}
+    ping = {"type": "function", "function": {"name": "ping"}}
+    multi = [{"role": "system", "content": sys_prompt}]
+    for i in range(3):
+        multi.append({"role": "user", "content": TEXTS[["ascii", "cjk", "code_py"][i]]})
+        multi.append({"role": "assistant", "content": f"Answer {i}."})
+    multi.append({"role": "user", "content": "And the weather?"})
+    return [
+        ("tools_no_system", [{"role": "user", "content": "Weather in Zürich?"}], weather),
+        ("tools_two", [{"role": "user", "content": "Find the routing docs."}], weather + [search]),
+        ("tools_minimal", [{"role": "system", "content": sys_prompt},
+                           {"role": "user", "content": "ping?"}], [ping]),
+        ("tools_multi_turn", multi, [search] + weather),
+        ("tools_empty_list", [{"role": "user", "content": "No tools here."}], []),
+        # Refused by transformers ("Tools should either be a JSON schema, or a callable ..."), so by
+        # the engine: the filter falls back (counted as `tools`).
+        ("tools_not_objects", [{"role": "user", "content": "hi"}], [search, "get_weather"]),
+    ]
 
 
 def text_cases():
@@ -152,6 +189,10 @@ def family(dirpath: Path):
     out, agree = [], 0
     for name, messages, tools in chat_cases():
         case = {"name": name, "kind": "chat", "messages": messages, "tools": tools}
+        if tools is not None:
+            # The request's `tools` as a client sends it, key order kept (a reader of this file
+            # that sorts keys would otherwise hand the template another order than the engine's).
+            case["tools_json"] = json.dumps(tools, ensure_ascii=False)
         try:
             text = auto.apply_chat_template(joined(messages), tools=tools, add_generation_prompt=True,
                                             tokenize=False)

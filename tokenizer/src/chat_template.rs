@@ -17,8 +17,9 @@
 //!   ([`CalendarDate`]), never the router's clock, and an error when none is configured, so a
 //!   template that stamps the date falls back (counted) instead of rendering a date the engine may not.
 //! - Variables: `messages`, `add_generation_prompt = true`, `bos_token`, `eos_token` (configured,
-//!   empty by default), `tools = none` and `documents = none` (transformers' `render_jinja_template`
-//!   always passes both, `None` when the request has none); `custom_tools`,
+//!   empty by default), `tools` (the request's tool definitions, `none` without) and `documents =
+//!   none` (transformers' `render_jinja_template` always passes both, `None` when the request has
+//!   none); `custom_tools`,
 //!   `tools_in_user_message`, `date_string` stay undefined, as they are when the engine gets no
 //!   `chat_template_kwargs`, so templates take their own defaults. Also
 //!   `current_date` (`YYYY-MM-DD` or none) and `reasoning_effort` for the built-in harmony template
@@ -171,6 +172,10 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     pub join: PartJoin,
     pub name: String,
+    /// Whether the template renders a request's tool definitions as the engine does: a model's own
+    /// (Jinja) template and `kvsteer_sim` (the simulator ignores tools, so does its framing) do; the
+    /// built-in harmony templates do not render gpt-oss's tool section, so such requests fall back.
+    pub renders_tools: bool,
     settings: TemplateSettings,
 }
 
@@ -185,6 +190,7 @@ impl ChatTemplate {
         jinja: Option<&str>,
         settings: TemplateSettings,
     ) -> Result<ChatTemplate, String> {
+        let renders_tools = jinja.is_some() || name == "kvsteer_sim";
         let (source, join) = match (name, jinja) {
             (_, Some(src)) => (src.to_string(), PartJoin::Newline),
             ("harmony", None) => (HARMONY.to_string(), PartJoin::Newline),
@@ -228,12 +234,25 @@ impl ChatTemplate {
             env,
             join,
             name: name.to_string(),
+            renders_tools,
             settings,
         })
     }
 
     /// Renders a conversation with the generation prompt appended.
     pub fn render(&self, messages: &[RenderMessage<'_>]) -> Result<String, String> {
+        self.render_with_tools(messages, &Value::from(()))
+    }
+
+    /// [`ChatTemplate::render`] with the request's tool definitions as `tools` (none: `Value::from(())`),
+    /// as transformers' `apply_chat_template(tools=...)` passes them: the list of JSON objects as the
+    /// client sent it, key order kept (minijinja's `preserve_order`), so `tool | tojson` writes what
+    /// Python's `json.dumps` writes.
+    pub fn render_with_tools(
+        &self,
+        messages: &[RenderMessage<'_>],
+        tools: &Value,
+    ) -> Result<String, String> {
         let t = self.env.get_template("chat").map_err(|e| e.to_string())?;
         let s = &self.settings;
         t.render(context! {
@@ -241,7 +260,7 @@ impl ChatTemplate {
             add_generation_prompt => true,
             bos_token => s.bos_token,
             eos_token => s.eos_token,
-            tools => Value::from(()),
+            tools => tools,
             documents => Value::from(()),
             current_date => s.current_date.map(|d| d.to_string()),
             reasoning_effort => s.reasoning_effort,

@@ -143,16 +143,20 @@ pub enum FallbackReason {
     Template,
     /// The BPE could not encode (regex backtrack limit).
     Encode,
+    /// The request's `tools` is not a list of JSON objects, or the template does not render tool
+    /// definitions as the engine does (the built-in harmony templates).
+    Tools,
 }
 
 impl FallbackReason {
-    pub const ALL: [FallbackReason; 6] = [
+    pub const ALL: [FallbackReason; 7] = [
         FallbackReason::TooLarge,
         FallbackReason::UnknownRole,
         FallbackReason::NonText,
         FallbackReason::ToolCalls,
         FallbackReason::Template,
         FallbackReason::Encode,
+        FallbackReason::Tools,
     ];
 
     /// Metric label.
@@ -164,6 +168,7 @@ impl FallbackReason {
             FallbackReason::ToolCalls => "tool_calls",
             FallbackReason::Template => "template",
             FallbackReason::Encode => "encode",
+            FallbackReason::Tools => "tools",
         }
     }
 }
@@ -176,7 +181,7 @@ pub struct TokenizerStats {
     /// Token ids produced.
     pub tokens: u64,
     /// Fallbacks, in [`FallbackReason::ALL`] order.
-    pub fallbacks: [u64; 6],
+    pub fallbacks: [u64; 7],
     pub cache_hits: u64,
     pub cache_misses: u64,
     pub cache_evictions: u64,
@@ -351,6 +356,19 @@ impl TextTokenizer {
 
     /// The rendered prompt of a conversation, or why it cannot be rendered exactly.
     pub fn render_chat(&self, turns: &[ChatTurn<'_>]) -> Result<String, (FallbackReason, String)> {
+        self.render_chat_tools(turns, None)
+    }
+
+    /// [`TextTokenizer::render_chat`] with the request's `tools` (the raw JSON of its value).
+    pub fn render_chat_tools(
+        &self,
+        turns: &[ChatTurn<'_>],
+        tools: Option<&str>,
+    ) -> Result<String, (FallbackReason, String)> {
+        let tools = match tools {
+            None => minijinja::Value::from(()),
+            Some(raw) => self.tools_value(raw)?,
+        };
         let mut msgs = Vec::with_capacity(turns.len());
         let mut bytes = 0usize;
         for (i, t) in turns.iter().enumerate() {
@@ -375,8 +393,35 @@ impl TextTokenizer {
             msgs.push(RenderMessage { role, content });
         }
         self.template
-            .render(&msgs)
+            .render_with_tools(&msgs, &tools)
             .map_err(|e| (FallbackReason::Template, e))
+    }
+
+    /// A request's `tools` as the template sees them: a list of JSON objects, key order kept, as
+    /// transformers takes them (anything else it refuses, so the engine refuses the request too).
+    fn tools_value(&self, raw: &str) -> Result<minijinja::Value, (FallbackReason, String)> {
+        use minijinja::value::ValueKind;
+        let tools = |m: String| (FallbackReason::Tools, format!("tools: {m}"));
+        if !self.template.renders_tools {
+            return Err(tools(format!(
+                "the built-in {} template does not render tool definitions",
+                self.template.name
+            )));
+        }
+        if raw.len() > self.max_prompt_bytes {
+            return Err((FallbackReason::TooLarge, String::new()));
+        }
+        let v: minijinja::Value = serde_json::from_str(raw).map_err(|e| tools(e.to_string()))?;
+        if v.kind() != ValueKind::Seq {
+            return Err(tools(format!("a {}, not a list", v.kind())));
+        }
+        let items = v.try_iter().map_err(|e| tools(e.to_string()))?;
+        for (i, t) in items.enumerate() {
+            if t.kind() != ValueKind::Map {
+                return Err(tools(format!("[{i}] is a {}, not an object", t.kind())));
+            }
+        }
+        Ok(v)
     }
 }
 
@@ -425,7 +470,17 @@ impl PromptTokenizer for TextTokenizer {
     }
 
     fn tokenize_chat(&mut self, turns: &[ChatTurn<'_>]) -> Option<Vec<u32>> {
-        match self.render_chat(turns) {
+        self.tokenize_chat_tools(turns, None)
+    }
+
+    /// Tool definitions are rendered by templates that render them (a model's own); the built-in
+    /// harmony templates do not, and such a request falls back, counted as `tools`.
+    fn tokenize_chat_tools(
+        &mut self,
+        turns: &[ChatTurn<'_>],
+        tools: Option<&str>,
+    ) -> Option<Vec<u32>> {
+        match self.render_chat_tools(turns, tools) {
             Ok(text) => self.encode(&text),
             Err((why, detail)) => self.fail(why, (!detail.is_empty()).then_some(detail)),
         }

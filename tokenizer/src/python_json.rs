@@ -8,10 +8,9 @@
 //! engine renders `{"a": "<b>"}`. Tokens differ, blocks differ; hence this module: Python's output,
 //! byte for byte, for the values a template can hold.
 //!
-//! Known difference: a dict literal written in a template (`{'b': 1, 'a': 2}`) iterates in key order in
-//! minijinja (no `preserve_order`), in insertion order in Python; JSON from the request keeps its order
-//! only as far as minijinja's map does. Messages carry only strings, so covered conversations are not
-//! affected.
+//! Maps keep insertion order (minijinja's `preserve_order`), as Python's dicts do: a dict literal
+//! written in a template (`{'b': 1, 'a': 2}`) and a request's `tools` JSON are written in the order
+//! they were given, and `sort_keys=true` sorts them.
 
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Error, ErrorKind, Value};
@@ -268,6 +267,10 @@ mod tests {
             )
             .unwrap(),
             r#"{"a": 2, "b": 1}"#
+        );
+        assert_eq!(
+            render("{{ {'b': 1, 'a': 2} | tojson }}", context! {}).unwrap(),
+            r#"{"b": 1, "a": 2}"#
         );
     }
 

@@ -305,3 +305,49 @@ fn a_bad_current_date_refuses_the_configuration() {
         assert!(e.starts_with("current_date:"), "{e}");
     }
 }
+
+/// A request's `tools` reach the template through the request reader, key order as sent (Python
+/// keeps it; `tojson` writes it), and the same with either reader; a `tools` value transformers
+/// refuses, or a built-in template that does not render tools, falls back counted as `tools`.
+#[test]
+fn tools_reach_the_template_in_the_clients_key_order() {
+    let mut t = tokenizer(QWEN25_STYLE, None, "", "<|im_end|>");
+    let tools = r#"[{"type":"function","function":{"name":"f","parameters":{"type":"object","required":["b"],"properties":{"b":{"type":"number","default":0.5}}}}}]"#;
+    let body = format!(r#"{{"tools":{tools},"messages":[{{"role":"user","content":"x"}}]}}"#);
+    let text = t
+        .render_chat_tools(&turns(&[("user", "x")]), Some(tools))
+        .unwrap();
+    assert!(
+        text.contains(r#"{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["b"], "properties": {"b": {"type": "number", "default": 0.5}}}}}"#),
+        "{text}"
+    );
+    let r = read_chat(&mut t, &body);
+    assert!(matches!(r.identity, PromptIdentity::Exact(_)));
+    // Without tools the text differs: the tools were rendered, not ignored.
+    let plain = read_chat(&mut t, r#"{"messages":[{"role":"user","content":"x"}]}"#);
+    assert_ne!(plain.identity, r.identity);
+    // The serde_json reader (an escaped key sends the body there) gives the same identity.
+    let escaped = body.replacen("\"messages\"", "\"m\\u0065ssages\"", 1);
+    assert_eq!(read_chat(&mut t, &escaped).identity, r.identity);
+    // `null` is no tools.
+    let null = r#"{"tools":null,"messages":[{"role":"user","content":"x"}]}"#;
+    assert_eq!(read_chat(&mut t, null).identity, plain.identity);
+    for bad in [r#""f""#, r#"{"a":1}"#, r#"[1]"#, r#"[{"a":1},"f"]"#] {
+        let body = format!(r#"{{"tools":{bad},"messages":[{{"role":"user","content":"x"}}]}}"#);
+        let before = t.stats().fallbacks[FallbackReason::Tools as usize];
+        let r = read_chat(&mut t, &body);
+        assert!(
+            matches!(r.identity, PromptIdentity::Approximate(_)),
+            "{bad}"
+        );
+        assert_eq!(
+            t.stats().fallbacks[FallbackReason::Tools as usize],
+            before + 1
+        );
+    }
+    // The built-in harmony template does not render gpt-oss's tool section: fall back, counted.
+    let mut h = TextTokenizer::new(&TokenizerConfig::default()).unwrap();
+    let r = read_chat(&mut h, &body);
+    assert!(matches!(r.identity, PromptIdentity::Approximate(_)));
+    assert_eq!(h.stats().fallbacks[FallbackReason::Tools as usize], 1);
+}

@@ -6,8 +6,8 @@
 //! files carry the models' licences). Without them the test fails under `CI=true` and otherwise skips,
 //! saying so.
 //!
-//! Cases whose request defines `tools` are counted apart: the core does not pass a request's tool
-//! definitions to the tokenizer, so templates that render tools (Qwen, Mistral) differ there.
+//! Cases whose request defines `tools` are counted apart (and must be exact too): the core passes a
+//! chat request's `tools` JSON to the template as transformers' `apply_chat_template(tools=...)` does.
 
 use kvsteer_core::request::{ChatTurn, PromptTokenizer};
 use kvsteer_tokenizer::{TextTokenizer, TokenizerConfig};
@@ -68,11 +68,18 @@ fn chat_case(t: &mut TextTokenizer, case: &Value, c: &mut Counts) {
             tool_calls: false,
         })
         .collect();
-    let tools = !case["tools"].is_null();
-    let rendered = t.render_chat(&turns);
+    // The text a client sent, key order kept (`case["tools"]` re-serialised would sort the keys).
+    let tools_json = case["tools_json"].as_str();
+    let tools = tools_json.is_some();
+    let rendered = t.render_chat_tools(&turns, tools_json);
     let Some(want) = case["ids"].as_array() else {
-        c.chat += 1;
+        if tools {
+            c.tools += 1;
+        } else {
+            c.chat += 1;
+        }
         match rendered {
+            Err(_) if tools => c.tools_exact += 1,
             Err(_) => {
                 c.both_refuse += 1;
                 c.chat_exact += 1;
@@ -84,18 +91,18 @@ fn chat_case(t: &mut TextTokenizer, case: &Value, c: &mut Counts) {
         return;
     };
     let want: Vec<u32> = want.iter().map(|v| v.as_u64().unwrap() as u32).collect();
-    let got = t.tokenize_chat(&turns);
+    let got = t.tokenize_chat_tools(&turns, tools_json);
     let exact = got.as_deref() == Some(&want[..]);
+    let same_text = rendered.as_deref().ok() == case["rendered"].as_str();
     if tools {
         c.tools += 1;
         c.tools_exact += usize::from(exact);
-        return;
+    } else {
+        c.chat += 1;
+        c.rendered_same += usize::from(same_text);
+        c.chat_exact += usize::from(exact);
     }
-    c.chat += 1;
-    let same_text = rendered.as_deref().ok() == case["rendered"].as_str();
-    c.rendered_same += usize::from(same_text);
     if exact {
-        c.chat_exact += 1;
     } else if !same_text {
         c.failures
             .push(format!("{name}: template text differs: {rendered:?}"));
@@ -159,7 +166,7 @@ fn family(fam: &str) -> Option<Counts> {
     }
     println!(
         "hf_conformance: {fam} (tokenizers {}, transformers {}): chat {}/{} exact (template text {}/{}, \
-         refused by both {}), text {}/{} exact; requests with tools (not passed by the core) {}/{} exact",
+         refused by both {}), text {}/{} exact; requests with tool definitions {}/{} exact",
         reference["tokenizers"].as_str().unwrap_or("?"),
         reference["transformers"].as_str().unwrap_or("?"),
         c.chat_exact,

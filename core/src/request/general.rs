@@ -164,6 +164,9 @@ struct Body<'a> {
     prompt: Option<&'a serde_json::value::RawValue>,
     #[serde(default)]
     messages: Option<Vec<Message>>,
+    /// A chat request's tool definitions, kept raw for the chat template (`null` reads as none).
+    #[serde(default, borrow)]
+    tools: Option<&'a serde_json::value::RawValue>,
     /// vLLM's per-request cache salt: blocks under another salt are never shared.
     #[serde(default)]
     cache_salt: Option<String>,
@@ -216,7 +219,7 @@ pub(super) fn read(
     let (prompt_tokens, identity) = identify(
         endpoint,
         read,
-        turns.as_deref(),
+        (turns.as_deref(), b.tools.map(|t| t.get())),
         (lora, b.cache_salt.as_deref()),
         block_size,
         tokenizer,

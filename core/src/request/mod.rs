@@ -131,6 +131,18 @@ pub trait PromptTokenizer {
     fn tokenize_text(&mut self, text: &str) -> Option<Vec<u32>>;
     /// A `/v1/chat/completions` conversation, chat template included.
     fn tokenize_chat(&mut self, turns: &[ChatTurn<'_>]) -> Option<Vec<u32>>;
+    /// A conversation with the request's `tools`: the raw JSON text of its `tools` value (None when
+    /// absent or `null`), for templates that render tool definitions as transformers'
+    /// `apply_chat_template(tools=...)` does. The default ignores them (the tokenizers written before
+    /// tools were carried).
+    fn tokenize_chat_tools(
+        &mut self,
+        turns: &[ChatTurn<'_>],
+        tools: Option<&str>,
+    ) -> Option<Vec<u32>> {
+        let _ = tools;
+        self.tokenize_chat(turns)
+    }
 }
 /// Endpoint for a `:path` (query string allowed).
 pub fn endpoint(path: &str) -> Result<Endpoint, RequestError> {
@@ -259,11 +271,11 @@ enum PromptRead<'a> {
 }
 
 /// The prompt's size and identity from what a reader found: the one step both readers share, so
-/// they cannot differ in it.
+/// they cannot differ in it. `tools` is the raw JSON of a chat request's `tools` (not `null`).
 fn identify(
     endpoint: Endpoint,
     prompt: Option<PromptRead<'_>>,
-    turns: Option<&[ChatTurn<'_>]>,
+    (turns, tools): (Option<&[ChatTurn<'_>]>, Option<&str>),
     (lora, cache_salt): (Option<&str>, Option<&str>),
     block_size: usize,
     mut tokenizer: Option<&mut dyn PromptTokenizer>,
@@ -311,7 +323,7 @@ fn identify(
             }
         }
         (Endpoint::ChatCompletions, _, Some(turns)) => {
-            match tokenizer.and_then(|t| t.tokenize_chat(turns)) {
+            match tokenizer.and_then(|t| t.tokenize_chat_tools(turns, tools)) {
                 Some(ids) => {
                     let hasher = BlockHasher::new(block_size)
                         .map_err(bad_size)?

@@ -5,7 +5,7 @@
 //! ([`escapes`] where it has).
 //!
 //! It reads the shapes clients send: a top-level object whose known fields (`model`, `stream`,
-//! `max_tokens`, `max_completion_tokens`, `cache_salt`, `prompt`, `messages`) hold the values
+//! `max_tokens`, `max_completion_tokens`, `cache_salt`, `prompt`, `messages`, `tools`) hold the values
 //! their types allow, and every other field any valid JSON value, which is validated as it is
 //! skipped. For anything else it answers None, and the general serde_json reader (`general`) reads
 //! the body instead: a body that is not an object, an escaped key, a known field twice, a number
@@ -88,7 +88,7 @@ pub(super) fn read(
     let identity = identify(
         endpoint,
         read,
-        turns.as_deref(),
+        (turns.as_deref(), f.tools.flatten()),
         (lora, salt.as_deref()),
         block_size,
         tokenizer,
@@ -224,6 +224,8 @@ struct Fields<'a> {
     cache_salt: Option<Option<Cow<'a, str>>>,
     prompt: Option<Option<PromptScan<'a>>>,
     messages: Option<Option<Vec<Message<'a>>>>,
+    /// `tools`: the raw JSON text of the value, validated as it was skipped.
+    tools: Option<Option<&'a str>>,
 }
 
 /// Sets a field seen for the first time; None (leave it to serde) when it was seen already.
@@ -335,6 +337,7 @@ impl<'a> Scanner<'a> {
                         let v = self.nullable(|s| s.messages())?;
                         once(&mut f.messages, v)?
                     }
+                    b"tools" => once(&mut f.tools, self.nullable(|s| s.raw())?)?,
                     _ => self.skip(1)?,
                 }
                 if !self.next_or_close(b'}')? {
@@ -719,6 +722,13 @@ impl<'a> Scanner<'a> {
 
     /// Skips any JSON value nested `depth` deep, validating it as serde_json does when it ignores a
     /// value (string escapes and control characters, number syntax, literals, structure).
+    /// Any JSON value, validated as [`Scanner::skip`] validates it; its text as it stands in the body.
+    fn raw(&mut self) -> Option<&'a str> {
+        let start = self.i;
+        self.skip(1)?;
+        core::str::from_utf8(self.b.get(start..self.i)?).ok()
+    }
+
     pub(super) fn skip(&mut self, depth: usize) -> Option<()> {
         match self.peek()? {
             b'"' => self.string_span(true).map(|_| ()),
