@@ -7,6 +7,7 @@ pub mod adapters;
 pub mod admission;
 pub mod approx;
 pub mod block;
+pub mod bundle;
 pub mod config;
 pub mod disaggregation;
 pub mod dp;

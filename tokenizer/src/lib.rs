@@ -10,6 +10,7 @@
 
 pub mod calendar_date;
 pub mod chat_template;
+pub mod fetch;
 pub mod hf;
 pub mod python_json;
 pub mod sample;
@@ -65,6 +66,11 @@ pub struct HuggingFaceSource {
     /// Bound on each file's size in bytes, checked before parsing.
     #[serde(default = "d_max_bundle_bytes")]
     pub max_bytes: usize,
+    /// Fetch the files at run time instead (exclusive with the inline text): each worker VM fetches
+    /// the bundle over an HTTP callout and routes text prompts by the approximate identity until it
+    /// has loaded it.
+    #[serde(default)]
+    pub fetch: Option<fetch::BundleFetch>,
 }
 
 /// The `tokenizer` section of the plugin configuration.
@@ -238,8 +244,16 @@ impl TextTokenizer {
                     "huggingface: give either `vocabulary` or `huggingface`, not both".into(),
                 );
             }
+            if src.fetch.is_some() {
+                return Err(
+                    "huggingface.fetch: the bundle is fetched at run time: check the \
+                            configuration with check_deferred, then load it with with_huggingface"
+                        .into(),
+                );
+            }
             let json = src.tokenizer_json.as_deref().ok_or(
-                "huggingface.tokenizer_json: missing (the text of the model's tokenizer.json)",
+                "huggingface.tokenizer_json: missing (the text of the model's tokenizer.json, \
+                 or `fetch` to fetch it)",
             )?;
             let config = src.tokenizer_config_json.as_deref().map(str::as_bytes);
             return TextTokenizer::with_huggingface(cfg, json.as_bytes(), config);
@@ -266,6 +280,7 @@ impl TextTokenizer {
             tokenizer_config_json: None,
             add_special_tokens: true,
             max_bytes: hf::DEFAULT_MAX_BUNDLE_BYTES,
+            fetch: None,
         });
         let hf_cfg = match tokenizer_config_json {
             Some(b) => HfChatConfig::from_bytes(b, src.max_bytes),
@@ -280,6 +295,34 @@ impl TextTokenizer {
             Backend::HuggingFace(Box::new(bpe), src.add_special_tokens),
             template,
         ))
+    }
+
+    /// Whether the configuration's bundle is fetched at run time (`huggingface.fetch`).
+    pub fn deferred(cfg: &TokenizerConfig) -> Option<&fetch::BundleFetch> {
+        cfg.huggingface.as_ref().and_then(|h| h.fetch.as_ref())
+    }
+
+    /// For a bundle fetched at run time: every check that needs no bundle (the fetch section, the
+    /// date, a configured `chat_template_jinja`), so a bad configuration is refused when it is
+    /// given, not when the bundle arrives.
+    pub fn check_deferred(cfg: &TokenizerConfig) -> Result<(), String> {
+        let Some(src) = &cfg.huggingface else {
+            return Ok(());
+        };
+        let Some(f) = &src.fetch else { return Ok(()) };
+        if cfg.vocabulary.is_some() {
+            return Err("huggingface: give either `vocabulary` or `huggingface`, not both".into());
+        }
+        if src.tokenizer_json.is_some() || src.tokenizer_config_json.is_some() {
+            return Err("huggingface.fetch: give the files inline or fetch them, not both".into());
+        }
+        f.check().map_err(|e| format!("huggingface.fetch.{e}"))?;
+        if cfg.chat_template_jinja.is_some() {
+            template(cfg, None)?;
+        } else if let Some(d) = &cfg.current_date {
+            CalendarDate::parse(d).map_err(|e| format!("current_date: {e}"))?;
+        }
+        Ok(())
     }
 
     fn assemble(cfg: &TokenizerConfig, bpe: Backend, template: ChatTemplate) -> TextTokenizer {

@@ -187,6 +187,10 @@ struct TokenizerMetrics {
     cache_hits: TotalCounter,
     cache_misses: TotalCounter,
     cache_tokens: Option<u32>,
+    /// 1 once text prompts are tokenized (at once with inline files; a fetched bundle once loaded).
+    ready: Option<u32>,
+    bundle_refused: TotalCounter,
+    bundle_fetch_failures: TotalCounter,
 }
 
 #[cfg(feature = "tokenizer")]
@@ -201,6 +205,18 @@ impl TokenizerMetrics {
             cache_hits: TotalCounter::define("kvsteer_tokenizer_cache_hits"),
             cache_misses: TotalCounter::define("kvsteer_tokenizer_cache_misses"),
             cache_tokens: define(MetricType::Gauge, "kvsteer_tokenizer_cache_tokens"),
+            ready: define(MetricType::Gauge, "kvsteer_tokenizer_ready"),
+            bundle_refused: TotalCounter::define("kvsteer_tokenizer_bundle_refused"),
+            bundle_fetch_failures: TotalCounter::define("kvsteer_tokenizer_bundle_fetch_failures"),
+        }
+    }
+
+    /// Readiness and the bundle fetch's counters, brought up to date every tick.
+    fn update_bundle(&mut self, state: &WorkerState) {
+        gauge(self.ready, u64::from(state.tokenizer_ready()));
+        if let Some((_, refused, failed)) = state.bundle_fetch_counts() {
+            self.bundle_refused.update(refused);
+            self.bundle_fetch_failures.update(failed);
         }
     }
 
@@ -377,8 +393,11 @@ impl Metrics {
         self.peer_requests_refused.update(x.requests_refused);
         self.peer_requests_served.update(x.served);
         #[cfg(feature = "tokenizer")]
-        if let (Some(tm), Some(t)) = (self.tokenizer.as_mut(), state.tokenizer_stats()) {
-            tm.update(t);
+        if let Some(tm) = self.tokenizer.as_mut() {
+            tm.update_bundle(state);
+            if let Some(t) = state.tokenizer_stats() {
+                tm.update(t);
+            }
         }
         if let Some(d) = self.discovery.as_mut() {
             d.update(state);

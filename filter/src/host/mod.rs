@@ -10,6 +10,8 @@ pub mod store;
 
 #[cfg(target_arch = "wasm32")]
 mod abi;
+#[cfg(all(target_arch = "wasm32", feature = "tokenizer"))]
+mod bundle;
 #[cfg(target_arch = "wasm32")]
 mod clock;
 #[cfg(target_arch = "wasm32")]

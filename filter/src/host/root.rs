@@ -294,6 +294,11 @@ impl Context for Root {
         let Some(vm) = &self.vm else { return };
         let status = callout_status(num_headers);
         let mut vm = vm.borrow_mut();
+        #[cfg(feature = "tokenizer")]
+        if vm.state.is_bundle_fetch(token) {
+            super::bundle::on_bundle_answer(&mut vm, status, body_size);
+            return;
+        }
         if vm.state.is_discovery_poll(token) {
             Self::on_discovery_answer(&mut vm, token, status, body_size);
         } else if vm.state.is_peer_poll(token) {
@@ -339,6 +344,22 @@ impl RootContext for Root {
         for warning in state.config().warnings() {
             log(LogLevel::Warn, &format!("kvsteer: {warning}"));
         }
+        #[cfg(feature = "tokenizer")]
+        if let Some(f) = state
+            .config()
+            .tokenizer
+            .as_ref()
+            .and_then(kvsteer_tokenizer::TextTokenizer::deferred)
+        {
+            log(
+                LogLevel::Info,
+                &format!(
+                    "kvsteer: tokenizer bundle to be fetched from {} {} (sha256 {}); text prompts \
+                     keep the approximate identity until it is loaded",
+                    f.cluster, f.path, f.sha256
+                ),
+            );
+        }
         self.vm = Some(Rc::new(RefCell::new(Vm {
             state,
             metrics,
@@ -370,6 +391,8 @@ impl RootContext for Root {
         Self::poll_discovery(&mut vm, now);
         Self::poll_feeds(&mut vm, now);
         Self::poll_peers(&mut vm, now);
+        #[cfg(feature = "tokenizer")]
+        super::bundle::fetch_bundle(&mut vm, now);
         let vm = &mut *vm;
         vm.metrics.update(&vm.state);
     }

@@ -38,6 +38,8 @@ macro_rules! prompt_tokenizer {
 
 mod admission;
 mod budget;
+#[cfg(feature = "tokenizer")]
+pub mod bundle;
 pub mod discovery;
 pub mod exchange;
 mod failures;
@@ -145,6 +147,10 @@ pub struct WorkerState {
     /// Text-prompt tokenizer, when configured (full build only).
     #[cfg(feature = "tokenizer")]
     tokenizer: Option<TextTokenizer>,
+    /// The Hugging Face bundle's fetch, when it is fetched at run time (`huggingface.fetch`): the
+    /// tokenizer is `None` until it has loaded.
+    #[cfg(feature = "tokenizer")]
+    bundle: Option<bundle::BundleFetchState>,
     /// Every replica's P/D role; `disaggregated` when some role is not `both`.
     roles: Vec<Role>,
     disaggregated: bool,
@@ -200,9 +206,15 @@ impl WorkerState {
         );
         let feeds = vec![FeedState::default(); cfg.units.len()];
         #[cfg(feature = "tokenizer")]
-        let tokenizer = match &cfg.tokenizer {
-            Some(t) => Some(TextTokenizer::new(t).map_err(tokenizer_error)?),
-            None => None,
+        let (tokenizer, bundle) = match &cfg.tokenizer {
+            Some(t) => match TextTokenizer::deferred(t) {
+                Some(f) => {
+                    TextTokenizer::check_deferred(t).map_err(tokenizer_error)?;
+                    (None, Some(bundle::BundleFetchState::new(f.clone())))
+                }
+                None => (Some(TextTokenizer::new(t).map_err(tokenizer_error)?), None),
+            },
+            None => (None, None),
         };
         let destinations = Destinations::new(&cfg);
         let rank_values = cfg
@@ -244,6 +256,8 @@ impl WorkerState {
             rank_values,
             #[cfg(feature = "tokenizer")]
             tokenizer,
+            #[cfg(feature = "tokenizer")]
+            bundle,
             destinations,
             cfg,
             router,
