@@ -98,6 +98,20 @@ pub struct Args {
     /// replica entry then has the same `dp_ranks`). 1: one engine, as before.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub dp_ranks: u32,
+
+    /// The engine's model folder: its `tokenizer.json` and `tokenizer_config.json` are served at
+    /// GET /kvsteer/tokenizer for routers that fetch the bundle (`tokenizer.huggingface.fetch`);
+    /// read once at start, the SHA-256 of the answer logged.
+    #[arg(long)]
+    pub model_dir: Option<std::path::PathBuf>,
+
+    /// The model name written into the bundle (the router's `fetch.model` checks it).
+    #[arg(long, requires = "model_dir")]
+    pub model_name: Option<String>,
+
+    /// Print the bundle's SHA-256 (for the router's `fetch.sha256`) and exit.
+    #[arg(long, requires = "model_dir")]
+    pub print_bundle_sha256: bool,
 }
 
 /// vLLM's per-rank endpoint (`ZmqEventPublisher.offset_endpoint_port` in

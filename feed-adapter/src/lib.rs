@@ -6,10 +6,12 @@
 //! - [`state`]: the pure view (engine hash -> kvsteer hash, tiers, cap, epochs) and the feed it serves;
 //! - [`engine_metrics`]: reading the engine's `/metrics` into load fields;
 //! - [`run`]: the tasks (ZMQ subscriber with replay, scraper, HTTP server); [`config`]: the flags;
-//! - [`obs`]: the adapter's own Prometheus metrics; [`encode`]: vLLM-shaped payloads for tests and bench.
+//! - [`obs`]: the adapter's own Prometheus metrics; [`encode`]: vLLM-shaped payloads for tests and bench;
+//! - [`bundle`]: the engine's tokenizer files served to routers that fetch them (`--model-dir`).
 //!
 //! docs/guide/feed-adapter.md has the operator's view.
 
+pub mod bundle;
 pub mod config;
 pub mod discover;
 pub mod encode;

@@ -7,6 +7,22 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    if args.print_bundle_sha256 {
+        let dir = args
+            .model_dir
+            .as_deref()
+            .unwrap_or(std::path::Path::new("."));
+        return match kvsteer_feed::bundle::load(dir, args.model_name.as_deref()) {
+            Ok(b) => {
+                println!("{}", b.sha256);
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvsteer-feed: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

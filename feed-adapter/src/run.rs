@@ -78,6 +78,8 @@ pub struct Running {
 /// What the HTTP handlers serve from: every rank's view.
 struct Served {
     ranks: Vec<Arc<Shared>>,
+    /// The tokenizer bundle (`--model-dir`), framed once at start.
+    bundle: Option<crate::bundle::ServedBundle>,
 }
 
 impl Served {
@@ -167,8 +169,10 @@ pub async fn start(args: Args) -> Result<Running, String> {
     let http_addr = listener
         .local_addr()
         .map_err(|e| format!("listener address: {e}"))?;
+    let bundle = crate::bundle::from_args(&args)?;
     let app = router(Arc::new(Served {
         ranks: ranks.clone(),
+        bundle,
     }));
     tasks.push(tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
@@ -555,7 +559,12 @@ fn router(sh: Arc<Served>) -> Router {
         .route(FEED_PATH, get(feed))
         .route("/metrics", get(own_metrics))
         .route("/health", get(health))
+        .route(kvsteer_core::bundle::BUNDLE_PATH, get(tokenizer_bundle))
         .with_state(sh)
+}
+
+async fn tokenizer_bundle(State(sv): State<Arc<Served>>) -> Response {
+    crate::bundle::answer(sv.bundle.as_ref())
 }
 
 async fn feed(State(sv): State<Arc<Served>>, RawQuery(q): RawQuery) -> Response {

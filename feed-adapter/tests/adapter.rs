@@ -535,3 +535,37 @@ async fn dp_ranks_are_served_apart() {
         "{m}"
     );
 }
+
+/// `--model-dir`: the model folder's tokenizer files, framed with `--model-name`, at
+/// `/kvsteer/tokenizer`; without it a 404 says how to turn it on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_the_tokenizer_bundle_from_the_model_folder() {
+    let (r, _e) = adapter(&[]).await;
+    let (status, body) = get(r.http_addr, "/kvsteer/tokenizer").await;
+    assert_eq!(status, 404);
+    assert!(String::from_utf8_lossy(&body).contains("--model-dir"));
+    let dir = std::env::temp_dir().join(format!("kvsteer-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        "{\"model\": {\"type\": \"BPE\"}}",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        "{\"bos_token\": \"<s>\"}",
+    )
+    .unwrap();
+    let d = dir.to_str().unwrap();
+    let (r, _e) = adapter(&["--model-dir", d, "--model-name", "tiny"]).await;
+    let (status, body) = get(r.http_addr, "/kvsteer/tokenizer").await;
+    assert_eq!(status, 200);
+    let b = kvsteer_core::bundle::decode(&body).unwrap();
+    assert_eq!(b.model, Some("tiny"));
+    assert_eq!(b.tokenizer_json, b"{\"model\": {\"type\": \"BPE\"}}");
+    assert_eq!(
+        b.tokenizer_config_json,
+        Some(&b"{\"bos_token\": \"<s>\"}"[..])
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
