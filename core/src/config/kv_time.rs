@@ -51,11 +51,6 @@ pub struct KvTimeParams {
     /// requests (a cold engine) move its factor only part of the way. Halves with every
     /// `speed_halflife` of real evidence.
     pub speed_prior: f64,
-    /// Seconds after which an observation of a replica's speed weighs half (s); 0 (the default):
-    /// evidence never fades with time. Off by default: on fleets with really slow replicas it
-    /// retried them with long requests (docs/reports/notebook/learned-speeds.md). A replica that stopped being chosen sees its evidence fade back toward the
-    /// others', so it is tried again instead of being locked out.
-    pub speed_memory_s: f64,
     /// Seconds a worker goes without observing or sending a request to a replica it has learned
     /// something of before that estimate is stale (s); 0: never. A stale replica priced slower than
     /// the one chosen is sent the request instead when its cost at the profile's speed is no
@@ -76,7 +71,6 @@ impl Default for KvTimeParams {
             speed_halflife: 32.0,
             speed_bound: 4.0,
             speed_prior: 2.0,
-            speed_memory_s: 0.0,
             speed_retry_s: 5.0,
         }
     }
@@ -103,7 +97,6 @@ impl KvTimeParams {
             ("kv_time.decode_weight", self.decode_weight),
             ("kv_time.speed_halflife", self.speed_halflife),
             ("kv_time.speed_prior", self.speed_prior),
-            ("kv_time.speed_memory_s", self.speed_memory_s),
             ("kv_time.speed_retry_s", self.speed_retry_s),
         ] {
             non_negative(name, v)?;
@@ -123,7 +116,6 @@ impl KvTimeParams {
             halflife: self.speed_halflife,
             bound: self.speed_bound,
             prior: self.speed_prior,
-            memory_s: self.speed_memory_s,
             retry_s: self.speed_retry_s,
         }
     }

@@ -306,7 +306,16 @@ pub fn choose(
             }
             None => lowest,
         };
-        retry_instead(input, &at_profile, chosen, rng).unwrap_or(chosen)
+        // Only where the replica chosen would start the request at once: the fleet has room, so
+        // all that is at stake is the retried replica's speed. A busy fleet tries a slow replica
+        // by itself once its queues cost more than the slowness; retrying there moved coding
+        // sessions, which then stayed, onto replicas that really were slow.
+        let idle = all.get(chosen).is_some_and(|t| t.wait <= 0.0);
+        if idle {
+            retry_instead(input, &at_profile, chosen, rng).unwrap_or(chosen)
+        } else {
+            chosen
+        }
     };
     (
         Choice {

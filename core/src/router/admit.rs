@@ -45,7 +45,7 @@ impl Router {
             && self.pending.len() < MAX_PENDING_PREDICTIONS
         {
             // The prediction at the profile's speed, so the observation measures the factor.
-            let at_profile = t.ttft() / self.speeds.factor(d.replica, now_ms);
+            let at_profile = t.ttft() / self.speeds.factor(d.replica);
             self.pending
                 .insert(request_id, (d.replica, at_profile, now_ms));
         }
@@ -117,12 +117,12 @@ impl Router {
     /// `kv_time`: one replica's learned time factor against the profile (2: twice as slow; 1 for an
     /// unknown replica or under another policy).
     pub fn speed_factor(&self, replica: usize) -> f64 {
-        self.speeds.factor(replica, self.clock_ms)
+        self.speeds.factor(replica)
     }
 
     /// This worker's own estimates of the replicas' speeds, for the proxy's other workers.
     pub fn local_speeds(&self) -> Vec<crate::speed::SpeedEstimate> {
-        self.speeds.local(self.clock_ms)
+        self.speeds.local()
     }
 
     /// Replaces a peer worker's estimates of the replicas' speeds.

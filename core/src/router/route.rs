@@ -84,12 +84,7 @@ impl Router {
         let mut affinity = std::mem::take(&mut self.scratch_approx);
         self.affinity(req, now_ms, &mut affinity);
         let working_set = self.cache_fits(now_ms, sampled);
-        let (speed, speed_spread, reuse_share) = self.learned_speeds(now_ms);
-        let speed_stale = if self.needs.speed {
-            self.speeds.stale(now_ms)
-        } else {
-            Vec::new()
-        };
+        let (speed, speed_spread, speed_stale, reuse_share) = self.learned_speeds(now_ms);
         let floor = self.cfg.kv_load.overflow_reuse_floor;
         let working_set_scale = match &self.working_set {
             Some(ws) if floor > 0.0 => kv_load::reuse_ramp(ws.reuse_share(), floor),
@@ -148,15 +143,16 @@ impl Router {
         }
     }
 
-    /// `kv_time`'s inputs from what it learned: each replica's speed factor and its uncertainty at
-    /// `now_ms`, and the traffic's reuse share; empty and 0 for a policy that does not price time.
-    fn learned_speeds(&self, now_ms: u64) -> (Vec<f64>, Vec<f64>, f64) {
+    /// `kv_time`'s inputs from what it learned: each replica's speed factor, its uncertainty and
+    /// whether it is stale at `now_ms`, and the traffic's reuse share; empty and 0 for a policy
+    /// that does not price time.
+    fn learned_speeds(&self, now_ms: u64) -> (Vec<f64>, Vec<f64>, Vec<bool>, f64) {
         if !self.needs.speed {
-            return (Vec::new(), Vec::new(), 0.0);
+            return (Vec::new(), Vec::new(), Vec::new(), 0.0);
         }
-        let (factors, spreads) = self.speeds.factors_and_spreads(now_ms);
+        let (factors, spreads) = self.speeds.factors_and_spreads();
         let reuse_share = self.working_set.as_ref().map_or(0.0, |ws| ws.reuse_share());
-        (factors, spreads, reuse_share)
+        (factors, spreads, self.speeds.stale(now_ms), reuse_share)
     }
 
     /// Leading blocks of the request already booked on each replica by requests in flight (the

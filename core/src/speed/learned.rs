@@ -10,13 +10,16 @@
 //!   cache) is not learned as `bound` times slower at once. The prior halves with every `halflife`
 //!   of real evidence, so a well-observed replica's factor is its observations' (within a few
 //!   percent). Toward the fleet, not the profile: when every replica runs 30% slower than the
-//!   profile says, one whose evidence has faded must not look 30% cheaper than the others.
-//! - **Evidence that fades with time** (`memory_s`): an observation `memory_s` seconds old weighs
-//!   half. A replica that stopped being chosen because it looked slow sees its old evidence fade
-//!   back toward the fleet's, so it is tried again; without this it was locked out for as long as
-//!   the others could take the load (60-90 s at 2-6 clients after three slow requests).
-//! - **An uncertainty per estimate** ([`Speeds::spreads`]): the pooled spread of the observations
-//!   around their replicas' estimates, over the evidence behind each estimate. `kv_time` treats two
+//!   profile says, one with little evidence must not look 30% cheaper than the others.
+//! - **Retries of estimates in doubt** (`retry_s`): a replica learned from fewer than a half-life
+//!   of observations that a worker has neither observed nor sent a request to for `retry_s` is
+//!   stale, and `kv_time` sends it a request it costs nothing known to send there
+//!   ([`crate::policy::kv_time::choose`]). An answer that agrees with the estimate doubles the wait
+//!   before the next retry; one that does not halves the stale evidence. Without this a replica
+//!   learned slow from a cold engine's first requests was locked out for as long as the others
+//!   could take the load (60-90 s at 2-6 clients after three slow requests).
+//! - **An uncertainty per estimate** ([`Speeds::spreads`]): the spread of the replica's own
+//!   observations (held toward the pooled spread), over the evidence behind its estimate. `kv_time` treats two
 //!   replicas whose costs differ by less than their estimates' uncertainty as tied
 //!   ([`crate::policy::kv_time::choose`]), so estimator noise does not steer every fresh prompt to
 //!   whichever replica happens to look 2% faster.
@@ -30,6 +33,11 @@ use std::collections::BTreeMap;
 /// router cannot see (the network, the API server, the first token's way back) dominates.
 pub const MIN_PREDICTED_S: f64 = 0.02;
 
+/// The most times the wait before retrying a replica doubles: a replica that really is slow is
+/// retried at least once every `2^6 = 64` times `retry_s` (5 minutes and 20 s at the default), so
+/// a change is still noticed within minutes.
+pub const MAX_RETRY_DOUBLINGS: u32 = 6;
+
 /// How speeds are learned; every field has a unit ([`crate::config::KvTimeParams`] documents the
 /// configuration names).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -40,16 +48,14 @@ pub struct SpeedParams {
     pub bound: f64,
     /// Pseudo-observations at the profile's speed a replica's estimate starts from (requests).
     pub prior: f64,
-    /// Seconds after which an observation weighs half; 0: evidence does not fade with time.
-    pub memory_s: f64,
     /// Seconds without an observation or a request after which a replica's estimate is stale: it
-    /// is retried with a request it costs nothing to send there, and the evidence the next
-    /// observation finds weighs half; 0: never.
+    /// is retried with a request it costs nothing to send there; the wait doubles with each retry
+    /// that confirms the estimate, and one that does not halves the stale evidence; 0: never.
     pub retry_s: f64,
 }
 
 /// This worker's evidence about one replica: the weighted sum of log ratios and the weights, as of
-/// `at_ms` (fading with time is applied when read).
+/// its last observation at `at_ms`.
 #[derive(Clone, Copy, Debug, Default)]
 struct Evidence {
     sum: f64,
@@ -68,13 +74,15 @@ pub struct Speeds {
     own: Vec<Evidence>,
     /// When this worker last sent each replica a request (ms).
     sent_ms: Vec<u64>,
+    /// Per replica: how many retries in a row confirmed its estimate (each doubles the wait
+    /// before the next), at most [`MAX_RETRY_DOUBLINGS`].
+    backoff: Vec<u32>,
     /// Weight an observation loses at each later one (from the half-life); 0: learning off.
     alpha: f64,
     halflife: f64,
     /// ln(bound).
     bound_ln: f64,
     prior: f64,
-    memory_ms: f64,
     retry_ms: f64,
     /// Pooled variance of the observations around their replica's estimate (log units squared),
     /// and how many observations it stands on.
@@ -90,9 +98,8 @@ pub struct SpeedEstimate {
     /// ln(observed / predicted): the mean of the worker's own observations (no prior), bounded by
     /// the bound.
     pub log_factor: f64,
-    /// The evidence it stands on, in observations, faded with age and at most the half-life's
-    /// window (`1 / alpha`): a worker that has seen more of a replica's recent requests weighs
-    /// more, one that saw long ago less.
+    /// The evidence it stands on, in observations, at most the half-life's window (`1 / alpha`):
+    /// a worker that has seen more of a replica's requests weighs more.
     pub weight: f64,
 }
 
@@ -141,11 +148,11 @@ impl Speeds {
         Speeds {
             own: vec![Evidence::default(); replicas],
             sent_ms: vec![0; replicas],
+            backoff: vec![0; replicas],
             alpha,
             halflife: p.halflife,
             bound_ln: p.bound.max(1.0).ln(),
             prior: finite_non_negative(p.prior),
-            memory_ms: finite_non_negative(p.memory_s) * 1e3,
             retry_ms: finite_non_negative(p.retry_s) * 1e3,
             noise_var: 0.0,
             noise_n: 0,
@@ -162,40 +169,23 @@ impl Speeds {
         }
     }
 
-    /// What is left at `now_ms` of a weight last updated at `at_ms`.
-    fn fade(&self, at_ms: u64, now_ms: u64) -> f64 {
-        if self.memory_ms > 0.0 && now_ms > at_ms {
-            0.5f64.powf((now_ms - at_ms) as f64 / self.memory_ms)
-        } else {
-            1.0
-        }
-    }
-
-    /// Replica `r`'s own evidence faded to `now_ms`: (sum, weight).
-    fn own_at(&self, r: usize, now_ms: u64) -> (f64, f64) {
-        let e = self.own_faded(r, now_ms);
+    /// Replica `r`'s own evidence: (sum, weight).
+    fn own_at(&self, r: usize) -> (f64, f64) {
+        let e = self.own_evidence(r);
         (e.sum, e.weight)
     }
 
-    /// Replica `r`'s own evidence faded to `now_ms`, whole.
-    fn own_faded(&self, r: usize, now_ms: u64) -> Evidence {
-        self.own.get(r).map_or(Evidence::default(), |e| {
-            let d = self.fade(e.at_ms, now_ms);
-            Evidence {
-                sum: e.sum * d,
-                sq: e.sq * d,
-                weight: e.weight * d,
-                at_ms: e.at_ms,
-            }
-        })
+    /// Replica `r`'s own evidence, whole.
+    fn own_evidence(&self, r: usize) -> Evidence {
+        self.own.get(r).copied().unwrap_or_default()
     }
 
     /// How far replica `r`'s own observations spread around their mean (log units squared), held
     /// toward the pooled spread by `max(prior, 1)` pseudo-observations of it: a replica whose
     /// observations disagree with each other (a cold start, then healthy answers) is uncertain
     /// even when it has several, so it ties with the others sooner and is tried again.
-    fn variance(&self, r: usize, now_ms: u64) -> f64 {
-        let e = self.own_faded(r, now_ms);
+    fn variance(&self, r: usize) -> f64 {
+        let e = self.own_evidence(r);
         let ss = if e.weight > 0.0 {
             (e.sq - e.sum * e.sum / e.weight).max(0.0)
         } else {
@@ -205,9 +195,9 @@ impl Speeds {
         (k * self.noise_var.max(0.0) + ss) / (k + e.weight)
     }
 
-    /// Replica `r`'s evidence at `now_ms`, its own and the other workers': (sum, weight).
-    fn evidence(&self, r: usize, now_ms: u64) -> (f64, f64) {
-        let (mut sum, mut weight) = self.own_at(r, now_ms);
+    /// Replica `r`'s evidence, its own and the other workers': (sum, weight).
+    fn evidence(&self, r: usize) -> (f64, f64) {
+        let (mut sum, mut weight) = self.own_at(r);
         for e in self.peers.values().filter_map(|v| v.get(r)) {
             sum += e.log_factor * e.weight;
             weight += e.weight;
@@ -215,27 +205,27 @@ impl Speeds {
         (sum, weight)
     }
 
-    /// Every replica's evidence at `now_ms` pooled: (sum, weight). What the others' evidence says
+    /// Every replica's evidence pooled: (sum, weight). What the others' evidence says
     /// of a replica with little of its own ([`Speeds::estimate`]).
-    fn pooled(&self, now_ms: u64) -> (f64, f64) {
+    fn pooled(&self) -> (f64, f64) {
         (0..self.own.len()).fold((0.0, 0.0), |(s, w), r| {
-            let (rs, rw) = self.evidence(r, now_ms);
+            let (rs, rw) = self.evidence(r);
             (s + rs, w + rw)
         })
     }
 
-    /// Replica `r`'s estimate at `now_ms`, given every replica's evidence `pooled`: (log factor,
+    /// Replica `r`'s estimate, given every replica's evidence `pooled`: (log factor,
     /// the evidence's weight with the prior's). The prior sits at the other replicas' pooled
     /// factor (the profile's, 0, before they have any): when the whole fleet runs slower or faster
-    /// than the profile (another GPU clock, a model the profile fits loosely), a replica whose
-    /// evidence has faded is priced like the others, not at the profile's speed, which would make
+    /// than the profile (another GPU clock, a model the profile fits loosely), a replica with little
+    /// evidence is priced like the others, not at the profile's speed, which would make
     /// it look cheaper than the replicas just observed and draw their sessions away. The others',
     /// not its own: a replica's few slow requests must not set its own prior.
-    fn estimate(&self, r: usize, now_ms: u64, pooled: (f64, f64)) -> (f64, f64) {
+    fn estimate(&self, r: usize, pooled: (f64, f64)) -> (f64, f64) {
         if self.alpha == 0.0 {
             return (0.0, 0.0);
         }
-        let (sum, weight) = self.evidence(r, now_ms);
+        let (sum, weight) = self.evidence(r);
         let (others_sum, others_weight) = (pooled.0 - sum, pooled.1 - weight);
         let fleet = if others_weight > 1e-9 {
             (others_sum / others_weight).clamp(-self.bound_ln, self.bound_ln)
@@ -253,35 +243,35 @@ impl Speeds {
         (l.clamp(-self.bound_ln, self.bound_ln), all)
     }
 
-    /// The replica's time factor at `now_ms`: 2 means it takes twice the profile's time; 1 for a
+    /// The replica's time factor: 2 means it takes twice the profile's time; 1 for a
     /// replica index out of range.
-    pub fn factor(&self, replica: usize, now_ms: u64) -> f64 {
+    pub fn factor(&self, replica: usize) -> f64 {
         if replica >= self.own.len() {
             return 1.0;
         }
-        self.estimate(replica, now_ms, self.pooled(now_ms)).0.exp()
+        self.estimate(replica, self.pooled()).0.exp()
     }
 
-    /// Every replica's factor at `now_ms`.
-    pub fn factors(&self, now_ms: u64) -> Vec<f64> {
-        self.factors_and_spreads(now_ms).0
+    /// Every replica's factor.
+    pub fn factors(&self) -> Vec<f64> {
+        self.factors_and_spreads().0
     }
 
-    /// Every replica's uncertainty at `now_ms` ([`Speeds::factors_and_spreads`]).
-    pub fn spreads(&self, now_ms: u64) -> Vec<f64> {
-        self.factors_and_spreads(now_ms).1
+    /// Every replica's uncertainty ([`Speeds::factors_and_spreads`]).
+    pub fn spreads(&self) -> Vec<f64> {
+        self.factors_and_spreads().1
     }
 
-    /// Every replica's factor at `now_ms`, and its uncertainty: the standard error of its log
+    /// Every replica's factor and its uncertainty: the standard error of its log
     /// factor (the pooled spread of observations around their estimates over the square root of
     /// the evidence, prior included), at most `ln bound`; 0 before any observation (every factor is
     /// then 1 and exact) or with learning off. One pass, for the request path.
-    pub fn factors_and_spreads(&self, now_ms: u64) -> (Vec<f64>, Vec<f64>) {
-        let pooled = self.pooled(now_ms);
+    pub fn factors_and_spreads(&self) -> (Vec<f64>, Vec<f64>) {
+        let pooled = self.pooled();
         (0..self.own.len())
             .map(|r| {
-                let (l, all) = self.estimate(r, now_ms, pooled);
-                let var = self.variance(r, now_ms);
+                let (l, all) = self.estimate(r, pooled);
+                let var = self.variance(r);
                 let spread = if var == 0.0 {
                     0.0
                 } else if all > 0.0 {
@@ -294,6 +284,16 @@ impl Speeds {
             .unzip()
     }
 
+    /// How long replica `r` may go unobserved before its estimate is stale: `retry_s`, doubled for
+    /// each retry in a row that confirmed the estimate; infinite when retrying is off.
+    fn retry_after_ms(&self, r: usize) -> f64 {
+        if self.retry_ms == 0.0 {
+            return f64::INFINITY;
+        }
+        let doublings = self.backoff.get(r).copied().unwrap_or(0);
+        self.retry_ms * f64::from(1u32 << doublings)
+    }
+
     /// This worker sent replica `r` a request at `now_ms`: its estimate is not stale before
     /// `retry_s` has passed again.
     pub fn sent(&mut self, r: usize, now_ms: u64) {
@@ -302,28 +302,34 @@ impl Speeds {
         }
     }
 
-    /// Which replicas' estimates are stale at `now_ms`: something was learned of them (by this
-    /// worker or another), and this worker has neither observed them nor sent them a request for
-    /// `retry_s`. Empty when learning or retrying is off.
+    /// Which replicas' estimates are stale at `now_ms`: in doubt (learned from fewer than a
+    /// half-life of observations, by this worker and the others), and this worker has neither
+    /// observed them nor sent them a request for `retry_s` (doubled per confirming retry). Empty
+    /// when learning or retrying is off.
     pub fn stale(&self, now_ms: u64) -> Vec<bool> {
         if self.alpha == 0.0 || self.retry_ms == 0.0 {
             return Vec::new();
         }
         (0..self.own.len())
             .map(|r| {
-                let learned = self.evidence(r, now_ms).1 > 0.0;
+                // In doubt: something was learned, but less than a half-life of it. A replica
+                // learned slow from a half-life of consistent answers is not retried: on fleets
+                // whose slow replicas really were slow, retrying them placed coding sessions there
+                // (TTFT p50 1.08-1.10x); a busy fleet still tries it by cost.
+                let w = self.evidence(r).1;
+                let learned = w > 0.0 && w < self.halflife;
                 let last = self.own[r].at_ms.max(self.sent_ms[r]);
-                learned && now_ms.saturating_sub(last) as f64 >= self.retry_ms
+                learned && now_ms.saturating_sub(last) as f64 >= self.retry_after_ms(r)
             })
             .collect()
     }
 
-    /// This worker's own estimates at `now_ms`, for the other workers.
-    pub fn local(&self, now_ms: u64) -> Vec<SpeedEstimate> {
+    /// This worker's own estimates, for the other workers.
+    pub fn local(&self) -> Vec<SpeedEstimate> {
         let window = self.window();
         (0..self.own.len())
             .map(|r| {
-                let (sum, weight) = self.own_at(r, now_ms);
+                let (sum, weight) = self.own_at(r);
                 SpeedEstimate {
                     log_factor: if weight > 0.0 {
                         (sum / weight).clamp(-self.bound_ln, self.bound_ln)
@@ -370,6 +376,9 @@ impl Speeds {
         if let Some(e) = self.own.get_mut(replica) {
             *e = Evidence::default();
         }
+        if let Some(b) = self.backoff.get_mut(replica) {
+            *b = 0;
+        }
     }
 
     /// A request's observed time to first token against the profile's prediction at factor 1,
@@ -389,20 +398,26 @@ impl Speeds {
             .clamp(-self.bound_ln, self.bound_ln);
         // The spread around the estimate as it stood: a running mean at first, then an
         // exponential one over the half-life's window.
-        let (before, _) = self.estimate(replica, now_ms, self.pooled(now_ms));
+        let (before, _) = self.estimate(replica, self.pooled());
+        let spread = self.variance(replica).sqrt();
         self.noise_n = self.noise_n.saturating_add(1);
         let w = self.alpha.max(1.0 / self.noise_n as f64);
         self.noise_var += w * ((x - before).powi(2) - self.noise_var);
-        let mut e = self.own_faded(replica, now_ms);
-        // Evidence the replica has gone `retry_s` without is stale: the replica may have changed
-        // (a cold engine warmed up), so it weighs half. Only half, however long the pause: a
-        // replica that really is slow keeps most of what was learned of it.
+        let mut e = self.own_evidence(replica);
+        // An observation after the replica's estimate went stale (a retry's, usually) either
+        // agrees with it, within two of its observations' spread, and the next retry waits twice
+        // as long; or shows the replica changed (a cold engine warmed up), and the stale evidence
+        // weighs half (only half, however long the pause) and retries start over.
         let gap = now_ms.saturating_sub(e.at_ms) as f64;
-        let stale = if self.retry_ms > 0.0 && e.weight > 0.0 && gap >= self.retry_ms {
-            0.5
-        } else {
-            1.0
-        };
+        let mut stale = 1.0;
+        if e.weight > 0.0 && gap >= self.retry_after_ms(replica) {
+            if (x - before).abs() <= 2.0 * spread {
+                self.backoff[replica] = (self.backoff[replica] + 1).min(MAX_RETRY_DOUBLINGS);
+            } else {
+                self.backoff[replica] = 0;
+                stale = 0.5;
+            }
+        }
         let keep = (1.0 - self.alpha) * stale;
         e = Evidence {
             sum: e.sum * keep + x,
