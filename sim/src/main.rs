@@ -4,7 +4,7 @@
 //! kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] [--seed S]
 //!     [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192]
 //!     [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]
-//!     [--tokenizer stand_in|o200k_harmony|o200k_base] [--profile FILE.json] [--dp-ranks 1]
+//!     [--tokenizer stand_in|o200k_harmony|o200k_base | --huggingface DIR] [--profile FILE.json] [--dp-ranks 1]
 //!     [--max-loras 0] [--lora-load-ms 300]
 //! ```
 //! `--dp-ranks N` puts N data-parallel ranks (N engines) behind each replica's port, chosen by the
@@ -112,6 +112,11 @@ struct Serve {
     /// filter's own code).
     #[arg(long, value_name = "KIND", default_value = "stand_in")]
     tokenizer: TokenizerKind,
+    /// A model folder with a Hugging Face bundle (`tokenizer.json`, `tokenizer_config.json`):
+    /// prompts are tokenized and chats rendered with it, as an engine serving that model does
+    /// (instead of `--tokenizer`).
+    #[arg(long, value_name = "DIR", conflicts_with = "tokenizer")]
+    huggingface: Option<PathBuf>,
 }
 
 fn run() -> Result<(), String> {
@@ -135,6 +140,9 @@ fn run() -> Result<(), String> {
         engine.output_len = OutputLen::Exponential { mean };
     }
     kvsteer_sim::tokenize::select(args.tokenizer)?;
+    if let Some(dir) = &args.huggingface {
+        kvsteer_sim::tokenize::select_huggingface(dir)?;
+    }
     let mut cfg = ReplicaConfig {
         name: String::new(),
         host: args.host,

@@ -11,6 +11,12 @@
 //!   `cached_tokens` the engine reports are real. Special tokens in the text (`<|start|>`) are
 //!   recognised, as engines' tokenizers do. Text the BPE cannot encode falls back to the stand-in.
 //!
+//! - a Hugging Face bundle (`--huggingface DIR`, [`select_huggingface`]): the model folder's
+//!   `tokenizer.json` and `tokenizer_config.json` read by `kvsteer-tokenizer`, the filter's own code:
+//!   completions text is tokenized with the post-processor's special tokens, and chats are rendered
+//!   with the bundle's own chat template (the request's `tools` included), as an engine serving that
+//!   model renders them; a chat the template refuses falls back to the fixed framing below.
+//!
 //! Output ids are rendered back to text by [`detokenize`] as short pseudo-words.
 
 use crate::output::{VOCAB, mix64};
@@ -40,6 +46,39 @@ impl std::str::FromStr for TokenizerKind {
 }
 
 static SELECTED: OnceLock<Option<Bpe>> = OnceLock::new();
+static HUGGING_FACE: OnceLock<std::sync::Mutex<kvsteer_tokenizer::TextTokenizer>> = OnceLock::new();
+
+/// Chooses a Hugging Face bundle for the process (instead of `--tokenizer`): `dir` holds
+/// `tokenizer.json` and `tokenizer_config.json`. Errors name the file.
+pub fn select_huggingface(dir: &std::path::Path) -> Result<(), String> {
+    let read =
+        |f: &str| std::fs::read(dir.join(f)).map_err(|e| format!("{}/{f}: {e}", dir.display()));
+    let (json, config) = (read("tokenizer.json")?, read("tokenizer_config.json")?);
+    let cfg = kvsteer_tokenizer::TokenizerConfig::default();
+    let t = kvsteer_tokenizer::TextTokenizer::with_huggingface(&cfg, &json, Some(&config))
+        .map_err(|e| format!("{}: {e}", dir.display()))?;
+    HUGGING_FACE
+        .set(std::sync::Mutex::new(t))
+        .map_err(|_| "the Hugging Face bundle was already chosen for this process".to_string())
+}
+
+/// A chat's ids with the Hugging Face bundle's template, when one is chosen and renders it.
+pub fn hf_chat(
+    turns: &[kvsteer_core::request::ChatTurn<'_>],
+    tools: Option<&str>,
+) -> Option<Vec<u32>> {
+    use kvsteer_core::request::PromptTokenizer;
+    let mut t = HUGGING_FACE
+        .get()?
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    t.tokenize_chat_tools(turns, tools)
+}
+
+/// Whether a Hugging Face bundle is chosen.
+pub fn huggingface() -> bool {
+    HUGGING_FACE.get().is_some()
+}
 
 /// Chooses the process's tokenizer (loading a vocabulary takes a moment). Only the first call counts;
 /// a later one with another choice is an error. Without a call the stand-in is used.
@@ -58,6 +97,14 @@ pub fn select(kind: TokenizerKind) -> Result<(), String> {
 
 /// Token ids of `text` with the selected tokenizer.
 pub fn tokenize(text: &str) -> Vec<u32> {
+    if let Some(hf) = HUGGING_FACE.get() {
+        use kvsteer_core::request::PromptTokenizer;
+        let ids = hf
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .tokenize_text(text);
+        return ids.unwrap_or_else(|| stand_in(text));
+    }
     match SELECTED.get() {
         Some(Some(bpe)) => bpe_tokenize(bpe, text).unwrap_or_else(|| stand_in(text)),
         _ => stand_in(text),

@@ -48,7 +48,7 @@ pub(super) fn body_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
 pub(super) fn request_prompt(o: &Map<String, Value>, api: Api) -> Result<Vec<u32>, ApiError> {
     match api {
         Api::Completions => completion_prompt(o.get("prompt")),
-        Api::Chat => chat_prompt(o.get("messages")),
+        Api::Chat => chat_prompt(o.get("messages"), o.get("tools")),
     }
 }
 
@@ -124,14 +124,18 @@ fn completion_prompt(v: Option<&Value>) -> Result<Vec<u32>, ApiError> {
     }
 }
 
-/// Renders chat messages with a fixed template and tokenizes them with the stand-in.
-fn chat_prompt(v: Option<&Value>) -> Result<Vec<u32>, ApiError> {
+/// Renders chat messages with a fixed template and tokenizes them with the stand-in; with a Hugging
+/// Face bundle, with the bundle's own template when it renders them ([`hf_chat_prompt`]).
+fn chat_prompt(v: Option<&Value>, tools: Option<&Value>) -> Result<Vec<u32>, ApiError> {
     let bad = |m: String| ApiError::bad("messages", m);
     let Some(Value::Array(msgs)) = v else {
         return Err(bad("messages must be a list of messages".into()));
     };
     if msgs.is_empty() {
         return Err(bad("messages must not be empty".into()));
+    }
+    if let Some(ids) = hf_chat_prompt(msgs, tools) {
+        return Ok(ids);
     }
     let mut text = String::new();
     for (i, m) in msgs.iter().enumerate() {
@@ -166,6 +170,32 @@ fn chat_prompt(v: Option<&Value>) -> Result<Vec<u32>, ApiError> {
     }
     text.push_str("<|start|>assistant\n");
     Ok(tokenize(&text))
+}
+
+/// A chat through the Hugging Face bundle's template (none without `--huggingface`, or when the
+/// template refuses it): text parts joined with newlines, as vLLM does for string templates.
+fn hf_chat_prompt(msgs: &[Value], tools: Option<&Value>) -> Option<Vec<u32>> {
+    if !crate::tokenize::huggingface() {
+        return None;
+    }
+    let turns: Vec<kvsteer_core::request::ChatTurn> = msgs
+        .iter()
+        .map(|m| kvsteer_core::request::ChatTurn {
+            role: m.get("role").and_then(Value::as_str),
+            parts: match m.get("content") {
+                Some(Value::String(s)) => vec![s.as_str()],
+                Some(Value::Array(ps)) => ps
+                    .iter()
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                    .collect(),
+                _ => Vec::new(),
+            },
+            non_text: false,
+            tool_calls: m.get("tool_calls").is_some(),
+        })
+        .collect();
+    let tools = tools.filter(|t| !t.is_null()).map(Value::to_string);
+    crate::tokenize::hf_chat(&turns, tools.as_deref())
 }
 
 /// A completions or chat completions body. Sampling fields the simulator has no use for
