@@ -185,6 +185,46 @@ fn settings_the_router_refuses_after_the_parser_are_refused_too() {
     );
 }
 
+/// A tokenizer bundle fetched at run time (`tokenizer.huggingface.fetch`): the section is checked
+/// without the bundle, as `on_configure` checks it.
+#[cfg(feature = "tokenizer")]
+#[test]
+fn a_fetched_tokenizer_bundle_section_is_checked() {
+    let sha = "ab".repeat(32);
+    let fetch = |f: &str| {
+        config_with(&format!(
+            r#""tokenizer": {{"huggingface": {{"fetch": {{{f}}}}}}}"#
+        ))
+    };
+    let ok = fetch(&format!(
+        r#""cluster": "kvsteer_tokenizer", "sha256": "{sha}""#
+    ));
+    let r = run(&[], Some(&ok));
+    assert_eq!(r.code, 0, "{}", r.stdout);
+    assert_refused(
+        &fetch(r#""cluster": "kvsteer_tokenizer", "sha256": "abc""#),
+        "tokenizer.huggingface.fetch.sha256: must be 64 hex digits",
+    );
+    assert_refused(
+        &fetch(&format!(
+            r#""cluster": "t", "sha256": "{sha}", "max_bytes": 0"#
+        )),
+        "tokenizer.huggingface.fetch.max_bytes",
+    );
+    assert_refused(
+        &fetch(&format!(r#""cluster": "t", "sha256": "{sha}", "bogus": 1"#)),
+        "plugin configuration: unknown field `bogus`, expected one of `cluster`",
+    );
+    let both = config_with(&format!(
+        r#""tokenizer": {{"huggingface": {{"tokenizer_json": "{{}}",
+            "fetch": {{"cluster": "t", "sha256": "{sha}"}}}}}}"#
+    ));
+    assert_refused(
+        &both,
+        "tokenizer.huggingface.fetch: give the files inline or fetch them",
+    );
+}
+
 #[test]
 fn a_bad_configuration_inside_a_manifest_is_found_and_refused() {
     let envoy = read("envoy/envoy.yaml").replace("\"name\": \"r1\"", "\"name\": \"r0\"");
