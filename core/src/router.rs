@@ -39,7 +39,7 @@ pub use crate::policy::FallbackReason;
 use crate::policy::{Needs, Policy};
 use crate::request::{PromptTokenizer, RequestError, RouteRequest, read_request_early};
 use crate::rng::SplitMix64;
-use crate::speed::Speeds;
+use crate::speed::Learning;
 use crate::working_set::WorkingSet;
 use feed::CacheSize;
 pub use membership::{Membership, MembershipChange};
@@ -178,21 +178,14 @@ pub struct Router {
     /// replica that has not evicted is priced as. Kept as feeds change it, so that routing does
     /// not scan every replica's size for each replica it prices.
     largest_shown_cache: u64,
-    /// `kv_time`: each replica's learned speed against the engine profile.
-    speeds: Speeds,
-    /// `kv_time`: requests admitted and not yet at their first token: replica, predicted time to
-    /// first token at the profile's speed (s), admission time (ms). Bounded by
-    /// [`MAX_PENDING_PREDICTIONS`].
-    pending: HashMap<u64, (usize, f64, u64)>,
-    /// The policy's [`Policy::last_terms`] belong to a request not admitted yet.
-    terms_unadmitted: bool,
+    /// `kv_time`: each replica's learned speed against the engine profile, and the predictions
+    /// awaiting their first token.
+    learning: Learning,
     /// Per replica: its LoRA adapters as its last feed answer reported them; `None`: not known.
     adapters: Vec<Option<crate::adapters::AdapterView>>,
 }
 
-/// Most admitted requests whose first token `kv_time` waits for to learn a speed: past it, new
-/// requests are not learned from (a proxy that loses stream ends would otherwise grow it forever).
-pub const MAX_PENDING_PREDICTIONS: usize = 1 << 16;
+pub use crate::speed::MAX_PENDING_PREDICTIONS;
 
 /// The token-load table, accounting as the configured policy reads load: queued prefill booked in
 /// time for `kv_load` with `queue_in_time` and for `kv_time`, and no prefix counted as shared for
@@ -235,10 +228,8 @@ impl Router {
         let policy = crate::policy::from_config(&cfg, replicas);
         let needs = policy.needs();
         Ok(Router {
-            speeds: Speeds::new(replicas, cfg.kv_time.speed_params()),
-            terms_unadmitted: false,
+            learning: Learning::new(replicas, cfg.kv_time.speed_params(), needs.speed),
             adapters: vec![None; replicas],
-            pending: HashMap::new(),
             index: KvIndex::new(cfg.index_capacity_blocks, replicas, cfg.seed ^ 0xA5A5_5A5A),
             approx_seq: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
             approx_text: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),

@@ -208,7 +208,9 @@ impl Default for EngineProfile {
 }
 
 mod learned;
+mod learning;
 pub use learned::{MIN_PREDICTED_S, SpeedEstimate, SpeedParams, Speeds};
+pub use learning::{LearnedInputs, Learning, MAX_PENDING_PREDICTIONS};
 
 #[cfg(test)]
 mod tests {

@@ -2,7 +2,7 @@
 //! its prefix goes to the approximate index), first token (where `kv_time` learns a replica's speed),
 //! decode progress and release.
 
-use super::{Decision, MAX_PENDING_PREDICTIONS, Router};
+use super::{Decision, Router};
 use crate::policy::kv_time::Terms;
 use crate::request::{PromptIdentity, RouteRequest};
 
@@ -35,20 +35,11 @@ impl Router {
         if let Some(ws) = &mut self.working_set {
             ws.record(d.replica, sampled, now_ms);
         }
-        if self.needs.speed {
-            self.speeds.sent(d.replica, now_ms);
-        }
+        let predicted = self.policy.last_terms().get(d.replica).map(Terms::ttft);
+        self.learning
+            .admitted(request_id, d.replica, predicted, now_ms);
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
-        if let Some(t) = self.policy.last_terms().get(d.replica)
-            && std::mem::take(&mut self.terms_unadmitted)
-            && self.pending.len() < MAX_PENDING_PREDICTIONS
-        {
-            // The prediction at the profile's speed, so the observation measures the factor.
-            let at_profile = t.ttft() / self.speeds.factor(d.replica);
-            self.pending
-                .insert(request_id, (d.replica, at_profile, now_ms));
-        }
 
         self.load.admit_at(
             request_id,
@@ -101,11 +92,7 @@ impl Router {
     pub fn first_token_at(&mut self, request_id: u64, now_ms: u64) {
         self.load.first_token(request_id);
         self.clock_ms = self.clock_ms.max(now_ms);
-        if let Some((replica, predicted_s, admitted_ms)) = self.pending.remove(&request_id) {
-            let observed_s = now_ms.saturating_sub(admitted_ms) as f64 / 1e3;
-            self.speeds
-                .observe(replica, predicted_s, observed_s, now_ms);
-        }
+        self.learning.first_token(request_id, now_ms);
     }
 
     /// `kv_time`: every replica's cost terms for the last request routed (empty under another
@@ -117,21 +104,21 @@ impl Router {
     /// `kv_time`: one replica's learned time factor against the profile (2: twice as slow; 1 for an
     /// unknown replica or under another policy).
     pub fn speed_factor(&self, replica: usize) -> f64 {
-        self.speeds.factor(replica)
+        self.learning.factor(replica)
     }
 
     /// This worker's own estimates of the replicas' speeds, for the proxy's other workers.
     pub fn local_speeds(&self) -> Vec<crate::speed::SpeedEstimate> {
-        self.speeds.local()
+        self.learning.local()
     }
 
     /// Replaces a peer worker's estimates of the replicas' speeds.
     pub fn set_peer_speeds(&mut self, peer: u32, estimates: &[crate::speed::SpeedEstimate]) {
-        self.speeds.set_peer(peer, estimates);
+        self.learning.set_peer(peer, estimates);
     }
 
     pub fn clear_peer_speeds(&mut self, peer: u32) {
-        self.speeds.clear_peer(peer);
+        self.learning.clear_peer(peer);
     }
 
     /// `generated_tokens`: cumulative output tokens so far.
@@ -146,7 +133,7 @@ impl Router {
 
     /// Completion or abort. False (and counted) for an unknown or already released request.
     pub fn release(&mut self, request_id: u64) -> bool {
-        self.pending.remove(&request_id);
+        self.learning.released(request_id);
         let Some(gone) = self.load.release_entry(request_id) else {
             return false;
         };

@@ -101,8 +101,7 @@ impl Router {
         self.cache_blocks[replica] = CacheSize::default();
         self.largest_shown_cache = self.largest_shown();
         self.health.forget(replica);
-        self.speeds.forget(replica);
-        self.pending.retain(|_, p| p.0 != replica);
+        self.learning.forget(replica);
         for held in self.peers.values_mut() {
             if let Some(t) = held.get_mut(replica) {
                 *t = LoadTotals::default();

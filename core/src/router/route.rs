@@ -6,6 +6,7 @@ use crate::policy::{CacheFit, Choice, FallbackReason, Input, kv_load, least_load
 use crate::request::{
     EarlyScan, PromptIdentity, PromptTokenizer, RequestError, RouteRequest, read_request_early,
 };
+use crate::speed::LearnedInputs;
 
 impl Router {
     /// Tier-weighted overlap in blocks per replica for the request's identity.
@@ -117,7 +118,7 @@ impl Router {
             fallback,
         } = self.policy.choose(&input, &mut self.rng);
         // The policy's terms, where it keeps any, now describe this request.
-        self.terms_unadmitted = true;
+        self.learning.routed();
         self.scratch_approx = affinity;
         let (replica, probe, probe_backup) = self.probe_or(replica, now_ms);
         let matched_tokens: Vec<u64> = overlap
@@ -150,9 +151,13 @@ impl Router {
         if !self.needs.speed {
             return (Vec::new(), Vec::new(), Vec::new(), 0.0);
         }
-        let (factors, spreads) = self.speeds.factors_and_spreads();
+        let LearnedInputs {
+            factors,
+            spreads,
+            stale,
+        } = self.learning.inputs(now_ms);
         let reuse_share = self.working_set.as_ref().map_or(0.0, |ws| ws.reuse_share());
-        (factors, spreads, self.speeds.stale(now_ms), reuse_share)
+        (factors, spreads, stale, reuse_share)
     }
 
     /// Leading blocks of the request already booked on each replica by requests in flight (the
