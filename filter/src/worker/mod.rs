@@ -18,7 +18,8 @@
 //! - [`health`]: request outcomes and health probes;
 //! - [`leg_booking`] and [`leg_bodies`]: prefill/decode requests split into two legs, booked and
 //!   carried out;
-//! - [`output`]: where and how a decision is written for the proxy (the destinations).
+//! - [`output`]: where and how a decision is written for the proxy (the destinations);
+//! - `bundle` (full build): a Hugging Face tokenizer bundle fetched at run time, checked and loaded.
 
 /// The VM's tokenizer as the core reads a prompt with it; none in the lean build, where a
 /// `tokenizer` section is refused and text prompts keep the approximate identity. A macro rather
