@@ -13,6 +13,7 @@
 //! | `health` | down and ejected replicas, probes, the peers' outcome counts |
 //! | `membership` | slots that gain and lose members at run time: drained, vacated, reused |
 //! | `load` | effective load (tracked, reported, the peers'), and this worker's share for its peers |
+//! | `reported` | the state behind effective load: the replicas' reports, the peers' shares, stale feeds |
 //! | `working_set` | the working-set term's plumbing and its sharing between workers and proxies |
 
 mod admit;
@@ -21,19 +22,18 @@ mod health;
 mod leg_choice;
 mod load;
 mod membership;
+mod reported;
 mod route;
 mod text_share;
 mod working_set;
 
-use hashbrown::HashMap;
-
 use crate::approx::ApproxIndex;
 use crate::block::{SeqHash, TextHash};
 use crate::config::{ConfigError, PolicyKind, RoutingConfig};
-use crate::feed::{FeedCursor, ReplicaLoad};
+use crate::feed::FeedCursor;
 use crate::health::Health;
 use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
-use crate::load::{Accounting, LoadTable, LoadTotals};
+use crate::load::{Accounting, LoadTable};
 use crate::output::OutputEstimate;
 pub use crate::policy::FallbackReason;
 use crate::policy::{Needs, Policy};
@@ -43,6 +43,7 @@ use crate::speed::Learning;
 use crate::working_set::WorkingSet;
 use feed::CacheSize;
 pub use membership::{Membership, MembershipChange};
+use reported::Reported;
 
 /// A routing decision.
 #[derive(Clone, Debug, PartialEq)]
@@ -125,25 +126,12 @@ pub struct Router {
     outputs: OutputEstimate,
     /// Per unit: the first unit with its address (`Router::set_address_groups`); empty: each its own.
     address_groups: Vec<usize>,
-    peers: HashMap<u32, Vec<LoadTotals>>,
-    /// Per peer worker: its bookings since each replica's report was polled, and what it released
-    /// since then of requests the report holds (`merge`).
-    peers_since: HashMap<u32, (Vec<LoadTotals>, Vec<LoadTotals>)>,
-    /// Per peer worker: its requests each replica's current report holds (`others`).
-    peers_held: HashMap<u32, Vec<LoadTotals>>,
-    /// Per replica: this router's requests its current report holds, as they stood when the report
-    /// was accepted (`others` takes them off the report: the report describes them then, not now).
-    held_at_report: Vec<LoadTotals>,
-    /// Per replica: this router's requests the current report holds (admitted before its poll) and
-    /// that have been released since: `merge` takes them off the report.
-    released_since: Vec<LoadTotals>,
-    reported: Vec<Option<ReplicaLoad>>,
-    /// Per replica: when the poll that produced `reported` was sent (router clock, ms).
-    report_polled_ms: Vec<u64>,
+    /// The replicas' load reports, the peer workers' shares that meet them, and stale feeds
+    /// (`reported`).
+    reported: Reported,
     /// The latest time this router was given (route, admit): the poll time of a report accepted
     /// without one.
     clock_ms: u64,
-    stale: Vec<bool>,
     /// Replicas believed unreachable (their feed cannot even be connected to): avoided by every
     /// policy while any other replica is up.
     down: Vec<bool>,
@@ -236,15 +224,8 @@ impl Router {
             load: load_table(&cfg, replicas),
             outputs: OutputEstimate::new(),
             address_groups: Vec::new(),
-            peers: HashMap::new(),
-            peers_since: HashMap::new(),
-            peers_held: HashMap::new(),
-            held_at_report: vec![LoadTotals::default(); replicas],
-            reported: vec![None; replicas],
-            report_polled_ms: vec![u64::MAX; replicas],
-            released_since: vec![LoadTotals::default(); replicas],
+            reported: Reported::new(replicas, cfg.kv_load.reported_load, cfg.block_size),
             clock_ms: 0,
-            stale: vec![false; replicas],
             down: vec![false; replicas],
             members: vec![Membership::Member; replicas],
             present: vec![true; replicas],

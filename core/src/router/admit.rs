@@ -138,10 +138,8 @@ impl Router {
             return false;
         };
         self.outputs.observe(gone.generated);
-        if gone.admitted_ms < self.report_polled_ms[gone.replica] {
-            // The current report holds it (admitted before its poll): `merge` takes it off.
-            self.released_since[gone.replica].add(&gone.share);
-        }
+        // Where the current report holds it (admitted before its poll), `merge` takes it off.
+        self.reported.released(&gone);
         true
     }
 }

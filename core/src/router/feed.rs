@@ -4,11 +4,9 @@
 
 use super::{FeedOutcome, Router};
 use crate::adapters::{AdapterFit, AdapterView, name_hash};
-use crate::config::ReportedLoad;
 use crate::feed::{
     AdapterReport, CursorVerdict, EventKind, FeedBatch, FeedEvent, FeedQuery, FeedSlice, Tier,
 };
-use crate::load::LoadTotals;
 use crate::policy::CacheSizing;
 use crate::request::RouteRequest;
 
@@ -43,7 +41,7 @@ impl Router {
         let h = name_hash(name);
         let fits = (0..self.replicas)
             .map(|r| match &self.adapters[r] {
-                Some(v) if !self.stale[r] => v.fit(h),
+                Some(v) if !self.reported.is_stale(r) => v.fit(h),
                 _ => AdapterFit::Unknown,
             })
             .collect();
@@ -100,12 +98,8 @@ impl Router {
         }
         let prev_epoch = self.cursors[replica].epoch;
         // The load figures describe the replica now, whatever the log position: keep them.
-        self.reported[replica] = Some(batch.load);
-        self.report_polled_ms[replica] = polled_ms;
-        self.released_since[replica] = LoadTotals::default();
-        if self.cfg.kv_load.reported_load == ReportedLoad::Others {
-            self.held_at_report[replica] = self.load.held(replica, polled_ms);
-        }
+        self.reported
+            .accept(replica, batch.load, polled_ms, &self.load);
         match self.cursors[replica].accept(batch) {
             CursorVerdict::Gap => {
                 self.stats.feed_gaps += 1;
@@ -268,7 +262,7 @@ impl Router {
     /// either.
     pub(super) fn shown_cache_blocks(&self, replica: usize) -> Option<f64> {
         let bs = self.cfg.block_size as f64;
-        if let Some(Some(l)) = self.reported.get(replica)
+        if let Some(l) = self.reported.report(replica)
             && l.kv_total_blocks > 0
         {
             let engine_bs = if l.block_size > 0 {
@@ -304,13 +298,12 @@ impl Router {
     /// Marks a replica's feed as failing (or recovered). Stale: its index and reported load are not
     /// trusted; it is routed by tracked load only.
     pub fn set_stale(&mut self, replica: usize, stale: bool) {
-        match self.stale.get_mut(replica) {
-            Some(s) => *s = stale,
-            None => self.stats.bad_replica += 1,
+        if !self.reported.set_stale(replica, stale) {
+            self.stats.bad_replica += 1;
         }
     }
 
     pub fn is_stale(&self, replica: usize) -> bool {
-        self.stale.get(replica).copied().unwrap_or(false)
+        self.reported.is_stale(replica)
     }
 }

@@ -16,7 +16,6 @@
 use super::Router;
 use super::feed::CacheSize;
 use crate::feed::FeedCursor;
-use crate::load::LoadTotals;
 
 /// What a slot holds (see the module's table).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -92,20 +91,11 @@ impl Router {
         self.approx_seq.remove_replica(replica);
         self.approx_text.remove_replica(replica);
         self.cursors[replica] = FeedCursor::default();
-        self.reported[replica] = None;
-        self.report_polled_ms[replica] = u64::MAX;
-        self.held_at_report[replica] = LoadTotals::default();
-        self.released_since[replica] = LoadTotals::default();
-        self.stale[replica] = false;
+        self.reported.forget(replica);
         self.down[replica] = false;
         self.cache_blocks[replica] = CacheSize::default();
         self.largest_shown_cache = self.largest_shown();
         self.health.forget(replica);
         self.learning.forget(replica);
-        for held in self.peers.values_mut() {
-            if let Some(t) = held.get_mut(replica) {
-                *t = LoadTotals::default();
-            }
-        }
     }
 }

@@ -20,7 +20,7 @@ impl Router {
                     .iter()
                     .enumerate()
                     .map(|(r, c)| {
-                        if self.stale[r] {
+                        if self.reported.is_stale(r) {
                             0.0
                         } else {
                             c[0] as f64
