@@ -5,7 +5,8 @@
 //! prefix; without the tokenizer the same conversation has only the approximate identity, which the
 //! feed cannot match. Bad input never traps: it falls back with a counted reason.
 
-use kvsteer_core::block::BlockHasher;
+mod common;
+
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, ReplicaLoad, Tier};
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
@@ -184,12 +185,7 @@ fn a_multi_turn_chat_is_routed_to_the_replica_holding_its_tokens() {
     // The engine holds everything turn 1 computed: the prompt the simulator tokenized.
     let ids = engine_tokens(&sim_render(&convo));
     assert!(ids.len() > 1500, "{}", ids.len());
-    let held: Vec<u64> = BlockHasher::new(16)
-        .unwrap()
-        .sequence_hashes(&ids)
-        .into_iter()
-        .map(|h| h.0)
-        .collect();
+    let held = common::hf::held_blocks(&ids);
     for turn in 2..6u64 {
         convo.push(("assistant", prose(10 * turn, 60)));
         convo.push(("user", prose(10 * turn + 1, 80)));
@@ -365,44 +361,22 @@ fn the_lean_build_refuses_a_tokenizer_section_at_configure_time() {
 /// the reference corpus' multi-turn chat (ids from the `tokenizers` library, written by
 /// tokenizer/scripts/hf_reference.py) is routed to the replica whose feed holds exactly those ids'
 /// blocks, and the filter counts the reference's number of tokens. Skipped, saying so, without the
-/// files of tokenizer/scripts/hf-fetch (the tokenizer crate's conformance test fails under CI then).
+/// files of tokenizer/scripts/hf-fetch (failing under `CI=true`).
 #[test]
 fn a_hugging_face_bundle_routes_by_the_reference_ids() {
-    let dir = std::env::var_os("KVSTEER_HF_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/tokenizers").into())
-        .join("llama3_1");
-    let read = |f: &str| std::fs::read_to_string(dir.join(f));
-    let (Ok(json), Ok(config), Ok(reference)) = (
-        read("tokenizer.json"),
-        read("tokenizer_config.json"),
-        read("reference.json"),
-    ) else {
-        println!(
-            "no Hugging Face bundle in {} (tokenizer/scripts/hf-fetch): skipped",
-            dir.display()
-        );
+    let Some(bundle) = common::hf::llama_bundle() else {
         return;
     };
-    let reference: Value = serde_json::from_str(&reference).unwrap();
-    let case = reference["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "multi_turn")
-        .unwrap();
-    let ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
-    let held: Vec<u64> = BlockHasher::new(16)
-        .unwrap()
-        .sequence_hashes(&ids)
-        .into_iter()
-        .map(|h| h.0)
-        .collect();
-    assert!(held.len() > 20, "{}", held.len());
+    let held = common::hf::held_blocks(&bundle.ids);
+    let text = |b: &[u8]| String::from_utf8(b.to_vec()).unwrap();
+    let (json, config) = (
+        text(&bundle.tokenizer_json),
+        text(&bundle.tokenizer_config_json),
+    );
     let tok = json!({"huggingface": {"tokenizer_json": json, "tokenizer_config_json": config}});
     let (p, mut w) = start(Some(tok));
     feed(&p, &mut w, &held);
-    let b = json!({"model": "llama", "max_tokens": 8, "messages": case["messages"]}).to_string();
+    let b = json!({"model": "llama", "max_tokens": 8, "messages": bundle.messages}).to_string();
     let before = metric(&p, "kvsteer_prompt_tokens");
     assert_eq!(
         route(&mut w, b.as_bytes()),
@@ -410,7 +384,7 @@ fn a_hugging_face_bundle_routes_by_the_reference_ids() {
     );
     assert_eq!(
         metric(&p, "kvsteer_prompt_tokens") - before,
-        ids.len() as i64
+        bundle.ids.len() as i64
     );
     w.tick().unwrap();
     assert_eq!(metric(&p, "kvsteer_tokenizer_exact"), 1);

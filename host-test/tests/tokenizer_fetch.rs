@@ -6,7 +6,8 @@
 //! after a backoff. The Llama 3.1 case needs tokenizer/scripts/hf-fetch's files and skips, saying
 //! so, without them (failing under `CI=true`).
 
-use kvsteer_core::block::BlockHasher;
+mod common;
+
 use kvsteer_core::bundle::{BUNDLE_CONTENT_TYPE, encode};
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
@@ -222,34 +223,14 @@ fn failed_fetches_are_counted_and_retried() {
 /// reference corpus' multi-turn chat gets the reference ids (its prompt-token count).
 #[test]
 fn the_llama_bundle_fetched_routes_by_the_reference_ids() {
-    let dir = std::env::var_os("KVSTEER_HF_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/tokenizers").into())
-        .join("llama3_1");
-    let read = |f: &str| std::fs::read(dir.join(f));
-    let (Ok(json), Ok(config), Ok(reference)) = (
-        read("tokenizer.json"),
-        read("tokenizer_config.json"),
-        read("reference.json"),
-    ) else {
-        let msg = format!(
-            "no Llama 3.1 bundle in {} (tokenizer/scripts/hf-fetch)",
-            dir.display()
-        );
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
-        println!("{msg}: skipped");
+    let Some(bundle) = common::hf::llama_bundle() else {
         return;
     };
-    let reference: Value = serde_json::from_slice(&reference).unwrap();
-    let case = reference["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "multi_turn")
-        .unwrap();
-    let ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
-    assert!(BlockHasher::new(16).unwrap().sequence_hashes(&ids).len() > 20);
-    let body = encode(Some("llama3_1"), &json, Some(&config));
+    let body = encode(
+        Some("llama3_1"),
+        &bundle.tokenizer_json,
+        Some(&bundle.tokenizer_config_json),
+    );
     let fetch = json!({"cluster": "tok", "sha256": sha256_hex(&body), "model": "llama3_1"});
     let (p, mut w) = start(fetch, None);
     let mut now = 0;
@@ -269,10 +250,10 @@ fn the_llama_bundle_fetched_routes_by_the_reference_ids() {
         w.memory_bytes() as f64 / (1 << 20) as f64
     );
     let tokens = metric(&p, "kvsteer_prompt_tokens");
-    assert!(route_chat(&p, &mut w, &case["messages"]));
+    assert!(route_chat(&p, &mut w, &bundle.messages));
     assert_eq!(
         metric(&p, "kvsteer_prompt_tokens") - tokens,
-        ids.len() as i64
+        bundle.ids.len() as i64
     );
     assert_eq!(metric(&p, "kvsteer_tokenizer_ready"), 1);
     assert!(!w.is_dead() && w.notes().is_empty(), "{:?}", w.notes());

@@ -1,6 +1,8 @@
 //! Shared setup of the integration tests: the compiled filter, loaded once per test binary.
 #![allow(dead_code)]
 
+pub mod hf;
+
 use kvsteer_host_test::{FilterModule, Harness, HarnessConfig, RequestSpec, filter_wasm_path};
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
