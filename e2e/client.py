@@ -157,6 +157,31 @@ class Client:
         return res
 
 
+
+def chat_completion(port: int, messages: list[dict], model: str = "sim",
+                    max_tokens: int = 8) -> dict:
+    """One chat completion, not streamed, on a fresh connection to 127.0.0.1:`port` (so any of the
+    proxy's workers may route it): the JSON answer, with the replica that answered (its
+    `REPLICA_HEADER`) under `_replica`. Raises AssertionError on a status other than 200."""
+    c = Client("127.0.0.1", port)
+    try:
+        body = json.dumps({"model": model, "max_tokens": max_tokens,
+                           "messages": messages}).encode()
+        status, headers, data = c.request(
+            "POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    finally:
+        c.close()
+    if status != 200:
+        raise AssertionError(f"status {status}: {data[:300]!r}")
+    doc = json.loads(data)
+    doc["_replica"] = headers.get(REPLICA_HEADER, "")
+    return doc
+
+
+def cached_tokens(doc: dict) -> int:
+    """The prompt tokens an OpenAI-shaped answer says came from the engine's cache (0 if unsaid)."""
+    return ((doc.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
 def _usage(res: Result, usage: dict | None) -> None:
     if not usage:
         return

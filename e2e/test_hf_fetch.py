@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import http.server
-import json
 import os
 import threading
 import time
 import unittest
 from pathlib import Path
 
-from client import Client, REPLICA_HEADER, prose
+from client import Client, cached_tokens, chat_completion, prose
 from stack import Stack, free_ports, target_dir, wait_http
 from test_envoy import FEED_SETTLE_S, PEER_SETTLE_S, REPLICAS, TIME_SCALE, stat_sum
 
@@ -136,25 +135,6 @@ def wait_lines(stack: Stack, what: str, n: int) -> list[str]:
     return bundle_lines(stack, what)
 
 
-def chat(stack: Stack, messages: list[dict]) -> dict:
-    c = Client("127.0.0.1", stack.listen_port)
-    try:
-        body = json.dumps({"model": MODEL, "max_tokens": 8, "messages": messages}).encode()
-        status, headers, data = c.request(
-            "POST", "/v1/chat/completions", body, {"content-type": "application/json"})
-    finally:
-        c.close()
-    if status != 200:
-        raise AssertionError(f"status {status}: {data[:300]!r}")
-    doc = json.loads(data)
-    doc["_replica"] = headers.get(REPLICA_HEADER, "")
-    return doc
-
-
-def cached(doc: dict) -> int:
-    return ((doc.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-
-
 class FetchedBundle(unittest.TestCase):
     stack: Stack
 
@@ -179,7 +159,7 @@ class FetchedBundle(unittest.TestCase):
         for c in range(CONVERSATIONS):
             messages = [{"role": "system", "content": prose(3_000 + c, 600)},
                         {"role": "user", "content": prose(c, 40)}]
-            doc = chat(self.stack, messages)
+            doc = chat_completion(self.stack.listen_port, messages, model=MODEL)
             messages.append({"role": "assistant", "content": doc["choices"][0]["message"]["content"]})
             convos.append((messages, doc["_replica"]))
             time.sleep(PEER_SETTLE_S)
@@ -188,11 +168,11 @@ class FetchedBundle(unittest.TestCase):
         for turn in range(FOLLOW_UPS):
             for c, (messages, home) in enumerate(convos):
                 messages.append({"role": "user", "content": prose(100 * c + turn + 1, 30)})
-                doc = chat(self.stack, messages)
+                doc = chat_completion(self.stack.listen_port, messages, model=MODEL)
                 messages.append({"role": "assistant", "content": doc["choices"][0]["message"]["content"]})
                 total += 1
                 same += doc["_replica"] == home
-                hits += cached(doc) > 0
+                hits += cached_tokens(doc) > 0
                 time.sleep(PEER_SETTLE_S)
         exact = stat_sum(self.stack, "kvsteer_tokenizer_exact")
         load_ms = sorted(int(ln.rsplit(" in ", 1)[1].split()[0]) for ln in loaded)
@@ -222,7 +202,8 @@ class BadDigest(unittest.TestCase):
         self.assertGreaterEqual(len(refused), WORKERS + 1, self.stack.envoy_logs()[-1][-3000:])
         routed = 0
         for c in range(8):
-            doc = chat(self.stack, [{"role": "user", "content": prose(c, 50)}])
+            doc = chat_completion(self.stack.listen_port, [{"role": "user", "content": prose(c, 50)}],
+                                  model=MODEL)
             routed += bool(self.stack.by_sim_name(doc["_replica"]))
         print(f"\nbundle with another digest: {len(refused)} refusals logged, e.g. "
               f"{refused[0].split('kvsteer: ')[-1][:160]!r}; {routed}/8 chats routed", flush=True)

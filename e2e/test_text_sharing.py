@@ -25,11 +25,10 @@ About 30 s on 2 cores.
 
 from __future__ import annotations
 
-import json
 import time
 import unittest
 
-from client import Client, REPLICA_HEADER, prose
+from client import chat_completion, prose
 from stack import Stack
 from test_envoy import PEER_SETTLE_S, REPLICAS, TIME_SCALE, stat_sum
 
@@ -67,19 +66,10 @@ class Workers:
 def chat(stack: Stack, messages: list[dict]) -> tuple[str, str]:
     """One chat completion on a fresh connection: the replica that answered (our name) and its
     answer's text."""
-    c = Client("127.0.0.1", stack.listen_port)
-    try:
-        body = json.dumps({"model": "sim", "max_tokens": 8, "messages": messages}).encode()
-        status, headers, data = c.request(
-            "POST", "/v1/chat/completions", body, {"content-type": "application/json"})
-    finally:
-        c.close()
-    if status != 200:
-        raise AssertionError(f"status {status}: {data[:300]!r}")
-    doc = json.loads(data)
-    r = stack.by_sim_name(headers.get(REPLICA_HEADER, ""))
+    doc = chat_completion(stack.listen_port, messages)
+    r = stack.by_sim_name(doc["_replica"])
     if r is None:
-        raise AssertionError(f"answer names no replica of ours: {headers}")
+        raise AssertionError(f"answer names no replica of ours: {doc['_replica']!r}")
     return r.name, doc["choices"][0]["message"]["content"]
 
 

@@ -9,33 +9,14 @@ as cached (`usage.prompt_tokens_details.cached_tokens`), which the approximate i
 
 from __future__ import annotations
 
-import json
 import time
 import unittest
 
-from client import Client, REPLICA_HEADER, prose
+from client import cached_tokens, chat_completion, prose
 from stack import Stack, envoy_fleet
 from test_envoy import FEED_SETTLE_S, PEER_SETTLE_S, REPLICAS, TIME_SCALE, stat_sum
 
 TOKENIZER = {"vocabulary": "o200k_harmony", "chat_template": "kvsteer_sim"}
-def chat(stack: Stack, messages: list[dict], max_tokens: int = 8) -> dict:
-    """One chat completion on a fresh connection; returns the JSON answer plus the replica."""
-    c = Client("127.0.0.1", stack.listen_port)
-    try:
-        body = json.dumps({"model": "sim", "max_tokens": max_tokens, "messages": messages}).encode()
-        status, headers, data = c.request(
-            "POST", "/v1/chat/completions", body, {"content-type": "application/json"})
-    finally:
-        c.close()
-    if status != 200:
-        raise AssertionError(f"status {status}: {data[:300]!r}")
-    doc = json.loads(data)
-    doc["_replica"] = headers.get(REPLICA_HEADER, "")
-    return doc
-
-
-def cached(doc: dict) -> int:
-    return ((doc.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 class ExactChatRouting(unittest.TestCase):
@@ -56,7 +37,7 @@ class ExactChatRouting(unittest.TestCase):
             home = None
             for turn in range(4):
                 messages.append({"role": "user", "content": prose(100 * convo + turn, 120)})
-                doc = chat(self.stack, messages)
+                doc = chat_completion(self.stack.listen_port, messages)
                 replica = doc["_replica"]
                 prompt = doc["usage"]["prompt_tokens"]
                 if turn == 0:
@@ -66,7 +47,7 @@ class ExactChatRouting(unittest.TestCase):
                     self.assertEqual(replica, home, f"conversation {convo} turn {turn}: {doc['usage']}")
                     # Everything before this turn's new messages was cached on that replica: at
                     # least the previous prompt, less its last partial block.
-                    self.assertGreaterEqual(cached(doc), previous - 16,
+                    self.assertGreaterEqual(cached_tokens(doc), previous - 16,
                                             f"conversation {convo} turn {turn}: {doc['usage']}")
                 previous = prompt
                 answer = doc["choices"][0]["message"]["content"]
@@ -77,7 +58,7 @@ class ExactChatRouting(unittest.TestCase):
 
     def test_unknown_roles_fall_back_and_are_counted(self) -> None:
         before = stat_sum(self.stack, "kvsteer_tokenizer_fallback_unknown_role")
-        doc = chat(self.stack, [{"role": "wizard", "content": prose(7, 50)}])
+        doc = chat_completion(self.stack.listen_port, [{"role": "wizard", "content": prose(7, 50)}])
         self.assertTrue(doc["_replica"])
         deadline = time.time() + 5
         while time.time() < deadline:
