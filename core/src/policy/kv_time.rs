@@ -236,6 +236,20 @@ fn stale_slower(input: &Input, chosen: usize) -> Option<Vec<bool>> {
     slower.contains(&true).then_some(slower)
 }
 
+/// The replica of lowest `cost` among those `kept`, ties at random; `None` when no kept replica
+/// has a finite cost.
+fn cheapest_of(cost: &[f64], kept: &[bool], rng: &mut SplitMix64) -> Option<usize> {
+    let base: Vec<f64> = cost
+        .iter()
+        .zip(kept)
+        .map(|(&c, &k)| if k { c } else { f64::INFINITY })
+        .collect();
+    if base.iter().all(|c| !c.is_finite()) {
+        return None;
+    }
+    argmin_random_tie(&base, rng)
+}
+
 /// A stale replica priced slower than `chosen` whose cost at the profile's speed is no higher
 /// than `chosen`'s: sending it the request gives up no cache and no queue position, only the
 /// learned speed, which is what is in doubt. The retry is bounded by the staleness itself: once
@@ -246,17 +260,13 @@ fn retry_instead(
     chosen: usize,
     rng: &mut SplitMix64,
 ) -> Option<usize> {
-    let slower = stale_slower(input, chosen)?;
     let limit = at_profile.get(chosen).copied()?;
-    let base: Vec<f64> = at_profile
+    let kept: Vec<bool> = stale_slower(input, chosen)?
         .iter()
-        .zip(&slower)
-        .map(|(&c, &s)| if s && c <= limit { c } else { f64::INFINITY })
+        .zip(at_profile)
+        .map(|(&s, &c)| s && c <= limit)
         .collect();
-    if base.iter().all(|c| !c.is_finite()) {
-        return None;
-    }
-    argmin_random_tie(&base, rng)
+    cheapest_of(at_profile, &kept, rng)
 }
 
 /// How far apart two replicas' costs must be, in standard errors of the difference of their
@@ -280,8 +290,8 @@ pub fn choose(
     let costs: Vec<f64> = all.iter().map(|t| t.cost(k)).collect();
     let lowest = pick_lowest(&costs, input.avoided, rng);
     let tied = tied_with(input, &costs, lowest);
-    let retry = stale_slower(input, lowest);
-    let replica = if tied.is_none() && retry.is_none() {
+    let any_stale = input.speed_stale.contains(&true);
+    let replica = if tied.is_none() && !any_stale {
         lowest
     } else {
         // What is known without the learned speeds: cache, queue, batch.
@@ -295,17 +305,9 @@ pub fn choose(
         .iter()
         .map(|t| t.cost(k))
         .collect();
-        let chosen = match tied {
-            Some(tied) => {
-                let base: Vec<f64> = at_profile
-                    .iter()
-                    .zip(&tied)
-                    .map(|(&c, &tie)| if tie { c } else { f64::INFINITY })
-                    .collect();
-                argmin_random_tie(&base, rng).unwrap_or(lowest)
-            }
-            None => lowest,
-        };
+        let chosen = tied
+            .and_then(|tied| cheapest_of(&at_profile, &tied, rng))
+            .unwrap_or(lowest);
         // Only where the replica chosen would start the request at once: the fleet has room, so
         // all that is at stake is the retried replica's speed. A busy fleet tries a slow replica
         // by itself once its queues cost more than the slowness; retrying there moved coding

@@ -169,13 +169,7 @@ impl Speeds {
         }
     }
 
-    /// Replica `r`'s own evidence: (sum, weight).
-    fn own_at(&self, r: usize) -> (f64, f64) {
-        let e = self.own_evidence(r);
-        (e.sum, e.weight)
-    }
-
-    /// Replica `r`'s own evidence, whole.
+    /// Replica `r`'s own evidence (none for an index out of range).
     fn own_evidence(&self, r: usize) -> Evidence {
         self.own.get(r).copied().unwrap_or_default()
     }
@@ -197,7 +191,8 @@ impl Speeds {
 
     /// Replica `r`'s evidence, its own and the other workers': (sum, weight).
     fn evidence(&self, r: usize) -> (f64, f64) {
-        let (mut sum, mut weight) = self.own_at(r);
+        let own = self.own_evidence(r);
+        let (mut sum, mut weight) = (own.sum, own.weight);
         for e in self.peers.values().filter_map(|v| v.get(r)) {
             sum += e.log_factor * e.weight;
             weight += e.weight;
@@ -329,7 +324,7 @@ impl Speeds {
         let window = self.window();
         (0..self.own.len())
             .map(|r| {
-                let (sum, weight) = self.own_at(r);
+                let Evidence { sum, weight, .. } = self.own_evidence(r);
                 SpeedEstimate {
                     log_factor: if weight > 0.0 {
                         (sum / weight).clamp(-self.bound_ln, self.bound_ln)
@@ -403,7 +398,7 @@ impl Speeds {
         self.noise_n = self.noise_n.saturating_add(1);
         let w = self.alpha.max(1.0 / self.noise_n as f64);
         self.noise_var += w * ((x - before).powi(2) - self.noise_var);
-        let mut e = self.own_evidence(replica);
+        let e = self.own[replica];
         // An observation after the replica's estimate went stale (a retry's, usually) either
         // agrees with it, within two of its observations' spread, and the next retry waits twice
         // as long; or shows the replica changed (a cold engine warmed up), and the stale evidence
@@ -419,13 +414,12 @@ impl Speeds {
             }
         }
         let keep = (1.0 - self.alpha) * stale;
-        e = Evidence {
+        self.own[replica] = Evidence {
             sum: e.sum * keep + x,
             sq: e.sq * keep + x * x,
             weight: e.weight * keep + 1.0,
             at_ms: now_ms,
         };
-        self.own[replica] = e;
     }
 }
 
