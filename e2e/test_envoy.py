@@ -422,13 +422,16 @@ class EnvoyVariants(unittest.TestCase):
 
     def test_ring_hash_keeps_a_session_on_one_replica(self):
         self.with_envoy("envoy-ring-hash")
-        landed = self.spread(24, session=lambda k: f"session-{k % 6}")
+        # Ports (so the ring) change per run: with 6 sessions, all of them hashed to one of the four
+        # replicas about once in a thousand runs; with 16, about once in a billion.
+        sessions = 16
+        landed = self.spread(2 * sessions, session=lambda k: f"session-{k % sessions}")
         by_session: dict[int, set[str]] = {}
         for k, r in enumerate(landed):
-            by_session.setdefault(k % 6, set()).add(r)
+            by_session.setdefault(k % sessions, set()).add(r)
         for s, rs in by_session.items():
             self.assertEqual(len(rs), 1, f"session {s} went to {rs}")
-        self.assertGreaterEqual(len(set(landed)), 2, "six sessions do not all hash to one replica")
+        self.assertGreaterEqual(len(set(landed)), 2, "sixteen sessions do not all hash to one replica")
 
 
 if __name__ == "__main__":
