@@ -3,24 +3,114 @@
 //! nothing booked, so a shed request never touches the load table.
 
 use super::{BodyFallback, WorkerState};
+use crate::config::FilterConfig;
+use kvsteer_core::PolicyKind;
 use kvsteer_core::admission::{self, Admission, Class, Shed, Verdict};
 use kvsteer_core::request::EarlyScan;
-use kvsteer_core::router::Decision;
+use kvsteer_core::router::{Decision, Router};
+use kvsteer_core::speed::EngineProfile;
+
+/// Priority classes and shedding (`routing.admission`), and their counters.
+#[derive(Clone, Debug)]
+pub struct AdmissionGate {
+    /// `None`: every request is admitted.
+    admission: Option<Admission>,
+    /// The engine profile that converts queued prefill into seconds for shedding under a policy
+    /// other than `kv_time` (`routing.kv_time.profile`).
+    profile: EngineProfile,
+    /// Per class, in [`Class::ALL`] order: requests admitted, and shed.
+    admitted: [u64; 3],
+    shed: [u64; 3],
+    /// Client copies of an untrusted priority header removed.
+    priority_headers_removed: u64,
+}
+
+impl AdmissionGate {
+    pub fn new(cfg: &FilterConfig) -> AdmissionGate {
+        AdmissionGate {
+            admission: cfg.routing.admission.as_ref().map(Admission::new),
+            profile: cfg.routing.kv_time.profile.profile(),
+            admitted: [0; 3],
+            shed: [0; 3],
+            priority_headers_removed: 0,
+        }
+    }
+
+    /// Whether a request is classed and judged at all (`routing.admission` configured).
+    pub fn configured(&self) -> bool {
+        self.admission.is_some()
+    }
+
+    /// A request of `class` was admitted (booked).
+    pub fn admitted(&mut self, class: Class) {
+        self.admitted[class.index()] += 1;
+    }
+
+    /// The class of a request with this trusted header's class and model.
+    pub fn class_of(&self, header: Option<Class>, model: Option<&str>) -> Class {
+        self.admission
+            .as_ref()
+            .map_or(Class::Standard, |a| a.class(header, model))
+    }
+
+    /// `Err` when the decision's predicted wait exceeds the class's bound (counted). A health
+    /// probe is always admitted: shedding it would leave its ejected replica unprobed.
+    pub fn judge(
+        &mut self,
+        class: Class,
+        d: &Decision,
+        router: &Router,
+        policy: PolicyKind,
+    ) -> Result<(), Shed> {
+        let Some(adm) = &self.admission else {
+            return Ok(());
+        };
+        if d.probe || adm.bound_s(class).is_none() {
+            return Ok(());
+        }
+        let load = if policy == PolicyKind::KvTime && d.fallback.is_none() {
+            Vec::new()
+        } else {
+            router.effective_load()
+        };
+        let terms = if d.fallback.is_none() {
+            router.last_terms()
+        } else {
+            &[]
+        };
+        let wait = admission::predicted_wait_s(
+            policy,
+            d.replica,
+            terms,
+            &load,
+            &self.profile,
+            router.speed_factor(d.replica),
+        );
+        match adm.check(class, wait) {
+            Verdict::Admit => Ok(()),
+            Verdict::Shed(s) => {
+                self.shed[class.index()] += 1;
+                Err(s)
+            }
+        }
+    }
+}
 
 impl WorkerState {
     /// Priority classes and shedding, when configured.
     pub fn admission(&self) -> Option<&Admission> {
-        self.admission.as_ref()
+        self.admission.admission.as_ref()
     }
 
     /// A client's copy of an untrusted priority header was removed.
     pub fn priority_header_removed(&mut self) {
-        self.priority_headers_removed += 1;
+        self.admission.priority_headers_removed += 1;
     }
 
     /// Per class in [`Class::ALL`] order: (admitted, shed); and untrusted priority headers removed.
     pub fn admission_counts(&self) -> ([u64; 3], [u64; 3], u64) {
-        (self.admitted, self.shed, self.priority_headers_removed)
+        let a = &self.admission;
+        (a.admitted, a.shed, a.priority_headers_removed)
     }
 
     /// [`WorkerState::route_body_early`] with admission: with `routing.admission` the request is
@@ -38,7 +128,7 @@ impl WorkerState {
         header: Option<Class>,
         now_ms: u64,
     ) -> Result<Decision, Shed> {
-        if self.admission.is_none() || self.disaggregated {
+        if !self.admission.configured() || self.pd.disaggregated() {
             return Ok(self.route_body_early(request_id, path, body, session, early, now_ms));
         }
         if body.len() > self.cfg.routing.max_body_bytes {
@@ -50,7 +140,7 @@ impl WorkerState {
                 now_ms,
             );
         }
-        let tok = prompt_tokenizer!(self);
+        let tok = self.prompts.tokenizer();
         let r = &self.cfg.routing;
         let read = kvsteer_core::request::read_request_early(
             path,
@@ -65,17 +155,18 @@ impl WorkerState {
         let req = match read {
             Ok(req) => req,
             Err(_) => {
-                self.body_fallbacks[BodyFallback::Unreadable as usize] += 1;
+                self.counters.fallback(BodyFallback::Unreadable);
                 return self.admit_unread_or_shed(request_id, body.len(), header, now_ms);
             }
         };
         // Route, judge, and only then book: a shed request never touches the load table.
         let d = self.router.route(&req, now_ms);
-        let class = self.class_of(header, req.model.as_deref());
-        self.judge(class, &d)?;
+        let class = self.admission.class_of(header, req.model.as_deref());
+        let policy = self.cfg.routing.policy;
+        self.admission.judge(class, &d, &self.router, policy)?;
         self.router.admit(request_id, &req, &d, now_ms);
-        self.bookings += 1;
-        self.admitted[class.index()] += 1;
+        self.counters.booked(1);
+        self.admission.admitted(class);
         Ok(d)
     }
 
@@ -90,10 +181,10 @@ impl WorkerState {
         header: Option<Class>,
         now_ms: u64,
     ) -> Result<Decision, Shed> {
-        if self.admission.is_none() || self.disaggregated {
+        if !self.admission.configured() || self.pd.disaggregated() {
             return Ok(self.route_fallback(request_id, why, body_bytes, now_ms));
         }
-        self.body_fallbacks[why as usize] += 1;
+        self.counters.fallback(why);
         self.admit_unread_or_shed(request_id, body_bytes, header, now_ms)
     }
 
@@ -105,56 +196,14 @@ impl WorkerState {
         now_ms: u64,
     ) -> Result<Decision, Shed> {
         let d = self.router.route_fallback(now_ms);
-        let class = self.class_of(header, None);
-        self.judge(class, &d)?;
+        let class = self.admission.class_of(header, None);
+        let policy = self.cfg.routing.policy;
+        self.admission.judge(class, &d, &self.router, policy)?;
         self.router
             .admit_unread(request_id, &d, (body_bytes / 4) as u64);
-        self.bookings += 1;
-        self.admitted[class.index()] += 1;
+        self.counters.booked(1);
+        self.admission.admitted(class);
         Ok(d)
-    }
-
-    fn class_of(&self, header: Option<Class>, model: Option<&str>) -> Class {
-        self.admission
-            .as_ref()
-            .map_or(Class::Standard, |a| a.class(header, model))
-    }
-
-    /// `Err` when the decision's predicted wait exceeds the class's bound (counted). A health
-    /// probe is always admitted: shedding it would leave its ejected replica unprobed.
-    fn judge(&mut self, class: Class, d: &Decision) -> Result<(), Shed> {
-        let Some(adm) = &self.admission else {
-            return Ok(());
-        };
-        if d.probe || adm.bound_s(class).is_none() {
-            return Ok(());
-        }
-        let policy = self.cfg.routing.policy;
-        let load = if policy == kvsteer_core::PolicyKind::KvTime && d.fallback.is_none() {
-            Vec::new()
-        } else {
-            self.router.effective_load()
-        };
-        let terms = if d.fallback.is_none() {
-            self.router.last_terms()
-        } else {
-            &[]
-        };
-        let wait = admission::predicted_wait_s(
-            policy,
-            d.replica,
-            terms,
-            &load,
-            &self.profile,
-            self.router.speed_factor(d.replica),
-        );
-        match adm.check(class, wait) {
-            Verdict::Admit => Ok(()),
-            Verdict::Shed(s) => {
-                self.shed[class.index()] += 1;
-                Err(s)
-            }
-        }
     }
 }
 
@@ -228,6 +277,32 @@ mod tests {
                 "{policy}"
             );
         }
+    }
+
+    /// The gate alone: classes from the header, then the model, then the default; a probe is
+    /// never judged; without the section everything is standard and admitted.
+    #[test]
+    fn the_gate_classes_and_never_sheds_a_probe() {
+        let mut w = worker_routing(
+            r#"{"policy":"kv_load","admission":{"bounds_s":{"sheddable":0.5},
+                "model_classes":{"batch":"sheddable"}}}"#,
+        );
+        let mut gate = AdmissionGate::new(w.config());
+        assert!(gate.configured());
+        assert_eq!(gate.class_of(None, Some("batch")), Class::Sheddable);
+        assert_eq!(
+            gate.class_of(Some(Class::Critical), Some("batch")),
+            Class::Critical
+        );
+        let mut d = w.router.route_fallback(0);
+        d.probe = true;
+        let policy = w.config().routing.policy;
+        assert!(gate.judge(Class::Sheddable, &d, &w.router, policy).is_ok());
+        gate.admitted(Class::Sheddable);
+        assert_eq!((gate.admitted, gate.shed), ([0, 0, 1], [0; 3]));
+        let plain = AdmissionGate::new(worker("kv_load").config());
+        assert!(!plain.configured());
+        assert_eq!(plain.class_of(None, Some("batch")), Class::Standard);
     }
 
     #[test]

@@ -6,9 +6,12 @@
 //! (jittered 80-120%), for as long as the VM lives; the filter routes throughout.
 //!
 //! Like the feed pollers' state ([`super::feeds`]), this is free of host calls: the root context
-//! dispatches the callout [`WorkerState::plan_bundle_fetch`] asks for and hands the answer over.
+//! dispatches the callout [`WorkerState::plan_bundle_fetch`] asks for and hands the answer over. The
+//! fetch's state is [`BundleFetchState`]'s; the tokenizer it loads is [`Prompts`]'.
 
 use super::WorkerState;
+use super::prompts::Prompts;
+use crate::config::TokenizerSection;
 use kvsteer_tokenizer::TextTokenizer;
 use kvsteer_tokenizer::fetch::{BundleFetch, check_bundle};
 
@@ -87,21 +90,20 @@ impl BundleFetchState {
     }
 }
 
-impl WorkerState {
+impl BundleFetchState {
     /// The fetch to dispatch now, if one is due: the first tick, then after each wait. A callout the
     /// proxy never answers is given up after twice its timeout.
-    pub fn plan_bundle_fetch(&mut self, now: u64) -> Option<BundleRequest> {
-        let b = self.bundle.as_mut()?;
-        match b.phase {
+    fn plan(&mut self, now: u64) -> Option<BundleRequest> {
+        match self.phase {
             Phase::Due(at) if now >= at => {}
-            Phase::InFlight { since, .. } if now >= since + 2 * b.fetch.timeout_ms => {
-                b.failures += 1;
-                b.retry(now);
+            Phase::InFlight { since, .. } if now >= since + 2 * self.fetch.timeout_ms => {
+                self.failures += 1;
+                self.retry(now);
                 return None;
             }
             _ => return None,
         }
-        let f = &b.fetch;
+        let f = &self.fetch;
         Some(BundleRequest {
             upstream: f.cluster.clone(),
             authority: f.authority.clone().unwrap_or_else(|| f.cluster.clone()),
@@ -110,43 +112,32 @@ impl WorkerState {
         })
     }
 
-    pub fn bundle_fetch_started(&mut self, token: u32, now: u64) {
-        if let Some(b) = self.bundle.as_mut() {
-            b.attempts += 1;
-            b.phase = Phase::InFlight { token, since: now };
-        }
+    fn started(&mut self, token: u32, now: u64) {
+        self.attempts += 1;
+        self.phase = Phase::InFlight { token, since: now };
     }
 
     /// The proxy refused to send the fetch.
-    pub fn bundle_fetch_not_started(&mut self, why: &str, now: u64) -> BundleOutcome {
-        let Some(b) = self.bundle.as_mut() else {
-            return BundleOutcome::Unknown;
-        };
-        b.attempts += 1;
-        b.failures += 1;
-        let retry_in_ms = b.retry(now);
+    fn not_started(&mut self, why: &str, now: u64) -> BundleOutcome {
+        self.attempts += 1;
+        self.failures += 1;
+        let retry_in_ms = self.retry(now);
         BundleOutcome::Failed {
             why: format!("the proxy did not send the callout ({why})"),
             retry_in_ms,
         }
     }
 
-    /// Whether `token` is this VM's bundle fetch.
-    pub fn is_bundle_fetch(&self, token: u32) -> bool {
-        self.bundle
-            .as_ref()
-            .is_some_and(|b| matches!(b.phase, Phase::InFlight { token: t, .. } if t == token))
+    fn is_fetch(&self, token: u32) -> bool {
+        matches!(self.phase, Phase::InFlight { token: t, .. } if t == token)
     }
+}
 
-    /// The largest answer taken into the VM (`fetch.max_bytes`).
-    pub fn bundle_max_bytes(&self) -> usize {
-        self.bundle.as_ref().map_or(0, |b| b.fetch.max_bytes)
-    }
-
-    /// The answer to the fetch: `status` None when none came (reset, timeout); `body` None when it
-    /// was over `max_bytes` (`size` then says how large) or the proxy would not hand it over.
-    pub fn on_bundle_answer(
+impl Prompts {
+    /// [`WorkerState::on_bundle_answer`], `section` the configuration's `tokenizer`.
+    fn on_bundle_answer(
         &mut self,
+        section: Option<&TokenizerSection>,
         status: Option<u16>,
         size: usize,
         body: Option<&[u8]>,
@@ -169,7 +160,7 @@ impl WorkerState {
             return BundleOutcome::Failed { why, retry_in_ms };
         }
         let loaded = match body {
-            Some(body) if size <= max => self.load_bundle(body),
+            Some(body) if size <= max => self.load_bundle(section, body),
             _ => Err(format!("{size} bytes, over fetch.max_bytes ({max})")),
         };
         let Some(b) = self.bundle.as_mut() else {
@@ -193,8 +184,12 @@ impl WorkerState {
     }
 
     /// Checks and loads a bundle into this VM's tokenizer; the model it declares and its digest.
-    fn load_bundle(&mut self, body: &[u8]) -> Result<(Option<String>, String), String> {
-        let (Some(b), Some(cfg)) = (self.bundle.as_ref(), self.cfg.tokenizer.as_ref()) else {
+    fn load_bundle(
+        &mut self,
+        section: Option<&TokenizerSection>,
+        body: &[u8],
+    ) -> Result<(Option<String>, String), String> {
+        let (Some(b), Some(cfg)) = (self.bundle.as_ref(), section) else {
             return Err("no tokenizer configured".into());
         };
         let bundle = check_bundle(&b.fetch, body)?;
@@ -204,22 +199,76 @@ impl WorkerState {
             bundle.tokenizer_config_json,
         )
         .map_err(|e| format!("the files do not load: {e}"))?;
-        self.tokenizer = Some(t);
-        Ok((
+        let done = (
             bundle.model.map(str::to_string),
             b.fetch.sha256.to_ascii_lowercase(),
-        ))
+        );
+        self.install(t);
+        Ok(done)
+    }
+}
+
+impl WorkerState {
+    /// The fetch to dispatch now, if one is due: the first tick, then after each wait. A callout the
+    /// proxy never answers is given up after twice its timeout.
+    pub fn plan_bundle_fetch(&mut self, now: u64) -> Option<BundleRequest> {
+        self.prompts.bundle.as_mut()?.plan(now)
+    }
+
+    pub fn bundle_fetch_started(&mut self, token: u32, now: u64) {
+        if let Some(b) = self.prompts.bundle.as_mut() {
+            b.started(token, now);
+        }
+    }
+
+    /// The proxy refused to send the fetch.
+    pub fn bundle_fetch_not_started(&mut self, why: &str, now: u64) -> BundleOutcome {
+        match self.prompts.bundle.as_mut() {
+            Some(b) => b.not_started(why, now),
+            None => BundleOutcome::Unknown,
+        }
+    }
+
+    /// Whether `token` is this VM's bundle fetch.
+    pub fn is_bundle_fetch(&self, token: u32) -> bool {
+        self.prompts
+            .bundle
+            .as_ref()
+            .is_some_and(|b| b.is_fetch(token))
+    }
+
+    /// The largest answer taken into the VM (`fetch.max_bytes`).
+    pub fn bundle_max_bytes(&self) -> usize {
+        self.prompts
+            .bundle
+            .as_ref()
+            .map_or(0, |b| b.fetch.max_bytes)
+    }
+
+    /// The answer to the fetch: `status` None when none came (reset, timeout); `body` None when it
+    /// was over `max_bytes` (`size` then says how large) or the proxy would not hand it over.
+    pub fn on_bundle_answer(
+        &mut self,
+        status: Option<u16>,
+        size: usize,
+        body: Option<&[u8]>,
+        now: u64,
+    ) -> BundleOutcome {
+        let section = self.cfg.tokenizer.as_ref();
+        self.prompts
+            .on_bundle_answer(section, status, size, body, now)
     }
 
     /// Whether text prompts are tokenized now: a tokenizer configured and, when its bundle is
     /// fetched, loaded. False without a `tokenizer` section.
     pub fn tokenizer_ready(&self) -> bool {
-        self.tokenizer.is_some()
+        self.prompts.ready()
     }
 
     /// The bundle fetch's counters (attempts, refused, failed), when the bundle is fetched.
     pub fn bundle_fetch_counts(&self) -> Option<(u64, u64, u64)> {
-        self.bundle
+        self.prompts
+            .bundle
             .as_ref()
             .map(|b| (b.attempts, b.refused, b.failures))
     }

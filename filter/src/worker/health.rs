@@ -160,12 +160,12 @@ impl WorkerState {
 
     /// A failed answer was not held against any replica ([`answer_outcome`]).
     pub fn failure_not_blamed(&mut self) {
-        self.failures_not_blamed += 1;
+        self.counters.failure_not_blamed();
     }
 
     /// Failed answers not held against any replica so far.
     pub fn failures_not_blamed(&self) -> u64 {
-        self.failures_not_blamed
+        self.counters.failures_not_blamed()
     }
 
     /// Whether `replica` is ejected for failing requests.

@@ -2,6 +2,8 @@
 //! leg, each booked on its own replica; the bodies themselves are [`crate::worker::leg_bodies`]'s.
 
 use super::{BodyFallback, WorkerState};
+use crate::config::FilterConfig;
+use kvsteer_core::disaggregation::{PdParams, Role};
 use kvsteer_core::request::RouteRequest;
 use kvsteer_core::router::Decision;
 
@@ -36,21 +38,69 @@ pub enum PdRoute {
     Unavailable { replica: Option<usize>, why: String },
 }
 
-impl WorkerState {
+/// The fleet's P/D roles and parameters, and the request ids of the P/D requests this VM sends.
+#[derive(Clone, Debug)]
+pub struct PdLegs {
+    /// Every replica's P/D role; `disaggregated` when some role is not `both`.
+    roles: Vec<Role>,
+    disaggregated: bool,
+    params: PdParams,
+    /// The P/D requests' `x-request-id`: this VM's random nonce and a counter.
+    nonce: u64,
+    requests: u64,
+}
+
+impl PdLegs {
+    pub fn new(cfg: &FilterConfig) -> PdLegs {
+        PdLegs {
+            roles: cfg.roles(),
+            disaggregated: cfg.disaggregated(),
+            params: cfg.pd.params(),
+            nonce: 0,
+            requests: 0,
+        }
+    }
+
     /// Whether requests are split into a prefill and a decode leg: some replica's role is not `both`.
     pub fn disaggregated(&self) -> bool {
         self.disaggregated
     }
 
+    /// Every replica's role.
+    pub fn roles(&self) -> &[Role] {
+        &self.roles
+    }
+
+    pub fn params(&self) -> &PdParams {
+        &self.params
+    }
+
+    /// Seeds the request ids with a value of this VM's own.
+    pub fn set_nonce(&mut self, nonce: u64) {
+        self.nonce = nonce;
+    }
+
+    /// A fresh `x-request-id` for both legs of one P/D request.
+    pub fn next_request_id(&mut self) -> String {
+        self.requests += 1;
+        crate::worker::leg_bodies::request_id(self.nonce, self.requests)
+    }
+}
+
+impl WorkerState {
+    /// Whether requests are split into a prefill and a decode leg: some replica's role is not `both`.
+    pub fn disaggregated(&self) -> bool {
+        self.pd.disaggregated()
+    }
+
     /// Seeds the P/D request ids with a value of this VM's own (random at configure time).
     pub fn set_pd_nonce(&mut self, nonce: u64) {
-        self.pd_nonce = nonce;
+        self.pd.set_nonce(nonce);
     }
 
     /// A fresh `x-request-id` for both legs of one P/D request.
     pub fn next_pd_request_id(&mut self) -> String {
-        self.pd_requests += 1;
-        crate::worker::leg_bodies::request_id(self.pd_nonce, self.pd_requests)
+        self.pd.next_request_id()
     }
 
     /// Routes a P/D request: reads it, picks both ends (`Router::route_pd`) and books both legs, or
@@ -75,7 +125,7 @@ impl WorkerState {
         if body.len() > self.cfg.routing.max_body_bytes {
             return whole(self, BodyFallback::TooLarge);
         }
-        let tok = prompt_tokenizer!(self);
+        let tok = self.prompts.tokenizer();
         let req = match self.router.read_request_with(path, body, session, tok) {
             Ok(r) => r,
             Err(_) => return whole(self, BodyFallback::Unreadable),
@@ -85,7 +135,7 @@ impl WorkerState {
         };
         let d = match self
             .router
-            .route_pd(&req, &self.roles, &self.pd_params, now_ms)
+            .route_pd(&req, self.pd.roles(), self.pd.params(), now_ms)
         {
             Ok(d) => d,
             Err(e) => {
@@ -104,8 +154,8 @@ impl WorkerState {
         }
         self.router
             .admit_pd(prefill_id, decode_id, &req, &d, now_ms);
-        self.bookings += 2;
-        let decode = self.router.pd_decode_decision(&d, &self.roles);
+        self.counters.booked(2);
+        let decode = self.router.pd_decode_decision(&d, self.pd.roles());
         PdRoute::Legs {
             prefill: d.prefill,
             decode,
@@ -132,15 +182,31 @@ impl WorkerState {
         self.release(prefill_id);
         self.router
             .admit_prefill_leg(prefill_id, req, replica, matched_tokens, now_ms);
-        self.bookings += 1;
+        self.counters.booked(1);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::FilterConfig;
     use crate::worker::testing::*;
+
+    /// The roles come from the configuration; the ids are the nonce's and count up.
+    #[test]
+    fn legs_know_the_roles_and_number_their_requests() {
+        let json = r#"{"replicas":[
+            {"name":"p0","endpoint":"10.0.0.1:8000","feed_cluster":"f0","role":"prefill","prefill_cluster":"c0"},
+            {"name":"d0","endpoint":"10.0.0.3:8000","feed_cluster":"f2","role":"decode"}]}"#;
+        let mut legs = PdLegs::new(&FilterConfig::from_json(json.as_bytes()).unwrap());
+        assert!(legs.disaggregated());
+        assert_eq!(legs.roles(), &[Role::Prefill, Role::Decode]);
+        legs.set_nonce(7);
+        let first = legs.next_request_id();
+        assert_eq!(first, crate::worker::leg_bodies::request_id(7, 1));
+        assert_ne!(legs.next_request_id(), first);
+        let plain = worker("kv_load");
+        assert!(!PdLegs::new(plain.config()).disaggregated());
+    }
 
     fn pd_worker() -> WorkerState {
         let json = r#"{"replicas":[

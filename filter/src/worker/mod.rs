@@ -21,26 +21,11 @@
 //! - [`output`]: where and how a decision is written for the proxy (the destinations);
 //! - `bundle` (full build): a Hugging Face tokenizer bundle fetched at run time, checked and loaded.
 
-/// The VM's tokenizer as the core reads a prompt with it; none in the lean build, where a
-/// `tokenizer` section is refused and text prompts keep the approximate identity. A macro rather
-/// than a method: its callers borrow other fields of the state beside it (`router`, `cfg`).
-macro_rules! prompt_tokenizer {
-    ($state:expr) => {{
-        #[cfg(feature = "tokenizer")]
-        let tok = $state
-            .tokenizer
-            .as_mut()
-            .map(|t| t as &mut dyn kvsteer_core::request::PromptTokenizer);
-        #[cfg(not(feature = "tokenizer"))]
-        let tok: Option<&mut dyn kvsteer_core::request::PromptTokenizer> = None;
-        tok
-    }};
-}
-
 mod admission;
 mod budget;
 #[cfg(feature = "tokenizer")]
 pub mod bundle;
+mod counters;
 pub mod discovery;
 pub mod exchange;
 mod failures;
@@ -50,26 +35,26 @@ mod health;
 pub mod leg_bodies;
 mod leg_booking;
 mod output;
+mod prompts;
 pub mod relay;
 pub mod share;
 
+pub use admission::AdmissionGate;
 pub use budget::FEED_MIN_SLICE;
 pub use discovery::{DiscoveryPoll, DiscoveryResult, DiscoveryState};
 pub use failures::{FeedFailure, proxy_could_not_connect, proxy_timed_out};
 pub use feeds::{FeedPoll, FeedResult, FeedState};
 pub use health::{Origin, answer_outcome};
-pub use leg_booking::PdRoute;
+pub use leg_booking::{PdLegs, PdRoute};
 pub use output::{DecisionOutput, Destinations};
 pub use share::WORKING_SET_KEEP_TICKS;
 
 use crate::config::{ConfigError, FilterConfig};
+use crate::worker::counters::RequestCounters;
 use crate::worker::exchange::Exchange;
-use kvsteer_core::admission::Admission;
-use kvsteer_core::disaggregation::{PdParams, Role};
+use crate::worker::prompts::Prompts;
 use kvsteer_core::request::EarlyScan;
 use kvsteer_core::router::{Decision, Router, RouterStats};
-#[cfg(feature = "tokenizer")]
-use kvsteer_tokenizer::TextTokenizer;
 use std::collections::HashMap;
 
 /// Request paths the filter routes; everything else passes through untouched.
@@ -105,12 +90,8 @@ pub struct WorkerState {
     /// Membership read at run time (`discovery`): the roster and its poll.
     discovery: DiscoveryState,
     callouts: HashMap<u32, usize>,
-    /// Body fallbacks by reason, in [`BodyFallback`] order.
-    body_fallbacks: [u64; 5],
-    /// Client-supplied copies of the routing header that were removed.
-    spoofed_headers: u64,
-    /// Failed answers held against no replica (`health::answer_outcome`).
-    failures_not_blamed: u64,
+    /// Bookings, body fallbacks, removed headers, unblamed failures.
+    counters: RequestCounters,
     /// Feed answers refused for naming another DP rank than the unit polled.
     rank_mismatches: u64,
     /// Other workers' working-set entries this worker never read (dropped before it ticked).
@@ -145,47 +126,14 @@ pub struct WorkerState {
     /// Every value [`WorkerState::destination`] can write, formatted once per VM (see
     /// [`Destinations`]).
     destinations: Destinations,
-    /// Text-prompt tokenizer, when configured (full build only).
-    #[cfg(feature = "tokenizer")]
-    tokenizer: Option<TextTokenizer>,
-    /// The Hugging Face bundle's fetch, when it is fetched at run time (`huggingface.fetch`): the
-    /// tokenizer is `None` until it has loaded.
-    #[cfg(feature = "tokenizer")]
-    bundle: Option<bundle::BundleFetchState>,
-    /// Every replica's P/D role; `disaggregated` when some role is not `both`.
-    roles: Vec<Role>,
-    disaggregated: bool,
-    pd_params: PdParams,
-    /// The P/D requests' `x-request-id`: this VM's random nonce and a counter.
-    pd_nonce: u64,
-    pd_requests: u64,
-    /// Bookings in the load table (a request, or one leg of a P/D request) made and released by
-    /// this worker: their difference is what it has in flight, so a proxy whose counters (summed
-    /// over its workers) differ once traffic stops has leaked load.
-    bookings: u64,
-    releases: u64,
+    /// The text-prompt tokenizer and its bundle's fetch (full build only).
+    prompts: Prompts,
+    /// The P/D roles and the P/D requests' ids.
+    pd: PdLegs,
     /// The working-set exchange with other proxies (`peers`; [`crate::worker::exchange`]).
     exchange: Exchange,
-    /// Priority classes and shedding (`routing.admission`); `None`: every request is admitted.
-    admission: Option<Admission>,
-    /// The engine profile that converts queued prefill into seconds for shedding under a policy
-    /// other than `kv_time` (`routing.kv_time.profile`).
-    profile: kvsteer_core::speed::EngineProfile,
-    /// Per class, in [`Class::ALL`] order: requests admitted, and shed.
-    admitted: [u64; 3],
-    shed: [u64; 3],
-    /// Client copies of an untrusted priority header removed.
-    priority_headers_removed: u64,
-}
-
-/// The tokenizer's refusal as the plugin configuration's: the tokenizer writes `field: message`
-/// with the field relative to its own section, which is `tokenizer` here.
-#[cfg(feature = "tokenizer")]
-fn tokenizer_error(e: String) -> ConfigError {
-    match e.split_once(": ") {
-        Some((field, message)) => ConfigError::at(format!("tokenizer.{field}"), message),
-        None => ConfigError::at("tokenizer", e),
-    }
+    /// Priority classes and shedding (`routing.admission`), and their counters.
+    admission: AdmissionGate,
 }
 
 impl WorkerState {
@@ -206,26 +154,14 @@ impl WorkerState {
                 .collect(),
         );
         let feeds = vec![FeedState::default(); cfg.units.len()];
-        #[cfg(feature = "tokenizer")]
-        let (tokenizer, bundle) = match &cfg.tokenizer {
-            Some(t) => match TextTokenizer::deferred(t) {
-                Some(f) => {
-                    TextTokenizer::check_deferred(t).map_err(tokenizer_error)?;
-                    (None, Some(bundle::BundleFetchState::new(f.clone())))
-                }
-                None => (Some(TextTokenizer::new(t).map_err(tokenizer_error)?), None),
-            },
-            None => (None, None),
-        };
+        let prompts = Prompts::new(&cfg)?;
         let destinations = Destinations::new(&cfg);
         let rank_values = cfg
             .units
             .iter()
             .map(|r| r.rank.map(|k| k.to_string()))
             .collect();
-        let roles = cfg.roles();
-        let disaggregated = cfg.disaggregated();
-        let pd_params = cfg.pd.params();
+        let pd = PdLegs::new(&cfg);
         let exchange = Exchange::new(&cfg);
         let discovery = DiscoveryState {
             roster: crate::worker::discovery::roster::Roster::new(
@@ -237,36 +173,20 @@ impl WorkerState {
         for unit in cfg.static_units()..cfg.units.len() {
             router.set_membership(unit, kvsteer_core::router::Membership::Vacant);
         }
-        let admission = cfg.routing.admission.as_ref().map(Admission::new);
-        let profile = cfg.routing.kv_time.profile.profile();
+        let admission = AdmissionGate::new(&cfg);
         Ok(WorkerState {
             exchange,
             discovery,
             admission,
-            profile,
-            admitted: [0; 3],
-            shed: [0; 3],
-            priority_headers_removed: 0,
-            roles,
-            disaggregated,
-            pd_params,
-            pd_nonce: 0,
-            pd_requests: 0,
-            bookings: 0,
-            releases: 0,
+            pd,
             rank_values,
-            #[cfg(feature = "tokenizer")]
-            tokenizer,
-            #[cfg(feature = "tokenizer")]
-            bundle,
+            prompts,
             destinations,
             cfg,
             router,
             feeds,
             callouts: HashMap::new(),
-            body_fallbacks: [0; 5],
-            spoofed_headers: 0,
-            failures_not_blamed: 0,
+            counters: RequestCounters::default(),
             rank_mismatches: 0,
             working_set_missed: 0,
             working_set_refused: 0,
@@ -356,23 +276,23 @@ impl WorkerState {
 
     /// Body fallbacks so far, by reason in [`BodyFallback`] order.
     pub fn body_fallbacks(&self) -> [u64; 5] {
-        self.body_fallbacks
+        self.counters.body_fallbacks()
     }
 
     /// The text-prompt tokenizer's counters, when one is configured.
     #[cfg(feature = "tokenizer")]
     pub fn tokenizer_stats(&self) -> Option<kvsteer_tokenizer::TokenizerStats> {
-        self.tokenizer.as_ref().map(|t| t.stats())
+        self.prompts.stats()
     }
 
     /// A client's copy of the routing header was removed.
     pub fn spoofed_header_removed(&mut self) {
-        self.spoofed_headers += 1;
+        self.counters.spoofed_header_removed();
     }
 
     /// Client copies of the routing header removed so far.
     pub fn spoofed_headers(&self) -> u64 {
-        self.spoofed_headers
+        self.counters.spoofed_headers()
     }
 
     /// The header naming a request's session (`session_hash`).
@@ -424,13 +344,13 @@ impl WorkerState {
         if body.len() > self.cfg.routing.max_body_bytes {
             return self.route_fallback(request_id, BodyFallback::TooLarge, body.len(), now_ms);
         }
-        let tok = prompt_tokenizer!(self);
+        let tok = self.prompts.tokenizer();
         let (d, unread) = self
             .router
             .route_body_early(request_id, path, body, session, tok, early, now_ms);
-        self.bookings += 1;
+        self.counters.booked(1);
         if unread.is_some() {
-            self.body_fallbacks[BodyFallback::Unreadable as usize] += 1;
+            self.counters.fallback(BodyFallback::Unreadable);
         }
         d
     }
@@ -444,12 +364,12 @@ impl WorkerState {
         body_bytes: usize,
         now_ms: u64,
     ) -> Decision {
-        self.body_fallbacks[why as usize] += 1;
-        self.bookings += 1;
-        if self.disaggregated {
+        self.counters.fallback(why);
+        self.counters.booked(1);
+        if self.pd.disaggregated() {
             return self
                 .router
-                .route_unread_pd(request_id, body_bytes, &self.roles, now_ms);
+                .route_unread_pd(request_id, body_bytes, self.pd.roles(), now_ms);
         }
         self.router.route_unread(request_id, body_bytes, now_ms)
     }
@@ -469,19 +389,19 @@ impl WorkerState {
     /// not tracked (counted as a release anomaly).
     pub fn release(&mut self, request_id: u64) -> bool {
         let released = self.router.release(request_id);
-        self.releases += released as u64;
+        self.counters.released(released);
         released
     }
 
     /// Whether this VM has routed a request: only such a VM applies the other workers'
     /// working-set journals (`share_load`) and so only it has a working set worth reporting.
     pub fn has_routed(&self) -> bool {
-        self.bookings > 0
+        self.counters.has_booked()
     }
 
     /// Bookings made and released so far (requests, and each leg of a P/D request).
     pub fn bookings(&self) -> (u64, u64) {
-        (self.bookings, self.releases)
+        self.counters.bookings()
     }
 }
 
@@ -558,7 +478,7 @@ mod tests {
         let d = w.route_body(1, "/v1/chat/completions", body, None, 0);
         // <|start|> user \n hello world <|end|> \n <|start|> assistant \n
         assert_eq!(d.prompt_tokens, 10);
-        let t = w.tokenizer.as_ref().unwrap().stats();
+        let t = w.tokenizer_stats().unwrap();
         assert_eq!(t.exact, 1);
         let d = w.route_body(
             2,
@@ -568,9 +488,9 @@ mod tests {
             0,
         );
         assert!(d.fallback.is_none());
-        assert_eq!(w.tokenizer.as_ref().unwrap().stats().fallbacks[1], 1);
+        assert_eq!(w.tokenizer_stats().unwrap().fallbacks[1], 1);
         // Without the section nothing changes: no tokenizer.
-        assert!(worker("kv_load").tokenizer.is_none());
+        assert!(worker("kv_load").tokenizer_stats().is_none());
         let bad = json.replace("kvsteer_sim", "nope");
         let e = WorkerState::new(FilterConfig::from_json(bad.as_bytes()).unwrap()).err();
         assert!(e.unwrap().to_string().contains("tokenizer.chat_template"));
