@@ -4,44 +4,149 @@
 //! for the next ticks.
 
 use super::WorkerState;
+use crate::config::FilterConfig;
 use kvsteer_core::feed::FeedFrame;
-use kvsteer_core::router::FeedOutcome;
+use kvsteer_core::router::{FeedOutcome, Router};
 
 /// Feed work (block hashes and events) applied between two reads of the clock, and the least a
 /// batch with work left gets per tick whatever the time budget says. Applying 256 blocks takes tens
 /// of microseconds; a clock read is one host call.
 pub const FEED_MIN_SLICE: u64 = 256;
 
+/// One tick's budgets: the feed work this worker may still do (blocks and time), and in nginx mode
+/// the callouts it has planned.
+#[derive(Clone, Debug)]
+pub struct TickBudget {
+    /// Feed work (block hashes and events) this worker may still do in this tick.
+    blocks_left: u64,
+    /// When this tick's budget was granted (`None`: never).
+    from_ms: Option<u64>,
+    /// Nanoseconds of feed work this worker may still spend in this tick
+    /// (`feed_apply_us_per_tick`; `u64::MAX` without a time bound).
+    time_left_ns: u64,
+    /// The proxy's clock in nanoseconds, read between feed slices. Unit tests keep the default,
+    /// which never moves (only the block budget then bounds a tick), or install their own.
+    clock: fn() -> u64,
+    /// Feed slices cut short by the time budget (the block budget had room left).
+    time_cuts: u64,
+    /// The hashes of the slice being applied, kept between slices.
+    scratch: Vec<u64>,
+    /// Callouts (feed and peer polls) planned in this tick, counted only where a tick's callouts are
+    /// bounded ([`WorkerState::callouts_per_tick`]).
+    callouts: usize,
+}
+
+impl Default for TickBudget {
+    fn default() -> TickBudget {
+        TickBudget {
+            blocks_left: 0,
+            from_ms: None,
+            time_left_ns: 0,
+            clock: || 0,
+            time_cuts: 0,
+            scratch: Vec::new(),
+            callouts: 0,
+        }
+    }
+}
+
+impl TickBudget {
+    /// A new tick: its callouts start at none and its feed budgets are granted.
+    pub fn start(&mut self, cfg: &FilterConfig, now_ms: u64) {
+        self.callouts = 0;
+        self.grant(cfg, now_ms);
+    }
+
+    /// Grants a new tick's feed budget when a tick period has passed since the last grant.
+    pub fn refill(&mut self, cfg: &FilterConfig, now_ms: u64) {
+        let due = self
+            .from_ms
+            .is_none_or(|from| now_ms >= from.saturating_add(cfg.tick_ms));
+        if due {
+            self.grant(cfg, now_ms);
+        }
+    }
+
+    fn grant(&mut self, cfg: &FilterConfig, now_ms: u64) {
+        self.blocks_left = cfg.feed_apply_blocks_per_tick as u64;
+        self.time_left_ns = match cfg.feed_apply_us_per_tick {
+            0 => u64::MAX,
+            us => u64::from(us) * 1000,
+        };
+        self.from_ms = Some(now_ms);
+    }
+
+    /// Feed work (blocks and events) left in this tick.
+    pub fn blocks_left(&self) -> u64 {
+        self.blocks_left
+    }
+
+    /// Callouts planned in this tick.
+    pub fn callouts(&self) -> usize {
+        self.callouts
+    }
+
+    /// `n` more callouts planned in this tick.
+    pub fn plan_callouts(&mut self, n: usize) {
+        self.callouts += n;
+    }
+
+    /// Applies up to `allowance` units (a block hash or an event each) of `frame`, a batch of
+    /// `replica`'s, within what is left of the tick's block budget, in slices of at most
+    /// [`FEED_MIN_SLICE`] with the clock read after each: it stops once the tick's time budget is
+    /// spent, but only after `floor` units (the progress owed to this batch whatever the clock
+    /// says).
+    pub fn drain(
+        &mut self,
+        router: &mut Router,
+        replica: usize,
+        frame: &mut FeedFrame,
+        allowance: u64,
+        floor: u64,
+    ) {
+        let allow = allowance.min(self.blocks_left);
+        if allow == 0 || (self.time_left_ns == 0 && floor == 0) {
+            return;
+        }
+        let timed = self.time_left_ns != u64::MAX;
+        let started = if timed { (self.clock)() } else { 0 };
+        let mut spent = 0u64;
+        let mut out = std::mem::take(&mut self.scratch);
+        let mut used = 0u64;
+        while used < allow {
+            if timed && used >= floor && spent >= self.time_left_ns {
+                self.time_cuts += 1;
+                break;
+            }
+            let room = (allow - used).min(FEED_MIN_SLICE) as usize;
+            let Some(slice) = frame.next_slice(room, &mut out) else {
+                break;
+            };
+            router.apply_feed_slice(replica, slice, &out);
+            used += (out.len() as u64).max(1);
+            if timed {
+                // The proxy's clock is wall time (Envoy) and may step back: never negative.
+                spent = (self.clock)().saturating_sub(started);
+            }
+        }
+        self.scratch = out;
+        self.blocks_left = self.blocks_left.saturating_sub(used);
+        if timed {
+            self.time_left_ns = self.time_left_ns.saturating_sub(spent);
+        }
+    }
+}
+
 impl WorkerState {
     /// Installs the proxy's clock (nanoseconds; any epoch), read between feed slices to bound the
     /// time a tick spends applying feed batches (`feed_apply_us_per_tick`).
     pub fn set_clock(&mut self, clock: fn() -> u64) {
-        self.clock = clock;
+        self.budget.clock = clock;
     }
 
     /// Feed slices cut short by the time budget while the block budget had room left.
     pub fn feed_time_cuts(&self) -> u64 {
-        self.time_cuts
-    }
-
-    /// Grants a new tick's feed budget when a tick period has passed since the last grant (answers
-    /// arrive between ticks; [`WorkerState::start_tick`] grants one on every tick).
-    pub(super) fn refill(&mut self, now_ms: u64) {
-        let due = self
-            .budget_from_ms
-            .is_none_or(|from| now_ms >= from.saturating_add(self.cfg.tick_ms));
-        if due {
-            self.grant(now_ms);
-        }
-    }
-
-    pub(super) fn grant(&mut self, now_ms: u64) {
-        self.budget_left = self.cfg.feed_apply_blocks_per_tick as u64;
-        self.time_left_ns = match self.cfg.feed_apply_us_per_tick {
-            0 => u64::MAX,
-            us => u64::from(us) * 1000,
-        };
-        self.budget_from_ms = Some(now_ms);
+        self.budget.time_cuts
     }
 
     /// Starts a tick's feed budgets (`feed_apply_blocks_per_tick`, `feed_apply_us_per_tick`) and
@@ -49,15 +154,14 @@ impl WorkerState {
     /// at least a first slice of [`FEED_MIN_SLICE`] whatever the clock says (so every batch
     /// completes, however slow the machine), then what is left in replica order.
     pub fn start_tick(&mut self, now_ms: u64) {
-        self.tick_callouts = 0;
-        self.grant(now_ms);
+        self.budget.start(&self.cfg, now_ms);
         let waiting: Vec<usize> = (0..self.feeds.len())
             .filter(|&i| self.feeds[i].pending.is_some())
             .collect();
         if waiting.is_empty() {
             return;
         }
-        let fair = (self.budget_left / waiting.len() as u64).max(1);
+        let fair = (self.budget.blocks_left() / waiting.len() as u64).max(1);
         for &i in &waiting {
             self.drain(i, fair, FEED_MIN_SLICE);
         }
@@ -114,44 +218,13 @@ impl WorkerState {
         outcome
     }
 
-    /// Applies up to `allowance` units (a block hash or an event each) of a replica's pending batch,
-    /// within what is left of the tick's block budget, in slices of at most [`FEED_MIN_SLICE`] with
-    /// the clock read after each: it stops once the tick's time budget is spent, but only after
-    /// `floor` units (the progress owed to this batch whatever the clock says).
-    pub(super) fn drain(&mut self, replica: usize, allowance: u64, floor: u64) {
-        let allow = allowance.min(self.budget_left);
-        if allow == 0 || (self.time_left_ns == 0 && floor == 0) {
-            return;
-        }
+    /// [`TickBudget::drain`] on a replica's pending batch, which stays pending until it is done.
+    fn drain(&mut self, replica: usize, allowance: u64, floor: u64) {
         let Some(mut frame) = self.feeds.get_mut(replica).and_then(|f| f.pending.take()) else {
             return;
         };
-        let timed = self.time_left_ns != u64::MAX;
-        let started = if timed { (self.clock)() } else { 0 };
-        let mut spent = 0u64;
-        let mut out = std::mem::take(&mut self.scratch);
-        let mut used = 0u64;
-        while used < allow {
-            if timed && used >= floor && spent >= self.time_left_ns {
-                self.time_cuts += 1;
-                break;
-            }
-            let room = (allow - used).min(FEED_MIN_SLICE) as usize;
-            let Some(slice) = frame.next_slice(room, &mut out) else {
-                break;
-            };
-            self.router.apply_feed_slice(replica, slice, &out);
-            used += (out.len() as u64).max(1);
-            if timed {
-                // The proxy's clock is wall time (Envoy) and may step back: never negative.
-                spent = (self.clock)().saturating_sub(started);
-            }
-        }
-        self.scratch = out;
-        self.budget_left = self.budget_left.saturating_sub(used);
-        if timed {
-            self.time_left_ns = self.time_left_ns.saturating_sub(spent);
-        }
+        self.budget
+            .drain(&mut self.router, replica, &mut frame, allowance, floor);
         if !frame.is_done() {
             self.feeds[replica].pending = Some(frame);
         }
@@ -160,8 +233,43 @@ impl WorkerState {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::worker::testing::*;
-    use kvsteer_core::router::FeedOutcome;
+
+    /// The budget alone: granted once a tick (again only a tick period later), with no time bound
+    /// at 0 us; a batch drained within the blocks left and, past its floor, the time left.
+    #[test]
+    fn the_budget_is_granted_per_tick_and_spent_by_draining() {
+        let mut w = worker_with(
+            r#", "feed_apply_blocks_per_tick": 600, "feed_apply_us_per_tick": 0, "tick_ms": 100"#,
+        );
+        let cfg = w.config().clone();
+        let mut b = TickBudget::default();
+        assert_eq!(b.blocks_left(), 0);
+        b.start(&cfg, 0);
+        assert_eq!((b.blocks_left(), b.time_left_ns), (600, u64::MAX));
+        b.plan_callouts(2);
+        assert_eq!(b.callouts(), 2);
+        let mut frame = FeedFrame::parse(snapshot(1, 0..1_000).encode()).unwrap();
+        w.router.accept_feed_polled_at(0, frame.header(), 0);
+        b.drain(&mut w.router, 0, &mut frame, 500, 0);
+        // The cleared event and 499 hashes.
+        assert_eq!((b.blocks_left(), w.stats().index_blocks), (100, 499));
+        b.refill(&cfg, 99);
+        assert_eq!(b.blocks_left(), 100, "not a tick yet");
+        b.drain(&mut w.router, 0, &mut frame, u64::MAX, 0);
+        assert_eq!((b.blocks_left(), w.stats().index_blocks), (0, 599));
+        b.drain(&mut w.router, 0, &mut frame, u64::MAX, FEED_MIN_SLICE);
+        assert_eq!(w.stats().index_blocks, 599, "nothing left to spend");
+        b.refill(&cfg, 100);
+        assert_eq!(b.blocks_left(), 600);
+        b.drain(&mut w.router, 0, &mut frame, u64::MAX, 0);
+        assert!(frame.is_done());
+        assert_eq!((b.blocks_left(), w.stats().index_blocks), (199, 1_000));
+        assert_eq!(b.time_cuts, 0);
+        b.start(&cfg, 150);
+        assert_eq!((b.callouts(), b.blocks_left()), (0, 600));
+    }
 
     #[test]
     fn on_a_clock_that_runs_out_at_once_each_tick_still_applies_a_first_slice() {

@@ -127,7 +127,7 @@ impl WorkerState {
             0
         };
         for k in 0..n {
-            if bounded && self.tick_callouts + out.len() >= limit {
+            if bounded && self.budget.callouts() + out.len() >= limit {
                 break;
             }
             let i = (start + k) % n;
@@ -179,7 +179,7 @@ impl WorkerState {
             }
         }
         if bounded {
-            self.tick_callouts += out.len();
+            self.budget.plan_callouts(out.len());
         }
         out
     }
@@ -324,7 +324,7 @@ impl WorkerState {
             // Our own batch: followers apply it, we apply it below.
             self.feeds[replica].relay_seen = n;
         }
-        self.refill(now_ms);
+        self.budget.refill(&self.cfg, now_ms);
         let outcome = self.accept_frame(replica, frame, polled_ms);
         self.feed_ok(replica, now_ms, more);
         self.set_down(replica, false, store, now_ms);

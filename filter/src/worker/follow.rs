@@ -52,7 +52,7 @@ impl WorkerState {
                 if !frame.trim_to_cursor(&q) {
                     continue;
                 }
-                self.refill(now_ms);
+                self.budget.refill(&self.cfg, now_ms);
                 let outcome = self.accept_frame(i, frame, polled_ms);
                 self.feeds[i].relayed += 1;
                 if outcome != FeedOutcome::Gap {

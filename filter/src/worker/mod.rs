@@ -40,7 +40,7 @@ pub mod relay;
 pub mod share;
 
 pub use admission::AdmissionGate;
-pub use budget::FEED_MIN_SLICE;
+pub use budget::{FEED_MIN_SLICE, TickBudget};
 pub use discovery::{DiscoveryPoll, DiscoveryResult, DiscoveryState};
 pub use failures::{FeedFailure, proxy_could_not_connect, proxy_timed_out};
 pub use feeds::{FeedPoll, FeedResult, FeedState};
@@ -105,24 +105,10 @@ pub struct WorkerState {
     /// This worker's number among the proxy's workers; `None` without shared data.
     worker_id: Option<u32>,
     started_ms: Option<u64>,
-    /// Callouts (feed and peer polls) planned in this tick, counted only where a tick's callouts are
-    /// bounded ([`WorkerState::callouts_per_tick`]).
-    tick_callouts: usize,
     /// Where the next bounded tick starts looking for a feed to poll, so every replica gets its turn.
     poll_cursor: usize,
-    /// Feed work (block hashes and events) this worker may still do in this tick.
-    budget_left: u64,
-    /// When this tick's budget was granted (`None`: never).
-    budget_from_ms: Option<u64>,
-    /// Nanoseconds of feed work this worker may still spend in this tick
-    /// (`feed_apply_us_per_tick`; `u64::MAX` without a time bound).
-    time_left_ns: u64,
-    /// The proxy's clock in nanoseconds, read between feed slices. Unit tests keep the default,
-    /// which never moves (only the block budget then bounds a tick), or install their own.
-    clock: fn() -> u64,
-    /// Feed slices cut short by the time budget (the block budget had room left).
-    time_cuts: u64,
-    scratch: Vec<u64>,
+    /// This tick's budgets: feed work, and callouts in nginx mode.
+    budget: TickBudget,
     /// Every value [`WorkerState::destination`] can write, formatted once per VM (see
     /// [`Destinations`]).
     destinations: Destinations,
@@ -193,14 +179,8 @@ impl WorkerState {
             text_sharing: share::TextSharing::default(),
             worker_id: None,
             started_ms: None,
-            tick_callouts: 0,
             poll_cursor: 0,
-            budget_left: 0,
-            budget_from_ms: None,
-            time_left_ns: 0,
-            clock: || 0,
-            time_cuts: 0,
-            scratch: Vec::new(),
+            budget: TickBudget::default(),
         })
     }
 

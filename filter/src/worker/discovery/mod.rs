@@ -105,10 +105,10 @@ impl WorkerState {
         }
         let limit = self.callouts_per_tick();
         if limit != usize::MAX {
-            if self.callout_out(now_ms) || self.tick_callouts >= limit {
+            if self.callout_out(now_ms) || self.budget.callouts() >= limit {
                 return None;
             }
-            self.tick_callouts += 1;
+            self.budget.plan_callouts(1);
         }
         Some(DiscoveryPoll {
             upstream: d.cluster.clone(),

@@ -22,8 +22,8 @@ impl WorkerState {
             }
             // Over the tick's bound (feed polls come first): planning marks nothing, so a peer
             // left out is due again next tick.
-            calls.truncate(limit.saturating_sub(self.tick_callouts));
-            self.tick_callouts += calls.len();
+            calls.truncate(limit.saturating_sub(self.budget.callouts()));
+            self.budget.plan_callouts(calls.len());
         }
         calls
     }
