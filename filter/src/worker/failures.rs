@@ -127,7 +127,7 @@ impl WorkerState {
                 .max(self.cfg.feed_period_ms)
                 .saturating_mul(2)
                 .min(max);
-            let wait = jittered(f.backoff_ms, self.worker_id, replica, now_ms);
+            let wait = jittered(f.backoff_ms, self.sharing.id(), replica, now_ms);
             f.next_poll_ms = f.next_poll_ms.max(now_ms.saturating_add(wait));
         }
         if f.consecutive_unreachable >= limit && !self.router.is_down(replica) {
@@ -289,8 +289,8 @@ mod tests {
         let store = MemStore::default();
         let mut w = worker("kv_load");
         let mut follower = worker("kv_load");
-        w.worker_id = Some(0);
-        follower.worker_id = Some(1);
+        w.sharing.set_id(Some(0));
+        follower.sharing.set_id(Some(1));
         // Make worker 0 the lease holder of both feeds.
         for f in &mut w.feeds {
             f.leased = true;

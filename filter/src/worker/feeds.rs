@@ -140,7 +140,7 @@ impl WorkerState {
             }
             let q = self.router.feed_query(i, self.cfg.feed_max_events);
             let mut took_lease = false;
-            let poll = match (store, self.worker_id) {
+            let poll = match (store, self.sharing.id()) {
                 (Some(s), Some(me)) if q.epoch != 0 => {
                     // A holder backing off from a dead replica keeps the lease through its next
                     // (doubled) wait, or another worker would take it and start polling afresh.

@@ -157,8 +157,8 @@ mod tests {
         let routing = r#"{"policy":"kv_load","kv_load":{"reported_load":"max"}}"#;
         let mut lead = worker_routing(routing);
         let mut follow = worker_routing(routing);
-        lead.worker_id = Some(0);
-        follow.worker_id = Some(1);
+        lead.sharing.set_id(Some(0));
+        follow.sharing.set_id(Some(1));
         let snap = |epoch| FeedBatch {
             epoch,
             resync: true,
@@ -224,8 +224,8 @@ mod tests {
         let store = MemStore::default();
         let extra = r#", "feed_apply_blocks_per_tick": 500"#;
         let (mut lead, mut follow) = (worker_with(extra), worker_with(extra));
-        lead.worker_id = Some(0);
-        follow.worker_id = Some(1);
+        lead.sharing.set_id(Some(0));
+        follow.sharing.set_id(Some(1));
         // Both take their own snapshot of an empty r0, then the leader holds the lease.
         for (w, token) in [(&mut lead, 1), (&mut follow, 2)] {
             w.start_tick(0);

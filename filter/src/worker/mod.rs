@@ -94,16 +94,10 @@ pub struct WorkerState {
     counters: RequestCounters,
     /// Feed answers refused for naming another DP rank than the unit polled.
     rank_mismatches: u64,
-    /// Other workers' working-set entries this worker never read (dropped before it ticked).
-    working_set_missed: u64,
-    /// Other workers' working-set journals refused as malformed or for another replica count.
-    working_set_refused: u64,
-    /// Other workers' text-prompt records applied, missed and refused ([`share::TextSharing`]).
-    text_sharing: share::TextSharing,
+    /// This worker's number, and what it took in of the other workers' journals.
+    sharing: share::Sharing,
     /// Per unit, the rank header's value (`None`: a unit without a rank), formatted once.
     rank_values: Vec<Option<String>>,
-    /// This worker's number among the proxy's workers; `None` without shared data.
-    worker_id: Option<u32>,
     started_ms: Option<u64>,
     /// Where the next bounded tick starts looking for a feed to poll, so every replica gets its turn.
     poll_cursor: usize,
@@ -174,10 +168,7 @@ impl WorkerState {
             callouts: HashMap::new(),
             counters: RequestCounters::default(),
             rank_mismatches: 0,
-            working_set_missed: 0,
-            working_set_refused: 0,
-            text_sharing: share::TextSharing::default(),
-            worker_id: None,
+            sharing: share::Sharing::default(),
             started_ms: None,
             poll_cursor: 0,
             budget: TickBudget::default(),

@@ -12,7 +12,7 @@ impl WorkerState {
         // From the start, unlike the other workers' journals (`share_load`): a proxy that takes
         // traffic later needs what the others served before, and their journals keep only a few
         // polls' worth.
-        let sharing = self.worker_id.is_some() && self.router.has_working_set();
+        let sharing = self.sharing.id().is_some() && self.router.has_working_set();
         let busy = self.callout_out(now_ms);
         let mut calls = self.exchange.plan(&self.cfg, &self.router, sharing, now_ms);
         let limit = self.callouts_per_tick();
@@ -79,7 +79,7 @@ impl WorkerState {
         token: Option<&[u8]>,
         now_ms: u64,
     ) -> PeerResponse {
-        let store = self.worker_id.map(|_| store);
+        let store = self.sharing.store(store);
         self.exchange
             .serve(&self.cfg, store, method, path, token, now_ms)
     }

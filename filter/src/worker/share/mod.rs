@@ -41,7 +41,7 @@ mod text;
 mod tick;
 
 pub use text::{TextSharing, read_text_fresh, text_key};
-pub use tick::WORKING_SET_KEEP_TICKS;
+pub use tick::{Sharing, WORKING_SET_KEEP_TICKS};
 
 use crate::host::store::SharedStore;
 use kvsteer_core::health::HealthCounts;

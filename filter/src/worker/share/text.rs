@@ -68,17 +68,17 @@ impl WorkerState {
             };
             match self.router.apply_peer_text_records(peer, &journal, now_ms) {
                 Some(got) => {
-                    self.text_sharing.applied += got.entries;
-                    self.text_sharing.missed += got.missed;
+                    self.sharing.text.applied += got.entries;
+                    self.sharing.text.missed += got.missed;
                 }
-                None => self.text_sharing.refused += 1,
+                None => self.sharing.text.refused += 1,
             }
         }
     }
 
     /// Other workers' text-prompt records applied, missed and refused (counters since start).
     pub fn text_sharing(&self) -> TextSharing {
-        self.text_sharing
+        self.sharing.text
     }
 }
 

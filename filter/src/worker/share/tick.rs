@@ -9,32 +9,72 @@ use crate::worker::share;
 /// A worker's working-set journal keeps this many ticks of its admissions for the other workers.
 pub const WORKING_SET_KEEP_TICKS: u64 = 4;
 
+/// This worker's place among the proxy's workers: its number, and what it took in of the others'
+/// working-set and text-prompt journals.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Sharing {
+    /// This worker's number among the proxy's workers; `None` without shared data.
+    id: Option<u32>,
+    /// Other workers' working-set entries this worker never read (dropped before it ticked).
+    working_set_missed: u64,
+    /// Other workers' working-set journals refused as malformed or for another replica count.
+    working_set_refused: u64,
+    /// Other workers' text-prompt records applied, missed and refused ([`share::TextSharing`]).
+    pub(super) text: share::TextSharing,
+}
+
+impl Sharing {
+    /// This worker's number; `None` until claimed, or without shared data.
+    pub fn id(&self) -> Option<u32> {
+        self.id
+    }
+
+    /// Sets the number (tests make a worker lead or follow without a store).
+    #[cfg(test)]
+    pub fn set_id(&mut self, id: Option<u32>) {
+        self.id = id;
+    }
+
+    /// The store, once this worker has a number.
+    pub fn store<'a>(&self, store: &'a dyn SharedStore) -> Option<&'a dyn SharedStore> {
+        self.id.map(|_| store)
+    }
+
+    /// Counts what applying another worker's working-set journal came to (`None`: refused).
+    pub fn working_set_applied(&mut self, missed: Option<u64>) {
+        match missed {
+            Some(missed) => self.working_set_missed += missed,
+            None => self.working_set_refused += 1,
+        }
+    }
+}
+
 impl WorkerState {
     /// This worker's number among the proxy's workers; `None` until claimed, or without shared data.
     pub fn worker_id(&self) -> Option<u32> {
-        self.worker_id
+        self.sharing.id()
     }
 
     /// Claims this worker's number from the shared counter ([`share::claim_worker_id`]).
     pub fn claim_worker_id(&mut self, store: &dyn SharedStore) -> Option<u32> {
-        self.worker_id = share::claim_worker_id(store, &self.cfg.shared_key_prefix);
-        if self.worker_id.is_some() {
+        self.sharing.id = share::claim_worker_id(store, &self.cfg.shared_key_prefix);
+        if self.sharing.id.is_some() {
             self.router.share_working_set();
             self.router.share_text_records();
         }
-        self.worker_id
+        self.sharing.id
     }
 
     /// The shared store, for the operations that need one, once this worker has a number: without one
     /// (no shared data) feeds are polled and load is kept per worker.
     pub fn shared<'a>(&self, store: &'a dyn SharedStore) -> Option<&'a dyn SharedStore> {
-        self.worker_id.map(|_| store)
+        self.sharing.store(store)
     }
 
     /// Publishes this worker's in-flight load and takes in the other workers' (records older than
     /// `peer_ttl_ms` are dropped): the exchange each tick makes. Nothing without a worker number.
     pub fn share_load(&mut self, store: &dyn SharedStore, now_ms: u64) {
-        let Some(me) = self.worker_id else {
+        let Some(me) = self.sharing.id() else {
             return;
         };
         let prefix = &self.cfg.shared_key_prefix;
@@ -94,10 +134,8 @@ impl WorkerState {
                 continue;
             }
             if let Some(journal) = share::read_working_set_fresh(store, prefix, peer, now_ms, ttl) {
-                match self.router.apply_peer_working_set(peer, &journal) {
-                    Some(applied) => self.working_set_missed += applied.missed,
-                    None => self.working_set_refused += 1,
-                }
+                let applied = self.router.apply_peer_working_set(peer, &journal);
+                self.sharing.working_set_applied(applied.map(|a| a.missed));
             }
         }
         self.share_text_records(store, me, count, now_ms);
@@ -106,7 +144,10 @@ impl WorkerState {
 
     /// Other workers' working-set entries missed and journals refused (counters since start).
     pub fn working_set_sharing(&self) -> (u64, u64) {
-        (self.working_set_missed, self.working_set_refused)
+        (
+            self.sharing.working_set_missed,
+            self.sharing.working_set_refused,
+        )
     }
 }
 
@@ -114,6 +155,20 @@ impl WorkerState {
 mod tests {
     use super::*;
     use crate::worker::testing::*;
+
+    #[test]
+    fn a_number_opens_the_store_and_journals_are_counted() {
+        let store = crate::host::store::tests::MemStore::default();
+        let mut s = Sharing::default();
+        assert!(s.store(&store).is_none(), "no number, no shared data");
+        s.set_id(Some(3));
+        assert_eq!(s.id(), Some(3));
+        assert!(s.store(&store).is_some());
+        s.working_set_applied(Some(2));
+        s.working_set_applied(None);
+        s.working_set_applied(Some(0));
+        assert_eq!((s.working_set_missed, s.working_set_refused), (2, 1));
+    }
 
     #[test]
     fn a_worker_applies_the_others_working_sets_from_its_first_request() {
