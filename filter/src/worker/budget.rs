@@ -155,9 +155,7 @@ impl WorkerState {
     /// completes, however slow the machine), then what is left in replica order.
     pub fn start_tick(&mut self, now_ms: u64) {
         self.budget.start(&self.cfg, now_ms);
-        let waiting: Vec<usize> = (0..self.feeds.len())
-            .filter(|&i| self.feeds[i].pending.is_some())
-            .collect();
+        let waiting = self.feeds.waiting();
         if waiting.is_empty() {
             return;
         }
@@ -180,11 +178,7 @@ impl WorkerState {
 
     /// Block hashes accepted and not yet applied, all replicas together.
     pub fn pending_blocks(&self) -> u64 {
-        self.feeds
-            .iter()
-            .filter_map(|f| f.pending.as_ref())
-            .map(FeedFrame::hashes_left)
-            .sum()
+        self.feeds.pending_blocks()
     }
 
     /// Accepts a checked batch (cursor, reset for a snapshot) and applies what this tick's budget

@@ -51,7 +51,7 @@ impl WorkerState {
     /// Marks replicas stale whose feed has not been applied for `stale_after_failures + 1` periods
     /// (a follower learns of a failing poller this way). Returns the replicas that just became stale.
     pub fn check_staleness(&mut self, now_ms: u64) -> Vec<usize> {
-        let started = *self.started_ms.get_or_insert(now_ms);
+        let started = self.feeds.started_ms(now_ms);
         let limit = self
             .cfg
             .feed_period_ms
@@ -292,7 +292,7 @@ mod tests {
         w.sharing.set_id(Some(0));
         follower.sharing.set_id(Some(1));
         // Make worker 0 the lease holder of both feeds.
-        for f in &mut w.feeds {
+        for f in w.feeds.iter_mut() {
             f.leased = true;
         }
         let mut token = 0;

@@ -43,7 +43,7 @@ pub use admission::AdmissionGate;
 pub use budget::{FEED_MIN_SLICE, TickBudget};
 pub use discovery::{DiscoveryPoll, DiscoveryResult, DiscoveryState};
 pub use failures::{FeedFailure, proxy_could_not_connect, proxy_timed_out};
-pub use feeds::{FeedPoll, FeedResult, FeedState};
+pub use feeds::{FeedPoll, FeedPollers, FeedResult, FeedState};
 pub use health::{Origin, answer_outcome};
 pub use leg_booking::{PdLegs, PdRoute};
 pub use output::{DecisionOutput, Destinations};
@@ -55,7 +55,6 @@ use crate::worker::exchange::Exchange;
 use crate::worker::prompts::Prompts;
 use kvsteer_core::request::EarlyScan;
 use kvsteer_core::router::{Decision, Router, RouterStats};
-use std::collections::HashMap;
 
 /// Request paths the filter routes; everything else passes through untouched.
 pub const INFERENCE_PATHS: [&str; 2] = ["/v1/completions", "/v1/chat/completions"];
@@ -86,21 +85,16 @@ pub enum BodyFallback {
 pub struct WorkerState {
     cfg: FilterConfig,
     router: Router,
-    feeds: Vec<FeedState>,
+    /// The feed pollers: each unit's poll state and the callouts out.
+    feeds: FeedPollers,
     /// Membership read at run time (`discovery`): the roster and its poll.
     discovery: DiscoveryState,
-    callouts: HashMap<u32, usize>,
     /// Bookings, body fallbacks, removed headers, unblamed failures.
     counters: RequestCounters,
-    /// Feed answers refused for naming another DP rank than the unit polled.
-    rank_mismatches: u64,
     /// This worker's number, and what it took in of the other workers' journals.
     sharing: share::Sharing,
     /// Per unit, the rank header's value (`None`: a unit without a rank), formatted once.
     rank_values: Vec<Option<String>>,
-    started_ms: Option<u64>,
-    /// Where the next bounded tick starts looking for a feed to poll, so every replica gets its turn.
-    poll_cursor: usize,
     /// This tick's budgets: feed work, and callouts in nginx mode.
     budget: TickBudget,
     /// Every value [`WorkerState::destination`] can write, formatted once per VM (see
@@ -133,7 +127,7 @@ impl WorkerState {
                 })
                 .collect(),
         );
-        let feeds = vec![FeedState::default(); cfg.units.len()];
+        let feeds = FeedPollers::new(cfg.units.len());
         let prompts = Prompts::new(&cfg)?;
         let destinations = Destinations::new(&cfg);
         let rank_values = cfg
@@ -165,12 +159,8 @@ impl WorkerState {
             cfg,
             router,
             feeds,
-            callouts: HashMap::new(),
             counters: RequestCounters::default(),
-            rank_mismatches: 0,
             sharing: share::Sharing::default(),
-            started_ms: None,
-            poll_cursor: 0,
             budget: TickBudget::default(),
         })
     }
