@@ -93,12 +93,10 @@ pub struct WorkerState {
     counters: RequestCounters,
     /// This worker's number, and what it took in of the other workers' journals.
     sharing: share::Sharing,
-    /// Per unit, the rank header's value (`None`: a unit without a rank), formatted once.
-    rank_values: Vec<Option<String>>,
     /// This tick's budgets: feed work, and callouts in nginx mode.
     budget: TickBudget,
-    /// Every value [`WorkerState::destination`] can write, formatted once per VM (see
-    /// [`Destinations`]).
+    /// Every value [`WorkerState::destination`] and [`WorkerState::rank_value`] can write, formatted
+    /// once per VM and again per membership (see [`Destinations`]).
     destinations: Destinations,
     /// The text-prompt tokenizer and its bundle's fetch (full build only).
     prompts: Prompts,
@@ -130,11 +128,6 @@ impl WorkerState {
         let feeds = FeedPollers::new(cfg.units.len());
         let prompts = Prompts::new(&cfg)?;
         let destinations = Destinations::new(&cfg);
-        let rank_values = cfg
-            .units
-            .iter()
-            .map(|r| r.rank.map(|k| k.to_string()))
-            .collect();
         let pd = PdLegs::new(&cfg);
         let exchange = Exchange::new(&cfg);
         let discovery = DiscoveryState {
@@ -153,7 +146,6 @@ impl WorkerState {
             discovery,
             admission,
             pd,
-            rank_values,
             prompts,
             destinations,
             cfg,

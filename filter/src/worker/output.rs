@@ -25,12 +25,14 @@ pub enum DecisionOutput<'a> {
 /// one: per replica its own value (endpoint, or cluster in cluster-header mode) and, in
 /// destination-header mode with `retry_backup`, every `primary,backup` pair while the fleet is
 /// small enough for the table ([`Destinations::MAX_PAIR_TABLE`] replicas: 4,096 pairs); larger
-/// fleets format the pair per request.
+/// fleets format the pair per request. Beside them, per unit, the rank header's value.
 #[derive(Clone, Debug, Default)]
 pub struct Destinations {
     single: Vec<String>,
     /// `pairs[primary * replicas + backup]`; empty when not used or too large.
     pairs: Vec<String>,
+    /// Per unit, the rank header's value (`None`: a unit without a rank).
+    ranks: Vec<Option<String>>,
 }
 
 impl Destinations {
@@ -64,7 +66,21 @@ impl Destinations {
         } else {
             Vec::new()
         };
-        Destinations { single, pairs }
+        let ranks = cfg
+            .units
+            .iter()
+            .map(|r| r.rank.map(|k| k.to_string()))
+            .collect();
+        Destinations {
+            single,
+            pairs,
+            ranks,
+        }
+    }
+
+    /// The rank header's value for a unit (`None`: a unit without a rank, or out of range).
+    fn rank(&self, unit: usize) -> Option<&str> {
+        self.ranks.get(unit)?.as_deref()
     }
 
     /// The value for `replica` with an optional backup (indices clamped to the fleet: the routing
@@ -119,7 +135,7 @@ impl WorkerState {
 
     /// The rank header's value for a unit (`None`: a unit without a rank).
     pub fn rank_of_unit(&self, replica: usize) -> Option<&str> {
-        self.rank_values.get(replica)?.as_deref()
+        self.destinations.rank(replica)
     }
 
     /// The value to write for the chosen replica, per output mode. With the destination header and
@@ -211,6 +227,20 @@ mod tests {
             }
         }
         assert!(checked >= 30, "{checked} configurations checked");
+    }
+
+    /// A DP rank's value is its rank; a plain unit and one out of range have none.
+    #[test]
+    fn rank_values_are_formatted_per_unit() {
+        let json = r#"{"replicas":[
+            {"name":"e0","endpoint":"127.0.0.1:8000","feed_cluster":"f0","dp_ranks":2},
+            {"name":"e1","endpoint":"127.0.0.1:8001","feed_cluster":"f1"}]}"#;
+        let d = Destinations::new(&FilterConfig::from_json(json.as_bytes()).unwrap());
+        assert_eq!(
+            (d.rank(0), d.rank(1), d.rank(2)),
+            (Some("0"), Some("1"), None)
+        );
+        assert_eq!(d.rank(3), None);
     }
 
     #[test]

@@ -346,12 +346,12 @@ impl WorkerState {
                 ..FeedState::default()
             };
         }
-        if let Some(v) = self.rank_values.get_mut(unit) {
-            *v = seat.and_then(|s| s.rank).map(|r| r.to_string());
-        }
+        // The unit's rank header value is formatted again with the destinations
+        // ([`Self::refresh_units`], which follows every seating).
     }
 
-    /// What is formatted once per membership: the destination values and the address groups.
+    /// What is formatted once per membership: the destination and rank values and the address
+    /// groups.
     fn refresh_units(&mut self) {
         self.destinations = super::Destinations::new(&self.cfg);
         let groups = self
