@@ -5,7 +5,7 @@
 //! refused bundle is retried after a wait that doubles from `retry_min_ms` to `retry_max_ms`
 //! (jittered 80-120%), for as long as the VM lives; the filter routes throughout.
 //!
-//! Like the feed pollers' state ([`super::feeds`]), this is free of host calls: the root context
+//! Like the feed pollers' state ([`super::pollers`]), this is free of host calls: the root context
 //! dispatches the callout [`WorkerState::plan_bundle_fetch`] asks for and hands the answer over. The
 //! fetch's state is [`BundleFetchState`]'s; the tokenizer it loads is [`Prompts`]'.
 

@@ -3,7 +3,8 @@
 //! or is to be done, and only move bytes to and from the host. This file holds the state itself and
 //! the requests' routing and bookkeeping; each other job has its own room in `worker/`:
 //!
-//! - [`feeds`]: when to poll each replica's feed, and its answers;
+//! - [`feeds`]: when to poll each replica's feed, and its answers; [`pollers`]: the poll state per
+//!   replica and the callouts out;
 //! - [`relay`]: one feed poll per replica for the whole proxy (the lease) and the batches relayed
 //!   to the other workers; [`follow`]: following the holder's relayed batches and its word on down
 //!   replicas;
@@ -35,24 +36,26 @@ mod health;
 pub mod leg_bodies;
 mod leg_booking;
 mod output;
+mod pollers;
 mod prompts;
 pub mod relay;
 pub mod share;
 
 pub use admission::AdmissionGate;
 pub use budget::{FEED_MIN_SLICE, TickBudget};
+pub use counters::RequestCounters;
 pub use discovery::{DiscoveryPoll, DiscoveryResult, DiscoveryState};
 pub use failures::{FeedFailure, proxy_could_not_connect, proxy_timed_out};
-pub use feeds::{FeedPoll, FeedPollers, FeedResult, FeedState};
+pub use feeds::{FeedPoll, FeedResult};
 pub use health::{Origin, answer_outcome};
 pub use leg_booking::{PdLegs, PdRoute};
 pub use output::{DecisionOutput, Destinations};
-pub use share::WORKING_SET_KEEP_TICKS;
+pub use pollers::{FeedPollers, FeedState};
+pub use prompts::Prompts;
+pub use share::{Sharing, WORKING_SET_KEEP_TICKS};
 
 use crate::config::{ConfigError, FilterConfig};
-use crate::worker::counters::RequestCounters;
 use crate::worker::exchange::Exchange;
-use crate::worker::prompts::Prompts;
 use kvsteer_core::request::EarlyScan;
 use kvsteer_core::router::{Decision, Router, RouterStats};
 
