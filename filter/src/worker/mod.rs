@@ -111,34 +111,31 @@ pub struct WorkerState {
     admission: AdmissionGate,
 }
 
+/// Per unit, the first unit with its address: the ranks of one endpoint share it, and a retry
+/// backup is taken from another one.
+fn address_groups(units: &[crate::config::Unit]) -> Vec<usize> {
+    units
+        .iter()
+        .map(|r| {
+            units
+                .iter()
+                .position(|o| o.endpoint == r.endpoint)
+                .unwrap_or(0)
+        })
+        .collect()
+}
+
 impl WorkerState {
     pub fn new(cfg: FilterConfig) -> Result<WorkerState, ConfigError> {
-        // Kept whole: most of it is the state's literal, one line per field.
         let mut router = Router::new(cfg.routing.clone(), cfg.units.len())
             .map_err(|e| ConfigError::at("routing", e.to_string()))?;
-        // The ranks of one endpoint share its address: a retry backup is taken from another one.
-        router.set_address_groups(
-            cfg.units
-                .iter()
-                .map(|r| {
-                    cfg.units
-                        .iter()
-                        .position(|o| o.endpoint == r.endpoint)
-                        .unwrap_or(0)
-                })
-                .collect(),
-        );
+        router.set_address_groups(address_groups(&cfg.units));
         let feeds = FeedPollers::new(cfg.units.len());
         let prompts = Prompts::new(&cfg)?;
         let destinations = Destinations::new(&cfg);
         let pd = PdLegs::new(&cfg);
         let exchange = Exchange::new(&cfg);
-        let discovery = DiscoveryState {
-            roster: crate::worker::discovery::roster::Roster::new(
-                cfg.units.len() - cfg.static_units(),
-            ),
-            ..DiscoveryState::default()
-        };
+        let discovery = DiscoveryState::new(cfg.units.len() - cfg.static_units());
         // Discovery's slots start empty: nothing is routed to them until a member is seated.
         for unit in cfg.static_units()..cfg.units.len() {
             router.set_membership(unit, kvsteer_core::router::Membership::Vacant);

@@ -7,7 +7,7 @@
 pub mod roster;
 
 use super::{FeedState, WorkerState};
-use crate::config::{OutputMode, Unit};
+use crate::config::{DiscoverySection, OutputMode, Unit};
 use crate::host::store::SharedStore;
 use crate::worker::discovery::roster::{ROSTER_KEY, Refusal, Roster, RosterRules};
 use kvsteer_core::router::Membership;
@@ -35,6 +35,60 @@ pub struct DiscoveryState {
 }
 
 impl DiscoveryState {
+    /// `slots` empty slots after the static units.
+    pub fn new(slots: usize) -> DiscoveryState {
+        DiscoveryState {
+            roster: Roster::new(slots),
+            ..DiscoveryState::default()
+        }
+    }
+
+    /// A poll out for twice its timeout and a second counts as lost (the proxy answers every
+    /// callout, a timeout included).
+    fn lost_after(d: &DiscoverySection) -> u64 {
+        d.timeout_ms.saturating_mul(2).saturating_add(1_000)
+    }
+
+    /// Whether a poll is out and not yet counted lost.
+    fn out(&self, d: &DiscoverySection, now_ms: u64) -> bool {
+        self.in_flight.is_some() && now_ms.saturating_sub(self.polled_ms) < Self::lost_after(d)
+    }
+
+    /// Whether a poll is due: none out and the period passed. A poll out past
+    /// [`Self::lost_after`] is counted lost first, so that one never answered cannot stop the
+    /// polling for good.
+    fn due(&mut self, d: &DiscoverySection, now_ms: u64) -> bool {
+        if self.in_flight.is_some() {
+            if self.out(d, now_ms) {
+                return false;
+            }
+            self.in_flight = None;
+            self.failures += 1;
+        }
+        self.next_poll_ms <= now_ms
+    }
+
+    fn started(&mut self, token: u32, now_ms: u64, period_ms: u64) {
+        self.in_flight = Some(token);
+        self.polled_ms = now_ms;
+        self.polls += 1;
+        self.next_poll_ms = now_ms.saturating_add(period_ms);
+    }
+
+    fn not_started(&mut self, now_ms: u64, period_ms: u64) {
+        self.failures += 1;
+        self.next_poll_ms = now_ms.saturating_add(period_ms);
+    }
+
+    /// Whether `token` is the poll out; if so it is answered, no longer out.
+    fn answered(&mut self, token: u32) -> bool {
+        if self.in_flight != Some(token) {
+            return false;
+        }
+        self.in_flight = None;
+        true
+    }
+
     fn refuse(&mut self, r: Refusal) -> DiscoveryResult {
         if let Some(i) = Refusal::KINDS.iter().position(|&k| k == r.kind()) {
             self.refused[i] += 1;
@@ -91,16 +145,7 @@ impl WorkerState {
     /// callout is free).
     pub fn plan_discovery_poll(&mut self, now_ms: u64) -> Option<DiscoveryPoll> {
         let d = self.cfg.discovery.as_ref()?;
-        let lost_after = d.timeout_ms.saturating_mul(2).saturating_add(1_000);
-        if let Some(_token) = self.discovery.in_flight {
-            if now_ms.saturating_sub(self.discovery.polled_ms) < lost_after {
-                return None;
-            }
-            // Never answered: counted lost, so it cannot stop the polling for good.
-            self.discovery.in_flight = None;
-            self.discovery.failures += 1;
-        }
-        if self.discovery.next_poll_ms > now_ms {
+        if !self.discovery.due(d, now_ms) {
             return None;
         }
         let limit = self.callouts_per_tick();
@@ -124,23 +169,17 @@ impl WorkerState {
         let Some(d) = self.cfg.discovery.as_ref() else {
             return false;
         };
-        let lost_after = d.timeout_ms.saturating_mul(2).saturating_add(1_000);
-        self.discovery.in_flight.is_some()
-            && now_ms.saturating_sub(self.discovery.polled_ms) < lost_after
+        self.discovery.out(d, now_ms)
     }
 
     pub fn discovery_poll_started(&mut self, token: u32, now_ms: u64) {
         let period = self.cfg.discovery.as_ref().map_or(0, |d| d.period_ms);
-        self.discovery.in_flight = Some(token);
-        self.discovery.polled_ms = now_ms;
-        self.discovery.polls += 1;
-        self.discovery.next_poll_ms = now_ms.saturating_add(period);
+        self.discovery.started(token, now_ms, period);
     }
 
     pub fn discovery_poll_not_started(&mut self, now_ms: u64) {
         let period = self.cfg.discovery.as_ref().map_or(0, |d| d.period_ms);
-        self.discovery.failures += 1;
-        self.discovery.next_poll_ms = now_ms.saturating_add(period);
+        self.discovery.not_started(now_ms, period);
     }
 
     pub fn is_discovery_poll(&self, token: u32) -> bool {
@@ -149,10 +188,9 @@ impl WorkerState {
 
     /// The discovery poll answered with a body over `discovery.max_response_bytes`, left unread.
     pub fn on_discovery_oversized(&mut self, token: u32, body_size: usize) -> DiscoveryResult {
-        if self.discovery.in_flight != Some(token) {
+        if !self.discovery.answered(token) {
             return DiscoveryResult::Unknown;
         }
-        self.discovery.in_flight = None;
         self.discovery.refuse(Refusal::Oversized(body_size))
     }
 
@@ -167,10 +205,9 @@ impl WorkerState {
         store: Option<&dyn SharedStore>,
         now_ms: u64,
     ) -> DiscoveryResult {
-        if self.discovery.in_flight != Some(token) {
+        if !self.discovery.answered(token) {
             return DiscoveryResult::Unknown;
         }
-        self.discovery.in_flight = None;
         let Some(d) = self.cfg.discovery.as_ref() else {
             return DiscoveryResult::Unknown;
         };
@@ -354,19 +391,8 @@ impl WorkerState {
     /// groups.
     fn refresh_units(&mut self) {
         self.destinations = super::Destinations::new(&self.cfg);
-        let groups = self
-            .cfg
-            .units
-            .iter()
-            .map(|r| {
-                self.cfg
-                    .units
-                    .iter()
-                    .position(|o| o.endpoint == r.endpoint)
-                    .unwrap_or(0)
-            })
-            .collect();
-        self.router.set_address_groups(groups);
+        self.router
+            .set_address_groups(super::address_groups(&self.cfg.units));
     }
 
     /// The feed address a discovered unit's poll is steered to through `discovery.feed_cluster`

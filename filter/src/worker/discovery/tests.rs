@@ -324,3 +324,27 @@ fn in_nginx_mode_members_are_polled_at_their_feed_address_one_callout_a_tick() {
     w.start_tick(600);
     assert!(w.plan_discovery_poll(600).is_none(), "a feed poll is out");
 }
+
+/// The poll's own state: due once a period, out until answered or lost (twice the timeout and a
+/// second), a lost or unsent poll counted as a failure, an answer matched by its token.
+#[test]
+fn the_poll_state_is_due_out_and_lost_on_its_own() {
+    let w = worker();
+    let d = w.config().discovery.clone().unwrap();
+    let lost = 2 * d.timeout_ms + 1_000;
+    let mut s = DiscoveryState::new(4);
+    assert_eq!(s.roster.seats.len(), 4);
+    assert!(s.due(&d, 0) && !s.out(&d, 0));
+    s.started(7, 0, d.period_ms);
+    assert_eq!((s.polls, s.next_poll_ms), (1, d.period_ms));
+    assert!(s.out(&d, lost - 1) && !s.due(&d, lost - 1));
+    assert!(!s.answered(8), "another token");
+    assert!(!s.out(&d, lost), "lost now");
+    assert!(s.due(&d, lost) && s.in_flight.is_none());
+    assert_eq!(s.failures, 1);
+    s.started(9, lost, d.period_ms);
+    assert!(s.answered(9) && !s.answered(9));
+    s.not_started(lost + 10, d.period_ms);
+    assert_eq!(s.failures, 2);
+    assert!(!s.due(&d, lost + 10) && s.due(&d, lost + 10 + d.period_ms));
+}
