@@ -3,7 +3,8 @@
 //! down (avoided), which the lease holder tells the other workers; a feed that goes quiet is stale
 //! too.
 
-use super::{FeedResult, WorkerState};
+use super::{FeedResult, FeedState, WorkerState};
+use crate::config::FilterConfig;
 use crate::host::store::SharedStore;
 use crate::worker::relay;
 
@@ -111,26 +112,12 @@ impl WorkerState {
         store: Option<&dyn SharedStore>,
         now_ms: u64,
     ) -> FeedResult {
-        let limit = self.cfg.stale_after_failures;
+        let worker = self.sharing.id();
         let Some(f) = self.feeds.get_mut(replica) else {
             return result;
         };
-        f.consecutive_unreachable = f.consecutive_unreachable.saturating_add(1);
-        if f.consecutive_unreachable >= limit
-            && self.cfg.feed_backoff_max_ms > self.cfg.feed_period_ms
-        {
-            // Down (or about to be): stop knocking every period. The verdict itself still comes
-            // after `stale_after_failures` polls, as before; only the polls after it are spaced.
-            let max = self.cfg.feed_backoff_max_ms;
-            f.backoff_ms = f
-                .backoff_ms
-                .max(self.cfg.feed_period_ms)
-                .saturating_mul(2)
-                .min(max);
-            let wait = jittered(f.backoff_ms, self.sharing.id(), replica, now_ms);
-            f.next_poll_ms = f.next_poll_ms.max(now_ms.saturating_add(wait));
-        }
-        if f.consecutive_unreachable >= limit && !self.router.is_down(replica) {
+        let limit_reached = f.unreachable(&self.cfg, worker, replica, now_ms);
+        if limit_reached && !self.router.is_down(replica) {
             self.set_down(replica, true, store, now_ms);
             if let FeedResult::Failed { became_down, .. } = &mut result {
                 *became_down = true;
@@ -150,8 +137,7 @@ impl WorkerState {
             return;
         };
         if !down {
-            f.consecutive_unreachable = 0;
-            f.backoff_ms = 0;
+            f.reachable();
         }
         let leased = f.leased;
         self.router.set_down(replica, down);
@@ -170,9 +156,8 @@ impl WorkerState {
         let Some(f) = self.feeds.get_mut(replica) else {
             return FeedResult::Unknown;
         };
-        f.failures += 1;
-        f.consecutive_failures = f.consecutive_failures.saturating_add(1);
-        let became_stale = !self.router.is_stale(replica) && f.consecutive_failures >= limit;
+        let limit_reached = f.failed(limit);
+        let became_stale = !self.router.is_stale(replica) && limit_reached;
         if became_stale {
             self.router.set_stale(replica, true);
         }
@@ -183,6 +168,48 @@ impl WorkerState {
             became_stale,
             became_down: false,
         }
+    }
+}
+
+impl FeedState {
+    /// A failed poll of any kind; whether `limit` (`stale_after_failures`) have failed in a row.
+    pub(super) fn failed(&mut self, limit: u32) -> bool {
+        self.failures += 1;
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+        self.consecutive_failures >= limit
+    }
+
+    /// A poll that could not reach the replica (of `worker`'s unit `unit`) at `now_ms`; whether
+    /// `stale_after_failures` have in a row. From then on, when `feed_backoff_max_ms` is longer than
+    /// the period, the next poll waits twice as long as the last (jittered), up to that longest
+    /// wait.
+    pub(super) fn unreachable(
+        &mut self,
+        cfg: &FilterConfig,
+        worker: Option<u32>,
+        unit: usize,
+        now_ms: u64,
+    ) -> bool {
+        self.consecutive_unreachable = self.consecutive_unreachable.saturating_add(1);
+        let reached = self.consecutive_unreachable >= cfg.stale_after_failures;
+        if reached && cfg.feed_backoff_max_ms > cfg.feed_period_ms {
+            // Down (or about to be): stop knocking every period. The verdict itself still comes
+            // after `stale_after_failures` polls, as before; only the polls after it are spaced.
+            self.backoff_ms = self
+                .backoff_ms
+                .max(cfg.feed_period_ms)
+                .saturating_mul(2)
+                .min(cfg.feed_backoff_max_ms);
+            let wait = jittered(self.backoff_ms, worker, unit, now_ms);
+            self.next_poll_ms = self.next_poll_ms.max(now_ms.saturating_add(wait));
+        }
+        reached
+    }
+
+    /// The replica answered (or is up): no unreachable polls in a row, no backoff.
+    pub(super) fn reachable(&mut self) {
+        self.consecutive_unreachable = 0;
+        self.backoff_ms = 0;
     }
 }
 
@@ -200,6 +227,34 @@ mod tests {
     use super::*;
     use crate::worker::testing::*;
     use kvsteer_core::feed::{FeedEvent, ReplicaLoad};
+
+    /// One unit's failure counts alone: stale after `stale_after_failures` failures in a row,
+    /// down after as many unreachable polls, from which each wait doubles (jittered) up to the
+    /// longest; an answer clears the backoff.
+    #[test]
+    fn a_feed_state_counts_failures_and_backs_off() {
+        let w = worker_with(r#", "feed_period_ms": 200, "feed_backoff_max_ms": 1000"#);
+        let cfg = w.config();
+        let mut f = FeedState::default();
+        assert!(!f.failed(2) && f.failed(2) && f.failed(2));
+        assert_eq!((f.failures, f.consecutive_failures), (3, 3));
+        assert!(!f.unreachable(cfg, None, 0, 0));
+        assert_eq!(
+            (f.backoff_ms, f.next_poll_ms),
+            (0, 0),
+            "not yet down: no backoff"
+        );
+        let mut waits = Vec::new();
+        for now in [200, 400, 600, 800] {
+            assert!(f.unreachable(cfg, Some(1), 0, now));
+            waits.push(f.backoff_ms);
+            let jitter = f.next_poll_ms - now;
+            assert!(jitter * 10 >= f.backoff_ms * 8 && jitter * 10 <= f.backoff_ms * 12);
+        }
+        assert_eq!(waits, [400, 800, 1000, 1000]);
+        f.reachable();
+        assert_eq!((f.consecutive_unreachable, f.backoff_ms), (0, 0));
+    }
 
     /// A replica with nothing listening is polled every period until it is down, then at waits
     /// doubling up to `feed_backoff_max_ms` (jittered 80-120%), and is noticed again within one
