@@ -1,7 +1,8 @@
 //! One worker VM's routing state ([`WorkerState`]), free of host calls so it can be tested
 //! natively. The proxy-wasm contexts ([`crate::host`]) call its methods, one per thing that happened
-//! or is to be done, and only move bytes to and from the host. This file holds the state itself and
-//! the requests' routing and bookkeeping; each other job has its own room in `worker/`:
+//! or is to be done, and only move bytes to and from the host. The state is a composition of parts,
+//! each owning its fields with its own tests; this file holds the composition and the requests'
+//! routing, and each other job has its own room in `worker/`:
 //!
 //! - [`feeds`]: when to poll each replica's feed, and its answers; [`pollers`]: the poll state per
 //!   replica and the callouts out;
@@ -9,18 +10,21 @@
 //!   to the other workers; [`follow`]: following the holder's relayed batches and its word on down
 //!   replicas;
 //! - [`failures`]: what a failed poll means (stale, down);
-//! - [`budget`]: applying accepted feed batches in slices within each tick's budget;
+//! - [`budget`]: each tick's budgets ([`TickBudget`]), and accepted feed batches applied in slices
+//!   within them;
 //! - [`discovery`]: membership at run time, polled and seated in the slots after the static list
 //!   (its [`discovery::roster`]);
 //! - [`share`]: the load, health, working set and text-prompt records this worker shares with the
-//!   proxy's other workers, and its worker number;
+//!   proxy's other workers, and its worker number ([`Sharing`]);
 //! - [`exchange`]: the working-set exchange with other proxies (`peers`);
-//! - [`admission`]: classes and shedding before a request is booked;
+//! - [`admission`]: classes and shedding before a request is booked ([`AdmissionGate`]);
+//! - [`counters`]: the request path's own counters (bookings, fallbacks, removed headers);
 //! - [`health`]: request outcomes and health probes;
-//! - [`leg_booking`] and [`leg_bodies`]: prefill/decode requests split into two legs, booked and
-//!   carried out;
+//! - [`leg_booking`] and [`leg_bodies`]: prefill/decode requests split into two legs, booked
+//!   ([`PdLegs`]: the roles and the legs' request ids) and carried out;
 //! - [`output`]: where and how a decision is written for the proxy (the destinations);
-//! - `bundle` (full build): a Hugging Face tokenizer bundle fetched at run time, checked and loaded.
+//! - [`prompts`]: the text-prompt tokenizer ([`Prompts`]); `bundle` (full build): a Hugging Face
+//!   tokenizer bundle fetched at run time, checked and loaded.
 
 mod admission;
 mod budget;
@@ -83,8 +87,13 @@ pub enum BodyFallback {
     HoldLimit,
 }
 
-/// One VM's (one proxy worker's) routing state: its configuration, the core `Router`, the feed
-/// pollers and the per-request bookkeeping.
+/// One VM's (one proxy worker's) routing state: its configuration and the core `Router`, composed
+/// with the parts that own the rest ([`FeedPollers`], [`TickBudget`], [`DiscoveryState`],
+/// [`RequestCounters`], [`Sharing`], [`Destinations`], [`Prompts`], [`PdLegs`], [`Exchange`],
+/// [`AdmissionGate`]); its methods are what happened or is to be done, each delegating to a part or
+/// coordinating the router with one.
+///
+/// Over 30 methods: it is the one entry point the proxy-wasm contexts call, a method per event.
 pub struct WorkerState {
     cfg: FilterConfig,
     router: Router,
