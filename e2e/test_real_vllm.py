@@ -156,12 +156,17 @@ class RealStack(Stack):
     """A Stack whose replicas are vLLM engines and whose feed clusters point at the adapters."""
 
     def __init__(self, gpu_blocks: int | None = GPU_BLOCKS, max_model_len: int = MAX_MODEL_LEN,
-                 workdir: Path | None = None) -> None:
+                 workdir: Path | None = None, model_dir: Path | None = None,
+                 tokenizer: bool = False, adapter_args: list[str] | None = None) -> None:
         # gpu_blocks None: the engine's own count from VLLM_CPU_KVCACHE_SPACE (the fidelity run).
+        # model_dir None: MODEL_DIR. tokenizer: the engines load the model folder's tokenizer (text
+        # prompts) instead of --skip-tokenizer-init. adapter_args: added to every adapter's command.
         super().__init__(workdir=workdir, quiet=False)
         self.engines: list[Engine] = []
         self.cache_root = self.workdir / "vllm-cache"
         self.gpu_blocks, self.max_model_len = gpu_blocks, max_model_len
+        self.model_dir, self.tokenizer = model_dir or MODEL_DIR, tokenizer
+        self.adapter_args = adapter_args or []
 
     def close(self) -> None:
         self.stop_engines(self.engines)
@@ -267,8 +272,9 @@ class RealStack(Stack):
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://127.0.0.1:{e.zmq_port}",
                   "replay_endpoint": f"tcp://127.0.0.1:{e.replay_port}", "topic": "kv-events"}
-        argv = [str(VLLM_BIN), "serve", str(MODEL_DIR), "--served-model-name", "tiny",
-                "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
+        argv = [str(VLLM_BIN), "serve", str(self.model_dir), "--served-model-name", "tiny",
+                "--load-format", "dummy",
+                *([] if self.tokenizer else ["--skip-tokenizer-init"]), "--enforce-eager",
                 "--enable-prefix-caching", "--block-size", str(BLOCK),
                 "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(e.port),
                 "--max-model-len", str(self.max_model_len), "--kv-events-config", json.dumps(events)]
@@ -286,7 +292,7 @@ class RealStack(Stack):
                 "--zmq-endpoint", f"tcp://127.0.0.1:{e.zmq_port}", "--topic", "kv-events",
                 "--replay-endpoint", f"tcp://127.0.0.1:{e.replay_port}",
                 "--metrics-url", f"http://{e.endpoint}/metrics", "--block-size", str(BLOCK),
-                *(extra or [])]
+                *self.adapter_args, *(extra or [])]
         env = {"RUST_LOG": os.environ.get("RUST_LOG", "info")}
         e.adapter = self.spawn_env(f"feed-{e.name}-{e.adapter_starts}", argv, env)
         e.adapter_starts += 1
@@ -297,7 +303,9 @@ class RealStack(Stack):
         wait_http(f"http://{e.endpoint}/health", timeout_s, e.engine)
 
     def start_envoy_real(self, plugin_overrides: dict | None = None,
-                         replica_overrides: dict | None = None) -> None:
+                         replica_overrides: dict | None = None,
+                         extra_clusters: dict[str, str] | None = None,
+                         concurrency: int = 2) -> None:
         wasm = wasm_path()
         if not wasm.exists():
             raise StackError(f"filter not built at {wasm}")
@@ -308,7 +316,7 @@ class RealStack(Stack):
             replicas=[(e.name, e.endpoint) for e in self.engines],
             listen_port=self.listen_port, admin_port=self.admin_port, wasm=str(wasm),
             plugin_overrides=plugin_overrides or {"routing": {"policy": "kv_load", "block_size": BLOCK}},
-            replica_overrides=replica_overrides,
+            replica_overrides=replica_overrides, extra_clusters=extra_clusters,
         )
         # Feed callouts go to the adapters, not the engines (docs/guide/feed-adapter.md).
         adapters = {envoy_config.FEED_PREFIX + e.name: e.adapter_port for e in self.engines}
@@ -327,7 +335,7 @@ class RealStack(Stack):
                             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
         path = self.workdir / "envoy-real-vllm.json"
         path.write_text(json.dumps(doc, indent=1))
-        argv = [str(envoy_path()), "-c", str(path), "--concurrency", "2",
+        argv = [str(envoy_path()), "-c", str(path), "--concurrency", str(concurrency),
                 "--base-id", str(random.randint(1000, 4_000_000)), "--log-level", "warn",
                 "--component-log-level", os.environ.get("E2E_ENVOY_LOG", "wasm:info")]
         self.envoy = self.spawn("envoy-real-vllm", argv)
