@@ -19,7 +19,10 @@ thread) has logged the bundle loaded, then sends multi-turn conversations (a sys
 several 32-token blocks, user text with non-ASCII, a fixed assistant message between turns), each
 request on a fresh connection, so a follow-up may well go through another worker than its first
 turn. It checks that at least 90% of the follow-ups land on their first turn's engine and are
-served from that engine's prefix cache (`usage.prompt_tokens_details.cached_tokens` > 0), and prints
+served from that engine's prefix cache (`usage.prompt_tokens_details.cached_tokens` > 0), that for at
+least 90% the tokens the filter matched equal those the engine reports cached (the filter's template
+and tokenizer give vLLM's ids), that vLLM's own prefix-cache hit counters add up to the answers'
+cached tokens, and that every chat was tokenized exactly (`kvsteer_tokenizer_exact`); it prints
 the figures: the follow-ups on their engine, the cached share, how many cached exactly the previous
 turn's full blocks, how many the filter matched to the token (its tokenization equals vLLM's), the
 workers each request went through, and vLLM's own prefix-cache counters over the follow-ups.
@@ -260,6 +263,9 @@ class RealVllmText(VllmCase):
               + f"; kvsteer_tokenizer_exact {exact}", flush=True)
         self.assertGreaterEqual(same / total, FLOOR, f"{same}/{total} on their first turn's engine")
         self.assertGreaterEqual(hits / total, FLOOR, f"{hits}/{total} served from its cache")
+        # Routed by the cache, not by chance: the filter's ids are the engine's, block for block.
+        self.assertGreaterEqual(exact_match / total, FLOOR,
+                                f"filter matched = engine cached for {exact_match}/{total}")
         self.assertEqual(sum(h for h, _ in engine_hits.values()), cached_sum,
                          "vLLM's counters agree with the answers' cached_tokens")
         self.assertGreaterEqual(exact, CONVERSATIONS * (1 + FOLLOW_UPS), "every chat tokenized exactly")
