@@ -29,7 +29,7 @@ pub struct FeedState {
     pub consecutive_unreachable: u32,
     /// While the replica cannot be reached: how long after the last poll the next one waits (before
     /// jitter). It doubles with each unreachable poll from the one that marks the replica down, up
-    /// to `feed_backoff_max_ms`; 0 once the replica answers (`WorkerState::unreachable`).
+    /// to `feed_backoff_max_ms`; 0 once the replica answers ([`FeedState::unreachable`]).
     pub backoff_ms: u64,
     /// Polls that timed out (slow feed).
     pub timeouts: u64,
