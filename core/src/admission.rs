@@ -501,6 +501,7 @@ mod tests {
                 stall: 0.0,
                 evict: 0.0,
                 adapter: 0.0,
+                later: 0.0,
             };
             2
         ];

@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! cost_r = wait_r + prefill_r + decode_weight * decode_r + stall_weight * stall_r + evict_weight * evict_r
+//!          + later_weight * later_r
 //! wait_r    = s_r * work_s(queued prefill work on r)          each booked request priced by its own
 //!                                                             uncached tokens and context
 //!             + s_r * batch_r(n_r, K_r)                       what r's running decodes add first: the
@@ -24,6 +25,9 @@
 //! evict_r   = s_r * reuse * work_s(tokens pushed out of r's cache)
 //!                                                             re-prefill of the contexts the placement
 //!                                                             pushes out, times the share that comes back
+//! later_r   = (prefill_r - least prefill) * mean wait / mean prefill placed
+//!                                                             the delay the extra prefill imposes on
+//!                                                             the requests queued behind it ([`later_s`])
 //! adapter_r = adapters.load_ms where r must load the request's LoRA adapter (+ s_r * o/2 steps
 //!             when every adapter slot holds a running request's adapter), else 0
 //!                                                             added to cost_r and to the predicted TTFT
@@ -52,6 +56,9 @@ pub struct Terms {
     pub evict: f64,
     /// Loading the request's LoRA adapter where the replica lacks it ([`adapter_s`]).
     pub adapter: f64,
+    /// What the prefill work this placement adds beyond the least any replica would do delays
+    /// the requests that come after it ([`later_s`]).
+    pub later: f64,
 }
 
 impl Terms {
@@ -63,6 +70,7 @@ impl Terms {
             + k.stall_weight * self.stall
             + k.evict_weight * self.evict
             + self.adapter
+            + k.later_weight * self.later
     }
 
     /// The predicted time to first token.
@@ -136,6 +144,57 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
                 stall,
                 evict,
                 adapter: adapter_s(input, profile, r),
+                later: 0.0,
+            }
+        })
+        .collect()
+}
+
+/// Every replica's [`Terms`], with [`later_s`] filled in.
+fn priced(input: &Input, profile: &EngineProfile, mean_prefill_s: f64) -> Vec<Terms> {
+    let mut all = terms(input, profile);
+    let later = later_s(input, &all, mean_prefill_s);
+    for (t, l) in all.iter_mut().zip(later) {
+        t.later = l;
+    }
+    all
+}
+
+/// Per replica: seconds of delay its placement imposes on the requests that arrive after it, by
+/// the prefill work it does beyond the least any replica would (a replica without the cache
+/// recomputes what the holder would not). Work added to a fleet that has a backlog is waited for
+/// by every request queued behind it before the backlog clears: about as many per replica as are
+/// queued now, which is the fleet's mean predicted wait over the mean prefill time of the
+/// requests it is sent (`mean_prefill_s`, learned by [`KvTime`]). An idle fleet has no one
+/// behind, and the term is 0; at saturation a move that saves this request's first token a few
+/// seconds by re-prefilling a long context costs the requests behind it more. Without it a
+/// quarter of coding-agent turns at 32-40 sessions in flight moved off their history's replica,
+/// the fleet's hit rate fell 3 points, and the short cached turns that make the median queued
+/// behind the extra work.
+fn later_s(input: &Input, all: &[Terms], mean_prefill_s: f64) -> Vec<f64> {
+    let open = |r: usize| !input.avoided.get(r).copied().unwrap_or(false);
+    let usable: Vec<&Terms> = all
+        .iter()
+        .enumerate()
+        .filter(|&(r, t)| open(r) && t.wait.is_finite() && t.prefill.is_finite())
+        .map(|(_, t)| t)
+        .collect();
+    if usable.is_empty() || !(mean_prefill_s.is_finite() && mean_prefill_s > 0.0) {
+        return vec![0.0; all.len()];
+    }
+    let mean_wait = usable.iter().map(|t| t.wait.max(0.0)).sum::<f64>() / usable.len() as f64;
+    let behind = mean_wait / mean_prefill_s;
+    let least = usable
+        .iter()
+        .map(|t| t.prefill)
+        .fold(f64::INFINITY, f64::min);
+    all.iter()
+        .map(|t| {
+            let extra = (t.prefill - least).max(0.0);
+            if extra.is_finite() {
+                behind * extra
+            } else {
+                0.0
             }
         })
         .collect()
@@ -284,9 +343,10 @@ pub fn choose(
     input: &Input,
     k: &KvTimeParams,
     profile: &EngineProfile,
+    mean_prefill_s: f64,
     rng: &mut SplitMix64,
 ) -> (Choice, Vec<Terms>) {
-    let all = terms(input, profile);
+    let all = priced(input, profile, mean_prefill_s);
     let costs: Vec<f64> = all.iter().map(|t| t.cost(k)).collect();
     let lowest = pick_lowest(&costs, input.avoided, rng);
     let tied = tied_with(input, &costs, lowest);
@@ -295,12 +355,13 @@ pub fn choose(
         lowest
     } else {
         // What is known without the learned speeds: cache, queue, batch.
-        let at_profile: Vec<f64> = terms(
+        let at_profile: Vec<f64> = priced(
             &Input {
                 speed: &[],
                 ..*input
             },
             profile,
+            mean_prefill_s,
         )
         .iter()
         .map(|t| t.cost(k))
@@ -336,7 +397,15 @@ pub struct KvTime {
     params: KvTimeParams,
     profile: EngineProfile,
     last_terms: Vec<Terms>,
+    /// Mean predicted prefill time of the requests this worker placed (s), over about the last
+    /// [`PREFILL_MEMORY`] of them; 0 before the first.
+    mean_prefill_s: f64,
 }
+
+/// Requests over which [`KvTime`]'s mean prefill time is taken (an exponential average whose
+/// older half weighs this many requests): long enough that one long prompt does not swing the
+/// count of requests queued, short enough to follow a change of traffic within a minute.
+pub const PREFILL_MEMORY: f64 = 32.0;
 
 impl KvTime {
     pub fn new(params: KvTimeParams, profile: EngineProfile) -> KvTime {
@@ -344,6 +413,7 @@ impl KvTime {
             params,
             profile,
             last_terms: Vec::new(),
+            mean_prefill_s: 0.0,
         }
     }
 }
@@ -360,7 +430,18 @@ impl Policy for KvTime {
     }
 
     fn choose(&mut self, input: &Input, rng: &mut SplitMix64) -> Choice {
-        let (c, terms) = choose(input, &self.params, &self.profile, rng);
+        let (c, terms) = choose(input, &self.params, &self.profile, self.mean_prefill_s, rng);
+        if let Some(p) = terms.get(c.replica).map(|t| t.prefill)
+            && p.is_finite()
+            && p >= 0.0
+        {
+            self.mean_prefill_s = if self.mean_prefill_s > 0.0 {
+                let a = 1.0 - 0.5f64.powf(1.0 / PREFILL_MEMORY);
+                self.mean_prefill_s + a * (p - self.mean_prefill_s)
+            } else {
+                p
+            };
+        }
         self.last_terms = terms;
         c
     }
@@ -415,7 +496,7 @@ mod tests {
         let mut rng = SplitMix64::new(1);
         // Holders idle: the cached prefix wins.
         let idle = [LoadTotals::default(); 4];
-        let (c, _) = choose(&input(&idle, &overlap, &[false; 4]), &k, &p, &mut rng);
+        let (c, _) = choose(&input(&idle, &overlap, &[false; 4]), &k, &p, 0.0, &mut rng);
         assert_ne!(c.replica, 0);
         // Holders each with more queued prefill than the cold prefill takes: replica 0 wins.
         let cold = p.prefill_s(4096.0, 0.0);
@@ -426,8 +507,66 @@ mod tests {
             busy(queued, 0, 0),
             busy(queued, 0, 0),
         ];
-        let (c, t) = choose(&input(&load, &overlap, &[false; 4]), &k, &p, &mut rng);
+        let (c, t) = choose(&input(&load, &overlap, &[false; 4]), &k, &p, 0.0, &mut rng);
         assert_eq!(c.replica, 0, "{t:?}");
+    }
+
+    /// At saturation a move's extra prefill is priced for the requests queued behind it: the
+    /// holder of the prompt's cache, busier than the rest, keeps the request once every replica
+    /// has a backlog of requests like it; with no record of what requests cost, or with an idle
+    /// fleet, the move is made as before.
+    #[test]
+    fn a_backlogged_fleet_prices_a_moves_extra_prefill_for_the_requests_behind() {
+        let p = EngineProfile::default();
+        let k = KvTimeParams {
+            later_weight: 1.0,
+            ..KvTimeParams::default()
+        };
+        let overlap = [250.0, 0.0, 0.0, 0.0];
+        let cold = p.prefill_s(4096.0, 0.0);
+        let queue = |waits: f64| (cold * waits / p.work_s(1.0)) as u64;
+        let load = [
+            busy(queue(2.0), 0, 0),
+            busy(queue(0.5), 0, 0),
+            busy(queue(0.5), 0, 0),
+            busy(queue(0.5), 0, 0),
+        ];
+        let i = input(&load, &overlap, &[false; 4]);
+        let mut rng = SplitMix64::new(1);
+        let (moved, t) = choose(&i, &k, &p, 0.0, &mut rng);
+        assert_ne!(moved.replica, 0, "{t:?}");
+        assert!(t.iter().all(|t| t.later == 0.0));
+        let (kept, t) = choose(&i, &k, &p, cold, &mut rng);
+        assert_eq!(kept.replica, 0, "{t:?}");
+        assert_eq!(t[0].later, 0.0, "the holder adds the least work");
+        assert!(t[1].later > 0.5 * cold, "{t:?}");
+        let off = KvTimeParams::default();
+        assert_eq!(off.later_weight, 0.0, "off by default");
+        assert_ne!(choose(&i, &off, &p, cold, &mut rng).0.replica, 0);
+        // Idle: nobody is behind.
+        let idle = [LoadTotals::default(); 4];
+        let (_, t) = choose(&input(&idle, &overlap, &[false; 4]), &k, &p, cold, &mut rng);
+        assert!(t.iter().all(|t| t.later == 0.0), "{t:?}");
+    }
+
+    /// The mean prefill the count of requests behind is taken in starts at the first request's
+    /// and moves a share of the way toward each next one, never by more than its difference.
+    #[test]
+    fn the_policy_learns_the_mean_prefill_of_what_it_places() {
+        let p = EngineProfile::default();
+        let mut kt = KvTime::new(KvTimeParams::default(), p.clone());
+        let idle = [LoadTotals::default(); 2];
+        let mut rng = SplitMix64::new(3);
+        let first = input(&idle, &[0.0, 0.0], &[false; 2]);
+        kt.choose(&first, &mut rng);
+        let cold = p.prefill_s(4096.0, 0.0);
+        assert!((kt.mean_prefill_s - cold).abs() < 1e-12);
+        let hot = input(&idle, &[250.0, 250.0], &[false; 2]);
+        kt.choose(&hot, &mut rng);
+        let warm = p.prefill_s(96.0, 4000.0);
+        assert!(kt.mean_prefill_s < cold && kt.mean_prefill_s > warm);
+        let step = (cold - kt.mean_prefill_s) / (cold - warm);
+        assert!((step - (1.0 - 0.5f64.powf(1.0 / PREFILL_MEMORY))).abs() < 1e-9);
     }
 
     #[test]
@@ -459,7 +598,7 @@ mod tests {
             i.speed_spread = &spreads;
             let mut n = [0u32; 4];
             for _ in 0..400 {
-                n[choose(&i, &k, &p, &mut rng).0.replica] += 1;
+                n[choose(&i, &k, &p, 0.0, &mut rng).0.replica] += 1;
             }
             n
         };
@@ -483,18 +622,22 @@ mod tests {
         let mut i = input(&load, &[0.0; 3], &[false; 3]);
         i.speed = &speed;
         assert_ne!(
-            choose(&i, &k, &p, &mut rng).0.replica,
+            choose(&i, &k, &p, 0.0, &mut rng).0.replica,
             0,
             "fresh: priced slow"
         );
         i.speed_stale = &stale;
-        assert_eq!(choose(&i, &k, &p, &mut rng).0.replica, 0, "stale: retried");
+        assert_eq!(
+            choose(&i, &k, &p, 0.0, &mut rng).0.replica,
+            0,
+            "stale: retried"
+        );
         // Replica 1 holds half the prompt: the retry would give that up.
         let overlap = [0.0, 128.0, 0.0];
         let mut cached = input(&load, &overlap, &[false; 3]);
         cached.speed = &speed;
         cached.speed_stale = &stale;
-        assert_eq!(choose(&cached, &k, &p, &mut rng).0.replica, 1);
+        assert_eq!(choose(&cached, &k, &p, 0.0, &mut rng).0.replica, 1);
         // Replica 0 queues work: the retry would wait behind it.
         let queued = [
             busy(4096, 0, 0),
@@ -504,12 +647,12 @@ mod tests {
         let mut waits = input(&queued, &[0.0; 3], &[false; 3]);
         waits.speed = &speed;
         waits.speed_stale = &stale;
-        assert_ne!(choose(&waits, &k, &p, &mut rng).0.replica, 0);
+        assert_ne!(choose(&waits, &k, &p, 0.0, &mut rng).0.replica, 0);
         // Avoided (unhealthy, draining): never.
         let mut avoided = input(&load, &[0.0; 3], &[true, false, false]);
         avoided.speed = &speed;
         avoided.speed_stale = &stale;
-        assert_ne!(choose(&avoided, &k, &p, &mut rng).0.replica, 0);
+        assert_ne!(choose(&avoided, &k, &p, 0.0, &mut rng).0.replica, 0);
     }
 
     /// Among tied replicas what is known decides: the one holding the prompt's cache keeps it,
@@ -528,12 +671,12 @@ mod tests {
         i.speed_spread = &spreads;
         let mut rng = SplitMix64::new(3);
         for _ in 0..50 {
-            let (c, _) = choose(&i, &k, &p, &mut rng);
+            let (c, _) = choose(&i, &k, &p, 0.0, &mut rng);
             assert_eq!(c.replica, 1, "{:?}", c.costs);
         }
         // Known exactly, 30% slower outweighs an eighth of the prompt: replica 2 (0 avoided).
         i.speed_spread = &[];
-        assert_eq!(choose(&i, &k, &p, &mut rng).0.replica, 2);
+        assert_eq!(choose(&i, &k, &p, 0.0, &mut rng).0.replica, 2);
     }
 
     #[test]
@@ -610,7 +753,7 @@ mod tests {
         let slot_wait = 256.0 / 2.0 * p.step_s(4.0, 10_000.0);
         assert!((t[2].adapter - 0.3 - slot_wait).abs() < 1e-12, "{t:?}");
         let mut rng = SplitMix64::new(5);
-        assert_eq!(choose(&i, &k, &p, &mut rng).0.replica, 0);
+        assert_eq!(choose(&i, &k, &p, 0.0, &mut rng).0.replica, 0);
         i.adapter_load_s = f64::NAN;
         let t = terms(&i, &p);
         assert_eq!((t[0].adapter, t[1].adapter, t[3].adapter), (0.0, 0.0, 0.0));
@@ -623,7 +766,7 @@ mod tests {
         let mut i = input(&load, &[f64::MAX, -3.0], &[false; 2]);
         i.expected_output_tokens = f64::NAN;
         let mut rng = SplitMix64::new(3);
-        let (c, t) = choose(&i, &KvTimeParams::default(), &p, &mut rng);
+        let (c, t) = choose(&i, &KvTimeParams::default(), &p, 0.0, &mut rng);
         assert!(t.iter().all(|t| !t.cost(&KvTimeParams::default()).is_nan()));
         assert_eq!(c.replica, 1);
     }

@@ -198,6 +198,10 @@ impl WorkerState {
             if t.adapter != 0.0 {
                 out.push_str(&format!(" adapter={:.4}", t.adapter));
             }
+            // Only where `kv_time.later_weight` is on and the fleet has a backlog.
+            if t.later != 0.0 {
+                out.push_str(&format!(" later={:.4}", t.later));
+            }
         }
         Some(out)
     }
