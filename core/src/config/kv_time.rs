@@ -62,7 +62,7 @@ pub struct KvTimeParams {
     /// Seconds of this request's time to first token that one second of delay to the requests
     /// arriving after it is worth (s/s): the delay its extra prefill work (over the least any
     /// replica would do) imposes while the fleet has a backlog. 0 (off) by default: at 1 it
-    /// lowered coding agents' TTFT median at saturation by 10-37% and raised their p99 by 5-8%
+    /// lowered coding agents' TTFT median at saturation by 8-38% and raised their p99 by 4-8%
     /// at 32 sessions in flight on 4 replicas (docs/reports/notebook/saturation.md).
     pub later_weight: f64,
 }
