@@ -140,7 +140,7 @@ fn admit_charges_only_uncached_prompt_tokens() {
 #[test]
 fn host_tier_counts_with_credit_and_stale_replicas_count_nothing() {
     let mut c = cfg(PolicyKind::KvLoad);
-    c.kv_load.host_tier_credit = 0.5;
+    c.index.host_tier_credit = 0.5;
     let mut r = Router::new(c, 2).unwrap();
     let prompt: Vec<u32> = (0..32).collect();
     r.apply_feed(

@@ -3,12 +3,13 @@
 
 use serde::Deserialize;
 
+use super::index::Moved;
 use super::{ConfigError, err, non_negative};
 
 /// Coefficients of the `kv_load` cost (docs/design/design.md section 2.1). Its defaults are
 /// kvsteer's own (see `Default`); NVIDIA Dynamo's KV router's are the `dynamo` preset.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-#[serde(from = "KvLoadSection")]
+/// Read from JSON as part of a [`super::RoutingConfig`], through [`KvLoadSection`].
+#[derive(Clone, Debug, PartialEq)]
 pub struct KvLoadParams {
     /// A named set of the fields below, from a published router (see [`KvLoadPreset`]); fields given
     /// next to it in the same section override the preset's values.
@@ -56,10 +57,6 @@ pub struct KvLoadParams {
     pub active_request_weight: f64,
     /// 0: argmin with seeded random tie-break; > 0: softmax sampling.
     pub temperature: f64,
-    /// Credit of a block held only in host memory, relative to a GPU block.
-    pub host_tier_credit: f64,
-    /// Credit of a block held only on disk.
-    pub disk_tier_credit: f64,
     /// Weight a request's own decode blocks by `1 - generated/expected` when it gives
     /// `max_completion_tokens` or `max_tokens` (Ray's decode progress).
     pub use_output_hint: bool,
@@ -177,9 +174,11 @@ impl KvLoadPreset {
 /// The `kv_load` section as written: every field optional, so a field given next to a preset
 /// overrides it and the rest come from the preset (or the defaults). Deserializing through it keeps
 /// serde's field paths in errors, wherever the section is embedded (the filter's configuration too).
+/// It still reads the fields that moved to other sections under their old names, for one release
+/// ([`KvLoadSection::split`]).
 #[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-struct KvLoadSection {
+pub(super) struct KvLoadSection {
     preset: Option<KvLoadPreset>,
     prefill_scale: Option<f64>,
     overlap_credit: Option<f64>,
@@ -208,10 +207,17 @@ struct KvLoadSection {
     queue_in_time: Option<bool>,
 }
 
-impl From<KvLoadSection> for KvLoadParams {
-    fn from(s: KvLoadSection) -> Self {
+impl KvLoadSection {
+    /// The section's own values (a preset's, overridden by the fields given beside it), and the
+    /// moved fields given here under their old names.
+    pub(super) fn split(self) -> (KvLoadParams, Moved) {
+        let s = self;
+        let moved = Moved {
+            host_tier_credit: s.host_tier_credit,
+            disk_tier_credit: s.disk_tier_credit,
+        };
         let base = s.preset.map(KvLoadPreset::params).unwrap_or_default();
-        KvLoadParams {
+        let params = KvLoadParams {
             preset: s.preset,
             prefill_scale: s.prefill_scale.unwrap_or(base.prefill_scale),
             overlap_credit: s.overlap_credit.unwrap_or(base.overlap_credit),
@@ -228,8 +234,6 @@ impl From<KvLoadSection> for KvLoadParams {
                 .active_request_weight
                 .unwrap_or(base.active_request_weight),
             temperature: s.temperature.unwrap_or(base.temperature),
-            host_tier_credit: s.host_tier_credit.unwrap_or(base.host_tier_credit),
-            disk_tier_credit: s.disk_tier_credit.unwrap_or(base.disk_tier_credit),
             use_output_hint: s.use_output_hint.unwrap_or(base.use_output_hint),
             prompt_blocks_at_admission: s
                 .prompt_blocks_at_admission
@@ -248,7 +252,8 @@ impl From<KvLoadSection> for KvLoadParams {
                 .unwrap_or(base.working_set_from_feed),
             overflow_reuse_floor: s.overflow_reuse_floor.unwrap_or(base.overflow_reuse_floor),
             queue_in_time: s.queue_in_time.unwrap_or(base.queue_in_time),
-        }
+        };
+        (params, moved)
     }
 }
 
@@ -300,8 +305,6 @@ impl Default for KvLoadParams {
             attention_context_tokens: 25_000.0,
             active_request_weight: 0.0,
             temperature: 0.0,
-            host_tier_credit: 0.75,
-            disk_tier_credit: 0.25,
             use_output_hint: false,
             prompt_blocks_at_admission: true,
             assume_kv_reuse: true,
@@ -358,14 +361,12 @@ impl KvLoadParams {
         }
         non_negative("kv_load.active_request_weight", k.active_request_weight)?;
         non_negative("kv_load.temperature", k.temperature)?;
-        for (name, v) in [
-            ("kv_load.host_tier_credit", k.host_tier_credit),
-            ("kv_load.disk_tier_credit", k.disk_tier_credit),
-            ("kv_load.overflow_reuse_floor", k.overflow_reuse_floor),
-        ] {
-            if !(0.0..=1.0).contains(&v) {
-                return Err(err(name, format!("must be between 0 and 1, got {v}")));
-            }
+        let v = k.overflow_reuse_floor;
+        if !(0.0..=1.0).contains(&v) {
+            return Err(err(
+                "kv_load.overflow_reuse_floor",
+                format!("must be between 0 and 1, got {v}"),
+            ));
         }
         Ok(())
     }

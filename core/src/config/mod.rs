@@ -1,14 +1,18 @@
 //! Routing configuration: JSON via serde, every field defaulted, unknown fields refused, and every
 //! error names the field it is about (`kv_load.temperature: ...`). One file per section that has
-//! rules of its own (`kv_load`, `kv_time`), the refusal type, and the whole document's checks.
+//! rules of its own (`index`, `kv_load`, `kv_time`), the refusal type, and the whole document's
+//! checks. A field that moved to another section is still read under its old name for one release,
+//! with a warning in [`RoutingConfig::warnings`] naming the new place; both names given is refused.
 
 mod error;
+mod index;
 mod kv_load;
 mod kv_time;
 mod validate;
 
 pub use error::ConfigError;
 pub(crate) use error::{err, non_negative};
+pub use index::IndexParams;
 pub use kv_load::{KvLoadParams, KvLoadPreset, ReportedLoad};
 pub use kv_time::{KvTimeParams, ProfileSpec};
 
@@ -130,9 +134,10 @@ impl Default for PrefixAffinityParams {
     }
 }
 
-/// Everything the routing core is told.
+/// Everything the routing core is told. Read from JSON through [`RoutingDoc`], which resolves the
+/// fields that moved out of `kv_load`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(try_from = "RoutingDoc")]
 pub struct RoutingConfig {
     pub policy: PolicyKind,
     /// KV block size in tokens; must equal the engines'.
@@ -141,6 +146,8 @@ pub struct RoutingConfig {
     pub index_capacity_blocks: usize,
     /// Seed of the tie-break / softmax generator.
     pub seed: u64,
+    /// How a block the KV index holds counts, for every policy (the tier credits).
+    pub index: IndexParams,
     pub kv_load: KvLoadParams,
     pub kv_time: KvTimeParams,
     pub least_load: LeastLoadParams,
@@ -156,6 +163,89 @@ pub struct RoutingConfig {
     /// LoRA adapters: which `model` names are adapters and what loading one costs
     /// ([`crate::adapters::AdapterParams`]); absent: no request is an adapter's.
     pub adapters: Option<crate::adapters::AdapterParams>,
+    /// Not a setting: what the loader noticed in the document it read (an old field name in use),
+    /// one line each for the host's log ([`RoutingConfig::warnings`]). Empty for a configuration
+    /// built in code.
+    pub notices: Vec<String>,
+}
+
+/// A routing configuration as written: `kv_load` still with the fields that moved out of it.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RoutingDoc {
+    policy: PolicyKind,
+    block_size: usize,
+    index_capacity_blocks: usize,
+    seed: u64,
+    index: index::IndexSection,
+    kv_load: kv_load::KvLoadSection,
+    kv_time: KvTimeParams,
+    least_load: LeastLoadParams,
+    session_hash: SessionHashParams,
+    prefix_affinity: PrefixAffinityParams,
+    health: HealthParams,
+    max_body_bytes: usize,
+    admission: Option<crate::admission::AdmissionConfig>,
+    adapters: Option<crate::adapters::AdapterParams>,
+}
+
+impl Default for RoutingDoc {
+    fn default() -> Self {
+        let d = RoutingConfig::default();
+        Self {
+            policy: d.policy,
+            block_size: d.block_size,
+            index_capacity_blocks: d.index_capacity_blocks,
+            seed: d.seed,
+            index: index::IndexSection::default(),
+            kv_load: kv_load::KvLoadSection::default(),
+            kv_time: d.kv_time,
+            least_load: d.least_load,
+            session_hash: d.session_hash,
+            prefix_affinity: d.prefix_affinity,
+            health: d.health,
+            max_body_bytes: d.max_body_bytes,
+            admission: d.admission,
+            adapters: d.adapters,
+        }
+    }
+}
+
+impl TryFrom<RoutingDoc> for RoutingConfig {
+    /// A refusal's message starts with the path of the field it is about (`index.host_tier_credit:
+    /// ...`); [`RoutingConfig::from_json`] makes that its field.
+    type Error = String;
+
+    fn try_from(d: RoutingDoc) -> Result<Self, String> {
+        let mut notices = Vec::new();
+        let (kv_load, moved) = d.kv_load.split();
+        let index = d.index.resolve(moved, &mut notices)?;
+        Ok(RoutingConfig {
+            policy: d.policy,
+            block_size: d.block_size,
+            index_capacity_blocks: d.index_capacity_blocks,
+            seed: d.seed,
+            index,
+            kv_load,
+            kv_time: d.kv_time,
+            least_load: d.least_load,
+            session_hash: d.session_hash,
+            prefix_affinity: d.prefix_affinity,
+            health: d.health,
+            max_body_bytes: d.max_body_bytes,
+            admission: d.admission,
+            adapters: d.adapters,
+            notices,
+        })
+    }
+}
+
+impl RoutingConfig {
+    /// Settings that work but are on their way out (an old field name, with its new place), one line
+    /// each for the host's log; nothing is refused for them.
+    pub fn warnings(&self) -> Vec<String> {
+        self.notices.clone()
+    }
 }
 
 impl Default for RoutingConfig {
@@ -165,6 +255,7 @@ impl Default for RoutingConfig {
             block_size: 16,
             index_capacity_blocks: 1_000_000,
             seed: 0x006B_7673_7465_6572, // "kvsteer"
+            index: IndexParams::default(),
             kv_load: KvLoadParams::default(),
             kv_time: KvTimeParams::default(),
             least_load: LeastLoadParams::default(),
@@ -174,6 +265,7 @@ impl Default for RoutingConfig {
             max_body_bytes: 4 << 20,
             admission: None,
             adapters: None,
+            notices: Vec::new(),
         }
     }
 }

@@ -84,10 +84,82 @@ fn errors_name_the_field() {
     assert_eq!(e.field, "block_size");
     let e = RoutingConfig::from_json(r#"{"kv_load":{"temperature":-1}}"#).unwrap_err();
     assert_eq!(e.field, "kv_load.temperature");
-    let e = RoutingConfig::from_json(r#"{"kv_load":{"host_tier_credit":2}}"#).unwrap_err();
-    assert_eq!(e.field, "kv_load.host_tier_credit");
+    let e = RoutingConfig::from_json(r#"{"index":{"host_tier_credit":2}}"#).unwrap_err();
+    assert_eq!(e.field, "index.host_tier_credit");
     assert!(RoutingConfig::from_json("[").is_err());
-    assert!(e.to_string().contains("kv_load.host_tier_credit"));
+    assert!(e.to_string().contains("index.host_tier_credit"));
+    // Under its old name the value is checked in its new place.
+    let e = RoutingConfig::from_json(r#"{"kv_load":{"disk_tier_credit":-1}}"#).unwrap_err();
+    assert_eq!(e.field, "index.disk_tier_credit");
+    let e = RoutingConfig::from_json(r#"{"index":{"gpu_tier_credit":1}}"#).unwrap_err();
+    assert_eq!(e.field, "index.gpu_tier_credit", "{e}");
+}
+
+#[test]
+fn tier_credits_moved_to_index_and_the_old_names_still_apply_with_a_warning() {
+    let d = RoutingConfig::default();
+    assert_eq!(
+        (d.index.host_tier_credit, d.index.disk_tier_credit),
+        (0.75, 0.25)
+    );
+    assert!(
+        RoutingConfig::from_json("{}")
+            .unwrap()
+            .warnings()
+            .is_empty()
+    );
+    // The new place: applies, no warning.
+    let c = RoutingConfig::from_json(r#"{"index":{"host_tier_credit":0.5,"disk_tier_credit":0}}"#)
+        .unwrap();
+    assert_eq!(
+        (c.index.host_tier_credit, c.index.disk_tier_credit),
+        (0.5, 0.0)
+    );
+    assert!(c.warnings().is_empty(), "{:?}", c.warnings());
+    // The old name: applies (under every policy, kv_time the default) and warns, naming the new place.
+    let c = RoutingConfig::from_json(r#"{"kv_load":{"host_tier_credit":0.5}}"#).unwrap();
+    assert_eq!(c.policy, PolicyKind::KvTime);
+    assert_eq!(
+        (c.index.host_tier_credit, c.index.disk_tier_credit),
+        (0.5, 0.25)
+    );
+    let w = c.warnings();
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(
+        w[0].contains("kv_load.host_tier_credit") && w[0].contains("index.host_tier_credit"),
+        "{w:?}"
+    );
+    // One field old, the other new: each applies, the old one warns.
+    let c = RoutingConfig::from_json(
+        r#"{"kv_load":{"disk_tier_credit":0.1},"index":{"host_tier_credit":0.9}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (c.index.host_tier_credit, c.index.disk_tier_credit),
+        (0.9, 0.1)
+    );
+    assert_eq!(c.warnings().len(), 1);
+    // Both names for one field: refused, naming the new place.
+    let e = RoutingConfig::from_json(
+        r#"{"kv_load":{"host_tier_credit":0.5},"index":{"host_tier_credit":0.5}}"#,
+    )
+    .unwrap_err();
+    assert_eq!(e.field, "index.host_tier_credit", "{e}");
+    assert!(e.message.contains("kv_load.host_tier_credit"), "{e}");
+    // A preset leaves the credits alone, as before; beside it the old name still applies.
+    for p in ["dynamo", "ray_balanced", "ray_kv_biased"] {
+        let json = format!(r#"{{"kv_load":{{"preset":"{p}"}}}}"#);
+        let c = RoutingConfig::from_json(&json).unwrap();
+        assert_eq!(c.index, IndexParams::default(), "{p}");
+        let json = format!(r#"{{"kv_load":{{"preset":"{p}","disk_tier_credit":0.5}}}}"#);
+        let c = RoutingConfig::from_json(&json).unwrap();
+        assert_eq!(c.index.disk_tier_credit, 0.5, "{p}");
+        assert_eq!(
+            c.kv_load,
+            KvLoadPreset::params(c.kv_load.preset.unwrap()),
+            "{p}"
+        );
+    }
 }
 
 #[test]

@@ -11,7 +11,12 @@ impl RoutingConfig {
             // serde_path_to_error's path includes an unknown field's own name.
             let field = e.path().to_string();
             let msg = e.into_inner().to_string();
-            err(&field, msg)
+            // A refusal of the whole document's resolution (a moved field given under both names)
+            // names its field first.
+            match msg.split_once(": ") {
+                Some((f, m)) if field == "." && f.starts_with("index.") => err(f, m),
+                _ => err(&field, msg),
+            }
         })?;
         cfg.validate()?;
         Ok(cfg)
@@ -33,6 +38,7 @@ impl RoutingConfig {
         if let Some(a) = &self.adapters {
             a.validate()?;
         }
+        self.index.validate()?;
         self.kv_load.validate()?;
         non_negative("least_load.prefill_scale", self.least_load.prefill_scale)?;
         non_negative(

@@ -11,7 +11,7 @@ use crate::speed::LearnedInputs;
 impl Router {
     /// Tier-weighted overlap in blocks per replica for the request's identity.
     pub(super) fn overlap_blocks(&mut self, req: &RouteRequest, now_ms: u64) -> Vec<f64> {
-        let k = &self.cfg.kv_load;
+        let k = &self.cfg.index;
         match &req.identity {
             PromptIdentity::Exact(hashes) => {
                 let mut tiers = std::mem::take(&mut self.scratch_tiers);

@@ -1,0 +1,110 @@
+//! The `index` section: how a block the KV index holds counts for a request, whichever policy
+//! scores. Its fields were `kv_load`'s until 0.x; the old names are still read for one release
+//! ([`Moved`]), with a warning naming the new place.
+
+use serde::Deserialize;
+
+use super::{ConfigError, err};
+
+/// How much a cached block is worth by the tier it is held on, read wherever the router counts a
+/// request's cached prefix (every policy that prices overlap, `kv_time` included).
+#[derive(Clone, Debug, PartialEq)]
+pub struct IndexParams {
+    /// Credit of a block held only in host memory, relative to a GPU block (0..=1).
+    pub host_tier_credit: f64,
+    /// Credit of a block held only on disk (0..=1).
+    pub disk_tier_credit: f64,
+}
+
+impl Default for IndexParams {
+    fn default() -> Self {
+        Self {
+            host_tier_credit: 0.75,
+            disk_tier_credit: 0.25,
+        }
+    }
+}
+
+impl IndexParams {
+    /// Checks ranges that types alone do not.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (name, v) in [
+            ("index.host_tier_credit", self.host_tier_credit),
+            ("index.disk_tier_credit", self.disk_tier_credit),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(err(name, format!("must be between 0 and 1, got {v}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The `index` section as written: a field left out is taken from its old name under `kv_load`,
+/// else the default.
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct IndexSection {
+    host_tier_credit: Option<f64>,
+    disk_tier_credit: Option<f64>,
+}
+
+/// The fields `kv_load` gave up to [`IndexParams`], as written under their old names.
+#[derive(Default)]
+pub(super) struct Moved {
+    pub host_tier_credit: Option<f64>,
+    pub disk_tier_credit: Option<f64>,
+}
+
+/// One moved field: its new place's value, else its old name's (with a warning), else `default`;
+/// both given is refused.
+fn pick<T>(
+    field: &str,
+    new: Option<T>,
+    old: Option<T>,
+    default: T,
+    warnings: &mut Vec<String>,
+) -> Result<T, String> {
+    match (new, old) {
+        (Some(_), Some(_)) => Err(format!(
+            "index.{field}: also set as kv_load.{field}, its old name; keep only index.{field}"
+        )),
+        (Some(v), None) => Ok(v),
+        (None, Some(v)) => {
+            warnings.push(format!(
+                "kv_load.{field} is deprecated and will be removed in the next release: \
+                 set index.{field} instead (it applies to every policy)"
+            ));
+            Ok(v)
+        }
+        (None, None) => Ok(default),
+    }
+}
+
+impl IndexSection {
+    /// The section's values: each field from `index`, else its old name in `old` (noted in
+    /// `warnings`), else the default. The message of a refusal starts with the field's path.
+    pub(super) fn resolve(
+        self,
+        old: Moved,
+        warnings: &mut Vec<String>,
+    ) -> Result<IndexParams, String> {
+        let d = IndexParams::default();
+        Ok(IndexParams {
+            host_tier_credit: pick(
+                "host_tier_credit",
+                self.host_tier_credit,
+                old.host_tier_credit,
+                d.host_tier_credit,
+                warnings,
+            )?,
+            disk_tier_credit: pick(
+                "disk_tier_credit",
+                self.disk_tier_credit,
+                old.disk_tier_credit,
+                d.disk_tier_credit,
+                warnings,
+            )?,
+        })
+    }
+}
