@@ -32,6 +32,9 @@ pub struct Found {
     /// Where it sits, for the operator; `None` when the input is the configuration itself.
     pub place: Option<String>,
     pub bytes: Vec<u8>,
+    /// The clusters of the Envoy bootstrap it sits in, where that bootstrap defines all of its
+    /// clusters statically (no CDS): the only ones its callouts can reach. `None` elsewhere.
+    pub clusters: Option<Vec<String>>,
 }
 
 /// Every plugin configuration in `input`, or why none can be read (the exit-2 case).
@@ -45,6 +48,7 @@ pub fn extract(input: &[u8], format: Format) -> Result<Vec<Found>, String> {
         Format::Plugin | Format::Auto => Ok(vec![Found {
             place: None,
             bytes: input.to_vec(),
+            clusters: None,
         }]),
         Format::Manifest => {
             let docs = yaml_documents(text(input)?)?;
@@ -135,12 +139,42 @@ fn from_manifests(docs: &[Value]) -> Result<Vec<Found>, String> {
             out.push(Found {
                 place: Some(place),
                 bytes,
+                clusters: None,
             });
             continue;
         }
+        let first = out.len();
         walk(doc, &doc_place, &mut out)?;
+        if let Some(names) = static_clusters(doc) {
+            for f in &mut out[first..] {
+                f.clusters = Some(names.clone());
+            }
+        }
     }
     Ok(out)
+}
+
+/// The names of an Envoy bootstrap's clusters when it defines them all statically: a bootstrap with
+/// `static_resources.clusters` and no `dynamic_resources.cds_config`. `None` for anything else (an
+/// Istio manifest, a bootstrap whose clusters come over CDS), where the check cannot know them.
+fn static_clusters(doc: &Value) -> Option<Vec<String>> {
+    let clusters = doc
+        .get("static_resources")?
+        .get("clusters")?
+        .as_sequence()?;
+    if doc
+        .get("dynamic_resources")
+        .and_then(|d| d.get("cds_config"))
+        .is_some()
+    {
+        return None;
+    }
+    Some(
+        clusters
+            .iter()
+            .filter_map(|c| c.get("name").and_then(Value::as_str).map(str::to_string))
+            .collect(),
+    )
 }
 
 /// Every Envoy wasm filter config under `v`, wherever it sits (a listener's filter chain, an
@@ -160,6 +194,7 @@ fn walk(v: &Value, doc_place: &str, out: &mut Vec<Found>) -> Result<(), String> 
                 out.push(Found {
                     place: Some(place),
                     bytes,
+                    clusters: None,
                 });
                 return Ok(());
             }
@@ -235,6 +270,7 @@ fn from_nginx(s: &str) -> Result<Vec<Found>, String> {
                         1 | 2 => out.push(Found {
                             place: Some(place),
                             bytes: args.get(1).cloned().unwrap_or_default().into_bytes(),
+                            clusters: None,
                         }),
                         n => return Err(format!("{place}: {n} arguments, 1 or 2 expected")),
                     }

@@ -47,17 +47,66 @@ enum Verdict {
 
 /// Exactly the steps of `on_configure` that can refuse (the rest are host calls that cannot): the
 /// parser with its validation, then the router state, which also refuses routing and tokenizer
-/// settings the parser lets through.
-fn judge(bytes: &[u8]) -> Verdict {
+/// settings the parser lets through. Where the bootstrap's clusters are known (`clusters`), a
+/// configuration that names a cluster the bootstrap lacks is refused too: the filter accepts it,
+/// but every callout to that cluster fails, so a feed, a tokenizer bundle or a peer never arrives
+/// and the filter routes without it, which nothing at deploy time would show.
+fn judge(bytes: &[u8], clusters: Option<&[String]>) -> Verdict {
     let state = match FilterConfig::from_json(bytes).and_then(WorkerState::new) {
         Ok(s) => s,
         Err(e) => return Verdict::Refused(e.to_string()),
     };
+    if let Some(known) = clusters {
+        let mut named = Vec::new();
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes) {
+            cluster_references(&v, "", &mut named);
+        }
+        let missing: Vec<String> = named
+            .into_iter()
+            .filter(|(_, c)| !known.contains(c))
+            .map(|(at, c)| format!("{at} names cluster {c:?}"))
+            .collect();
+        if !missing.is_empty() {
+            return Verdict::Refused(format!(
+                "{}, which the bootstrap does not define: callouts to it would fail",
+                missing.join("; ")
+            ));
+        }
+    }
     Verdict::Ok {
         replicas: state.config().static_units(),
         slots: state.replicas() - state.config().static_units(),
         policy: state.config().routing.policy.name(),
         warnings: state.config().warnings(),
+    }
+}
+
+/// Every cluster the configuration names, with where: the values of the keys `cluster` and
+/// `*_cluster` (a replica's `feed_cluster`, P/D's `prefill_cluster`, discovery's, a peer's, the
+/// tokenizer bundle's `cluster`). `cluster_header` is a header's name, not a cluster.
+fn cluster_references(v: &serde_json::Value, at: &str, out: &mut Vec<(String, String)>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, child) in m {
+                let here = if at.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{at}.{k}")
+                };
+                match child {
+                    serde_json::Value::String(s) if k == "cluster" || k.ends_with("_cluster") => {
+                        out.push((here, s.clone()))
+                    }
+                    _ => cluster_references(child, &here, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => {
+            for (i, child) in a.iter().enumerate() {
+                cluster_references(child, &format!("{at}[{i}]"), out);
+            }
+        }
+        _ => {}
     }
 }
 
@@ -90,8 +139,13 @@ fn main() -> ExitCode {
     };
     let mut all_ok = true;
     let mut reports = Vec::new();
-    for Found { place, bytes } in found {
-        let verdict = judge(&bytes);
+    for Found {
+        place,
+        bytes,
+        clusters,
+    } in found
+    {
+        let verdict = judge(&bytes, clusters.as_deref());
         all_ok &= matches!(verdict, Verdict::Ok { .. });
         if args.json {
             reports.push(match verdict {

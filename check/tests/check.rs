@@ -116,6 +116,36 @@ fn every_committed_configuration_is_accepted() {
     );
 }
 
+/// A bootstrap whose plugin configuration names a feed cluster the bootstrap lacks (a renamed
+/// cluster, a replica added to the configuration only) is refused, naming the entry: the filter
+/// accepts it and every poll of that feed fails. A configuration read without its bootstrap cannot
+/// be judged on that, and is not.
+#[test]
+fn a_cluster_the_bootstrap_lacks_is_refused() {
+    let good = read("envoy/envoy.yaml");
+    let bad = good.replacen(
+        r#""feed_cluster": "kvsteer_feed_r2""#,
+        r#""feed_cluster": "kvsteer_feed_r9""#,
+        1,
+    );
+    assert_ne!(bad, good);
+    let r = run(&["-"], Some(&bad));
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains(
+            "refused: replicas[2].feed_cluster names cluster \"kvsteer_feed_r9\", which the \
+             bootstrap does not define"
+        ),
+        "{}",
+        r.stdout
+    );
+    // The same plugin configuration on its own: no bootstrap, no clusters to compare with.
+    let alone = config(&[
+        r#"{"name": "a", "endpoint": "10.0.0.1:8000", "feed_cluster": "nowhere"}"#.to_string(),
+    ]);
+    assert_eq!(run(&["-"], Some(&alone)).code, 0);
+}
+
 #[test]
 fn where_each_configuration_was_found_is_named() {
     let r = run(&[&file("envoy/envoy.yaml")], None);
