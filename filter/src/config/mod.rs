@@ -234,7 +234,8 @@ impl FilterConfig {
     /// [`FilterConfig::validate`] so every cross-check of the configuration is in one place.
     pub fn warnings(&self) -> Vec<String> {
         use kvsteer_core::config::{PolicyKind, ReportedLoad};
-        let mut out = Vec::new();
+        // The routing section's own: a setting under its old name (still applied for one release).
+        let mut out = self.routing.warnings();
         if self.peers.is_some()
             && self.routing.policy == PolicyKind::KvLoad
             && !matches!(

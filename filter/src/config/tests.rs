@@ -27,6 +27,19 @@ pub(super) fn refused(json: &str) -> String {
         .to_string()
 }
 
+/// A routing setting under its old name is applied and its warning reaches the filter's list,
+/// which the filter logs at configure time and `kvsteer-check` prints.
+#[test]
+fn a_routing_setting_under_its_old_name_is_warned_about() {
+    let json = r#"{"replicas":[{"name":"r0","endpoint":"127.0.0.1:8000","feed_cluster":"f"}],
+        "routing":{"kv_load":{"host_tier_credit":0.5}}}"#;
+    let c = FilterConfig::from_json(json.as_bytes()).unwrap();
+    assert_eq!(c.routing.index.host_tier_credit, 0.5);
+    let w = c.warnings();
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].contains("index.host_tier_credit"), "{w:?}");
+}
+
 /// A `peers` section wants the other proxies' load too (`reported_load` merge or others) under
 /// `kv_load`: otherwise a warning, never a refusal; other policies have no reported load to merge.
 #[test]
