@@ -17,7 +17,8 @@ requests), and so does every other replica, counted by the replica that answered
 no request fails. r0's requests per 5 s window and its learned factor (`kvsteer_ttft_observed_per_predicted_
 milli_r0`) are printed.
 
-A second test: replicas whose cache (1,000 blocks) is far smaller than the profile's are priced
+A second test: alike replicas whose learned factors differ by timing noise share fresh prompts
+sent one by one (no replica more than half). A third: replicas whose cache (1,000 blocks) is far smaller than the profile's are priced
 with the size their feeds report, and 40 fresh prompts sent one by one spread (no replica more than
 half).
 
@@ -27,6 +28,7 @@ wall clock. Run by scripts/e2e (`scripts/e2e test_learned_speeds`); about 70 s o
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import unittest
@@ -50,6 +52,8 @@ BIN_S = 5.0
 # The cache-size test: the sims' KV cache in 16-token blocks, and the fresh prompts sent one by one.
 SMALL_CACHE_BLOCKS = 1000
 FRESH_PROMPTS = 40
+# The noise test: prompts sent first, for the filter to learn every replica's factor.
+WARM_UP_PROMPTS = 20
 
 
 class Clients:
@@ -134,6 +138,46 @@ class LearnedSpeeds(unittest.TestCase):
         # percent higher by noise (the first version sent everything to two of them).
         for name, n in per_replica.items():
             self.assertGreaterEqual(n / len(after), 0.25 / REPLICAS, f"{name}: {per_replica}")
+
+    def test_alike_replicas_share_fresh_prompts_whatever_their_factors_noise(self):
+        """Four alike replicas whose learned factors differ by noise: while the filter learns them
+        (the first 20 prompts), every replica runs at a speed drawn afresh before each prompt,
+        within 6% of the profile's (the simulator runs the profile exactly, so real timings on
+        one host would not differ); then all run at the profile's speed. Fresh prompts sent one by
+        one spread, no replica more than half (the first version sent 40 of 40 to the one whose
+        factor happened to be lowest, with the factors 1-6% apart). The factors are printed."""
+        routing = {"policy": "kv_time", "kv_time": {"profile": PROFILE}}
+        draw = random.Random(7)
+        with envoy_fleet(REPLICAS, SIM_TIME_SCALE, "envoy", {"routing": routing}) as stack:
+            served: dict[str, int] = {}
+            for i in range(WARM_UP_PROMPTS + FRESH_PROMPTS):
+                if i <= WARM_UP_PROMPTS:
+                    for k in range(REPLICAS):
+                        speed = draw.uniform(0.94, 1.06) if i < WARM_UP_PROMPTS else 1.0
+                        stack.set_fault(f"r{k}", {"slowdown": speed})
+                # Streamed: the filter learns from the first token's arrival.
+                res = stack.send(tokens(PROMPT_TOKENS, 11_000_000 + i), max_tokens=4,
+                                 stream=True)
+                self.assertTrue(res.ok, res.error or res.status)
+                if i == WARM_UP_PROMPTS - 1:
+                    time.sleep(0.3)  # the last answers' observations reach every worker
+                    factors = {f"r{k}": stack.metric(
+                        f"kvsteer_ttft_observed_per_predicted_milli_r{k}") / 1000
+                        for k in range(REPLICAS)}
+                if i >= WARM_UP_PROMPTS:
+                    w = stack.by_sim_name(res.replica)
+                    name = w.name if w else "?"
+                    served[name] = served.get(name, 0) + 1
+        learned = [f for f in factors.values() if f > 0]
+        print(f"\nlearned factors after {WARM_UP_PROMPTS} prompts {factors}; then "
+              f"{FRESH_PROMPTS} fresh prompts served {served}", flush=True)
+        self.assertLessEqual(max(served.values()), FRESH_PROMPTS // 2, served)
+        # Every replica, not only the one or two whose factor is lowest: at least a quarter of a
+        # fair share each (by chance alone, fewer happens about once in 1,500 runs).
+        self.assertEqual(len(served), REPLICAS, served)
+        self.assertGreaterEqual(min(served.values()), 2, served)
+        # The noise the test is about: learned factors apart by more than their rounding.
+        self.assertGreater(max(learned) - min(learned), 0.005, factors)
 
     def test_a_cache_not_reported_yet_is_not_priced_as_free(self):
         """Replicas with a 1,000-block (16,000-token) cache behind a profile of 409,600 tokens: the
