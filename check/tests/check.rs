@@ -284,7 +284,7 @@ fn warnings_are_printed_after_ok() {
     let lines: Vec<&str> = r.stdout.lines().collect();
     assert_eq!(lines[0], "ok: 1 replicas, policy kv_load");
     assert!(
-        lines[1].starts_with("warning: peers is meant for routing.kv_load.reported_load"),
+        lines[1].starts_with("warning: peers is meant for routing.load.reported_load"),
         "{}",
         lines[1]
     );

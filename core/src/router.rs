@@ -193,11 +193,11 @@ fn load_table(cfg: &RoutingConfig, replicas: usize) -> LoadTable {
         replicas,
         cfg.block_size,
         Accounting {
-            prompt_blocks_at_admission: cfg.kv_load.prompt_blocks_at_admission,
+            prompt_blocks_at_admission: cfg.load.prompt_blocks_at_admission,
             // kv_time reads decode load as the KV its steps read: every sequence reads its
             // whole context, a prefix shared with others included, so nothing is counted once.
             assume_kv_reuse: cfg.kv_load.assume_kv_reuse && cfg.policy != PolicyKind::KvTime,
-            use_output_hint: cfg.kv_load.use_output_hint,
+            use_output_hint: cfg.load.use_output_hint,
             prefill_in_time: in_time,
         },
     )
@@ -224,7 +224,7 @@ impl Router {
             load: load_table(&cfg, replicas),
             outputs: OutputEstimate::new(),
             address_groups: Vec::new(),
-            reported: Reported::new(replicas, cfg.kv_load.reported_load, cfg.block_size),
+            reported: Reported::new(replicas, cfg.load.reported_load, cfg.block_size),
             clock_ms: 0,
             down: vec![false; replicas],
             members: vec![Membership::Member; replicas],
@@ -252,9 +252,9 @@ impl Router {
                 let max_blocks = 2 * (cfg.index_capacity_blocks / replicas).max(1024);
                 WorkingSet::new(
                     replicas,
-                    cfg.kv_load.working_set_window_ms as u64,
+                    cfg.working_set.window_ms as u64,
                     max_blocks,
-                    cfg.kv_load.sampling(),
+                    cfg.working_set.sampling(),
                 )
             }),
             replicas,

@@ -1,7 +1,7 @@
-//! `kv_load.reported_load = merge`: a replica's report plus this proxy's bookings since the poll that
+//! `load.reported_load = merge`: a replica's report plus this proxy's bookings since the poll that
 //! produced it, each counted once (docs/design/design.md, "Many proxies").
 
-use kvsteer_core::config::{KvLoadParams, ReportedLoad};
+use kvsteer_core::config::{KvLoadParams, LoadParams, ReportedLoad};
 use kvsteer_core::feed::{FeedBatch, ReplicaLoad};
 use kvsteer_core::{LoadTotals, PolicyKind, RouteRequest, Router, RoutingConfig};
 
@@ -14,8 +14,11 @@ fn cfg(mode: ReportedLoad) -> RoutingConfig {
             overlap_credit: 1.0,
             queue_weight: 1.0,
             time_cost: false,
-            reported_load: mode,
             ..KvLoadParams::default()
+        },
+        load: LoadParams {
+            reported_load: mode,
+            ..LoadParams::default()
         },
         ..RoutingConfig::default()
     }

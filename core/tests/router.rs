@@ -1,7 +1,7 @@
 //! The Router as the filter drives it: read, route, admit, token events, release, feed.
 
 use kvsteer_core::block::BlockHasher;
-use kvsteer_core::config::{KvLoadParams, ReportedLoad};
+use kvsteer_core::config::{KvLoadParams, LoadParams, ReportedLoad};
 use kvsteer_core::feed::{FeedBatch, FeedEvent, ReplicaLoad, Tier};
 use kvsteer_core::{FallbackReason, FeedOutcome, LoadTotals, PolicyKind, Router, RoutingConfig};
 
@@ -17,8 +17,11 @@ fn cfg(policy: PolicyKind) -> RoutingConfig {
             // The plain block formula, so costs below can be counted by hand.
             queue_weight: 1.0,
             time_cost: false,
-            reported_load: ReportedLoad::Max,
             ..KvLoadParams::default()
+        },
+        load: LoadParams {
+            reported_load: ReportedLoad::Max,
+            ..LoadParams::default()
         },
         ..RoutingConfig::default()
     }
@@ -382,7 +385,7 @@ fn kv_load_spreads_what_kv_affinity_herds() {
     let system: Vec<u32> = (0..256).collect();
     let run = |policy: PolicyKind, dynamo_accounting: bool| {
         let mut c = cfg(policy);
-        c.kv_load.prompt_blocks_at_admission = dynamo_accounting;
+        c.load.prompt_blocks_at_admission = dynamo_accounting;
         c.kv_load.assume_kv_reuse = dynamo_accounting;
         let mut r = Router::new(c, 4).unwrap();
         r.apply_feed(
@@ -508,7 +511,7 @@ fn session_hash_moves_only_the_down_replicas_sessions() {
 fn output_hint_weights_a_requests_own_blocks_through_the_router() {
     let run = |hint: bool| {
         let mut c = cfg(PolicyKind::KvLoad);
-        c.kv_load.use_output_hint = hint;
+        c.load.use_output_hint = hint;
         let mut r = Router::new(c, 2).unwrap();
         let prompt: Vec<u32> = (0..64).collect();
         // max_tokens 8 in `body`: the output hint.
@@ -560,7 +563,7 @@ fn two_sessions_on_replica_0(floor: f64) -> (Router, kvsteer_core::request::Rout
     c.kv_load.overflow_weight = 1.0;
     c.kv_load.overflow_softness = 0.0;
     c.kv_load.overflow_reuse_floor = floor;
-    c.kv_load.reported_load = ReportedLoad::Ignore;
+    c.load.reported_load = ReportedLoad::Ignore;
     let mut r = Router::new(c, 2).unwrap();
     let a: Vec<u32> = (0..4_800).collect();
     let s: Vec<u32> = (100_000..103_200).collect();

@@ -4,7 +4,7 @@
 
 use serde::Deserialize;
 
-use super::{ConfigError, err};
+use super::{ConfigError, err, pick};
 
 /// How much a cached block is worth by the tier it is held on, read wherever the router counts a
 /// request's cached prefix (every policy that prices overlap, `kv_time` included).
@@ -56,31 +56,6 @@ pub(super) struct Moved {
     pub disk_tier_credit: Option<f64>,
 }
 
-/// One moved field: its new place's value, else its old name's (with a warning), else `default`;
-/// both given is refused.
-fn pick<T>(
-    field: &str,
-    new: Option<T>,
-    old: Option<T>,
-    default: T,
-    warnings: &mut Vec<String>,
-) -> Result<T, String> {
-    match (new, old) {
-        (Some(_), Some(_)) => Err(format!(
-            "index.{field}: also set as kv_load.{field}, its old name; keep only index.{field}"
-        )),
-        (Some(v), None) => Ok(v),
-        (None, Some(v)) => {
-            warnings.push(format!(
-                "kv_load.{field} is deprecated and will be removed in the next release: \
-                 set index.{field} instead (it applies to every policy)"
-            ));
-            Ok(v)
-        }
-        (None, None) => Ok(default),
-    }
-}
-
 impl IndexSection {
     /// The section's values: each field from `index`, else its old name in `old` (noted in
     /// `warnings`), else the default. The message of a refusal starts with the field's path.
@@ -92,14 +67,16 @@ impl IndexSection {
         let d = IndexParams::default();
         Ok(IndexParams {
             host_tier_credit: pick(
-                "host_tier_credit",
+                "index.host_tier_credit",
+                "kv_load.host_tier_credit",
                 self.host_tier_credit,
                 old.host_tier_credit,
                 d.host_tier_credit,
                 warnings,
             )?,
             disk_tier_credit: pick(
-                "disk_tier_credit",
+                "index.disk_tier_credit",
+                "kv_load.disk_tier_credit",
                 self.disk_tier_credit,
                 old.disk_tier_credit,
                 d.disk_tier_credit,

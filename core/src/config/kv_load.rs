@@ -3,8 +3,19 @@
 
 use serde::Deserialize;
 
-use super::index::Moved;
-use super::{ConfigError, err, non_negative};
+use super::load::{LoadParams, ReportedLoad};
+use super::{ConfigError, err, index, load, non_negative, working_set};
+
+/// The fields `kv_load` gave up to other sections, as written under their old names, and the
+/// values its preset gives the moved `load` fields.
+pub(super) struct Moved {
+    pub index: index::Moved,
+    pub load: load::Moved,
+    /// What the `load` fields are when neither their new nor their old name gives them: the
+    /// preset's, else the defaults (a preset kept setting them when they moved).
+    pub load_base: LoadParams,
+    pub working_set: working_set::Moved,
+}
 
 /// Coefficients of the `kv_load` cost (docs/design/design.md section 2.1). Its defaults are
 /// kvsteer's own (see `Default`); NVIDIA Dynamo's KV router's are the `dynamo` preset.
@@ -57,19 +68,11 @@ pub struct KvLoadParams {
     pub active_request_weight: f64,
     /// 0: argmin with seeded random tie-break; > 0: softmax sampling.
     pub temperature: f64,
-    /// Weight a request's own decode blocks by `1 - generated/expected` when it gives
-    /// `max_completion_tokens` or `max_tokens` (Ray's decode progress).
-    pub use_output_hint: bool,
-    /// Book a request's prompt blocks as decode load from admission (Dynamo) rather than from its
-    /// first token.
-    pub prompt_blocks_at_admission: bool,
     /// Count a prefix block active on a replica once however many requests share it, and charge a
     /// request only the blocks not already active there (Dynamo's `router_assume_kv_reuse`).
     pub assume_kv_reuse: bool,
-    /// How the load a replica reports in its feed combines with this router's own bookings.
-    pub reported_load: ReportedLoad,
     /// Weight of the working-set term; 0 turns it off. The term prices the cache a placement makes
-    /// a replica lose: the prompt blocks requested there within `working_set_window_ms` are its
+    /// a replica lose: the prompt blocks requested there within `working_set.window_ms` are its
     /// working set, and a placement that grows it past the replica's cache costs `overflow_weight`
     /// times the prefill of what the cache stops keeping ([`resident_value`]
     /// (crate::policy::kv_load::resident_value), [`crate::working_set`]).
@@ -77,19 +80,8 @@ pub struct KvLoadParams {
     /// Prefix-cache size of one replica in tokens; 0: learned from the feed, as the most blocks the
     /// replica has held once it has evicted one (until then, like the largest another has shown).
     pub replica_cache_tokens: f64,
-    /// The working set's window: prompt blocks requested on a replica within this many ms.
-    pub working_set_window_ms: f64,
-    /// The working set keeps one prompt block in this many (a power of two, 1 to 1,024) and scales
-    /// its counts back up ([`crate::working_set::Sampling`]). Every worker applies every other
-    /// worker's sampled admissions on its tick, so this sets the term's cost in a proxy; every
-    /// proxy exchanging working sets must use the same value.
-    pub working_set_sample: u64,
     /// How the cache's value falls past its size ([`crate::policy::kv_load::resident_value`]).
     pub overflow_softness: f64,
-    /// Also count the blocks each replica's feed reports stored (GPU tier) in its working set, as
-    /// asked for once: what other proxies send it, which this proxy cannot see otherwise (and the
-    /// blocks of generated outputs). For several proxies in front of one fleet (docs/reports/proxies.md).
-    pub working_set_from_feed: bool,
     /// Scale `overflow_weight` by how far the traffic's reuse share (the share of recently requested
     /// blocks that had been requested before) is above this floor: nothing at or below it, all of
     /// it at a share of 1 ([`crate::policy::kv_load::reuse_ramp`]). 0: the weight as given.
@@ -105,13 +97,6 @@ impl KvLoadParams {
     /// cost. The router's bookings and `kv_load`'s pricing both ask here, so they cannot disagree.
     pub fn queue_in_time_active(&self) -> bool {
         self.queue_in_time && self.time_cost
-    }
-
-    /// The working set's sample (`working_set_sample`; a value the config check would refuse falls
-    /// back to one in 8).
-    pub fn sampling(&self) -> crate::working_set::Sampling {
-        crate::working_set::Sampling::one_in(self.working_set_sample)
-            .unwrap_or(crate::working_set::Sampling::DEFAULT)
     }
 }
 
@@ -130,15 +115,14 @@ pub enum KvLoadPreset {
 }
 
 impl KvLoadPreset {
-    /// The preset's values for every field.
+    /// The preset's values for every `kv_load` field; the `load` fields it sets are
+    /// [`KvLoadPreset::load`]'s.
     pub fn params(self) -> KvLoadParams {
         let common = KvLoadParams {
             preset: Some(self),
             prefill_scale: 1.0,
             temperature: 0.0,
-            prompt_blocks_at_admission: true,
             assume_kv_reuse: true,
-            reported_load: ReportedLoad::Ignore,
             // Their formula: queued and own prefill blocks alike, no time cost, no working-set term.
             queue_weight: 1.0,
             time_cost: false,
@@ -150,22 +134,34 @@ impl KvLoadPreset {
                 overlap_credit: 1.0,
                 overlap_credit_decay: 0.0,
                 active_request_weight: 0.0,
-                use_output_hint: false,
                 ..common
             },
             KvLoadPreset::RayBalanced => KvLoadParams {
                 overlap_credit: 0.5,
                 overlap_credit_decay: 1.0,
                 active_request_weight: 32.0,
-                use_output_hint: true,
                 ..common
             },
             KvLoadPreset::RayKvBiased => KvLoadParams {
                 overlap_credit: 2.0,
                 overlap_credit_decay: 0.0,
                 active_request_weight: 0.0,
-                use_output_hint: true,
                 ..common
+            },
+        }
+    }
+
+    /// The preset's values for the fields that moved to the `load` section, which a preset still
+    /// sets (unless `load`, or the old name under `kv_load`, gives them): Dynamo's accounting
+    /// (prompt blocks from admission), scored on the router's own bookings, decode progress on in
+    /// Ray's presets.
+    pub fn load(self) -> LoadParams {
+        LoadParams {
+            reported_load: ReportedLoad::Ignore,
+            prompt_blocks_at_admission: true,
+            use_output_hint: match self {
+                KvLoadPreset::Dynamo => false,
+                KvLoadPreset::RayBalanced | KvLoadPreset::RayKvBiased => true,
             },
         }
     }
@@ -213,8 +209,21 @@ impl KvLoadSection {
     pub(super) fn split(self) -> (KvLoadParams, Moved) {
         let s = self;
         let moved = Moved {
-            host_tier_credit: s.host_tier_credit,
-            disk_tier_credit: s.disk_tier_credit,
+            index: index::Moved {
+                host_tier_credit: s.host_tier_credit,
+                disk_tier_credit: s.disk_tier_credit,
+            },
+            load: load::Moved {
+                reported_load: s.reported_load,
+                prompt_blocks_at_admission: s.prompt_blocks_at_admission,
+                use_output_hint: s.use_output_hint,
+            },
+            load_base: s.preset.map(KvLoadPreset::load).unwrap_or_default(),
+            working_set: working_set::Moved {
+                window_ms: s.working_set_window_ms,
+                sample: s.working_set_sample,
+                from_feed: s.working_set_from_feed,
+            },
         };
         let base = s.preset.map(KvLoadPreset::params).unwrap_or_default();
         let params = KvLoadParams {
@@ -234,52 +243,15 @@ impl KvLoadSection {
                 .active_request_weight
                 .unwrap_or(base.active_request_weight),
             temperature: s.temperature.unwrap_or(base.temperature),
-            use_output_hint: s.use_output_hint.unwrap_or(base.use_output_hint),
-            prompt_blocks_at_admission: s
-                .prompt_blocks_at_admission
-                .unwrap_or(base.prompt_blocks_at_admission),
             assume_kv_reuse: s.assume_kv_reuse.unwrap_or(base.assume_kv_reuse),
-            reported_load: s.reported_load.unwrap_or(base.reported_load),
             replica_cache_tokens: s.replica_cache_tokens.unwrap_or(base.replica_cache_tokens),
-            working_set_window_ms: s
-                .working_set_window_ms
-                .unwrap_or(base.working_set_window_ms),
-            working_set_sample: s.working_set_sample.unwrap_or(base.working_set_sample),
             overflow_weight: s.overflow_weight.unwrap_or(base.overflow_weight),
             overflow_softness: s.overflow_softness.unwrap_or(base.overflow_softness),
-            working_set_from_feed: s
-                .working_set_from_feed
-                .unwrap_or(base.working_set_from_feed),
             overflow_reuse_floor: s.overflow_reuse_floor.unwrap_or(base.overflow_reuse_floor),
             queue_in_time: s.queue_in_time.unwrap_or(base.queue_in_time),
         };
         (params, moved)
     }
-}
-
-/// How a replica's reported load (the feed's `load`) meets the router's own bookings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ReportedLoad {
-    /// Field by field, the larger of the two: the report sees traffic from other proxies, the
-    /// bookings are fresher. A report that counts queued prompts whole (cached part included) then
-    /// charges the cache holder for tokens it will not compute.
-    Max,
-    /// Score on the router's own bookings only, as Dynamo and Ray do (right when this proxy, with its
-    /// worker VMs, sees all the traffic). The default.
-    Ignore,
-    /// The replica's report plus this proxy's bookings the report cannot reflect yet (requests it
-    /// admitted since the poll that produced the report was sent), field by field: every proxy's
-    /// traffic up to the poll, and this proxy's own since, each counted once (docs/design/design.md,
-    /// "Many proxies"). For fleets of independent proxies in front of the same replicas.
-    Merge,
-    /// This proxy's own bookings, as `ignore` scores them, plus the part of each replica's report
-    /// that is not this proxy's: the report less this proxy's requests it holds (admitted before the
-    /// poll that produced it, as they stood when the report was accepted), field by field, never
-    /// below zero. With one proxy the rest is about nothing and the policy scores as `ignore` does (with
-    /// Dynamo's accounting of its own requests: shared blocks once, output progress); with several,
-    /// the other proxies' load comes from the reports. For fleets of independent proxies.
-    Others,
 }
 
 impl Default for KvLoadParams {
@@ -305,16 +277,10 @@ impl Default for KvLoadParams {
             attention_context_tokens: 25_000.0,
             active_request_weight: 0.0,
             temperature: 0.0,
-            use_output_hint: false,
-            prompt_blocks_at_admission: true,
             assume_kv_reuse: true,
-            reported_load: ReportedLoad::Ignore,
             replica_cache_tokens: 0.0,
-            working_set_window_ms: 120_000.0,
-            working_set_sample: 8,
             overflow_weight: 0.3,
             overflow_softness: 0.25,
-            working_set_from_feed: false,
             overflow_reuse_floor: 0.0,
             queue_in_time: false,
         }
@@ -337,17 +303,6 @@ impl KvLoadParams {
         }
         non_negative("kv_load.short_prompt_tokens", k.short_prompt_tokens)?;
         non_negative("kv_load.replica_cache_tokens", k.replica_cache_tokens)?;
-        non_negative("kv_load.working_set_window_ms", k.working_set_window_ms)?;
-        if crate::working_set::Sampling::one_in(k.working_set_sample).is_none() {
-            return Err(err(
-                "kv_load.working_set_sample",
-                format!(
-                    "must be a power of two from 1 to {}, got {}",
-                    crate::working_set::Sampling::MAX_ONE_IN,
-                    k.working_set_sample
-                ),
-            ));
-        }
         non_negative("kv_load.overflow_weight", k.overflow_weight)?;
         non_negative("kv_load.overflow_softness", k.overflow_softness)?;
         if !(k.attention_context_tokens.is_finite() && k.attention_context_tokens >= 1.0) {

@@ -1,6 +1,6 @@
 //! Routing configuration: JSON via serde, every field defaulted, unknown fields refused, and every
 //! error names the field it is about (`kv_load.temperature: ...`). One file per section that has
-//! rules of its own (`index`, `kv_load`, `kv_time`), the refusal type, and the whole document's
+//! rules of its own (`index`, `load`, `working_set`, `kv_load`, `kv_time`), the refusal type, and the whole document's
 //! checks. A field that moved to another section is still read under its old name for one release,
 //! with a warning in [`RoutingConfig::warnings`] naming the new place; both names given is refused.
 
@@ -8,13 +8,17 @@ mod error;
 mod index;
 mod kv_load;
 mod kv_time;
+mod load;
 mod validate;
+mod working_set;
 
 pub use error::ConfigError;
 pub(crate) use error::{err, non_negative};
 pub use index::IndexParams;
-pub use kv_load::{KvLoadParams, KvLoadPreset, ReportedLoad};
+pub use kv_load::{KvLoadParams, KvLoadPreset};
 pub use kv_time::{KvTimeParams, ProfileSpec};
+pub use load::{LoadParams, ReportedLoad};
+pub use working_set::WorkingSetParams;
 
 use serde::Deserialize;
 
@@ -148,6 +152,11 @@ pub struct RoutingConfig {
     pub seed: u64,
     /// How a block the KV index holds counts, for every policy (the tier credits).
     pub index: IndexParams,
+    /// How the load table books requests and meets the replicas' reports, for every policy that
+    /// reads load.
+    pub load: LoadParams,
+    /// The per-replica working set, for every policy with a cache term.
+    pub working_set: WorkingSetParams,
     pub kv_load: KvLoadParams,
     pub kv_time: KvTimeParams,
     pub least_load: LeastLoadParams,
@@ -178,6 +187,8 @@ struct RoutingDoc {
     index_capacity_blocks: usize,
     seed: u64,
     index: index::IndexSection,
+    load: load::LoadSection,
+    working_set: working_set::WorkingSetSection,
     kv_load: kv_load::KvLoadSection,
     kv_time: KvTimeParams,
     least_load: LeastLoadParams,
@@ -198,6 +209,8 @@ impl Default for RoutingDoc {
             index_capacity_blocks: d.index_capacity_blocks,
             seed: d.seed,
             index: index::IndexSection::default(),
+            load: load::LoadSection::default(),
+            working_set: working_set::WorkingSetSection::default(),
             kv_load: kv_load::KvLoadSection::default(),
             kv_time: d.kv_time,
             least_load: d.least_load,
@@ -219,13 +232,17 @@ impl TryFrom<RoutingDoc> for RoutingConfig {
     fn try_from(d: RoutingDoc) -> Result<Self, String> {
         let mut notices = Vec::new();
         let (kv_load, moved) = d.kv_load.split();
-        let index = d.index.resolve(moved, &mut notices)?;
+        let index = d.index.resolve(moved.index, &mut notices)?;
+        let load = d.load.resolve(moved.load, moved.load_base, &mut notices)?;
+        let working_set = d.working_set.resolve(moved.working_set, &mut notices)?;
         Ok(RoutingConfig {
             policy: d.policy,
             block_size: d.block_size,
             index_capacity_blocks: d.index_capacity_blocks,
             seed: d.seed,
             index,
+            load,
+            working_set,
             kv_load,
             kv_time: d.kv_time,
             least_load: d.least_load,
@@ -256,6 +273,8 @@ impl Default for RoutingConfig {
             index_capacity_blocks: 1_000_000,
             seed: 0x006B_7673_7465_6572, // "kvsteer"
             index: IndexParams::default(),
+            load: LoadParams::default(),
+            working_set: WorkingSetParams::default(),
             kv_load: KvLoadParams::default(),
             kv_time: KvTimeParams::default(),
             least_load: LeastLoadParams::default(),
@@ -267,6 +286,32 @@ impl Default for RoutingConfig {
             adapters: None,
             notices: Vec::new(),
         }
+    }
+}
+
+/// One moved field (`new_path`, formerly `old_path`): its new place's value, else its old name's
+/// (with a warning in `warnings`), else `default`; both given is refused, naming the new place first.
+fn pick<T>(
+    new_path: &str,
+    old_path: &str,
+    new: Option<T>,
+    old: Option<T>,
+    default: T,
+    warnings: &mut Vec<String>,
+) -> Result<T, String> {
+    match (new, old) {
+        (Some(_), Some(_)) => Err(format!(
+            "{new_path}: also set as {old_path}, its old name; keep only {new_path}"
+        )),
+        (Some(v), None) => Ok(v),
+        (None, Some(v)) => {
+            warnings.push(format!(
+                "{old_path} is deprecated and will be removed in the next release: \
+                 set {new_path} instead (it applies to every policy)"
+            ));
+            Ok(v)
+        }
+        (None, None) => Ok(default),
     }
 }
 

@@ -13,14 +13,16 @@ fn presets_fill_the_section_and_explicit_fields_win() {
         ),
         (0.5, 1.0, 32.0)
     );
-    assert!(k.use_output_hint && k.assume_kv_reuse && k.prompt_blocks_at_admission);
-    assert_eq!(k.reported_load, ReportedLoad::Ignore);
+    assert!(k.assume_kv_reuse);
+    // The moved `load` fields still come from the preset.
+    assert!(c.load.use_output_hint && c.load.prompt_blocks_at_admission);
+    assert_eq!(c.load.reported_load, ReportedLoad::Ignore);
     let c = RoutingConfig::from_json(
-        r#"{"kv_load":{"preset":"ray_kv_biased","overlap_credit":3,"use_output_hint":false}}"#,
+        r#"{"kv_load":{"preset":"ray_kv_biased","overlap_credit":3},"load":{"use_output_hint":false}}"#,
     )
     .unwrap();
     assert_eq!(c.kv_load.overlap_credit, 3.0);
-    assert!(!c.kv_load.use_output_hint);
+    assert!(!c.load.use_output_hint);
     assert_eq!(c.kv_load.overlap_credit_decay, 0.0);
     let d = RoutingConfig::from_json(r#"{"kv_load":{"preset":"dynamo"}}"#).unwrap();
     assert_eq!(d.kv_load.overlap_credit, 1.0);
@@ -32,23 +34,38 @@ fn presets_fill_the_section_and_explicit_fields_win() {
     ] {
         assert_eq!(p.params().overflow_weight, 0.0, "{p:?}");
     }
-    assert_eq!(d.kv_load.reported_load, ReportedLoad::Ignore);
+    assert_eq!(d.load.reported_load, ReportedLoad::Ignore);
     let e = RoutingConfig::from_json(r#"{"kv_load":{"preset":"sglang"}}"#).unwrap_err();
     assert_eq!(e.field, "kv_load.preset", "{e}");
     let e = RoutingConfig::from_json(r#"{"kv_load":{"reported_load":"min"}}"#).unwrap_err();
     assert_eq!(e.field, "kv_load.reported_load", "{e}");
+    let e = RoutingConfig::from_json(r#"{"load":{"reported_load":"min"}}"#).unwrap_err();
+    assert_eq!(e.field, "load.reported_load", "{e}");
     let e = RoutingConfig::from_json(r#"{"kv_load":{"overlap_credit_decay":-1}}"#).unwrap_err();
     assert_eq!(e.field, "kv_load.overlap_credit_decay", "{e}");
     let e = RoutingConfig::from_json(r#"{"kv_load":{"overflow_reuse_floor":1.5}}"#).unwrap_err();
     assert_eq!(e.field, "kv_load.overflow_reuse_floor", "{e}");
     for bad in ["0", "12", "2048", "-8", "8.5"] {
+        let json = format!(r#"{{"working_set":{{"sample":{bad}}}}}"#);
+        let e = RoutingConfig::from_json(&json).unwrap_err();
+        assert_eq!(e.field, "working_set.sample", "{bad}: {e}");
+        // Under the old name: a value out of range is refused under the new name, one of the
+        // wrong type under the name it was given.
         let json = format!(r#"{{"kv_load":{{"working_set_sample":{bad}}}}}"#);
         let e = RoutingConfig::from_json(&json).unwrap_err();
-        assert!(e.to_string().contains("working_set_sample"), "{bad}: {e}");
+        assert!(
+            ["working_set.sample", "kv_load.working_set_sample"].contains(&e.field.as_str()),
+            "{bad}: {e}"
+        );
     }
+    let c = RoutingConfig::from_json(r#"{"working_set":{"sample":32}}"#).unwrap();
+    assert_eq!(c.working_set.sampling().one_in_n(), 32);
     let c = RoutingConfig::from_json(r#"{"kv_load":{"working_set_sample":32}}"#).unwrap();
-    assert_eq!(c.kv_load.sampling().one_in_n(), 32);
-    assert_eq!(RoutingConfig::default().kv_load.sampling().one_in_n(), 8);
+    assert_eq!(c.working_set.sampling().one_in_n(), 32);
+    assert_eq!(
+        RoutingConfig::default().working_set.sampling().one_in_n(),
+        8
+    );
 }
 
 #[test]
@@ -160,6 +177,182 @@ fn tier_credits_moved_to_index_and_the_old_names_still_apply_with_a_warning() {
             "{p}"
         );
     }
+}
+
+#[test]
+fn load_fields_moved_to_load_and_the_old_names_still_apply_with_a_warning() {
+    let d = RoutingConfig::default();
+    assert_eq!(
+        d.load,
+        LoadParams {
+            reported_load: ReportedLoad::Ignore,
+            prompt_blocks_at_admission: true,
+            use_output_hint: false,
+        }
+    );
+    // The new place: applies, no warning.
+    let new = r#"{"load":{"reported_load":"others","prompt_blocks_at_admission":false,"use_output_hint":true}}"#;
+    let c = RoutingConfig::from_json(new).unwrap();
+    let want = LoadParams {
+        reported_load: ReportedLoad::Others,
+        prompt_blocks_at_admission: false,
+        use_output_hint: true,
+    };
+    assert_eq!(c.load, want);
+    assert!(c.warnings().is_empty(), "{:?}", c.warnings());
+    // The old names: the same values, one warning each naming the new place.
+    let old = r#"{"kv_load":{"reported_load":"others","prompt_blocks_at_admission":false,"use_output_hint":true}}"#;
+    let c = RoutingConfig::from_json(old).unwrap();
+    assert_eq!(c.policy, PolicyKind::KvTime);
+    assert_eq!(c.load, want);
+    let w = c.warnings();
+    assert_eq!(w.len(), 3, "{w:?}");
+    for f in [
+        "reported_load",
+        "prompt_blocks_at_admission",
+        "use_output_hint",
+    ] {
+        assert!(
+            w.iter()
+                .any(|l| l.starts_with(&format!("kv_load.{f} is deprecated"))
+                    && l.contains(&format!("set load.{f} instead"))),
+            "{f}: {w:?}"
+        );
+    }
+    // Both names for one field: refused, naming the new place.
+    let e = RoutingConfig::from_json(
+        r#"{"kv_load":{"reported_load":"merge"},"load":{"reported_load":"merge"}}"#,
+    )
+    .unwrap_err();
+    assert_eq!(e.field, "load.reported_load", "{e}");
+    assert!(e.message.contains("kv_load.reported_load"), "{e}");
+    let e = RoutingConfig::from_json(
+        r#"{"kv_load":{"use_output_hint":true},"load":{"use_output_hint":false}}"#,
+    )
+    .unwrap_err();
+    assert_eq!(e.field, "load.use_output_hint", "{e}");
+    let e = RoutingConfig::from_json(r#"{"load":{"queue_weight":1}}"#).unwrap_err();
+    assert_eq!(e.field, "load.queue_weight", "{e}");
+}
+
+/// A preset sets the `load` fields as it did under `kv_load` (Dynamo's accounting, scored on the
+/// router's own bookings, decode progress in Ray's presets); `load`, or the old name, overrides it.
+#[test]
+fn presets_still_supply_the_load_fields() {
+    for (p, hint) in [
+        ("dynamo", false),
+        ("ray_balanced", true),
+        ("ray_kv_biased", true),
+    ] {
+        let want = LoadParams {
+            reported_load: ReportedLoad::Ignore,
+            prompt_blocks_at_admission: true,
+            use_output_hint: hint,
+        };
+        let c = RoutingConfig::from_json(&format!(r#"{{"kv_load":{{"preset":"{p}"}}}}"#)).unwrap();
+        assert_eq!(c.load, want, "{p}");
+        assert_eq!(c.kv_load.preset.unwrap().load(), want, "{p}");
+        assert_eq!(
+            c.kv_load,
+            KvLoadPreset::params(c.kv_load.preset.unwrap()),
+            "{p}"
+        );
+        assert_eq!(c.working_set, WorkingSetParams::default(), "{p}");
+        assert!(c.warnings().is_empty(), "{p}");
+        // Given in `load`: wins over the preset, the rest still the preset's.
+        let c = RoutingConfig::from_json(&format!(
+            r#"{{"kv_load":{{"preset":"{p}"}},"load":{{"use_output_hint":{},"reported_load":"max"}}}}"#,
+            !hint
+        ))
+        .unwrap();
+        assert_eq!(
+            c.load,
+            LoadParams {
+                reported_load: ReportedLoad::Max,
+                use_output_hint: !hint,
+                ..want.clone()
+            },
+            "{p}"
+        );
+        assert!(c.warnings().is_empty(), "{p}");
+        // Given beside the preset under the old name: wins too, as before, with a warning.
+        let c = RoutingConfig::from_json(&format!(
+            r#"{{"kv_load":{{"preset":"{p}","prompt_blocks_at_admission":false}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            c.load,
+            LoadParams {
+                prompt_blocks_at_admission: false,
+                ..want.clone()
+            },
+            "{p}"
+        );
+        assert_eq!(c.warnings().len(), 1, "{p}");
+    }
+}
+
+#[test]
+fn working_set_fields_moved_to_working_set_and_the_old_names_still_apply_with_a_warning() {
+    let d = RoutingConfig::default();
+    assert_eq!(
+        d.working_set,
+        WorkingSetParams {
+            window_ms: 120_000.0,
+            sample: 8,
+            from_feed: false,
+        }
+    );
+    let want = WorkingSetParams {
+        window_ms: 60_000.0,
+        sample: 16,
+        from_feed: true,
+    };
+    let c = RoutingConfig::from_json(
+        r#"{"working_set":{"window_ms":60000,"sample":16,"from_feed":true}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.working_set, want);
+    assert!(c.warnings().is_empty(), "{:?}", c.warnings());
+    let c = RoutingConfig::from_json(
+        r#"{"kv_load":{"working_set_window_ms":60000,"working_set_sample":16,"working_set_from_feed":true}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.working_set, want);
+    let w = c.warnings();
+    assert_eq!(w.len(), 3, "{w:?}");
+    for (old, new) in [
+        ("working_set_window_ms", "window_ms"),
+        ("working_set_sample", "sample"),
+        ("working_set_from_feed", "from_feed"),
+    ] {
+        assert!(
+            w.iter()
+                .any(|l| l.starts_with(&format!("kv_load.{old} is deprecated"))
+                    && l.contains(&format!("set working_set.{new} instead"))),
+            "{old}: {w:?}"
+        );
+    }
+    // One old, one new: each applies.
+    let c = RoutingConfig::from_json(
+        r#"{"kv_load":{"working_set_from_feed":true},"working_set":{"window_ms":1000}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (c.working_set.window_ms, c.working_set.from_feed),
+        (1000.0, true)
+    );
+    assert_eq!(c.warnings().len(), 1);
+    let e = RoutingConfig::from_json(
+        r#"{"kv_load":{"working_set_window_ms":1000},"working_set":{"window_ms":1000}}"#,
+    )
+    .unwrap_err();
+    assert_eq!(e.field, "working_set.window_ms", "{e}");
+    assert!(e.message.contains("kv_load.working_set_window_ms"), "{e}");
+    let e = RoutingConfig::from_json(r#"{"kv_load":{"working_set_window_ms":-1}}"#).unwrap_err();
+    assert_eq!(e.field, "working_set.window_ms", "{e}");
+    let e = RoutingConfig::from_json(r#"{"working_set":{"window":1}}"#).unwrap_err();
+    assert_eq!(e.field, "working_set.window", "{e}");
 }
 
 #[test]

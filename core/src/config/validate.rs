@@ -14,7 +14,14 @@ impl RoutingConfig {
             // A refusal of the whole document's resolution (a moved field given under both names)
             // names its field first.
             match msg.split_once(": ") {
-                Some((f, m)) if field == "." && f.starts_with("index.") => err(f, m),
+                Some((f, m))
+                    if field == "."
+                        && ["index.", "load.", "working_set."]
+                            .iter()
+                            .any(|s| f.starts_with(s)) =>
+                {
+                    err(f, m)
+                }
                 _ => err(&field, msg),
             }
         })?;
@@ -39,6 +46,7 @@ impl RoutingConfig {
             a.validate()?;
         }
         self.index.validate()?;
+        self.working_set.validate()?;
         self.kv_load.validate()?;
         non_negative("least_load.prefill_scale", self.least_load.prefill_scale)?;
         non_negative(

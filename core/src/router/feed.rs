@@ -174,10 +174,10 @@ impl Router {
         events.len()
     }
 
-    /// Counts a replica's stored GPU blocks in its working set (`kv_load.working_set_from_feed`).
+    /// Counts a replica's stored GPU blocks in its working set (`working_set.from_feed`).
     pub(super) fn note_stored(&mut self, replica: usize, tier: Tier, hashes: &[u64]) {
         if tier == Tier::Gpu
-            && self.cfg.kv_load.working_set_from_feed
+            && self.cfg.working_set.from_feed
             && let Some(ws) = &mut self.working_set
         {
             ws.stored(replica, hashes, self.clock_ms);

@@ -2,7 +2,7 @@
 //!
 //! Effective load of a replica is the input to every load-aware policy: the router-tracked totals
 //! (this worker's plus its peers'), met with what the replica itself last reported as
-//! `kv_load.reported_load` says (`ignore`, `max`, `merge`, `others`: see [`super::reported`], which
+//! `load.reported_load` says (`ignore`, `max`, `merge`, `others`: see [`super::reported`], which
 //! keeps the reports and the peers' shares).
 //!
 //! Each worker publishes its own share (`local_*`) and takes its peers' (`set_peer_*`).

@@ -1,7 +1,7 @@
 //! What the replicas report about their own load, and the bookings that meet each report: the
 //! state behind [`super::Router::effective_load`].
 //!
-//! Effective load of a replica, the input to every load-aware policy, by `kv_load.reported_load`:
+//! Effective load of a replica, the input to every load-aware policy, by `load.reported_load`:
 //! - `ignore`: the router-tracked totals (this worker's plus its peers');
 //! - `max`: those combined with what the replica itself last reported, taking the larger of the two
 //!   for prefill tokens, decode blocks and active requests;
@@ -28,7 +28,7 @@ use crate::load::{LoadTable, LoadTotals, Released};
 /// which replicas' feeds are stale.
 #[derive(Clone, Debug)]
 pub(super) struct Reported {
-    /// `kv_load.reported_load`: how a report meets the tracked totals.
+    /// `load.reported_load`: how a report meets the tracked totals.
     mode: ReportedLoad,
     /// The router's block size (a report in another engine block size is converted to it).
     block_size: usize,

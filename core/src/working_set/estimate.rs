@@ -112,7 +112,7 @@ impl WorkingSet {
         );
     }
 
-    /// Records blocks `replica` stored (its feed, `kv_load.working_set_from_feed`): those another
+    /// Records blocks `replica` stored (its feed, `working_set.from_feed`): those another
     /// proxy sent it, which this router cannot see otherwise, and the blocks of generated outputs.
     /// Each sampled key the replica's set does not hold yet joins as asked for once, at `now_ms`
     /// (blocks this router sent there are held already: their store follows the admission). The

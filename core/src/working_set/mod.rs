@@ -14,7 +14,7 @@
 //! then kept from receiving (a replica back from an outage did not get its share back).
 //!
 //! Only a sample of the blocks is kept ([`Sampling`]): those whose hash has its low bits zero (one
-//! in `kv_load.working_set_sample`; block hashes are uniform), and counts are scaled back up. A
+//! in `working_set.sample`; block hashes are uniform), and counts are scaled back up. A
 //! working set is thousands of blocks, so the estimate is within a few percent, and the per-request
 //! work (a hash test per block, a map operation per sampled block) and the memory are that fraction
 //! of an exact count's. In a proxy the fraction matters most where no request sees it: every worker
@@ -80,7 +80,7 @@ pub struct Sampling {
 impl Sampling {
     /// The coarsest sample allowed: one block in this many.
     pub const MAX_ONE_IN: u64 = 1024;
-    /// One block in 8, `kv_load.working_set_sample`'s default.
+    /// One block in 8, `working_set.sample`'s default.
     pub const DEFAULT: Sampling = Sampling { mask: 7 };
 
     /// One block in `n`; `None` unless `n` is a power of two from 1 to [`Sampling::MAX_ONE_IN`].

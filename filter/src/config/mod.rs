@@ -239,14 +239,14 @@ impl FilterConfig {
         if self.peers.is_some()
             && self.routing.policy == PolicyKind::KvLoad
             && !matches!(
-                self.routing.kv_load.reported_load,
+                self.routing.load.reported_load,
                 ReportedLoad::Merge | ReportedLoad::Others
             )
         {
             // Measured (docs/reports/proxies.md): the peers' working set without their load gathers
             // cold sessions on replicas whose queues this proxy cannot see.
             out.push(
-                "peers is meant for routing.kv_load.reported_load merge or others: without either \
+                "peers is meant for routing.load.reported_load merge or others: without either \
                  this proxy sees every proxy's sessions but only its own load"
                     .into(),
             );

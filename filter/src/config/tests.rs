@@ -40,7 +40,7 @@ fn a_routing_setting_under_its_old_name_is_warned_about() {
     assert!(w[0].contains("index.host_tier_credit"), "{w:?}");
 }
 
-/// A `peers` section wants the other proxies' load too (`reported_load` merge or others) under
+/// A `peers` section wants the other proxies' load too (`load.reported_load` merge or others) under
 /// `kv_load`: otherwise a warning, never a refusal; other policies have no reported load to merge.
 #[test]
 fn peers_without_merged_load_is_warned_about() {
@@ -57,16 +57,26 @@ fn peers_without_merged_load_is_warned_about() {
         );
         FilterConfig::from_json(json.as_bytes()).unwrap().warnings()
     };
-    let kv =
-        |load: &str| format!(r#"{{"policy":"kv_load","kv_load":{{"reported_load":"{load}"}}}}"#);
+    let kv = |load: &str| format!(r#"{{"policy":"kv_load","load":{{"reported_load":"{load}"}}}}"#);
     let w = warnings(&kv("max"), true);
     assert_eq!(w.len(), 1);
     assert!(
-        w[0].starts_with("peers is meant for routing.kv_load.reported_load"),
+        w[0].starts_with("peers is meant for routing.load.reported_load"),
         "{w:?}"
     );
     assert!(warnings(&kv("merge"), true).is_empty());
     assert!(warnings(&kv("others"), true).is_empty());
+    // The mode under its old name still counts: only its deprecation is noted.
+    let old = warnings(
+        r#"{"policy":"kv_load","kv_load":{"reported_load":"merge"}}"#,
+        true,
+    );
+    assert_eq!(old.len(), 1, "{old:?}");
+    assert!(
+        old[0].starts_with("kv_load.reported_load is deprecated")
+            && old[0].contains("load.reported_load instead"),
+        "{old:?}"
+    );
     assert!(
         warnings(&kv("max"), false).is_empty(),
         "no peers, nothing to warn about"

@@ -282,7 +282,8 @@ fn bundle(
                 continue;
             };
             let mark = after.iter().find(|&&(x, _)| x == w).map_or(0, |&(_, s)| s);
-            let Some(t) = journal_after(&j, replicas, mark, cfg.routing.kv_load.sampling()) else {
+            let Some(t) = journal_after(&j, replicas, mark, cfg.routing.working_set.sampling())
+            else {
                 continue;
             };
             // A journal that does not fit now is sent on a later poll (the asker's mark stays).
