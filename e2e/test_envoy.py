@@ -217,11 +217,11 @@ class BusyReplicaAvoided(unittest.TestCase):
     """Under kv_load a replica already loaded with decode work is avoided, even by a request whose
     prefix it caches, because the prefill saved there is smaller than the load it carries. The load
     comes from traffic this proxy never saw (another router's), so the filter learns it only from the
-    replica's own report in the feed: `reported_load: max`, the setting for fleets with several
+    replica's own report in the feed: `load.reported_load: max`, the setting for fleets with several
     independent proxies (the default, `ignore`, scores on this proxy's own bookings)."""
 
     def test_busy_replica_is_avoided(self):
-        max_reports = {"routing": {"policy": "kv_load", "kv_load": {"reported_load": "max"}}}
+        max_reports = {"routing": {"policy": "kv_load", "load": {"reported_load": "max"}}}
         with new_stack("envoy", plugin_overrides=max_reports) as stack:
             busy = stack.replicas[0]
             prefix = tokens(256, 60_000)

@@ -58,7 +58,8 @@ def overrides_for(reported_load: str, **kv_load) -> dict:
     decide where it sends. (`kv_time`, the default, prices the same load in seconds, and at two
     replicas may rightly put a short request beside one long decode.)"""
     return {"routing": {"policy": "kv_load",
-                        "kv_load": {"reported_load": reported_load, **kv_load}}}
+                        "load": {"reported_load": reported_load},
+                        "kv_load": dict(kv_load)}}
 
 
 def two_envoys(reported_load: str, **kv_load) -> tuple[Stack, Stack]:

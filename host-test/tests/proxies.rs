@@ -14,7 +14,7 @@ fn two_proxies(reported_load: &str) -> HarnessConfig {
     cfg.workers = 2;
     cfg.routing = json!({
         "policy": "kv_load", "block_size": 16,
-        "kv_load": {"reported_load": reported_load}
+        "load": {"reported_load": reported_load}
     });
     cfg
 }

@@ -116,7 +116,7 @@ pub fn is_rank_blind(spec: &str) -> bool {
 }
 
 /// Splits the `@filter.KEY=NUMBER` parts off a policy spec: top-level filter fields (e.g.
-/// `kv_load@reported_load=merge@filter.tick_ms=50@filter.feed_period_ms=50`, a shorter feed period);
+/// `kv_load@load.reported_load=merge@filter.tick_ms=50@filter.feed_period_ms=50`, a shorter feed period);
 /// returns the spec without them and the fields. The filter judges the fields at configure time.
 pub fn split_filter_fields(spec: &str) -> (String, Vec<(String, Value)>) {
     let mut kept = Vec::new();
@@ -140,8 +140,9 @@ pub fn split_filter_fields(spec: &str) -> (String, Vec<(String, Value)>) {
 /// `kv_load@overlap_credit=2@active_request_weight=32` gives
 /// `{"policy": "kv_load", "kv_load": {"overlap_credit": 2.0, "active_request_weight": 32.0}}`;
 /// values that are not numbers are booleans (`assume_kv_reuse=false`) or names
-/// (`preset=ray_balanced`, `reported_load=ignore`); `section.key=value` sets another section's
-/// field (`kv_time@kv_load.reported_load=others`).
+/// (`preset=ray_balanced`, `load.reported_load=ignore`); `section.key=value` sets another
+/// section's field (`kv_time@load.reported_load=others`; a moved field under its old name,
+/// `kv_load.reported_load=others`, still applies for one release, with the loader's warning).
 /// Variants let the bench measure how a result depends on a policy's coefficients (the report's
 /// sensitivity runs) without a configuration file per variant.
 pub fn routing(spec: &str) -> Result<Value, String> {
@@ -170,8 +171,8 @@ pub fn routing(spec: &str) -> Result<Value, String> {
         ));
     }
     let mut section = serde_json::Map::new();
-    // `section.key=value` sets another section's field (`kv_time@kv_load.reported_load=others`:
-    // settings every policy reads still live under `kv_load`).
+    // `section.key=value` sets another section's field (`kv_time@load.reported_load=others`:
+    // settings every policy reads live in sections of their own, `index`, `load`, `working_set`).
     let mut other: Vec<(String, String, Value)> = Vec::new();
     for kv in parts {
         let (k, v) = kv
@@ -338,17 +339,23 @@ mod tests {
         );
         // An integer stays one, so integer fields take it; float fields read it as a float.
         assert_eq!(
-            routing("kv_load@working_set_sample=16").unwrap()["kv_load"]["working_set_sample"],
+            routing("kv_load@working_set.sample=16").unwrap()["working_set"]["sample"],
             json!(16)
         );
         assert!(routing("kv_load@overlap_credit").is_err());
         assert!(routing("kv_load@overlap_credit=lots").is_err());
         // Another section's field, by its dotted name; a field that section lacks is refused.
         assert_eq!(
-            routing("kv_time@speed_prior=0@kv_load.reported_load=others").unwrap(),
+            routing("kv_time@speed_prior=0@load.reported_load=others").unwrap(),
             json!({"policy": "kv_time", "kv_time": {"speed_prior": 0},
-                   "kv_load": {"reported_load": "others"}})
+                   "load": {"reported_load": "others"}})
         );
+        // A moved field under its old name: still accepted (the filter applies it with a warning).
+        assert_eq!(
+            routing("kv_time@kv_load.reported_load=others").unwrap(),
+            json!({"policy": "kv_time", "kv_load": {"reported_load": "others"}})
+        );
+        assert!(routing("kv_time@load.reported_load=others@kv_load.reported_load=merge").is_err());
         assert!(routing("kv_time@kv_load.no_such_field=1").is_err());
         assert_eq!(
             routing("kv_load@preset=ray_balanced@assume_kv_reuse=false").unwrap(),
@@ -361,10 +368,10 @@ mod tests {
         assert!(routing("@x=1").is_err());
         assert!(routing("nope").is_err());
         assert!(routing("kv_lod@overlap_credit=2").is_err());
-        let spec = "kv_load@reported_load=merge@filter.tick_ms=50@filter.feed_period_ms=50";
+        let spec = "kv_load@load.reported_load=merge@filter.tick_ms=50@filter.feed_period_ms=50";
         assert_eq!(
             routing(spec).unwrap(),
-            json!({"policy": "kv_load", "kv_load": {"reported_load": "merge"}})
+            json!({"policy": "kv_load", "load": {"reported_load": "merge"}})
         );
         let c = config(spec, 16, 0, 2);
         assert_eq!(c.plugin_config()["feed_period_ms"], json!(50));
