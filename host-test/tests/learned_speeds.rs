@@ -3,7 +3,8 @@
 //! speed. The first version learned those requests as the speed bound and then never chose the
 //! replica again while the others could take the load; now the prior keeps a few requests from
 //! moving the factor far and costs within the estimates' uncertainty are ties, so the replica is
-//! tried again and wins back its share (with the defaults: fading evidence off).
+//! tried again and wins back its share (with the defaults: fading evidence off). And alike
+//! replicas whose learned factors differ by noise share fresh prompts.
 
 mod common;
 
@@ -92,5 +93,68 @@ fn a_replica_slow_on_its_first_requests_wins_back_its_share() {
         );
         assert!(n >= 40, "seed {seed}: only {n} requests in the window");
         assert!(share >= 0.25 / 4.0, "seed {seed}: share {share:.3} of {n}");
+    }
+}
+
+/// The noise case: four alike replicas whose speeds, while the first `NOISY_S` seconds last, are
+/// redrawn every half second within 6% of the profile's (so the learned factors differ by noise,
+/// with a spread), then all run at the profile's speed. One client sends fresh prompts one by
+/// one: afterwards every replica gets at least a quarter of a fair share and none more than half.
+/// The first version sent every fresh prompt to the replica whose factor happened to be lowest
+/// (40 of 40 through Envoy, factors 1-6% apart).
+#[test]
+fn alike_replicas_share_fresh_prompts_whatever_their_factors_noise() {
+    const NOISY_S: f64 = 10.0;
+    const REPLICAS: usize = 4;
+    for seed in 0..3u64 {
+        let mut draw = kvsteer_core::rng::SplitMix64::new(seed + 17);
+        let mut slowdowns = Vec::new();
+        for step in 0..(NOISY_S * 2.0) as u64 {
+            for r in 0..REPLICAS {
+                let factor = 0.94 + 0.12 * draw.next_f64();
+                slowdowns.push((r, factor, step * 500_000));
+            }
+        }
+        for r in 0..REPLICAS {
+            slowdowns.push((r, 1.0, (NOISY_S * 1e6) as u64));
+        }
+        let mut c = cell();
+        c.id = "noisy-factors".into();
+        c.slowdowns = slowdowns;
+        if let Source::Rl(p) = &mut c.source {
+            p.concurrency = 1;
+        }
+        let m = model_eval::replay(
+            common::module(),
+            Path::new("traces"),
+            &c,
+            "kv_time",
+            seed,
+            true,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let mut per = [0usize; REPLICAS];
+        for r in &m.requests {
+            let t = r["issued_ms"].as_f64().unwrap_or(0.0) / 1e3;
+            if let Some(k) = r["replica"].as_u64().filter(|_| t >= NOISY_S) {
+                per[k as usize] += 1;
+            }
+        }
+        let n: usize = per.iter().sum();
+        eprintln!("seed {seed}: fresh prompts after the noisy phase per replica {per:?}");
+        assert!(
+            n >= 40,
+            "seed {seed}: only {n} requests after the noisy phase"
+        );
+        for (k, &got) in per.iter().enumerate() {
+            assert!(
+                got as f64 >= 0.25 * n as f64 / REPLICAS as f64,
+                "seed {seed}: replica {k} got {got} of {n}: {per:?}"
+            );
+            assert!(
+                got * 2 <= n,
+                "seed {seed}: replica {k} got {got} of {n}: {per:?}"
+            );
+        }
     }
 }
