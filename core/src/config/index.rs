@@ -1,6 +1,6 @@
 //! The `index` section: how a block the KV index holds counts for a request, whichever policy
 //! scores. Its fields were `kv_load`'s until 0.x; the old names are still read for one release
-//! ([`Moved`]), with a warning naming the new place.
+//! ([`IndexSection::resolve`]), with a warning naming the new place.
 
 use serde::Deserialize;
 
@@ -45,13 +45,6 @@ impl IndexParams {
 #[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub(super) struct IndexSection {
-    host_tier_credit: Option<f64>,
-    disk_tier_credit: Option<f64>,
-}
-
-/// The fields `kv_load` gave up to [`IndexParams`], as written under their old names.
-#[derive(Default)]
-pub(super) struct Moved {
     pub host_tier_credit: Option<f64>,
     pub disk_tier_credit: Option<f64>,
 }
@@ -61,7 +54,7 @@ impl IndexSection {
     /// `warnings`), else the default. The message of a refusal starts with the field's path.
     pub(super) fn resolve(
         self,
-        old: Moved,
+        old: IndexSection,
         warnings: &mut Vec<String>,
     ) -> Result<IndexParams, String> {
         let d = IndexParams::default();

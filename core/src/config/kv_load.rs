@@ -6,15 +6,15 @@ use serde::Deserialize;
 use super::load::{LoadParams, ReportedLoad};
 use super::{ConfigError, err, index, load, non_negative, working_set};
 
-/// The fields `kv_load` gave up to other sections, as written under their old names, and the
-/// values its preset gives the moved `load` fields.
+/// The fields `kv_load` gave up to other sections, as written under their old names (each as its
+/// new section would hold them), and the values its preset gives the moved `load` fields.
 pub(super) struct Moved {
-    pub index: index::Moved,
-    pub load: load::Moved,
+    pub index: index::IndexSection,
+    pub load: load::LoadSection,
     /// What the `load` fields are when neither their new nor their old name gives them: the
     /// preset's, else the defaults (a preset kept setting them when they moved).
     pub load_base: LoadParams,
-    pub working_set: working_set::Moved,
+    pub working_set: working_set::WorkingSetSection,
 }
 
 /// Coefficients of the `kv_load` cost (docs/design/design.md section 2.1). Its defaults are
@@ -209,17 +209,17 @@ impl KvLoadSection {
     pub(super) fn split(self) -> (KvLoadParams, Moved) {
         let s = self;
         let moved = Moved {
-            index: index::Moved {
+            index: index::IndexSection {
                 host_tier_credit: s.host_tier_credit,
                 disk_tier_credit: s.disk_tier_credit,
             },
-            load: load::Moved {
+            load: load::LoadSection {
                 reported_load: s.reported_load,
                 prompt_blocks_at_admission: s.prompt_blocks_at_admission,
                 use_output_hint: s.use_output_hint,
             },
             load_base: s.preset.map(KvLoadPreset::load).unwrap_or_default(),
-            working_set: working_set::Moved {
+            working_set: working_set::WorkingSetSection {
                 window_ms: s.working_set_window_ms,
                 sample: s.working_set_sample,
                 from_feed: s.working_set_from_feed,

@@ -1,7 +1,7 @@
 //! The `load` section: how the load table books a request and how a replica's reported load meets
 //! those bookings, read by every load-aware policy. Its fields were `kv_load`'s until 0.x; the old
-//! names are still read for one release ([`Moved`]), with a warning naming the new place, and a
-//! `kv_load.preset` still supplies them unless `load` (or the old name) gives them.
+//! names are still read for one release ([`LoadSection::resolve`]), with a warning naming the new
+//! place, and a `kv_load.preset` still supplies them unless `load` (or the old name) gives them.
 
 use serde::Deserialize;
 
@@ -62,14 +62,6 @@ pub enum ReportedLoad {
 #[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub(super) struct LoadSection {
-    reported_load: Option<ReportedLoad>,
-    prompt_blocks_at_admission: Option<bool>,
-    use_output_hint: Option<bool>,
-}
-
-/// The fields `kv_load` gave up to [`LoadParams`], as written under their old names.
-#[derive(Default)]
-pub(super) struct Moved {
     pub reported_load: Option<ReportedLoad>,
     pub prompt_blocks_at_admission: Option<bool>,
     pub use_output_hint: Option<bool>,
@@ -81,7 +73,7 @@ impl LoadSection {
     /// starts with the field's path.
     pub(super) fn resolve(
         self,
-        old: Moved,
+        old: LoadSection,
         base: LoadParams,
         warnings: &mut Vec<String>,
     ) -> Result<LoadParams, String> {

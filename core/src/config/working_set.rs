@@ -1,7 +1,7 @@
 //! The `working_set` section: the per-replica working set every policy with a cache term keeps
 //! ([`crate::working_set`]). Its fields were `kv_load`'s until 0.x (`working_set_window_ms`,
 //! `working_set_sample`, `working_set_from_feed`); the old names are still read for one release
-//! ([`Moved`]), with a warning naming the new place.
+//! ([`WorkingSetSection::resolve`]), with a warning naming the new place.
 
 use serde::Deserialize;
 
@@ -63,14 +63,6 @@ impl WorkingSetParams {
 #[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub(super) struct WorkingSetSection {
-    window_ms: Option<f64>,
-    sample: Option<u64>,
-    from_feed: Option<bool>,
-}
-
-/// The fields `kv_load` gave up to [`WorkingSetParams`], as written under their old names.
-#[derive(Default)]
-pub(super) struct Moved {
     pub window_ms: Option<f64>,
     pub sample: Option<u64>,
     pub from_feed: Option<bool>,
@@ -81,7 +73,7 @@ impl WorkingSetSection {
     /// `warnings`), else the default. The message of a refusal starts with the field's path.
     pub(super) fn resolve(
         self,
-        old: Moved,
+        old: WorkingSetSection,
         warnings: &mut Vec<String>,
     ) -> Result<WorkingSetParams, String> {
         let d = WorkingSetParams::default();
