@@ -150,12 +150,20 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
         .collect()
 }
 
-/// Every replica's [`Terms`], with [`later_s`] filled in.
-fn priced(input: &Input, profile: &EngineProfile, mean_prefill_s: f64) -> Vec<Terms> {
+/// Every replica's [`Terms`], with [`later_s`] filled in where it is priced (`later_weight` above
+/// 0): off, it is neither computed on the decision's path nor shown in the explain header.
+fn priced(
+    input: &Input,
+    k: &KvTimeParams,
+    profile: &EngineProfile,
+    mean_prefill_s: f64,
+) -> Vec<Terms> {
     let mut all = terms(input, profile);
-    let later = later_s(input, &all, mean_prefill_s);
-    for (t, l) in all.iter_mut().zip(later) {
-        t.later = l;
+    if k.later_weight > 0.0 {
+        let later = later_s(input, &all, mean_prefill_s);
+        for (t, l) in all.iter_mut().zip(later) {
+            t.later = l;
+        }
     }
     all
 }
@@ -346,7 +354,7 @@ pub fn choose(
     mean_prefill_s: f64,
     rng: &mut SplitMix64,
 ) -> (Choice, Vec<Terms>) {
-    let all = priced(input, profile, mean_prefill_s);
+    let all = priced(input, k, profile, mean_prefill_s);
     let costs: Vec<f64> = all.iter().map(|t| t.cost(k)).collect();
     let lowest = pick_lowest(&costs, input.avoided, rng);
     let tied = tied_with(input, &costs, lowest);
@@ -360,6 +368,7 @@ pub fn choose(
                 speed: &[],
                 ..*input
             },
+            k,
             profile,
             mean_prefill_s,
         )
@@ -542,7 +551,12 @@ mod tests {
         assert!(t[1].later > 0.5 * cold, "{t:?}");
         let off = KvTimeParams::default();
         assert_eq!(off.later_weight, 0.0, "off by default");
-        assert_ne!(choose(&i, &off, &p, cold, &mut rng).0.replica, 0);
+        let (c, t) = choose(&i, &off, &p, cold, &mut rng);
+        assert_ne!(c.replica, 0);
+        assert!(
+            t.iter().all(|t| t.later == 0.0),
+            "off: not priced, not shown"
+        );
         // Idle: nobody is behind.
         let idle = [LoadTotals::default(); 4];
         let (_, t) = choose(&input(&idle, &overlap, &[false; 4]), &k, &p, cold, &mut rng);
