@@ -152,11 +152,8 @@ pub struct Router {
     pd_rr: (usize, usize),
     rng: SplitMix64,
     stats: RouterStats,
-    scratch_tiers: Vec<TierCounts>,
-    scratch_approx: Vec<u32>,
-    /// The request's working-set sample ([`crate::working_set::Sampling`]), kept from route to admit by
-    /// [`Router::route_and_admit`] so the blocks are sampled once, in a buffer that is reused.
-    scratch_sampled: Vec<u64>,
+    /// Buffers the request path reuses ([`Scratch`]).
+    scratch: Scratch,
     /// Recent prompt blocks per replica, kept when the policy's working-set term is on
     /// ([`Needs::working_set`]).
     working_set: Option<WorkingSet>,
@@ -174,6 +171,19 @@ pub struct Router {
 }
 
 pub use crate::speed::MAX_PENDING_PREDICTIONS;
+
+/// Buffers the request path takes, fills and puts back (`std::mem::take`), so that routing a
+/// request allocates no per-replica vectors of its own: no state, only capacity kept between calls.
+#[derive(Clone, Debug, Default)]
+struct Scratch {
+    /// The KV index's per-replica tier counts for a token prompt ([`KvIndex::match_prefix`]).
+    tiers: Vec<TierCounts>,
+    /// The approximate index's per-replica matches (overlap of a text prompt, or the affinity).
+    approx: Vec<u32>,
+    /// The request's working-set sample ([`crate::working_set::Sampling`]), kept from route to
+    /// admit by [`Router::route_and_admit`] so the blocks are sampled once.
+    sampled: Vec<u64>,
+}
 
 /// The token-load table, accounting as the configured policy reads load: queued prefill booked in
 /// time for `kv_load` with `queue_in_time` and for `kv_time`, and no prefix counted as shared for
@@ -240,9 +250,7 @@ impl Router {
                 decisions: vec![0; replicas],
                 ..RouterStats::default()
             },
-            scratch_tiers: Vec::new(),
-            scratch_approx: Vec::new(),
-            scratch_sampled: Vec::new(),
+            scratch: Scratch::default(),
             cache_blocks: vec![CacheSize::default(); replicas],
             largest_shown_cache: 0,
             working_set: needs.working_set.is_some().then(|| {

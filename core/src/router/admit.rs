@@ -12,10 +12,10 @@ impl Router {
     /// `prefix_affinity`, the one reader of those records; a text prompt's always, as the overlap
     /// estimate of text prompts).
     pub fn admit(&mut self, request_id: u64, req: &RouteRequest, d: &Decision, now_ms: u64) {
-        let mut sampled = std::mem::take(&mut self.scratch_sampled);
+        let mut sampled = std::mem::take(&mut self.scratch.sampled);
         self.sample_blocks(req, &mut sampled);
         self.admit_sampled(request_id, req, d, now_ms, &sampled);
-        self.scratch_sampled = sampled;
+        self.scratch.sampled = sampled;
     }
 
     /// [`Router::admit`] with the request's working-set sample taken already.

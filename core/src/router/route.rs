@@ -14,7 +14,7 @@ impl Router {
         let k = &self.cfg.index;
         match &req.identity {
             PromptIdentity::Exact(hashes) => {
-                let mut tiers = std::mem::take(&mut self.scratch_tiers);
+                let mut tiers = std::mem::take(&mut self.scratch.tiers);
                 self.index.match_prefix(hashes, &mut tiers);
                 let out = tiers
                     .iter()
@@ -29,15 +29,15 @@ impl Router {
                         }
                     })
                     .collect();
-                self.scratch_tiers = tiers;
+                self.scratch.tiers = tiers;
                 out
             }
             PromptIdentity::Approximate(hashes) => {
-                let mut m = std::mem::take(&mut self.scratch_approx);
+                let mut m = std::mem::take(&mut self.scratch.approx);
                 self.approx_text
                     .match_prefix(hashes, now_ms, self.replicas, &mut m);
                 let out = m.iter().map(|&b| b as f64).collect();
-                self.scratch_approx = m;
+                self.scratch.approx = m;
                 out
             }
         }
@@ -46,10 +46,10 @@ impl Router {
     /// Chooses a replica for a request. Does not admit it: call [`Router::admit`] once the request is
     /// really sent there.
     pub fn route(&mut self, req: &RouteRequest, now_ms: u64) -> Decision {
-        let mut sampled = std::mem::take(&mut self.scratch_sampled);
+        let mut sampled = std::mem::take(&mut self.scratch.sampled);
         self.sample_blocks(req, &mut sampled);
         let d = self.route_sampled(req, now_ms, &sampled);
-        self.scratch_sampled = sampled;
+        self.scratch.sampled = sampled;
         d
     }
 
@@ -82,7 +82,7 @@ impl Router {
         self.health.refresh(now_ms);
         let avoided = self.avoided();
         let active_prefix = self.active_prefix(req);
-        let mut affinity = std::mem::take(&mut self.scratch_approx);
+        let mut affinity = std::mem::take(&mut self.scratch.approx);
         self.affinity(req, now_ms, &mut affinity);
         let working_set = self.cache_fits(now_ms, sampled);
         let (speed, speed_spread, speed_stale, reuse_share) = self.learned_speeds(now_ms);
@@ -119,7 +119,7 @@ impl Router {
         } = self.policy.choose(&input, &mut self.rng);
         // The policy's terms, where it keeps any, now describe this request.
         self.learning.routed();
-        self.scratch_approx = affinity;
+        self.scratch.approx = affinity;
         let (replica, probe, probe_backup) = self.probe_or(replica, now_ms);
         let matched_tokens: Vec<u64> = overlap
             .iter()
@@ -236,11 +236,11 @@ impl Router {
         req: &RouteRequest,
         now_ms: u64,
     ) -> Decision {
-        let mut sampled = std::mem::take(&mut self.scratch_sampled);
+        let mut sampled = std::mem::take(&mut self.scratch.sampled);
         self.sample_blocks(req, &mut sampled);
         let d = self.route_sampled(req, now_ms, &sampled);
         self.admit_sampled(request_id, req, &d, now_ms, &sampled);
-        self.scratch_sampled = sampled;
+        self.scratch.sampled = sampled;
         d
     }
 
