@@ -18,6 +18,7 @@
 
 mod admit;
 mod feed;
+mod fleet;
 mod health;
 mod leg_choice;
 mod load;
@@ -42,6 +43,7 @@ use crate::rng::SplitMix64;
 use crate::speed::Learning;
 use crate::working_set::WorkingSet;
 use feed::CacheSize;
+use fleet::Fleet;
 pub use membership::{Membership, MembershipChange};
 use reported::Reported;
 
@@ -117,29 +119,20 @@ pub struct RouterStats {
 #[derive(Clone, Debug)]
 pub struct Router {
     cfg: RoutingConfig,
-    replicas: usize,
     index: KvIndex,
     approx_seq: ApproxIndex<SeqHash>,
     approx_text: ApproxIndex<TextHash>,
     load: LoadTable,
     /// Output tokens per request, learned from this router's own releases.
     outputs: OutputEstimate,
-    /// Per unit: the first unit with its address (`Router::set_address_groups`); empty: each its own.
-    address_groups: Vec<usize>,
     /// The replicas' load reports, the peer workers' shares that meet them, and stale feeds
     /// (`reported`).
     reported: Reported,
     /// The latest time this router was given (route, admit): the poll time of a report accepted
     /// without one.
     clock_ms: u64,
-    /// Replicas believed unreachable (their feed cannot even be connected to): avoided by every
-    /// policy while any other replica is up.
-    down: Vec<bool>,
-    /// Per slot: whether it holds a member, a draining one or none (`membership`).
-    members: Vec<Membership>,
-    /// Per slot: `members[r] == Member`, kept beside it for the closures that borrow it while the
-    /// health is borrowed mutably.
-    present: Vec<bool>,
+    /// The slots' membership, which are down, which share an address (`fleet`).
+    fleet: Fleet,
     /// Health learned from completions: replicas ejected for failing.
     health: Health,
     cursors: Vec<FeedCursor>,
@@ -233,12 +226,9 @@ impl Router {
             approx_text: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
             load: load_table(&cfg, replicas),
             outputs: OutputEstimate::new(),
-            address_groups: Vec::new(),
             reported: Reported::new(replicas, cfg.load.reported_load, cfg.block_size),
             clock_ms: 0,
-            down: vec![false; replicas],
-            members: vec![Membership::Member; replicas],
-            present: vec![true; replicas],
+            fleet: Fleet::new(replicas),
             health: Health::new(cfg.health.clone(), replicas),
             cursors: vec![FeedCursor::default(); replicas],
             policy,
@@ -265,7 +255,6 @@ impl Router {
                     cfg.working_set.sampling(),
                 )
             }),
-            replicas,
             cfg,
         })
     }
@@ -283,7 +272,7 @@ impl Router {
     }
 
     pub fn replicas(&self) -> usize {
-        self.replicas
+        self.fleet.len()
     }
 
     /// Reads a request body with this router's block size and body limit.

@@ -27,7 +27,7 @@ impl Router {
         now_ms: u64,
         sampled: &[u64],
     ) {
-        if d.replica >= self.replicas {
+        if d.replica >= self.replicas() {
             self.stats.bad_replica += 1;
             return;
         }
@@ -68,7 +68,7 @@ impl Router {
     /// Starts tracking a request routed by [`Router::route_fallback`], whose prompt size is only
     /// estimated (e.g. body bytes / 4).
     pub fn admit_unread(&mut self, request_id: u64, d: &Decision, estimated_prompt_tokens: u64) {
-        if d.replica >= self.replicas {
+        if d.replica >= self.replicas() {
             self.stats.bad_replica += 1;
             return;
         }

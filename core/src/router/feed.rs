@@ -39,7 +39,7 @@ impl Router {
             return (Vec::new(), 0.0);
         };
         let h = name_hash(name);
-        let fits = (0..self.replicas)
+        let fits = (0..self.replicas())
             .map(|r| match &self.adapters[r] {
                 Some(v) if !self.reported.is_stale(r) => v.fit(h),
                 _ => AdapterFit::Unknown,
@@ -89,7 +89,7 @@ impl Router {
         batch: &FeedBatch,
         polled_ms: u64,
     ) -> FeedOutcome {
-        if replica >= self.replicas {
+        if replica >= self.replicas() {
             self.stats.bad_replica += 1;
             return FeedOutcome::BadReplica;
         }
@@ -126,7 +126,7 @@ impl Router {
     /// `cleared`) of a batch accepted by [`Router::accept_feed`]; events are counted in
     /// `stats().feed_events` by their first slice.
     pub fn apply_feed_slice(&mut self, replica: usize, slice: FeedSlice, hashes: &[u64]) {
-        if replica >= self.replicas {
+        if replica >= self.replicas() {
             self.stats.bad_replica += 1;
             return;
         }
@@ -280,7 +280,7 @@ impl Router {
 
     /// The smallest cache any replica's feed has shown, in blocks (infinite before any has).
     pub(super) fn smallest_shown_cache(&self) -> f64 {
-        (0..self.replicas)
+        (0..self.replicas())
             .filter_map(|r| self.shown_cache_blocks(r))
             .fold(f64::INFINITY, f64::min)
     }

@@ -8,53 +8,32 @@ use crate::health::{Health, HealthCounts, Outcome};
 impl Router {
     /// Usable: a member (not draining, not vacant), neither down nor ejected for failing.
     pub(super) fn is_usable(&self, r: usize) -> bool {
-        self.present.get(r).copied().unwrap_or(false)
-            && !self.down.get(r).copied().unwrap_or(true)
-            && !self.health.is_ejected(r)
+        self.fleet.is_up(r) && !self.health.is_ejected(r)
     }
 
-    /// Whether a slot may take a probe: a member that is not down.
-    pub(super) fn probe_eligible(present: &[bool], down: &[bool], r: usize) -> bool {
-        present.get(r).copied().unwrap_or(false) && !down.get(r).copied().unwrap_or(true)
-    }
-
-    /// The replicas to avoid, as the policies take them: those not usable while some replica is;
-    /// with none usable, those down while some member is up (an ejected replica beats a dead one);
-    /// with every member down, only the slots without a member. A slot that is not a member
-    /// (draining or vacant) is avoided whenever any member exists; with none at all, nothing is.
+    /// The replicas to avoid, as the policies take them ([`super::fleet::Fleet::avoided`], with
+    /// the replicas ejected for failing).
     pub(super) fn avoided(&self) -> Vec<bool> {
-        let absent = |r: usize| !self.present[r];
-        if (0..self.replicas).any(|r| self.is_usable(r)) {
-            (0..self.replicas).map(|r| !self.is_usable(r)).collect()
-        } else if !self.present.iter().any(|&p| p) {
-            vec![false; self.replicas]
-        } else if (0..self.replicas).all(|r| self.down[r] || absent(r)) {
-            (0..self.replicas).map(absent).collect()
-        } else {
-            (0..self.replicas)
-                .map(|r| self.down[r] || absent(r))
-                .collect()
-        }
+        self.fleet.avoided(|r| self.health.is_ejected(r))
     }
 
     /// Marks a replica unreachable (or reachable again). Every policy avoids a down replica while any
     /// other is up (`session_hash` moves only the down replica's sessions, to the next point on the
     /// ring); with all replicas down, routing carries on as if none were.
     pub fn set_down(&mut self, replica: usize, down: bool) {
-        match self.down.get_mut(replica) {
-            Some(d) => *d = down,
-            None => self.stats.bad_replica += 1,
+        if !self.fleet.set_down(replica, down) {
+            self.stats.bad_replica += 1;
         }
     }
 
     pub fn is_down(&self, replica: usize) -> bool {
-        self.down.get(replica).copied().unwrap_or(false)
+        self.fleet.is_down(replica)
     }
 
     /// Records how a request on `replica` ended (docs/design/design.md section 2.4): failures eject a
     /// replica from every policy's choices until probes succeed again. Out of range: counted.
     pub fn record_outcome(&mut self, replica: usize, outcome: Outcome, now_ms: u64) {
-        if replica >= self.replicas {
+        if replica >= self.replicas() {
             self.stats.bad_replica += 1;
             return;
         }
@@ -71,9 +50,8 @@ impl Router {
     /// it) or reports [`Router::probed_elsewhere`].
     pub fn probe_due(&mut self, now_ms: u64) -> Option<usize> {
         self.health.refresh(now_ms);
-        let (present, down) = (&self.present, &self.down);
-        self.health
-            .probe_due(now_ms, |r| Self::probe_eligible(present, down, r))
+        let fleet = &self.fleet;
+        self.health.probe_due(now_ms, |r| fleet.is_up(r))
     }
 
     /// Another worker sent `replica`'s probe at `at_ms`: this one waits a full interval from then.

@@ -18,7 +18,7 @@ impl Router {
         params: &PdParams,
         now_ms: u64,
     ) -> Result<PdDecision, PdError> {
-        check_roles(roles, self.replicas)?;
+        check_roles(roles, self.replicas())?;
         self.clock_ms = self.clock_ms.max(now_ms);
         let bs = self.cfg.block_size as f64;
         let request_blocks = (req.prompt_tokens as f64 / bs).ceil();
@@ -28,7 +28,7 @@ impl Router {
         let (prefill, decode, prefill_costs, decode_costs) = if self.cfg.policy
             == PolicyKind::RoundRobin
         {
-            let n = self.replicas;
+            let n = self.replicas();
             let p = round_robin_among(n, &mut self.pd_rr.0, |r| !p_avoided[r]);
             let d = round_robin_among(n, &mut self.pd_rr.1, |r| !d_avoided[r]);
             (p, d, Vec::new(), Vec::new())
@@ -55,8 +55,8 @@ impl Router {
         let matched = |r: usize| ((overlap[r] * bs) as u64).min(req.prompt_tokens);
         // An ejected replica's probe, when one is due, takes its side's leg; the side's own choice
         // becomes the backup. One probe per side and request, never the same replica for both.
-        let (present, down) = (&self.present, &self.down);
-        let up = |r: usize| Self::probe_eligible(present, down, r);
+        let fleet = &self.fleet;
+        let up = |r: usize| fleet.is_up(r);
         let p_probe = self
             .health
             .take_probe(now_ms, |r| roles[r].prefills() && up(r))
@@ -95,8 +95,8 @@ impl Router {
         decode: usize,
         now_ms: u64,
     ) -> (usize, Option<usize>) {
-        let (present, down) = (&self.present, &self.down);
-        let up = |r: usize| Self::probe_eligible(present, down, r);
+        let fleet = &self.fleet;
+        let up = |r: usize| fleet.is_up(r);
         let d_probe = self
             .health
             .take_probe(now_ms, |r| roles[r].decodes() && up(r) && r != prefill)
@@ -110,12 +110,12 @@ impl Router {
     /// The replicas each side of a P/D request avoids (prefill, decode): those not in its role or
     /// not present, and unusable ones unless the side has no usable one.
     fn sides_avoided(&self, roles: &[Role]) -> (Vec<bool>, Vec<bool>) {
-        let usable: Vec<bool> = (0..self.replicas).map(|r| self.is_usable(r)).collect();
+        let usable: Vec<bool> = (0..self.replicas()).map(|r| self.is_usable(r)).collect();
         // A side avoids unusable replicas unless it has no usable one.
         let side_avoided = |takes: &dyn Fn(Role) -> bool| -> Vec<bool> {
             let any = (0..roles.len()).any(|r| takes(roles[r]) && usable[r]);
             (0..roles.len())
-                .map(|r| !takes(roles[r]) || !self.present[r] || (any && !usable[r]))
+                .map(|r| !takes(roles[r]) || !self.fleet.is_member(r) || (any && !usable[r]))
                 .collect()
         };
         (
@@ -131,7 +131,7 @@ impl Router {
     /// producer, not the consumer.
     pub fn pd_decode_decision(&self, d: &PdDecision, roles: &[Role]) -> Decision {
         let decodes = |r: usize| roles.get(r).is_some_and(|x| x.decodes());
-        let n = self.replicas;
+        let n = self.replicas();
         let candidates = |usable_only: bool| {
             (1..n).map(move |i| (d.decode + i) % n).filter(move |&r| {
                 decodes(r) && self.is_member(r) && (!usable_only || self.is_usable(r))
@@ -177,12 +177,12 @@ impl Router {
         let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.least_load);
         let decodes = |r: usize| roles.get(r).is_none_or(|x| x.decodes());
         let base = self.avoided();
-        let any = (0..self.replicas).any(|r| decodes(r) && !base[r]);
-        let avoided: Vec<bool> = (0..self.replicas)
+        let any = (0..self.replicas()).any(|r| decodes(r) && !base[r]);
+        let avoided: Vec<bool> = (0..self.replicas())
             .map(|r| !decodes(r) || (any && base[r]))
             .collect();
         let replica = pick_lowest(&costs, &avoided, &mut self.rng);
-        let backup = (0..self.replicas)
+        let backup = (0..self.replicas())
             .filter(|&r| r != replica && !avoided[r])
             .min_by(|&a, &b| costs[a].total_cmp(&costs[b]));
         let d = self.unread_decision(replica, costs, backup);
@@ -202,7 +202,7 @@ impl Router {
         d: &PdDecision,
         now_ms: u64,
     ) {
-        if d.prefill >= self.replicas || d.decode >= self.replicas {
+        if d.prefill >= self.replicas() || d.decode >= self.replicas() {
             self.stats.bad_replica += 1;
             return;
         }
@@ -230,7 +230,7 @@ impl Router {
         matched_tokens: u64,
         now_ms: u64,
     ) {
-        if replica >= self.replicas {
+        if replica >= self.replicas() {
             self.stats.bad_replica += 1;
             return;
         }

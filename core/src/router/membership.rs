@@ -42,23 +42,17 @@ pub struct MembershipChange {
 impl Router {
     /// A slot's membership (`Vacant` out of range).
     pub fn membership(&self, replica: usize) -> Membership {
-        self.members
-            .get(replica)
-            .copied()
-            .unwrap_or(Membership::Vacant)
+        self.fleet.membership(replica)
     }
 
     /// Whether a slot takes new requests.
     pub fn is_member(&self, replica: usize) -> bool {
-        self.membership(replica) == Membership::Member
+        self.fleet.is_member(replica)
     }
 
     /// Slots that take new requests.
     pub fn member_count(&self) -> usize {
-        self.members
-            .iter()
-            .filter(|&&m| m == Membership::Member)
-            .count()
+        self.fleet.member_count()
     }
 
     /// Sets a slot's membership. Leaving `Vacant` (a new member in the slot) starts from nothing;
@@ -68,10 +62,11 @@ impl Router {
     /// `Draining` move between each other without touching anything (a member that flaps does not
     /// churn the index). Out of range: counted in `bad_replica`, nothing changes.
     pub fn set_membership(&mut self, replica: usize, to: Membership) -> MembershipChange {
-        let Some(&from) = self.members.get(replica) else {
+        let from = self.fleet.membership(replica);
+        if replica >= self.replicas() {
             self.stats.bad_replica += 1;
             return MembershipChange::default();
-        };
+        }
         let mut change = MembershipChange::default();
         // Entering `Vacant` drops the member's state; leaving it drops whatever reached the slot
         // while it was empty (a batch relayed late by another worker), so a new member starts clean.
@@ -80,8 +75,7 @@ impl Router {
             self.clear_slot(replica);
             change.cleared = true;
         }
-        self.members[replica] = to;
-        self.present[replica] = to == Membership::Member;
+        self.fleet.set_membership(replica, to);
         change
     }
 
@@ -92,7 +86,7 @@ impl Router {
         self.approx_text.remove_replica(replica);
         self.cursors[replica] = FeedCursor::default();
         self.reported.forget(replica);
-        self.down[replica] = false;
+        self.fleet.forget(replica);
         self.cache_blocks[replica] = CacheSize::default();
         self.largest_shown_cache = self.largest_shown();
         self.health.forget(replica);

@@ -35,7 +35,7 @@ impl Router {
             PromptIdentity::Approximate(hashes) => {
                 let mut m = std::mem::take(&mut self.scratch.approx);
                 self.approx_text
-                    .match_prefix(hashes, now_ms, self.replicas, &mut m);
+                    .match_prefix(hashes, now_ms, self.replicas(), &mut m);
                 let out = m.iter().map(|&b| b as f64).collect();
                 self.scratch.approx = m;
                 out
@@ -165,7 +165,7 @@ impl Router {
     fn active_prefix(&self, req: &RouteRequest) -> Vec<f64> {
         if self.needs.active_prefix {
             let (n, id) = (req.identity.blocks(), &req.identity);
-            (0..self.replicas)
+            (0..self.replicas())
                 .map(|r| self.load.active_prefix_by(r, n, |i| id.key(i)) as f64)
                 .collect()
         } else {
@@ -180,10 +180,12 @@ impl Router {
         if self.needs.affinity {
             match &req.identity {
                 PromptIdentity::Exact(h) => {
-                    self.approx_seq.match_prefix(h, now_ms, self.replicas, out)
+                    self.approx_seq
+                        .match_prefix(h, now_ms, self.replicas(), out)
                 }
                 PromptIdentity::Approximate(h) => {
-                    self.approx_text.match_prefix(h, now_ms, self.replicas, out)
+                    self.approx_text
+                        .match_prefix(h, now_ms, self.replicas(), out)
                 }
             }
         }
@@ -201,7 +203,7 @@ impl Router {
             (Some(ws), Some(sizing)) => {
                 let added = ws.added(sampled);
                 let smallest = self.smallest_shown_cache();
-                (0..self.replicas)
+                (0..self.replicas())
                     .map(|r| CacheFit {
                         working_set: ws.blocks(r),
                         added: added.get(r).copied().unwrap_or(0.0),
@@ -217,10 +219,8 @@ impl Router {
     /// becomes its backup (Envoy retries a failed probe there). Returns the replica the request
     /// goes to, the probed replica if any, and the backup the probe leaves.
     fn probe_or(&mut self, choice: usize, now_ms: u64) -> (usize, Option<usize>, Option<usize>) {
-        let (present, down) = (&self.present, &self.down);
-        let probe = self
-            .health
-            .take_probe(now_ms, |r| Self::probe_eligible(present, down, r));
+        let fleet = &self.fleet;
+        let probe = self.health.take_probe(now_ms, |r| fleet.is_up(r));
         match probe {
             Some(p) if p != choice => (p, probe, Some(choice)),
             _ => (choice, probe, None),
@@ -334,9 +334,7 @@ impl Router {
     /// the chosen unit's own address would retry the same engine; the backup is taken from another
     /// address whenever one is usable. Ignored unless it names every unit.
     pub fn set_address_groups(&mut self, groups: Vec<usize>) {
-        if groups.len() == self.replicas {
-            self.address_groups = groups;
-        }
+        self.fleet.set_address_groups(groups);
     }
 
     pub(super) fn backup_for(&self, chosen: usize, costs: &[f64]) -> Option<usize> {
@@ -353,17 +351,17 @@ impl Router {
         eligible: impl Fn(usize) -> bool,
     ) -> Option<usize> {
         let avoided = self.avoided();
-        let group = |r: usize| self.address_groups.get(r).copied().unwrap_or(r);
+        let group = |r: usize| self.fleet.group(r);
         let ok = |r: usize| r != chosen && !avoided[r] && eligible(r);
-        let elsewhere = (0..self.replicas).any(|r| ok(r) && group(r) != group(chosen));
+        let elsewhere = (0..self.replicas()).any(|r| ok(r) && group(r) != group(chosen));
         let fits = |r: usize| ok(r) && (!elsewhere || group(r) != group(chosen));
-        if costs.len() == self.replicas {
-            (0..self.replicas)
+        if costs.len() == self.replicas() {
+            (0..self.replicas())
                 .filter(|&r| fits(r))
                 .min_by(|&a, &b| costs[a].total_cmp(&costs[b]))
         } else {
-            (1..self.replicas)
-                .map(|i| (chosen + i) % self.replicas)
+            (1..self.replicas())
+                .map(|i| (chosen + i) % self.replicas())
                 .find(|&r| fits(r))
         }
     }

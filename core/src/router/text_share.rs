@@ -17,7 +17,7 @@ impl Router {
     /// admitted.
     pub fn text_records_journal(&mut self, now_ms: u64, keep_ms: u64) -> Option<Vec<u8>> {
         self.approx_text
-            .encode_journal(now_ms, keep_ms, self.replicas)
+            .encode_journal(now_ms, keep_ms, self.replicas())
     }
 
     /// Applies another worker's text-prompt records, the entries not applied yet, as of `now_ms`;
@@ -30,7 +30,7 @@ impl Router {
         now_ms: u64,
     ) -> Option<approx::Applied> {
         self.approx_text
-            .apply_peer(peer, journal, self.replicas, now_ms)
+            .apply_peer(peer, journal, self.replicas(), now_ms)
     }
 }
 
