@@ -17,6 +17,7 @@
 //! | `working_set` | the working-set term's plumbing and its sharing between workers and proxies |
 
 mod admit;
+mod cache_sizes;
 mod feed;
 mod fleet;
 mod health;
@@ -31,7 +32,6 @@ mod working_set;
 use crate::approx::ApproxIndex;
 use crate::block::{SeqHash, TextHash};
 use crate::config::{ConfigError, PolicyKind, RoutingConfig};
-use crate::feed::FeedCursor;
 use crate::health::Health;
 use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
 use crate::load::{Accounting, LoadTable};
@@ -42,7 +42,7 @@ use crate::request::{PromptTokenizer, RequestError, RouteRequest, read_request_e
 use crate::rng::SplitMix64;
 use crate::speed::Learning;
 use crate::working_set::WorkingSet;
-use feed::CacheSize;
+use feed::Feeds;
 use fleet::Fleet;
 pub use membership::{Membership, MembershipChange};
 use reported::Reported;
@@ -135,7 +135,8 @@ pub struct Router {
     fleet: Fleet,
     /// Health learned from completions: replicas ejected for failing.
     health: Health,
-    cursors: Vec<FeedCursor>,
+    /// Per replica: its feed's position, its cache size and its adapters as the feed shows them.
+    feeds: Feeds,
     /// The configured policy, with its parameters and state ([`crate::policy::from_config`]).
     policy: Box<dyn Policy>,
     /// What the policy asked the router to gather for it ([`Policy::needs`]).
@@ -150,17 +151,9 @@ pub struct Router {
     /// Recent prompt blocks per replica, kept when the policy's working-set term is on
     /// ([`Needs::working_set`]).
     working_set: Option<WorkingSet>,
-    /// Per replica: its cache's size as learned from the feed.
-    cache_blocks: Vec<CacheSize>,
-    /// The largest cache any replica has shown by evicting (blocks; 0: none has yet): what a
-    /// replica that has not evicted is priced as. Kept as feeds change it, so that routing does
-    /// not scan every replica's size for each replica it prices.
-    largest_shown_cache: u64,
     /// `kv_time`: each replica's learned speed against the engine profile, and the predictions
     /// awaiting their first token.
     learning: Learning,
-    /// Per replica: its LoRA adapters as its last feed answer reported them; `None`: not known.
-    adapters: Vec<Option<crate::adapters::AdapterView>>,
 }
 
 pub use crate::speed::MAX_PENDING_PREDICTIONS;
@@ -220,7 +213,6 @@ impl Router {
         let needs = policy.needs();
         Ok(Router {
             learning: Learning::new(replicas, cfg.kv_time.speed_params(), needs.speed),
-            adapters: vec![None; replicas],
             index: KvIndex::new(cfg.index_capacity_blocks, replicas, cfg.seed ^ 0xA5A5_5A5A),
             approx_seq: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
             approx_text: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
@@ -230,7 +222,7 @@ impl Router {
             clock_ms: 0,
             fleet: Fleet::new(replicas),
             health: Health::new(cfg.health.clone(), replicas),
-            cursors: vec![FeedCursor::default(); replicas],
+            feeds: Feeds::new(replicas),
             policy,
             needs,
             pd_rr: (0, 0),
@@ -241,8 +233,6 @@ impl Router {
                 ..RouterStats::default()
             },
             scratch: Scratch::default(),
-            cache_blocks: vec![CacheSize::default(); replicas],
-            largest_shown_cache: 0,
             working_set: needs.working_set.is_some().then(|| {
                 // A working set is described up to twice the index's share of a replica (the
                 // index holds no more of its cache): a quarter of the index's entries in all,

@@ -2,20 +2,45 @@
 //! and applied to the KV index (whole or in slices), each replica's cache size as the feed shows it,
 //! and stale feeds.
 
+use super::cache_sizes::CacheSizes;
 use super::{FeedOutcome, Router};
 use crate::adapters::{AdapterFit, AdapterView, name_hash};
 use crate::feed::{
-    AdapterReport, CursorVerdict, EventKind, FeedBatch, FeedEvent, FeedQuery, FeedSlice, Tier,
+    AdapterReport, CursorVerdict, EventKind, FeedBatch, FeedCursor, FeedEvent, FeedQuery,
+    FeedSlice, Tier,
 };
 use crate::policy::CacheSizing;
 use crate::request::RouteRequest;
 
-/// A replica's cache size as the feed shows it: the most blocks it has held, which is its size once
-/// it has evicted (before that, only a lower bound).
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct CacheSize {
-    most_held: u64,
-    evicted: bool,
+/// What the replicas' feeds told this router beside the KV index and the load reports: each
+/// feed's position, each replica's cache size and its LoRA adapters.
+#[derive(Clone, Debug)]
+pub(super) struct Feeds {
+    /// Per replica: where its feed's log stands (the next poll's query).
+    cursors: Vec<FeedCursor>,
+    /// Per replica: its cache's size as learned from the feed.
+    sizes: CacheSizes,
+    /// Per replica: its LoRA adapters as its last feed answer reported them; `None`: not known.
+    adapters: Vec<Option<AdapterView>>,
+}
+
+impl Feeds {
+    pub(super) fn new(replicas: usize) -> Feeds {
+        Feeds {
+            cursors: vec![FeedCursor::default(); replicas],
+            sizes: CacheSizes::new(replicas),
+            adapters: vec![None; replicas],
+        }
+    }
+
+    /// The slot's member left: its feed starts over and its cache size is learned again. Its
+    /// adapters stay until the slot's next feed answer replaces them.
+    pub(super) fn forget(&mut self, replica: usize) {
+        if let Some(c) = self.cursors.get_mut(replica) {
+            *c = FeedCursor::default();
+        }
+        self.sizes.forget(replica);
+    }
 }
 
 impl Router {
@@ -23,7 +48,7 @@ impl Router {
     /// ([`crate::feed::FeedFrame::adapters`]); `None` (an answer without the section) makes them
     /// unknown again, so a replica downgraded to a feed without adapters gets no adapter term.
     pub fn set_adapters(&mut self, replica: usize, report: Option<&AdapterReport>) {
-        if let Some(slot) = self.adapters.get_mut(replica) {
+        if let Some(slot) = self.feeds.adapters.get_mut(replica) {
             *slot = report.map(AdapterView::new);
         }
     }
@@ -40,7 +65,7 @@ impl Router {
         };
         let h = name_hash(name);
         let fits = (0..self.replicas())
-            .map(|r| match &self.adapters[r] {
+            .map(|r| match &self.feeds.adapters[r] {
                 Some(v) if !self.reported.is_stale(r) => v.fit(h),
                 _ => AdapterFit::Unknown,
             })
@@ -50,7 +75,7 @@ impl Router {
 
     /// The query for the next poll of `replica` (a snapshot request for an unknown replica index).
     pub fn feed_query(&self, replica: usize, max_events: u32) -> FeedQuery {
-        match self.cursors.get(replica) {
+        match self.feeds.cursors.get(replica) {
             Some(c) => c.query(max_events),
             None => FeedQuery::resync(max_events),
         }
@@ -96,11 +121,11 @@ impl Router {
         if batch.load.block_size != 0 && batch.load.block_size as usize != self.cfg.block_size {
             self.stats.feed_block_size_mismatches += 1;
         }
-        let prev_epoch = self.cursors[replica].epoch;
+        let prev_epoch = self.feeds.cursors[replica].epoch;
         // The load figures describe the replica now, whatever the log position: keep them.
         self.reported
             .accept(replica, batch.load, polled_ms, &self.load);
-        match self.cursors[replica].accept(batch) {
+        match self.feeds.cursors[replica].accept(batch) {
             CursorVerdict::Gap => {
                 self.stats.feed_gaps += 1;
                 FeedOutcome::Gap
@@ -186,22 +211,8 @@ impl Router {
 
     /// Learns a replica's cache size from what the index holds for it (`kv_load.overflow_weight`).
     pub(super) fn note_cache_size(&mut self, replica: usize, evicted: bool) {
-        if self.index.replica_blocks(replica) == 0 {
-            // Cleared (an engine restart, perhaps with another cache size): learn it again.
-            if let Some(c) = self.cache_blocks.get_mut(replica) {
-                *c = CacheSize::default();
-            }
-            self.largest_shown_cache = self.largest_shown();
-            return;
-        }
         let held = self.index.replica_blocks(replica);
-        if let Some(c) = self.cache_blocks.get_mut(replica) {
-            c.most_held = c.most_held.max(held);
-            c.evicted |= evicted;
-            if c.evicted {
-                self.largest_shown_cache = self.largest_shown_cache.max(c.most_held);
-            }
-        }
+        self.feeds.sizes.note(replica, held, evicted);
     }
 
     /// A replica's prefix-cache size in blocks for the working-set term: `replica_cache_tokens` when
@@ -215,22 +226,7 @@ impl Router {
         if configured > 0.0 {
             return configured;
         }
-        match self.cache_blocks.get(replica) {
-            Some(c) if c.evicted => c.most_held as f64,
-            _ if self.largest_shown_cache == 0 => 0.0,
-            own => self.largest_shown_cache.max(own.map_or(0, |c| c.most_held)) as f64,
-        }
-    }
-
-    /// The largest cache a replica has shown by evicting, scanned afresh (after a replica's view
-    /// is cleared, when the largest may have gone with it).
-    pub(super) fn largest_shown(&self) -> u64 {
-        self.cache_blocks
-            .iter()
-            .filter(|c| c.evicted)
-            .map(|c| c.most_held)
-            .max()
-            .unwrap_or(0)
+        self.feeds.sizes.learned_blocks(replica)
     }
 
     /// A replica's prefix-cache size in blocks for the working-set term, sized as the policy asks
@@ -251,7 +247,7 @@ impl Router {
         // replica of the fleet has shown where that is smaller, at least what it holds (with
         // a profile 25x the real caches, the one replica not yet evicting drew 35 of 40 fresh
         // prompts, its evictions priced 0).
-        let held = self.cache_blocks.get(replica).map_or(0, |c| c.most_held) as f64;
+        let held = self.feeds.sizes.most_held(replica) as f64;
         (cache_tokens / self.cfg.block_size as f64)
             .min(smallest)
             .max(held)
@@ -272,10 +268,7 @@ impl Router {
             };
             return Some(l.kv_total_blocks as f64 * engine_bs / bs);
         }
-        match self.cache_blocks.get(replica) {
-            Some(c) if c.evicted => Some(c.most_held as f64),
-            _ => None,
-        }
+        self.feeds.sizes.shown(replica).map(|b| b as f64)
     }
 
     /// The smallest cache any replica's feed has shown, in blocks (infinite before any has).

@@ -14,8 +14,6 @@
 //! | [`Membership::Vacant`] | no | dropped when the slot is vacated |
 
 use super::Router;
-use super::feed::CacheSize;
-use crate::feed::FeedCursor;
 
 /// What a slot holds (see the module's table).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -84,11 +82,9 @@ impl Router {
         self.index.remove_replica(replica);
         self.approx_seq.remove_replica(replica);
         self.approx_text.remove_replica(replica);
-        self.cursors[replica] = FeedCursor::default();
+        self.feeds.forget(replica);
         self.reported.forget(replica);
         self.fleet.forget(replica);
-        self.cache_blocks[replica] = CacheSize::default();
-        self.largest_shown_cache = self.largest_shown();
         self.health.forget(replica);
         self.learning.forget(replica);
     }
