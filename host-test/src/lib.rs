@@ -1,9 +1,9 @@
 //! kvsteer-host-test: runs the compiled kvsteer filter (`kvsteer_filter.wasm`) the way a proxy would.
 //!
-//! - [`host`]: a proxy-wasm ABI 0.2.1 host on wasmtime ([`FilterModule`], [`Proxy`], [`WorkerVm`]:
+//! - [`host`]: the proxy-wasm ABI 0.2.1 host on wasmtime ([`FilterModule`], [`Proxy`], [`WorkerVm`]:
 //!   one worker's VM), in Envoy or nginx (ngx_wasm_module) mode, with a virtual clock and
-//!   process-wide shared data.
-//! - [`abi`]: the ABI's status codes, enums and header-pair format.
+//!   process-wide shared data: the `kvsteer-wasm-host` crate (`wasm-host/`), re-exported.
+//! - [`abi`]: the ABI's status codes, enums and header-pair format (the same crate's).
 //! - [`harness`]: the filter in front of simulated replicas in virtual time ([`Harness`]): requests as
 //!   streams, feed callouts answered by the engines, faults, and workload replay.
 //! - [`oracle`]: the benchmark's limit: the harness itself places each request knowing the true
@@ -14,17 +14,15 @@
 //! The point of a second host is to prove, in `cargo test`, that the filter routes correctly and never
 //! traps, without an Envoy binary: every call crosses the same ABI boundary a proxy's would.
 
-pub mod abi;
+pub use kvsteer_wasm_host::{abi, host};
+
 pub mod artifact;
 pub mod bench;
 pub mod byte_pass;
 pub mod disaggregated_fleet;
 pub mod harness;
-pub mod host;
-mod module_cache;
 pub mod openai;
 pub mod oracle;
-mod wasi;
 
 pub use abi::{Action, LogLevel, Pairs, Status};
 pub use artifact::filter_wasm_path;

@@ -2,10 +2,10 @@
 //!
 //! Key: a hash of the `.wasm` bytes and of the engine's compatibility hash (wasmtime version, target,
 //! and every setting that changes code, fuel metering included). Entries live under
-//! `$KVSTEER_MODULE_CACHE`, else `<target dir>/kvsteer-module-cache/`. A cache that cannot be read or
+//! `$KVSTEER_MODULE_CACHE`, else `<target dir>/kvsteer-module-cache/` (`$CARGO_TARGET_DIR`, else the
+//! `target/` beside this crate's folder: a workspace member's). A cache that cannot be read or
 //! written is skipped silently: compiling is always correct, the cache only saves time.
 
-use crate::artifact::workspace_root;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::PathBuf;
 use wasmtime::{Engine, Module};
@@ -18,6 +18,12 @@ fn cache_dir() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_root().join("target"));
     target.join("kvsteer-module-cache")
+}
+
+/// This crate's parent folder: the workspace root when the crate is a member at the top level.
+fn workspace_root() -> PathBuf {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.parent().map(PathBuf::from).unwrap_or(here)
 }
 
 /// Compiles `bytes`, or loads the result of an identical earlier compilation.
