@@ -143,6 +143,12 @@ fn hf_bench() {
         held as f64 / 1e6,
         peak as f64 / 1e6
     );
+    let (merges, words) = h.table_bytes();
+    println!(
+        "of which the merge table {:.1} MB, the vocabulary index kept for ignore_merges {:.1} MB",
+        merges as f64 / 1e6,
+        words as f64 / 1e6
+    );
     drop((json, config));
     let probe = vec![("user", prose(1, 1000))];
     let words = 1000 * 1000 / tok.tokenize_chat(&turns(&probe)).unwrap().len().max(1);

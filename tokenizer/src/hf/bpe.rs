@@ -4,7 +4,7 @@
 //! id of the token it makes), so the merge list's own order is kept here.
 
 use super::merges::MergeTable;
-use hashbrown::HashMap;
+use super::vocab::VocabIndex;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
@@ -27,10 +27,16 @@ pub fn byte_chars() -> [char; 256] {
     table
 }
 
-/// The inverse of [`byte_chars`]: a vocabulary string back to its bytes, None when it holds a
-/// character outside the table (such a token cannot come out of byte-level BPE).
-pub fn chars_to_bytes(s: &str, inverse: &HashMap<char, u8>) -> Option<Vec<u8>> {
-    s.chars().map(|c| inverse.get(&c).copied()).collect()
+/// [`byte_chars`] as UTF-8: each byte's character, one or two bytes long (all are under U+0800).
+fn byte_chars_utf8() -> [([u8; 2], u8); 256] {
+    let mut table = [([0u8; 2], 0u8); 256];
+    for (slot, c) in table.iter_mut().zip(byte_chars()) {
+        let mut buf = [0u8; 4];
+        let n = c.encode_utf8(&mut buf).len().min(2);
+        slot.0[..n].copy_from_slice(&buf[..n]);
+        slot.1 = n as u8;
+    }
+    table
 }
 
 /// The loaded model: what each byte starts as, and every merge with its rank.
@@ -39,8 +45,10 @@ pub struct ByteLevelBpe {
     /// drops that byte when there is no `unk_token`, and so does this).
     byte_ids: [Option<u32>; 256],
     merges: MergeTable,
-    /// `ignore_merges`: a piece that is a whole vocabulary entry is that token, merges or not.
-    words: Option<HashMap<Box<[u8]>, u32>>,
+    /// `ignore_merges`: a piece that is a whole vocabulary entry is that token, merges or not. The
+    /// vocabulary as written (in [`byte_chars`]): a piece is looked up in its characters.
+    words: Option<VocabIndex>,
+    utf8: [([u8; 2], u8); 256],
 }
 
 #[derive(Clone, Copy)]
@@ -57,13 +65,41 @@ impl ByteLevelBpe {
     pub fn new(
         byte_ids: [Option<u32>; 256],
         merges: MergeTable,
-        words: Option<HashMap<Box<[u8]>, u32>>,
+        words: Option<VocabIndex>,
     ) -> ByteLevelBpe {
         ByteLevelBpe {
             byte_ids,
             merges,
             words,
+            utf8: byte_chars_utf8(),
         }
+    }
+
+    /// Heap bytes of the merge table and of the whole-token vocabulary (for memory reports).
+    pub fn heap_bytes(&self) -> (usize, usize) {
+        let words = self.words.as_ref().map_or(0, VocabIndex::heap_bytes);
+        (self.merges.heap_bytes(), words)
+    }
+
+    /// With `ignore_merges`, the token that is the whole piece.
+    fn whole_word(&self, piece: &[u8]) -> Option<u32> {
+        let words = self.words.as_ref()?;
+        let mut stack = [0u8; 128];
+        let mut heap = Vec::new();
+        let buf: &mut [u8] = if 2 * piece.len() <= stack.len() {
+            &mut stack
+        } else {
+            heap.resize(2 * piece.len(), 0);
+            &mut heap
+        };
+        let mut n = 0;
+        for b in piece {
+            let (c, len) = &self.utf8[*b as usize];
+            let len = *len as usize;
+            buf[n..n + len].copy_from_slice(&c[..len]);
+            n += len;
+        }
+        words.get_bytes(&buf[..n])
     }
 
     /// Number of merges (for the memory estimate in reports).
@@ -73,8 +109,8 @@ impl ByteLevelBpe {
 
     /// Appends the ids of one pre-tokenized piece.
     pub fn encode_piece(&self, piece: &[u8], out: &mut Vec<u32>) {
-        if let Some(id) = self.words.as_ref().and_then(|w| w.get(piece)) {
-            out.push(*id);
+        if let Some(id) = self.whole_word(piece) {
+            out.push(id);
             return;
         }
         let mut syms: Vec<Symbol> = Vec::with_capacity(piece.len());
@@ -103,7 +139,7 @@ impl ByteLevelBpe {
     fn merge_all(&self, syms: &mut [Symbol]) {
         let mut heap = BinaryHeap::with_capacity(syms.len());
         for i in 0..syms.len() - 1 {
-            if let Some(&(rank, _)) = self.merges.get(&(syms[i].id, syms[i + 1].id)) {
+            if let Some((rank, _)) = self.merges.get(syms[i].id, syms[i + 1].id) {
                 heap.push(Reverse((rank, i)));
             }
         }
@@ -113,7 +149,7 @@ impl ByteLevelBpe {
                 continue;
             }
             let right = syms[left.next];
-            let Some(&(r, new_id)) = self.merges.get(&(left.id, right.id)) else {
+            let Some((r, new_id)) = self.merges.get(left.id, right.id) else {
                 continue;
             };
             if r != rank {
@@ -126,12 +162,12 @@ impl ByteLevelBpe {
                 syms[right.next].prev = pos;
             }
             if left.prev != NONE
-                && let Some(&(r, _)) = self.merges.get(&(syms[left.prev].id, new_id))
+                && let Some((r, _)) = self.merges.get(syms[left.prev].id, new_id)
             {
                 heap.push(Reverse((r, left.prev)));
             }
             if right.next != NONE
-                && let Some(&(r, _)) = self.merges.get(&(new_id, syms[right.next].id))
+                && let Some((r, _)) = self.merges.get(new_id, syms[right.next].id)
             {
                 heap.push(Reverse((r, pos)));
             }
@@ -161,10 +197,17 @@ mod tests {
         byte_ids[b'a' as usize] = Some(0);
         byte_ids[b'b' as usize] = Some(1);
         byte_ids[b'c' as usize] = Some(2);
-        let mut merges = HashMap::new();
-        merges.insert((0, 1), (1, 3));
-        merges.insert((1, 2), (0, 4));
-        merges.insert((0, 4), (2, 5));
+        // In rank order: (left, right, merged). A pair listed twice keeps its last rank.
+        let twice = MergeTable::from_list(&[[1, 2, 4], [0, 1, 3], [1, 2, 4]]).unwrap();
+        assert_eq!(
+            (twice.get(1, 2), twice.get(0, 1)),
+            (Some((2, 4)), Some((1, 3)))
+        );
+        assert_eq!(
+            (twice.get(4, 0), twice.get(0, 2), twice.len()),
+            (None, None, 2)
+        );
+        let merges = MergeTable::from_list(&[[1, 2, 4], [0, 1, 3], [0, 4, 5]]).unwrap();
         let bpe = ByteLevelBpe::new(byte_ids, merges, None);
         let mut out = Vec::new();
         bpe.encode_piece(b"abc", &mut out);

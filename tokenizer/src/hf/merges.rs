@@ -1,10 +1,11 @@
 //! `model.merges`, read in a second pass over `tokenizer.json` once the vocabulary is known: each
 //! merge is resolved to ids as serde reads it, so the 280K merges never exist as a list of strings
 //! (which, with its growth, was half of a bundle's load peak). Either spelling is read: `"a b"` (older
-//! files) or `["a", "b"]`.
+//! files) or `["a", "b"]`. The table is compact: the merges grouped by their left token, each group
+//! sorted by the right token (12 bytes a merge, against 32 in a hash map at its load factor).
 
 use super::model::MAX_VOCAB;
-use hashbrown::HashMap;
+use super::vocab::VocabIndex;
 use serde::Deserialize;
 use serde::de::{DeserializeSeed, Error, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::borrow::Cow;
@@ -13,11 +14,99 @@ use std::fmt;
 /// Bound on the number of merges, well above any released model (Llama 3.1: 280,147).
 pub const MAX_MERGES: usize = MAX_VOCAB;
 
-/// (left id, right id) -> (rank, merged id).
-pub type MergeTable = HashMap<(u32, u32), (u32, u32)>;
+/// One merge in its left token's group.
+#[derive(Clone, Copy, Default)]
+struct Merge {
+    right: u32,
+    rank: u32,
+    id: u32,
+}
+
+/// (left id, right id) -> (rank, merged id): `starts[left]..starts[left + 1]` are the left token's
+/// merges in `merges`, sorted by right id.
+#[derive(Default)]
+pub struct MergeTable {
+    starts: Vec<u32>,
+    merges: Vec<Merge>,
+}
+
+impl MergeTable {
+    /// The table of `list`, each entry (left id, right id, merged id) in rank order. A pair listed
+    /// twice keeps its last rank, as `tokenizers` collects its map. Left ids must be under
+    /// [`MAX_VOCAB`] (they index the groups).
+    pub fn from_list(list: &[[u32; 3]]) -> Result<MergeTable, String> {
+        let Some(max_left) = list.iter().map(|m| m[0]).max() else {
+            return Ok(MergeTable::default());
+        };
+        if max_left as usize >= MAX_VOCAB {
+            return Err(format!("a merge of token id {max_left}, over {MAX_VOCAB}"));
+        }
+        let mut starts = vec![0u32; max_left as usize + 2];
+        for m in list {
+            starts[m[0] as usize + 1] += 1;
+        }
+        for i in 1..starts.len() {
+            starts[i] += starts[i - 1];
+        }
+        let mut next = starts.clone();
+        let mut merges = vec![Merge::default(); list.len()];
+        for (rank, &[left, right, id]) in list.iter().enumerate() {
+            let at = &mut next[left as usize];
+            merges[*at as usize] = Merge {
+                right,
+                rank: rank as u32,
+                id,
+            };
+            *at += 1;
+        }
+        drop(next);
+        // Each group sorted by right id, then rank; a repeated pair keeps its last (highest) rank.
+        let mut kept = 0usize;
+        for left in 0..starts.len() - 1 {
+            let (a, b) = (starts[left] as usize, starts[left + 1] as usize);
+            starts[left] = kept as u32;
+            merges[a..b].sort_unstable_by_key(|m| (m.right, m.rank));
+            for i in a..b {
+                if i + 1 < b && merges[i + 1].right == merges[i].right {
+                    continue;
+                }
+                merges[kept] = merges[i];
+                kept += 1;
+            }
+        }
+        *starts.last_mut().unwrap_or(&mut 0) = kept as u32;
+        merges.truncate(kept);
+        merges.shrink_to_fit();
+        Ok(MergeTable { starts, merges })
+    }
+
+    /// The rank of merging `left` and `right`, and the token it makes.
+    #[inline]
+    pub fn get(&self, left: u32, right: u32) -> Option<(u32, u32)> {
+        let l = left as usize;
+        let (&a, &b) = (self.starts.get(l)?, self.starts.get(l + 1)?);
+        let group = &self.merges[a as usize..b as usize];
+        let i = group.binary_search_by_key(&right, |m| m.right).ok()?;
+        Some((group[i].rank, group[i].id))
+    }
+
+    /// Distinct pairs.
+    pub fn len(&self) -> usize {
+        self.merges.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.merges.is_empty()
+    }
+
+    /// Bytes held on the heap (for memory reports).
+    pub fn heap_bytes(&self) -> usize {
+        4 * self.starts.capacity() + std::mem::size_of::<Merge>() * self.merges.capacity()
+    }
+}
 
 /// The vocabulary as `model.vocab` reads it.
-pub type Vocab<'a> = std::collections::HashMap<Str<'a>, u32>;
+pub type Vocab = VocabIndex;
 
 /// A JSON string borrowed from the input when it has no escapes (almost every token), owned when it
 /// has: serde's own `Cow` always copies, which for 400K strings is most of a bundle's load peak.
@@ -93,7 +182,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for MergeJson<'a> {
 }
 
 /// Reads `model.merges` of `file` into the table; errors name the merge (`merges[17]: ...`).
-pub fn merge_table(file: &[u8], vocab: &Vocab<'_>) -> Result<MergeTable, String> {
+pub fn merge_table(file: &[u8], vocab: &Vocab) -> Result<MergeTable, String> {
     let mut de = serde_json::Deserializer::from_slice(file);
     Section { vocab, depth: 0 }
         .deserialize(&mut de)
@@ -101,19 +190,19 @@ pub fn merge_table(file: &[u8], vocab: &Vocab<'_>) -> Result<MergeTable, String>
 }
 
 /// The top-level object (depth 0) or `model` (depth 1): only the key leading to the merges is read.
-struct Section<'v, 'a> {
-    vocab: &'v Vocab<'a>,
+struct Section<'v> {
+    vocab: &'v Vocab,
     depth: u8,
 }
 
-impl<'de> DeserializeSeed<'de> for Section<'_, '_> {
+impl<'de> DeserializeSeed<'de> for Section<'_> {
     type Value = MergeTable;
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<MergeTable, D::Error> {
         d.deserialize_map(self)
     }
 }
 
-impl<'de> Visitor<'de> for Section<'_, '_> {
+impl<'de> Visitor<'de> for Section<'_> {
     type Value = MergeTable;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("an object")
@@ -142,25 +231,28 @@ impl<'de> Visitor<'de> for Section<'_, '_> {
 }
 
 /// The `merges` list.
-struct Merges<'v, 'a>(&'v Vocab<'a>);
+struct Merges<'v>(&'v Vocab);
 
-impl<'de> DeserializeSeed<'de> for Merges<'_, '_> {
+impl<'de> DeserializeSeed<'de> for Merges<'_> {
     type Value = MergeTable;
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<MergeTable, D::Error> {
         d.deserialize_seq(self)
     }
 }
 
-impl<'de> Visitor<'de> for Merges<'_, '_> {
+impl<'de> Visitor<'de> for Merges<'_> {
     type Value = MergeTable;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a list of merges")
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<MergeTable, A::Error> {
-        let mut table = MergeTable::with_capacity(seq.size_hint().unwrap_or(0).min(MAX_MERGES));
+        // Sized for the vocabulary (the covered families have 1 to 2.2 merges a token), so the list
+        // rarely grows: a growth would hold the old and the new list at once.
+        let guess = (self.0.len() * 9 / 4).min(MAX_MERGES);
+        let mut list: Vec<[u32; 3]> = Vec::with_capacity(seq.size_hint().unwrap_or(guess));
         let mut joined = String::new();
         while let Some(merge) = seq.next_element::<MergeJson>()? {
-            let rank = table.len();
+            let rank = list.len();
             if rank >= MAX_MERGES {
                 return Err(A::Error::custom(format!("merges: over {MAX_MERGES}")));
             }
@@ -171,14 +263,14 @@ impl<'de> Visitor<'de> for Merges<'_, '_> {
             joined.push_str(a);
             joined.push_str(b);
             let id = |s: &str| {
-                self.0.get(s).copied().ok_or_else(|| {
+                self.0.get(s).ok_or_else(|| {
                     A::Error::custom(format!("merges[{rank}]: {s:?} is not in the vocabulary"))
                 })
             };
-            // A pair listed twice keeps its last rank, as `tokenizers` collects its map.
-            table.insert((id(a)?, id(b)?), (rank as u32, id(&joined)?));
+            list.push([id(a)?, id(b)?, id(&joined)?]);
         }
-        Ok(table)
+        list.shrink_to_fit();
+        MergeTable::from_list(&list).map_err(|e| A::Error::custom(format!("merges: {e}")))
     }
 }
 

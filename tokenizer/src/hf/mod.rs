@@ -14,6 +14,7 @@ pub mod bpe;
 pub mod merges;
 pub mod model;
 pub mod pretokenize;
+pub mod vocab;
 
 use crate::vocabulary::Segment;
 use added::{AddedToken, AddedTokens, Normalizer, Piece};
@@ -29,8 +30,7 @@ pub const DEFAULT_MAX_BUNDLE_BYTES: usize = 32 << 20;
 
 #[derive(Deserialize)]
 struct FileJson<'a> {
-    #[serde(borrow)]
-    model: ModelJson<'a>,
+    model: ModelJson,
     #[serde(default)]
     normalizer: Value,
     #[serde(default)]
@@ -53,12 +53,12 @@ pub struct HfTokenizer {
 }
 
 fn distinct_ids(file: &FileJson<'_>) -> usize {
-    let vocab = file.model.vocab.values().copied();
+    let vocab = file.model.vocab.ids();
     let added = file.added_tokens.iter().map(|t| t.id);
-    vocab
-        .chain(added)
-        .collect::<hashbrown::HashSet<u32>>()
-        .len()
+    let mut ids: Vec<u32> = vocab.chain(added).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids.len()
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -92,14 +92,17 @@ impl HfTokenizer {
         let normalizer = Normalizer::from_json(&file.normalizer).map_err(at("normalizer"))?;
         let added =
             AddedTokens::new(&file.added_tokens, &normalizer).map_err(at("added_tokens"))?;
+        let pre = PreTokenizer::from_json(&file.pre_tokenizer).map_err(at("pre_tokenizer"))?;
+        let around =
+            model::post_processor_ids(&file.post_processor).map_err(at("post_processor"))?;
+        let vocab_size = distinct_ids(&file);
         Ok(HfTokenizer {
-            bpe: model::build_bpe(&file.model, bytes).map_err(at("model"))?,
-            pre: PreTokenizer::from_json(&file.pre_tokenizer).map_err(at("pre_tokenizer"))?,
-            around: model::post_processor_ids(&file.post_processor)
-                .map_err(at("post_processor"))?,
+            bpe: model::build_bpe(file.model, bytes).map_err(at("model"))?,
+            pre,
+            around,
             normalizer,
             added,
-            vocab_size: distinct_ids(&file),
+            vocab_size,
         })
     }
 
@@ -111,6 +114,12 @@ impl HfTokenizer {
     /// Merges held (for memory reports).
     pub fn merge_count(&self) -> usize {
         self.bpe.merge_count()
+    }
+
+    /// Heap bytes of the merge table and of the vocabulary index kept for `ignore_merges` (0
+    /// without), for memory reports.
+    pub fn table_bytes(&self) -> (usize, usize) {
+        self.bpe.heap_bytes()
     }
 
     /// Calls `f` with each added token and the normalized text between them, in order. Segments are

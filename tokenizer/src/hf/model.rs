@@ -1,11 +1,11 @@
-//! Reading `tokenizer.json`'s `model` (byte-level BPE) and `post_processor` from bytes. Vocabulary
-//! strings are borrowed from the input where JSON allows it and merges are resolved as they are read
-//! (`merges.rs`), so a 9 MB file is read without a second copy of its tokens; only what encoding
-//! needs is kept: the 256 byte ids, the merge table and, with `ignore_merges`, the whole-token table.
+//! Reading `tokenizer.json`'s `model` (byte-level BPE) and `post_processor` from bytes. The
+//! vocabulary is read into one arena and an index (`vocab.rs`) and merges are resolved as they are
+//! read (`merges.rs`), so a 9 MB file is read without a map of its tokens; only what encoding needs
+//! is kept: the 256 byte ids, the merge table and, with `ignore_merges`, the vocabulary index.
 
-use super::bpe::{ByteLevelBpe, byte_chars, chars_to_bytes};
-use super::merges::{self, Str};
-use hashbrown::HashMap;
+use super::bpe::{ByteLevelBpe, byte_chars};
+use super::merges;
+use super::vocab::VocabIndex;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -14,11 +14,10 @@ use serde_json::Value;
 pub const MAX_VOCAB: usize = 4 << 20;
 
 #[derive(Deserialize)]
-pub struct ModelJson<'a> {
+pub struct ModelJson {
     #[serde(rename = "type", default)]
     pub kind: Option<String>,
-    #[serde(borrow)]
-    pub vocab: std::collections::HashMap<Str<'a>, u32>,
+    pub vocab: VocabIndex,
     #[serde(default)]
     pub ignore_merges: bool,
     #[serde(default)]
@@ -33,7 +32,8 @@ pub struct ModelJson<'a> {
 
 /// Builds the BPE. Refused: models other than BPE, and the BPE options byte-level families do not use
 /// (`byte_fallback`, dropout, subword prefixes and suffixes), rather than encoding them wrongly.
-pub fn build_bpe(m: &ModelJson<'_>, file: &[u8]) -> Result<ByteLevelBpe, String> {
+/// The vocabulary is moved into the BPE with `ignore_merges`, else dropped.
+pub fn build_bpe(m: ModelJson, file: &[u8]) -> Result<ByteLevelBpe, String> {
     if m.kind.as_deref().is_some_and(|k| k != "BPE") {
         return Err(format!("model type {:?}: only BPE is supported", m.kind));
     }
@@ -55,23 +55,12 @@ pub fn build_bpe(m: &ModelJson<'_>, file: &[u8]) -> Result<ByteLevelBpe, String>
             m.vocab.len()
         ));
     }
-    let chars = byte_chars();
     let mut byte_ids = [None; 256];
-    for (b, c) in chars.iter().enumerate() {
-        byte_ids[b] = m.vocab.get(c.to_string().as_str()).copied();
+    for (b, c) in byte_chars().iter().enumerate() {
+        byte_ids[b] = m.vocab.get(c.to_string().as_str());
     }
     let merges = merges::merge_table(file, &m.vocab)?;
-    let words = m.ignore_merges.then(|| {
-        let inverse: HashMap<char, u8> = chars
-            .iter()
-            .enumerate()
-            .map(|(b, c)| (*c, b as u8))
-            .collect();
-        m.vocab
-            .iter()
-            .filter_map(|(s, id)| Some((chars_to_bytes(&s.0, &inverse)?.into_boxed_slice(), *id)))
-            .collect()
-    });
+    let words = m.ignore_merges.then_some(m.vocab);
     Ok(ByteLevelBpe::new(byte_ids, merges, words))
 }
 
