@@ -40,7 +40,6 @@ pub use crate::policy::FallbackReason;
 use crate::policy::{Needs, Policy};
 use crate::request::{PromptTokenizer, RequestError, RouteRequest, read_request_early};
 use crate::rng::SplitMix64;
-use crate::speed::Learning;
 use crate::working_set::WorkingSet;
 use feed::Feeds;
 use fleet::Fleet;
@@ -151,9 +150,6 @@ pub struct Router {
     /// Recent prompt blocks per replica, kept when the policy's working-set term is on
     /// ([`Needs::working_set`]).
     working_set: Option<WorkingSet>,
-    /// `kv_time`: each replica's learned speed against the engine profile, and the predictions
-    /// awaiting their first token.
-    learning: Learning,
 }
 
 pub use crate::speed::MAX_PENDING_PREDICTIONS;
@@ -212,7 +208,6 @@ impl Router {
         let policy = crate::policy::from_config(&cfg, replicas);
         let needs = policy.needs();
         Ok(Router {
-            learning: Learning::new(replicas, cfg.kv_time.speed_params(), needs.speed),
             index: KvIndex::new(cfg.index_capacity_blocks, replicas, cfg.seed ^ 0xA5A5_5A5A),
             approx_seq: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
             approx_text: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),

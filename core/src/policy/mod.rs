@@ -38,6 +38,7 @@ pub use crate::adapters::AdapterFit;
 use crate::config::{PolicyKind, RoutingConfig};
 use crate::load::LoadTotals;
 use crate::rng::SplitMix64;
+use crate::speed::Learning;
 
 /// Why a decision did not come from the configured policy's first choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -128,6 +129,38 @@ pub trait Policy: PolicyClone + std::fmt::Debug + Send + Sync {
     fn last_terms(&self) -> &[kv_time::Terms] {
         &[]
     }
+
+    /// What became of a request the router routed, for a policy that learns from it (`kv_time`
+    /// learns each replica's speed from its times to first token); the others ignore it.
+    fn observe(&mut self, _event: Observation) {}
+
+    /// What the policy learned of the replicas' speeds, for a policy that reads them
+    /// ([`Needs::speed`]: `kv_time`); `None` for the others.
+    fn learning(&self) -> Option<&Learning> {
+        None
+    }
+
+    /// [`Policy::learning`], to take the proxy's other workers' estimates in.
+    fn learning_mut(&mut self) -> Option<&mut Learning> {
+        None
+    }
+}
+
+/// What became of a routed request ([`Policy::observe`]), in the order the router sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Observation {
+    /// The request, as last chosen, was sent to `replica` at `now_ms`.
+    Admitted {
+        request_id: u64,
+        replica: usize,
+        now_ms: u64,
+    },
+    /// Its first token arrived at `now_ms`.
+    FirstToken { request_id: u64, now_ms: u64 },
+    /// It ended (completed or aborted).
+    Released { request_id: u64 },
+    /// The slot's member left (vacated): what was learned of it is forgotten.
+    Vacated { replica: usize },
 }
 
 /// Cloning a boxed policy, so that a router (which holds one) can be cloned.
@@ -221,6 +254,7 @@ pub fn from_config(cfg: &RoutingConfig, replicas: usize) -> Box<dyn Policy> {
         PolicyKind::KvTime => Box::new(kv_time::KvTime::new(
             cfg.kv_time.clone(),
             cfg.kv_time.profile.profile(),
+            replicas,
         )),
         PolicyKind::AdapterAffinity => Box::new(adapter_affinity::AdapterAffinity::new(
             cfg.least_load.clone(),

@@ -3,8 +3,10 @@
 //! decode progress and release.
 
 use super::{Decision, Router};
+use crate::policy::Observation;
 use crate::policy::kv_time::Terms;
 use crate::request::{PromptIdentity, RouteRequest};
+use crate::speed::SpeedEstimate;
 
 impl Router {
     /// Starts tracking a request sent where `d` says: its uncached prompt tokens become prefill load,
@@ -35,9 +37,11 @@ impl Router {
         if let Some(ws) = &mut self.working_set {
             ws.record(d.replica, sampled, now_ms);
         }
-        let predicted = self.policy.last_terms().get(d.replica).map(Terms::ttft);
-        self.learning
-            .admitted(request_id, d.replica, predicted, now_ms);
+        self.policy.observe(Observation::Admitted {
+            request_id,
+            replica: d.replica,
+            now_ms,
+        });
         let matched = d.matched_tokens.get(d.replica).copied().unwrap_or(0);
         let uncached = req.prompt_tokens.saturating_sub(matched);
 
@@ -92,7 +96,8 @@ impl Router {
     pub fn first_token_at(&mut self, request_id: u64, now_ms: u64) {
         self.load.first_token(request_id);
         self.clock_ms = self.clock_ms.max(now_ms);
-        self.learning.first_token(request_id, now_ms);
+        self.policy
+            .observe(Observation::FirstToken { request_id, now_ms });
     }
 
     /// `kv_time`: every replica's cost terms for the last request routed (empty under another
@@ -104,21 +109,29 @@ impl Router {
     /// `kv_time`: one replica's learned time factor against the profile (2: twice as slow; 1 for an
     /// unknown replica or under another policy).
     pub fn speed_factor(&self, replica: usize) -> f64 {
-        self.learning.factor(replica)
+        self.policy.learning().map_or(1.0, |l| l.factor(replica))
     }
 
     /// This worker's own estimates of the replicas' speeds, for the proxy's other workers.
-    pub fn local_speeds(&self) -> Vec<crate::speed::SpeedEstimate> {
-        self.learning.local()
+    pub fn local_speeds(&self) -> Vec<SpeedEstimate> {
+        match self.policy.learning() {
+            Some(l) => l.local(),
+            // Nothing learned: each replica's estimate stands on no evidence.
+            None => vec![SpeedEstimate::default(); self.replicas()],
+        }
     }
 
     /// Replaces a peer worker's estimates of the replicas' speeds.
-    pub fn set_peer_speeds(&mut self, peer: u32, estimates: &[crate::speed::SpeedEstimate]) {
-        self.learning.set_peer(peer, estimates);
+    pub fn set_peer_speeds(&mut self, peer: u32, estimates: &[SpeedEstimate]) {
+        if let Some(l) = self.policy.learning_mut() {
+            l.set_peer(peer, estimates);
+        }
     }
 
     pub fn clear_peer_speeds(&mut self, peer: u32) {
-        self.learning.clear_peer(peer);
+        if let Some(l) = self.policy.learning_mut() {
+            l.clear_peer(peer);
+        }
     }
 
     /// `generated_tokens`: cumulative output tokens so far.
@@ -133,7 +146,7 @@ impl Router {
 
     /// Completion or abort. False (and counted) for an unknown or already released request.
     pub fn release(&mut self, request_id: u64) -> bool {
-        self.learning.released(request_id);
+        self.policy.observe(Observation::Released { request_id });
         let Some(gone) = self.load.release_entry(request_id) else {
             return false;
         };

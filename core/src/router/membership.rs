@@ -14,6 +14,7 @@
 //! | [`Membership::Vacant`] | no | dropped when the slot is vacated |
 
 use super::Router;
+use crate::policy::Observation;
 
 /// What a slot holds (see the module's table).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -86,6 +87,6 @@ impl Router {
         self.reported.forget(replica);
         self.fleet.forget(replica);
         self.health.forget(replica);
-        self.learning.forget(replica);
+        self.policy.observe(Observation::Vacated { replica });
     }
 }

@@ -117,8 +117,6 @@ impl Router {
             costs,
             fallback,
         } = self.policy.choose(&input, &mut self.rng);
-        // The policy's terms, where it keeps any, now describe this request.
-        self.learning.routed();
         self.scratch.approx = affinity;
         let (replica, probe, probe_backup) = self.probe_or(replica, now_ms);
         let matched_tokens: Vec<u64> = overlap
@@ -155,7 +153,11 @@ impl Router {
             factors,
             spreads,
             stale,
-        } = self.learning.inputs(now_ms);
+        } = self
+            .policy
+            .learning()
+            .map(|l| l.inputs(now_ms))
+            .unwrap_or_default();
         let reuse_share = self.working_set.as_ref().map_or(0.0, |ws| ws.reuse_share());
         (factors, spreads, stale, reuse_share)
     }

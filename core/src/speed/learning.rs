@@ -1,7 +1,9 @@
 //! What `kv_time` learns from the requests a router routes: each replica's speed ([`Speeds`]) and the
 //! predictions that wait for their request's first token to be learned from.
 //!
-//! The router calls four hooks and reads one answer:
+//! It is held by the `kv_time` policy ([`crate::policy::kv_time::KvTime`]), which calls four hooks as
+//! the router reports what became of each request it placed ([`crate::policy::Policy::observe`]),
+//! and the router reads one answer:
 //!
 //! | hook | when |
 //! |---|---|
