@@ -4,7 +4,7 @@
 //! microseconds and replica indices. A [`session::Workload`] is built by a generator ([`rl`]) or a trace
 //! reader ([`weka`], [`mooncake`], [`azure`]); a [`driver::Driver`] issues its requests in virtual time as
 //! the consumer's event loop reports completions; a [`measure::Recorder`] turns what the consumer saw into
-//! a [`measure::Summary`]; [`report`] prints summaries side by side and draws SVG plots.
+//! a [`measure::Summary`]; [`report`] prints summaries side by side and [`plot`] draws SVG plots.
 
 pub mod arrivals;
 pub mod azure;
@@ -14,6 +14,8 @@ pub mod driver;
 pub mod error;
 pub mod measure;
 pub mod mooncake;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod plot;
 pub mod report;
 pub mod rl;
 pub mod session;

@@ -100,7 +100,11 @@ fn summaries_tables_and_plots_reflect_the_run() {
     let (ta, tb) = (ra.ttft_ms(), rb.ttft_ms());
     assert_eq!(ta.len(), total);
     let cdf = ttft_cdf_svg(&[("round_robin", &ta), ("least_load", &tb)]);
-    assert_eq!(cdf.matches("<polyline").count(), 2);
+    assert_eq!(
+        cdf.matches(r#"stroke-width="2""#).count(),
+        2,
+        "one line per policy"
+    );
     let series = ra.decode_series();
     assert!(series.iter().all(|(_, v)| v.len() == REPLICAS));
     assert!(decode_load_svg("round_robin", &series).contains("replica 2"));
