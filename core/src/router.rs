@@ -37,7 +37,7 @@ use crate::index::{KvIndex, MAX_REPLICAS, TierCounts};
 use crate::load::{Accounting, LoadTable};
 use crate::output::OutputEstimate;
 pub use crate::policy::FallbackReason;
-use crate::policy::{Needs, Policy};
+use crate::policy::{Choice, Input, Needs, Policy};
 use crate::request::{PromptTokenizer, RequestError, RouteRequest, read_request_early};
 use crate::rng::SplitMix64;
 use crate::working_set::WorkingSet;
@@ -136,14 +136,8 @@ pub struct Router {
     health: Health,
     /// Per replica: its feed's position, its cache size and its adapters as the feed shows them.
     feeds: Feeds,
-    /// The configured policy, with its parameters and state ([`crate::policy::from_config`]).
-    policy: Box<dyn Policy>,
-    /// What the policy asked the router to gather for it ([`Policy::needs`]).
-    needs: Needs,
-    /// Round-robin positions of the P/D sides (prefill, decode): apart from round robin's own
-    /// cursor, so a P/D fleet's two cycles do not disturb each other ([`Router::route_pd`]).
-    pd_rr: (usize, usize),
-    rng: SplitMix64,
+    /// The configured policy, what it needs gathered, and the generator its ties are broken with.
+    decider: Decider,
     stats: RouterStats,
     /// Buffers the request path reuses ([`Scratch`]).
     scratch: Scratch,
@@ -153,6 +147,28 @@ pub struct Router {
 }
 
 pub use crate::speed::MAX_PENDING_PREDICTIONS;
+
+/// What makes the decisions: the configured policy, what it asked the router to gather for it,
+/// and the one generator that breaks every tie (the policy's and the P/D legs'), so that a seeded
+/// router replays its decisions exactly.
+#[derive(Clone, Debug)]
+struct Decider {
+    /// The configured policy, with its parameters and state ([`crate::policy::from_config`]).
+    policy: Box<dyn Policy>,
+    /// What the policy asked the router to gather for it ([`Policy::needs`]), asked once.
+    needs: Needs,
+    /// Round-robin positions of the P/D sides (prefill, decode): apart from round robin's own
+    /// cursor, so a P/D fleet's two cycles do not disturb each other ([`Router::route_pd`]).
+    pd_rr: (usize, usize),
+    rng: SplitMix64,
+}
+
+impl Decider {
+    /// The policy's choice from `input`, its ties broken by the router's generator.
+    fn choose(&mut self, input: &Input) -> Choice {
+        self.policy.choose(input, &mut self.rng)
+    }
+}
 
 /// Buffers the request path takes, fills and puts back (`std::mem::take`), so that routing a
 /// request allocates no per-replica vectors of its own: no state, only capacity kept between calls.
@@ -218,10 +234,12 @@ impl Router {
             fleet: Fleet::new(replicas),
             health: Health::new(cfg.health.clone(), replicas),
             feeds: Feeds::new(replicas),
-            policy,
-            needs,
-            pd_rr: (0, 0),
-            rng: SplitMix64::new(cfg.seed),
+            decider: Decider {
+                policy,
+                needs,
+                pd_rr: (0, 0),
+                rng: SplitMix64::new(cfg.seed),
+            },
             stats: RouterStats {
                 policy: Some(cfg.policy),
                 decisions: vec![0; replicas],
@@ -253,7 +271,7 @@ impl Router {
     /// do not break ties identically. Only the generator changes (the KV index keeps its seed); call
     /// it before routing. An empty identity restores the configured seed's stream.
     pub fn set_proxy_identity(&mut self, identity: &[u8]) {
-        self.rng = SplitMix64::new(crate::rng::proxy_seed(self.cfg.seed, identity));
+        self.decider.rng = SplitMix64::new(crate::rng::proxy_seed(self.cfg.seed, identity));
     }
 
     pub fn replicas(&self) -> usize {

@@ -37,7 +37,7 @@ impl Router {
         if let Some(ws) = &mut self.working_set {
             ws.record(d.replica, sampled, now_ms);
         }
-        self.policy.observe(Observation::Admitted {
+        self.decider.policy.observe(Observation::Admitted {
             request_id,
             replica: d.replica,
             now_ms,
@@ -61,7 +61,7 @@ impl Router {
             // is pure cost: a third of an 8K-token request's admit and ~10% of its whole filter
             // path in wasm.
             PromptIdentity::Exact(h) => {
-                if self.needs.affinity {
+                if self.decider.needs.affinity {
                     self.approx_seq.record(d.replica, h, now_ms)
                 }
             }
@@ -96,25 +96,29 @@ impl Router {
     pub fn first_token_at(&mut self, request_id: u64, now_ms: u64) {
         self.load.first_token(request_id);
         self.clock_ms = self.clock_ms.max(now_ms);
-        self.policy
+        self.decider
+            .policy
             .observe(Observation::FirstToken { request_id, now_ms });
     }
 
     /// `kv_time`: every replica's cost terms for the last request routed (empty under another
     /// policy): what an operator reads to see why a replica won.
     pub fn last_terms(&self) -> &[Terms] {
-        self.policy.last_terms()
+        self.decider.policy.last_terms()
     }
 
     /// `kv_time`: one replica's learned time factor against the profile (2: twice as slow; 1 for an
     /// unknown replica or under another policy).
     pub fn speed_factor(&self, replica: usize) -> f64 {
-        self.policy.learning().map_or(1.0, |l| l.factor(replica))
+        self.decider
+            .policy
+            .learning()
+            .map_or(1.0, |l| l.factor(replica))
     }
 
     /// This worker's own estimates of the replicas' speeds, for the proxy's other workers.
     pub fn local_speeds(&self) -> Vec<SpeedEstimate> {
-        match self.policy.learning() {
+        match self.decider.policy.learning() {
             Some(l) => l.local(),
             // Nothing learned: each replica's estimate stands on no evidence.
             None => vec![SpeedEstimate::default(); self.replicas()],
@@ -123,13 +127,13 @@ impl Router {
 
     /// Replaces a peer worker's estimates of the replicas' speeds.
     pub fn set_peer_speeds(&mut self, peer: u32, estimates: &[SpeedEstimate]) {
-        if let Some(l) = self.policy.learning_mut() {
+        if let Some(l) = self.decider.policy.learning_mut() {
             l.set_peer(peer, estimates);
         }
     }
 
     pub fn clear_peer_speeds(&mut self, peer: u32) {
-        if let Some(l) = self.policy.learning_mut() {
+        if let Some(l) = self.decider.policy.learning_mut() {
             l.clear_peer(peer);
         }
     }
@@ -146,7 +150,9 @@ impl Router {
 
     /// Completion or abort. False (and counted) for an unknown or already released request.
     pub fn release(&mut self, request_id: u64) -> bool {
-        self.policy.observe(Observation::Released { request_id });
+        self.decider
+            .policy
+            .observe(Observation::Released { request_id });
         let Some(gone) = self.load.release_entry(request_id) else {
             return false;
         };

@@ -282,7 +282,7 @@ impl Router {
     /// policy that does not size caches itself, the working-set term's size under `kv_time` (the
     /// feed's, else never more than the smallest shown). What the `cache_size_blocks` gauge shows.
     pub fn priced_cache_blocks(&self, replica: usize) -> f64 {
-        match self.needs.working_set {
+        match self.decider.needs.working_set {
             Some(sizing) => self.cache_blocks_by(replica, sizing, self.smallest_shown_cache()),
             None => self.cache_size_blocks(replica),
         }

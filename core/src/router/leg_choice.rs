@@ -29,8 +29,8 @@ impl Router {
             == PolicyKind::RoundRobin
         {
             let n = self.replicas();
-            let p = round_robin_among(n, &mut self.pd_rr.0, |r| !p_avoided[r]);
-            let d = round_robin_among(n, &mut self.pd_rr.1, |r| !d_avoided[r]);
+            let p = round_robin_among(n, &mut self.decider.pd_rr.0, |r| !p_avoided[r]);
+            let d = round_robin_among(n, &mut self.decider.pd_rr.1, |r| !d_avoided[r]);
             (p, d, Vec::new(), Vec::new())
         } else {
             let eff = self.effective_load();
@@ -45,8 +45,8 @@ impl Router {
                 in_time,
             );
             let dc = disaggregation::decode_costs(request_blocks, &overlap, &eff, roles, params);
-            let p = argmin_random_tie(&masked(&pc, &p_avoided), &mut self.rng);
-            let d = argmin_random_tie(&masked(&dc, &d_avoided), &mut self.rng);
+            let p = argmin_random_tie(&masked(&pc, &p_avoided), &mut self.decider.rng);
+            let d = argmin_random_tie(&masked(&dc, &d_avoided), &mut self.decider.rng);
             (p, d, pc, dc)
         };
         // Both sides have an eligible replica (checked above), so neither is None; stay total anyway.
@@ -181,7 +181,7 @@ impl Router {
         let avoided: Vec<bool> = (0..self.replicas())
             .map(|r| !decodes(r) || (any && base[r]))
             .collect();
-        let replica = pick_lowest(&costs, &avoided, &mut self.rng);
+        let replica = pick_lowest(&costs, &avoided, &mut self.decider.rng);
         let backup = (0..self.replicas())
             .filter(|&r| r != replica && !avoided[r])
             .min_by(|&a, &b| costs[a].total_cmp(&costs[b]));

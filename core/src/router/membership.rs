@@ -87,6 +87,8 @@ impl Router {
         self.reported.forget(replica);
         self.fleet.forget(replica);
         self.health.forget(replica);
-        self.policy.observe(Observation::Vacated { replica });
+        self.decider
+            .policy
+            .observe(Observation::Vacated { replica });
     }
 }

@@ -116,7 +116,7 @@ impl Router {
             replica,
             costs,
             fallback,
-        } = self.policy.choose(&input, &mut self.rng);
+        } = self.decider.choose(&input);
         self.scratch.approx = affinity;
         let (replica, probe, probe_backup) = self.probe_or(replica, now_ms);
         let matched_tokens: Vec<u64> = overlap
@@ -146,7 +146,7 @@ impl Router {
     /// whether it is stale at `now_ms`, and the traffic's reuse share; empty and 0 for a policy
     /// that does not price time.
     fn learned_speeds(&self, now_ms: u64) -> (Vec<f64>, Vec<f64>, Vec<bool>, f64) {
-        if !self.needs.speed {
+        if !self.decider.needs.speed {
             return (Vec::new(), Vec::new(), Vec::new(), 0.0);
         }
         let LearnedInputs {
@@ -154,6 +154,7 @@ impl Router {
             spreads,
             stale,
         } = self
+            .decider
             .policy
             .learning()
             .map(|l| l.inputs(now_ms))
@@ -165,7 +166,7 @@ impl Router {
     /// Leading blocks of the request already booked on each replica by requests in flight (the
     /// policy's `active_prefix`); empty unless the policy asks for it.
     fn active_prefix(&self, req: &RouteRequest) -> Vec<f64> {
-        if self.needs.active_prefix {
+        if self.decider.needs.active_prefix {
             let (n, id) = (req.identity.blocks(), &req.identity);
             (0..self.replicas())
                 .map(|r| self.load.active_prefix_by(r, n, |i| id.key(i)) as f64)
@@ -179,7 +180,7 @@ impl Router {
     /// policy's `affinity`), into `out`: cleared, and left empty unless the policy asks for it.
     fn affinity(&mut self, req: &RouteRequest, now_ms: u64, out: &mut Vec<u32>) {
         out.clear();
-        if self.needs.affinity {
+        if self.decider.needs.affinity {
             match &req.identity {
                 PromptIdentity::Exact(h) => {
                     self.approx_seq
@@ -201,7 +202,7 @@ impl Router {
         if let Some(ws) = &mut self.working_set {
             ws.expire(now_ms);
         }
-        match (&self.working_set, self.needs.working_set) {
+        match (&self.working_set, self.decider.needs.working_set) {
             (Some(ws), Some(sizing)) => {
                 let added = ws.added(sampled);
                 let smallest = self.smallest_shown_cache();
@@ -305,7 +306,7 @@ impl Router {
         let eff = self.effective_load();
         self.health.refresh(now_ms);
         let costs = least_load::costs(&eff, self.cfg.block_size as f64, 0.0, &self.cfg.least_load);
-        let replica = pick_lowest(&costs, &self.avoided(), &mut self.rng);
+        let replica = pick_lowest(&costs, &self.avoided(), &mut self.decider.rng);
         let backup = self.backup_for(replica, &costs);
         self.unread_decision(replica, costs, backup)
     }
