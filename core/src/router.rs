@@ -1,8 +1,20 @@
 //! The router: the KV index, the approximate indexes, the token-load table and the policies together,
 //! behind the API the proxy-wasm filter calls (see docs/design/core.md).
 //!
-//! This file holds the router's state and its construction; its methods are grouped by concern in
-//! the submodules, each an `impl Router` block, so the public API stays one type:
+//! The router's state is held by small owners, each with its own fields, methods and tests; the
+//! router's own fields are those owners, the indexes and the load table, and the configuration:
+//!
+//! | owner | holds |
+//! |---|---|
+//! | `fleet::Fleet` | which slots hold members, which are down, which share an address |
+//! | [`crate::health::Health`] | replicas ejected for failing, their probes, the peers' outcome counts |
+//! | `feed::Feeds` | per replica: its feed's position, its cache size (`cache_sizes`), its adapters |
+//! | `reported::Reported` | the replicas' load reports, the peers' shares that meet them, stale feeds |
+//! | `Decider` | the policy (with its own state: `kv_time`'s learned speeds, fed by [`Policy::observe`]), its needs, the tie-break generator |
+//! | `Scratch` | buffers the request path reuses |
+//!
+//! Its methods are grouped by concern in the submodules, each an `impl Router` block that calls
+//! on the owners, so the public API stays one type:
 //!
 //! | module | concern |
 //! |---|---|
@@ -15,6 +27,7 @@
 //! | `load` | effective load (tracked, reported, the peers'), and this worker's share for its peers |
 //! | `reported` | the state behind effective load: the replicas' reports, the peers' shares, stale feeds |
 //! | `working_set` | the working-set term's plumbing and its sharing between workers and proxies |
+//! | `text_share` | the text prompts' records shared with the proxy's other workers |
 
 mod admit;
 mod cache_sizes;
@@ -84,7 +97,8 @@ pub enum FeedOutcome {
     BadReplica,
 }
 
-/// Counters for metrics and reports.
+/// Counters for metrics and reports. Over 15 fields: one flat record, each field one exported
+/// counter, read whole by [`Router::stats`].
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RouterStats {
     pub policy: Option<PolicyKind>,
@@ -114,7 +128,8 @@ pub struct RouterStats {
     pub bad_replica: u64,
 }
 
-/// The routing brain of one proxy worker.
+/// The routing brain of one proxy worker. Over 30 methods: it is the one API the filter, the
+/// harness and the component call, each method a thin step onto the owners above.
 #[derive(Clone, Debug)]
 pub struct Router {
     cfg: RoutingConfig,

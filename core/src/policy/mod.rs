@@ -52,6 +52,7 @@ pub enum FallbackReason {
 }
 
 /// What every policy decides from. Per-replica slices all have one entry per replica.
+/// Over 15 fields: one borrowed view of everything any policy reads, filled once per request.
 #[derive(Clone, Copy, Debug)]
 pub struct Input<'a> {
     /// The prompt in blocks, rounded up (`ceil(prompt_tokens / block_size)`).
