@@ -27,28 +27,14 @@ pub fn byte_chars() -> [char; 256] {
     table
 }
 
-/// [`byte_chars`] as UTF-8: each byte's character, one or two bytes long (all are under U+0800).
-fn byte_chars_utf8() -> [([u8; 2], u8); 256] {
-    let mut table = [([0u8; 2], 0u8); 256];
-    for (slot, c) in table.iter_mut().zip(byte_chars()) {
-        let mut buf = [0u8; 4];
-        let n = c.encode_utf8(&mut buf).len().min(2);
-        slot.0[..n].copy_from_slice(&buf[..n]);
-        slot.1 = n as u8;
-    }
-    table
-}
-
 /// The loaded model: what each byte starts as, and every merge with its rank.
 pub struct ByteLevelBpe {
     /// Id of the one-byte token of each byte; None when the vocabulary lacks it (`tokenizers` then
     /// drops that byte when there is no `unk_token`, and so does this).
     byte_ids: [Option<u32>; 256],
     merges: MergeTable,
-    /// `ignore_merges`: a piece that is a whole vocabulary entry is that token, merges or not. The
-    /// vocabulary as written (in [`byte_chars`]): a piece is looked up in its characters.
+    /// `ignore_merges`: a piece that is a whole vocabulary entry is that token, merges or not.
     words: Option<VocabIndex>,
-    utf8: [([u8; 2], u8); 256],
 }
 
 #[derive(Clone, Copy)]
@@ -71,7 +57,6 @@ impl ByteLevelBpe {
             byte_ids,
             merges,
             words,
-            utf8: byte_chars_utf8(),
         }
     }
 
@@ -81,27 +66,6 @@ impl ByteLevelBpe {
         (self.merges.heap_bytes(), words)
     }
 
-    /// With `ignore_merges`, the token that is the whole piece.
-    fn whole_word(&self, piece: &[u8]) -> Option<u32> {
-        let words = self.words.as_ref()?;
-        let mut stack = [0u8; 128];
-        let mut heap = Vec::new();
-        let buf: &mut [u8] = if 2 * piece.len() <= stack.len() {
-            &mut stack
-        } else {
-            heap.resize(2 * piece.len(), 0);
-            &mut heap
-        };
-        let mut n = 0;
-        for b in piece {
-            let (c, len) = &self.utf8[*b as usize];
-            let len = *len as usize;
-            buf[n..n + len].copy_from_slice(&c[..len]);
-            n += len;
-        }
-        words.get_bytes(&buf[..n])
-    }
-
     /// Number of merges (for the memory estimate in reports).
     pub fn merge_count(&self) -> usize {
         self.merges.len()
@@ -109,7 +73,7 @@ impl ByteLevelBpe {
 
     /// Appends the ids of one pre-tokenized piece.
     pub fn encode_piece(&self, piece: &[u8], out: &mut Vec<u32>) {
-        if let Some(id) = self.whole_word(piece) {
+        if let Some(id) = self.words.as_ref().and_then(|w| w.get_bytes(piece)) {
             out.push(id);
             return;
         }

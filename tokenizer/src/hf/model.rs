@@ -3,7 +3,7 @@
 //! read (`merges.rs`), so a 9 MB file is read without a map of its tokens; only what encoding needs
 //! is kept: the 256 byte ids, the merge table and, with `ignore_merges`, the vocabulary index.
 
-use super::bpe::{ByteLevelBpe, byte_chars};
+use super::bpe::ByteLevelBpe;
 use super::merges;
 use super::vocab::VocabIndex;
 use serde::Deserialize;
@@ -56,8 +56,8 @@ pub fn build_bpe(m: ModelJson, file: &[u8]) -> Result<ByteLevelBpe, String> {
         ));
     }
     let mut byte_ids = [None; 256];
-    for (b, c) in byte_chars().iter().enumerate() {
-        byte_ids[b] = m.vocab.get(c.to_string().as_str());
+    for (b, slot) in byte_ids.iter_mut().enumerate() {
+        *slot = m.vocab.get_bytes(&[b as u8]);
     }
     let merges = merges::merge_table(file, &m.vocab)?;
     let words = m.ignore_merges.then_some(m.vocab);
