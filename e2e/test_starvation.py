@@ -4,7 +4,7 @@ with envoy/envoy.yaml, the built filter and 4 simulated replicas.
 The workload is chat behind one shared system prompt, the shape on which `kv_load`, the default
 policy before `kv_time`, has been seen sending a whole run to three of four healthy replicas: once some replicas
 held the shared prompt, the others never looked cheap. 80 sessions arrive open-loop at 8 a second
-(2 a second per replica, as in host-test/tests/no_starved_replica.rs), each on its own thread and
+(2 a second per replica, as in lab/tests/no_starved_replica.rs), each on its own thread and
 connection, 2 to 4 turns each; every prompt is the same 2,048-token system prompt, then the
 session's history (each turn appends a made-up reply to the previous one and a new user message),
 sent as token ids with `x-session-id`, streamed, with 150 to 300 output tokens. Before the sessions

@@ -15,8 +15,8 @@
 //! holds the prefill queue and compute, the transfer and the decode engine's first step. The prefill
 //! leg's token is discarded, as vLLM's proxies do. Callouts are answered with no network latency.
 
-use crate::bench::run::Outcome;
 use crate::openai::{SseWriter, completion_body, request_headers, sse_headers};
+use crate::outcome::Outcome;
 use crate::{
     CallOutcome, Callout, FilterModule, HarnessStats, HostError, HostMode, Proxy, ProxyOptions,
     WorkerVm,
@@ -680,36 +680,9 @@ pub fn split_pd_params(spec: &str) -> Result<(String, PdParams), String> {
     Ok((kept.join("@"), p))
 }
 
-/// One bench replay of a P/D scenario: `policy` as the bench takes it (`kv_load`, `round_robin`,
-/// variants, plus `@pd.KEY=NUMBER`), engines as the bench builds them, the router's tie-break seeded
-/// as the filter's is in the bench.
-pub fn replay_pd_spec(
-    module: &FilterModule,
-    workload: Workload,
-    mode: Mode,
-    policy: &str,
-    seed: u64,
-    (prefill, decode): (usize, usize),
-    progress: impl FnMut(u64, u64),
-) -> Result<(Outcome, PdStats), String> {
-    if crate::bench::run::is_oracle(policy) {
-        return Err(format!("{policy}: the oracle has no P/D form"));
-    }
-    let (spec, params) = split_pd_params(policy)?;
-    let mut routing = crate::bench::run::routing(&spec)?;
-    let block_size = workload.block_size;
-    routing["block_size"] = block_size.into();
-    routing["seed"] = crate::bench::run::ROUTER_SEED.wrapping_add(seed).into();
-    let engine = crate::bench::scenario::Scenario::engine(block_size, seed);
-    let mut cfg = PdConfig::new(prefill, decode, engine, routing);
-    cfg.params = params;
-    replay_pd(module, workload, mode, &cfg, policy, seed, progress)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::scenario::{Scale, pd_matrix};
 
     #[test]
     fn pd_params_parse_and_refuse() {
@@ -719,44 +692,5 @@ mod tests {
         assert!(split_pd_params("kv_load@pd.nope=1").is_err());
         assert!(split_pd_params("kv_load@pd.transfer_weight=-1").is_err());
         assert!(split_pd_params("kv_load@pd.transfer_weight").is_err());
-    }
-
-    /// Every request completes on a small RL workload under both policies; decode legs land only on
-    /// decode engines (the recorder's replica is the decode one, always >= 2); kv_load's decode side
-    /// sends a rollout's later turns where its earlier turns' KV already is, so its decode legs read
-    /// far less over the link than round robin's.
-    #[test]
-    fn a_small_pd_fleet_serves_every_request() {
-        let run = |policy: &str| {
-            let sc = &pd_matrix(Scale::Smoke)[0];
-            assert_eq!(
-                (sc.id.as_str(), sc.pd_prefill, sc.endpoints),
-                ("pd-rl", 2, 6)
-            );
-            let (w, mode) = sc.build(std::path::Path::new("traces"), 1).unwrap();
-            let path = crate::filter_wasm_path().unwrap_or_else(|e| panic!("{e}"));
-            let module = FilterModule::load(&path).unwrap_or_else(|e| panic!("{e}"));
-            let (o, st) = replay_pd_spec(&module, w, mode, policy, 1, (2, 4), |_, _| {}).unwrap();
-            assert_eq!(st.failed, 0, "{policy}");
-            assert_eq!(o.summary.failed, 0, "{policy}");
-            assert!(st.requests > 0 && o.summary.requests as u64 == st.requests);
-            assert!(o.rows.iter().all(|r| r.replica.is_none_or(|d| d >= 2)));
-            assert!(st.transferred_tokens > 0 && st.transferred_tokens <= st.decode_prompt_tokens);
-            // The filter's index learned the caches from the feeds.
-            assert!(
-                st.prefill_matched_tokens > 0,
-                "{policy}: the feed never reached the index"
-            );
-            (o, st)
-        };
-        let read = |st: &PdStats| st.transferred_tokens as f64 / st.decode_prompt_tokens as f64;
-        let (_, kv) = run("kv_load");
-        let (_, rr) = run("round_robin");
-        assert!(
-            read(&kv) * 1.5 < read(&rr),
-            "{} vs {}",
-            read(&kv),
-            read(&rr)
-        );
     }
 }

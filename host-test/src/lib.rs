@@ -17,12 +17,11 @@
 pub use kvsteer_wasm_host::{abi, host};
 
 pub mod artifact;
-pub mod bench;
-pub mod byte_pass;
 pub mod disaggregated_fleet;
 pub mod harness;
 pub mod openai;
 pub mod oracle;
+pub mod outcome;
 
 pub use abi::{Action, LogLevel, Pairs, Status};
 pub use artifact::filter_wasm_path;

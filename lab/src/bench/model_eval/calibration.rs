@@ -2,7 +2,7 @@
 //! requests (the `explain_header`'s figures): the check that `kv_time`'s seconds are seconds.
 
 use super::median;
-use crate::Harness;
+use kvsteer_host_test::Harness;
 use serde::Serialize;
 
 /// Predicted against realized time to first token over a replay's requests.

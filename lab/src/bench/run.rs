@@ -2,61 +2,16 @@
 //! replicas in virtual time. The demo and the bench both call [`replay`], so a figure in the README
 //! and one in docs/reports/results.md come from the same code path.
 
-use crate::oracle::Weights;
-use crate::{FilterModule, Harness, HarnessConfig, HarnessStats, ProxySpread};
-use kvsteer_workload::{Driver, Mode, RequestRow, Summary, Workload};
+use kvsteer_host_test::disaggregated_fleet::{PdConfig, PdStats, replay_pd, split_pd_params};
+use kvsteer_host_test::oracle::Weights;
+pub use kvsteer_host_test::outcome::Outcome;
+use kvsteer_host_test::{FilterModule, Harness, HarnessConfig, ProxySpread};
+use kvsteer_workload::{Driver, Mode, Workload};
 use serde_json::{Value, json};
 use std::time::Instant;
 
 /// The filter's default `routing.seed` (docs/reference/configuration.md).
 pub const ROUTER_SEED: u64 = 0x006B_7673_7465_6572;
-
-/// What one replay measured.
-#[derive(Clone, Debug)]
-pub struct Outcome {
-    pub policy: String,
-    pub seed: u64,
-    pub summary: Summary,
-    /// TTFT of every finished request (ms), for CDFs.
-    pub ttft_ms: Vec<f64>,
-    /// Per-replica decode blocks over time (0.5 s bins), for the herding plots.
-    pub decode_series: Vec<(f64, Vec<f64>)>,
-    /// Every request as recorded (replica, times, cached tokens), for `bench --rows`.
-    pub rows: Vec<RequestRow>,
-    pub stats: HarnessStats,
-    pub wall_s: f64,
-    pub virtual_s: f64,
-}
-
-impl Outcome {
-    /// The harness counters as JSON (the summary is serialized separately).
-    pub fn harness_json(&self) -> Value {
-        let s = &self.stats;
-        json!({
-            "requests": s.requests,
-            "fallback": s.fallback,
-            "local_responses": s.local_responses,
-            "rejected": s.rejected,
-            "failed": s.failed,
-            "ticks": s.ticks,
-            "callouts": s.callouts,
-            "request_body_chunks": s.request_body_chunks,
-            "oracle_placed": s.oracle_placed,
-            "oracle_moved": s.oracle_moved,
-            "response_body_chunks": s.response_body_chunks,
-            "peer_polls": s.peer_polls,
-            "peer_polls_forwarded": s.peer_polls_forwarded,
-            "peer_answer_bytes": s.peer_answer_bytes,
-            "peer_entries_applied": s.peer_entries_applied,
-            "peer_answers_refused": s.peer_answers_refused,
-            "request_filter_us_mean": if s.requests > 0 {
-                s.request_filter_ns as f64 / s.requests as f64 / 1e3
-            } else {
-                0.0
-            },
-        })
-    }
-}
 
 /// The harness configuration of a replay: `policy` with the workload's block size in the filter, and
 /// engines of the same block size (`crate::bench::scenario::Scenario::engine`), seeded with `seed`;
@@ -64,8 +19,8 @@ impl Outcome {
 ///
 /// `policy` is a policy name or a variant of one, `NAME@KEY=VALUE@...`: each `KEY=VALUE` sets a
 /// field in the policy's own section, e.g. `kv_load@overlap_credit=2` or `kv_load@preset=dynamo`
-/// (see [`routing`]); or [`crate::oracle::ORACLE`], the limit: the harness places every request itself
-/// ([`crate::oracle`]; `oracle@decode=1@stall=1` sets its [`Weights`]) while the filter, set to `round_robin` (the cheapest policy: its choice is
+/// (see [`routing`]); or [`kvsteer_host_test::oracle::ORACLE`], the limit: the harness places every request itself
+/// ([`kvsteer_host_test::oracle`]; `oracle@decode=1@stall=1` sets its [`Weights`]) while the filter, set to `round_robin` (the cheapest policy: its choice is
 /// overridden), still carries the requests.
 pub fn config(policy: &str, block_size: u32, seed: u64, workers: usize) -> HarnessConfig {
     if is_rank_blind(policy) {
@@ -215,8 +170,8 @@ pub fn routing(spec: &str) -> Result<Value, String> {
 pub fn check_spec(spec: &str) -> Result<(), String> {
     match Weights::from_spec(spec) {
         Some(w) => w.map(|_| ()),
-        // `@pd.KEY=NUMBER` parts are the P/D replay's (crate::disaggregated_fleet), not the filter's.
-        None => routing(&crate::disaggregated_fleet::split_pd_params(spec)?.0).map(|_| ()),
+        // `@pd.KEY=NUMBER` parts are the P/D replay's (kvsteer_host_test::disaggregated_fleet), not the filter's.
+        None => routing(&split_pd_params(spec)?.0).map(|_| ()),
     }
 }
 
@@ -308,10 +263,37 @@ pub fn replay_fleet(
     })
 }
 
+/// One bench replay of a P/D scenario: `policy` as the bench takes it (`kv_load`, `round_robin`,
+/// variants, plus `@pd.KEY=NUMBER`), engines as the bench builds them, the router's tie-break seeded
+/// as the filter's is in the bench.
+pub fn replay_pd_spec(
+    module: &FilterModule,
+    workload: Workload,
+    mode: Mode,
+    policy: &str,
+    seed: u64,
+    (prefill, decode): (usize, usize),
+    progress: impl FnMut(u64, u64),
+) -> Result<(Outcome, PdStats), String> {
+    if is_oracle(policy) {
+        return Err(format!("{policy}: the oracle has no P/D form"));
+    }
+    let (spec, params) = split_pd_params(policy)?;
+    let mut routing = routing(&spec)?;
+    let block_size = workload.block_size;
+    routing["block_size"] = block_size.into();
+    routing["seed"] = ROUTER_SEED.wrapping_add(seed).into();
+    let engine = crate::bench::scenario::Scenario::engine(block_size, seed);
+    let mut cfg = PdConfig::new(prefill, decode, engine, routing);
+    cfg.params = params;
+    replay_pd(module, workload, mode, &cfg, policy, seed, progress)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::oracle::ORACLE;
+    use crate::bench::scenario::{Scale, pd_matrix};
+    use kvsteer_host_test::oracle::ORACLE;
 
     #[test]
     fn session_hash_draws_its_ring_from_the_seed() {
@@ -399,5 +381,44 @@ mod tests {
         assert_eq!(c.routing["policy"], json!("round_robin"));
         assert_eq!(c.routing["block_size"], json!(64));
         assert_eq!(config("kv_load", 64, 1, 2).oracle, None);
+    }
+
+    /// Every request completes on a small RL workload under both policies; decode legs land only on
+    /// decode engines (the recorder's replica is the decode one, always >= 2); kv_load's decode side
+    /// sends a rollout's later turns where its earlier turns' KV already is, so its decode legs read
+    /// far less over the link than round robin's.
+    #[test]
+    fn a_small_pd_fleet_serves_every_request() {
+        let run = |policy: &str| {
+            let sc = &pd_matrix(Scale::Smoke)[0];
+            assert_eq!(
+                (sc.id.as_str(), sc.pd_prefill, sc.endpoints),
+                ("pd-rl", 2, 6)
+            );
+            let (w, mode) = sc.build(std::path::Path::new("traces"), 1).unwrap();
+            let path = kvsteer_host_test::filter_wasm_path().unwrap_or_else(|e| panic!("{e}"));
+            let module = FilterModule::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            let (o, st) = replay_pd_spec(&module, w, mode, policy, 1, (2, 4), |_, _| {}).unwrap();
+            assert_eq!(st.failed, 0, "{policy}");
+            assert_eq!(o.summary.failed, 0, "{policy}");
+            assert!(st.requests > 0 && o.summary.requests as u64 == st.requests);
+            assert!(o.rows.iter().all(|r| r.replica.is_none_or(|d| d >= 2)));
+            assert!(st.transferred_tokens > 0 && st.transferred_tokens <= st.decode_prompt_tokens);
+            // The filter's index learned the caches from the feeds.
+            assert!(
+                st.prefill_matched_tokens > 0,
+                "{policy}: the feed never reached the index"
+            );
+            (o, st)
+        };
+        let read = |st: &PdStats| st.transferred_tokens as f64 / st.decode_prompt_tokens as f64;
+        let (_, kv) = run("kv_load");
+        let (_, rr) = run("round_robin");
+        assert!(
+            read(&kv) * 1.5 < read(&rr),
+            "{} vs {}",
+            read(&kv),
+            read(&rr)
+        );
     }
 }

@@ -5,7 +5,7 @@
 //! Sizes come in three [`Scale`]s so the same code serves the published run, a try-out and the CI smoke
 //! check.
 
-use crate::ProxySpread;
+use kvsteer_host_test::ProxySpread;
 use kvsteer_sim::EngineConfig;
 use kvsteer_workload::azure::{self, AzureParams};
 use kvsteer_workload::mooncake::{self, MooncakeParams};
@@ -90,7 +90,7 @@ pub struct Scenario {
     /// [`dp_matrix`]).
     pub dp_ranks: usize,
     /// Of `endpoints`, how many are prefill-role engines, the rest decode-role (0: not a P/D fleet;
-    /// only [`pd_matrix`] sets it). A P/D scenario runs through `kvsteer_host_test::pd`.
+    /// only [`pd_matrix`] sets it). A P/D scenario runs through `kvsteer_host_test::disaggregated_fleet`.
     pub pd_prefill: usize,
 }
 

@@ -5,7 +5,7 @@
 
 mod common;
 use common::*;
-use kvsteer_host_test::bench::churn::{self, REMOVAL_GRACE_US};
+use kvsteer_lab::bench::churn::{self, REMOVAL_GRACE_US};
 use std::path::Path;
 
 /// Seconds of arrivals: the schedule's changes at 2, 4 and 8 s, about 550 requests.

@@ -22,7 +22,9 @@
 use super::fleet::CHAT_PER_REPLICA_S;
 use super::model_eval::{self, Cell, Measured, Set};
 use super::scenario::Source;
-use crate::{DISCOVERY_CLUSTER, FilterModule, Harness, HarnessConfig, MEMBER_FEEDS_CLUSTER};
+use kvsteer_host_test::{
+    DISCOVERY_CLUSTER, FilterModule, Harness, HarnessConfig, MEMBER_FEEDS_CLUSTER,
+};
 use kvsteer_workload::chat::ChatParams;
 use serde::Serialize;
 use serde_json::json;

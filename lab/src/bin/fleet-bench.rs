@@ -1,17 +1,17 @@
-//! `fleet-bench`: replays the fleet-size cells (`kvsteer_host_test::bench::fleet`: RL, coding
+//! `fleet-bench`: replays the fleet-size cells (`kvsteer_lab::bench::fleet`: RL, coding
 //! agents, chat behind a shared prompt and Mooncake, load growing with the fleet) through the
 //! compiled filter for every policy over paired draws, and appends every replay's figures as JSON
 //! lines (resumable: replays already in the output are not redone). `scripts/fleet-bench` runs it
 //! and `scripts/fleet-report` writes docs/reports/fleet.md from what it wrote. `--churn` replays the
-//! churn cells instead (`kvsteer_host_test::bench::churn`: members added and removed through the
+//! churn cells instead (`kvsteer_lab::bench::churn`: members added and removed through the
 //! discovery source during the replay, against a static fleet of the average size).
 
 use clap::Parser;
-use kvsteer_host_test::bench::args::split_list;
-use kvsteer_host_test::bench::churn;
-use kvsteer_host_test::bench::fleet::{self, FLEETS, FleetCell, POLICIES};
-use kvsteer_host_test::bench::jsonl::{self, write_requests};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
+use kvsteer_lab::bench::args::split_list;
+use kvsteer_lab::bench::churn;
+use kvsteer_lab::bench::fleet::{self, FLEETS, FleetCell, POLICIES};
+use kvsteer_lab::bench::jsonl::{self, write_requests};
 use std::path::PathBuf;
 
 /// `fleet-bench`'s flags.

@@ -12,7 +12,7 @@
 //! Sizes: token-id prompts of 1,024, 8,192, 32,768 and 131,072 ids (`/v1/completions`; a shared
 //! prefix and a 192-id tail that differs per request) and chat text of about four characters per
 //! token of each size (`/v1/chat/completions`). Beside each figure: a plain byte pass over the same
-//! body in the same engine (`kvsteer_host_test::byte_pass`), timed right after each request, and the
+//! body in the same engine (`kvsteer_lab::byte_pass`), timed right after each request, and the
 //! ratio of the two medians.
 //!
 //! "After the last byte": the call that hands over the body's last chunk alone, which is what the
@@ -35,11 +35,11 @@
 use clap::Parser;
 use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier};
-use kvsteer_host_test::byte_pass::BytePass;
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{
     Action, CallOutcome, FilterModule, HostMode, Proxy, ProxyOptions, WorkerVm, filter_wasm_path,
 };
+use kvsteer_lab::byte_pass::BytePass;
 use serde_json::json;
 use std::time::Instant;
 

@@ -9,9 +9,9 @@
 mod common;
 
 use kvsteer_host_test::Harness;
-use kvsteer_host_test::bench::run;
-use kvsteer_host_test::bench::scenario::{Scenario, Source};
 use kvsteer_host_test::{HarnessConfig, ProxySpread};
+use kvsteer_lab::bench::run;
+use kvsteer_lab::bench::scenario::{Scenario, Source};
 use kvsteer_workload::{Driver, weka};
 use serde_json::json;
 use std::collections::HashMap;

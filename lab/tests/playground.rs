@@ -13,7 +13,7 @@ mod common;
 
 use common::module;
 use kvsteer_host_test::Harness;
-use kvsteer_host_test::bench::run::{ROUTER_SEED, config};
+use kvsteer_lab::bench::run::{ROUTER_SEED, config};
 use kvsteer_playground::replay::{
     ReplayRequest, ReplayResult, WorkloadChoice, build_workload, run,
 };

@@ -5,10 +5,10 @@
 //! `scripts/model-report` reads what it wrote.
 
 use clap::Parser;
-use kvsteer_host_test::bench::args::split_list;
-use kvsteer_host_test::bench::jsonl::{self, write_requests};
-use kvsteer_host_test::bench::model_eval::{self, Cell, POLICIES, Set};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
+use kvsteer_lab::bench::args::split_list;
+use kvsteer_lab::bench::jsonl::{self, write_requests};
+use kvsteer_lab::bench::model_eval::{self, Cell, POLICIES, Set};
 use std::path::PathBuf;
 
 /// `model-eval`'s flags.

@@ -3,12 +3,12 @@
 //! a link to the analysis in `results/notes.md`, a section per scenario group), and the smoke check of them.
 
 use kvsteer_host_test::artifact::{report_path, workspace_root};
-use kvsteer_host_test::bench::args::POLICIES;
-use kvsteer_host_test::bench::report::{
+use kvsteer_lab::bench::args::POLICIES;
+use kvsteer_lab::bench::report::{
     ScenarioRuns, claims, default_policy, hit_cv_plot, limit_gap, scenario_plots, scenario_table,
 };
-use kvsteer_host_test::bench::run::ROUTER_SEED;
-use kvsteer_host_test::bench::scenario::{Scale, Scenario};
+use kvsteer_lab::bench::run::ROUTER_SEED;
+use kvsteer_lab::bench::scenario::{Scale, Scenario};
 use kvsteer_workload::{Mode, Summary, Workload};
 use serde_json::{Value, json};
 use std::fmt::Write as _;

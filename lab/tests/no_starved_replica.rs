@@ -14,8 +14,8 @@
 
 mod common;
 
-use kvsteer_host_test::bench::model_eval::{self, Cell, Set};
-use kvsteer_host_test::bench::scenario::Source;
+use kvsteer_lab::bench::model_eval::{self, Cell, Set};
+use kvsteer_lab::bench::scenario::Source;
 use kvsteer_workload::chat::ChatParams;
 use std::path::Path;
 

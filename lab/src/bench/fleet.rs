@@ -16,7 +16,7 @@
 
 use super::model_eval::{self, Cell, Measured, Set};
 use super::scenario::{ARRIVAL_JITTER, Source, THINK_JITTER};
-use crate::FilterModule;
+use kvsteer_host_test::FilterModule;
 use kvsteer_workload::Workload;
 use kvsteer_workload::chat::ChatParams;
 use kvsteer_workload::rl::RlParams;

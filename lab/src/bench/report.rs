@@ -7,7 +7,7 @@
 
 use super::run::{Outcome, is_oracle};
 use super::scenario::Scenario;
-use crate::oracle::ORACLE_NOTE;
+use kvsteer_host_test::oracle::ORACLE_NOTE;
 use kvsteer_workload::Summary;
 use kvsteer_workload::report::{decode_load_svg, hit_cv_scatter_svg, ttft_cdf_svg};
 use std::fmt::Write as _;
@@ -49,7 +49,7 @@ impl<'a> ScenarioRuns<'a> {
 
     /// The oracle's cell: `oracle` itself, else the first oracle variant run.
     pub fn oracle(&self) -> Option<&Cell<'a>> {
-        self.cell(crate::oracle::ORACLE)
+        self.cell(kvsteer_host_test::oracle::ORACLE)
             .or_else(|| self.cells.iter().find(|c| is_oracle(c.policy)))
     }
 }
@@ -465,7 +465,7 @@ pub fn hit_cv_plot(all: &[&ScenarioRuns], policies: &[&str], label_scenario: boo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::HarnessStats;
+    use kvsteer_host_test::HarnessStats;
 
     fn outcome(policy: &str, seed: u64, ttft_p99: f64) -> Outcome {
         let mut summary = Summary::default();

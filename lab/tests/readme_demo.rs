@@ -6,7 +6,7 @@
 
 mod common;
 
-use kvsteer_host_test::bench::run::replay;
+use kvsteer_lab::bench::run::replay;
 use kvsteer_workload::rl::{RlParams, generate};
 
 /// The README's rows of the demo table: (policy, its five figure cells as written, bold marks

@@ -8,17 +8,17 @@
 //! Writes `rl.md` (the table), `rl.json` (summaries, harness counters, wall times) and SVG plots:
 //! `rl_ttft_cdf.svg`, `rl_hit_vs_cv.svg`, `rl_decode_<policy>.svg`.
 
-use kvsteer_host_test::bench::args::DemoArgs;
-use kvsteer_host_test::bench::progress::run_jobs;
-use kvsteer_host_test::bench::run::{Outcome, replay};
 use kvsteer_host_test::{FilterModule, filter_wasm_path};
+use kvsteer_lab::bench::args::DemoArgs;
+use kvsteer_lab::bench::progress::run_jobs;
+use kvsteer_lab::bench::run::{Outcome, replay};
 use kvsteer_workload::Summary;
 use kvsteer_workload::report::{decode_load_svg, hit_cv_scatter_svg, markdown_table, ttft_cdf_svg};
 use kvsteer_workload::rl::{RlParams, generate};
 use serde_json::json;
 use std::time::Instant;
 
-/// One policy's replay, through the same code path as the bench (`kvsteer_host_test::bench::run`).
+/// One policy's replay, through the same code path as the bench (`kvsteer_lab::bench::run`).
 fn run_policy(
     module: &FilterModule,
     policy: &str,

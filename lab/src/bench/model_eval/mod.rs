@@ -20,7 +20,7 @@ pub use rounds::{
 
 use super::run;
 use super::scenario::{Scenario, Source};
-use crate::{FilterModule, Harness};
+use kvsteer_host_test::{FilterModule, Harness};
 use kvsteer_sim::Profile;
 use kvsteer_workload::{Driver, Summary};
 use serde::Serialize;
@@ -64,7 +64,7 @@ pub struct Cell {
     pub replicas: usize,
     /// The engines' profile (the simulator's and the router's built-in of the same name).
     pub profile: &'static str,
-    /// `(replica, factor, from_us)`: engines slower than their profile ([`crate::HarnessConfig::slowdowns`]).
+    /// `(replica, factor, from_us)`: engines slower than their profile ([`kvsteer_host_test::HarnessConfig::slowdowns`]).
     pub slowdowns: Vec<(usize, f64, u64)>,
 }
 
@@ -133,7 +133,7 @@ impl Measured {
 
 /// One request of a replay as a row: when it was issued, where it ran, its prompt and what of it
 /// was cached, its time to first token, and the decision's explanation when there is one.
-fn request_row(r: &crate::RequestRecord) -> serde_json::Value {
+fn request_row(r: &kvsteer_host_test::RequestRecord) -> serde_json::Value {
     json!({
         "id": r.id,
         "issued_ms": r.issued_us as f64 / 1e3,
@@ -188,7 +188,7 @@ pub fn replay_configured(
     seed: u64,
     keep_requests: bool,
     shape: &dyn Fn(&mut kvsteer_workload::Workload),
-    configure: &dyn Fn(&mut crate::HarnessConfig),
+    configure: &dyn Fn(&mut kvsteer_host_test::HarnessConfig),
 ) -> Result<(Measured, Harness), String> {
     let (mut workload, mode) = scenario(c).build(traces, seed)?;
     shape(&mut workload);
@@ -238,7 +238,7 @@ pub fn scenario(c: &Cell) -> Scenario {
         group: "eval",
         source: c.source.clone(),
         proxies: 1,
-        spread: crate::ProxySpread::PerRequest,
+        spread: kvsteer_host_test::ProxySpread::PerRequest,
         endpoints: c.replicas,
         dp_ranks: 1,
         pd_prefill: 0,

@@ -3,7 +3,7 @@
 //! worker, a runaway loop is stopped by fuel, a refused configuration is reported, and a module that
 //! imports something the host lacks is refused at load with the names.
 
-use kvsteer_host_test::{FilterModule, HostError, HostMode, Proxy, ProxyOptions, pairs};
+use kvsteer_wasm_host::{FilterModule, HostError, HostMode, Proxy, ProxyOptions, pairs};
 
 fn leb(mut v: u32, out: &mut Vec<u8>) {
     loop {
@@ -117,7 +117,7 @@ fn module(configure_ok: bool, import: Option<&str>) -> Vec<u8> {
     m
 }
 
-fn worker(configure_ok: bool) -> Result<kvsteer_host_test::WorkerVm, HostError> {
+fn worker(configure_ok: bool) -> Result<kvsteer_wasm_host::WorkerVm, HostError> {
     let m = FilterModule::from_bytes(&module(configure_ok, None), true)?;
     Proxy::new(&m, ProxyOptions::new(HostMode::Envoy, "{}")).start_worker()
 }

@@ -18,7 +18,7 @@
 //! `dp-weka-c32`, `dp-weka-c48`), where a policy spec ending in `@rank_blind` routes to endpoints
 //! only; docs/design/dp.md; and group `pd`, 2 prefill + 4 decode engines (`pd-rl`, `pd-weka-c12`,
 //! `pd-weka-c24`; group `pd-shape`: `pd-weka-c24-3p3d`, the same 6 engines split 3 + 3), replayed
-//! by `kvsteer_host_test::pd` through the filter's two-leg P/D path (one worker VM),
+//! by `kvsteer_host_test::disaggregated_fleet` through the filter's two-leg P/D path (one worker VM),
 //! `@pd.KEY=NUMBER` setting its coefficients; docs/design/pd.md; and groups `weka-fixed`,
 //! `mooncake-fixed`, `azure-fixed` (`weka-c16-fixed`, `mooncake-x1-fixed`, `azure-fixed`, ...): the
 //! trace scenarios on their recorded timing, where a seed changes only tie-breaks; the matrix's own
@@ -32,15 +32,15 @@
 mod report;
 
 use kvsteer_host_test::artifact::workspace_root;
-use kvsteer_host_test::bench::args::BenchArgs as Args;
-use kvsteer_host_test::bench::progress::run_jobs;
-use kvsteer_host_test::bench::report::{ScenarioRuns, claims, limit_gap, scenario_table};
-use kvsteer_host_test::bench::run::{Outcome, replay_fleet};
-use kvsteer_host_test::bench::scenario::{
+use kvsteer_host_test::{FilterModule, filter_wasm_path};
+use kvsteer_lab::bench::args::BenchArgs as Args;
+use kvsteer_lab::bench::progress::run_jobs;
+use kvsteer_lab::bench::report::{ScenarioRuns, claims, limit_gap, scenario_table};
+use kvsteer_lab::bench::run::replay_pd_spec;
+use kvsteer_lab::bench::run::{Outcome, replay_fleet};
+use kvsteer_lab::bench::scenario::{
     Scale, Scenario, Source, dp_matrix, fixed_matrix, matrix, pd_matrix, proxy_matrix,
 };
-use kvsteer_host_test::disaggregated_fleet::replay_pd_spec;
-use kvsteer_host_test::{FilterModule, filter_wasm_path};
 use kvsteer_workload::{Mode, Workload};
 use report::{RunMeta, check_outputs, write_outputs};
 use serde_json::{Value, json};

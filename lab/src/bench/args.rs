@@ -33,13 +33,13 @@ pub const PRESET_VARIANTS: [&str; 3] = [
 ];
 
 /// What the benchmark compares when `--policies` is not given: every policy, then the presets, then
-/// the oracle ([`crate::oracle`]: the limit, which no deployable policy can reach; the report labels
+/// the oracle ([`kvsteer_host_test::oracle`]: the limit, which no deployable policy can reach; the report labels
 /// it so and ranks the policies without it).
 pub fn bench_policies() -> Vec<String> {
     POLICIES
         .iter()
         .chain(&PRESET_VARIANTS)
-        .chain(&[crate::oracle::ORACLE])
+        .chain(&[kvsteer_host_test::oracle::ORACLE])
         .map(|s| s.to_string())
         .collect()
 }
@@ -171,7 +171,8 @@ impl BenchArgs {
             workers: c.workers as usize,
             out: c.out,
             traces: c.traces.unwrap_or_else(|| {
-                crate::artifact::workspace_root().join(kvsteer_workload::catalog::DEFAULT_TRACES)
+                kvsteer_host_test::artifact::workspace_root()
+                    .join(kvsteer_workload::catalog::DEFAULT_TRACES)
             }),
             export_slice: c.export_slice,
             rows: c.rows,
@@ -236,7 +237,7 @@ impl DemoArgs {
             jobs: c.jobs.map_or_else(available_cores, |n| n as usize),
             out: c
                 .out
-                .unwrap_or_else(|| crate::artifact::workspace_root().join("out/demo")),
+                .unwrap_or_else(|| kvsteer_host_test::artifact::workspace_root().join("out/demo")),
         })
     }
 }
@@ -387,7 +388,7 @@ mod tests {
         assert_eq!(p[..POLICIES.len()], default_policies()[..]);
         let n = POLICIES.len() + PRESET_VARIANTS.len();
         assert_eq!(p[POLICIES.len()..n], PRESET_VARIANTS.map(String::from)[..]);
-        assert_eq!(p[n..], [crate::oracle::ORACLE.to_string()]);
+        assert_eq!(p[n..], [kvsteer_host_test::oracle::ORACLE.to_string()]);
         for v in PRESET_VARIANTS {
             crate::bench::run::routing(v).unwrap();
         }
