@@ -2,7 +2,7 @@
 //! filter on the proxy-wasm host (`kvsteer-wasm-host`).
 //!
 //! - [`bench`]: the benchmark behind docs/reports/results.md, the demo's replay, the routing
-//!   model's judge (`model_eval`), the fleet
+//!   model's judge (`model_eval`, its five validation rounds as data files in `lab/rounds/`), the fleet
 //!   and churn measurements.
 //! - [`byte_pass`]: filter-bench's baseline, a module that only passes bytes.
 //!

@@ -23,12 +23,12 @@ use super::scenario::{Scenario, Source};
 use kvsteer_host_test::{FilterModule, Harness};
 use kvsteer_sim::Profile;
 use kvsteer_workload::{Driver, Summary};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::path::Path;
 
 /// Which set a cell belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Set {
     Training,

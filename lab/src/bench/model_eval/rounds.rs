@@ -1,12 +1,15 @@
 //! The cells of each set: the training matrix, the five validation rounds and the coding-agent
 //! validation samples, each written down and committed before any replay of it
-//! (docs/reports/model-eval.md). Data, not logic: a round's function is its list of cells.
+//! (docs/reports/model-eval.md). The five validation rounds are data files, `lab/rounds/*.json`, one
+//! cell a line, read here; the training matrix and the coding-agent samples, regular grids, are
+//! generated.
 
 use super::{Cell, Set};
 use crate::bench::scenario::{ARRIVAL_JITTER, Source, THINK_JITTER};
 use kvsteer_workload::chat::ChatParams;
 use kvsteer_workload::rl::RlParams;
 use kvsteer_workload::weka;
+use serde::Deserialize;
 
 fn cell(id: &str, set: Set, source: Source, replicas: usize, profile: &'static str) -> Cell {
     Cell {
@@ -80,419 +83,159 @@ pub fn training(quick: bool) -> Vec<Cell> {
     v
 }
 
-/// The validation set, as written in docs/reports/model-eval.md before any tuning against it: other fleet
-/// sizes, two other engines, heterogeneous fleets and the shared-system-prompt chat workload.
+/// The first validation round (`lab/rounds/validation.json`).
 pub fn validation() -> Vec<Cell> {
-    let v = Set::Validation;
-    let chat = |sessions_per_s: f64| {
-        Source::Chat(ChatParams {
-            sessions_per_s,
-            ..ChatParams::default()
-        })
-    };
-    let slow_half = |mut c: Cell| {
-        c.slowdowns = (c.replicas / 2..c.replicas).map(|r| (r, 2.0, 0)).collect();
-        c
-    };
-    let slow_mid = |mut c: Cell| {
-        c.slowdowns = vec![(0, 2.0, 60_000_000)];
-        c
-    };
-    vec![
-        cell("v-chat-4", v, chat(4.0), 4, H100_8B),
-        cell("v-chat-8", v, chat(8.0), 8, H100_8B),
-        cell("v-rl-2", v, rl(8), 2, H100_8B),
-        cell("v-rl-8", v, rl(32), 8, H100_8B),
-        cell("v-weka-c32-8", v, weka(32, 1, Some(24)), 8, H100_8B),
-        cell(
-            "v-mooncake-x4-16",
-            v,
-            Source::Mooncake {
-                speed: 4.0,
-                max_requests: Some(2000),
-                arrival_jitter: ARRIVAL_JITTER,
-            },
-            16,
-            H100_8B,
-        ),
-        cell(
-            "v-70b-weka-c24",
-            v,
-            weka(24, 1, Some(16)),
-            4,
-            "llama-3.1-70b-h100-tp4",
-        ),
-        cell("v-70b-rl", v, rl(16), 4, "llama-3.1-70b-h100-tp4"),
-        cell(
-            "v-a100-weka-c16",
-            v,
-            weka(16, 1, Some(16)),
-            4,
-            "llama-3.1-8b-a100-40gb",
-        ),
-        cell("v-a100-chat", v, chat(4.0), 4, "llama-3.1-8b-a100-40gb"),
-        slow_half(cell(
-            "v-half-slow-weka-c24",
-            v,
-            weka(24, 1, Some(16)),
-            4,
-            H100_8B,
-        )),
-        slow_half(cell("v-half-slow-rl", v, rl(16), 4, H100_8B)),
-        slow_mid(cell("v-slows-mid-rl", v, rl(16), 4, H100_8B)),
-    ]
+    round(
+        Set::Validation,
+        include_str!("../../../rounds/validation.json"),
+    )
 }
 
-/// The second validation round, fixed in docs/reports/model-eval.md before any replay of it: the
-/// first round was looked into (its chat cells' TTFT tail), so it judges no change made after that.
-/// Fleet sizes, engines, rates and slowdowns that neither the training set nor the first round has.
+/// The second validation round (`lab/rounds/validation2.json`).
 pub fn validation2() -> Vec<Cell> {
-    let v = Set::Validation2;
-    let chat = |sessions_per_s: f64, long_output_share: f64| {
-        Source::Chat(ChatParams {
-            sessions_per_s,
-            long_output_share,
-            ..ChatParams::default()
-        })
-    };
-    let slow = |mut c: Cell, slowdowns: Vec<(usize, f64, u64)>| {
-        c.slowdowns = slowdowns;
-        c
-    };
-    vec![
-        cell(
-            "w-chat-6-70b",
-            v,
-            chat(3.0, 0.1),
-            6,
-            "llama-3.1-70b-h100-tp4",
-        ),
-        cell("w-chat-12", v, chat(10.0, 0.2), 12, H100_8B),
-        slow(
-            cell(
-                "w-chat-3-a100-slow",
-                v,
-                chat(3.0, 0.1),
-                3,
-                "llama-3.1-8b-a100-40gb",
-            ),
-            vec![(2, 1.5, 0)],
-        ),
-        cell("w-rl-6-a100", v, rl(24), 6, "llama-3.1-8b-a100-40gb"),
-        cell(
-            "w-weka-c20-6-70b",
-            v,
-            weka(20, 1, Some(16)),
-            6,
-            "llama-3.1-70b-h100-tp4",
-        ),
-        slow(
-            cell("w-weka-c24-slows-mid", v, weka(24, 1, Some(16)), 4, H100_8B),
-            vec![(1, 3.0, 30_000_000)],
-        ),
-        cell(
-            "w-mooncake-x3-8",
-            v,
-            Source::Mooncake {
-                speed: 3.0,
-                max_requests: Some(2000),
-                arrival_jitter: ARRIVAL_JITTER,
-            },
-            8,
-            H100_8B,
-        ),
-        cell(
-            "w-azure-x4-8",
-            v,
-            Source::Azure {
-                speed: 4.0,
-                max_rows: Some(4000),
-                arrival_jitter: ARRIVAL_JITTER,
-            },
-            8,
-            H100_8B,
-        ),
-    ]
+    round(
+        Set::Validation2,
+        include_str!("../../../rounds/validation2.json"),
+    )
 }
 
-/// The third validation round, fixed in docs/reports/model-eval.md before any replay of it: the
-/// second was looked into (its chat tail again), so it judges no change made after that. Fleet
-/// sizes, rates, prompt shapes and slowdowns that neither the training set nor the first two rounds
-/// have.
+/// The third validation round (`lab/rounds/validation3.json`).
 pub fn validation3() -> Vec<Cell> {
-    let v = Set::Validation3;
-    let slow = |mut c: Cell, slowdowns: Vec<(usize, f64, u64)>| {
-        c.slowdowns = slowdowns;
-        c
-    };
-    vec![
-        cell(
-            "x-chat-16",
-            v,
-            Source::Chat(ChatParams {
-                sessions_per_s: 12.0,
-                long_output_share: 0.15,
-                ..ChatParams::default()
-            }),
-            16,
-            H100_8B,
-        ),
-        cell(
-            "x-chat-5-a100-short-system",
-            v,
-            Source::Chat(ChatParams {
-                sessions_per_s: 5.0,
-                system_tokens: 2048,
-                user_tokens_min: 128,
-                user_tokens_max: 1024,
-                ..ChatParams::default()
-            }),
-            5,
-            "llama-3.1-8b-a100-40gb",
-        ),
-        cell(
-            "x-chat-4-70b-long",
-            v,
-            Source::Chat(ChatParams {
-                sessions_per_s: 2.0,
-                long_output_share: 0.3,
-                ..ChatParams::default()
-            }),
-            4,
-            "llama-3.1-70b-h100-tp4",
-        ),
-        cell("x-rl-12", v, rl(48), 12, H100_8B),
-        slow(
-            cell("x-rl-4-70b-slows", v, rl(12), 4, "llama-3.1-70b-h100-tp4"),
-            vec![(0, 2.5, 20_000_000)],
-        ),
-        cell("x-weka-c28-6", v, weka(28, 1, Some(20)), 6, H100_8B),
-        cell(
-            "x-weka-c12-3-a100",
-            v,
-            weka(12, 1, Some(12)),
-            3,
-            "llama-3.1-8b-a100-40gb",
-        ),
-        cell(
-            "x-mooncake-x2-12",
-            v,
-            Source::Mooncake {
-                speed: 2.0,
-                max_requests: Some(2000),
-                arrival_jitter: ARRIVAL_JITTER,
-            },
-            12,
-            H100_8B,
-        ),
-        cell(
-            "x-azure-x6-12",
-            v,
-            Source::Azure {
-                speed: 6.0,
-                max_rows: Some(4000),
-                arrival_jitter: ARRIVAL_JITTER,
-            },
-            12,
-            H100_8B,
-        ),
-    ]
+    round(
+        Set::Validation3,
+        include_str!("../../../rounds/validation3.json"),
+    )
 }
 
-/// The fourth validation round, fixed in docs/reports/model-eval.md before any replay of it: the
-/// third was looked into (its chat tail), so it judges no change made after that. Fleet sizes (7 and
-/// 10) no earlier set has, and combinations of engine, rate, prompt shape and slowdown none has.
+/// The fourth validation round (`lab/rounds/validation4.json`).
 pub fn validation4() -> Vec<Cell> {
-    // Kept whole: a data list, one cell per line of the round as it was fixed in advance.
-    let v = Set::Validation4;
-    let slow = |mut c: Cell, slowdowns: Vec<(usize, f64, u64)>| {
-        c.slowdowns = slowdowns;
-        c
-    };
-    vec![
-        cell(
-            "y-chat-10",
-            v,
-            Source::Chat(ChatParams {
-                sessions_per_s: 8.0,
-                system_tokens: 3072,
-                long_output_share: 0.12,
-                ..ChatParams::default()
-            }),
-            10,
-            H100_8B,
-        ),
-        cell(
-            "y-chat-7-a100-long",
-            v,
-            Source::Chat(ChatParams {
-                sessions_per_s: 4.0,
-                long_output_share: 0.25,
-                ..ChatParams::default()
-            }),
-            7,
-            "llama-3.1-8b-a100-40gb",
-        ),
-        cell(
-            "y-chat-3-70b-long-system",
-            v,
-            Source::Chat(ChatParams {
-                sessions_per_s: 1.5,
-                system_tokens: 6144,
-                ..ChatParams::default()
-            }),
-            3,
-            "llama-3.1-70b-h100-tp4",
-        ),
-        slow(
-            cell(
-                "y-chat-6-slows",
-                v,
-                Source::Chat(ChatParams {
-                    sessions_per_s: 6.0,
-                    user_tokens_min: 256,
-                    user_tokens_max: 2048,
-                    ..ChatParams::default()
-                }),
-                6,
-                H100_8B,
-            ),
-            vec![(2, 2.0, 15_000_000)],
-        ),
-        cell("y-rl-10", v, rl(40), 10, H100_8B),
-        cell("y-rl-7-a100", v, rl(21), 7, "llama-3.1-8b-a100-40gb"),
-        cell("y-weka-c36-10", v, weka(36, 1, Some(24)), 10, H100_8B),
-        slow(
-            cell(
-                "y-weka-c16-4-70b-slows",
-                v,
-                weka(16, 1, Some(16)),
-                4,
-                "llama-3.1-70b-h100-tp4",
-            ),
-            vec![(3, 2.0, 10_000_000)],
-        ),
-        cell(
-            "y-mooncake-x3-10",
-            v,
-            Source::Mooncake {
-                speed: 3.0,
-                max_requests: Some(2000),
-                arrival_jitter: ARRIVAL_JITTER,
-            },
-            10,
-            H100_8B,
-        ),
-        cell(
-            "y-azure-x5-7",
-            v,
-            Source::Azure {
-                speed: 5.0,
-                max_rows: Some(4000),
-                arrival_jitter: ARRIVAL_JITTER,
-            },
-            7,
-            H100_8B,
-        ),
-    ]
+    round(
+        Set::Validation4,
+        include_str!("../../../rounds/validation4.json"),
+    )
 }
 
-/// The fifth validation round, as written in docs/reports/model-eval.md before any replay of it:
-/// fleet sizes 5, 9 and 14, new combinations of workload, engine, rate and slowdown, and chat
-/// cells of 900 sessions (about 3,100 requests, so a run's p99 is about its 31st slowest request,
-/// not one of the fleet's first prefills of the shared prompt).
+/// The fifth validation round (`lab/rounds/validation5.json`).
 pub fn validation5() -> Vec<Cell> {
-    // Kept whole: a data list, one cell per line of the round as it was fixed in advance.
-    let v = Set::Validation5;
-    let slow = |mut c: Cell, slowdowns: Vec<(usize, f64, u64)>| {
-        c.slowdowns = slowdowns;
-        c
-    };
-    let chat = |p: ChatParams| Source::Chat(ChatParams { sessions: 900, ..p });
-    vec![
-        cell(
-            "z-chat-9",
-            v,
-            chat(ChatParams {
-                sessions_per_s: 6.0,
-                ..ChatParams::default()
-            }),
-            9,
-            H100_8B,
-        ),
-        cell(
-            "z-chat-14-long",
-            v,
-            chat(ChatParams {
-                sessions_per_s: 10.0,
-                long_output_share: 0.15,
-                ..ChatParams::default()
-            }),
-            14,
-            H100_8B,
-        ),
-        cell(
-            "z-chat-5-70b",
-            v,
-            chat(ChatParams {
-                sessions_per_s: 2.5,
-                system_tokens: 5120,
-                ..ChatParams::default()
-            }),
-            5,
-            "llama-3.1-70b-h100-tp4",
-        ),
-        slow(
-            cell(
-                "z-chat-9-a100-slows",
-                v,
-                chat(ChatParams {
-                    sessions_per_s: 5.0,
-                    user_tokens_min: 128,
-                    user_tokens_max: 768,
-                    ..ChatParams::default()
-                }),
-                9,
-                "llama-3.1-8b-a100-40gb",
-            ),
-            vec![(4, 1.5, 60_000_000)],
-        ),
-        cell("z-rl-9", v, rl(30), 9, H100_8B),
-        cell("z-rl-14-a100", v, rl(56), 14, "llama-3.1-8b-a100-40gb"),
-        cell("z-weka-c32-9", v, weka(32, 1, Some(24)), 9, H100_8B),
-        cell(
-            "z-weka-c20-5-a100",
-            v,
-            weka(20, 1, Some(16)),
-            5,
-            "llama-3.1-8b-a100-40gb",
-        ),
-        cell(
-            "z-mooncake-x4-14",
-            v,
-            Source::Mooncake {
-                speed: 4.0,
-                max_requests: Some(3000),
+    round(
+        Set::Validation5,
+        include_str!("../../../rounds/validation5.json"),
+    )
+}
+
+/// A validation round's file: its set, what it is for (`about`, as written down with it) and its
+/// cells, one a line.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RoundFile<'a> {
+    set: Set,
+    #[serde(rename = "about")]
+    _about: String,
+    #[serde(borrow)]
+    cells: Vec<CellSpec<'a>>,
+}
+
+/// One cell of a round file: `{"id", "replicas", "profile", "source": {KIND: {...}}, "slowdowns":
+/// [[replica, factor, from_us], ...]}` (`slowdowns` optional; see [`Cell`]).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CellSpec<'a> {
+    id: String,
+    replicas: usize,
+    profile: &'a str,
+    source: SourceSpec,
+    #[serde(default)]
+    slowdowns: Vec<(usize, f64, u64)>,
+}
+
+/// A round cell's workload. Jitter is the matrix's ([`THINK_JITTER`], [`ARRIVAL_JITTER`]); a
+/// coding-agent cell reads the training sample ([`weka::FILE`]); a chat cell's fields left out keep
+/// [`ChatParams::default`], an RL cell's all but its concurrency keep [`RlParams::default`].
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+enum SourceSpec {
+    Chat(ChatSpec),
+    Rl {
+        concurrency: usize,
+    },
+    Weka {
+        concurrency: usize,
+        copies: usize,
+        max_sessions: Option<usize>,
+    },
+    Mooncake {
+        speed: f64,
+        max_requests: Option<usize>,
+    },
+    Azure {
+        speed: f64,
+        max_rows: Option<usize>,
+    },
+}
+
+/// The [`ChatParams`] fields a round sets.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ChatSpec {
+    sessions: Option<usize>,
+    sessions_per_s: Option<f64>,
+    system_tokens: Option<usize>,
+    user_tokens_min: Option<usize>,
+    user_tokens_max: Option<usize>,
+    long_output_share: Option<f64>,
+}
+
+impl SourceSpec {
+    fn source(self) -> Source {
+        match self {
+            SourceSpec::Chat(c) => {
+                let d = ChatParams::default();
+                Source::Chat(ChatParams {
+                    sessions: c.sessions.unwrap_or(d.sessions),
+                    sessions_per_s: c.sessions_per_s.unwrap_or(d.sessions_per_s),
+                    system_tokens: c.system_tokens.unwrap_or(d.system_tokens),
+                    user_tokens_min: c.user_tokens_min.unwrap_or(d.user_tokens_min),
+                    user_tokens_max: c.user_tokens_max.unwrap_or(d.user_tokens_max),
+                    long_output_share: c.long_output_share.unwrap_or(d.long_output_share),
+                    ..d
+                })
+            }
+            SourceSpec::Rl { concurrency } => rl(concurrency),
+            SourceSpec::Weka {
+                concurrency,
+                copies,
+                max_sessions,
+            } => weka(concurrency, copies, max_sessions),
+            SourceSpec::Mooncake {
+                speed,
+                max_requests,
+            } => Source::Mooncake {
+                speed,
+                max_requests,
                 arrival_jitter: ARRIVAL_JITTER,
             },
-            14,
-            H100_8B,
-        ),
-        slow(
-            cell(
-                "z-azure-x3-9-slows",
-                v,
-                Source::Azure {
-                    speed: 3.0,
-                    max_rows: Some(4000),
-                    arrival_jitter: ARRIVAL_JITTER,
-                },
-                9,
-                H100_8B,
-            ),
-            vec![(1, 2.0, 20_000_000)],
-        ),
-    ]
+            SourceSpec::Azure { speed, max_rows } => Source::Azure {
+                speed,
+                max_rows,
+                arrival_jitter: ARRIVAL_JITTER,
+            },
+        }
+    }
+}
+
+/// The cells of a round file (compiled in: a round never changes once written down). Panics on a
+/// malformed file or one of another set; the unit tests read every round.
+fn round(set: Set, text: &'static str) -> Vec<Cell> {
+    let file: RoundFile<'static> =
+        serde_json::from_str(text).unwrap_or_else(|e| panic!("round file of {set:?}: {e}"));
+    assert_eq!(file.set, set, "a round file of another set");
+    file.cells
+        .into_iter()
+        .map(|c| Cell {
+            slowdowns: c.slowdowns,
+            ..cell(&c.id, set, c.source.source(), c.replicas, c.profile)
+        })
+        .collect()
 }
 
 /// The coding-agent samples [`weka_validation`] replays, by the name its cell ids carry: the
