@@ -83,44 +83,41 @@ pub fn training(quick: bool) -> Vec<Cell> {
     v
 }
 
+/// A round file of `lab/rounds/`, compiled in.
+macro_rules! round_file {
+    ($name:literal) => {
+        include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/rounds/",
+            $name,
+            ".json"
+        ))
+    };
+}
+
 /// The first validation round (`lab/rounds/validation.json`).
 pub fn validation() -> Vec<Cell> {
-    round(
-        Set::Validation,
-        include_str!("../../../rounds/validation.json"),
-    )
+    round(Set::Validation, round_file!("validation"))
 }
 
 /// The second validation round (`lab/rounds/validation2.json`).
 pub fn validation2() -> Vec<Cell> {
-    round(
-        Set::Validation2,
-        include_str!("../../../rounds/validation2.json"),
-    )
+    round(Set::Validation2, round_file!("validation2"))
 }
 
 /// The third validation round (`lab/rounds/validation3.json`).
 pub fn validation3() -> Vec<Cell> {
-    round(
-        Set::Validation3,
-        include_str!("../../../rounds/validation3.json"),
-    )
+    round(Set::Validation3, round_file!("validation3"))
 }
 
 /// The fourth validation round (`lab/rounds/validation4.json`).
 pub fn validation4() -> Vec<Cell> {
-    round(
-        Set::Validation4,
-        include_str!("../../../rounds/validation4.json"),
-    )
+    round(Set::Validation4, round_file!("validation4"))
 }
 
 /// The fifth validation round (`lab/rounds/validation5.json`).
 pub fn validation5() -> Vec<Cell> {
-    round(
-        Set::Validation5,
-        include_str!("../../../rounds/validation5.json"),
-    )
+    round(Set::Validation5, round_file!("validation5"))
 }
 
 /// A validation round's file: its set, what it is for (`about`, as written down with it) and its
