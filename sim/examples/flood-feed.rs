@@ -185,21 +185,37 @@ fn serve(feed: &Feed, stream: TcpStream) -> std::io::Result<()> {
     }
 }
 
+/// A replica that only serves a feed of made-up blocks (the filter's block index filled or
+/// flooded through a real proxy).
+#[derive(clap::Parser)]
+#[command(name = "flood-feed", args_override_self = true)]
+struct Args {
+    /// TCP port to listen on, on 127.0.0.1.
+    #[arg(value_name = "PORT")]
+    port: u16,
+    /// GPU blocks in each snapshot (8 bytes each on the wire).
+    #[arg(value_name = "BLOCKS")]
+    blocks: u64,
+    /// Replica index: makes the block hashes and the epoch distinct per replica, and names the
+    /// replica `r<REPLICA>_0` in the ready line.
+    #[arg(value_name = "REPLICA")]
+    replica: u64,
+    /// Answer every poll with a snapshot (a flooding replica), not only a router's first poll.
+    #[arg(long)]
+    every_poll: bool,
+    /// Milliseconds every feed answer waits first (a slow feed; `/health` is not delayed).
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    delay_ms: u64,
+}
+
 fn main() -> Result<(), String> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: flood-feed PORT BLOCKS REPLICA [--every-poll] [--delay-ms MS]";
-    let num = |i: usize| -> Result<u64, String> {
-        args.get(i)
-            .ok_or(usage)?
-            .parse()
-            .map_err(|e| format!("{usage}: {e}"))
-    };
-    let (port, blocks, replica) = (num(0)?, num(1)?, num(2)?);
-    let every_poll = args.iter().any(|a| a == "--every-poll");
-    let delay_ms = match args.iter().position(|a| a == "--delay-ms") {
-        Some(i) => num(i + 1)?,
-        None => 0,
-    };
+    let Args {
+        port,
+        blocks,
+        replica,
+        every_poll,
+        delay_ms,
+    } = clap::Parser::parse();
     let feed = Arc::new(Feed {
         mode: Mutex::new(Mode::new(
             replica,
@@ -212,7 +228,7 @@ fn main() -> Result<(), String> {
         snapshots: AtomicU64::new(0),
         snapshot_bytes: AtomicU64::new(0),
     });
-    let listener = TcpListener::bind(("127.0.0.1", port as u16)).map_err(|e| e.to_string())?;
+    let listener = TcpListener::bind(("127.0.0.1", port)).map_err(|e| e.to_string())?;
     println!("ready r{replica}_0 127.0.0.1:{port}");
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
