@@ -56,19 +56,41 @@ fn one(r: &mut BufReader<TcpStream>, req: &[u8]) -> bool {
     }
 }
 
+/// The server's own overhead: keep-alive clients hammer one replica with 1-token completions.
+#[derive(clap::Parser)]
+#[command(name = "http_load", args_override_self = true)]
+struct Args {
+    /// Keep-alive client connections, each sending one request at a time (at least 1).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 8,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
+    clients: usize,
+    /// Wall-clock seconds the clients send for (at least 1).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 5,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    seconds: u64,
+    /// Prompt length of each request, in tokens (distinct per request).
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    prompt_tokens: usize,
+    /// Ask for streamed (SSE) answers: `true` or `false`.
+    #[arg(long, value_name = "BOOL", default_value_t = false, action = clap::ArgAction::Set)]
+    stream: bool,
+}
+
 fn main() {
-    let (mut clients, mut seconds, mut prompt_tokens, mut stream) = (8usize, 5u64, 256usize, false);
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let v = args.next().unwrap_or_default();
-        match a.as_str() {
-            "--clients" => clients = v.parse().expect("--clients N"),
-            "--seconds" => seconds = v.parse().expect("--seconds N"),
-            "--prompt-tokens" => prompt_tokens = v.parse().expect("--prompt-tokens N"),
-            "--stream" => stream = v.parse().expect("--stream true|false"),
-            _ => panic!("unknown flag {a}"),
-        }
-    }
+    let Args {
+        clients,
+        seconds,
+        prompt_tokens,
+        stream,
+    } = clap::Parser::parse();
     let rep = Replica::start(ReplicaConfig {
         name: "load0".into(),
         host: "127.0.0.1".into(),
