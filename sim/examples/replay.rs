@@ -10,55 +10,37 @@
 //! round robin: this measures the simulator, not routing. Output lengths are the trace's (`ignore_eos`).
 //! Prints the engine-side figures and the wall time.
 
+use clap::{CommandFactory, Parser};
 use kvsteer_sim::{Engine, EngineConfig, EngineEvent, EngineRequest};
 use kvsteer_workload::weka::{self, OverLong, WekaParams};
 use kvsteer_workload::{Driver, Issue, Mode, Workload};
 use std::collections::HashMap;
 use std::time::Instant;
 
-fn usage(msg: &str) -> ! {
-    eprintln!(
-        "{msg}\nusage: replay [--trace PATH] [--requests N] [--replicas N] [--concurrency N]"
-    );
-    std::process::exit(2)
-}
-
-/// The command line's settings.
+/// Virtual-time replay speed: coding-agent sessions from the Weka trace through simulated replicas.
+#[derive(clap::Parser)]
+#[command(name = "replay", args_override_self = true)]
 struct Args {
+    /// The Weka coding-agent trace, JSON lines (decompressed first when the name ends in `.xz`).
+    #[arg(long, value_name = "PATH", default_value = weka::DEFAULT_PATH)]
     trace: String,
     /// Requests replayed, the trace's first in session order.
+    #[arg(long = "requests", value_name = "N", default_value_t = 2000, value_parser = positive)]
     limit: usize,
+    /// Simulated replicas (engines); sessions are assigned to them round robin.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = positive)]
     replicas: usize,
+    /// Sessions in flight at a time (closed loop).
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = positive)]
     concurrency: usize,
 }
 
-fn parse_args() -> Args {
-    let mut a = Args {
-        trace: weka::DEFAULT_PATH.to_string(),
-        limit: 2000,
-        replicas: 4,
-        concurrency: 16,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(f) = args.next() {
-        let Some(v) = args.next() else {
-            usage(&format!("{f} needs a value"))
-        };
-        let number = |v: &str| -> usize {
-            v.parse()
-                .ok()
-                .filter(|&n| n > 0)
-                .unwrap_or_else(|| usage(&format!("{f} needs a positive number, got {v:?}")))
-        };
-        match f.as_str() {
-            "--trace" => a.trace = v,
-            "--requests" => a.limit = number(&v),
-            "--replicas" => a.replicas = number(&v),
-            "--concurrency" => a.concurrency = number(&v),
-            _ => usage(&format!("unknown flag {f}")),
-        }
-    }
-    a
+/// A positive count.
+fn positive(v: &str) -> Result<usize, String> {
+    v.parse()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| "not a positive number".to_string())
 }
 
 /// The trace's first `limit` requests in session order.
@@ -73,7 +55,14 @@ fn load(a: &Args, engine_cfg: &EngineConfig) -> Workload {
         concurrency: a.concurrency,
         ..Default::default()
     })
-    .unwrap_or_else(|e| usage(&format!("cannot read {}: {e}", a.trace)));
+    .unwrap_or_else(|e| {
+        Args::command()
+            .error(
+                clap::error::ErrorKind::Io,
+                format!("cannot read {}: {e}", a.trace),
+            )
+            .exit()
+    });
     let mut left = a.limit;
     workload.sessions.retain_mut(|s| {
         s.turns.truncate(left);
@@ -97,7 +86,7 @@ struct Counts {
 }
 
 fn main() {
-    let a = parse_args();
+    let a = Args::parse();
     let engine_cfg = EngineConfig::default();
     let workload = load(&a, &engine_cfg);
     let total = workload.total_requests();
