@@ -46,20 +46,32 @@ fn run(
     ))
 }
 
+/// How long the filter holds a worker thread for feed work while one replica floods it with
+/// snapshots, with and without the flood.
+#[derive(clap::Parser)]
+#[command(name = "feed-flood")]
+struct Args {
+    /// Blocks in each flooding snapshot (8 bytes each: the default is about 8 MB).
+    #[arg(value_name = "BLOCKS", default_value_t = 1_000_000)]
+    blocks: u64,
+    /// Seconds of virtual time each case runs (20 requests a second).
+    #[arg(value_name = "SECONDS", default_value_t = 5)]
+    seconds: u64,
+    /// Plugin configuration fields added to the default, as a JSON object, e.g.
+    /// `{"feed_apply_blocks_per_tick":1024}` (anything but an object is ignored).
+    #[arg(value_name = "EXTRA_JSON", value_parser = json)]
+    extra: Option<serde_json::Value>,
+}
+
+/// `EXTRA_JSON` parsed (clap's default would take the text as a JSON string).
+fn json(s: &str) -> Result<serde_json::Value, serde_json::Error> {
+    serde_json::from_str(s)
+}
+
 fn main() -> Result<(), String> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let blocks: u64 = args
-        .first()
-        .map_or(Ok(1_000_000), |s| s.parse())
-        .map_err(|e| format!("BLOCKS: {e}"))?;
-    let seconds: u64 = args
-        .get(1)
-        .map_or(Ok(5), |s| s.parse())
-        .map_err(|e| format!("SECONDS: {e}"))?;
-    let extra: serde_json::Value = match args.get(2) {
-        Some(j) => serde_json::from_str(j).map_err(|e| format!("EXTRA_JSON: {e}"))?,
-        None => serde_json::Value::Null,
-    };
+    let args: Args = clap::Parser::parse();
+    let (blocks, seconds) = (args.blocks, args.seconds);
+    let extra = args.extra.unwrap_or(serde_json::Value::Null);
     let path = filter_wasm_path()?;
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
     println!("filter: {}", path.display());
