@@ -105,22 +105,42 @@ fn run(module: &FilterModule, cap: u64, replicas: usize, workers: usize) -> Resu
     Ok(())
 }
 
+/// Memory one filter VM holds with a full KV block index, and under a flood of snapshots.
+#[derive(clap::Parser)]
+#[command(name = "index-memory")]
+struct Args {
+    /// The index's capacity in blocks (`index_capacity_blocks`).
+    #[arg(value_name = "CAP", default_value_t = 1_000_000)]
+    cap: u64,
+    /// Replica counts to try, comma-separated, one table block each (each at least 1).
+    #[arg(value_name = "REPLICAS,...", default_value = "4,16", value_parser = replica_counts)]
+    replicas: ReplicaCounts,
+    /// Worker VMs (proxy worker threads), each with its own index.
+    #[arg(value_name = "WORKERS", default_value_t = 2)]
+    workers: usize,
+}
+
+/// The replica counts of `REPLICAS,...`.
+#[derive(Clone)]
+struct ReplicaCounts(Vec<usize>);
+
+fn replica_counts(s: &str) -> Result<ReplicaCounts, String> {
+    s.split(',')
+        .map(|n| match n.parse() {
+            Ok(0) => Err("a replica count is 0".to_string()),
+            Ok(n) => Ok(n),
+            Err(e) => Err(format!("{n:?}: {e}")),
+        })
+        .collect::<Result<_, _>>()
+        .map(ReplicaCounts)
+}
+
 fn main() -> Result<(), String> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let cap: u64 = args
-        .first()
-        .map_or(Ok(1_000_000), |s| s.parse())
-        .map_err(|e| format!("CAP: {e}"))?;
-    let replicas: Vec<usize> = args
-        .get(1)
-        .map_or("4,16", |s| s.as_str())
-        .split(',')
-        .map(|s| s.parse().map_err(|e| format!("REPLICAS: {e}")))
-        .collect::<Result<_, _>>()?;
-    let workers: usize = args
-        .get(2)
-        .map_or(Ok(2), |s| s.parse())
-        .map_err(|e| format!("WORKERS: {e}"))?;
+    let Args {
+        cap,
+        replicas: ReplicaCounts(replicas),
+        workers,
+    } = clap::Parser::parse();
     let path = filter_wasm_path()?;
     let module = FilterModule::load_unmetered(&path).map_err(|e| e.to_string())?;
     println!("filter: {}", path.display());
