@@ -29,11 +29,33 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() as f64 - 1.0) * p) as usize]
 }
 
+/// What the working-set term costs two worker VMs that share it: the request path's and the
+/// ticks' wall times.
+#[derive(clap::Parser)]
+#[command(name = "working_set_ticks")]
+struct Args {
+    /// `kv_load.overflow_weight`, the working-set term's weight (0 turns the term off).
+    #[arg(value_name = "OVERFLOW_WEIGHT", default_value_t = 0.3)]
+    overflow_weight: f64,
+    /// Requests sent, each a fresh random 8,192-id prompt (at least 1).
+    #[arg(
+        value_name = "REQUESTS",
+        default_value_t = 6000,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
+    requests: usize,
+    /// Virtual time between requests, in microseconds.
+    #[arg(value_name = "GAP_US", default_value_t = 3300)]
+    gap_us: u64,
+    /// `one`: every request goes to worker 0 (one keep-alive connection), ticks printed per worker.
+    #[arg(value_name = "one", value_parser = ["one"])]
+    one: Option<String>,
+}
+
 fn main() {
-    let ow: f64 = std::env::args().nth(1).map_or(0.3, |s| s.parse().unwrap());
-    let n: usize = std::env::args().nth(2).map_or(6000, |s| s.parse().unwrap());
-    let gap_us: u64 = std::env::args().nth(3).map_or(3300, |s| s.parse().unwrap());
-    let one = std::env::args().nth(4).is_some_and(|s| s == "one");
+    let args: Args = clap::Parser::parse();
+    let (ow, n, gap_us) = (args.overflow_weight, args.requests, args.gap_us);
+    let one = args.one.is_some();
     let module = FilterModule::load_unmetered(&filter_wasm_path().unwrap()).unwrap();
     let replicas: Vec<_> = (0..4)
         .map(|i| json!({"name": format!("r{i}"), "endpoint": format!("10.0.0.{}:8000", i + 1), "feed_cluster": format!("feed_r{i}")}))
