@@ -17,58 +17,82 @@ use kvsteer_workload::{Driver, Mode, Prompt, Session, Turn, Workload};
 use serde_json::json;
 use std::collections::BTreeMap;
 
-#[derive(Clone, Debug)]
+/// LoRA adapters over a shared fleet, through the compiled filter: policies with and without the
+/// adapter term on the same Zipf-popular requests.
+#[derive(Clone, Debug, clap::Parser)]
+#[command(
+    name = "lora-bench",
+    args_override_self = true,
+    after_help = "Every flag may also be given as KEY=VALUE, e.g. `seeds=5 load_ms=300` \
+                  (the form docs/reports/lora.md uses)."
+)]
 struct Params {
+    /// Seeds run, 1 to SEEDS; every policy replays the same requests for a seed.
+    #[arg(long, value_name = "N", default_value_t = 5)]
     seeds: u64,
+    /// Replicas in the fleet (at least 1).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 6,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
     replicas: usize,
+    /// Adapter slots of each replica: adapters it holds loaded at once.
+    #[arg(long, value_name = "N", default_value_t = 4)]
     slots: u32,
+    /// Distinct adapters requested (at least 1).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 48,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
     adapters: usize,
+    /// Zipf exponent of the adapters' popularity: adapter k drawn with weight 1 / (k + 1)^zipf.
+    #[arg(long, value_name = "S", default_value_t = 1.0)]
     zipf: f64,
+    /// Requests a second (Poisson arrivals, open loop; positive).
+    #[arg(long, value_name = "PER_S", default_value_t = 12.0, value_parser = positive)]
     rate: f64,
+    /// Seconds of arrivals, in virtual time.
+    #[arg(long, value_name = "S", default_value_t = 60.0)]
     seconds: f64,
+    /// Milliseconds to load an adapter into a slot (the engine's cost and the policies' estimate).
+    #[arg(long, value_name = "MS", default_value_t = 300)]
     load_ms: u64,
+    /// Tokens of each adapter's shared prompt prefix.
+    #[arg(long, value_name = "TOKENS", default_value_t = 1024)]
     prefix: usize,
+    /// Tokens of each request's own part of the prompt, after the prefix.
+    #[arg(long, value_name = "TOKENS", default_value_t = 512)]
     unique: usize,
+    /// Tokens generated per request.
+    #[arg(long, value_name = "TOKENS", default_value_t = 128)]
     output: u32,
 }
 
+/// A positive rate.
+fn positive(v: &str) -> Result<f64, String> {
+    match v.parse::<f64>() {
+        Ok(x) if x > 0.0 => Ok(x),
+        Ok(_) => Err("must be positive".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 impl Params {
-    fn parse(args: &[String]) -> Result<Params, String> {
-        let mut p = Params {
-            seeds: 5,
-            replicas: 6,
-            slots: 4,
-            adapters: 48,
-            zipf: 1.0,
-            rate: 12.0,
-            seconds: 60.0,
-            load_ms: 300,
-            prefix: 1024,
-            unique: 512,
-            output: 128,
-        };
-        for a in args {
-            let (k, v) = a.split_once('=').ok_or(format!("{a}: want KEY=VALUE"))?;
-            let bad = |e: &dyn std::fmt::Display| format!("{k}: {e}");
-            match k {
-                "seeds" => p.seeds = v.parse().map_err(|e| bad(&e))?,
-                "replicas" => p.replicas = v.parse().map_err(|e| bad(&e))?,
-                "slots" => p.slots = v.parse().map_err(|e| bad(&e))?,
-                "adapters" => p.adapters = v.parse().map_err(|e| bad(&e))?,
-                "zipf" => p.zipf = v.parse().map_err(|e| bad(&e))?,
-                "rate" => p.rate = v.parse().map_err(|e| bad(&e))?,
-                "seconds" => p.seconds = v.parse().map_err(|e| bad(&e))?,
-                "load_ms" => p.load_ms = v.parse().map_err(|e| bad(&e))?,
-                "prefix" => p.prefix = v.parse().map_err(|e| bad(&e))?,
-                "unique" => p.unique = v.parse().map_err(|e| bad(&e))?,
-                "output" => p.output = v.parse().map_err(|e| bad(&e))?,
-                _ => return Err(format!("unknown key {k}")),
-            }
-        }
-        if p.adapters == 0 || p.replicas == 0 || p.rate <= 0.0 {
-            return Err("adapters, replicas and rate must be positive".into());
-        }
-        Ok(p)
+    /// The command line: `KEY=VALUE` arguments (the older form, still what callers use) read as
+    /// `--KEY=VALUE`, an underscore in KEY as a dash.
+    fn from_args() -> Params {
+        clap::Parser::parse_from(std::env::args().enumerate().map(
+            |(i, a)| match a.split_once('=') {
+                Some((k, v)) if i > 0 && !k.starts_with('-') => {
+                    format!("--{}={v}", k.replace('_', "-"))
+                }
+                _ => a,
+            },
+        ))
     }
 }
 
@@ -202,8 +226,7 @@ fn run(
 }
 
 fn main() -> Result<(), String> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let p = Params::parse(&args)?;
+    let p = Params::from_args();
     let module = FilterModule::load(&filter_wasm_path()?).map_err(|e| e.to_string())?;
     let policies = policies(&p);
     let mut by_policy: BTreeMap<usize, Vec<RunResult>> = BTreeMap::new();
