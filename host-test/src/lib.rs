@@ -10,6 +10,7 @@
 //!   output lengths and the engines' exact state (never part of the filter).
 //! - [`openai`]: completions requests and vLLM-shaped SSE responses.
 //! - [`artifact`]: where the compiled filter is found.
+//! - [`testing`]: the setup the integration tests of this crate and of `kvsteer-lab` share.
 //!
 //! The point of a second host is to prove, in `cargo test`, that the filter routes correctly and never
 //! traps, without an Envoy binary: every call crosses the same ABI boundary a proxy's would.
@@ -22,6 +23,7 @@ pub mod harness;
 pub mod openai;
 pub mod oracle;
 pub mod outcome;
+pub mod testing;
 
 pub use abi::{Action, LogLevel, Pairs, Status};
 pub use artifact::filter_wasm_path;

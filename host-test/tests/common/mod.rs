@@ -1,20 +1,12 @@
-//! Shared setup of the integration tests: the compiled filter, loaded once per test binary.
-#![allow(dead_code)]
+//! Shared setup of the integration tests: the crate's own (`kvsteer_host_test::testing`, which the
+//! lab's tests use too) and the helpers only these tests need.
+#![allow(dead_code, unused_imports)]
 
 pub mod hf;
 
-use kvsteer_host_test::{FilterModule, Harness, HarnessConfig, RequestSpec, filter_wasm_path};
+pub use kvsteer_host_test::testing::{assert_clean, harness_with, module, tokens};
+use kvsteer_host_test::{Harness, HarnessConfig, RequestSpec};
 use std::collections::BTreeSet;
-use std::sync::OnceLock;
-
-/// The real filter (`kvsteer_filter.wasm`). Panics with the build command when it is not built.
-pub fn module() -> &'static FilterModule {
-    static M: OnceLock<FilterModule> = OnceLock::new();
-    M.get_or_init(|| {
-        let path = filter_wasm_path().unwrap_or_else(|e| panic!("{e}"));
-        FilterModule::load(&path).unwrap_or_else(|e| panic!("{e}"))
-    })
-}
 
 /// A harness with the small config and `policy`, after its first feed polls.
 pub fn harness(policy: &str) -> Harness {
@@ -29,46 +21,11 @@ pub fn single_worker(policy: &str) -> Harness {
     harness_with(cfg)
 }
 
-pub fn harness_with(cfg: HarnessConfig) -> Harness {
-    let mut h = Harness::new(module(), cfg).unwrap_or_else(|e| panic!("{e}"));
-    h.run_for(500_000).unwrap_or_else(|e| panic!("{e}"));
-    h
-}
-
-/// `n` pseudo-random token ids from `seed` (distinct seeds share no block).
-pub fn tokens(seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 100_000) as u32
-        })
-        .collect()
-}
-
 /// `prefix` followed by `n` fresh tokens.
 pub fn extend(prefix: &[u32], seed: u64, n: usize) -> Vec<u32> {
     let mut p = prefix.to_vec();
     p.extend(tokens(seed, n));
     p
-}
-
-/// Asserts that no worker trapped, the host noticed no ABI misuse, nothing was logged at `critical`,
-/// and the filter's load accounting found no request it could not release.
-pub fn assert_clean(h: &Harness) {
-    let anomalies = h
-        .proxy()
-        .metric("kvsteer_release_anomalies")
-        .map_or(0, |m| m.value);
-    assert_eq!(anomalies, 0, "release anomalies");
-    for w in h.workers() {
-        assert!(!w.is_dead(), "worker {} died", w.index());
-        assert!(w.notes().is_empty(), "ABI misuse: {:?}", w.notes());
-        let counts = w.log_counts();
-        assert_eq!(counts[5], 0, "critical logs: {:?}", w.logs());
-    }
 }
 
 /// Load shared between workers, in the host mode `config` sets up (it makes a config from a policy):
