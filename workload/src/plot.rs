@@ -103,6 +103,11 @@ fn legend<'a, X: Ranged, Y: Ranged>(
     Ok(())
 }
 
+/// A series' legend mark: a filled square in its colour, at the legend entry's anchor.
+fn swatch((x, y): (i32, i32), style: ShapeStyle) -> Rectangle<(i32, i32)> {
+    Rectangle::new([(x, y - 5), (x + 12, y + 5)], style)
+}
+
 /// CDF of TTFT per policy, on a log10 time axis (tails span orders of magnitude).
 pub fn ttft_cdf_svg(series: &[(&str, &[f64])]) -> String {
     let positive = |v: &&f64| v.is_finite() && **v > 0.0;
@@ -149,9 +154,7 @@ pub fn ttft_cdf_svg(series: &[(&str, &[f64])]) -> String {
             let style = color(i).stroke_width(2);
             c.draw_series(LineSeries::new(pts, style))?
                 .label(*label)
-                .legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 5), (x + 12, y + 5)], style.filled())
-                });
+                .legend(move |at| swatch(at, style.filled()));
         }
         legend(&mut c)
     })
@@ -183,9 +186,7 @@ pub fn decode_load_svg(title: &str, series: &[(f64, Vec<f64>)]) -> String {
             let style = color(r).stroke_width(2);
             c.draw_series(LineSeries::new(pts, style))?
                 .label(format!("replica {r}"))
-                .legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 5), (x + 12, y + 5)], style.filled())
-                });
+                .legend(move |at| swatch(at, style.filled()));
         }
         legend(&mut c)
     })
@@ -220,7 +221,7 @@ pub fn hit_cv_scatter_svg(points: &[(&str, f64, f64)]) -> String {
             let style = color(i).filled();
             c.draw_series(std::iter::once(Circle::new((*hit, *cv), 6, style)))?
                 .label(*label)
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], style));
+                .legend(move |at| swatch(at, style));
         }
         legend(&mut c)
     })
