@@ -576,3 +576,48 @@ mod against_reference {
         }
     }
 }
+
+/// A JSON value of a few levels with strings that hold brackets, quotes and escapes.
+fn arb_json() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::Value;
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(Value::from),
+        "[a-z{}\\[\\]\",:\\\\ é\n]{0,8}".prop_map(Value::String),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+            prop::collection::btree_map("[a-z\"]{1,6}", inner, 0..4)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    /// The gateway's model scan (which pool reads the body) finds what a JSON parser finds at the
+    /// top level, wherever `model` sits among other members, and nothing when it is absent.
+    #[test]
+    fn model_scan_equals_a_json_parser(
+        members in prop::collection::btree_map("[a-z\"]{1,6}", arb_json(), 0..5),
+        model in prop::option::of("[a-zA-Z0-9./:\"\\\\é-]{0,12}"),
+        pretty in any::<bool>(),
+    ) {
+        use kvsteer_core::request::{ModelField, model_of};
+        let mut obj: serde_json::Map<String, serde_json::Value> = members.into_iter().collect();
+        obj.remove("model");
+        if let Some(m) = &model {
+            obj.insert("model".into(), serde_json::Value::String(m.clone()));
+        }
+        let v = serde_json::Value::Object(obj);
+        let body = if pretty { serde_json::to_vec_pretty(&v) } else { serde_json::to_vec(&v) }.unwrap();
+        let expected = match &model {
+            Some(m) => ModelField::Named(m.as_str().into()),
+            None => ModelField::Absent,
+        };
+        prop_assert_eq!(model_of(&body), expected);
+    }
+}

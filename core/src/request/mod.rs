@@ -19,9 +19,11 @@
 
 mod early;
 mod general;
+mod model;
 mod one_pass;
 
 pub use early::EarlyScan;
+pub use model::{ModelField, model_of};
 
 use crate::adapters::AdapterParams;
 use crate::block::{BlockHasher, SeqHash, TextHash, TextHasher};

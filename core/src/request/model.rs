@@ -1,0 +1,239 @@
+//! The request's `model`, found without reading the rest of the body: a gateway with several
+//! pools (one fleet per model) must know which pool's router reads the body before any of them
+//! does, because pools differ in block size, adapters and tokenizer.
+//!
+//! The scan walks the top-level object's members and skips every other value by counting
+//! brackets outside strings, so it costs one pass over the bytes up to `model` (clients that send
+//! `model` first pay almost nothing; a chat body with `messages` first is skipped at memory
+//! speed). It is not a validator: a body it names a model for may still be refused by the pool's
+//! reader, which then routes it by load like any unreadable body.
+
+use std::borrow::Cow;
+
+/// What the top-level `model` member of a request body says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelField<'a> {
+    /// `"model": "<name>"` (escapes decoded).
+    Named(Cow<'a, str>),
+    /// The body is an object without a `model` member.
+    Absent,
+    /// Not a JSON object, `model` not a string, or malformed before `model` was found.
+    Unreadable,
+}
+
+/// The top-level `model` of a JSON request body (the first one, should a hostile body repeat it:
+/// the pool's reader refuses such a body anyway).
+pub fn model_of(body: &[u8]) -> ModelField<'_> {
+    let mut s = Scan { b: body, i: 0 };
+    s.ws();
+    if !s.eat(b'{') {
+        return ModelField::Unreadable;
+    }
+    s.ws();
+    if s.eat(b'}') {
+        return ModelField::Absent;
+    }
+    loop {
+        s.ws();
+        let Some(key) = s.string() else {
+            return ModelField::Unreadable;
+        };
+        s.ws();
+        if !s.eat(b':') {
+            return ModelField::Unreadable;
+        }
+        s.ws();
+        if decoded(key).as_deref() == Some("model") {
+            return match s.string().and_then(decoded) {
+                Some(name) => ModelField::Named(name),
+                None => ModelField::Unreadable,
+            };
+        }
+        if !s.skip_value() {
+            return ModelField::Unreadable;
+        }
+        s.ws();
+        if s.eat(b',') {
+            continue;
+        }
+        return if s.eat(b'}') {
+            ModelField::Absent
+        } else {
+            ModelField::Unreadable
+        };
+    }
+}
+
+/// A JSON string's raw bytes between its quotes, decoded: borrowed when it has no escape.
+fn decoded(raw: &[u8]) -> Option<Cow<'_, str>> {
+    if !raw.contains(&b'\\') {
+        return std::str::from_utf8(raw).ok().map(Cow::Borrowed);
+    }
+    let mut quoted = Vec::with_capacity(raw.len() + 2);
+    quoted.push(b'"');
+    quoted.extend_from_slice(raw);
+    quoted.push(b'"');
+    serde_json::from_slice::<String>(&quoted)
+        .ok()
+        .map(Cow::Owned)
+}
+
+struct Scan<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Scan<'a> {
+    fn ws(&mut self) {
+        while matches!(self.b.get(self.i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, c: u8) -> bool {
+        if self.b.get(self.i) == Some(&c) {
+            self.i += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A string at the cursor: its raw bytes between the quotes, the cursor after the closing one.
+    fn string(&mut self) -> Option<&'a [u8]> {
+        if !self.eat(b'"') {
+            return None;
+        }
+        let start = self.i;
+        let end = string_end(self.b, start)?;
+        self.i = end + 1;
+        Some(&self.b[start..end])
+    }
+
+    /// Skips one value of any kind; false when the body ends inside it or it is malformed in a
+    /// way the skip notices (unbalanced brackets, a bare value that is empty).
+    fn skip_value(&mut self) -> bool {
+        match self.b.get(self.i) {
+            Some(b'"') => self.string().is_some(),
+            Some(b'{' | b'[') => {
+                let mut depth = 0usize;
+                while let Some(&c) = self.b.get(self.i) {
+                    match c {
+                        b'"' => match string_end(self.b, self.i + 1) {
+                            Some(end) => self.i = end,
+                            None => return false,
+                        },
+                        b'{' | b'[' => depth += 1,
+                        b'}' | b']' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                self.i += 1;
+                                return true;
+                            }
+                        }
+                        _ => {}
+                    }
+                    self.i += 1;
+                }
+                false
+            }
+            Some(_) => {
+                let start = self.i;
+                while let Some(&c) = self.b.get(self.i) {
+                    if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
+                        break;
+                    }
+                    self.i += 1;
+                }
+                self.i > start
+            }
+            None => false,
+        }
+    }
+}
+
+/// The index of the quote that closes a string whose contents start at `from`.
+fn string_end(b: &[u8], mut from: usize) -> Option<usize> {
+    loop {
+        let rel = b
+            .get(from..)?
+            .iter()
+            .position(|&c| c == b'"' || c == b'\\')?;
+        let at = from + rel;
+        if b[at] == b'"' {
+            return Some(at);
+        }
+        // An escape: the next byte is taken whatever it is.
+        from = at + 2;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(s: &str) -> ModelField<'_> {
+        ModelField::Named(Cow::Borrowed(s))
+    }
+
+    #[test]
+    fn finds_the_model_wherever_it_is() {
+        assert_eq!(model_of(br#"{"model":"a","prompt":[1,2]}"#), named("a"));
+        assert_eq!(
+            model_of(br#" { "prompt" : [[1,2],[3]], "stream":true, "model" : "llama-3.1-8b" } "#),
+            named("llama-3.1-8b")
+        );
+        let chat = br#"{"messages":[{"role":"user","content":"a \"model\": \"x\" {[}"}],"max_tokens":3,"model":"q"}"#;
+        assert_eq!(model_of(chat), named("q"));
+        assert_eq!(
+            model_of(br#"{"n":null,"t":-1.5e3,"o":{"model":"inner"},"model":"outer"}"#),
+            named("outer")
+        );
+    }
+
+    #[test]
+    fn escapes_are_decoded_in_keys_and_names() {
+        assert_eq!(
+            model_of(br#"{"mod\u0065l":"a\/b\u00e9"}"#),
+            ModelField::Named(Cow::Owned("a/b\u{e9}".into()))
+        );
+        assert_eq!(model_of(br#"{"x":"\\","model":"m"}"#), named("m"));
+    }
+
+    #[test]
+    fn absent_and_unreadable_are_told_apart() {
+        assert_eq!(model_of(b"{}"), ModelField::Absent);
+        assert_eq!(model_of(br#"{"prompt":[1,2,3]}"#), ModelField::Absent);
+        for bad in [
+            &b""[..],
+            b"[]",
+            b"null",
+            br#"{"model":3}"#,
+            br#"{"model":null}"#,
+            br#"{"prompt":[1,2"#,
+            br#"{"prompt":"abc"#,
+            br#"{"prompt" [1]}"#,
+            br#"{"a":1 "model":"m"}"#,
+            b"{\"model\":\"\xff\"}",
+            br#"{"a":,"model":"m"}"#,
+        ] {
+            assert_eq!(model_of(bad), ModelField::Unreadable, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn hostile_bodies_end_without_a_panic() {
+        // Deep nesting is counted, not recursed into; truncation anywhere ends the scan.
+        let deep = format!(
+            "{{\"a\":{}{},\"model\":\"m\"}}",
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        assert_eq!(model_of(deep.as_bytes()), named("m"));
+        let body = br#"{"messages":[{"role":"user","content":"hi \"there\""}],"model":"m"}"#;
+        for cut in 0..body.len() {
+            let _ = model_of(&body[..cut]);
+        }
+        assert_eq!(model_of(br#"{"a":"\"#), ModelField::Unreadable);
+    }
+}
