@@ -11,7 +11,7 @@ mod extract;
 use clap::Parser;
 use extract::{Format, Found};
 use kvsteer_filter::WorkerState;
-use kvsteer_filter::config::FilterConfig;
+use kvsteer_filter::config::GatewayConfig;
 use serde_json::json;
 use std::io::Read;
 use std::process::ExitCode;
@@ -41,8 +41,19 @@ enum Verdict {
         slots: usize,
         policy: &'static str,
         warnings: Vec<String>,
+        /// With `pools`: each pool's name, models, static units, slots and policy.
+        pools: Vec<PoolReport>,
     },
     Refused(String),
+}
+
+/// One pool of a configuration with `pools`, as the verdict lists it.
+struct PoolReport {
+    name: String,
+    models: Vec<String>,
+    replicas: usize,
+    slots: usize,
+    policy: &'static str,
 }
 
 /// Exactly the steps of `on_configure` that can refuse (the rest are host calls that cannot): the
@@ -52,10 +63,22 @@ enum Verdict {
 /// but every callout to that cluster fails, so a feed, a tokenizer bundle or a peer never arrives
 /// and the filter routes without it, which nothing at deploy time would show.
 fn judge(bytes: &[u8], clusters: Option<&[String]>) -> Verdict {
-    let state = match FilterConfig::from_json(bytes).and_then(WorkerState::new) {
-        Ok(s) => s,
+    let gateway = match GatewayConfig::from_json(bytes) {
+        Ok(g) => g,
         Err(e) => return Verdict::Refused(e.to_string()),
     };
+    let mut states = Vec::new();
+    for p in &gateway.pools {
+        match WorkerState::new(p.cfg.clone()) {
+            Ok(s) => states.push(s),
+            Err(e) => {
+                return Verdict::Refused(match &p.name {
+                    Some(n) => format!("pool {n}: {e}"),
+                    None => e.to_string(),
+                });
+            }
+        }
+    }
     if let Some(known) = clusters {
         let mut named = Vec::new();
         if let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes) {
@@ -73,11 +96,39 @@ fn judge(bytes: &[u8], clusters: Option<&[String]>) -> Verdict {
             ));
         }
     }
+    let report = |s: &WorkerState| {
+        (
+            s.config().static_units(),
+            s.replicas() - s.config().static_units(),
+            s.config().routing.policy.name(),
+        )
+    };
+    let pools = if gateway.pooled() {
+        gateway
+            .pools
+            .iter()
+            .zip(&states)
+            .map(|(p, s)| {
+                let (replicas, slots, policy) = report(s);
+                PoolReport {
+                    name: p.name.clone().unwrap_or_default(),
+                    models: p.models.clone(),
+                    replicas,
+                    slots,
+                    policy,
+                }
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let (_, _, policy) = report(&states[0]);
     Verdict::Ok {
-        replicas: state.config().static_units(),
-        slots: state.replicas() - state.config().static_units(),
-        policy: state.config().routing.policy.name(),
-        warnings: state.config().warnings(),
+        replicas: states.iter().map(|s| report(s).0).sum(),
+        slots: states.iter().map(|s| report(s).1).sum(),
+        policy,
+        warnings: gateway.warnings(),
+        pools,
     }
 }
 
@@ -154,9 +205,23 @@ fn main() -> ExitCode {
                     slots,
                     policy,
                     warnings,
-                } => json!({"place": place, "ok": true, "replicas": replicas,
+                    pools,
+                } => {
+                    let mut r = json!({"place": place, "ok": true, "replicas": replicas,
                             "discovery_slots": slots, "policy": policy,
-                            "warnings": warnings}),
+                            "warnings": warnings});
+                    if !pools.is_empty() {
+                        r["pools"] = pools
+                            .iter()
+                            .map(|p| {
+                                json!({"name": p.name, "models": p.models,
+                                "replicas": p.replicas, "discovery_slots": p.slots,
+                                "policy": p.policy})
+                            })
+                            .collect();
+                    }
+                    r
+                }
                 Verdict::Refused(e) => json!({"place": place, "ok": false, "error": e}),
             });
             continue;
@@ -168,8 +233,28 @@ fn main() -> ExitCode {
                 slots,
                 policy,
                 warnings,
+                pools,
             } => {
-                if slots == 0 {
+                if !pools.is_empty() {
+                    println!(
+                        "{prefix}ok: {} pools, {replicas} replicas and {slots} discovery slots in all",
+                        pools.len()
+                    );
+                    for p in &pools {
+                        println!(
+                            "{prefix}pool {}: models {}; {} replicas, {} discovery slots, policy {}",
+                            p.name,
+                            if p.models.is_empty() {
+                                "(default only)".to_string()
+                            } else {
+                                p.models.join(", ")
+                            },
+                            p.replicas,
+                            p.slots,
+                            p.policy
+                        );
+                    }
+                } else if slots == 0 {
                     println!("{prefix}ok: {replicas} replicas, policy {policy}");
                 } else {
                     println!(

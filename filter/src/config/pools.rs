@@ -55,6 +55,8 @@ pub struct GatewayConfig {
     /// body's `model` cannot be (an unread body); the body's `model` wins over it.
     pub model_header: Option<String>,
     models: HashMap<String, usize>,
+    /// Whether the configuration names pools: kept apart from `pools`, which the filter takes out.
+    named: bool,
 }
 
 /// Where a request goes by its model.
@@ -90,6 +92,7 @@ impl GatewayConfig {
                 default_pool: Some(0),
                 model_header: None,
                 models: HashMap::new(),
+                named: false,
             });
         }
         let Value::Object(mut top) = v else {
@@ -248,12 +251,13 @@ impl GatewayConfig {
             default_pool,
             model_header,
             models,
+            named: true,
         })
     }
 
     /// Whether the configuration names pools (else one unnamed pool takes every request).
     pub fn pooled(&self) -> bool {
-        self.pools.first().is_some_and(|p| p.name.is_some())
+        self.named
     }
 
     /// The pool for a request's model: the model's pool, the default pool for none, or a refusal.

@@ -4,13 +4,13 @@
 
 use super::abi;
 use super::clock::now_ms;
-use super::vm::{Vm, callout_body, log};
+use super::vm::{Pool, callout_body, log};
 use crate::worker::bundle::BundleOutcome;
 use proxy_wasm::types::LogLevel;
 use std::time::Duration;
 
 /// Sends the fetch when one is due (the first tick, then after each wait).
-pub(super) fn fetch_bundle(vm: &mut Vm, now: u64) {
+pub(super) fn fetch_bundle(vm: &mut Pool, now: u64) {
     let Some(req) = vm.state.plan_bundle_fetch(now) else {
         return;
     };
@@ -33,7 +33,7 @@ pub(super) fn fetch_bundle(vm: &mut Vm, now: u64) {
 }
 
 /// The fetch's answer: copied into the VM only when it fits `max_bytes`, then checked and loaded.
-pub(super) fn on_bundle_answer(vm: &mut Vm, status: Option<u16>, body_size: usize) {
+pub(super) fn on_bundle_answer(vm: &mut Pool, status: Option<u16>, body_size: usize) {
     let body = if status == Some(200) && body_size <= vm.state.bundle_max_bytes() {
         callout_body(body_size)
     } else {

@@ -8,8 +8,18 @@ use crate::worker::{FeedFailure, WorkerState};
 use kvsteer_core::router::Decision;
 use proxy_wasm::types::MetricType;
 
+thread_local! {
+    /// While one pool's metrics are being defined (`pools`), its name: every metric it defines is
+    /// named `kvsteer_pool_<pool>_...` instead of `kvsteer_...`. Proxy-wasm metrics have no
+    /// labels, and pool names hold no `_`, so one stats-tag rule turns the pool into a label.
+    static POOL: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
 fn define(kind: MetricType, name: &str) -> Option<u32> {
-    abi::define_metric(kind, name).ok()
+    POOL.with_borrow(|pool| match (pool, name.strip_prefix("kvsteer_")) {
+        (Some(p), Some(rest)) => abi::define_metric(kind, &format!("kvsteer_pool_{p}_{rest}")).ok(),
+        _ => abi::define_metric(kind, name).ok(),
+    })
 }
 
 pub(super) fn inc(id: Option<u32>, by: u64) {
@@ -232,7 +242,16 @@ impl TokenizerMetrics {
 }
 
 impl Metrics {
-    pub(super) fn define(cfg: &FilterConfig) -> Metrics {
+    /// The metrics of one pool: named as always without `pools`, `kvsteer_pool_<pool>_...` in a
+    /// named pool.
+    pub(super) fn define(cfg: &FilterConfig, pool: Option<&str>) -> Metrics {
+        POOL.set(pool.map(str::to_owned));
+        let m = Self::define_all(cfg);
+        POOL.set(None);
+        m
+    }
+
+    fn define_all(cfg: &FilterConfig) -> Metrics {
         // Kept whole: one definition per metric, a flat list.
         use MetricType::{Counter, Gauge};
         let policy = cfg.routing.policy.name();

@@ -6,7 +6,7 @@ use super::clock::now_ms;
 use super::metrics::inc;
 use super::store::host_store;
 use super::stream::{Phase, Stream};
-use super::vm::{Vm, callout_status, header, log};
+use super::vm::{Pool, callout_status, header, log};
 use crate::host::abi;
 use crate::worker::PdRoute;
 use crate::worker::leg_bodies::{self, LegFailure, PrefillAnswer};
@@ -51,7 +51,7 @@ pub(super) fn replace_request_body(old_len: usize, body: &[u8]) -> Result<(), u3
 
 /// Sends a prefill leg to `prefill`'s cluster: the callout's token, or why it could not be sent.
 fn send_prefill(
-    vm: &Vm,
+    vm: &Pool,
     prefill: usize,
     path: &str,
     body: &[u8],
@@ -90,7 +90,7 @@ impl Stream {
             return Action::Continue;
         };
         let mut vm = vm.borrow_mut();
-        let vm = &mut *vm;
+        let vm = &mut vm.pools[self.pool];
         let now = now_ms();
         let store = vm.state.shared(host_store(vm.state.config()));
         vm.state.claim_probe(store, now);
@@ -159,7 +159,7 @@ impl Stream {
 
     /// Answers a P/D request no prefill replica can take (`replica`: the one chosen, when the
     /// failure is its) with a 503; nothing was booked for it.
-    fn refuse_unavailable(&mut self, vm: &Vm, replica: Option<usize>, why: &str) -> Action {
+    fn refuse_unavailable(&mut self, vm: &Pool, replica: Option<usize>, why: &str) -> Action {
         inc(vm.metrics.pd_unavailable, 1);
         let name = replica.map_or("any replica that prefills", |r| vm.state.replica_name(r));
         log(
@@ -184,14 +184,18 @@ impl Stream {
     ) {
         let Some(vm) = self.vm.clone() else { return };
         let status = callout_status(num_headers);
-        let max = vm.borrow().state.config().pd.max_prefill_response_bytes;
+        let max = vm.borrow().pools[self.pool]
+            .state
+            .config()
+            .pd
+            .max_prefill_response_bytes;
         let answer = leg_bodies::read_prefill_answer(status, body_size, max, || {
             abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
                 .ok()
                 .flatten()
         });
         let mut vm = vm.borrow_mut();
-        let vm = &mut *vm;
+        let vm = &mut vm.pools[self.pool];
         let now = now_ms();
         let replica_failed = matches!(
             answer,
@@ -236,7 +240,7 @@ impl Stream {
     /// answer) goes once more, to its side's backup (for a failed health probe, the side's own
     /// choice), under the same request id; the failure counts against the replica's health as any
     /// other.
-    fn retry_prefill(&mut self, vm: &mut Vm, leg: PrefillLeg, why: &str, now: u64) {
+    fn retry_prefill(&mut self, vm: &mut Pool, leg: PrefillLeg, why: &str, now: u64) {
         let Some((backup, matched, req)) = leg.backup.as_ref() else {
             return;
         };
@@ -273,7 +277,7 @@ impl Stream {
 
     /// The prefill leg answered: the client's request goes on as the decode leg, its body carrying
     /// the answer's `kv_transfer_params` (`None`: the answer had none), under the leg's request id.
-    fn send_decode(&mut self, vm: &mut Vm, leg: PrefillLeg, params: Option<serde_json::Value>) {
+    fn send_decode(&mut self, vm: &mut Pool, leg: PrefillLeg, params: Option<serde_json::Value>) {
         let body = leg_bodies::decode_body(leg.client, params);
         if replace_request_body(self.body_len, &body).is_err() {
             let why = "could not be handed to the decode leg (the proxy refused the body)";
@@ -297,7 +301,7 @@ impl Stream {
 
     /// A leg failed (`leg`: `prefill` or `decode`, on `replica`): the request's booking ends and the
     /// client gets a 502 naming the leg. The prefill leg's booking is the caller's to end.
-    fn fail_leg(&mut self, vm: &mut Vm, leg: &str, replica: usize, why: &str) {
+    fn fail_leg(&mut self, vm: &mut Pool, leg: &str, replica: usize, why: &str) {
         vm.state.release(self.id);
         inc(vm.metrics.pd_prefill_failures, 1);
         self.phase = Phase::Released;

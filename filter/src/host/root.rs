@@ -6,8 +6,8 @@ use super::clock::{now_ms, now_ns};
 use super::metrics::Metrics;
 use super::store::host_store;
 use super::stream::Stream;
-use super::vm::{Shared, Vm, callout_body, callout_status, log};
-use crate::config::FilterConfig;
+use super::vm::{Pool, Shared, Vm, callout_body, callout_status, log};
+use crate::config::GatewayConfig;
 use crate::host::abi;
 use crate::worker::{DiscoveryResult, FeedPoll, FeedResult, WorkerState};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -22,7 +22,71 @@ pub struct Root {
 }
 
 impl Root {
-    fn poll_feeds(vm: &mut Vm, now: u64) {
+    /// One pool's worker state and metrics, configured and logged; `None` (logged) when the
+    /// router refuses the configuration.
+    fn configure_pool(
+        name: Option<String>,
+        cfg: crate::config::FilterConfig,
+        node_id: &[u8],
+    ) -> Option<Pool> {
+        let mut state = match WorkerState::new(cfg) {
+            Ok(s) => s,
+            Err(e) => {
+                let at = name
+                    .as_deref()
+                    .map_or(String::new(), |n| format!("pool {n}: "));
+                log(
+                    LogLevel::Error,
+                    &format!("kvsteer: configuration refused: {at}{e}"),
+                );
+                return None;
+            }
+        };
+        state.set_proxy_identity(node_id);
+        state.set_pd_nonce(pd_nonce(node_id));
+        let metrics = Metrics::define(state.config(), name.as_deref());
+        state.set_clock(now_ns);
+        state.claim_worker_id(host_store(state.config()));
+        let pool = name
+            .as_deref()
+            .map_or(String::new(), |n| format!("pool {n}: "));
+        log(
+            LogLevel::Info,
+            &format!(
+                "kvsteer: {pool}configured {} replicas, policy {}, worker {:?}, node id {:?}",
+                state.replicas(),
+                state.config().routing.policy.name(),
+                state.worker_id(),
+                String::from_utf8_lossy(node_id)
+            ),
+        );
+        for warning in state.config().warnings() {
+            log(LogLevel::Warn, &format!("kvsteer: {pool}{warning}"));
+        }
+        #[cfg(feature = "tokenizer")]
+        if let Some(f) = state
+            .config()
+            .tokenizer
+            .as_ref()
+            .and_then(kvsteer_tokenizer::TextTokenizer::deferred)
+        {
+            log(
+                LogLevel::Info,
+                &format!(
+                    "kvsteer: {pool}tokenizer bundle to be fetched from {} {} (sha256 {}); text \
+                     prompts keep the approximate identity until it is loaded",
+                    f.cluster, f.path, f.sha256
+                ),
+            );
+        }
+        Some(Pool {
+            name,
+            state,
+            metrics,
+        })
+    }
+
+    fn poll_feeds(vm: &mut Pool, now: u64) {
         let timeout = Duration::from_millis(vm.state.config().feed_timeout_ms);
         let store = vm.state.shared(host_store(vm.state.config()));
         if let Some(store) = store {
@@ -43,7 +107,7 @@ impl Root {
         }
     }
 
-    fn send_feed_poll(vm: &mut Vm, poll: FeedPoll, timeout: Duration, now: u64) {
+    fn send_feed_poll(vm: &mut Pool, poll: FeedPoll, timeout: Duration, now: u64) {
         let FeedPoll {
             replica,
             upstream,
@@ -89,7 +153,7 @@ impl Root {
     }
 
     /// Polls the peer proxies that are due for their working-set journals (`peers`).
-    fn poll_peers(vm: &mut Vm, now: u64) {
+    fn poll_peers(vm: &mut Pool, now: u64) {
         let Some(p) = vm.state.config().peers.clone() else {
             return;
         };
@@ -109,7 +173,7 @@ impl Root {
         }
     }
 
-    fn report_feed(vm: &Vm, r: &FeedResult) {
+    fn report_feed(vm: &Pool, r: &FeedResult) {
         let FeedResult::Failed {
             replica,
             cause,
@@ -137,7 +201,7 @@ impl Root {
     }
 
     /// Adopts the roster other workers wrote, then polls the discovery source when due.
-    fn poll_discovery(vm: &mut Vm, now: u64) {
+    fn poll_discovery(vm: &mut Pool, now: u64) {
         let store = vm.state.shared(host_store(vm.state.config()));
         vm.state.sync_roster(store, now);
         let Some(poll) = vm.state.plan_discovery_poll(now) else {
@@ -166,7 +230,7 @@ impl Root {
     }
 
     /// The discovery source's answer: refused unread when too large, checked whole before use.
-    fn on_discovery_answer(vm: &mut Vm, token: u32, status: Option<u16>, body_size: usize) {
+    fn on_discovery_answer(vm: &mut Pool, token: u32, status: Option<u16>, body_size: usize) {
         let limit = vm
             .state
             .config()
@@ -211,7 +275,7 @@ impl Root {
     }
 
     /// A peer proxy's answer: refused unread when too large, checked whole before use.
-    fn on_peer_answer(vm: &mut Vm, token: u32, status: Option<u16>, body_size: usize) {
+    fn on_peer_answer(vm: &mut Pool, token: u32, status: Option<u16>, body_size: usize) {
         let fits = vm.state.peer_answer_fits(body_size);
         let body = if fits && status == Some(200) {
             callout_body(body_size)
@@ -222,7 +286,7 @@ impl Root {
             .on_peer_answer(token, status, body.as_deref(), !fits, now_ms());
     }
 
-    fn on_feed_answer(vm: &mut Vm, token: u32, status: Option<u16>, body_size: usize) {
+    fn on_feed_answer(vm: &mut Pool, token: u32, status: Option<u16>, body_size: usize) {
         let store = vm.state.shared(host_store(vm.state.config()));
         let r = if body_size > vm.state.config().feed_max_bytes {
             // Refused before it is copied into the VM, let alone parsed.
@@ -240,7 +304,7 @@ impl Root {
 
 /// The plugin configuration as the proxy hands it over, parsed and checked; `None` (logged) when
 /// the proxy does not hand it over or it is refused.
-fn read_configuration() -> Option<FilterConfig> {
+fn read_configuration() -> Option<GatewayConfig> {
     let bytes = match abi::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
         Ok(b) => b.unwrap_or_default(),
         Err(e) => {
@@ -253,7 +317,7 @@ fn read_configuration() -> Option<FilterConfig> {
             return None;
         }
     };
-    match FilterConfig::from_json(&bytes) {
+    match GatewayConfig::from_json(&bytes) {
         Ok(c) => Some(c),
         Err(e) => {
             log(
@@ -294,75 +358,62 @@ impl Context for Root {
         let Some(vm) = &self.vm else { return };
         let status = callout_status(num_headers);
         let mut vm = vm.borrow_mut();
+        // Each pool sends its own callouts; tokens are the host's, unique in the VM. An unknown
+        // token goes to the first pool, which ignores it as before pools.
+        let p = if vm.pools.len() == 1 {
+            0
+        } else {
+            vm.pools
+                .iter()
+                .position(|p| p.state.owns_callout(token))
+                .unwrap_or(0)
+        };
+        let Some(vm) = vm.pools.get_mut(p) else {
+            return;
+        };
         #[cfg(feature = "tokenizer")]
         if vm.state.is_bundle_fetch(token) {
-            super::bundle::on_bundle_answer(&mut vm, status, body_size);
+            super::bundle::on_bundle_answer(vm, status, body_size);
             return;
         }
         if vm.state.is_discovery_poll(token) {
-            Self::on_discovery_answer(&mut vm, token, status, body_size);
+            Self::on_discovery_answer(vm, token, status, body_size);
         } else if vm.state.is_peer_poll(token) {
-            Self::on_peer_answer(&mut vm, token, status, body_size);
+            Self::on_peer_answer(vm, token, status, body_size);
         } else {
-            Self::on_feed_answer(&mut vm, token, status, body_size);
+            Self::on_feed_answer(vm, token, status, body_size);
         }
     }
 }
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let Some(cfg) = read_configuration() else {
+        let Some(mut gateway) = read_configuration() else {
             return false;
         };
-        let mut state = match WorkerState::new(cfg) {
-            Ok(s) => s,
-            Err(e) => {
-                log(
-                    LogLevel::Error,
-                    &format!("kvsteer: configuration refused: {e}"),
-                );
-                return false;
-            }
-        };
         let node_id = node_id();
-        state.set_proxy_identity(&node_id);
-        state.set_pd_nonce(pd_nonce(&node_id));
-        let metrics = Metrics::define(state.config());
-        state.set_clock(now_ns);
-        state.claim_worker_id(host_store(state.config()));
-        let tick = Duration::from_millis(state.config().tick_ms);
-        log(
-            LogLevel::Info,
-            &format!(
-                "kvsteer: configured {} replicas, policy {}, worker {:?}, node id {:?}",
-                state.replicas(),
-                state.config().routing.policy.name(),
-                state.worker_id(),
-                String::from_utf8_lossy(&node_id)
-            ),
-        );
-        for warning in state.config().warnings() {
-            log(LogLevel::Warn, &format!("kvsteer: {warning}"));
+        let mut pools = Vec::with_capacity(gateway.pools.len());
+        for p in std::mem::take(&mut gateway.pools) {
+            match Self::configure_pool(p.name, p.cfg, &node_id) {
+                Some(pool) => pools.push(pool),
+                None => return false,
+            }
         }
-        #[cfg(feature = "tokenizer")]
-        if let Some(f) = state
-            .config()
-            .tokenizer
-            .as_ref()
-            .and_then(kvsteer_tokenizer::TextTokenizer::deferred)
-        {
-            log(
-                LogLevel::Info,
-                &format!(
-                    "kvsteer: tokenizer bundle to be fetched from {} {} (sha256 {}); text prompts \
-                     keep the approximate identity until it is loaded",
-                    f.cluster, f.path, f.sha256
-                ),
-            );
-        }
+        let Some(tick_ms) = pools.first().map(|p| p.state.config().tick_ms) else {
+            return false;
+        };
+        let tick = Duration::from_millis(tick_ms);
+        let pooled = gateway.pooled();
+        let define = |name: &str| {
+            pooled
+                .then(|| abi::define_metric(proxy_wasm::types::MetricType::Counter, name).ok())
+                .flatten()
+        };
         self.vm = Some(Rc::new(RefCell::new(Vm {
-            state,
-            metrics,
+            models_unknown: define("kvsteer_models_unknown"),
+            models_missing: define("kvsteer_models_missing"),
+            pools,
+            gateway,
             early_held: 0,
             body_held: 0,
         })));
@@ -384,17 +435,18 @@ impl RootContext for Root {
         let Some(vm) = &self.vm else { return };
         let now = now_ms();
         let mut vm = vm.borrow_mut();
-        let store = host_store(vm.state.config());
-        vm.state.share_load(store, now);
-        // This tick's feed budget, spent first on batches earlier ticks left half applied.
-        vm.state.start_tick(now);
-        Self::poll_discovery(&mut vm, now);
-        Self::poll_feeds(&mut vm, now);
-        Self::poll_peers(&mut vm, now);
-        #[cfg(feature = "tokenizer")]
-        super::bundle::fetch_bundle(&mut vm, now);
-        let vm = &mut *vm;
-        vm.metrics.update(&vm.state);
+        for vm in vm.pools.iter_mut() {
+            let store = host_store(vm.state.config());
+            vm.state.share_load(store, now);
+            // This tick's feed budget, spent first on batches earlier ticks left half applied.
+            vm.state.start_tick(now);
+            Self::poll_discovery(vm, now);
+            Self::poll_feeds(vm, now);
+            Self::poll_peers(vm, now);
+            #[cfg(feature = "tokenizer")]
+            super::bundle::fetch_bundle(vm, now);
+            vm.metrics.update(&vm.state);
+        }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

@@ -8,14 +8,15 @@ use super::clock::now_ms;
 use super::metrics::inc;
 use super::prefill::{PrefillLeg, prefill_id};
 use super::store::host_store;
-use super::vm::{Shared, Vm, header, log};
+use super::vm::{Pool, Shared, header, log};
 use crate::config::OutputMode;
+use crate::config::PoolChoice;
 use crate::host::abi;
 use crate::sse::SseTracker;
 use crate::worker::{BodyFallback, DecisionOutput, Origin, answer_outcome, is_inference_path};
 use kvsteer_core::admission::{Class, Shed};
 use kvsteer_core::health::Outcome;
-use kvsteer_core::request::EarlyScan;
+use kvsteer_core::request::{EarlyScan, ModelField};
 use kvsteer_core::router::Decision;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, LogLevel, MapType};
@@ -89,6 +90,12 @@ pub struct Stream {
     explain: Option<String>,
     /// The class the trusted priority header names (`routing.admission`); `None` without one.
     header_class: Option<Class>,
+    /// The pool this request is routed in (`pools`; 0, the only one, without): until its body's
+    /// `model` is read, the pool of the model header, else the default pool, else the first.
+    pub(super) pool: usize,
+    /// Whether `pool` was chosen by the request (its model header or body) or the default pool,
+    /// rather than taken as the first for want of either.
+    pool_known: bool,
 }
 
 impl Stream {
@@ -101,7 +108,7 @@ impl Stream {
     }
 
     /// Writes the decision where the proxy will read it.
-    pub(super) fn write_destination(vm: &Vm, d: &Decision) {
+    pub(super) fn write_destination(vm: &Pool, d: &Decision) {
         match vm.state.decision_output(d) {
             DecisionOutput::Header {
                 name,
@@ -137,15 +144,43 @@ impl Stream {
     }
 
     /// Routes by load alone (the body unread); `Pause` when the request was shed and answered.
+    /// With `pools` an unread body has no model: it goes to the model header's pool, else the
+    /// default pool, else it is refused (413 for a body over the limit, 400 otherwise).
     fn route_fallback(&mut self, why: BodyFallback, body_bytes: usize) -> Action {
         self.return_hold();
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
         let mut vm = vm.borrow_mut();
-        let routed =
-            vm.state
-                .route_fallback_admitted(self.id, why, body_bytes, self.header_class, now_ms());
+        if vm.gateway.pooled() && !self.pool_known {
+            let limit = vm.pools[self.pool].state.max_body_bytes();
+            drop(vm);
+            return if why == BodyFallback::TooLarge {
+                self.refuse(
+                    413,
+                    "invalid_request_error",
+                    &format!(
+                        "kvsteer: the request body is over routing.max_body_bytes ({limit}), so its \
+                         model cannot be read, and no model header or default pool names its pool"
+                    ),
+                )
+            } else {
+                self.refuse(
+                    400,
+                    "invalid_request_error",
+                    "kvsteer: the request body could not be read for its model, and no model \
+                     header or default pool names its pool",
+                )
+            };
+        }
+        let pool = &mut vm.pools[self.pool];
+        let routed = pool.state.route_fallback_admitted(
+            self.id,
+            why,
+            body_bytes,
+            self.header_class,
+            now_ms(),
+        );
         let d = match routed {
             Ok(d) => d,
             Err(shed) => {
@@ -153,12 +188,75 @@ impl Stream {
                 return self.shed(&shed);
             }
         };
-        vm.metrics.decision(&d);
-        Self::write_destination(&vm, &d);
+        pool.metrics.decision(&d);
+        Self::write_destination(pool, &d);
         self.replica = Some(d.replica);
         self.oversized = why == BodyFallback::TooLarge;
         self.phase = Phase::Admitted;
         Action::Continue
+    }
+
+    /// With `pools`, the pool of a body's `model`: `Err` with the stream answered (404 for a model
+    /// no pool serves, 400 for none without a default pool) or let through unrouted (its pool has
+    /// no member yet). A body whose `model` cannot be found keeps the header's or default pool;
+    /// without `pools`, always the one pool.
+    fn choose_pool(&mut self, body: &[u8]) -> Result<(), Action> {
+        let Some(vm) = self.vm.clone() else {
+            return Ok(());
+        };
+        let vm = vm.borrow();
+        if !vm.gateway.pooled() {
+            return Ok(());
+        }
+        let choice = match kvsteer_core::request::model_of(body) {
+            ModelField::Named(m) => vm.gateway.choose(Some(&m)),
+            ModelField::Absent => vm.gateway.choose(None),
+            ModelField::Unreadable if self.pool_known => PoolChoice::Pool(self.pool),
+            ModelField::Unreadable => vm.gateway.choose(None),
+        };
+        match choice {
+            PoolChoice::Pool(p) => {
+                self.pool = p;
+                self.pool_known = true;
+                if !vm.pools[p].state.has_members() {
+                    // Discovery has seated nobody in this pool yet: the proxy's own balancing
+                    // takes the request, nothing booked.
+                    drop(vm);
+                    self.phase = Phase::Released;
+                    self.return_hold();
+                    return Err(Action::Continue);
+                }
+                Ok(())
+            }
+            PoolChoice::Unknown => {
+                inc(vm.models_unknown, 1);
+                let model = match kvsteer_core::request::model_of(body) {
+                    ModelField::Named(m) => m.chars().take(256).collect::<String>(),
+                    _ => String::new(),
+                };
+                drop(vm);
+                let err = serde_json::to_vec(&serde_json::json!({"error": {
+                    "message": format!("The model `{model}` does not exist."),
+                    "type": "invalid_request_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }}))
+                .unwrap_or_default();
+                self.phase = Phase::Released;
+                self.return_hold();
+                Self::send_error(404, &err);
+                Err(Action::Pause)
+            }
+            PoolChoice::Missing => {
+                inc(vm.models_missing, 1);
+                drop(vm);
+                Err(self.refuse(
+                    400,
+                    "invalid_request_error",
+                    "kvsteer: the request names no model, and this gateway has no default pool",
+                ))
+            }
+        }
     }
 
     /// Answers a request shed at saturation (`routing.admission`): 429 with `Retry-After` and an
@@ -224,8 +322,8 @@ impl Stream {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        let limit = vm.borrow().state.max_body_bytes();
-        let pd = vm.borrow().state.disaggregated();
+        let limit = vm.borrow().pools[self.pool].state.max_body_bytes();
+        let pd = vm.borrow().pools[self.pool].state.disaggregated();
         let body = match self.take_body(max) {
             Ok(b) => b,
             Err(_) if pd => {
@@ -246,17 +344,22 @@ impl Stream {
             return self.route_fallback(BodyFallback::TooLarge, body.len());
         }
         self.body_len = body.len();
-        if vm.borrow().state.disaggregated() {
+        if let Err(action) = self.choose_pool(&body) {
+            return action;
+        }
+        if vm.borrow().pools[self.pool].state.disaggregated() {
             return self.route_pd(&body);
         }
         let mut vm = vm.borrow_mut();
+        let named = vm.gateway.pooled();
+        let pool = &mut vm.pools[self.pool];
         let now = now_ms();
-        let store = vm.state.shared(host_store(vm.state.config()));
-        vm.state.claim_probe(store, now);
+        let store = pool.state.shared(host_store(pool.state.config()));
+        pool.state.claim_probe(store, now);
         if self.early.as_ref().is_some_and(|s| s.tokens() > 0) {
-            inc(vm.metrics.early_bodies, 1);
+            inc(pool.metrics.early_bodies, 1);
         }
-        let routed = vm.state.route_body_admitted(
+        let routed = pool.state.route_body_admitted(
             self.id,
             &self.path,
             &body,
@@ -272,23 +375,57 @@ impl Stream {
                 return self.shed(&shed);
             }
         };
-        vm.metrics.decision(&d);
-        Self::write_destination(&vm, &d);
-        self.explain = vm.state.explanation(d.replica);
+        pool.metrics.decision(&d);
+        Self::write_destination(pool, &d);
+        self.explain = pool.state.explanation(d.replica).map(|e| match &pool.name {
+            Some(name) if named => format!("pool={name}; {e}"),
+            _ => e,
+        });
         self.replica = Some(d.replica);
         self.phase = Phase::Admitted;
         Action::Continue
+    }
+
+    /// With `pools`, the pool a request heads for before its body is read: the one serving the
+    /// model the operator's header names (`model_header`), else the default pool. The body's
+    /// `model` wins over both ([`Stream::choose_pool`]), so a client that forges the header moves
+    /// only its own unreadable body.
+    fn pool_from_header(&mut self, vm: &Shared) {
+        let vm = vm.borrow();
+        if !vm.gateway.pooled() {
+            return;
+        }
+        let named = vm
+            .gateway
+            .model_header
+            .as_deref()
+            .and_then(|h| header(MapType::HttpRequestHeaders, h))
+            .filter(|v| v.len() <= 256)
+            .and_then(|v| String::from_utf8(v).ok());
+        let choice = named.map(|m| vm.gateway.choose(Some(&m)));
+        let pool = match choice {
+            Some(PoolChoice::Pool(p)) => Some(p),
+            _ => vm.gateway.default_pool,
+        };
+        if let Some(p) = pool {
+            self.pool = p;
+            self.pool_known = true;
+        }
     }
 
     /// Answers a request for the reserved peer path itself ([`crate::worker::exchange`]): served to a peer
     /// proxy with the token, refused otherwise, never forwarded.
     fn serve_peer(&mut self, vm: &Shared, method: &[u8], path: &[u8]) -> Action {
         let mut vm = vm.borrow_mut();
-        let token = header(MapType::HttpRequestHeaders, vm.state.peer_token_header());
-        let store = host_store(vm.state.config());
-        let r = vm
-            .state
-            .serve_peer(store, method, path, token.as_deref(), now_ms());
+        let token = header(
+            MapType::HttpRequestHeaders,
+            vm.pools[self.pool].state.peer_token_header(),
+        );
+        let store = host_store(vm.pools[self.pool].state.config());
+        let r =
+            vm.pools[self.pool]
+                .state
+                .serve_peer(store, method, path, token.as_deref(), now_ms());
         self.phase = Phase::Released;
         let ct = if r.status == 200 {
             crate::worker::exchange::BUNDLE_CONTENT_TYPE
@@ -323,10 +460,10 @@ impl Stream {
         ) && let Some(vm) = &self.vm
         {
             let mut vm = vm.borrow_mut();
-            vm.state.release(self.id);
+            vm.pools[self.pool].state.release(self.id);
             if self.phase == Phase::Prefilling {
                 // The client left while the prefill leg was out: its answer will find no stream.
-                vm.state.release(prefill_id(self.id));
+                vm.pools[self.pool].state.release(prefill_id(self.id));
                 self.prefill = None;
             }
         }
@@ -374,13 +511,14 @@ impl HttpContext for Stream {
         }
         let method = header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
         let path = header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
-        if vm.borrow().state.is_peer_path(&path) {
+        if vm.borrow().pools[self.pool].state.is_peer_path(&path) {
             return self.serve_peer(&vm, &method, &path);
         }
         if method != b"POST" || !is_inference_path(&path) {
             return Action::Continue;
         }
-        if !vm.borrow().state.has_members() {
+        self.pool_from_header(&vm);
+        if !vm.borrow().pools.iter().any(|p| p.state.has_members()) {
             // Discovery has seated nobody yet (and no static replica): the proxy's own balancing
             // takes the request; nothing is booked against an empty slot.
             return Action::Continue;
@@ -388,7 +526,7 @@ impl HttpContext for Stream {
         self.path = String::from_utf8_lossy(&path).into_owned();
         self.session = header(
             MapType::HttpRequestHeaders,
-            vm.borrow().state.session_header(),
+            vm.borrow().pools[self.pool].state.session_header(),
         )
         .filter(|v| !v.is_empty() && v.len() <= 512)
         .map(|v| String::from_utf8_lossy(&v).into_owned());
@@ -399,7 +537,7 @@ impl HttpContext for Stream {
         // A declared length counts from now on (the hostile value bounded by the body limit, past
         // which the body is not held anyway): a stream the bound cannot take is routed before the
         // proxy buffers any of it.
-        let limit = vm.borrow().state.max_body_bytes();
+        let limit = vm.borrow().pools[self.pool].state.max_body_bytes();
         self.declared = header(MapType::HttpRequestHeaders, "content-length")
             .filter(|v| v.len() <= 20)
             .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok())
@@ -407,8 +545,8 @@ impl HttpContext for Stream {
         if !self.count_hold(0) {
             return self.route_over_hold(self.declared);
         }
-        self.early = vm.borrow().state.early_scan(&self.path);
-        if vm.borrow().state.config().output == OutputMode::NginxVariable {
+        self.early = vm.borrow().pools[self.pool].state.early_scan(&self.path);
+        if vm.borrow().pools[self.pool].state.config().output == OutputMode::NginxVariable {
             // ngx_wasm_module calls this in nginx's rewrite phase, always without end of stream,
             // and parks a paused request there until something resumes it; it reads the body only
             // later, in the content phase, and hands it over whole, with end of stream, before
@@ -425,9 +563,9 @@ impl HttpContext for Stream {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        let limit = vm.borrow().state.max_body_bytes();
+        let limit = vm.borrow().pools[self.pool].state.max_body_bytes();
         if body_size > limit {
-            if vm.borrow().state.disaggregated() {
+            if vm.borrow().pools[self.pool].state.disaggregated() {
                 return self.refuse_unread_pd(
                     413,
                     &format!("the request body is over routing.max_body_bytes ({limit})"),
@@ -459,12 +597,16 @@ impl HttpContext for Stream {
             return Action::Continue;
         };
         // Ask for one byte past the limit: a body over it is routed by load without being copied.
-        let limit = vm.borrow().state.max_body_bytes();
+        let limit = vm.borrow().pools[self.pool].state.max_body_bytes();
         self.route_buffered(limit.saturating_add(1))
     }
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if let (Some(text), Some(vm)) = (self.explain.take(), self.vm.as_ref())
-            && let Some(name) = vm.borrow().state.config().explain_header.clone()
+            && let Some(name) = vm.borrow().pools[self.pool]
+                .state
+                .config()
+                .explain_header
+                .clone()
         {
             let _ = abi::set_header(MapType::HttpResponseHeaders, &name, text.as_bytes());
         }
@@ -525,10 +667,12 @@ impl HttpContext for Stream {
             if p.tokens > 0 {
                 let mut vm = vm.borrow_mut();
                 if self.phase == Phase::Admitted {
-                    vm.state.first_token(self.id, now_ms());
+                    vm.pools[self.pool].state.first_token(self.id, now_ms());
                     self.phase = Phase::Decoding;
                 }
-                vm.state.decode_progress(self.id, tracker.generated());
+                vm.pools[self.pool]
+                    .state
+                    .decode_progress(self.id, tracker.generated());
             }
         }
         if engine_error {

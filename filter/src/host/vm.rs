@@ -3,21 +3,36 @@
 
 use super::abi;
 use super::metrics::Metrics;
+use crate::config::GatewayConfig;
 use crate::worker::WorkerState;
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::cell::RefCell;
 use std::rc::Rc;
 
-/// A configured VM: the worker's routing state plus its host-facing bits.
+/// A configured VM: one routing state per pool (one, unnamed, without `pools`) plus the
+/// host-facing bits the pools share.
 pub(super) struct Vm {
-    pub(super) state: WorkerState,
-    pub(super) metrics: Metrics,
+    pub(super) pools: Vec<Pool>,
+    /// How a request's model picks its pool (`pools` taken out: they are above).
+    pub(super) gateway: GatewayConfig,
+    /// Requests answered 404 for a model no pool serves, and 400 for none without a default
+    /// pool (defined only with `pools`).
+    pub(super) models_unknown: Option<u32>,
+    pub(super) models_missing: Option<u32>,
     /// Bytes of request bodies this VM's streams hold for the early scan (their buffers'
     /// capacity), kept under `early_body_scan_max_bytes`.
     pub(super) early_held: usize,
     /// Bytes of request bodies the proxy buffers for this VM's streams while they wait for their
     /// route, kept under `body_hold_max_bytes`.
     pub(super) body_held: usize,
+}
+
+/// One pool's worker state and metrics: everything a request routed in it, and the ticks, touch.
+pub(super) struct Pool {
+    /// `None` for the unnamed pool of a configuration without `pools`.
+    pub(super) name: Option<String>,
+    pub(super) state: WorkerState,
+    pub(super) metrics: Metrics,
 }
 
 pub(super) type Shared = Rc<RefCell<Vm>>;

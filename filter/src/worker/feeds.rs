@@ -187,6 +187,26 @@ impl WorkerState {
         self.feeds.started(replica, token, now_ms, period);
     }
 
+    /// Whether `token` is one of this worker's callouts still out (a feed, discovery, peer or
+    /// tokenizer-bundle poll): with several pools in a VM, the answer goes to the pool that
+    /// sent it.
+    pub fn owns_callout(&self, token: u32) -> bool {
+        let bundle = {
+            #[cfg(feature = "tokenizer")]
+            {
+                self.is_bundle_fetch(token)
+            }
+            #[cfg(not(feature = "tokenizer"))]
+            {
+                false
+            }
+        };
+        self.feeds.owns(token)
+            || self.is_discovery_poll(token)
+            || self.is_peer_poll(token)
+            || bundle
+    }
+
     /// The host refused to dispatch (unknown cluster, no resolver...): a failure like any other.
     pub fn poll_not_started(&mut self, replica: usize, reason: &str, now_ms: u64) -> FeedResult {
         if let Some(f) = self.feeds.get_mut(replica) {

@@ -115,6 +115,11 @@ impl FeedPollers {
         }
     }
 
+    /// Whether `token` is a feed poll of these units that is still out.
+    pub fn owns(&self, token: u32) -> bool {
+        self.callouts.contains_key(&token)
+    }
+
     /// The unit whose poll `token` answers, no longer in flight; `None` for an unknown token.
     pub fn answered(&mut self, token: u32) -> Option<usize> {
         let unit = self.callouts.remove(&token)?;

@@ -65,8 +65,8 @@ impl Stream {
         let capacity = self.arrived.capacity();
         let mut vm = vm.borrow_mut();
         let others = vm.early_held.saturating_sub(self.held);
-        if others + capacity > vm.state.config().early_body_scan_max_bytes {
-            inc(vm.metrics.early_declined, 1);
+        if others + capacity > vm.pools[self.pool].state.config().early_body_scan_max_bytes {
+            inc(vm.pools[self.pool].metrics.early_declined, 1);
             return false;
         }
         vm.early_held = others + capacity;
@@ -102,7 +102,7 @@ impl Stream {
         let mut vm = vm.borrow_mut();
         let others = vm.body_held.saturating_sub(self.hold);
         let bytes = bytes.max(self.declared);
-        if others.saturating_add(bytes) > vm.state.config().body_hold_max_bytes {
+        if others.saturating_add(bytes) > vm.pools[self.pool].state.config().body_hold_max_bytes {
             return false;
         }
         vm.body_held = others + bytes;
@@ -129,12 +129,12 @@ impl Stream {
         self.return_hold();
         if let Some(vm) = &self.vm {
             let vm = vm.borrow();
-            inc(vm.metrics.body_hold_fallbacks, 1);
+            inc(vm.pools[self.pool].metrics.body_hold_fallbacks, 1);
         }
         if self
             .vm
             .as_ref()
-            .is_some_and(|vm| vm.borrow().state.disaggregated())
+            .is_some_and(|vm| vm.borrow().pools[self.pool].state.disaggregated())
         {
             return self.refuse_unread_pd(503, "the proxy holds as many request bodies as allowed");
         }

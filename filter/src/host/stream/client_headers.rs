@@ -50,7 +50,7 @@ impl Stream {
         // on every request, routed or not. (The header names are borrowed from the VM's
         // configuration; host calls never re-enter the VM, so the borrow is safe across them.)
         let mut vm = vm.borrow_mut();
-        let vm = &mut *vm;
+        let vm = &mut vm.pools[self.pool];
         // The rank header too: a client must not pick a DP rank either.
         let mut removed = 0;
         let mut stuck = None;

@@ -23,7 +23,7 @@ impl Stream {
         };
         self.outcome_reported = true;
         let served = abi::get_property(&["upstream", "address"]).ok().flatten();
-        vm.borrow_mut().state.request_outcome(
+        vm.borrow_mut().pools[self.pool].state.request_outcome(
             replica,
             served.as_deref(),
             outcome,
@@ -42,8 +42,8 @@ impl Stream {
         self.outcome_reported = true;
         if failed && let Some(vm) = &self.vm {
             let mut vm = vm.borrow_mut();
-            vm.state.failure_not_blamed();
-            inc(vm.metrics.failures_not_blamed, 1);
+            vm.pools[self.pool].state.failure_not_blamed();
+            inc(vm.pools[self.pool].metrics.failures_not_blamed, 1);
         }
     }
 
@@ -52,10 +52,9 @@ impl Stream {
     /// (`upstream.address`). nginx: `$upstream_status`, read through ngx_wasm_module's `ngx.*`
     /// properties; without it, the proxy's (nothing counts: conservative where nginx cannot tell).
     pub(super) fn answer_origin(&self) -> Origin {
-        let nginx = self
-            .vm
-            .as_ref()
-            .is_some_and(|vm| vm.borrow().state.config().output == OutputMode::NginxVariable);
+        let nginx = self.vm.as_ref().is_some_and(|vm| {
+            vm.borrow().pools[self.pool].state.config().output == OutputMode::NginxVariable
+        });
         if nginx {
             return match abi::get_property(&["ngx", "upstream_status"]) {
                 Ok(Some(v)) => Origin::from_nginx_upstream_status(&v),
