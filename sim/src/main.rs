@@ -4,13 +4,15 @@
 //! kvsteer-sim serve --replicas N --host 127.0.0.1 --port P [--time-scale X] [--seed S]
 //!     [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192]
 //!     [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]
-//!     [--tokenizer stand_in|o200k_harmony|o200k_base | --huggingface DIR] [--profile FILE.json] [--dp-ranks 1]
+//!     [--tokenizer stand_in|o200k_harmony|o200k_base | --huggingface DIR] [--profile FILE.json|NAME] [--dp-ranks 1]
 //!     [--max-loras 0] [--lora-load-ms 300]
 //! ```
 //! `--dp-ranks N` puts N data-parallel ranks (N engines) behind each replica's port, chosen by the
 //! `x-data-parallel-rank` header or vLLM's internal balancer (docs/design/dp.md).
 //! `--profile` replaces the default step-time profile (Llama-3.1-8B on an H100) with one read from
-//! JSON, e.g. the one `scripts/fit-profile` fits to a real engine (docs/reports/fidelity.md); its
+//! JSON, e.g. the one `scripts/fit-profile` fits to a real engine (docs/reports/fidelity.md), or
+//! with a built-in one by name (`llama-3.1-70b-h100-tp4`, `llama-3.1-8b-a100-40gb`,
+//! `llama-3.1-8b-h100`: the router's `kv_time` profiles of the same names); its
 //! `max_model_len` applies unless `--max-model-len` is given, its `kv_blocks_16` unless
 //! `--kv-blocks` is.
 //! Replica i listens on port P+i and is named `<prefix><i>`; one line `ready <name> <host>:<port>` is
@@ -93,10 +95,11 @@ struct Serve {
     /// Context limit in tokens, prompt plus `max_tokens` (default: the profile's `max_model_len`).
     #[arg(long, value_name = "TOKENS")]
     max_model_len: Option<u32>,
-    /// Step-time profile as JSON (e.g. from `scripts/fit-profile`) instead of the built-in one
-    /// (Llama-3.1-8B on an H100); its `max_model_len` and `kv_blocks_16` apply unless
+    /// Step-time profile instead of the default (Llama-3.1-8B on an H100): a built-in one by name
+    /// (llama-3.1-70b-h100-tp4, llama-3.1-8b-a100-40gb, llama-3.1-8b-h100) or a JSON file (e.g.
+    /// from `scripts/fit-profile`); its `max_model_len` and `kv_blocks_16` apply unless
     /// `--max-model-len` and `--kv-blocks` are given.
-    #[arg(long, value_name = "FILE.json")]
+    #[arg(long, value_name = "FILE.json|NAME")]
     profile: Option<PathBuf>,
     /// Mean output length in tokens of requests that do not set `ignore_eos` (exponentially
     /// distributed; default 256).
@@ -132,9 +135,7 @@ fn run() -> Result<(), String> {
     engine.lora.slots = args.max_loras;
     engine.lora.load_us = args.lora_load_ms.saturating_mul(1000);
     if let Some(path) = &args.profile {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        engine.profile = kvsteer_sim::Profile::from_json(&text)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+        engine.profile = load_profile(path)?;
     }
     if let Some(mean) = args.output_mean {
         engine.output_len = OutputLen::Exponential { mean };
@@ -197,6 +198,15 @@ fn run() -> Result<(), String> {
     }
 }
 
+/// `--profile`: a built-in profile's name, else a JSON file's path.
+fn load_profile(arg: &std::path::Path) -> Result<kvsteer_sim::Profile, String> {
+    if let Some(p) = arg.to_str().and_then(kvsteer_sim::Profile::named) {
+        return Ok(p);
+    }
+    let text = std::fs::read_to_string(arg).map_err(|e| format!("{}: {e}", arg.display()))?;
+    kvsteer_sim::Profile::from_json(&text).map_err(|e| format!("{}: {e}", arg.display()))
+}
+
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
@@ -236,6 +246,26 @@ mod tests {
         );
         assert_eq!(a.tokenizer, TokenizerKind::StandIn);
         assert!(a.kv_blocks.is_none() && a.max_model_len.is_none() && a.output_mean.is_none());
+    }
+
+    #[test]
+    fn a_profile_by_name_or_by_file() {
+        let named = load_profile(std::path::Path::new("llama-3.1-70b-h100-tp4")).expect("built in");
+        assert_eq!(
+            named,
+            kvsteer_sim::Profile::named("llama-3.1-70b-h100-tp4").unwrap()
+        );
+        assert_ne!(named, kvsteer_sim::Profile::llama31_8b_h100());
+        let dir = std::env::temp_dir().join(format!("kvsteer-sim-profile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("p.json");
+        let mut fitted = kvsteer_sim::Profile::llama31_8b_h100();
+        fitted.name = "fitted".into();
+        std::fs::write(&file, serde_json::to_string(&fitted).unwrap()).unwrap();
+        assert_eq!(load_profile(&file), Ok(fitted));
+        let missing = load_profile(&dir.join("nope.json")).expect_err("no such file or name");
+        assert!(missing.contains("nope.json"), "{missing}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
