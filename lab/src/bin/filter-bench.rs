@@ -56,6 +56,8 @@ struct Args {
     ids_only: bool,
     /// `early_body_scan` in the filter's configuration (`--no-early-scan`: false).
     early_scan: bool,
+    /// Pools in the configuration (`--pools`): 1, the plain single-fleet configuration.
+    pools: usize,
 }
 
 #[derive(Parser, Debug)]
@@ -93,6 +95,11 @@ struct Cli {
     /// Turn the filter's early body scan off (`early_body_scan: false`), for comparison.
     #[arg(long)]
     no_early_scan: bool,
+    /// Pools in the configuration (clamped to 1..=64): with more than 1, the benched fleet is
+    /// pool `p0` (model `m`) and every other pool has `--replicas` replicas of its own, polled and
+    /// answered with empty snapshots, so the request path runs with N pools' state in the VM.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pools: usize,
 }
 
 fn json_object(s: &str) -> Result<serde_json::Value, String> {
@@ -125,6 +132,7 @@ fn parse_args() -> Args {
         sizes: cli.sizes.map_or_else(|| SIZES.to_vec(), |s| s.0),
         ids_only: cli.ids_only,
         early_scan: !cli.no_early_scan,
+        pools: cli.pools.clamp(1, 64),
     }
 }
 
@@ -162,16 +170,27 @@ fn seed_index(
         proxy.set_now_ns(now_ms * 1_000_000);
         worker.tick().map_err(|e| e.to_string())?;
         for call in worker.take_callouts() {
-            let r: usize = call
-                .upstream
-                .strip_prefix("feed_r")
-                .and_then(|n| n.parse().ok())
-                .ok_or(format!("unexpected upstream {}", call.upstream))?;
             let q = call
                 .header(":path")
                 .and_then(|p| p.split_once('?'))
                 .map(|(_, q)| FeedQuery::parse(q))
                 .ok_or("callout without a feed query")??;
+            if call.upstream.starts_with("other_") {
+                // Another pool's replica: an empty cache, so it stays healthy and polled.
+                let batch = feed_answer(7, &q, Vec::new());
+                worker
+                    .answer_callout(
+                        &call,
+                        CallOutcome::ok(200, FEED_CONTENT_TYPE, batch.encode()),
+                    )
+                    .map_err(|e| e.to_string())?;
+                continue;
+            }
+            let r: usize = call
+                .upstream
+                .strip_prefix("feed_r")
+                .and_then(|n| n.parse().ok())
+                .ok_or(format!("unexpected upstream {}", call.upstream))?;
             let mut hashes: Vec<u64> = (0..per).map(|_| lcg(&mut rng)).collect();
             if r == 3 {
                 hashes.extend_from_slice(warm);
@@ -192,7 +211,20 @@ fn seed_index(
     if !answered.iter().all(|a| *a) {
         return Err("the filter did not poll every replica".into());
     }
-    apply_snapshots(proxy, worker, now_ms)
+    apply_snapshots(
+        proxy,
+        worker,
+        now_ms,
+        &metric_name(args, "kvsteer_feed_pending_blocks"),
+    )
+}
+
+/// The benched fleet's metric `name`: pool `p0`'s with `--pools` over 1.
+fn metric_name(args: &Args, name: &str) -> String {
+    match name.strip_prefix("kvsteer_") {
+        Some(rest) if args.pools > 1 => format!("kvsteer_pool_p0_{rest}"),
+        _ => name.to_string(),
+    }
 }
 
 /// A replica's answer to a feed poll: nothing new once the filter holds `epoch`, else a snapshot of
@@ -235,16 +267,18 @@ fn feed_answer(epoch: u64, q: &FeedQuery, hashes: Vec<u64>) -> FeedBatch {
 }
 
 /// The filter applies `feed_apply_blocks_per_tick` hashes a tick: ticks until it has applied all.
-fn apply_snapshots(proxy: &Proxy, worker: &mut WorkerVm, mut now_ms: u64) -> Result<(), String> {
+fn apply_snapshots(
+    proxy: &Proxy,
+    worker: &mut WorkerVm,
+    mut now_ms: u64,
+    pending: &str,
+) -> Result<(), String> {
     for _ in 0..100_000 {
         now_ms += worker.tick_period_ms().max(1) as u64;
         proxy.set_now_ns(now_ms * 1_000_000);
         worker.tick().map_err(|e| e.to_string())?;
         let _ = worker.take_callouts();
-        if proxy
-            .metric("kvsteer_feed_pending_blocks")
-            .is_some_and(|m| m.value == 0)
-        {
+        if proxy.metric(pending).is_some_and(|m| m.value == 0) {
             return Ok(());
         }
     }
@@ -323,7 +357,13 @@ fn bench(
         let req = t.elapsed().as_secs_f64() * 1e6;
         m.last_us.push(last_us);
         if last != Action::Continue {
-            return Err(format!("request {i} was not released ({last:?})"));
+            let local = worker
+                .stream(id)
+                .and_then(|s| s.local_response.as_ref())
+                .map(|l| format!("{} {}", l.status, String::from_utf8_lossy(&l.body)));
+            return Err(format!(
+                "request {i} was not released ({last:?}; answered {local:?})"
+            ));
         }
         let dest = worker
             .stream(id)
@@ -370,26 +410,29 @@ fn run() -> Result<(), String> {
     seed_index(&proxy, &mut worker, &args, &warm)?;
     let seed_ms = t.elapsed().as_secs_f64() * 1e3;
     let seeded_memory = worker.memory_bytes();
-    let index_blocks = proxy.metric("kvsteer_index_blocks").map_or(0, |m| m.value);
+    let index_metric = metric_name(&args, "kvsteer_index_blocks");
+    let index_blocks = proxy.metric(&index_metric).map_or(0, |m| m.value);
     // One tick publishes the index gauges.
     worker.tick().map_err(|e| e.to_string())?;
     let _ = worker.take_callouts();
     let index_blocks = proxy
-        .metric("kvsteer_index_blocks")
+        .metric(&index_metric)
         .map_or(index_blocks, |m| m.value);
     let rows = measure_rows(&proxy, &mut worker, &args, &prompts)?;
 
     println!(
         "filter: {} ({:.0} KB), compiled in {compile_ms:.0} ms; {} replicas, index seeded with {} \
          blocks in {seed_ms:.0} ms (filter reports {index_blocks}); policy {}; {} requests each; \
-         early body scan {}",
+         early body scan {}; {} pools ({} replicas in all)",
         path.display(),
         module.size() as f64 / 1024.0,
         args.replicas,
         args.index_blocks,
         args.policy,
         args.requests,
-        if args.early_scan { "on" } else { "off" }
+        if args.early_scan { "on" } else { "off" },
+        args.pools,
+        args.pools * args.replicas
     );
     println!();
     print_rows(&rows);
@@ -402,7 +445,7 @@ fn run() -> Result<(), String> {
         }
     }
     worker.tick().map_err(|e| e.to_string())?;
-    let metric = |n: &str| proxy.metric(n).map_or(0, |m| m.value);
+    let metric = |n: &str| proxy.metric(&metric_name(&args, n)).map_or(0, |m| m.value);
     println!(
         "after the run: index {} blocks, {} evictions, {} release anomalies",
         metric("kvsteer_index_blocks"),
@@ -441,6 +484,33 @@ fn filter_config(args: &Args) -> serde_json::Value {
     // Only when turned off, so that a filter from before the option can be measured by default.
     if !args.early_scan {
         cfg["early_body_scan"] = json!(false);
+    }
+    if args.pools > 1 {
+        // The benched fleet becomes pool p0 (its index capacity its own, as above); every other
+        // pool has as many replicas, on addresses of their own, and the default index share.
+        let obj = cfg.as_object_mut().expect("an object");
+        let replicas = obj.remove("replicas").unwrap_or_default();
+        let capacity = cfg["routing"]["index_capacity_blocks"].clone();
+        let mut pools = vec![json!({"name": "p0", "models": ["m"], "replicas": replicas,
+                                    "routing": {"index_capacity_blocks": capacity}})];
+        for k in 1..args.pools {
+            let others: Vec<_> = (0..args.replicas)
+                .map(|i| {
+                    json!({"name": format!("r{i}"),
+                           "endpoint": format!("10.{}.{}.{}:8000", k, i / 250, i % 250 + 1),
+                           "feed_cluster": format!("other_p{k}_r{i}")})
+                })
+                .collect();
+            pools.push(json!({"name": format!("p{k}"), "models": [format!("m{k}")],
+                              "replicas": others}));
+        }
+        cfg["pools"] = json!(pools);
+        // The headers-only row's requests have no body, so no model: the default pool takes them.
+        cfg["default_pool"] = json!("p0");
+        cfg["routing"]
+            .as_object_mut()
+            .expect("an object")
+            .remove("index_capacity_blocks");
     }
     cfg
 }
