@@ -22,6 +22,7 @@ VARIANTS = {
     "envoy-cluster-header": "kvsteer filter, one cluster per replica, cluster_header routing",
     "envoy-pd": "kvsteer filter, prefill/decode disaggregation (prefill leg a callout, decode leg via override_host)",
     "envoy-discovery": "kvsteer filter, members read at run time from kvsteer-discover (override_host on serving and feed clusters)",
+    "envoy-pools": "kvsteer filter with two pools (one gateway, two models, a fleet each), override_host",
     "envoy-round-robin": "Envoy round_robin, no filter",
     "envoy-least-request": "Envoy least_request, no filter",
     "envoy-ring-hash": "Envoy ring_hash on x-session-id, no filter",
@@ -126,6 +127,48 @@ def _single_host_cluster(template: dict, name: str, host_port: str) -> dict:
     return c
 
 
+def _replica_entries(committed: list[dict], replicas: list[tuple[str, str]],
+                     feeds: dict[str, str], replica_overrides: dict) -> list[dict]:
+    """The plugin configuration's entries for `replicas`: entry i keeps the committed i-th entry's
+    own settings (a P/D file's roles differ per replica), the first entry's beyond the committed
+    count, with the name, endpoint and cluster names of this run."""
+    entries = []
+    for i, (name, ep) in enumerate(replicas):
+        r = dict(committed[i] if i < len(committed) else committed[0])
+        r["name"], r["endpoint"] = name, ep
+        if "feed_cluster" in r:
+            r["feed_cluster"] = FEED_PREFIX + name
+        if "feed_authority" in r:
+            r["feed_authority"] = ep
+        if "feed_address" in r:
+            r["feed_address"] = feeds.get(name, ep)
+        if "cluster" in r:
+            r["cluster"] = REPLICA_CLUSTER_PREFIX + name
+        if "prefill_cluster" in r:
+            r["prefill_cluster"] = PREFILL_PREFIX + name
+        r.update(replica_overrides)
+        entries.append(r)
+    return entries
+
+
+def pool_members(pc: dict, replicas: list[str],
+                 pools: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
+    """Which of `replicas` (names) each pool of the plugin configuration `pc` gets: `pools` (pool
+    name -> replica names) when given, else the replicas in order, each pool as many as its
+    committed entry lists and the last pool the rest."""
+    names = [p["name"] for p in pc["pools"]]
+    if pools is not None:
+        if set(pools) != set(names) or sorted(sum(pools.values(), [])) != sorted(replicas):
+            raise ValueError(f"pools {pools} do not split {replicas} over {names}")
+        return {n: list(pools[n]) for n in names}
+    out, i = {}, 0
+    for k, p in enumerate(pc["pools"]):
+        take = len(replicas) - i if k == len(names) - 1 else len(p.get("replicas", []))
+        out[p["name"]] = replicas[i:i + take]
+        i += take
+    return out
+
+
 def rewrite(
     doc: dict,
     replicas: list[tuple[str, str]],
@@ -137,6 +180,7 @@ def rewrite(
     feeds: dict[str, str] | None = None,
     replica_overrides: dict | None = None,
     extra_clusters: dict[str, str] | None = None,
+    pools: dict[str, list[str]] | None = None,
 ) -> dict:
     """A copy of `doc` for these replicas (name, `IP:port`), ports and wasm path.
 
@@ -151,7 +195,9 @@ def rewrite(
     to show what a setting is for by turning it off), `replica_overrides` into every replica entry
     (e.g. `{"dp_ranks": 4}`). `feeds` names replicas whose feed is served at another `IP:port` than
     their completions (tests: a flooding or slow feed beside a normal replica); their
-    `kvsteer_feed_<name>` cluster points there.
+    `kvsteer_feed_<name>` cluster points there. A configuration with `pools` (envoy-pools.yaml)
+    gets its replicas split over its pools by `pool_members` (`pools`: pool name -> replica
+    names); every pool's replicas are in the `replicas` cluster and get their feed clusters.
     """
     doc = copy.deepcopy(doc)
     doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -166,25 +212,23 @@ def rewrite(
         w.update(_merge(w, wasm_overrides or {}))
         w["vm_config"]["code"]["local"]["filename"] = wasm
         pc = json.loads(w["configuration"]["value"])
-        committed = pc["replicas"]
-        # A discovery file lists no static replica: its members come from the member list.
-        for i, (name, ep) in enumerate(replicas if committed else []):
-            r = dict(committed[i] if i < len(committed) else committed[0])
-            r["name"], r["endpoint"] = name, ep
-            if "feed_cluster" in r:
-                r["feed_cluster"] = FEED_PREFIX + name
-            if "feed_authority" in r:
-                r["feed_authority"] = ep
-            if "feed_address" in r:
-                r["feed_address"] = (feeds or {}).get(name, ep)
-            if "cluster" in r:
-                r["cluster"] = REPLICA_CLUSTER_PREFIX + name
-            if "prefill_cluster" in r:
-                r["prefill_cluster"] = PREFILL_PREFIX + name
-            r.update(replica_overrides or {})
-            entries.append(r)
-        if committed:
-            pc["replicas"] = entries
+        if "pools" in pc:
+            members = pool_members(pc, [n for n, _ in replicas], pools)
+            endpoint = dict(replicas)
+            for p in pc["pools"]:
+                mine = [(n, endpoint[n]) for n in members[p["name"]]]
+                # A pool with discovery only lists no static replica.
+                if p.get("replicas"):
+                    p["replicas"] = _replica_entries(p["replicas"], mine, feeds or {},
+                                                     replica_overrides or {})
+                    entries.extend(p["replicas"])
+        else:
+            committed = pc["replicas"]
+            # A discovery file lists no static replica: its members come from the member list.
+            if committed:
+                entries = _replica_entries(committed, replicas, feeds or {},
+                                           replica_overrides or {})
+                pc["replicas"] = entries
         pc = _merge(pc, plugin_overrides or {})
         w["configuration"]["value"] = json.dumps(pc)
     prefill_names = {r["name"] for r in entries if r.get("prefill_cluster")}

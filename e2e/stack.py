@@ -404,10 +404,13 @@ class Stack:
         replica_overrides: dict | None = None,
         node_id: str = "",
         extra_clusters: dict[str, str] | None = None,
+        pools: dict[str, list[str]] | None = None,
     ) -> None:
         """Envoy with `envoy/<variant>.yaml`, rewritten for this stack's ports and the built wasm.
         `node_id` is passed as `--service-node` (Envoy's node id, which the filter mixes into its
-        tie-break seed so that proxies of one fleet break ties differently); empty: none."""
+        tie-break seed so that proxies of one fleet break ties differently); empty: none. `pools`
+        (pool name -> replica names) splits the replicas over a pooled file's pools
+        (`envoy_config.pool_members`)."""
         wasm = wasm_path()
         cfg_doc = envoy_config.load(variant)
         if envoy_config.uses_wasm(cfg_doc) and not wasm.exists():
@@ -429,6 +432,7 @@ class Stack:
             feeds=self.feed_endpoints(),
             replica_overrides=replica_overrides or {},
             extra_clusters=extra_clusters,
+            pools=pools,
         )
         path = self.workdir / f"{variant}.json"
         path.write_text(json.dumps(doc, indent=1))
@@ -461,7 +465,8 @@ class Stack:
                     listen_port=self.listen_port, admin_port=self.admin_port, wasm=str(wasm),
                     plugin_overrides=plugin_overrides or {}, wasm_overrides=wasm_overrides or {},
                     feeds=self.feed_endpoints(),
-                    replica_overrides=replica_overrides or {}, extra_clusters=extra_clusters)
+                    replica_overrides=replica_overrides or {}, extra_clusters=extra_clusters,
+                    pools=pools)
                 path.write_text(json.dumps(doc, indent=1))
         else:
             raise StackError(f"envoy did not become ready:\n{last}")

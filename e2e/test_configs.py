@@ -124,6 +124,39 @@ class KvsteerVariants(unittest.TestCase):
         for r in pc["replicas"]:
             self.assertEqual(envoy_config.cluster_endpoints(clusters[r["cluster"]]), [r["endpoint"]])
 
+    def test_pools_variant(self):
+        # envoy-pools.yaml: every pool's replicas in the one `replicas` cluster, in order, each with
+        # a STATIC feed cluster; the stats_tags rule that makes the pool a Prometheus label
+        # (e2e/test_pools.py sees it work).
+        doc = envoy_config.load("envoy-pools")
+        w = envoy_config.wasm_filter(doc)
+        self.assertIs(w["allow_on_headers_stop_iteration"], True)
+        self.assertEqual(w["failure_policy"], "FAIL_OPEN")
+        pc = envoy_config.plugin_config(doc)
+        self.assertNotIn("replicas", pc)
+        self.assertEqual([p["name"] for p in pc["pools"]], ["chat", "big"])
+        clusters = envoy_config.clusters(doc)
+        members = [r for p in pc["pools"] for r in p["replicas"]]
+        self.assertEqual([r["endpoint"] for r in members],
+                         envoy_config.cluster_endpoints(clusters["replicas"]))
+        for r in members:
+            feed = clusters[r["feed_cluster"]]
+            self.assertEqual(feed["type"], "STATIC")
+            self.assertEqual(envoy_config.cluster_endpoints(feed), [r["endpoint"]])
+        self.assertEqual(doc["stats_config"]["stats_tags"], [{
+            "tag_name": "kvsteer_pool",
+            "regex": r"^wasmcustom\.kvsteer_pool_(([a-z0-9-]+)_)"}])
+        # The test fleet's split of replicas over the pools, as e2e/test_pools.py asks for it.
+        reps = [(f"r{i}", f"127.0.0.1:{18000 + i}") for i in range(5)]
+        fitted = envoy_config.plugin_config(envoy_config.rewrite(
+            doc, reps, 10000, 9901, "x.wasm", pools={"chat": ["r4", "r0"], "big": ["r1", "r2", "r3"]}))
+        self.assertEqual([[r["name"] for r in p["replicas"]] for p in fitted["pools"]],
+                         [["r4", "r0"], ["r1", "r2", "r3"]])
+        self.assertEqual(fitted["pools"][1]["routing"],
+                         {"kv_time": {"profile": "llama-3.1-70b-h100-tp4"}})
+        with self.assertRaises(ValueError):
+            envoy_config.rewrite(doc, reps, 10000, 9901, "x.wasm", pools={"chat": ["r0"]})
+
 
 class Peers(unittest.TestCase):
     def test_peers_have_no_filter_and_their_balancer(self):
