@@ -1,4 +1,4 @@
-"""nginx/nginx.conf, checked without nginx: nginx with ngx_wasm_module is in no registry CI can reach,
+"""nginx/nginx.conf and nginx/nginx-pools.conf, checked without nginx: nginx with ngx_wasm_module is in no registry CI can reach,
 so the configuration is read here with a small tokenizer, its pieces are cross-checked, and its
 plugin JSON is handed to the built filter (loaded by Envoy in validate mode: configuration parsing
 is the same code whatever the host). host-test emulates the nginx host semantics themselves."""
@@ -14,6 +14,7 @@ import envoy_config
 import stack
 
 CONF = Path(__file__).resolve().parent.parent / "nginx" / "nginx.conf"
+POOLS_CONF = CONF.with_name("nginx-pools.conf")
 
 
 def tokens(text: str) -> list[str]:
@@ -71,13 +72,18 @@ def one(tree: list, name: str) -> tuple:
 
 
 class NginxConf(unittest.TestCase):
+    conf = CONF
+
     @classmethod
     def setUpClass(cls) -> None:
-        cls.tree = parse(tokens(CONF.read_text()))
+        cls.tree = parse(tokens(cls.conf.read_text()))
         cls.http = one(cls.tree, "http")[2]
         cls.server = one(cls.http, "server")[2]
         cls.location = next(d[2] for d in find(cls.server, "location") if d[1] == ["/v1/"])
         cls.plugin = json.loads(one(cls.location, "proxy_wasm")[1][1])
+        # Every replica entry, a pooled configuration's in pool order.
+        cls.replicas = cls.plugin.get("replicas") or [
+            r for p in cls.plugin["pools"] for r in p["replicas"]]
 
     def test_wasm_block_loads_the_module_with_shared_memory_and_a_resolver(self):
         wasm = one(self.tree, "wasm")[2]
@@ -105,8 +111,8 @@ class NginxConf(unittest.TestCase):
 
     def test_replicas_agree_with_the_upstream_group(self):
         servers = [d[1][0] for d in find(one(self.http, "upstream")[2], "server")]
-        self.assertEqual([r["endpoint"] for r in self.plugin["replicas"]], servers)
-        for r in self.plugin["replicas"]:
+        self.assertEqual([r["endpoint"] for r in self.replicas], servers)
+        for r in self.replicas:
             self.assertEqual(r["feed_address"], r["endpoint"])
             self.assertNotIn("feed_cluster", r)
 
@@ -121,11 +127,30 @@ class NginxConf(unittest.TestCase):
         self.assertTrue(ok, out)
         # And the check can fail: nginx mode without feed addresses is refused.
         bad = json.loads(json.dumps(self.plugin))
-        for r in bad["replicas"]:
+        for r in bad.get("replicas") or [r for p in bad["pools"] for r in p["replicas"]]:
             del r["feed_address"]
         envoy_config.wasm_filter(doc)["configuration"]["value"] = json.dumps(bad)
         ok, _ = stack.envoy_validate(doc)
         self.assertFalse(ok)
+
+
+class NginxPoolsConf(NginxConf):
+    """nginx/nginx-pools.conf: nginx.conf with two pools; every check above, and the pools'."""
+
+    conf = POOLS_CONF
+
+    def test_two_pools_and_nothing_else_differs(self):
+        self.assertNotIn("replicas", self.plugin)
+        self.assertEqual([(p["name"], p["models"]) for p in self.plugin["pools"]],
+                         [("chat", ["llama-3.1-8b-instruct"]), ("big", ["llama-3.1-70b-instruct"])])
+        plain = parse(tokens(CONF.read_text()))
+
+        def without_plugin_and_pid(tree: list) -> list:
+            return [(d, a if d != "proxy_wasm" else a[:1],
+                     without_plugin_and_pid(c) if c is not None else None)
+                    for d, a, c in tree if d != "pid"]
+
+        self.assertEqual(without_plugin_and_pid(self.tree), without_plugin_and_pid(plain))
 
 
 if __name__ == "__main__":
