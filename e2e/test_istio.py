@@ -46,8 +46,8 @@ def patches(ef: dict, apply_to: str) -> list[dict]:
     return [p for p in ef["spec"]["configPatches"] if p["applyTo"] == apply_to]
 
 
-def wasm_config() -> dict:
-    (ext,) = patches(find("EnvoyFilter", "kvsteer-filter"), "EXTENSION_CONFIG")
+def wasm_config(name: str = "kvsteer-filter") -> dict:
+    (ext,) = patches(find("EnvoyFilter", name), "EXTENSION_CONFIG")
     return ext["patch"]["value"]["typed_config"]["config"]
 
 
@@ -163,18 +163,21 @@ class Manifests(unittest.TestCase):
         self.assertTrue(ok, out)
 
 
-def istio_as_bootstrap(wasm: str) -> dict:
+def istio_as_bootstrap(wasm: str, filter_name: str = "kvsteer-filter",
+                       cluster_filters: tuple[str, ...] = ("kvsteer-cluster",)) -> dict:
     """envoy/envoy.yaml with Istio's pieces in place of its own: the wasm filter config from
     kvsteer-filter.yaml (module read from disk instead of the registry), the service cluster with
     kvsteer-cluster.yaml's MERGE applied, and its ADDed feed clusters (addresses made local, since
-    validation does not resolve cluster DNS names)."""
+    validation does not resolve cluster DNS names). `filter_name` and `cluster_filters` name other
+    EnvoyFilters to take them from (kvsteer-pools.yaml's); the MERGE is the first's."""
     doc = envoy_config.load("envoy")
-    w = copy.deepcopy(wasm_config())
+    w = copy.deepcopy(wasm_config(filter_name))
     w["vm_config"]["code"] = {"local": {"filename": wasm}}
     for f in envoy_config.http_filters(doc):
         if f["name"] == envoy_config.WASM_FILTER:
             f["typed_config"]["config"] = w
-    ef = find("EnvoyFilter", "kvsteer-cluster")
+    efs = [find("EnvoyFilter", n) for n in cluster_filters]
+    ef = efs[0]
     clusters = []
     for c in doc["static_resources"]["clusters"]:
         if c["name"] == "replicas":
@@ -188,12 +191,12 @@ def istio_as_bootstrap(wasm: str) -> dict:
     group = clusters[0]["load_assignment"]["endpoints"][0]
     tmpl = group["lb_endpoints"][0]
     group["lb_endpoints"] = []
-    for r in pc["replicas"]:
+    for r in pc.get("replicas") or [r for p in pc["pools"] for r in p["replicas"]]:
         e = copy.deepcopy(tmpl)
         host, _, port = r["endpoint"].rpartition(":")
         e["endpoint"]["address"]["socket_address"].update(address=host, port_value=int(port))
         group["lb_endpoints"].append(e)
-    for p in patches(ef, "CLUSTER"):
+    for p in (p for e in efs for p in patches(e, "CLUSTER")):
         if p["patch"]["operation"] == "ADD":
             c = copy.deepcopy(p["patch"]["value"])
             c["type"] = "STATIC"
@@ -204,6 +207,83 @@ def istio_as_bootstrap(wasm: str) -> dict:
             clusters.append(c)
     doc["static_resources"]["clusters"] = clusters
     return doc
+
+
+def engine_args(sts: dict) -> list[str]:
+    (engine,) = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
+    return engine["args"]
+
+
+def arg(args: list[str], flag: str) -> str | None:
+    for a in args:
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+class Pools(unittest.TestCase):
+    """istio/kvsteer-pools.yaml: kvsteer-filter.yaml with two pools (vllm.yaml's fleet, and a 70B
+    fleet declared there), checked against the fleets it names and by Envoy with the built filter."""
+
+    def test_the_filter_is_kvsteer_filter_yaml_but_its_configuration(self):
+        mine, theirs = copy.deepcopy(wasm_config("kvsteer-filter-pools")), wasm_config()
+        mine.pop("configuration")
+        self.assertEqual(mine, {k: v for k, v in theirs.items() if k != "configuration"})
+        pools_ef, ef = find("EnvoyFilter", "kvsteer-filter-pools"), find("EnvoyFilter", "kvsteer-filter")
+        self.assertEqual(patches(pools_ef, "HTTP_FILTER"), patches(ef, "HTTP_FILTER"))
+        self.assertEqual(pools_ef["spec"]["workloadSelector"], ef["spec"]["workloadSelector"])
+        pc = json.loads(wasm_config("kvsteer-filter-pools")["configuration"]["value"])
+        flat = plugin_json()
+        flat.pop("replicas")
+        pools = pc.pop("pools")
+        self.assertEqual(pc, flat, "gateway-wide settings as kvsteer-filter.yaml's")
+        self.assertEqual(pools[0]["replicas"], plugin_json()["replicas"], "chat is vllm.yaml's fleet")
+
+    def test_each_pool_serves_its_fleets_model_on_its_pods(self):
+        pc = json.loads(wasm_config("kvsteer-filter-pools")["configuration"]["value"])
+        chat, big = pc["pools"]
+        fleets = {"chat": find("StatefulSet", "vllm"), "big": find("StatefulSet", "vllm-70b")}
+        for pool in (chat, big):
+            sts = fleets[pool["name"]]
+            args = engine_args(sts)
+            served = arg(args, "--served-model-name") or arg(args, "--model")
+            self.assertEqual(pool["models"], [served], pool["name"])
+            name = sts["metadata"]["name"]
+            self.assertEqual([r["name"] for r in pool["replicas"]],
+                             [f"{name}-{i}" for i in range(sts["spec"]["replicas"])])
+        self.assertEqual(arg(engine_args(fleets["big"]), "--tensor-parallel-size"), "4")
+        self.assertEqual(big["routing"]["kv_time"]["profile"], "llama-3.1-70b-h100-tp4")
+        added = {p["patch"]["value"]["name"]: p["patch"]["value"]
+                 for p in patches(find("EnvoyFilter", "kvsteer-cluster-70b"), "CLUSTER")
+                 if p["patch"]["operation"] == "ADD"}
+        sts = fleets["big"]
+        headless = sts["spec"]["serviceName"]
+        self.assertEqual(set(added), {r["feed_cluster"] for r in big["replicas"]})
+        for r in big["replicas"]:
+            (ep,) = added[r["feed_cluster"]]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            sa = ep["endpoint"]["address"]["socket_address"]
+            self.assertEqual(sa["address"], f"{r['name']}.{headless}.llm.svc.cluster.local")
+            self.assertEqual(r["feed_authority"], f"{sa['address']}:{sa['port_value']}")
+
+    def test_the_vllm_service_holds_both_fleets(self):
+        # override_host only sends to hosts of the routed cluster: the `vllm` Service's.
+        svc = find("Service", "vllm")["spec"]["selector"]
+        sts = find("StatefulSet", "vllm-70b")
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        self.assertLessEqual(svc.items(), labels.items())
+        self.assertEqual(sts["spec"]["selector"]["matchLabels"], labels)
+        self.assertEqual(find("Service", sts["spec"]["serviceName"])["spec"]["selector"], labels)
+
+    def test_envoy_accepts_the_embedded_configuration_with_the_built_filter(self):
+        wasm = stack.wasm_path()
+        if not wasm.exists():
+            self.skipTest(f"filter not built at {wasm}")
+        doc = istio_as_bootstrap(str(wasm), "kvsteer-filter-pools",
+                                 ("kvsteer-cluster", "kvsteer-cluster-70b"))
+        self.assertEqual(len(envoy_config.cluster_endpoints(
+            envoy_config.clusters(doc)["replicas"])), 6)
+        ok, out = stack.envoy_validate(doc)
+        self.assertTrue(ok, out)
 
 
 class PluginConfigRenderer(unittest.TestCase):
