@@ -45,6 +45,8 @@ pub struct EngineProfile {
     pub additive: bool,
     #[serde(default)]
     pub host_load_us_per_token: f64,
+    /// Time a request spends outside the engine's steps (the API server), which `kv_time` takes
+    /// off each observed first token before learning a replica's speed from it.
     #[serde(default)]
     pub request_overhead_us: f64,
     #[serde(default)]

@@ -426,7 +426,8 @@ impl KvTime {
     /// The policy for `replicas` replicas, their speeds not learned yet.
     pub fn new(params: KvTimeParams, profile: EngineProfile, replicas: usize) -> KvTime {
         KvTime {
-            learning: Learning::new(replicas, params.speed_params(), true),
+            learning: Learning::new(replicas, params.speed_params(), true)
+                .with_overhead(profile.request_overhead_us / 1e6),
             params,
             profile,
             last_terms: Vec::new(),

@@ -46,6 +46,12 @@ pub struct Learning {
     pending: HashMap<u64, Prediction>,
     /// The policy's last terms belong to a request not admitted yet.
     terms_unadmitted: bool,
+    /// Time a request spends outside the engine's steps (s; the profile's `request_overhead_us`:
+    /// the API server's parsing, the hand-off to the engine, the first token's way back). It is
+    /// taken off each observed time to first token before the speed learns from it: the factor
+    /// scales the engine's steps, and a constant the factor tried to absorb would make a replica
+    /// serving short cached prompts look slow (8 ms on a 5 ms prediction is a factor of 2.6).
+    overhead_s: f64,
 }
 
 /// `kv_time`'s inputs from what it learned: per replica its speed factor, the factor's
@@ -65,7 +71,19 @@ impl Learning {
             speeds: Speeds::new(replicas, params),
             pending: HashMap::new(),
             terms_unadmitted: false,
+            overhead_s: 0.0,
         }
+    }
+
+    /// [`Learning::new`] for an engine whose first tokens carry `overhead_s` seconds outside its
+    /// steps (`request_overhead_us` of the profile).
+    pub fn with_overhead(mut self, overhead_s: f64) -> Learning {
+        self.overhead_s = if overhead_s.is_finite() {
+            overhead_s.max(0.0)
+        } else {
+            0.0
+        };
+        self
     }
 
     /// The policy's terms now describe a request routed and not admitted yet.
@@ -104,7 +122,9 @@ impl Learning {
     /// time to first token against the prediction.
     pub fn first_token(&mut self, request_id: u64, now_ms: u64) {
         if let Some(p) = self.pending.remove(&request_id) {
-            let observed_s = now_ms.saturating_sub(p.admitted_ms) as f64 / 1e3;
+            // An observation the overhead alone explains (or more) teaches nothing: `observe`
+            // drops a time that is not positive.
+            let observed_s = now_ms.saturating_sub(p.admitted_ms) as f64 / 1e3 - self.overhead_s;
             self.speeds
                 .observe(p.replica, p.at_profile_s, observed_s, now_ms);
         }

@@ -103,3 +103,36 @@ fn off_it_gives_no_inputs_and_still_learns_from_predictions() {
     request(&mut l, 1, 0, 0, 400);
     assert!(l.factor(0) > 1.5, "{}", l.factor(0));
 }
+
+/// A replica as fast as its profile whose every first token also carries the API server's 40 ms
+/// (the profile's `request_overhead_us`): with the overhead known its factor stays 1, as its
+/// neighbour's does; not knowing it, the speed takes the constant for slowness (1.4 on a 100 ms
+/// prediction, and worse the shorter the prompt).
+#[test]
+fn the_overhead_outside_the_engine_is_not_taken_for_slowness() {
+    let params = SpeedParams {
+        halflife: 16.0,
+        bound: 4.0,
+        prior: 0.0,
+        retry_s: 0.0,
+    };
+    let mut known = Learning::new(1, params, true).with_overhead(0.040);
+    let mut unknown = Learning::new(1, params, true);
+    for i in 0..32 {
+        request(&mut known, i, 0, i * 1000, 140);
+        request(&mut unknown, i, 0, i * 1000, 140);
+    }
+    assert!((known.factor(0) - 1.0).abs() < 0.02, "{}", known.factor(0));
+    assert!(
+        (unknown.factor(0) - 1.4).abs() < 0.05,
+        "{}",
+        unknown.factor(0)
+    );
+    // A first token the overhead alone explains teaches nothing.
+    let mut quick = Learning::new(1, params, true).with_overhead(0.040);
+    request(&mut quick, 1, 0, 0, 30);
+    assert_eq!(quick.factor(0), 1.0);
+    // A hostile value is no overhead.
+    let nan = Learning::new(1, params, true).with_overhead(f64::NAN);
+    assert_eq!(nan.overhead_s, 0.0);
+}
