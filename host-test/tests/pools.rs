@@ -277,3 +277,60 @@ fn feed_polls_go_out_per_pool_and_answers_reach_the_pool_that_polled() {
         );
     }
 }
+
+/// nginx mode (ngx_wasm_module's phases: headers let through, the body handed over whole, the
+/// choice written to a variable, callouts to addresses): each model's choice is its pool's, and an
+/// unknown model is answered by the filter.
+#[test]
+fn nginx_mode_routes_each_model_in_its_pool() {
+    let mut cfg = gateway(Some("chat"));
+    cfg["output"] = json!("nginx_variable");
+    for p in cfg["pools"].as_array_mut().unwrap() {
+        for r in p["replicas"].as_array_mut().unwrap() {
+            let feed = r["endpoint"].as_str().unwrap().replace(":8000", ":9000");
+            let o = r.as_object_mut().unwrap();
+            o.remove("feed_cluster");
+            o.insert("feed_address".into(), json!(feed));
+        }
+    }
+    let p = Proxy::new(
+        module(),
+        ProxyOptions::new(HostMode::Nginx, cfg.to_string()),
+    );
+    let mut w = p.start_worker().unwrap();
+    for (i, (model, net)) in [("llama-8b", "10.0.0."), ("llama-70b", "10.0.1.")]
+        .iter()
+        .cycle()
+        .take(8)
+        .enumerate()
+    {
+        let body = completion(model, i as u32);
+        let id = w.new_stream().unwrap();
+        w.request_headers(
+            id,
+            request_headers("/v1/completions", body.len(), None, &[]),
+            false,
+        )
+        .unwrap();
+        w.request_body(id, body.as_bytes(), true).unwrap();
+        let st = w.end_stream(id).unwrap();
+        let var = st
+            .properties
+            .get(&vec!["ngx".to_string(), "kvsteer_upstream".to_string()])
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .expect("the variable set");
+        assert!(var.starts_with(net), "{model} -> {var}");
+    }
+    let body = completion("gpt-4", 1);
+    let id = w.new_stream().unwrap();
+    w.request_headers(
+        id,
+        request_headers("/v1/completions", body.len(), None, &[]),
+        false,
+    )
+    .unwrap();
+    w.request_body(id, body.as_bytes(), true).unwrap();
+    let st = w.end_stream(id).unwrap();
+    assert_eq!(st.local_response.map(|l| l.status), Some(404));
+    assert!(st.properties.is_empty(), "{:?}", st.properties);
+}
