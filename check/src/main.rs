@@ -227,46 +227,7 @@ fn main() -> ExitCode {
             continue;
         }
         let prefix = place.map(|p| format!("{p}: ")).unwrap_or_default();
-        match verdict {
-            Verdict::Ok {
-                replicas,
-                slots,
-                policy,
-                warnings,
-                pools,
-            } => {
-                if !pools.is_empty() {
-                    println!(
-                        "{prefix}ok: {} pools, {replicas} replicas and {slots} discovery slots in all",
-                        pools.len()
-                    );
-                    for p in &pools {
-                        println!(
-                            "{prefix}pool {}: models {}; {} replicas, {} discovery slots, policy {}",
-                            p.name,
-                            if p.models.is_empty() {
-                                "(default only)".to_string()
-                            } else {
-                                p.models.join(", ")
-                            },
-                            p.replicas,
-                            p.slots,
-                            p.policy
-                        );
-                    }
-                } else if slots == 0 {
-                    println!("{prefix}ok: {replicas} replicas, policy {policy}");
-                } else {
-                    println!(
-                        "{prefix}ok: {replicas} replicas and {slots} discovery slots, policy {policy}"
-                    );
-                }
-                for w in warnings {
-                    println!("{prefix}warning: {w}");
-                }
-            }
-            Verdict::Refused(e) => println!("{prefix}refused: {e}"),
-        }
+        print_verdict(&prefix, verdict);
     }
     if args.json {
         println!("{}", json!({"ok": all_ok, "configs": reports}));
@@ -275,5 +236,49 @@ fn main() -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
+    }
+}
+
+/// The verdict on one configuration as lines, each starting with `prefix` (where it was found).
+fn print_verdict(prefix: &str, verdict: Verdict) {
+    match verdict {
+        Verdict::Ok {
+            replicas,
+            slots,
+            policy,
+            warnings,
+            pools,
+        } => {
+            if !pools.is_empty() {
+                println!(
+                    "{prefix}ok: {} pools, {replicas} replicas and {slots} discovery slots in all",
+                    pools.len()
+                );
+                for p in &pools {
+                    println!(
+                        "{prefix}pool {}: models {}; {} replicas, {} discovery slots, policy {}",
+                        p.name,
+                        if p.models.is_empty() {
+                            "(default only)".to_string()
+                        } else {
+                            p.models.join(", ")
+                        },
+                        p.replicas,
+                        p.slots,
+                        p.policy
+                    );
+                }
+            } else if slots == 0 {
+                println!("{prefix}ok: {replicas} replicas, policy {policy}");
+            } else {
+                println!(
+                    "{prefix}ok: {replicas} replicas and {slots} discovery slots, policy {policy}"
+                );
+            }
+            for w in warnings {
+                println!("{prefix}warning: {w}");
+            }
+        }
+        Verdict::Refused(e) => println!("{prefix}refused: {e}"),
     }
 }

@@ -80,7 +80,23 @@ fn every_committed_configuration_is_accepted() {
             let r = run(&[path.to_str().unwrap()], None);
             match r.code {
                 0 => {
-                    // The discovery variant has no static replica and 16 slots for members.
+                    // The discovery variant has no static replica and 16 slots for members; a
+                    // two-pool example says so, then names each pool.
+                    if shown.contains("pools") {
+                        let lines: Vec<&str> = r.stdout.lines().collect();
+                        assert_eq!(lines.len(), 3, "{shown}: {}", r.stdout);
+                        assert!(
+                            lines[0].contains(": ok: 2 pools, "),
+                            "{shown}: {}",
+                            lines[0]
+                        );
+                        for (line, pool) in lines[1..].iter().zip(["chat", "big"]) {
+                            assert!(line.contains(&format!(": pool {pool}: models ")), "{line}");
+                            assert!(line.ends_with("policy kv_time"), "{line}");
+                        }
+                        checked.push(shown);
+                        continue;
+                    }
                     let want = if shown == "envoy/envoy-discovery.yaml" {
                         ": ok: 0 replicas and 16 discovery slots, policy kv_time"
                     } else {
@@ -108,9 +124,12 @@ fn every_committed_configuration_is_accepted() {
             "envoy/envoy-cluster-header.yaml",
             "envoy/envoy-discovery.yaml",
             "envoy/envoy-pd.yaml",
+            "envoy/envoy-pools.yaml",
             "envoy/envoy.yaml",
             "istio/kvsteer-filter.yaml",
+            "istio/kvsteer-pools.yaml",
             "istio/wasmplugin.yaml",
+            "nginx/nginx-pools.conf",
             "nginx/nginx.conf",
         ]
     );

@@ -115,75 +115,11 @@ impl GatewayConfig {
         let sections: Vec<PoolSection> =
             serde_json::from_value(top.remove("pools").unwrap_or(Value::Null))
                 .map_err(|e| ConfigError::at("pools", e.to_string()))?;
-        let default_name: Option<String> = match top.remove("default_pool") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(s),
-            Some(_) => return err("default_pool", "must be a pool's name"),
-        };
-        let model_header = match top.remove("model_header") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) if valid_header(&s) => Some(s),
-            Some(other) => {
-                return err(
-                    "model_header",
-                    format!("{other} must be a lowercase header name"),
-                );
-            }
-        };
+        let (default_name, model_header) = gateway_fields(top)?;
         if sections.is_empty() || sections.len() > MAX_POOLS {
             return err("pools", format!("must hold 1 to {MAX_POOLS} pools"));
         }
-        let mut models: HashMap<String, usize> = HashMap::new();
-        for (i, p) in sections.iter().enumerate() {
-            let at = format!("pools[{i}]");
-            if !valid_pool_name(&p.name) {
-                return err(
-                    format!("{at}.name"),
-                    format!("{:?} must be 1-32 of [a-z0-9-]", p.name),
-                );
-            }
-            if let Some(j) = sections[..i].iter().position(|q| q.name == p.name) {
-                return err(
-                    format!("{at}.name"),
-                    format!("{:?} is already pools[{j}]'s", p.name),
-                );
-            }
-            for (k, m) in p.models.iter().enumerate() {
-                if m.is_empty() || m.len() > 256 {
-                    return err(format!("{at}.models[{k}]"), "must be 1-256 bytes");
-                }
-                if let Some(&j) = models.get(m) {
-                    return err(
-                        format!("{at}.models[{k}]"),
-                        format!("{m:?} is already pools[{j}]'s"),
-                    );
-                }
-                models.insert(m.clone(), i);
-            }
-            if p.replicas.is_none() && p.discovery.is_none() {
-                return err(
-                    format!("{at}.replicas"),
-                    "a pool needs replicas or a discovery section",
-                );
-            }
-            if let Some(r) = &p.routing {
-                for gateway_wide in ["max_body_bytes"] {
-                    if r.get(gateway_wide).is_some() {
-                        return err(
-                            format!("{at}.routing.{gateway_wide}"),
-                            "is the gateway's: set it in the top-level routing section",
-                        );
-                    }
-                }
-                if r.pointer("/admission/priority_header").is_some() {
-                    return err(
-                        format!("{at}.routing.admission.priority_header"),
-                        "is read with the request's headers, before its pool is known: set it \
-                         in the top-level routing section",
-                    );
-                }
-            }
-        }
+        let models = check_sections(&sections)?;
         let default_pool = match &default_name {
             None => None,
             Some(n) => match sections.iter().position(|p| &p.name == n) {
@@ -201,51 +137,7 @@ impl GatewayConfig {
                 "only the default pool may serve no named model",
             );
         }
-        let n = sections.len();
-        let mut pools = Vec::with_capacity(n);
-        let own_capacity: Vec<bool> = sections
-            .iter()
-            .map(|p| {
-                p.routing
-                    .as_ref()
-                    .is_some_and(|r| r.get("index_capacity_blocks").is_some())
-            })
-            .collect();
-        for (i, p) in sections.into_iter().enumerate() {
-            let cfg = pool_config(top, &p, n).map_err(|e| in_pool(e, i))?;
-            pools.push(PoolConfig {
-                name: Some(p.name),
-                models: p.models,
-                cfg,
-            });
-        }
-        let units: usize = pools.iter().map(|p| p.cfg.units.len()).sum();
-        if units > MAX_UNITS {
-            return err(
-                "pools",
-                format!(
-                    "{units} routing units in all (replicas, ranks and discovery slots); at most {MAX_UNITS}"
-                ),
-            );
-        }
-        let mut endpoints: HashMap<&str, usize> = HashMap::new();
-        for (i, p) in pools.iter().enumerate() {
-            for (k, r) in p.cfg.replicas.iter().enumerate() {
-                if let Some(&j) = endpoints.get(r.endpoint.as_str())
-                    && j != i
-                {
-                    return err(
-                        format!("pools[{i}].replicas[{k}].endpoint"),
-                        format!(
-                            "{:?} is already in pools[{j}]: its load would be booked in two tables",
-                            r.endpoint
-                        ),
-                    );
-                }
-                endpoints.insert(&r.endpoint, i);
-            }
-        }
-        spread_index_capacity(&mut pools, &own_capacity, units);
+        let pools = build_pools(top, sections)?;
         Ok(GatewayConfig {
             pools,
             default_pool,
@@ -291,6 +183,139 @@ impl GatewayConfig {
             })
             .collect()
     }
+}
+
+/// `default_pool` and `model_header`, taken out of the top level (they are the gateway's, not a
+/// pool's).
+fn gateway_fields(
+    top: &mut Map<String, Value>,
+) -> Result<(Option<String>, Option<String>), ConfigError> {
+    let default_name = match top.remove("default_pool") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(_) => return err("default_pool", "must be a pool's name"),
+    };
+    let model_header = match top.remove("model_header") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if valid_header(&s) => Some(s),
+        Some(other) => {
+            return err(
+                "model_header",
+                format!("{other} must be a lowercase header name"),
+            );
+        }
+    };
+    Ok((default_name, model_header))
+}
+
+/// Each pool's own fields checked by path; the map of every model to its pool.
+fn check_sections(sections: &[PoolSection]) -> Result<HashMap<String, usize>, ConfigError> {
+    let mut models: HashMap<String, usize> = HashMap::new();
+    for (i, p) in sections.iter().enumerate() {
+        let at = format!("pools[{i}]");
+        if !valid_pool_name(&p.name) {
+            return err(
+                format!("{at}.name"),
+                format!("{:?} must be 1-32 of [a-z0-9-]", p.name),
+            );
+        }
+        if let Some(j) = sections[..i].iter().position(|q| q.name == p.name) {
+            return err(
+                format!("{at}.name"),
+                format!("{:?} is already pools[{j}]'s", p.name),
+            );
+        }
+        for (k, m) in p.models.iter().enumerate() {
+            if m.is_empty() || m.len() > 256 {
+                return err(format!("{at}.models[{k}]"), "must be 1-256 bytes");
+            }
+            if let Some(&j) = models.get(m) {
+                return err(
+                    format!("{at}.models[{k}]"),
+                    format!("{m:?} is already pools[{j}]'s"),
+                );
+            }
+            models.insert(m.clone(), i);
+        }
+        if p.replicas.is_none() && p.discovery.is_none() {
+            return err(
+                format!("{at}.replicas"),
+                "a pool needs replicas or a discovery section",
+            );
+        }
+        if let Some(r) = &p.routing {
+            for gateway_wide in ["max_body_bytes"] {
+                if r.get(gateway_wide).is_some() {
+                    return err(
+                        format!("{at}.routing.{gateway_wide}"),
+                        "is the gateway's: set it in the top-level routing section",
+                    );
+                }
+            }
+            if r.pointer("/admission/priority_header").is_some() {
+                return err(
+                    format!("{at}.routing.admission.priority_header"),
+                    "is read with the request's headers, before its pool is known: set it \
+                     in the top-level routing section",
+                );
+            }
+        }
+    }
+    Ok(models)
+}
+
+/// Every pool's whole configuration, then the checks across pools: units in all, and no endpoint
+/// in two pools.
+fn build_pools(
+    top: &Map<String, Value>,
+    sections: Vec<PoolSection>,
+) -> Result<Vec<PoolConfig>, ConfigError> {
+    let n = sections.len();
+    let mut pools = Vec::with_capacity(n);
+    let own_capacity: Vec<bool> = sections
+        .iter()
+        .map(|p| {
+            p.routing
+                .as_ref()
+                .is_some_and(|r| r.get("index_capacity_blocks").is_some())
+        })
+        .collect();
+    for (i, p) in sections.into_iter().enumerate() {
+        let cfg = pool_config(top, &p, n).map_err(|e| in_pool(e, i))?;
+        pools.push(PoolConfig {
+            name: Some(p.name),
+            models: p.models,
+            cfg,
+        });
+    }
+    let units: usize = pools.iter().map(|p| p.cfg.units.len()).sum();
+    if units > MAX_UNITS {
+        return err(
+            "pools",
+            format!(
+                "{units} routing units in all (replicas, ranks and discovery slots); at most {MAX_UNITS}"
+            ),
+        );
+    }
+    let mut endpoints: HashMap<&str, usize> = HashMap::new();
+    for (i, p) in pools.iter().enumerate() {
+        for (k, r) in p.cfg.replicas.iter().enumerate() {
+            if let Some(&j) = endpoints.get(r.endpoint.as_str())
+                && j != i
+            {
+                return err(
+                    format!("pools[{i}].replicas[{k}].endpoint"),
+                    format!(
+                        "{:?} is already in pools[{j}]: its load would be booked in two tables",
+                        r.endpoint
+                    ),
+                );
+            }
+            endpoints.insert(&r.endpoint, i);
+        }
+    }
+    spread_index_capacity(&mut pools, &own_capacity, units);
+    Ok(pools)
 }
 
 /// Pool names go into shared-data keys and metric names, so they are short and plain; no `_`,

@@ -357,12 +357,9 @@ fn bench(
         let req = t.elapsed().as_secs_f64() * 1e6;
         m.last_us.push(last_us);
         if last != Action::Continue {
-            let local = worker
-                .stream(id)
-                .and_then(|s| s.local_response.as_ref())
-                .map(|l| format!("{} {}", l.status, String::from_utf8_lossy(&l.body)));
             return Err(format!(
-                "request {i} was not released ({last:?}; answered {local:?})"
+                "request {i} was not released ({last:?}; {})",
+                answered(worker, id)
             ));
         }
         let dest = worker
@@ -380,6 +377,14 @@ fn bench(
         m.body_bytes = body.len();
     }
     Ok(m)
+}
+
+/// What the filter answered a stream itself, if it did.
+fn answered(worker: &WorkerVm, id: u32) -> String {
+    match worker.stream(id).and_then(|s| s.local_response.as_ref()) {
+        Some(l) => format!("answered {} {}", l.status, String::from_utf8_lossy(&l.body)),
+        None => "no local answer".into(),
+    }
 }
 
 fn main() {
