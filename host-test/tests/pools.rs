@@ -194,6 +194,11 @@ fn an_unread_body_follows_the_model_header_or_is_refused() {
     let s = send(&mut w, &big_body, &[]);
     assert_eq!(s.local.map(|l| l.0), Some(413));
     assert_eq!(s.destination, None);
+    assert_eq!(metric(&p, "kvsteer_models_missing"), 1);
+    // An empty body has no model either: 400, counted the same.
+    let s = send(&mut w, "", &[]);
+    assert_eq!(s.local.map(|l| l.0), Some(400));
+    assert_eq!(metric(&p, "kvsteer_models_missing"), 2);
     // A readable body's model wins over the header.
     let s = send(&mut w, &completion("llama-8b", 8), &to_big);
     assert!(s.destination.unwrap().starts_with("10.0.0."));

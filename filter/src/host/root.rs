@@ -96,7 +96,7 @@ impl Root {
             vm.state.follow_health(store);
         }
         for replica in vm.state.check_staleness(now) {
-            let name = vm.state.replica_name(replica);
+            let name = vm.replica_name(replica);
             log(
                 LogLevel::Warn,
                 &format!("kvsteer: no feed from {name} lately; routing it by load only"),
@@ -117,7 +117,7 @@ impl Root {
             destination,
         } = poll;
         if took_lease {
-            let name = vm.state.replica_name(replica);
+            let name = vm.replica_name(replica);
             let id = vm.state.worker_id().unwrap_or(0);
             let role = if vm.state.has_routed() {
                 "routing requests"
@@ -185,7 +185,7 @@ impl Root {
             return;
         };
         vm.metrics.feed_failed(*replica, *cause);
-        let name = vm.state.replica_name(*replica);
+        let name = vm.replica_name(*replica);
         if *became_down {
             log(
                 LogLevel::Warn,

@@ -154,6 +154,7 @@ impl Stream {
         let mut vm = vm.borrow_mut();
         if vm.gateway.pooled() && !self.pool_known {
             let limit = vm.pools[self.pool].state.max_body_bytes();
+            inc(vm.models_missing, 1);
             drop(vm);
             return if why == BodyFallback::TooLarge {
                 self.refuse(

@@ -35,6 +35,18 @@ pub(super) struct Pool {
     pub(super) metrics: Metrics,
 }
 
+impl Pool {
+    /// A replica's name for the log: `<pool>/<replica>` in a named pool (replica names are
+    /// unique only within their pool), the replica's name alone without `pools`.
+    pub(super) fn replica_name(&self, replica: usize) -> String {
+        let name = self.state.replica_name(replica);
+        match &self.name {
+            Some(pool) => format!("{pool}/{name}"),
+            None => name.to_string(),
+        }
+    }
+}
+
 pub(super) type Shared = Rc<RefCell<Vm>>;
 
 /// A log line; one the proxy refuses is only counted ([`abi::log`]).
