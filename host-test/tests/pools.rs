@@ -204,8 +204,9 @@ fn an_unread_body_follows_the_model_header_or_is_refused() {
     assert!(s.destination.unwrap().starts_with("10.0.0."));
 }
 
-/// The destinations `big` chooses for a fixed sequence, with or without `chat` traffic between.
-fn big_decisions(with_chat_flood: bool) -> Vec<String> {
+/// The destinations `big` chooses for a fixed sequence, with or without `chat` traffic between,
+/// and `big`'s own counters and gauges after it.
+fn big_decisions(with_chat_flood: bool) -> (Vec<String>, Vec<(String, i64)>) {
     let p = proxy(&gateway(Some("chat")));
     p.set_now_ns(1_000_000_000);
     let mut w = p.start_worker().unwrap();
@@ -222,14 +223,30 @@ fn big_decisions(with_chat_flood: bool) -> Vec<String> {
         out.push(s.destination.unwrap());
         w.tick().unwrap();
     }
-    out
+    let mut own: Vec<(String, i64)> = p
+        .metrics()
+        .into_iter()
+        .filter(|m| m.name.starts_with("kvsteer_pool_big_"))
+        .map(|m| (m.name, m.value))
+        .collect();
+    own.sort();
+    (out, own)
 }
 
 #[test]
 fn one_pools_traffic_leaves_the_others_decisions_alone() {
-    let quiet = big_decisions(false);
+    let (quiet, quiet_metrics) = big_decisions(false);
     assert!(quiet.iter().all(|d| d.starts_with("10.0.1.")));
-    assert_eq!(big_decisions(true), quiet);
+    assert!(
+        quiet_metrics
+            .iter()
+            .any(|(n, v)| n == "kvsteer_pool_big_requests_routed" && *v == 12),
+        "{quiet_metrics:?}"
+    );
+    let (flooded, flooded_metrics) = big_decisions(true);
+    assert_eq!(flooded, quiet);
+    // Every metric of big's (bookings, index, load, speeds, failures) reads the same.
+    assert_eq!(flooded_metrics, quiet_metrics);
 }
 
 #[test]
