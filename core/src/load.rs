@@ -286,8 +286,6 @@ pub struct LoadTable {
     requests: HashMap<u64, Tracked>,
     release_anomalies: u64,
     untracked: u64,
-    /// Per replica: when its last first token arrived (the router's clock, ms; 0: none yet).
-    first_tokens_ms: Vec<u64>,
 }
 
 impl LoadTable {
@@ -305,7 +303,6 @@ impl LoadTable {
             requests: HashMap::new(),
             release_anomalies: 0,
             untracked: 0,
-            first_tokens_ms: vec![0; replicas],
         }
     }
 
@@ -452,44 +449,6 @@ impl LoadTable {
     /// The first output token arrived: prefill load becomes decode load.
     pub fn first_token(&mut self, request_id: u64) {
         self.progress(request_id, None);
-    }
-
-    /// [`LoadTable::first_token`] at `now_ms`, remembered as its replica's latest first token.
-    pub fn first_token_at(&mut self, request_id: u64, now_ms: u64) {
-        if let Some(r) = self.requests.get(&request_id)
-            && let Some(at) = self.first_tokens_ms.get_mut(r.replica)
-        {
-            *at = (*at).max(now_ms);
-        }
-        self.progress(request_id, None);
-    }
-
-    /// Per replica, its oldest request still waiting for its first token with prefill booked:
-    /// the time since it could have started prefilling (its admission, or the replica's last
-    /// first token if later; s at `now_ms`) and its booked prefill tokens. `None` where none waits.
-    /// One pass over the requests in flight.
-    pub fn prefill_heads(&self, now_ms: u64) -> Vec<Option<(f64, f64)>> {
-        let mut oldest: Vec<Option<(u64, u64)>> = vec![None; self.totals.len()];
-        for r in self.requests.values() {
-            if r.decoding || r.prefill_tokens == 0 {
-                continue;
-            }
-            if let Some(slot) = oldest.get_mut(r.replica)
-                && slot.is_none_or(|(at, _)| r.admitted_ms < at)
-            {
-                *slot = Some((r.admitted_ms, r.prefill_tokens));
-            }
-        }
-        oldest
-            .iter()
-            .enumerate()
-            .map(|(i, o)| {
-                o.map(|(at, tokens)| {
-                    let since = at.max(self.first_tokens_ms.get(i).copied().unwrap_or(0));
-                    (now_ms.saturating_sub(since) as f64 / 1e3, tokens as f64)
-                })
-            })
-            .collect()
     }
 
     /// `generated` output tokens so far (cumulative). Implies the first token.

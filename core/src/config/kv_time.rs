@@ -65,11 +65,6 @@ pub struct KvTimeParams {
     /// lowered coding agents' TTFT median at saturation by 8-38% and raised their p99 by 4-8%
     /// at 32 sessions in flight on 4 replicas (docs/reports/notebook/saturation.md).
     pub later_weight: f64,
-    /// Credit a busy replica's queue with the prefill its engine has done on the oldest queued
-    /// request since it could have started (its admission, or the replica's last first token if
-    /// later), up to that request's own prefill: a booking stays whole until its first token,
-    /// so without it a replica busy on a long prefill looks as busy as when it began.
-    pub queue_progress: bool,
 }
 
 impl Default for KvTimeParams {
@@ -84,7 +79,6 @@ impl Default for KvTimeParams {
             speed_prior: 2.0,
             speed_retry_s: 5.0,
             later_weight: 0.0,
-            queue_progress: false,
         }
     }
 }

@@ -236,25 +236,3 @@ fn totals_encoding_round_trips_and_refuses_garbage() {
     bad[0] = b'x';
     assert_eq!(LoadTotals::decode_all(&bad), Err(LoadDecodeError::BadMagic));
 }
-
-/// The oldest request waiting for its first token on each replica, and since when it could have
-/// been prefilling: its admission, or the replica's last first token if that came later.
-#[test]
-fn prefill_heads_name_the_oldest_waiting_request_and_when_it_could_start() {
-    let mut t = LoadTable::new(3, 16, FIRST_TOKEN);
-    t.admit_at(1, 0, 1_000, 1_000, None, [], 1_000);
-    t.admit_at(2, 0, 4_000, 3_000, None, [], 2_000);
-    t.admit_at(3, 1, 500, 500, None, [], 3_000);
-    assert_eq!(
-        t.prefill_heads(5_000),
-        vec![Some((4.0, 1_000.0)), Some((2.0, 500.0)), None]
-    );
-    // Request 1's first token at 4.5 s: request 2 heads replica 0 and could start only then.
-    t.first_token_at(1, 4_500);
-    assert_eq!(t.prefill_heads(5_000)[0], Some((0.5, 3_000.0)));
-    t.first_token_at(2, 6_000);
-    assert_eq!(t.prefill_heads(7_000)[0], None);
-    // An unknown request or a clock that went back changes nothing.
-    t.first_token_at(99, 9_000);
-    assert_eq!(t.prefill_heads(100)[1], Some((0.0, 500.0)));
-}

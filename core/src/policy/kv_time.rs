@@ -119,16 +119,8 @@ pub fn terms(input: &Input, profile: &EngineProfile) -> Vec<Terms> {
             let n = e.active_requests as f64;
             let context = e.decode_blocks as f64 * bs;
             let queued = e.prefill_tokens as f64;
-            // The part of the oldest queued prefill the engine has done already (at its speed).
-            let done = match input.prefill_progress.get(r) {
-                Some(&(since_s, head)) if s > 0.0 => {
-                    (since_s / s).min(profile.work_s(head.min(queued)))
-                }
-                _ => 0.0,
-            };
             let wait = s
-                * ((profile.work_s(queued) - done).max(0.0)
-                    + batch_s(profile, n, context, queued, uncached))
+                * (profile.work_s(queued) + batch_s(profile, n, context, queued, uncached))
                 + memory_wait(
                     profile,
                     kv_tokens(input, profile, r),

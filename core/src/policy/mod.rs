@@ -100,9 +100,6 @@ pub struct Input<'a> {
     pub adapter: &'a [AdapterFit],
     /// Seconds a replica takes to load an adapter it lacks (`adapters.load_ms`); 0 without one.
     pub adapter_load_s: f64,
-    /// `kv_time` (`queue_progress`): per replica, the seconds since its oldest queued request
-    /// could have started prefilling and that request's booked prefill tokens; empty: unknown.
-    pub prefill_progress: &'a [(f64, f64)],
 }
 
 /// A policy's decision.
@@ -299,7 +296,6 @@ pub(crate) fn load_only_input<'a>(load: &'a [LoadTotals], avoided: &'a [bool]) -
         reuse_share: 0.0,
         adapter: &[],
         adapter_load_s: 0.0,
-        prefill_progress: &[],
     }
 }
 

@@ -92,15 +92,6 @@ impl Router {
             _ => 1.0,
         };
         let (adapter, adapter_load_s) = self.adapter_fits(req);
-        let prefill_progress: Vec<(f64, f64)> = if self.cfg.kv_time.queue_progress {
-            self.load
-                .prefill_heads(self.clock_ms)
-                .into_iter()
-                .map(|h| h.unwrap_or((0.0, 0.0)))
-                .collect()
-        } else {
-            Vec::new()
-        };
         let input = Input {
             working_set: &working_set,
             working_set_scale,
@@ -120,7 +111,6 @@ impl Router {
             reuse_share,
             adapter: &adapter,
             adapter_load_s,
-            prefill_progress: &prefill_progress,
         };
         let Choice {
             replica,

@@ -380,39 +380,3 @@ fn other_policies_have_no_learning() {
         );
     }
 }
-
-/// `queue_progress`: a replica whose oldest queued request has been prefilling for 2 s waits 2 s
-/// less (at its speed), never less than nothing and never more than that request's own prefill.
-#[test]
-fn the_prefill_done_on_the_oldest_queued_request_is_taken_off_the_wait() {
-    let p = EngineProfile::default();
-    let load = [busy(40_000, 0, 0), busy(40_000, 0, 0)];
-    let plain = terms(&input(&load, &[0.0, 0.0], &[false; 2]), &p);
-    assert_eq!(plain[0].wait, plain[1].wait);
-    let head = p.work_s(10_000.0);
-    let progress = [(head / 4.0, 10_000.0), (100.0, 10_000.0)];
-    let credited = terms(
-        &Input {
-            prefill_progress: &progress,
-            ..input(&load, &[0.0, 0.0], &[false; 2])
-        },
-        &p,
-    );
-    assert!((plain[0].wait - credited[0].wait - head / 4.0).abs() < 1e-9);
-    // Capped at the head's own prefill however long ago it started.
-    assert!((plain[1].wait - credited[1].wait - head).abs() < 1e-9);
-    // At twice the profile's time the same elapsed time is half the work.
-    let slow = [2.0, 2.0];
-    let at_speed = |progress: &[(f64, f64)]| {
-        terms(
-            &Input {
-                speed: &slow,
-                prefill_progress: progress,
-                ..input(&load, &[0.0, 0.0], &[false; 2])
-            },
-            &p,
-        )[0]
-        .wait
-    };
-    assert!((at_speed(&[]) - at_speed(&progress) - head / 4.0).abs() < 1e-9);
-}
