@@ -46,9 +46,10 @@ def sub1(pattern: str, repl: str, text: str, flags: int = 0) -> str:
 
 def render(workdir: Path, name: str, ports: list[int], listen: int, *, filter_on: bool = True,
            plugin: dict | None = None, worker_connections: int | None = None,
-           error_log: str | None = None) -> Path:
-    """`nginx/nginx.conf` for this run (see the module's docstring); returns the file written."""
-    text = CONF.read_text()
+           error_log: str | None = None, conf: Path = CONF) -> Path:
+    """`nginx/nginx.conf` (or `conf`, a file shaped like it: nginx/nginx-pools.conf) for this run
+    (see the module's docstring); returns the file written."""
+    text = conf.read_text()
     wasm = stack.wasm_path()
     for i, p in enumerate(ports):
         text = text.replace(f"127.0.0.1:{18000 + i}", f"127.0.0.1:{p}")
