@@ -356,3 +356,66 @@ fn nginx_mode_routes_each_model_in_its_pool() {
     assert_eq!(st.local_response.map(|l| l.status), Some(404));
     assert!(st.properties.is_empty(), "{:?}", st.properties);
 }
+
+/// nginx mode keeps the connection of a callout answered while another of the VM's is out, so the
+/// filter sends one callout a tick and none while one is out: with pools that bound is the VM's,
+/// not each pool's (a worker polling both pools' feeds kept half its connections and ran out of
+/// `worker_connections` in a real nginx). Every feed is still polled, in turn.
+#[test]
+fn nginx_mode_sends_one_callout_at_a_time_across_pools() {
+    use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedQuery, ReplicaLoad};
+    let mut cfg = gateway(Some("chat"));
+    cfg["output"] = json!("nginx_variable");
+    cfg["feed_period_ms"] = json!(200);
+    for p in cfg["pools"].as_array_mut().unwrap() {
+        for r in p["replicas"].as_array_mut().unwrap() {
+            let feed = r["endpoint"].as_str().unwrap().replace(":8000", ":9000");
+            let o = r.as_object_mut().unwrap();
+            o.remove("feed_cluster");
+            o.insert("feed_address".into(), json!(feed));
+        }
+    }
+    let p = Proxy::new(
+        module(),
+        ProxyOptions::new(HostMode::Nginx, cfg.to_string()),
+    );
+    let mut w = p.start_worker().unwrap();
+    let mut polls: std::collections::BTreeMap<String, u32> = Default::default();
+    for tick in 1..=300u64 {
+        p.set_now_ns(tick * 100_000_000);
+        w.tick().unwrap();
+        let calls = w.take_callouts();
+        assert!(calls.len() <= 1, "tick {tick}: {} callouts", calls.len());
+        for c in &calls {
+            *polls.entry(c.upstream.clone()).or_default() += 1;
+            let q = c
+                .header(":path")
+                .and_then(|p| p.split_once('?'))
+                .map(|(_, q)| FeedQuery::parse(q).unwrap())
+                .unwrap();
+            let batch = FeedBatch {
+                epoch: 1,
+                resync: q.epoch != 1,
+                more: false,
+                first_seq: q.cursor,
+                next_seq: q.cursor,
+                load: ReplicaLoad {
+                    block_size: 16,
+                    kv_total_blocks: 1 << 16,
+                    ..Default::default()
+                },
+                events: Vec::new(),
+            };
+            w.answer_callout(
+                c,
+                kvsteer_host_test::CallOutcome::ok(200, FEED_CONTENT_TYPE, batch.encode()),
+            )
+            .unwrap();
+        }
+        let c = w.callout_connections();
+        assert!(c.open <= 1 && c.refused == 0, "tick {tick}: {c:?}");
+    }
+    // 30 s: each of the 4 feeds polled in turn, about once every 400 ms.
+    assert_eq!(polls.len(), 4, "{polls:?}");
+    assert!(polls.values().all(|&n| n >= 60), "{polls:?}");
+}

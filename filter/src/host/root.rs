@@ -414,6 +414,7 @@ impl RootContext for Root {
             models_missing: define("kvsteer_models_missing"),
             pools,
             gateway,
+            poll_cursor: 0,
             early_held: 0,
             body_held: 0,
         })));
@@ -435,17 +436,38 @@ impl RootContext for Root {
         let Some(vm) = &self.vm else { return };
         let now = now_ms();
         let mut vm = vm.borrow_mut();
-        for vm in vm.pools.iter_mut() {
+        let vm = &mut *vm;
+        // ngx_wasm_module keeps the connection of a callout answered while another of the VM's
+        // is out: where a tick's callouts are bounded, the bound (one a tick, none while one is
+        // out) is the VM's, and the pools take turns at it.
+        let n = vm.pools.len();
+        let bounded = n > 1 && vm.pools[0].state.callouts_per_tick() != usize::MAX;
+        let mut held = bounded && vm.pools.iter().any(|p| p.state.callout_out(now));
+        let mut next = None;
+        let start = if bounded { vm.poll_cursor % n } else { 0 };
+        for k in 0..n {
+            let i = (start + k) % n;
+            let vm = &mut vm.pools[i];
             let store = host_store(vm.state.config());
             vm.state.share_load(store, now);
             // This tick's feed budget, spent first on batches earlier ticks left half applied.
             vm.state.start_tick(now);
+            if held {
+                vm.state.hold_callouts();
+            }
             Self::poll_discovery(vm, now);
             Self::poll_feeds(vm, now);
             Self::poll_peers(vm, now);
             #[cfg(feature = "tokenizer")]
             super::bundle::fetch_bundle(vm, now);
             vm.metrics.update(&vm.state);
+            if bounded && !held && vm.state.callouts_planned() > 0 {
+                held = true;
+                next = Some(i + 1);
+            }
+        }
+        if let Some(c) = next {
+            vm.poll_cursor = c;
         }
     }
 

@@ -19,6 +19,9 @@ pub(super) struct Vm {
     /// pool (defined only with `pools`).
     pub(super) models_unknown: Option<u32>,
     pub(super) models_missing: Option<u32>,
+    /// With several pools where a tick's callouts are bounded (nginx): the pool whose turn it is
+    /// to send the VM's one callout.
+    pub(super) poll_cursor: usize,
     /// Bytes of request bodies this VM's streams hold for the early scan (their buffers'
     /// capacity), kept under `early_body_scan_max_bytes`.
     pub(super) early_held: usize,

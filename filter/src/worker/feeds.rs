@@ -160,6 +160,22 @@ impl WorkerState {
             || self.feeds.any_out(now_ms, lost_after)
     }
 
+    /// Callouts this worker has planned in the current tick.
+    pub fn callouts_planned(&self) -> usize {
+        self.budget.callouts()
+    }
+
+    /// The rest of this tick's callouts are spent elsewhere: with several pools in an nginx VM,
+    /// another pool sent the tick's one callout or has one out (the bound is the VM's). Nothing
+    /// changes where callouts are not bounded.
+    pub fn hold_callouts(&mut self) {
+        let limit = self.callouts_per_tick();
+        if limit != usize::MAX {
+            let left = limit.saturating_sub(self.budget.callouts());
+            self.budget.plan_callouts(left);
+        }
+    }
+
     /// Callouts one tick may dispatch: one in nginx mode, since ngx_wasm_module leaves the
     /// connection of every callout a tick dispatches but the last open for good (a worker runs out
     /// of `worker_connections` within minutes of polling 4 replicas); no bound elsewhere. Counted
