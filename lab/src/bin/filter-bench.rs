@@ -295,6 +295,23 @@ struct Measured {
     pass_us: Vec<f64>,
     body_bytes: usize,
     destinations: std::collections::BTreeMap<String, usize>,
+    /// The ticks that ran between the row's requests (`proxy_on_tick` alone: sharing load with
+    /// the other workers, the feeds' bookkeeping, the gauges; with `--pools`, every pool's).
+    tick_us: Vec<f64>,
+}
+
+/// One tick of the proxy's timer, its callouts timed out; its wall time (us), timed apart from
+/// the requests: ticks run on the timer, not on a request's path.
+fn tick(worker: &mut WorkerVm) -> Result<f64, String> {
+    let t = Instant::now();
+    worker.tick().map_err(|e| e.to_string())?;
+    let us = t.elapsed().as_secs_f64() * 1e6;
+    for call in worker.take_callouts() {
+        worker
+            .answer_callout(&call, CallOutcome::timeout())
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(us)
 }
 
 /// Virtual time per request: the bench runs at this request rate, with the filter's ticks in between.
@@ -315,19 +332,14 @@ fn bench(
         pass_us: Vec::with_capacity(n),
         body_bytes: 0,
         destinations: Default::default(),
+        tick_us: Vec::new(),
     };
     let mut next_tick = proxy.now_ns() / 1000;
     for i in 0..n {
         let now_us = proxy.now_ns() / 1000 + REQUEST_GAP_US;
         proxy.set_now_ns(now_us * 1000);
         if now_us >= next_tick {
-            // Ticks are not timed: they run on the proxy's timer, not on a request's path.
-            worker.tick().map_err(|e| e.to_string())?;
-            for call in worker.take_callouts() {
-                worker
-                    .answer_callout(&call, CallOutcome::timeout())
-                    .map_err(|e| e.to_string())?;
-            }
+            m.tick_us.push(tick(worker)?);
             next_tick = now_us + worker.tick_period_ms().max(1) as u64 * 1000;
         }
         let body = body_of(i);
@@ -449,6 +461,7 @@ fn run() -> Result<(), String> {
             println!("destinations (text requests): {:?}", m.destinations);
         }
     }
+    print_ticks(&rows);
     worker.tick().map_err(|e| e.to_string())?;
     let metric = |n: &str| proxy.metric(&metric_name(&args, n)).map_or(0, |m| m.value);
     println!(
@@ -648,6 +661,21 @@ fn measure_rows(
         rows.push(("headers only, no body (fallback path)".into(), empty));
     }
     Ok(rows)
+}
+
+/// The ticks of every row together: what the proxy's timer costs the worker per tick.
+fn print_ticks(rows: &[(String, Measured)]) {
+    let mut ticks: Vec<f64> = rows
+        .iter()
+        .flat_map(|(_, m)| m.tick_us.iter().copied())
+        .collect();
+    ticks.sort_by(f64::total_cmp);
+    println!(
+        "ticks between the requests: p50 {:.1} us, p99 {:.1} us ({} ticks)",
+        percentile(&ticks, 50.0),
+        percentile(&ticks, 99.0),
+        ticks.len()
+    );
 }
 
 /// The table of figures, one line per row.
