@@ -14,6 +14,7 @@ proptest! {
         let _ = read_request("/v1/completions", &body, None, 16, 1 << 20);
         let _ = read_request("/v1/chat/completions", &body, Some("s"), 16, 1 << 20);
         let _ = FeedBatch::decode(&body);
+        let _ = kvsteer_core::request::model_of(&body);
     }
 
     #[test]
@@ -23,6 +24,7 @@ proptest! {
         b.truncate(cut.max(pos));
         let _ = read_request("/v1/completions", &b, None, 4, 1 << 20);
         let _ = read_request("/v1/chat/completions", &b, None, 4, 1 << 20);
+        let _ = kvsteer_core::request::model_of(&b);
     }
 }
 
@@ -605,12 +607,19 @@ proptest! {
         members in prop::collection::btree_map("[a-z\"]{1,6}", arb_json(), 0..5),
         model in prop::option::of("[a-zA-Z0-9./:\"\\\\é-]{0,12}"),
         pretty in any::<bool>(),
+        pad in prop::option::of((prop::sample::select(vec!["aaa", "pad"]), 0usize..9000)),
     ) {
         use kvsteer_core::request::{ModelField, model_of};
         let mut obj: serde_json::Map<String, serde_json::Value> = members.into_iter().collect();
         obj.remove("model");
         if let Some(m) = &model {
             obj.insert("model".into(), serde_json::Value::String(m.clone()));
+        }
+        // A long member before or after `model`, with quotes and backslashes at every distance,
+        // so the read from the end meets its window's edge inside a string.
+        if let Some((key, len)) = pad {
+            let text: String = "ab\\\"c{]".chars().cycle().take(len).collect();
+            obj.insert(key.into(), serde_json::Value::String(text));
         }
         let v = serde_json::Value::Object(obj);
         let body = if pretty { serde_json::to_vec_pretty(&v) } else { serde_json::to_vec(&v) }.unwrap();

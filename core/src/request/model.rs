@@ -21,10 +21,14 @@ pub enum ModelField<'a> {
     Unreadable,
 }
 
-/// The top-level `model` of a JSON request body (the first one, should a hostile body repeat it:
-/// the pool's reader refuses such a body anyway).
+/// The top-level `model` of a JSON request body (should a hostile body repeat it, the one either
+/// scan meets first: the pool's reader refuses such a body anyway).
 pub fn model_of(body: &[u8]) -> ModelField<'_> {
     let mut s = Scan { b: body, i: 0 };
+    // Before the first value that may be long is skipped, the end is tried once: a client that
+    // sends `model` first never pays for the tail, one that sends it after `messages` never pays
+    // for the messages.
+    let mut tail_tried = false;
     s.ws();
     if !s.eat(b'{') {
         return ModelField::Unreadable;
@@ -49,6 +53,12 @@ pub fn model_of(body: &[u8]) -> ModelField<'_> {
                 None => ModelField::Unreadable,
             };
         }
+        if !tail_tried && matches!(s.b.get(s.i), Some(b'[' | b'{' | b'"')) {
+            tail_tried = true;
+            if let Some(name) = model_in_tail(body) {
+                return ModelField::Named(name);
+            }
+        }
         if !s.skip_value() {
             return ModelField::Unreadable;
         }
@@ -61,6 +71,119 @@ pub fn model_of(body: &[u8]) -> ModelField<'_> {
         } else {
             ModelField::Unreadable
         };
+    }
+}
+
+/// How far from the end [`model_in_tail`] looks: the members after a chat body's `messages` (its
+/// model, sampling settings, `stream`) fit in it.
+const TAIL_BYTES: usize = 4096;
+
+/// `model` among the top-level members at the end of the body, read backwards over at most
+/// [`TAIL_BYTES`]; `None` when it is not there or the tail cannot be read (the forward scan then
+/// decides). Chat clients send `model` after `messages` (the OpenAI Python client does), so
+/// without this the forward scan walks every message; token-id bodies that send it first leave
+/// the tail at once, at their prompt's closing bracket. Backwards is exact on JSON: inside a string
+/// every quote is escaped, so a string opens at the nearest quote before its close that an even
+/// run of backslashes precedes.
+fn model_in_tail(b: &[u8]) -> Option<Cow<'_, str>> {
+    let floor = b.len().saturating_sub(TAIL_BYTES);
+    let mut i = back_ws(b, b.len(), floor);
+    if i <= floor || b[i - 1] != b'}' {
+        return None;
+    }
+    i -= 1;
+    loop {
+        let end = back_ws(b, i, floor);
+        let start = back_value(b, end, floor)?;
+        i = back_ws(b, start, floor);
+        if i <= floor || b[i - 1] != b':' {
+            return None;
+        }
+        i = back_ws(b, i - 1, floor);
+        if i <= floor || b[i - 1] != b'"' {
+            return None;
+        }
+        let open = string_open(b, i - 1, floor)?;
+        let before = back_ws(b, open, floor);
+        let member = before > floor && matches!(b[before - 1], b',' | b'{');
+        if member && decoded(&b[open + 1..i - 1]).as_deref() == Some("model") {
+            return (b[start] == b'"')
+                .then(|| decoded(&b[start + 1..end - 1]))
+                .flatten();
+        }
+        i = back_ws(b, open, floor);
+        if i <= floor || b[i - 1] != b',' {
+            return None;
+        }
+        i -= 1;
+    }
+}
+
+/// Where the whitespace that ends at `end` starts (not below `floor`).
+fn back_ws(b: &[u8], mut end: usize, floor: usize) -> usize {
+    while end > floor && matches!(b[end - 1], b' ' | b'\t' | b'\n' | b'\r') {
+        end -= 1;
+    }
+    end
+}
+
+/// The start of the value that ends at `end` (exclusive), read backwards; `None` past `floor`.
+fn back_value(b: &[u8], end: usize, floor: usize) -> Option<usize> {
+    if end <= floor {
+        return None;
+    }
+    match b[end - 1] {
+        b'"' => string_open(b, end - 1, floor),
+        b'}' | b']' => {
+            let mut depth = 0usize;
+            let mut j = end;
+            while j > floor {
+                j -= 1;
+                match b[j] {
+                    b'"' => j = string_open(b, j, floor)?,
+                    b'}' | b']' => depth += 1,
+                    b'{' | b'[' => {
+                        depth = depth.checked_sub(1)?;
+                        if depth == 0 {
+                            return Some(j);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            None
+        }
+        _ => {
+            let mut j = end;
+            while j > floor
+                && !matches!(
+                    b[j - 1],
+                    b',' | b':' | b'[' | b'{' | b' ' | b'\t' | b'\n' | b'\r'
+                )
+            {
+                j -= 1;
+            }
+            (j > floor && j < end).then_some(j)
+        }
+    }
+}
+
+/// The index of the quote that opens the string whose closing quote is at `close`; `None` when it
+/// is not found above `floor` (or a run of backslashes reaches it, which leaves the parity open).
+fn string_open(b: &[u8], close: usize, floor: usize) -> Option<usize> {
+    let mut j = close;
+    loop {
+        j = floor + b[floor..j].iter().rposition(|&c| c == b'"')?;
+        let mut k = j;
+        while k > floor && b[k - 1] == b'\\' {
+            k -= 1;
+        }
+        if k == floor && k > 0 && b[k - 1] == b'\\' {
+            return None;
+        }
+        if (j - k).is_multiple_of(2) {
+            return Some(j);
+        }
     }
 }
 
@@ -236,10 +359,14 @@ mod tests {
             br#"{"prompt" [1]}"#,
             br#"{"a":1 "model":"m"}"#,
             b"{\"model\":\"\xff\"}",
-            br#"{"a":,"model":"m"}"#,
         ] {
             assert_eq!(model_of(bad), ModelField::Unreadable, "{bad:?}");
         }
+        assert_eq!(model_of(br#"{"a":,"model":"m"}"#), ModelField::Unreadable);
+        // Read from the end, a well-formed last member is found whatever malformed member
+        // before it the forward scan has not reached: the scan is no validator, and the pool's
+        // reader refuses such a body.
+        assert_eq!(model_of(br#"{"a":[1,,],"model":"m"}"#), named("m"));
     }
 
     #[test]
@@ -262,6 +389,31 @@ mod tests {
         }
         // Bytes next to the two (0x21, 0x23, 0x5b, 0x5d) and high bytes are not taken for them.
         assert_eq!(quote_or_escape(b"!#[]\x80\xff\xa2\xdcabcdefgh\""), Some(16));
+    }
+
+    #[test]
+    fn the_tail_is_read_backwards_and_left_when_model_is_not_there() {
+        let long = "x\\\"y".repeat(2000);
+        // After a long `messages`, as chat clients send it: found in the tail.
+        let chat = format!(
+            r#"{{"messages":[{{"role":"user","content":"{long}"}}],"model":"q\"1","stream":true}}"#
+        );
+        assert_eq!(
+            model_of(chat.as_bytes()),
+            ModelField::Named(Cow::Owned("q\"1".into()))
+        );
+        assert_eq!(model_in_tail(chat.as_bytes()).as_deref(), Some("q\"1"));
+        // First, before a long prompt: not in the tail, found going forward.
+        let ids = format!(r#"{{"model":"m","prompt":[{}]}}"#, "7,".repeat(3000) + "7");
+        assert_eq!(model_in_tail(ids.as_bytes()), None);
+        assert_eq!(model_of(ids.as_bytes()), named("m"));
+        // Inside a nested object at the end: not top level, so not taken.
+        let nested = br#"{"prompt":[1],"metadata":{"model":"inner"}}"#;
+        assert_eq!(model_in_tail(nested), None);
+        assert_eq!(model_of(nested), ModelField::Absent);
+        // A string whose escapes reach the window's edge: left to the forward scan.
+        let edge = format!(r#"{{"model":"m","s":"{}"}}"#, "\\".repeat(3000));
+        assert_eq!(model_of(edge.as_bytes()), named("m"));
     }
 
     #[test]
