@@ -300,12 +300,9 @@ fn feed_polls_go_out_per_pool_and_answers_reach_the_pool_that_polled() {
     }
 }
 
-/// nginx mode (ngx_wasm_module's phases: headers let through, the body handed over whole, the
-/// choice written to a variable, callouts to addresses): each model's choice is its pool's, and an
-/// unknown model is answered by the filter.
-#[test]
-fn nginx_mode_routes_each_model_in_its_pool() {
-    let mut cfg = gateway(Some("chat"));
+/// A proxy in nginx mode with `cfg`: the choice written to the nginx variable, each feed reached
+/// at its address (the endpoint's port 9000).
+fn nginx_proxy(mut cfg: Value) -> Proxy {
     cfg["output"] = json!("nginx_variable");
     for p in cfg["pools"].as_array_mut().unwrap() {
         for r in p["replicas"].as_array_mut().unwrap() {
@@ -315,10 +312,18 @@ fn nginx_mode_routes_each_model_in_its_pool() {
             o.insert("feed_address".into(), json!(feed));
         }
     }
-    let p = Proxy::new(
+    Proxy::new(
         module(),
         ProxyOptions::new(HostMode::Nginx, cfg.to_string()),
-    );
+    )
+}
+
+/// nginx mode (ngx_wasm_module's phases: headers let through, the body handed over whole, the
+/// choice written to a variable, callouts to addresses): each model's choice is its pool's, and an
+/// unknown model is answered by the filter.
+#[test]
+fn nginx_mode_routes_each_model_in_its_pool() {
+    let p = nginx_proxy(gateway(Some("chat")));
     let mut w = p.start_worker().unwrap();
     for (i, (model, net)) in [("llama-8b", "10.0.0."), ("llama-70b", "10.0.1.")]
         .iter()
@@ -365,20 +370,8 @@ fn nginx_mode_routes_each_model_in_its_pool() {
 fn nginx_mode_sends_one_callout_at_a_time_across_pools() {
     use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedQuery, ReplicaLoad};
     let mut cfg = gateway(Some("chat"));
-    cfg["output"] = json!("nginx_variable");
     cfg["feed_period_ms"] = json!(200);
-    for p in cfg["pools"].as_array_mut().unwrap() {
-        for r in p["replicas"].as_array_mut().unwrap() {
-            let feed = r["endpoint"].as_str().unwrap().replace(":8000", ":9000");
-            let o = r.as_object_mut().unwrap();
-            o.remove("feed_cluster");
-            o.insert("feed_address".into(), json!(feed));
-        }
-    }
-    let p = Proxy::new(
-        module(),
-        ProxyOptions::new(HostMode::Nginx, cfg.to_string()),
-    );
+    let p = nginx_proxy(cfg);
     let mut w = p.start_worker().unwrap();
     let mut polls: std::collections::BTreeMap<String, u32> = Default::default();
     for tick in 1..=300u64 {
