@@ -22,6 +22,11 @@ fn define(kind: MetricType, name: &str) -> Option<u32> {
     })
 }
 
+/// A gateway counter, defined outside any pool (`kvsteer_models_unknown`, ...).
+pub(super) fn gateway_counter(name: &str) -> Option<u32> {
+    define(MetricType::Counter, name)
+}
+
 pub(super) fn inc(id: Option<u32>, by: u64) {
     if let Some(id) = id
         && by > 0

@@ -3,7 +3,7 @@
 //! date), and the answers to the callouts the tick sent.
 
 use super::clock::{now_ms, now_ns};
-use super::metrics::Metrics;
+use super::metrics::{Metrics, gateway_counter};
 use super::store::host_store;
 use super::stream::Stream;
 use super::vm::{Pool, Shared, Vm, callout_body, callout_status, log};
@@ -404,11 +404,7 @@ impl RootContext for Root {
         };
         let tick = Duration::from_millis(tick_ms);
         let pooled = gateway.pooled();
-        let define = |name: &str| {
-            pooled
-                .then(|| abi::define_metric(proxy_wasm::types::MetricType::Counter, name).ok())
-                .flatten()
-        };
+        let define = |name: &str| pooled.then(|| gateway_counter(name)).flatten();
         self.vm = Some(Rc::new(RefCell::new(Vm {
             models_unknown: define("kvsteer_models_unknown"),
             models_missing: define("kvsteer_models_missing"),

@@ -209,8 +209,9 @@ impl Stream {
         if !vm.gateway.pooled() {
             return Ok(());
         }
-        let choice = match kvsteer_core::request::model_of(body) {
-            ModelField::Named(m) => vm.gateway.choose(Some(&m)),
+        let field = kvsteer_core::request::model_of(body);
+        let choice = match &field {
+            ModelField::Named(m) => vm.gateway.choose(Some(m)),
             ModelField::Absent => vm.gateway.choose(None),
             ModelField::Unreadable if self.pool_known => PoolChoice::Pool(self.pool),
             ModelField::Unreadable => vm.gateway.choose(None),
@@ -231,7 +232,7 @@ impl Stream {
             }
             PoolChoice::Unknown => {
                 inc(vm.models_unknown, 1);
-                let model = match kvsteer_core::request::model_of(body) {
+                let model = match &field {
                     ModelField::Named(m) => m.chars().take(256).collect::<String>(),
                     _ => String::new(),
                 };
