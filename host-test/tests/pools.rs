@@ -318,6 +318,20 @@ fn nginx_proxy(mut cfg: Value) -> Proxy {
     )
 }
 
+/// One request as ngx_wasm_module hands it over: headers without end of stream, then the whole
+/// body; the stream as the filter left it.
+fn send_nginx(w: &mut WorkerVm, body: &str) -> kvsteer_host_test::StreamState {
+    let id = w.new_stream().unwrap();
+    w.request_headers(
+        id,
+        request_headers("/v1/completions", body.len(), None, &[]),
+        false,
+    )
+    .unwrap();
+    w.request_body(id, body.as_bytes(), true).unwrap();
+    w.end_stream(id).unwrap()
+}
+
 /// nginx mode (ngx_wasm_module's phases: headers let through, the body handed over whole, the
 /// choice written to a variable, callouts to addresses): each model's choice is its pool's, and an
 /// unknown model is answered by the filter.
@@ -331,16 +345,7 @@ fn nginx_mode_routes_each_model_in_its_pool() {
         .take(8)
         .enumerate()
     {
-        let body = completion(model, i as u32);
-        let id = w.new_stream().unwrap();
-        w.request_headers(
-            id,
-            request_headers("/v1/completions", body.len(), None, &[]),
-            false,
-        )
-        .unwrap();
-        w.request_body(id, body.as_bytes(), true).unwrap();
-        let st = w.end_stream(id).unwrap();
+        let st = send_nginx(&mut w, &completion(model, i as u32));
         let var = st
             .properties
             .get(&vec!["ngx".to_string(), "kvsteer_upstream".to_string()])
@@ -348,16 +353,7 @@ fn nginx_mode_routes_each_model_in_its_pool() {
             .expect("the variable set");
         assert!(var.starts_with(net), "{model} -> {var}");
     }
-    let body = completion("gpt-4", 1);
-    let id = w.new_stream().unwrap();
-    w.request_headers(
-        id,
-        request_headers("/v1/completions", body.len(), None, &[]),
-        false,
-    )
-    .unwrap();
-    w.request_body(id, body.as_bytes(), true).unwrap();
-    let st = w.end_stream(id).unwrap();
+    let st = send_nginx(&mut w, &completion("gpt-4", 1));
     assert_eq!(st.local_response.map(|l| l.status), Some(404));
     assert!(st.properties.is_empty(), "{:?}", st.properties);
 }
