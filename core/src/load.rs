@@ -186,8 +186,13 @@ impl Default for Accounting {
 #[derive(Clone, Debug)]
 struct Tracked {
     replica: usize,
-    /// Uncached prompt tokens charged as prefill until the first token.
+    /// Uncached prompt tokens charged as prefill until the first token (in time, as
+    /// [`prefill_work`] counts them, when the [`Accounting`] books prefill in time).
     prefill_tokens: u64,
+    /// The same prefill in plain uncached tokens, the unit a replica reports: what
+    /// [`LoadTable::held`] and [`LoadTable::since`] count, so that a report and this table's part of
+    /// it are subtracted in one unit.
+    report_prefill: u64,
     /// Blocks of the whole prompt (cached or not): read at every decode step.
     prompt_blocks: u64,
     /// With `assume_kv_reuse`: the prompt's full-block hashes, counted in the replica's shared set
@@ -286,6 +291,10 @@ pub struct LoadTable {
     requests: HashMap<u64, Tracked>,
     release_anomalies: u64,
     untracked: u64,
+    /// Prefill booked since the table was made, in the table's unit and in plain tokens: their
+    /// ratio converts a report's plain tokens into the table's unit ([`LoadTable::work_per_token`]).
+    booked_work: f64,
+    booked_tokens: f64,
 }
 
 impl LoadTable {
@@ -303,6 +312,8 @@ impl LoadTable {
             requests: HashMap::new(),
             release_anomalies: 0,
             untracked: 0,
+            booked_work: 0.0,
+            booked_tokens: 0.0,
         }
     }
 
@@ -402,6 +413,8 @@ impl LoadTable {
         };
         t.prefill_tokens = t.prefill_tokens.saturating_add(prefill);
         t.active_requests = t.active_requests.saturating_add(1);
+        self.booked_work += prefill as f64;
+        self.booked_tokens += uncached as f64;
         let prompt_blocks = prompt_tokens.div_ceil(self.block_size);
         let shared = if self.accounting.assume_kv_reuse {
             // An approximate (text) identity may count more chunks than token blocks: never book more
@@ -413,6 +426,7 @@ impl LoadTable {
         let mut r = Tracked {
             replica,
             prefill_tokens: prefill,
+            report_prefill: uncached,
             prompt_blocks,
             shared,
             expected_output: expected_output.filter(|&e| e > 0),
@@ -469,6 +483,7 @@ impl LoadTable {
             r.generated = r.generated.max(1);
             t.prefill_tokens = t.prefill_tokens.saturating_sub(r.prefill_tokens);
             r.prefill_tokens = 0;
+            r.report_prefill = 0;
             Self::book_prompt(&mut self.active_blocks[r.replica], t, r);
         } else if generated.is_none() {
             return;
@@ -554,7 +569,8 @@ impl LoadTable {
 
     /// What this table's requests admitted at or after `marks[replica]` (ms) add to their replica, in
     /// the units a replica reports its own load (docs/reference/feed.md), for `reported_load` `merge`: their
-    /// prefill tokens still to compute (zero once the first token came), their blocks counted whole,
+    /// uncached prompt tokens still to compute, in plain tokens even where the table books prefill
+    /// in time (zero once the first token came), their blocks counted whole,
     /// as the engine counts each sequence's blocks (prompt blocks plus one per `block_size` generated
     /// tokens, no sharing discount, no output-hint weight; booked from admission or from the first
     /// token as the [`Accounting`] says), and one active request each. A replica whose mark is
@@ -592,9 +608,24 @@ impl LoadTable {
             0
         };
         LoadTotals {
-            prefill_tokens: r.prefill_tokens,
+            prefill_tokens: r.report_prefill,
             decode_blocks: blocks,
             active_requests: 1,
+        }
+    }
+
+    /// The table's prefill unit per plain uncached token, over everything it has booked: 1 when
+    /// prefill is booked in tokens, above 1 when it is booked in time (each token also attends to
+    /// its context, [`prefill_work`]). A replica reports its queued prefill in plain tokens, which
+    /// hides how long a long context's prefill takes; a report read beside this table's bookings
+    /// is converted by this ratio, on the assumption that the other proxies' traffic is like this
+    /// one's (`reported_load` `others` with several proxies in front of one fleet). 1 before any
+    /// booking.
+    pub fn work_per_token(&self) -> f64 {
+        if self.booked_tokens > 0.0 {
+            (self.booked_work / self.booked_tokens).max(1.0)
+        } else {
+            1.0
         }
     }
 

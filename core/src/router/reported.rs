@@ -99,6 +99,9 @@ impl Reported {
             }
             _ => (Vec::new(), Vec::new()),
         };
+        // Reports, and this proxy's part of them, are in plain tokens; the table may book prefill
+        // in time: what the report adds is converted once it is computed.
+        let per_token = load.work_per_token();
         for (r, e) in eff.iter_mut().enumerate() {
             if self.stale[r] {
                 continue;
@@ -109,15 +112,18 @@ impl Reported {
                     let mut m = report;
                     m.add(&own[r]);
                     m.sub(&released[r]);
+                    m.prefill_tokens = in_table_units(m.prefill_tokens, per_token);
                     *e = m;
                 } else if mode == ReportedLoad::Others {
                     // Less this proxy's requests the report holds, the rest is the other proxies'
                     // (and what the report counts that the bookings do not).
                     let mut rest = report;
                     rest.sub(&own[r]);
+                    rest.prefill_tokens = in_table_units(rest.prefill_tokens, per_token);
                     e.add(&rest);
                 } else {
-                    e.prefill_tokens = e.prefill_tokens.max(report.prefill_tokens);
+                    let reported = in_table_units(report.prefill_tokens, per_token);
+                    e.prefill_tokens = e.prefill_tokens.max(reported);
                     e.decode_blocks = e.decode_blocks.max(report.decode_blocks);
                     e.active_requests = e.active_requests.max(report.active_requests);
                 }
@@ -268,6 +274,16 @@ impl Reported {
         v.resize(self.stale.len(), LoadTotals::default());
         v
     }
+}
+
+/// Plain tokens of a report in the load table's unit (`per_token` of it a token,
+/// [`LoadTable::work_per_token`]); exact when the table books tokens.
+fn in_table_units(tokens: u64, per_token: f64) -> u64 {
+    if per_token == 1.0 {
+        return tokens;
+    }
+    // u64::MAX / 8 as in `load::prefill_work`: the table's sums stay far from wrapping.
+    (tokens as f64 * per_token).min((u64::MAX / 8) as f64) as u64
 }
 
 #[cfg(test)]

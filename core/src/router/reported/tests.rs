@@ -112,6 +112,44 @@ fn others_counts_own_requests_once_and_the_rest_of_the_report() {
 }
 
 #[test]
+fn a_report_in_plain_tokens_meets_bookings_in_time_in_one_unit() {
+    // kv_time books prefill in time: each of a request's uncached tokens also attends to its
+    // context (here 1,000 tokens of context per token's worth of work).
+    let mut load = LoadTable::new(
+        2,
+        16,
+        Accounting {
+            prefill_in_time: Some(1_000),
+            ..Accounting::default()
+        },
+    );
+    // 1,000 uncached tokens after 1,500 cached: each attends to 2,000 on average, 3x a token.
+    load.admit_at(1, 0, 2_500, 1_000, None, [], 0);
+    assert_eq!(load.totals()[0].prefill_tokens, 3_000);
+    assert_eq!(load.work_per_token(), 3.0);
+    let mut o = Reported::new(2, ReportedLoad::Others, 16);
+    // The replica reports its queue in plain tokens: this proxy's 1,000 and 400 of another's.
+    o.accept(0, report(1_400, 0, 2), 10, &load);
+    assert_eq!(o.local_held()[0].prefill_tokens, 1_000);
+    // The other proxy's 400 tokens are priced like this proxy's, 3x: before, the 3,000 booked
+    // were taken off the 1,400 reported and the other proxy's queue read as nothing.
+    assert_eq!(o.effective(&load)[0].prefill_tokens, 3_000 + 1_200);
+    // `max` and `merge` read the report in the same unit.
+    let mut max = Reported::new(2, ReportedLoad::Max, 16);
+    max.accept(1, report(1_400, 0, 2), 10, &load);
+    assert_eq!(max.effective(&load)[1].prefill_tokens, 4_200);
+    let mut merge = Reported::new(2, ReportedLoad::Merge, 16);
+    merge.accept(0, report(1_400, 0, 2), 10, &load);
+    load.admit_at(2, 0, 100, 100, None, [], 20);
+    // 1,400 reported + 100 booked since, in plain tokens, then converted by the table's ratio
+    // over both bookings: (3,000 + 105) / 1,100.
+    let per_token = load.work_per_token();
+    assert!(per_token > 2.8 && per_token < 3.0, "{per_token}");
+    let merged = merge.effective(&load)[0].prefill_tokens;
+    assert_eq!(merged, (1_500.0 * per_token) as u64);
+}
+
+#[test]
 fn a_forgotten_slot_keeps_nothing_of_its_member() {
     let mut load = table();
     let mut m = Reported::new(2, ReportedLoad::Max, 16);
