@@ -17,6 +17,7 @@ use crate::kv::KvCache;
 use crate::lora::{LoraConfig, LoraSlots};
 use crate::output::{OutputLen, mix64, output_token};
 use crate::profile::Profile;
+use crate::stall::{StallConfig, Stalls};
 use hashbrown::HashMap;
 use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::log::FeedLog;
@@ -55,6 +56,8 @@ pub struct EngineConfig {
     pub feed_log_hashes: usize,
     /// LoRA adapter slots and load time ([`crate::lora`]); off by default.
     pub lora: LoraConfig,
+    /// Random stalls, moments the engine runs no step ([`crate::stall`]); off by default.
+    pub stall: StallConfig,
 }
 
 impl Default for EngineConfig {
@@ -73,6 +76,7 @@ impl Default for EngineConfig {
             epoch: 0,
             feed_log_hashes: 1 << 20,
             lora: LoraConfig::default(),
+            stall: StallConfig::default(),
         }
     }
 }
@@ -226,6 +230,8 @@ pub struct Engine {
     /// sequence's adapter.
     lora: LoraSlots,
     pending_adapter: Option<u32>,
+    /// When the engine stalls ([`crate::stall`]); never when `cfg.stall` is off.
+    stalls: Stalls,
 }
 
 impl Engine {
@@ -245,6 +251,7 @@ impl Engine {
         };
         Engine {
             lora: LoraSlots::new(cfg.lora),
+            stalls: Stalls::new(cfg.stall, cfg.seed),
             kv: KvCache::new(cfg.kv_blocks, cfg.host_blocks),
             log: FeedLog::new(epoch, cfg.feed_log_hashes),
             hasher,
@@ -333,6 +340,7 @@ impl Engine {
             pending_remote: None,
             lora: self.lora.clone(),
             pending_adapter: None,
+            stalls: self.stalls.clone(),
         }
     }
 

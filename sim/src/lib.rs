@@ -13,6 +13,7 @@ pub mod kv_link;
 pub mod lora;
 pub mod output;
 pub mod profile;
+pub mod stall;
 pub mod tokenize;
 
 pub use engine::{

@@ -5,8 +5,12 @@
 //!     [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192]
 //!     [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]
 //!     [--tokenizer stand_in|o200k_harmony|o200k_base | --huggingface DIR] [--profile FILE.json|NAME] [--dp-ranks 1]
-//!     [--max-loras 0] [--lora-load-ms 300]
+//!     [--max-loras 0] [--lora-load-ms 300] [--stall-every-s 0] [--stall-ms 1000]
 //! ```
+//! `--stall-every-s S` makes each replica stall at random, about every S seconds of engine time
+//! (exponential gaps, drawn from the replica's seed), for `--stall-ms` each: no step runs during a
+//! stall, as in a real engine's host hiccup or GC pause (`kvsteer_sim::stall`); 0, the default, is
+//! off. Like every time here they are engine time, divided by `--time-scale` on the wall clock.
 //! `--dp-ranks N` puts N data-parallel ranks (N engines) behind each replica's port, chosen by the
 //! `x-data-parallel-rank` header or vLLM's internal balancer (docs/design/dp.md).
 //! `--profile` replaces the default step-time profile (Llama-3.1-8B on an H100) with one read from
@@ -92,6 +96,14 @@ struct Serve {
     /// Time one adapter load adds to the step that admits its request, in milliseconds.
     #[arg(long, value_name = "MS", default_value_t = EngineConfig::default().lora.load_us / 1000)]
     lora_load_ms: u64,
+    /// Mean engine-time seconds from the end of one random stall to the start of the next, per
+    /// replica (exponential gaps drawn from the replica's seed); 0: no stalls. During a stall the
+    /// engine runs no step, as a real one during a host hiccup, a GC pause or a slow collective.
+    #[arg(long, value_name = "S", default_value_t = 0.0)]
+    stall_every_s: f64,
+    /// Engine-time length of each random stall (`--stall-every-s`), in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = EngineConfig::default().stall.len_us / 1000)]
+    stall_ms: u64,
     /// Context limit in tokens, prompt plus `max_tokens` (default: the profile's `max_model_len`).
     #[arg(long, value_name = "TOKENS")]
     max_model_len: Option<u32>,
@@ -134,6 +146,11 @@ fn run() -> Result<(), String> {
     };
     engine.lora.slots = args.max_loras;
     engine.lora.load_us = args.lora_load_ms.saturating_mul(1000);
+    if !(args.stall_every_s.is_finite() && args.stall_every_s >= 0.0) {
+        return Err("--stall-every-s must be a number of seconds, 0 or more".into());
+    }
+    engine.stall.mean_gap_us = (args.stall_every_s * 1e6).round() as u64;
+    engine.stall.len_us = args.stall_ms.saturating_mul(1000);
     if let Some(path) = &args.profile {
         engine.profile = load_profile(path)?;
     }
@@ -244,6 +261,10 @@ mod tests {
             (a.max_loras, a.lora_load_ms, a.prefix.as_str()),
             (0, 300, "r")
         );
+        assert_eq!((a.stall_every_s, a.stall_ms), (0.0, 1000));
+        let cli = Cli::try_parse_from(["kvsteer-sim", "serve", "--stall-every-s", "30"]);
+        let Command::Serve(a) = cli.expect("parses").command;
+        assert_eq!((a.stall_every_s, a.stall_ms), (30.0, 1000));
         assert_eq!(a.tokenizer, TokenizerKind::StandIn);
         assert!(a.kv_blocks.is_none() && a.max_model_len.is_none() && a.output_mean.is_none());
     }
@@ -276,6 +297,8 @@ mod tests {
             &["kvsteer-sim", "serve", "--tokenizer", "gpt2"],
             &["kvsteer-sim", "serve", "--port", "x"],
             &["kvsteer-sim", "serve", "--nope", "1"],
+            &["kvsteer-sim", "serve", "--stall-every-s", "often"],
+            &["kvsteer-sim", "serve", "--stall-ms", "-5"],
         ] {
             let e = Cli::try_parse_from(bad).expect_err("rejected");
             assert_eq!(e.exit_code(), 2, "{bad:?}");

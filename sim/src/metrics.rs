@@ -89,6 +89,14 @@ pub fn render(engine: &Engine, model: &str) -> String {
         &l,
         s.remote_prefill_tokens,
     );
+    // Not a vLLM metric: the random stalls of `--stall-every-s` that held up a step.
+    counter(
+        &mut out,
+        "kvsteer_sim:stalls",
+        "Random engine stalls (--stall-every-s) that held up a step.",
+        &l,
+        s.stalls,
+    );
     counter(
         &mut out,
         "vllm:num_preemptions",

@@ -530,3 +530,117 @@ fn adapters_do_not_share_cached_blocks() {
     assert_eq!(cached(3, Some("b")), 0);
     assert!(cached(4, Some("a")) >= 496);
 }
+
+/// A second-long stall about every 2 s of engine time, and when the first one starts and ends for
+/// the default seed.
+fn first_stall() -> (kvsteer_sim::stall::StallConfig, u64, u64) {
+    let cfg = kvsteer_sim::stall::StallConfig {
+        mean_gap_us: 2_000_000,
+        len_us: 1_000_000,
+    };
+    let seed = EngineConfig::default().seed;
+    let (start, end) = kvsteer_sim::stall::Stalls::new(cfg, seed)
+        .window()
+        .expect("stalls on");
+    (cfg, start, end)
+}
+
+/// Submits one request at `at_us` and runs until its first token: (first token's time, stalls
+/// that held a step up, engine time they held it).
+fn first_token_at(stall: kvsteer_sim::stall::StallConfig, at_us: u64) -> (u64, u64, u64) {
+    let mut e = Engine::new(EngineConfig {
+        stall,
+        ..EngineConfig::default()
+    });
+    e.submit(at_us, req(1, prompt(1, 2000), 4)).unwrap();
+    let mut ev = Vec::new();
+    while e.stats().generation_tokens == 0 {
+        let t = e.next_event_time().expect("busy");
+        e.advance(t, &mut ev);
+    }
+    let s = e.stats();
+    (first_token_time(&ev, 1) - at_us, s.stalls, s.stalled_us)
+}
+
+#[test]
+fn a_stall_holds_the_first_token_back_by_its_length() {
+    let (stall, start, end) = first_stall();
+    assert_eq!(end - start, 1_000_000);
+    // Arriving as the stall starts, the request waits all of it before its prefill.
+    let (calm, calm_stalls, _) = first_token_at(Default::default(), start);
+    assert_eq!(calm_stalls, 0);
+    let (stalled, stalls, held_us) = first_token_at(stall, start);
+    assert_eq!((stalled, stalls, held_us), (calm + 1_000_000, 1, 1_000_000));
+    // Half way through it, half of it; once it is over (the engine idle through it), nothing.
+    let (half, _, _) = first_token_at(stall, start + 500_000);
+    assert_eq!(half, calm + 500_000);
+    assert_eq!(first_token_at(stall, end), (calm, 0, 0));
+}
+
+/// The longest time between two tokens of one request (the first token's from its arrival).
+fn longest_gap(events: &[EngineEvent], arrivals: &[u64]) -> u64 {
+    let mut last = arrivals.to_vec();
+    let mut gap = 0;
+    for e in events {
+        if let EngineEvent::FirstToken { id, t_us, .. } | EngineEvent::Token { id, t_us, .. } = *e {
+            gap = gap.max(t_us - last[id as usize]);
+            last[id as usize] = t_us;
+        }
+    }
+    gap
+}
+
+#[test]
+fn stalls_off_change_nothing_and_on_they_stretch_a_busy_run() {
+    let run = |stall| {
+        let mut e = Engine::new(EngineConfig {
+            stall,
+            ..EngineConfig::default()
+        });
+        let mut ev = Vec::new();
+        for id in 0..40u64 {
+            let t = id * 500_000;
+            e.advance(t, &mut ev);
+            e.submit(t, req(id, prompt(id as u32, 1500), 200)).unwrap();
+        }
+        ev.extend(drain(&mut e));
+        (ev, e.stats().stalls)
+    };
+    let arrivals: Vec<u64> = (0..40).map(|id| id * 500_000).collect();
+    let (base, _) = run(EngineConfig::default().stall);
+    assert!(longest_gap(&base, &arrivals) < 500_000);
+    let off = kvsteer_sim::stall::StallConfig {
+        mean_gap_us: 0,
+        len_us: 1_000_000,
+    };
+    assert_eq!(run(off).0, base, "0 between stalls is off");
+    // A second-long stall every ~3 s of engine time over a ~20 s busy run: several hold it up.
+    let on = kvsteer_sim::stall::StallConfig {
+        mean_gap_us: 3_000_000,
+        len_us: 1_000_000,
+    };
+    let (ev, stalls) = run(on);
+    assert!(stalls >= 2, "{stalls} stalls");
+    assert!(longest_gap(&ev, &arrivals) >= 900_000);
+    // Every request still finishes, with all its tokens.
+    for id in 0..40u64 {
+        assert_eq!(finished(&ev, id).2, 200);
+    }
+    assert_eq!(run(on).0, ev, "reproducible for a seed");
+}
+
+#[test]
+fn stalls_are_counted_in_metrics() {
+    let (stall, start, _) = first_stall();
+    let mut e = Engine::new(EngineConfig {
+        stall,
+        ..EngineConfig::default()
+    });
+    let line = "kvsteer_sim:stalls_total{model_name=\"m\"} ";
+    let text = kvsteer_sim::metrics::render(&e, "m");
+    assert!(text.contains(&format!("{line}0\n")), "{text}");
+    e.submit(start, req(1, prompt(1, 100), 2)).unwrap();
+    drain(&mut e);
+    let text = kvsteer_sim::metrics::render(&e, "m");
+    assert!(text.contains(&format!("{line}1\n")), "{text}");
+}

@@ -60,6 +60,9 @@ pub struct EngineStats {
     /// them over the link.
     pub remote_prefill_requests: u64,
     pub remote_prefill_tokens: u64,
+    /// Random stalls ([`crate::stall`]) that held up a step, and the engine time they held it.
+    pub stalls: u64,
+    pub stalled_us: u64,
 }
 
 impl Default for EngineStats {
@@ -78,6 +81,8 @@ impl Default for EngineStats {
             itl: Histogram::new(ITL_BUCKETS),
             remote_prefill_requests: 0,
             remote_prefill_tokens: 0,
+            stalls: 0,
+            stalled_us: 0,
         }
     }
 }

@@ -13,6 +13,20 @@ impl Engine {
     pub(super) fn plan(&mut self, start_us: u64) {
         let mut work = std::mem::take(&mut self.scratch);
         work.clear();
+        // A random stall (`crate::stall`) holds up the engine where it would schedule a step: an
+        // empty step runs to the stall's end, and the scheduler looks again then, with whatever
+        // arrived meanwhile. Checked here, at the one place steps start, so no step runs inside a
+        // stall; an idle engine's stalls hold up nothing.
+        if !(self.running.is_empty() && self.waiting.is_empty())
+            && let Some((end, first)) = self.stalls.hold(start_us)
+        {
+            if first {
+                self.stats.stalls += 1;
+                self.stats.stalled_us += end - start_us;
+            }
+            self.step = Some(Step { end_us: end, work });
+            return;
+        }
         let mut budget = self.cfg.max_batch_tokens as usize;
         let mut w = StepWork::default();
 
@@ -187,7 +201,8 @@ impl Engine {
             return;
         };
         let t = step.end_us;
-        self.stats.steps += 1;
+        // A stall's empty step is no step.
+        self.stats.steps += u64::from(!step.work.is_empty());
         let bs = self.cfg.block_size;
         let seed = self.cfg.seed;
         let mut finished = false;
