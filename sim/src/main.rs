@@ -5,12 +5,13 @@
 //!     [--kv-blocks B] [--block-size 16] [--host-blocks H] [--max-batch-tokens 8192]
 //!     [--max-running 256] [--max-model-len L] [--output-mean M] [--model NAME] [--name-prefix r]
 //!     [--tokenizer stand_in|o200k_harmony|o200k_base | --huggingface DIR] [--profile FILE.json|NAME] [--dp-ranks 1]
-//!     [--max-loras 0] [--lora-load-ms 300] [--stall-every-s 0] [--stall-ms 1000]
+//!     [--max-loras 0] [--lora-load-ms 300] [--stall-every-s 0] [--stall-ms 1000] [--stall-seed 0]
 //! ```
 //! `--stall-every-s S` makes each replica stall at random, about every S seconds of engine time
-//! (exponential gaps, drawn from the replica's seed), for `--stall-ms` each: no step runs during a
-//! stall, as in a real engine's host hiccup or GC pause (`kvsteer_sim::stall`); 0, the default, is
-//! off. Like every time here they are engine time, divided by `--time-scale` on the wall clock.
+//! (exponential gaps, drawn from the replica's seed and `--stall-seed`), for `--stall-ms` each: no
+//! step runs during a stall, as in a real engine's host hiccup or GC pause (`kvsteer_sim::stall`);
+//! 0, the default, is off. Like every time here they are engine time, divided by `--time-scale` on
+//! the wall clock.
 //! `--dp-ranks N` puts N data-parallel ranks (N engines) behind each replica's port, chosen by the
 //! `x-data-parallel-rank` header or vLLM's internal balancer (docs/design/dp.md).
 //! `--profile` replaces the default step-time profile (Llama-3.1-8B on an H100) with one read from
@@ -104,6 +105,10 @@ struct Serve {
     /// Engine-time length of each random stall (`--stall-every-s`), in milliseconds.
     #[arg(long, value_name = "MS", default_value_t = EngineConfig::default().stall.len_us / 1000)]
     stall_ms: u64,
+    /// Mixed into each replica's seed for its stall draws: another value, other stall times for
+    /// otherwise the same replicas.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    stall_seed: u64,
     /// Context limit in tokens, prompt plus `max_tokens` (default: the profile's `max_model_len`).
     #[arg(long, value_name = "TOKENS")]
     max_model_len: Option<u32>,
@@ -146,11 +151,7 @@ fn run() -> Result<(), String> {
     };
     engine.lora.slots = args.max_loras;
     engine.lora.load_us = args.lora_load_ms.saturating_mul(1000);
-    if !(args.stall_every_s.is_finite() && args.stall_every_s >= 0.0) {
-        return Err("--stall-every-s must be a number of seconds, 0 or more".into());
-    }
-    engine.stall.mean_gap_us = (args.stall_every_s * 1e6).round() as u64;
-    engine.stall.len_us = args.stall_ms.saturating_mul(1000);
+    engine.stall = stall_config(&args)?;
     if let Some(path) = &args.profile {
         engine.profile = load_profile(path)?;
     }
@@ -215,6 +216,18 @@ fn run() -> Result<(), String> {
     }
 }
 
+/// `--stall-every-s`, `--stall-ms` and `--stall-seed`, engine time in seconds and milliseconds.
+fn stall_config(args: &Serve) -> Result<kvsteer_sim::stall::StallConfig, String> {
+    if !(args.stall_every_s.is_finite() && args.stall_every_s >= 0.0) {
+        return Err("--stall-every-s must be a number of seconds, 0 or more".into());
+    }
+    Ok(kvsteer_sim::stall::StallConfig {
+        mean_gap_us: (args.stall_every_s * 1e6).round() as u64,
+        len_us: args.stall_ms.saturating_mul(1000),
+        seed: args.stall_seed,
+    })
+}
+
 /// `--profile`: a built-in profile's name, else a JSON file's path.
 fn load_profile(arg: &std::path::Path) -> Result<kvsteer_sim::Profile, String> {
     if let Some(p) = arg.to_str().and_then(kvsteer_sim::Profile::named) {
@@ -261,10 +274,17 @@ mod tests {
             (a.max_loras, a.lora_load_ms, a.prefix.as_str()),
             (0, 300, "r")
         );
-        assert_eq!((a.stall_every_s, a.stall_ms), (0.0, 1000));
+        assert_eq!((a.stall_every_s, a.stall_ms, a.stall_seed), (0.0, 1000, 0));
         let cli = Cli::try_parse_from(["kvsteer-sim", "serve", "--stall-every-s", "30"]);
         let Command::Serve(a) = cli.expect("parses").command;
         assert_eq!((a.stall_every_s, a.stall_ms), (30.0, 1000));
+        let stall = stall_config(&a).expect("valid");
+        assert_eq!((stall.mean_gap_us, stall.len_us), (30_000_000, 1_000_000));
+        let a = Serve {
+            stall_every_s: f64::NAN,
+            ..a
+        };
+        assert!(stall_config(&a).is_err());
         assert_eq!(a.tokenizer, TokenizerKind::StandIn);
         assert!(a.kv_blocks.is_none() && a.max_model_len.is_none() && a.output_mean.is_none());
     }

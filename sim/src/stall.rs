@@ -8,8 +8,9 @@
 //! start of the next is exponentially distributed with mean [`StallConfig::mean_gap_us`], and each
 //! stall lasts [`StallConfig::len_us`]. The draws are a hash of the engine's seed and the draw's
 //! number, so a run is reproducible for a seed and replicas (which derive their own seeds) stall at
-//! different moments. A stall that begins while the engine has nothing to do, or while a step
-//! runs and ends before that step does, delays nothing and is not counted.
+//! different moments; [`StallConfig::seed`] draws another schedule for the same engines. A stall
+//! that begins while the engine has nothing to do, or while a step runs and ends before that step
+//! does, delays nothing and is not counted.
 
 use crate::output::{mix64, unit};
 
@@ -21,6 +22,9 @@ pub struct StallConfig {
     pub mean_gap_us: u64,
     /// How long each stall lasts (default 1 s).
     pub len_us: u64,
+    /// Mixed into the engine's seed for the draws (default 0): another value draws other stall
+    /// times for an engine that is otherwise the same.
+    pub seed: u64,
 }
 
 impl Default for StallConfig {
@@ -28,6 +32,7 @@ impl Default for StallConfig {
         StallConfig {
             mean_gap_us: 0,
             len_us: 1_000_000,
+            seed: 0,
         }
     }
 }
@@ -54,7 +59,7 @@ impl Stalls {
     pub fn new(cfg: StallConfig, seed: u64) -> Stalls {
         let mut s = Stalls {
             cfg,
-            seed: mix64(seed ^ 0x7374_616c_6c73),
+            seed: mix64(seed ^ 0x7374_616c_6c73 ^ cfg.seed.rotate_left(32)),
             draws: 0,
             window: None,
             held: false,
@@ -108,6 +113,7 @@ mod tests {
         StallConfig {
             mean_gap_us: gap_ms * 1000,
             len_us: len_ms * 1000,
+            seed: 0,
         }
     }
 
@@ -136,6 +142,11 @@ mod tests {
         let a = windows(Stalls::new(cfg(2000, 100), 7), 200);
         assert_eq!(a, windows(Stalls::new(cfg(2000, 100), 7), 200));
         assert_ne!(a, windows(Stalls::new(cfg(2000, 100), 8), 200));
+        let reseeded = StallConfig {
+            seed: 1,
+            ..cfg(2000, 100)
+        };
+        assert_ne!(a, windows(Stalls::new(reseeded, 7), 200));
         // About 200 s / (2 s + 0.1 s) of them; well inside 4 standard deviations (~9).
         assert!((60..=130).contains(&a.len()), "{}", a.len());
         assert!(a.windows(2).all(|w| w[1] >= w[0] + 100_000), "{a:?}");

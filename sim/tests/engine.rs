@@ -537,6 +537,7 @@ fn first_stall() -> (kvsteer_sim::stall::StallConfig, u64, u64) {
     let cfg = kvsteer_sim::stall::StallConfig {
         mean_gap_us: 2_000_000,
         len_us: 1_000_000,
+        seed: 0,
     };
     let seed = EngineConfig::default().seed;
     let (start, end) = kvsteer_sim::stall::Stalls::new(cfg, seed)
@@ -612,12 +613,14 @@ fn stalls_off_change_nothing_and_on_they_stretch_a_busy_run() {
     let off = kvsteer_sim::stall::StallConfig {
         mean_gap_us: 0,
         len_us: 1_000_000,
+        seed: 0,
     };
     assert_eq!(run(off).0, base, "0 between stalls is off");
     // A second-long stall every ~3 s of engine time over a ~20 s busy run: several hold it up.
     let on = kvsteer_sim::stall::StallConfig {
         mean_gap_us: 3_000_000,
         len_us: 1_000_000,
+        seed: 0,
     };
     let (ev, stalls) = run(on);
     assert!(stalls >= 2, "{stalls} stalls");
