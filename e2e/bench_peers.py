@@ -220,12 +220,16 @@ def versions() -> dict:
     return out
 
 
-def run_one(label: str, kind: str, policy: str, slice_doc: dict, args, tag: str) -> dict:
+def run_one(label: str, kind: str, policy: str, slice_doc: dict, args, tag: str,
+            replica_extra: tuple[str, ...] = (), on_done=None) -> dict:
+    """One run on fresh replicas and a fresh router. `replica_extra`: more `kvsteer-sim serve`
+    flags; `on_done(stack, rows)`, called before the stack closes, returns a dict merged into the
+    summary (e2e/bench_stalls.py reads the filter's stats and keeps the rows with it)."""
     total = sum(len(s["turns"]) for s in slice_doc["sessions"])
     t_cfg = time.perf_counter()
     with Stack() as st:
         st.start_replicas(REPLICAS, extra=["--time-scale", str(args.time_scale),
-                                           "--tokenizer", TOKENIZER["vocabulary"]])
+                                           "--tokenizer", TOKENIZER["vocabulary"], *replica_extra])
         if kind == "kvsteer":
             st.start_envoy("envoy", plugin_overrides={
                 "routing": {"policy": policy},
@@ -263,12 +267,14 @@ def run_one(label: str, kind: str, policy: str, slice_doc: dict, args, tag: str)
         failures = st.vm_failures() if kind == "kvsteer" else []
         if failures:
             raise StackError(f"{tag}: wasm VM failures:\n" + "\n".join(failures[:5]))
+        more = on_done(st, rows) if on_done else {}
     s = summarize(rows, args.time_scale, sampler.cv())
     s["errors"] = sorted({f"{r['status']}: {r['error']}" for r in rows if not r["ok"]})[:5]
     s["startup_s"] = started
     s["wall_s"] = time.perf_counter() - t_cfg
     s["command"] = command
     s["prompt_tokens"] = sum(r["prompt_tokens"] for r in rows if r["ok"])
+    s.update(more)
     return s
 
 
@@ -422,15 +428,8 @@ def svg(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--time-scale", type=float, default=5.0)
-    ap.add_argument("--sample-s", type=float, default=0.5)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default=str(REPO / "out" / "bench-peers"))
-    ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS),
-                    help="comma-separated labels (default: all)")
-    ap.add_argument("--slices", default=",".join(SLICES))
+def add_slice_args(ap: argparse.ArgumentParser) -> None:
+    """The slices' sizes (e2e/bench_stalls.py takes them too)."""
     ap.add_argument("--coding-sessions", type=int, default=24)
     ap.add_argument("--coding-turns", type=int, default=8)
     ap.add_argument("--coding-words", type=int, default=4, help="words a 64-token trace block")
@@ -442,6 +441,30 @@ def main() -> int:
     ap.add_argument("--mooncake-words", type=int, default=32, help="words a 512-token trace block")
     ap.add_argument("--mooncake-concurrency", type=int, default=24)
     ap.add_argument("--mooncake-out-cap", type=int, default=256)
+
+
+def slice_builders(args, work: Path) -> dict:
+    """Slice name -> a function building it from `add_slice_args`' options (`work`: scratch)."""
+    return {
+        "rl": lambda: rl_slice(target_dir() / "release" / "bench", work),
+        "coding": lambda: coding_slice(args.coding_sessions, args.coding_turns, args.coding_words,
+                                       args.coding_out_cap, args.coding_think_cap_s),
+        "mooncake": lambda: mooncake_slice(args.mooncake_requests, args.mooncake_words,
+                                           args.mooncake_concurrency, args.mooncake_out_cap,
+                                           args.mooncake_first),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--time-scale", type=float, default=5.0)
+    ap.add_argument("--sample-s", type=float, default=0.5)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default=str(REPO / "out" / "bench-peers"))
+    ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS),
+                    help="comma-separated labels (default: all)")
+    ap.add_argument("--slices", default=",".join(SLICES))
+    add_slice_args(ap)
     ap.add_argument("--report-only", action="store_true",
                     help="rewrite peers.md and peers.svg from the last run's peers.json")
     args = ap.parse_args()
@@ -455,14 +478,7 @@ def main() -> int:
         return 0
     work = REPO / "out" / "bench-peers-work"
     work.mkdir(parents=True, exist_ok=True)
-    builders = {
-        "rl": lambda: rl_slice(target_dir() / "release" / "bench", work),
-        "coding": lambda: coding_slice(args.coding_sessions, args.coding_turns, args.coding_words,
-                                       args.coding_out_cap, args.coding_think_cap_s),
-        "mooncake": lambda: mooncake_slice(args.mooncake_requests, args.mooncake_words,
-                                           args.mooncake_concurrency, args.mooncake_out_cap,
-                                           args.mooncake_first),
-    }
+    builders = slice_builders(args, work)
     wanted_slices = [s for s in args.slices.split(",") if s]
     for s in wanted_slices:
         if s not in builders:
