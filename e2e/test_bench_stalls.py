@@ -1,0 +1,59 @@
+"""The stalls bench's own logic, without running it: every repeat runs each (policy, condition)
+cell once, in an order that rotates, and the report reads a result the way it says it does."""
+
+from __future__ import annotations
+
+import unittest
+import xml.dom.minidom
+
+import bench_stalls as bs
+
+
+def run(p99: float, repeat: int) -> dict:
+    return {"repeat": repeat, "failed": 0, "loadavg_start": [1.0, 1.0, 1.0],
+            "loadavg_end": [2.0, 1.5, 1.0],
+            "ttft": {"p50": p99 / 10, "p90": p99 / 2, "p99": p99, "mean": p99 / 5},
+            "requests_per_replica": {"r0_0": 5, "r1_0": 5},
+            "stalls_per_replica": {"r0": 1, "r1": None},
+            "learned_speed_milli": {"r0": [1100], "r1": [900]}}
+
+
+class Cells(unittest.TestCase):
+    def test_each_repeat_runs_every_cell_once_and_the_first_cell_rotates(self):
+        want = {(p, c) for p in bs.POLICIES for c in bs.CONDITIONS}
+        firsts = set()
+        for rep in range(4):
+            order = bs.cells(rep)
+            self.assertEqual(set(order), want)
+            self.assertEqual(len(order), len(want))
+            firsts.add(order[0])
+        self.assertEqual(firsts, want)
+
+
+class Report(unittest.TestCase):
+    def test_ratios_are_stalls_over_calm_of_the_medians_and_per_repeat(self):
+        p99 = {("kv_time", "calm"): [100.0, 200.0, 300.0],
+               ("kv_time", "stalls"): [110.0, 400.0, 300.0],
+               ("kv_load", "calm"): [100.0, 100.0, 100.0],
+               ("kv_load", "stalls"): [150.0, 150.0, 150.0]}
+        runs = {p: {c: [run(v, i + 1) for i, v in enumerate(p99[(p, c)])]
+                    for c in bs.CONDITIONS} for p in bs.POLICIES}
+        results = {"commit": "abc", "time_scale": 1.0, "repeat": 3, "wall_s": 10.0,
+                   "stall_flags": "--stall-every-s 30 --stall-ms 1000",
+                   "slice_meta": {"coding": {"source": "s", "sessions": 2, "requests": 10,
+                                             "concurrency": 2}},
+                   "runs": {"coding": runs}}
+        med, per = bs.ratios(results, "coding", "kv_time")
+        self.assertAlmostEqual(med, 300.0 / 200.0)
+        self.assertEqual([round(x, 2) for x in per], [1.1, 2.0, 1.0])
+        md = bs.report(results)
+        self.assertIn("| kv_time | 1.50 | 1.10 / 2.00 / 1.00 |", md)
+        self.assertIn("| kv_load | 1.50 | 1.50 / 1.50 / 1.50 |", md)
+        self.assertIn("| kv_time | stalls | 30 | 150 | 300 | 60 | 110 / 400 / 300 |", md)
+        self.assertIn("- kv_time calm: 1.00->2.00, 1.00->2.00, 1.00->2.00", md)
+        self.assertIn("- stalls: r0=1100 r1=900;", md)
+        xml.dom.minidom.parseString(bs.svg(results))
+
+
+if __name__ == "__main__":
+    unittest.main()
