@@ -87,10 +87,13 @@ def on_done(st, rows: list[dict]) -> dict:
             "stalls_per_replica": {r.name: replica_stalls(r.endpoint) for r in st.replicas}}
 
 
-def ttft_figures(rows: list[dict], scale: float) -> dict:
+def ttft_figures(rows: list[dict], scale: float, stall_ms: float) -> dict:
+    """TTFT percentiles and mean in ms, and how many first tokens took a stall's length or more
+    (`over_stall`: in a calm run, what the slice's own tail puts there)."""
     ttft = [r["ttft_s"] * scale * 1e3 for r in rows if r["ok"]]
     out = {p: pct(ttft, q) for p, q in (("p50", 50), ("p90", 90), ("p99", 99))}
     out["mean"] = statistics.fmean(ttft) if ttft else float("nan")
+    out["over_stall"] = sum(t >= stall_ms for t in ttft)
     return out
 
 
@@ -122,7 +125,7 @@ def run_all(args, slices: dict) -> dict:
                 s = bench_peers.run_one(f"kvsteer {policy}", "kvsteer", policy, doc, args, tag,
                                         replica_extra=extra, on_done=on_done)
                 s["repeat"], s["loadavg_start"], s["loadavg_end"] = rep + 1, before, loadavg()
-                s["ttft"] = ttft_figures(s["rows"], args.time_scale)
+                s["ttft"] = ttft_figures(s["rows"], args.time_scale, args.stall_ms)
                 results["runs"].setdefault(sl, {}).setdefault(policy, {}).setdefault(
                     cond, []).append(s)
                 t = s["ttft"]
@@ -161,8 +164,9 @@ def ratios(results: dict, sl: str, policy: str) -> tuple[float, list[float]]:
 
 def slice_table(results: dict, sl: str) -> list[str]:
     md = ["| policy | condition | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms | "
-          "p99 per repeat | requests per replica (repeat 1) | stalls per replica (repeat 1) | "
-          "failed |", "|---|---|---:|---:|---:|---:|---|---|---|---:|"]
+          "p99 per repeat | TTFT >= stall, per repeat | requests per replica (repeat 1) | "
+          "stalls per replica (repeat 1) | failed |",
+          "|---|---|---:|---:|---:|---:|---|---|---|---|---:|"]
     for policy in POLICIES:
         for cond in CONDITIONS:
             runs = results["runs"][sl][policy][cond]
@@ -171,6 +175,7 @@ def slice_table(results: dict, sl: str) -> list[str]:
             md.append(f"| {policy} | {cond} | {fmt(med['p50'])} | {fmt(med['p90'])} | "
                       f"{fmt(med['p99'])} | {fmt(med['mean'])} | "
                       f"{' / '.join(fmt(r['ttft']['p99']) for r in runs)} | "
+                      f"{' / '.join(str(r['ttft'].get('over_stall', '-')) for r in runs)} | "
                       f"{' / '.join(str(v) for v in runs[0]['requests_per_replica'].values())} | "
                       f"{' / '.join(fmt(v, 'd') for v in runs[0]['stalls_per_replica'].values())}"
                       f" | {sum(r['failed'] for r in runs)} |")

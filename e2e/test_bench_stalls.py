@@ -12,7 +12,8 @@ import bench_stalls as bs
 def run(p99: float, repeat: int) -> dict:
     return {"repeat": repeat, "failed": 0, "loadavg_start": [1.0, 1.0, 1.0],
             "loadavg_end": [2.0, 1.5, 1.0],
-            "ttft": {"p50": p99 / 10, "p90": p99 / 2, "p99": p99, "mean": p99 / 5},
+            "ttft": {"p50": p99 / 10, "p90": p99 / 2, "p99": p99, "mean": p99 / 5,
+                     "over_stall": int(p99 >= 300)},
             "requests_per_replica": {"r0_0": 5, "r1_0": 5},
             "stalls_per_replica": {"r0": 1, "r1": None},
             "learned_speed_milli": {"r0": [1100], "r1": [900]}}
@@ -28,6 +29,15 @@ class Cells(unittest.TestCase):
             self.assertEqual(len(order), len(want))
             firsts.add(order[0])
         self.assertEqual(firsts, want)
+
+
+class Figures(unittest.TestCase):
+    def test_ttft_in_engine_ms_and_first_tokens_a_stall_long(self):
+        rows = [{"ok": True, "ttft_s": t} for t in (0.01, 0.02, 0.2, 0.25)]
+        rows.append({"ok": False, "ttft_s": 9.0})
+        f = bs.ttft_figures(rows, 5.0, 1000)
+        self.assertEqual((f["p50"], f["p99"], f["over_stall"]), (100.0, 1250.0, 2))
+        self.assertAlmostEqual(f["mean"], 600.0)
 
 
 class Report(unittest.TestCase):
@@ -49,7 +59,8 @@ class Report(unittest.TestCase):
         md = bs.report(results)
         self.assertIn("| kv_time | 1.50 | 1.10 / 2.00 / 1.00 |", md)
         self.assertIn("| kv_load | 1.50 | 1.50 / 1.50 / 1.50 |", md)
-        self.assertIn("| kv_time | stalls | 30 | 150 | 300 | 60 | 110 / 400 / 300 |", md)
+        self.assertIn("| kv_time | stalls | 30 | 150 | 300 | 60 | 110 / 400 / 300 | 0 / 1 / 1 |",
+                      md)
         self.assertIn("- kv_time calm: 1.00->2.00, 1.00->2.00, 1.00->2.00", md)
         self.assertIn("- stalls: r0=1100 r1=900;", md)
         xml.dom.minidom.parseString(bs.svg(results))
