@@ -164,9 +164,9 @@ def ratios(results: dict, sl: str, policy: str) -> tuple[float, list[float]]:
 
 def slice_table(results: dict, sl: str) -> list[str]:
     md = ["| policy | condition | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms | "
-          "p99 per repeat | TTFT >= stall, per repeat | requests per replica (repeat 1) | "
-          "stalls per replica (repeat 1) | failed |",
-          "|---|---|---:|---:|---:|---:|---|---|---|---|---:|"]
+          "p99 per repeat | TTFT >= stall, per repeat | hit rate % | requests per replica "
+          "(repeat 1) | stalls per replica (repeat 1) | failed |",
+          "|---|---|---:|---:|---:|---:|---|---|---:|---|---|---:|"]
     for policy in POLICIES:
         for cond in CONDITIONS:
             runs = results["runs"][sl][policy][cond]
@@ -176,6 +176,7 @@ def slice_table(results: dict, sl: str) -> list[str]:
                       f"{fmt(med['p99'])} | {fmt(med['mean'])} | "
                       f"{' / '.join(fmt(r['ttft']['p99']) for r in runs)} | "
                       f"{' / '.join(str(r['ttft'].get('over_stall', '-')) for r in runs)} | "
+                      f"{fmt(statistics.median(r['hit_rate'] for r in runs) * 100, '.1f')} | "
                       f"{' / '.join(str(v) for v in runs[0]['requests_per_replica'].values())} | "
                       f"{' / '.join(fmt(v, 'd') for v in runs[0]['stalls_per_replica'].values())}"
                       f" | {sum(r['failed'] for r in runs)} |")

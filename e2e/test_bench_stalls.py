@@ -11,7 +11,7 @@ import bench_stalls as bs
 
 def run(p99: float, repeat: int) -> dict:
     return {"repeat": repeat, "failed": 0, "loadavg_start": [1.0, 1.0, 1.0],
-            "loadavg_end": [2.0, 1.5, 1.0],
+            "loadavg_end": [2.0, 1.5, 1.0], "hit_rate": 0.5,
             "ttft": {"p50": p99 / 10, "p90": p99 / 2, "p99": p99, "mean": p99 / 5,
                      "over_stall": int(p99 >= 300)},
             "requests_per_replica": {"r0_0": 5, "r1_0": 5},
@@ -59,8 +59,8 @@ class Report(unittest.TestCase):
         md = bs.report(results)
         self.assertIn("| kv_time | 1.50 | 1.10 / 2.00 / 1.00 |", md)
         self.assertIn("| kv_load | 1.50 | 1.50 / 1.50 / 1.50 |", md)
-        self.assertIn("| kv_time | stalls | 30 | 150 | 300 | 60 | 110 / 400 / 300 | 0 / 1 / 1 |",
-                      md)
+        self.assertIn("| kv_time | stalls | 30 | 150 | 300 | 60 | 110 / 400 / 300 | 0 / 1 / 1 | "
+                      "50.0 |", md)
         self.assertIn("- kv_time calm: 1.00->2.00, 1.00->2.00, 1.00->2.00", md)
         self.assertIn("- stalls: r0=1100 r1=900;", md)
         xml.dom.minidom.parseString(bs.svg(results))
