@@ -1,6 +1,7 @@
 """The peer routers of the benchmark report (docs/reports/results/peers.md): the routers users would pick
 instead of kvsteer, run as real processes in front of the same simulated replicas, next to Envoy with
-kvsteer's default policy (`kv_load`), through the same client.
+kvsteer's `kv_load` (the default policy when this report was made; `kv_time` is now), through the
+same client.
 
 - sglang-router (SGLang's model gateway): `cache_aware`, `manual` (its session policy: the
   `x-smg-routing-key` header pins a key to a replica) and `power_of_two`;
@@ -45,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_envoy import (  # noqa: E402
-    FEED_PERIOD_MS, TICK_MS, Sampler, commit, median_summary, pct, replay, summarize)
+    FEED_PERIOD_MS, TICK_MS, Sampler, commit, median_summary, replay, summarize)
 from stack import REPO, Stack, StackError, envoy_path, free_ports, target_dir  # noqa: E402
 
 PEERS = REPO / ".peers"
