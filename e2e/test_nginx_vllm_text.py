@@ -32,14 +32,11 @@ import time
 import unittest
 
 from client import cached_tokens
-from stack import Replica, free_ports
-from test_hf_fetch import frame
+from stack import free_ports
 from test_nginx_real import NGINX_BIN, Nginx, render, sub1, wait_port
 from test_nginx_text import chat
-from test_real_vllm import BLOCK, ENABLED, Engine, RealStack, VllmCase, http, log, prom
-from test_real_vllm import require_vllm, wait_until
-from test_real_vllm_text import ASSISTANT, GPU_BLOCKS, MODEL, model_dir_or_skip, system_prompt
-from test_real_vllm_text import user_text
+from test_real_vllm import BLOCK, ENABLED, Engine, VllmCase, http, log, prom, wait_until
+from test_real_vllm_text import ASSISTANT, MODEL, start_text_fleet, system_prompt, user_text
 
 WORKERS = 2
 CONVERSATIONS = 12
@@ -72,20 +69,9 @@ class NginxRealVllmText(VllmCase):
 
     @classmethod
     def setUpClass(cls) -> None:
-        require_vllm()
-        s = cls.stack = RealStack(gpu_blocks=GPU_BLOCKS, tokenizer=True)
+        s, cls.sha256 = start_text_fleet(cls.timings)
+        cls.stack = s
         try:
-            s.model_dir = model_dir_or_skip(s.workdir)
-            s.adapter_args = ["--model-dir", str(s.model_dir), "--model-name", MODEL]
-            cls.sha256 = hashlib.sha256(frame(
-                MODEL, (s.model_dir / "tokenizer.json").read_bytes(),
-                (s.model_dir / "tokenizer_config.json").read_bytes())).hexdigest()
-            cls.timings["engines_start_s"] = s.start_fleet(2)
-            log(f"engines with Llama 3.1's tokenizer ready in {cls.timings['engines_start_s']:.1f} s")
-            s.replicas = [Replica(e.name, e.port, e.engine) for e in s.engines]
-            for e in s.engines:
-                wait_until(f"{e.name}'s adapter learns the engine's block count",
-                           lambda e=e: prom(e.adapter_metrics(), "kvsteer_feed_max_blocks") > 0, 20)
             t1 = time.monotonic()
             cls.port = free_ports(1)[0]
             fetch = {"cluster": f"127.0.0.1:{s.engines[0].adapter_port}", "sha256": cls.sha256,

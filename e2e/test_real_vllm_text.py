@@ -86,6 +86,36 @@ def model_dir_or_skip(where: Path) -> Path:
     return d
 
 
+def start_text_fleet(timings: dict[str, float]) -> tuple[RealStack, str]:
+    """The two engines with Llama 3.1's tokenizer that this test and e2e/test_nginx_vllm_text.py
+    put their proxy in front of: checks for vLLM, makes the model folder in a new stack's temporary
+    folder (`model_dir_or_skip`: skipped without the tokenizer files), computes the digest of the
+    bundle the adapters serve (what the filter's `tokenizer.huggingface.fetch` checks), starts the
+    engines with a `kvsteer-feed --model-dir` beside each (the time they took in
+    `timings["engines_start_s"]`), makes them the stack's replicas and waits until every adapter
+    has learned its engine's block count. Returns the stack and the bundle's sha256 (hex); closes
+    the stack if any of it fails."""
+    require_vllm()
+    s = RealStack(gpu_blocks=GPU_BLOCKS, tokenizer=True)
+    try:
+        s.model_dir = model_dir_or_skip(s.workdir)
+        s.adapter_args = ["--model-dir", str(s.model_dir), "--model-name", MODEL]
+        sha256 = hashlib.sha256(frame(
+            MODEL, (s.model_dir / "tokenizer.json").read_bytes(),
+            (s.model_dir / "tokenizer_config.json").read_bytes())).hexdigest()
+        timings["engines_start_s"] = s.start_fleet(2)
+        log(f"engines with Llama 3.1's tokenizer ready in {timings['engines_start_s']:.1f} s "
+            f"(model folder {s.model_dir.name}, bundle sha256 {sha256[:16]}...)")
+        s.replicas = [Replica(e.name, e.port, e.engine) for e in s.engines]
+        for e in s.engines:
+            wait_until(f"{e.name}'s adapter learns the engine's block count",
+                       lambda e=e: prom(e.adapter_metrics(), "kvsteer_feed_max_blocks") > 0, 20)
+    except BaseException:
+        s.close()
+        raise
+    return s, sha256
+
+
 def system_prompt(c: int) -> str:
     return (f"You are the help desk of conversation {c}. Answer briefly and politely.\n"
             + prose(5_000 + c, 220))
@@ -102,21 +132,9 @@ class RealVllmText(VllmCase):
 
     @classmethod
     def setUpClass(cls) -> None:
-        require_vllm()
-        s = cls.stack = RealStack(gpu_blocks=GPU_BLOCKS, tokenizer=True)
+        s, cls.sha256 = start_text_fleet(cls.timings)
+        cls.stack = s
         try:
-            s.model_dir = model_dir_or_skip(s.workdir)
-            s.adapter_args = ["--model-dir", str(s.model_dir), "--model-name", MODEL]
-            cls.sha256 = hashlib.sha256(frame(
-                MODEL, (s.model_dir / "tokenizer.json").read_bytes(),
-                (s.model_dir / "tokenizer_config.json").read_bytes())).hexdigest()
-            cls.timings["engines_start_s"] = s.start_fleet(2)
-            log(f"engines with Llama 3.1's tokenizer ready in {cls.timings['engines_start_s']:.1f} s "
-                f"(model folder {s.model_dir.name}, bundle sha256 {cls.sha256[:16]}...)")
-            s.replicas = [Replica(e.name, e.port, e.engine) for e in s.engines]
-            for e in s.engines:
-                wait_until(f"{e.name}'s adapter learns the engine's block count",
-                           lambda e=e: prom(e.adapter_metrics(), "kvsteer_feed_max_blocks") > 0, 20)
             t1 = time.monotonic()
             fetch = {"cluster": CLUSTER, "sha256": cls.sha256, "model": MODEL}
             s.start_envoy_real(
