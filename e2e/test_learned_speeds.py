@@ -142,8 +142,10 @@ class LearnedSpeeds(unittest.TestCase):
     def test_alike_replicas_share_fresh_prompts_whatever_their_factors_noise(self):
         """Four alike replicas whose learned factors differ by noise: while the filter learns them
         (the first 20 prompts), every replica runs at a speed drawn afresh before each prompt,
-        within 6% of the profile's (the simulator runs the profile exactly, so real timings on
-        one host would not differ); then all run at the profile's speed. Fresh prompts sent one by
+        within 10% of the profile's (the simulator runs the profile exactly, so real timings on
+        one host would not differ; at 6% the factors learned from 5 prompts each, pooled by the
+        prior, were sometimes within 0.4% of each other, too close to be the noise this is
+        about); then all run at the profile's speed. Fresh prompts sent one by
         one spread, no replica more than half (the first version sent 40 of 40 to the one whose
         factor happened to be lowest, with the factors 1-6% apart). The factors are printed."""
         routing = {"policy": "kv_time", "kv_time": {"profile": PROFILE}}
@@ -153,7 +155,7 @@ class LearnedSpeeds(unittest.TestCase):
             for i in range(WARM_UP_PROMPTS + FRESH_PROMPTS):
                 if i <= WARM_UP_PROMPTS:
                     for k in range(REPLICAS):
-                        speed = draw.uniform(0.94, 1.06) if i < WARM_UP_PROMPTS else 1.0
+                        speed = draw.uniform(0.90, 1.10) if i < WARM_UP_PROMPTS else 1.0
                         stack.set_fault(f"r{k}", {"slowdown": speed})
                 # Streamed: the filter learns from the first token's arrival.
                 res = stack.send(tokens(PROMPT_TOKENS, 11_000_000 + i), max_tokens=4,
