@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_peers  # noqa: E402
 from bench_envoy import commit, pct  # noqa: E402
-from stack import REPO  # noqa: E402
+from stack import REPO, prom  # noqa: E402
 
 POLICIES = ["kv_time", "kv_load"]
 CONDITIONS = ["calm", "stalls"]
@@ -65,11 +65,9 @@ def replica_stalls(endpoint: str) -> int | None:
     """A replica's `kvsteer_sim:stalls_total` (stalls that held up a step)."""
     try:
         with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as r:
-            text = r.read().decode()
+            return int(prom(r.read().decode(), "kvsteer_sim:stalls_total"))
     except OSError:
         return None
-    return sum(int(float(ln.rsplit(" ", 1)[1])) for ln in text.splitlines()
-               if ln.startswith("kvsteer_sim:stalls_total"))
 
 
 def on_done(st, rows: list[dict]) -> dict:

@@ -45,6 +45,26 @@ class StackError(RuntimeError):
     """A part of the stack could not be started, with what it printed."""
 
 
+def prom(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of metric `name` whose labels include `labels` in a Prometheus text
+    exposition (a replica's, an adapter's or the simulator's `/metrics`)."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, lab = head.partition("{")
+        if metric != name:
+            continue
+        if any(f'{k}="{v}"' not in lab for k, v in labels.items()):
+            continue
+        try:
+            total += float(value)
+        except ValueError:
+            pass
+    return total
+
+
 def rss_kb(pid: int) -> tuple[int, int]:
     """A process's resident memory now and at its peak (VmRSS, VmHWM), in KiB, from /proc."""
     rss = hwm = 0

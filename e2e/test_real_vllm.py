@@ -39,7 +39,7 @@ from pathlib import Path
 import envoy_config
 from client import Client, Result, tokens
 from stack import REPO, Proc, Replica, Stack, StackError, envoy_path, free_ports, target_dir
-from stack import wait_http, wasm_path
+from stack import prom, wait_http, wasm_path
 
 ENABLED = os.environ.get("KVSTEER_E2E_VLLM") == "1"
 VLLM_BIN = Path(os.environ.get("VLLM_BIN") or REPO / ".vllm" / "venv" / "bin" / "vllm")
@@ -65,25 +65,6 @@ def http(url: str, method: str = "GET", body: bytes | None = None, timeout: floa
                                  headers={"content-type": "application/json"} if body else {})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.read()
-
-
-def prom(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of metric `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric, _, lab = head.partition("{")
-        if metric != name:
-            continue
-        if any(f'{k}="{v}"' not in lab for k, v in labels.items()):
-            continue
-        try:
-            total += float(value)
-        except ValueError:
-            pass
-    return total
 
 
 def wait_until(what: str, pred, timeout_s: float, every_s: float = 0.1):
