@@ -14,7 +14,12 @@
 //!   when their last holder goes. Releasing an unknown request (double release, or one admitted by
 //!   another worker) does nothing and is counted.
 
+mod head;
+
+pub use head::{HeadProgress, PREFILL_HEAD_LEN, PrefillHead};
+
 use hashbrown::HashMap;
+use std::collections::VecDeque;
 
 /// Router-tracked totals for one replica; also what a worker publishes to its peers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -295,6 +300,13 @@ pub struct LoadTable {
     /// ratio converts a report's plain tokens into the table's unit ([`LoadTable::work_per_token`]).
     booked_work: f64,
     booked_tokens: f64,
+    /// Per replica, this table's requests still in prefill in the order they were admitted (id,
+    /// admission ms; entries of requests that left out of order are dropped once they reach the
+    /// front): the front is the head of [`LoadTable::prefill_heads`].
+    in_prefill: Vec<VecDeque<(u64, u64)>>,
+    /// Per replica, when the last request that left the front of `in_prefill` returned its first
+    /// token (ms; 0: none yet).
+    last_first_token_ms: Vec<u64>,
 }
 
 impl LoadTable {
@@ -314,6 +326,8 @@ impl LoadTable {
             untracked: 0,
             booked_work: 0.0,
             booked_tokens: 0.0,
+            in_prefill: vec![VecDeque::new(); replicas],
+            last_first_token_ms: vec![0; replicas],
         }
     }
 
@@ -442,6 +456,21 @@ impl LoadTable {
             Self::recharge(t, &mut r, self.block_size, self.accounting.use_output_hint);
         }
         self.requests.insert(request_id, r);
+        if prefill > 0 {
+            let q = &mut self.in_prefill[replica];
+            q.push_back((request_id, admitted_ms));
+            // Entries that left out of order wait behind the head; a head that never leaves (a
+            // completion the host lost) would keep them forever, so past twice what the table
+            // tracks they are swept (amortised: the next sweep is that many pushes away).
+            if q.len() > 2 * self.requests.len() + 1024 {
+                let requests = &self.requests;
+                q.retain(|&(id, at)| {
+                    requests
+                        .get(&id)
+                        .is_some_and(|r| r.replica == replica && r.admitted_ms == at && !r.decoding)
+                });
+            }
+        }
         true
     }
 
@@ -463,11 +492,73 @@ impl LoadTable {
     /// The first output token arrived: prefill load becomes decode load.
     pub fn first_token(&mut self, request_id: u64) {
         self.progress(request_id, None);
+        if let Some(r) = self.requests.get(&request_id) {
+            let replica = r.replica;
+            self.tidy_head(replica);
+        }
+    }
+
+    /// [`LoadTable::first_token`] at `now_ms`: where the request was the head of its replica's
+    /// prefill queue, the next one starts now ([`LoadTable::prefill_heads`]).
+    pub fn first_token_at(&mut self, request_id: u64, now_ms: u64) {
+        let Some(r) = self.requests.get(&request_id) else {
+            self.release_anomalies += 1;
+            return;
+        };
+        let replica = r.replica;
+        let head = self.in_prefill[replica].front() == Some(&(request_id, r.admitted_ms));
+        self.progress(request_id, None);
+        if head {
+            let last = &mut self.last_first_token_ms[replica];
+            *last = (*last).max(now_ms);
+        }
+        self.tidy_head(replica);
+    }
+
+    /// Drops the front entries of `replica`'s prefill queue that are no longer in prefill (first
+    /// token seen, released, or re-admitted): after every change the front is the head.
+    fn tidy_head(&mut self, replica: usize) {
+        let Some(q) = self.in_prefill.get_mut(replica) else {
+            return;
+        };
+        while let Some(&(id, at)) = q.front() {
+            match self.requests.get(&id) {
+                Some(r) if r.replica == replica && r.admitted_ms == at && !r.decoding => break,
+                _ => {
+                    q.pop_front();
+                }
+            }
+        }
+    }
+
+    /// Per replica: this table's view of the prefill in progress there (its oldest request still in
+    /// prefill, and the last first token that ended a head), what a worker publishes to its peers.
+    pub fn prefill_heads(&self) -> Vec<PrefillHead> {
+        self.in_prefill
+            .iter()
+            .zip(&self.last_first_token_ms)
+            .map(|(q, &last)| {
+                let head = q.front().and_then(|&(id, at)| {
+                    let r = self.requests.get(&id)?;
+                    (r.admitted_ms == at && !r.decoding).then_some((at, r.prefill_tokens))
+                });
+                let (admitted_ms, work) = head.unwrap_or((PrefillHead::NONE, 0));
+                PrefillHead {
+                    last_first_token_ms: last,
+                    admitted_ms,
+                    work,
+                }
+            })
+            .collect()
     }
 
     /// `generated` output tokens so far (cumulative). Implies the first token.
     pub fn decode_progress(&mut self, request_id: u64, generated: u64) {
         self.progress(request_id, Some(generated));
+        if let Some(r) = self.requests.get(&request_id) {
+            let replica = r.replica;
+            self.tidy_head(replica);
+        }
     }
 
     /// One lookup per stream event: the first call turns the request's prefill load into decode load
@@ -529,6 +620,9 @@ impl LoadTable {
         if let Some(b) = self.active_blocks.get_mut(replica) {
             *b = ActiveBlocks::default();
         }
+        if let Some(q) = self.in_prefill.get_mut(replica) {
+            q.clear();
+        }
         before - self.requests.len()
     }
 
@@ -564,6 +658,7 @@ impl LoadTable {
             }
             set.tidy();
         }
+        self.tidy_head(r.replica);
         Some(released)
     }
 

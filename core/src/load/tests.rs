@@ -236,3 +236,55 @@ fn totals_encoding_round_trips_and_refuses_garbage() {
     bad[0] = b'x';
     assert_eq!(LoadTotals::decode_all(&bad), Err(LoadDecodeError::BadMagic));
 }
+
+#[test]
+fn the_head_is_the_oldest_request_in_prefill_and_starts_at_the_last_first_token() {
+    let mut t = LoadTable::new(2, 16, FIRST_TOKEN);
+    assert_eq!(t.prefill_heads(), vec![PrefillHead::default(); 2]);
+    t.admit_at(1, 0, 1_000, 1_000, None, [], 100);
+    t.admit_at(2, 0, 2_000, 2_000, None, [], 200);
+    t.admit_at(3, 0, 500, 500, None, [], 300);
+    t.admit_at(4, 1, 100, 0, None, [], 300); // fully cached: nothing in prefill
+    let h = t.prefill_heads();
+    assert_eq!(
+        (h[0].admitted_ms, h[0].work, h[0].last_first_token_ms),
+        (100, 1_000, 0)
+    );
+    assert_eq!(h[1].admitted_ms, PrefillHead::NONE);
+    // The head returns its first token: the next one starts then.
+    t.first_token_at(1, 500);
+    let h = t.prefill_heads()[0];
+    assert_eq!(
+        (h.admitted_ms, h.work, h.last_first_token_ms),
+        (200, 2_000, 500)
+    );
+    assert_eq!(h.running(800).elapsed_s, 0.3);
+    // A request behind the head returning first does not restart the head's clock.
+    t.first_token_at(3, 600);
+    assert_eq!(t.prefill_heads()[0].last_first_token_ms, 500);
+    assert_eq!(t.prefill_heads()[0].admitted_ms, 200);
+    // Released while in prefill (an abort): gone from the queue, and nothing is left in it.
+    t.release(2);
+    assert_eq!(t.prefill_heads()[0].admitted_ms, PrefillHead::NONE);
+    // An unknown request's first token is counted, not applied.
+    let before = t.release_anomalies();
+    t.first_token_at(99, 700);
+    assert_eq!(t.release_anomalies(), before + 1);
+}
+
+#[test]
+fn a_head_that_never_leaves_does_not_keep_what_left_behind_it() {
+    let mut t = LoadTable::new(1, 16, FIRST_TOKEN);
+    t.admit_at(0, 0, 100, 100, None, [], 0); // never answered, never released
+    for id in 1..20_000u64 {
+        t.admit_at(id, 0, 100, 100, None, [], id);
+        t.first_token_at(id, id);
+        t.release(id);
+    }
+    assert!(
+        t.in_prefill[0].len() <= 2 * t.active() + 1024 + 1,
+        "{}",
+        t.in_prefill[0].len()
+    );
+    assert_eq!(t.prefill_heads()[0].admitted_ms, 0);
+}

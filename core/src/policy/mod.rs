@@ -36,7 +36,7 @@ pub use ring::HashRing;
 
 pub use crate::adapters::AdapterFit;
 use crate::config::{PolicyKind, RoutingConfig};
-use crate::load::LoadTotals;
+use crate::load::{HeadProgress, LoadTotals};
 use crate::rng::SplitMix64;
 use crate::speed::Learning;
 
@@ -100,6 +100,9 @@ pub struct Input<'a> {
     pub adapter: &'a [AdapterFit],
     /// Seconds a replica takes to load an adapter it lacks (`adapters.load_ms`); 0 without one.
     pub adapter_load_s: f64,
+    /// Per replica: how long the prefill at the head of its queue has run, and its booked work
+    /// ([`crate::load::PrefillHead`]); empty: not known, the queue counts whole.
+    pub prefill_head: &'a [HeadProgress],
 }
 
 /// A policy's decision.
@@ -195,6 +198,8 @@ pub struct Needs {
     /// [`Input::speed`] and [`Input::reuse_share`]: each replica's learned speed factor and the
     /// traffic's reuse share.
     pub speed: bool,
+    /// [`Input::prefill_head`]: how long each replica's current prefill has run.
+    pub prefill_head: bool,
 }
 
 /// One replica's recent working set against its prefix cache, in blocks: what the working-set
@@ -296,6 +301,7 @@ pub(crate) fn load_only_input<'a>(load: &'a [LoadTotals], avoided: &'a [bool]) -
         reuse_share: 0.0,
         adapter: &[],
         adapter_load_s: 0.0,
+        prefill_head: &[],
     }
 }
 

@@ -94,7 +94,7 @@ impl Router {
     /// The first token arrived at `now_ms`: [`Router::first_token`], and `kv_time` learns the
     /// replica's speed from it (observed time to first token against the prediction at admission).
     pub fn first_token_at(&mut self, request_id: u64, now_ms: u64) {
-        self.load.first_token(request_id);
+        self.load.first_token_at(request_id, now_ms);
         self.clock_ms = self.clock_ms.max(now_ms);
         self.decider
             .policy

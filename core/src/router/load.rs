@@ -8,7 +8,7 @@
 //! Each worker publishes its own share (`local_*`) and takes its peers' (`set_peer_*`).
 
 use super::Router;
-use crate::load::LoadTotals;
+use crate::load::{HeadProgress, LoadTotals, PrefillHead};
 
 impl Router {
     /// Effective load per replica (see the module docs).
@@ -42,6 +42,24 @@ impl Router {
     /// [`Router::local_held`] says), for `reported_load` `others`.
     pub fn set_peer_held(&mut self, peer: u32, held: &[LoadTotals]) {
         self.reported.set_peer_held(peer, held);
+    }
+
+    /// This router's view of the prefill in progress on each replica (what a worker publishes for
+    /// its peers: [`crate::load::LoadTable::prefill_heads`]).
+    pub fn local_prefill_heads(&self) -> Vec<PrefillHead> {
+        self.load.prefill_heads()
+    }
+
+    /// Per replica at `now_ms`: how long the prefill at the head of its queue has run, from this
+    /// worker's requests and its peers' (empty under `reported_load` `merge` and `max`, whose
+    /// reports already count it): what `kv_time` takes off the queue.
+    pub fn prefill_progress(&self, now_ms: u64) -> Vec<HeadProgress> {
+        self.reported.head_progress(&self.load, now_ms)
+    }
+
+    /// Replaces a peer worker's view of the prefill in progress on each replica.
+    pub fn set_peer_prefill_heads(&mut self, peer: u32, heads: &[PrefillHead]) {
+        self.reported.set_peer_heads(peer, heads);
     }
 
     pub fn clear_peer(&mut self, peer: u32) {

@@ -22,7 +22,7 @@ use hashbrown::HashMap;
 
 use crate::config::ReportedLoad;
 use crate::feed::ReplicaLoad;
-use crate::load::{LoadTable, LoadTotals, Released};
+use crate::load::{HeadProgress, LoadTable, LoadTotals, PrefillHead, Released};
 
 /// The replicas' load reports, when each was polled, the peer workers' shares that meet them, and
 /// which replicas' feeds are stale.
@@ -39,6 +39,8 @@ pub(super) struct Reported {
     peers_since: HashMap<u32, (Vec<LoadTotals>, Vec<LoadTotals>)>,
     /// Per peer worker: its requests each replica's current report holds (`others`).
     peers_held: HashMap<u32, Vec<LoadTotals>>,
+    /// Per peer worker: its view of the prefill in progress on each replica ([`PrefillHead`]).
+    peers_heads: HashMap<u32, Vec<PrefillHead>>,
     /// Per replica: this router's requests its current report holds, as they stood when the report
     /// was accepted (`others` takes them off the report: the report describes them then, not now).
     held_at_report: Vec<LoadTotals>,
@@ -61,6 +63,7 @@ impl Reported {
             peers: HashMap::new(),
             peers_since: HashMap::new(),
             peers_held: HashMap::new(),
+            peers_heads: HashMap::new(),
             held_at_report: vec![LoadTotals::default(); replicas],
             released_since: vec![LoadTotals::default(); replicas],
             reports: vec![None; replicas],
@@ -249,6 +252,34 @@ impl Reported {
         self.peers.remove(&peer);
         self.peers_since.remove(&peer);
         self.peers_held.remove(&peer);
+        self.peers_heads.remove(&peer);
+    }
+
+    /// Replaces a peer worker's view of the prefill in progress on each replica (extra replicas
+    /// are ignored, missing ones read as nothing in prefill).
+    pub(super) fn set_peer_heads(&mut self, peer: u32, heads: &[PrefillHead]) {
+        let mut v = vec![PrefillHead::default(); self.stale.len()];
+        for (o, h) in v.iter_mut().zip(heads) {
+            *o = *h;
+        }
+        self.peers_heads.insert(peer, v);
+    }
+
+    /// Per replica at `now_ms`: how long the prefill at the head of its queue has run, from this
+    /// router's requests and its peers' ([`PrefillHead::merge`]). Only where the effective load
+    /// counts the bookings whole (`ignore`, `others`): under `merge` and `max` a report may stand
+    /// for them, and it already counts what the head has computed.
+    pub(super) fn head_progress(&self, load: &LoadTable, now_ms: u64) -> Vec<HeadProgress> {
+        if !matches!(self.mode, ReportedLoad::Ignore | ReportedLoad::Others) {
+            return Vec::new();
+        }
+        let mut heads = load.prefill_heads();
+        for p in self.peers_heads.values() {
+            for (h, o) in heads.iter_mut().zip(p) {
+                *h = h.merge(o);
+            }
+        }
+        heads.iter().map(|h| h.running(now_ms)).collect()
     }
 
     /// This router's requests each replica's current report holds, as they stood when the report

@@ -92,6 +92,11 @@ impl Router {
             _ => 1.0,
         };
         let (adapter, adapter_load_s) = self.adapter_fits(req);
+        let prefill_head = if self.decider.needs.prefill_head {
+            self.prefill_progress(now_ms)
+        } else {
+            Vec::new()
+        };
         let input = Input {
             working_set: &working_set,
             working_set_scale,
@@ -111,6 +116,7 @@ impl Router {
             reuse_share,
             adapter: &adapter,
             adapter_load_s,
+            prefill_head: &prefill_head,
         };
         let Choice {
             replica,

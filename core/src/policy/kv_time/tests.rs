@@ -380,3 +380,63 @@ fn other_policies_have_no_learning() {
         );
     }
 }
+
+/// The head of a queue has computed since its prefill began: the wait counts only what is left of
+/// it, never less than nothing of it, and a head past its predicted time is credited no more.
+#[test]
+fn the_heads_progress_comes_off_the_queue() {
+    let p = EngineProfile::default();
+    let head_work = 40_000.0;
+    let load = [busy(100_000, 0, 0)];
+    let wait = |elapsed_s: f64| {
+        let head = [crate::load::HeadProgress {
+            elapsed_s,
+            work: head_work,
+        }];
+        let i = Input {
+            prefill_head: &head,
+            ..input(&load, &[0.0], &[false])
+        };
+        terms(&i, &p)[0].wait
+    };
+    let whole = terms(&input(&load, &[0.0], &[false]), &p)[0].wait;
+    assert_eq!(wait(0.0), whole);
+    let takes = p.work_s(head_work);
+    // Half the head's predicted time gone: half its work off the queue.
+    assert!((wait(takes / 2.0) - p.work_s(100_000.0 - head_work / 2.0)).abs() < 1e-9);
+    // Past its time, the head counts as done, and no more than the head comes off.
+    let done = p.work_s(100_000.0 - head_work);
+    assert!((wait(takes) - done).abs() < 1e-9);
+    assert!((wait(10.0 * takes) - done).abs() < 1e-9);
+    // A slower replica has done less of the same head in the same time.
+    let head = [crate::load::HeadProgress {
+        elapsed_s: takes / 2.0,
+        work: head_work,
+    }];
+    let slow = [2.0];
+    let i = Input {
+        prefill_head: &head,
+        speed: &slow,
+        ..input(&load, &[0.0], &[false])
+    };
+    let w = terms(&i, &p)[0].wait;
+    assert!(
+        (w - 2.0 * p.work_s(100_000.0 - head_work / 4.0)).abs() < 1e-9,
+        "{w}"
+    );
+    // Hostile progress (not finite, negative, larger than the queue) gives a finite wait.
+    for (elapsed_s, work) in [
+        (f64::NAN, 1.0),
+        (-1.0, 5e4),
+        (1e9, 1e12),
+        (f64::INFINITY, 1.0),
+    ] {
+        let head = [crate::load::HeadProgress { elapsed_s, work }];
+        let i = Input {
+            prefill_head: &head,
+            ..input(&load, &[0.0], &[false])
+        };
+        let w = terms(&i, &p)[0].wait;
+        assert!(w.is_finite() && w >= 0.0, "{elapsed_s} {work}: {w}");
+    }
+}

@@ -35,7 +35,10 @@
 //! estimates of each replica's speed (`kvsteer_core::speed`), under `<prefix>:speed:<worker>`:
 //! `published_ms u64`, then `SpeedEstimate::encode_all` bytes ([`publish_speeds`],
 //! [`read_speeds_fresh`]): a proxy with N workers learns a slow replica from all its requests, not
-//! from one worker's Nth.
+//! from one worker's Nth. With `kv_time` each worker also publishes its view of the prefill in
+//! progress on each replica (`kvsteer_core::load::PrefillHead`) under `<prefix>:head:<worker>`:
+//! `published_ms u64`, then `PrefillHead::encode_all` bytes ([`publish_heads`],
+//! [`read_heads_fresh`]): the head of a replica's queue may be another worker's request.
 
 mod text;
 mod tick;
@@ -45,7 +48,7 @@ pub use tick::{Sharing, WORKING_SET_KEEP_TICKS};
 
 use crate::host::store::SharedStore;
 use kvsteer_core::health::HealthCounts;
-use kvsteer_core::load::{self, LoadTotals};
+use kvsteer_core::load::{self, LoadTotals, PrefillHead};
 use kvsteer_core::speed::SpeedEstimate;
 
 pub fn encode(published_ms: u64, rec: &WorkerLoad) -> Vec<u8> {
@@ -184,6 +187,44 @@ pub fn read_speeds_fresh(
     decode_stamped(&record, replicas, SpeedEstimate::decode_all)
         .filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
         .map(|(_, estimates)| estimates)
+}
+
+/// Shared-data key of worker `worker`'s view of the prefill in progress on each replica.
+pub fn heads_key(prefix: &str, worker: u32) -> String {
+    format!("{prefix}:head:{worker}")
+}
+
+/// Publishes this worker's view of the prefill in progress on each replica: `published_ms u64`,
+/// then `PrefillHead::encode_all` bytes.
+pub fn publish_heads(
+    store: &dyn SharedStore,
+    prefix: &str,
+    me: u32,
+    now_ms: u64,
+    heads: &[PrefillHead],
+) {
+    publish_stamped(
+        store,
+        &heads_key(prefix, me),
+        now_ms,
+        &PrefillHead::encode_all(heads),
+    );
+}
+
+/// Worker `peer`'s view of the prefill in progress on each replica, if readable, for `replicas`
+/// replicas, and at most `ttl_ms` old.
+pub fn read_heads_fresh(
+    store: &dyn SharedStore,
+    prefix: &str,
+    peer: u32,
+    replicas: usize,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Option<Vec<PrefillHead>> {
+    let (record, _) = store.get(&heads_key(prefix, peer))?;
+    decode_stamped(&record, replicas, PrefillHead::decode_all)
+        .filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
+        .map(|(_, heads)| heads)
 }
 
 /// A record of `published_ms u64` (little-endian) then `body`.

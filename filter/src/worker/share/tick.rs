@@ -88,6 +88,8 @@ impl WorkerState {
         share::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
         if self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime {
             share::publish_speeds(store, prefix, me, now_ms, &self.router.local_speeds());
+            let heads = self.router.local_prefill_heads();
+            share::publish_heads(store, prefix, me, now_ms, &heads);
         }
         // Kept for a few ticks, so every worker reads each entry at least once (ticks drift), and
         // with peer proxies for a few of their polls too (they read the same records).
@@ -122,6 +124,10 @@ impl WorkerState {
                     Some(estimates) => self.router.set_peer_speeds(peer, &estimates),
                     None => self.router.clear_peer_speeds(peer),
                 }
+                // A peer without a fresh record holds no head: nothing of its view is kept.
+                let heads = share::read_heads_fresh(store, prefix, peer, replicas, now_ms, ttl);
+                self.router
+                    .set_peer_prefill_heads(peer, &heads.unwrap_or_default());
             }
             // A VM that has routed nothing yet needs no working set: Envoy's main thread runs one
             // (it gets ticks and callouts, never a stream), and a worker whose connections are all
@@ -227,6 +233,37 @@ mod tests {
         let ttl = b.config().peer_ttl_ms;
         b.share_load(&store, now + ttl + 1);
         assert_eq!(b.speed_factor(1), 1.0, "a went quiet");
+    }
+
+    /// `kv_time`: the head of a replica's queue may be another worker's request; every worker
+    /// sees how long it has run from the next exchange, and that it ended once its first token came.
+    #[test]
+    fn workers_share_the_prefill_in_progress() {
+        let store = crate::host::store::tests::MemStore::default();
+        let (mut a, mut b) = (worker("kv_time"), worker("kv_time"));
+        a.claim_worker_id(&store);
+        b.claim_worker_id(&store);
+        let ids: Vec<String> = (0..4_000).map(|i| i.to_string()).collect();
+        let body = format!(r#"{{"prompt":[{}]}}"#, ids.join(","));
+        let d = a.route_body(1, "/v1/completions", body.as_bytes(), None, 1_000);
+        let r = d.replica;
+        assert_eq!(b.router.prefill_progress(1_500)[r].work, 0.0);
+        a.share_load(&store, 1_100);
+        b.share_load(&store, 1_100);
+        let seen = b.router.prefill_progress(1_500)[r];
+        assert_eq!(seen, a.router.prefill_progress(1_500)[r], "b sees a's head");
+        assert!(
+            seen.work > 0.0 && (seen.elapsed_s - 0.5).abs() < 1e-9,
+            "{seen:?}"
+        );
+        a.first_token(1, 1_600);
+        a.share_load(&store, 1_700);
+        b.share_load(&store, 1_700);
+        assert_eq!(
+            b.router.prefill_progress(1_800)[r].work,
+            0.0,
+            "its first token came"
+        );
     }
 
     #[test]
