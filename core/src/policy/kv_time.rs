@@ -7,7 +7,9 @@
 //! cost_r = wait_r + prefill_r + decode_weight * decode_r + stall_weight * stall_r + evict_weight * evict_r
 //!          + later_weight * later_r
 //! wait_r    = s_r * work_s(queued prefill work on r)          each booked request priced by its own
-//!                                                             uncached tokens and context
+//!                                                             uncached tokens and context, less
+//!                                                             what the running head has done
+//!                                                             (`head_done`)
 //!             + s_r * batch_r(n_r, K_r)                       what r's running decodes add first: the
 //!                                                             step in progress (half of one), then
 //!                                                             their share of each step that runs the
