@@ -147,8 +147,14 @@ pub fn read_health_fresh(
     now_ms: u64,
     ttl_ms: u64,
 ) -> Option<(u64, Vec<HealthCounts>)> {
-    let (record, _) = store.get(&health_key(prefix, peer))?;
-    decode_health(&record, replicas).filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
+    read_stamped_fresh(
+        store,
+        &health_key(prefix, peer),
+        replicas,
+        now_ms,
+        ttl_ms,
+        HealthCounts::decode_all,
+    )
 }
 
 /// Shared-data key of worker `worker`'s estimates of the replicas' speeds (`kv_time`).
@@ -183,10 +189,15 @@ pub fn read_speeds_fresh(
     now_ms: u64,
     ttl_ms: u64,
 ) -> Option<Vec<SpeedEstimate>> {
-    let (record, _) = store.get(&speeds_key(prefix, peer))?;
-    decode_stamped(&record, replicas, SpeedEstimate::decode_all)
-        .filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
-        .map(|(_, estimates)| estimates)
+    read_stamped_fresh(
+        store,
+        &speeds_key(prefix, peer),
+        replicas,
+        now_ms,
+        ttl_ms,
+        SpeedEstimate::decode_all,
+    )
+    .map(|(_, estimates)| estimates)
 }
 
 /// Shared-data key of worker `worker`'s view of the prefill in progress on each replica.
@@ -221,10 +232,15 @@ pub fn read_heads_fresh(
     now_ms: u64,
     ttl_ms: u64,
 ) -> Option<Vec<PrefillHead>> {
-    let (record, _) = store.get(&heads_key(prefix, peer))?;
-    decode_stamped(&record, replicas, PrefillHead::decode_all)
-        .filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
-        .map(|(_, heads)| heads)
+    read_stamped_fresh(
+        store,
+        &heads_key(prefix, peer),
+        replicas,
+        now_ms,
+        ttl_ms,
+        PrefillHead::decode_all,
+    )
+    .map(|(_, heads)| heads)
 }
 
 /// A record of `published_ms u64` (little-endian) then `body`.
@@ -244,6 +260,21 @@ fn decode_stamped<T>(
     let ts = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
     let entries = decode_all(&bytes[8..])?;
     (entries.len() == replicas).then_some((ts, entries))
+}
+
+/// The [`publish_stamped`] record under `key`, if readable ([`decode_stamped`]) and at most
+/// `ttl_ms` old at `now_ms`.
+fn read_stamped_fresh<T>(
+    store: &dyn SharedStore,
+    key: &str,
+    replicas: usize,
+    now_ms: u64,
+    ttl_ms: u64,
+    decode_all: impl Fn(&[u8]) -> Option<Vec<T>>,
+) -> Option<(u64, Vec<T>)> {
+    let (record, _) = store.get(key)?;
+    decode_stamped(&record, replicas, decode_all)
+        .filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
 }
 
 /// Shared-data key of the time of `replica`'s last health probe, proxy-wide.
