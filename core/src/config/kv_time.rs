@@ -24,7 +24,7 @@ impl ProfileSpec {
 }
 
 /// The `kv_time` section: the cost in seconds (docs/design/design.md section 2.7;
-/// [`crate::policy::kv_time`]). Eight tunables, each with its unit.
+/// [`crate::policy::kv_time`]). Eight tunables, each with its unit, and one switch.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KvTimeParams {
@@ -65,6 +65,12 @@ pub struct KvTimeParams {
     /// lowered coding agents' TTFT median at saturation by 8-38% and raised their p99 by 4-8%
     /// at 32 sessions in flight on 4 replicas (docs/reports/notebook/saturation.md).
     pub later_weight: f64,
+    /// Take the progress of the prefill running at the head of each replica's queue off its
+    /// predicted wait (the load table books each prefill whole until its first token). Off by
+    /// default: on, the busy replicas' predicted waits at 32-40 coding-agent sessions in flight
+    /// went from 9-17% too long to within 4%, the TTFT median fell 5-19% and the p99 rose up to
+    /// 5% (docs/reports/notebook/prefill-head.md).
+    pub head_progress: bool,
 }
 
 impl Default for KvTimeParams {
@@ -79,6 +85,7 @@ impl Default for KvTimeParams {
             speed_prior: 2.0,
             speed_retry_s: 5.0,
             later_weight: 0.0,
+            head_progress: false,
         }
     }
 }

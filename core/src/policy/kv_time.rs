@@ -9,7 +9,7 @@
 //! wait_r    = s_r * work_s(queued prefill work on r)          each booked request priced by its own
 //!                                                             uncached tokens and context, less
 //!                                                             what the running head has done
-//!                                                             (`head_done`)
+//!                                                             (`head_done`, with `head_progress`)
 //!             + s_r * batch_r(n_r, K_r)                       what r's running decodes add first: the
 //!                                                             step in progress (half of one), then
 //!                                                             their share of each step that runs the
@@ -472,7 +472,7 @@ impl Policy for KvTime {
     fn needs(&self) -> Needs {
         Needs {
             speed: true,
-            prefill_head: true,
+            prefill_head: self.params.head_progress,
             working_set: (self.params.evict_weight > 0.0).then_some(CacheSizing::AtLeast {
                 cache_tokens: self.profile.kv_cache_tokens,
             }),

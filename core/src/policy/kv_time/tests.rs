@@ -440,3 +440,21 @@ fn the_heads_progress_comes_off_the_queue() {
         assert!(w.is_finite() && w >= 0.0, "{elapsed_s} {work}: {w}");
     }
 }
+
+/// The head's progress is read only where it is switched on: off (the default) the router gathers
+/// none and the queue counts whole.
+#[test]
+fn the_heads_progress_is_gathered_only_when_switched_on() {
+    let p = EngineProfile::default();
+    let off = KvTime::new(KvTimeParams::default(), p.clone(), 2);
+    assert!(!off.needs().prefill_head, "off by default");
+    let on = KvTime::new(
+        KvTimeParams {
+            head_progress: true,
+            ..KvTimeParams::default()
+        },
+        p,
+        2,
+    );
+    assert!(on.needs().prefill_head);
+}

@@ -88,8 +88,12 @@ impl WorkerState {
         share::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
         if self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime {
             share::publish_speeds(store, prefix, me, now_ms, &self.router.local_speeds());
-            let heads = self.router.local_prefill_heads();
-            share::publish_heads(store, prefix, me, now_ms, &heads);
+        }
+        let heads = self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime
+            && self.cfg.routing.kv_time.head_progress;
+        if heads {
+            let own = self.router.local_prefill_heads();
+            share::publish_heads(store, prefix, me, now_ms, &own);
         }
         // Kept for a few ticks, so every worker reads each entry at least once (ticks drift), and
         // with peer proxies for a few of their polls too (they read the same records).
@@ -124,10 +128,12 @@ impl WorkerState {
                     Some(estimates) => self.router.set_peer_speeds(peer, &estimates),
                     None => self.router.clear_peer_speeds(peer),
                 }
+            }
+            if heads {
                 // A peer without a fresh record holds no head: nothing of its view is kept.
-                let heads = share::read_heads_fresh(store, prefix, peer, replicas, now_ms, ttl);
+                let theirs = share::read_heads_fresh(store, prefix, peer, replicas, now_ms, ttl);
                 self.router
-                    .set_peer_prefill_heads(peer, &heads.unwrap_or_default());
+                    .set_peer_prefill_heads(peer, &theirs.unwrap_or_default());
             }
             // A VM that has routed nothing yet needs no working set: Envoy's main thread runs one
             // (it gets ticks and callouts, never a stream), and a worker whose connections are all
@@ -240,7 +246,8 @@ mod tests {
     #[test]
     fn workers_share_the_prefill_in_progress() {
         let store = crate::host::store::tests::MemStore::default();
-        let (mut a, mut b) = (worker("kv_time"), worker("kv_time"));
+        let routing = r#"{"policy":"kv_time","kv_time":{"head_progress":true}}"#;
+        let (mut a, mut b) = (worker_routing(routing), worker_routing(routing));
         a.claim_worker_id(&store);
         b.claim_worker_id(&store);
         let ids: Vec<String> = (0..4_000).map(|i| i.to_string()).collect();
