@@ -99,6 +99,13 @@ pub fn render(engine: &Engine, model: &str) -> String {
     );
     counter(
         &mut out,
+        "kvsteer_sim:stalled_ms",
+        "Engine milliseconds (virtual time) random stalls held up steps for.",
+        &l,
+        s.stalled_us / 1000,
+    );
+    counter(
+        &mut out,
         "vllm:num_preemptions",
         "Preemptions (recompute) of running requests.",
         &l,

@@ -646,4 +646,10 @@ fn stalls_are_counted_in_metrics() {
     drain(&mut e);
     let text = kvsteer_sim::metrics::render(&e, "m");
     assert!(text.contains(&format!("{line}1\n")), "{text}");
+    // The time held, in whole engine milliseconds: a stall holds a step for the configured length
+    // at most (it may have begun before the request came).
+    let held = e.stats().stalled_us / 1000;
+    assert!(held > 0, "the stall held the step");
+    let line = format!("kvsteer_sim:stalled_ms_total{{model_name=\"m\"}} {held}\n");
+    assert!(text.contains(&line), "{text}");
 }
