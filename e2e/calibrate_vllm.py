@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_envoy import commit, pct  # noqa: E402
 from client import Client, Result, tokens  # noqa: E402
-from stack import Replica, StackError, report_path, wasm_path  # noqa: E402
+from stack import StackError, report_path, wasm_path  # noqa: E402
 from test_real_vllm import (BLOCK, PEER_SETTLE_S, REPLICA_HEADER, Engine, RealStack,  # noqa: E402
                             feed_polls, prom, require_vllm, wait_until)
 from test_real_vllm import http as http_req  # noqa: E402
@@ -172,10 +172,7 @@ def start(a: argparse.Namespace, profile: dict) -> RealStack:
     s = RealStack(gpu_blocks=None, max_model_len=a.max_model_len)
     try:
         log(f"engines ready in {s.start_fleet(REPLICAS, ENGINE_START_S):.0f} s")
-        s.replicas = [Replica(e.name, e.port, e.engine) for e in s.engines]
-        for e in s.engines:
-            wait_until(f"{e.name}'s adapter learns the block count",
-                       lambda e=e: prom(e.adapter_metrics(), "kvsteer_feed_max_blocks") > 0, 30)
+        s.serve_engines(timeout_s=30)
         # Warm-up: an engine's first requests (and its first long ones) pay one-off costs.
         for e in s.engines:
             for n in (64, 1024, 4096, a.max_model_len - 64):

@@ -164,6 +164,16 @@ class RealStack(Stack):
             self.start_adapter(e)
         return self.start_engines(start_s)
 
+    def serve_engines(self, timeout_s: float = 20) -> None:
+        """Makes the started engines the stack's replicas (what Envoy's configuration lists) and
+        waits until every adapter has learned its engine's block count (its first load report),
+        so a feed poll never meets an adapter that cannot yet say how big the cache is."""
+        self.replicas = [Replica(e.name, e.port, e.engine) for e in self.engines]
+        for e in self.engines:
+            wait_until(f"{e.name}'s adapter learns the engine's block count",
+                       lambda e=e: prom(e.adapter_metrics(), "kvsteer_feed_max_blocks") > 0,
+                       timeout_s)
+
     def start_engines(self, start_s: float = ENGINE_START_S) -> float:
         """Starts every engine of the stack, then waits for each (they load in parallel); returns the
         seconds they took."""
@@ -365,10 +375,7 @@ class RealVllm(VllmCase):
             log(f"vLLM: {VLLM_BIN}, model {MODEL_DIR}")
             cls.timings["engines_start_s"] = s.start_fleet(2)
             log(f"engines ready in {cls.timings['engines_start_s']:.1f} s")
-            s.replicas = [Replica(e.name, e.port, e.engine) for e in s.engines]
-            for e in s.engines:
-                wait_until(f"{e.name}'s adapter learns the engine's block count",
-                           lambda e=e: prom(e.adapter_metrics(), "kvsteer_feed_max_blocks") > 0, 20)
+            s.serve_engines()
             t1 = time.monotonic()
             s.start_envoy_real()
             log(f"envoy ready in {time.monotonic() - t1:.1f} s: "

@@ -41,7 +41,7 @@ import unittest
 from pathlib import Path
 
 from client import chat_completion, cached_tokens, prose
-from stack import REPO, Replica
+from stack import REPO
 from test_hf_fetch import frame
 from test_real_vllm import BLOCK, ENABLED, MODEL_DIR, Engine, RealStack, VllmCase, feed_polls, http
 from test_real_vllm import log, prom, require_vllm, wait_until
@@ -106,10 +106,7 @@ def start_text_fleet(timings: dict[str, float]) -> tuple[RealStack, str]:
         timings["engines_start_s"] = s.start_fleet(2)
         log(f"engines with Llama 3.1's tokenizer ready in {timings['engines_start_s']:.1f} s "
             f"(model folder {s.model_dir.name}, bundle sha256 {sha256[:16]}...)")
-        s.replicas = [Replica(e.name, e.port, e.engine) for e in s.engines]
-        for e in s.engines:
-            wait_until(f"{e.name}'s adapter learns the engine's block count",
-                       lambda e=e: prom(e.adapter_metrics(), "kvsteer_feed_max_blocks") > 0, 20)
+        s.serve_engines()
     except BaseException:
         s.close()
         raise
