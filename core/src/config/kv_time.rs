@@ -69,7 +69,7 @@ pub struct KvTimeParams {
     /// predicted wait (the load table books each prefill whole until its first token). Off by
     /// default: on, the busy replicas' predicted waits at 32-40 coding-agent sessions in flight
     /// went from 9-17% too long to within 4%, the TTFT median fell 5-19% and the p99 rose up to
-    /// 5% (docs/reports/notebook/prefill-head.md).
+    /// 5%; chat's and A100 fleets' TTFT p99 rose up to 1.17x (docs/reports/notebook/prefill-head.md).
     pub head_progress: bool,
 }
 
