@@ -307,6 +307,9 @@ pub struct LoadTable {
     /// Per replica, when the last request that left the front of `in_prefill` returned its first
     /// token (ms; 0: none yet).
     last_first_token_ms: Vec<u64>,
+    /// Whether `in_prefill` is kept ([`LoadTable::with_prefill_heads`]): only a policy that reads
+    /// the heads pays for them on every admission.
+    track_heads: bool,
 }
 
 impl LoadTable {
@@ -328,7 +331,15 @@ impl LoadTable {
             booked_tokens: 0.0,
             in_prefill: vec![VecDeque::new(); replicas],
             last_first_token_ms: vec![0; replicas],
+            track_heads: false,
         }
+    }
+
+    /// This table, keeping each replica's requests in prefill in arrival order for
+    /// [`LoadTable::prefill_heads`] (`kv_time.head_progress`); without it every head reads as none.
+    pub fn with_prefill_heads(mut self) -> Self {
+        self.track_heads = true;
+        self
     }
 
     pub fn totals(&self) -> &[LoadTotals] {
@@ -456,7 +467,7 @@ impl LoadTable {
             Self::recharge(t, &mut r, self.block_size, self.accounting.use_output_hint);
         }
         self.requests.insert(request_id, r);
-        if prefill > 0 {
+        if prefill > 0 && self.track_heads {
             let q = &mut self.in_prefill[replica];
             q.push_back((request_id, admitted_ms));
             // Entries that left out of order wait behind the head; a head that never leaves (a
@@ -464,11 +475,7 @@ impl LoadTable {
             // tracks they are swept (amortised: the next sweep is that many pushes away).
             if q.len() > 2 * self.requests.len() + 1024 {
                 let requests = &self.requests;
-                q.retain(|&(id, at)| {
-                    requests
-                        .get(&id)
-                        .is_some_and(|r| r.replica == replica && r.admitted_ms == at && !r.decoding)
-                });
+                q.retain(|&e| in_prefill(requests, replica, e).is_some());
             }
         }
         true
@@ -491,43 +498,39 @@ impl LoadTable {
 
     /// The first output token arrived: prefill load becomes decode load.
     pub fn first_token(&mut self, request_id: u64) {
-        self.progress(request_id, None);
-        if let Some(r) = self.requests.get(&request_id) {
-            let replica = r.replica;
-            self.tidy_head(replica);
-        }
+        self.progress(request_id, None, None);
     }
 
     /// [`LoadTable::first_token`] at `now_ms`: where the request was the head of its replica's
     /// prefill queue, the next one starts now ([`LoadTable::prefill_heads`]).
     pub fn first_token_at(&mut self, request_id: u64, now_ms: u64) {
-        let Some(r) = self.requests.get(&request_id) else {
-            self.release_anomalies += 1;
-            return;
-        };
-        let replica = r.replica;
-        let head = self.in_prefill[replica].front() == Some(&(request_id, r.admitted_ms));
-        self.progress(request_id, None);
-        if head {
-            let last = &mut self.last_first_token_ms[replica];
-            *last = (*last).max(now_ms);
-        }
-        self.tidy_head(replica);
+        self.progress(request_id, None, Some(now_ms));
     }
 
-    /// Drops the front entries of `replica`'s prefill queue that are no longer in prefill (first
-    /// token seen, released, or re-admitted): after every change the front is the head.
-    fn tidy_head(&mut self, replica: usize) {
+    /// A request on `replica` admitted at `admitted_ms` left prefill (its first token, at `now_ms`
+    /// where known): where it was the head, the next one starts now; then the entries in front that
+    /// are no longer in prefill are dropped, so the front is the head again.
+    fn left_prefill(
+        &mut self,
+        request_id: u64,
+        replica: usize,
+        admitted_ms: u64,
+        now_ms: Option<u64>,
+    ) {
         let Some(q) = self.in_prefill.get_mut(replica) else {
             return;
         };
-        while let Some(&(id, at)) = q.front() {
-            match self.requests.get(&id) {
-                Some(r) if r.replica == replica && r.admitted_ms == at && !r.decoding => break,
-                _ => {
-                    q.pop_front();
-                }
+        if let Some(now) = now_ms
+            && q.front() == Some(&(request_id, admitted_ms))
+        {
+            let last = &mut self.last_first_token_ms[replica];
+            *last = (*last).max(now);
+        }
+        while let Some(&e) = q.front() {
+            if in_prefill(&self.requests, replica, e).is_some() {
+                break;
             }
+            q.pop_front();
         }
     }
 
@@ -537,10 +540,11 @@ impl LoadTable {
         self.in_prefill
             .iter()
             .zip(&self.last_first_token_ms)
-            .map(|(q, &last)| {
-                let head = q.front().and_then(|&(id, at)| {
-                    let r = self.requests.get(&id)?;
-                    (r.admitted_ms == at && !r.decoding).then_some((at, r.prefill_tokens))
+            .enumerate()
+            .map(|(replica, (q, &last))| {
+                let head = q.front().and_then(|&(id, admitted_ms)| {
+                    in_prefill(&self.requests, replica, (id, admitted_ms))
+                        .map(|r| (admitted_ms, r.prefill_tokens))
                 });
                 let (admitted_ms, work) = head.unwrap_or((PrefillHead::NONE, 0));
                 PrefillHead {
@@ -554,22 +558,21 @@ impl LoadTable {
 
     /// `generated` output tokens so far (cumulative). Implies the first token.
     pub fn decode_progress(&mut self, request_id: u64, generated: u64) {
-        self.progress(request_id, Some(generated));
-        if let Some(r) = self.requests.get(&request_id) {
-            let replica = r.replica;
-            self.tidy_head(replica);
-        }
+        self.progress(request_id, Some(generated), None);
     }
 
     /// One lookup per stream event: the first call turns the request's prefill load into decode load
     /// (booking its prompt if that waited for the first token); `generated` moves its own blocks.
-    fn progress(&mut self, request_id: u64, generated: Option<u64>) {
+    /// `now_ms`, where known, is when the first token came (for [`LoadTable::prefill_heads`]).
+    fn progress(&mut self, request_id: u64, generated: Option<u64>, now_ms: Option<u64>) {
         let Some(r) = self.requests.get_mut(&request_id) else {
             self.release_anomalies += 1;
             return;
         };
         let t = &mut self.totals[r.replica];
+        let mut left = None;
         if !r.decoding {
+            left = Some((r.replica, r.admitted_ms));
             r.decoding = true;
             r.generated = r.generated.max(1);
             t.prefill_tokens = t.prefill_tokens.saturating_sub(r.prefill_tokens);
@@ -583,6 +586,9 @@ impl LoadTable {
             r.generated = g;
         }
         Self::recharge(t, r, self.block_size, self.accounting.use_output_hint);
+        if let Some((replica, admitted_ms)) = left {
+            self.left_prefill(request_id, replica, admitted_ms, now_ms);
+        }
     }
 
     /// Re-books the request's own blocks: the prompt blocks not in the shared set (all of them without
@@ -658,7 +664,7 @@ impl LoadTable {
             }
             set.tidy();
         }
-        self.tidy_head(r.replica);
+        self.left_prefill(request_id, r.replica, r.admitted_ms, None);
         Some(released)
     }
 
@@ -732,6 +738,18 @@ impl LoadTable {
         }
         out
     }
+}
+
+/// The tracked request an `in_prefill` entry `(id, admitted_ms)` of `replica` stands for, while it
+/// is still in prefill there (not answered, released, or re-admitted since).
+fn in_prefill(
+    requests: &HashMap<u64, Tracked>,
+    replica: usize,
+    (id, admitted_ms): (u64, u64),
+) -> Option<&Tracked> {
+    requests
+        .get(&id)
+        .filter(|r| r.replica == replica && r.admitted_ms == admitted_ms && !r.decoding)
 }
 
 #[cfg(test)]

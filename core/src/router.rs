@@ -242,7 +242,11 @@ impl Router {
             index: KvIndex::new(cfg.index_capacity_blocks, replicas, cfg.seed ^ 0xA5A5_5A5A),
             approx_seq: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
             approx_text: ApproxIndex::new(pa.capacity_blocks, pa.ttl_ms),
-            load: load_table(&cfg, replicas),
+            load: if needs.prefill_head {
+                load_table(&cfg, replicas).with_prefill_heads()
+            } else {
+                load_table(&cfg, replicas)
+            },
             outputs: OutputEstimate::new(),
             reported: Reported::new(replicas, cfg.load.reported_load, cfg.block_size),
             clock_ms: 0,

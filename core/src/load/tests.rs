@@ -239,7 +239,7 @@ fn totals_encoding_round_trips_and_refuses_garbage() {
 
 #[test]
 fn the_head_is_the_oldest_request_in_prefill_and_starts_at_the_last_first_token() {
-    let mut t = LoadTable::new(2, 16, FIRST_TOKEN);
+    let mut t = LoadTable::new(2, 16, FIRST_TOKEN).with_prefill_heads();
     assert_eq!(t.prefill_heads(), vec![PrefillHead::default(); 2]);
     t.admit_at(1, 0, 1_000, 1_000, None, [], 100);
     t.admit_at(2, 0, 2_000, 2_000, None, [], 200);
@@ -274,7 +274,7 @@ fn the_head_is_the_oldest_request_in_prefill_and_starts_at_the_last_first_token(
 
 #[test]
 fn a_head_that_never_leaves_does_not_keep_what_left_behind_it() {
-    let mut t = LoadTable::new(1, 16, FIRST_TOKEN);
+    let mut t = LoadTable::new(1, 16, FIRST_TOKEN).with_prefill_heads();
     t.admit_at(0, 0, 100, 100, None, [], 0); // never answered, never released
     for id in 1..20_000u64 {
         t.admit_at(id, 0, 100, 100, None, [], id);
@@ -287,4 +287,19 @@ fn a_head_that_never_leaves_does_not_keep_what_left_behind_it() {
         t.in_prefill[0].len()
     );
     assert_eq!(t.prefill_heads()[0].admitted_ms, 0);
+}
+
+#[test]
+fn without_prefill_heads_nothing_is_kept_and_every_head_reads_as_none() {
+    let mut t = LoadTable::new(1, 16, FIRST_TOKEN);
+    t.admit_at(1, 0, 1_000, 1_000, None, [], 100);
+    t.first_token_at(1, 200);
+    t.admit_at(2, 0, 1_000, 1_000, None, [], 300);
+    assert!(t.in_prefill[0].is_empty());
+    assert_eq!(t.prefill_heads(), vec![PrefillHead::default()]);
+    assert_eq!(
+        t.totals()[0].prefill_tokens,
+        1_000,
+        "the bookings are the same"
+    );
 }

@@ -44,6 +44,12 @@ impl Router {
         self.reported.set_peer_held(peer, held);
     }
 
+    /// Whether this router keeps and reads the prefill in progress on each replica (its policy
+    /// asks for it: `kv_time.head_progress`): only then is there a view to share with the workers.
+    pub fn tracks_prefill_heads(&self) -> bool {
+        self.decider.needs.prefill_head
+    }
+
     /// This router's view of the prefill in progress on each replica (what a worker publishes for
     /// its peers: [`crate::load::LoadTable::prefill_heads`]).
     pub fn local_prefill_heads(&self) -> Vec<PrefillHead> {

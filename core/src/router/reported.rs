@@ -258,10 +258,7 @@ impl Reported {
     /// Replaces a peer worker's view of the prefill in progress on each replica (extra replicas
     /// are ignored, missing ones read as nothing in prefill).
     pub(super) fn set_peer_heads(&mut self, peer: u32, heads: &[PrefillHead]) {
-        let mut v = vec![PrefillHead::default(); self.stale.len()];
-        for (o, h) in v.iter_mut().zip(heads) {
-            *o = *h;
-        }
+        let v = self.per_replica(heads);
         self.peers_heads.insert(peer, v);
     }
 
@@ -300,9 +297,9 @@ impl Reported {
     }
 
     /// `values` cut or padded with zeros to one per replica.
-    fn per_replica(&self, values: &[LoadTotals]) -> Vec<LoadTotals> {
+    fn per_replica<T: Clone + Default>(&self, values: &[T]) -> Vec<T> {
         let mut v = values.to_vec();
-        v.resize(self.stale.len(), LoadTotals::default());
+        v.resize(self.stale.len(), T::default());
         v
     }
 }

@@ -89,8 +89,7 @@ impl WorkerState {
         if self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime {
             share::publish_speeds(store, prefix, me, now_ms, &self.router.local_speeds());
         }
-        let heads = self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime
-            && self.cfg.routing.kv_time.head_progress;
+        let heads = self.router.tracks_prefill_heads();
         if heads {
             let own = self.router.local_prefill_heads();
             share::publish_heads(store, prefix, me, now_ms, &own);
