@@ -285,6 +285,12 @@ impl Engine {
         &self.stats
     }
 
+    /// The random stalls that held up a step, `[from, end)` in engine microseconds, oldest first
+    /// ([`Stalls::held`]).
+    pub fn held_stalls(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.stalls.held()
+    }
+
     /// The engine's clock: the last time it was given.
     pub fn now_us(&self) -> u64 {
         self.now_us

@@ -13,6 +13,11 @@
 //! does, delays nothing and is not counted.
 
 use crate::output::{mix64, unit};
+use std::collections::VecDeque;
+
+/// How many held stalls [`Stalls::held`] remembers (the oldest go first): a bench reading them at
+/// a run's end needs a run's worth, and the memory stays a few tens of kilobytes at most.
+pub const HELD_LOG_LEN: usize = 4096;
 
 /// When stalls happen and how long they last, in engine (virtual) microseconds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +58,9 @@ pub struct Stalls {
     window: Option<(u64, u64)>,
     /// Whether the current window has already held up a step (counted once).
     held: bool,
+    /// `[from, end)` of each stall that held up a step, `from` being when the held step would have
+    /// started: the engine time the stall took from that engine's requests.
+    log: VecDeque<(u64, u64)>,
 }
 
 impl Stalls {
@@ -63,6 +71,7 @@ impl Stalls {
             draws: 0,
             window: None,
             held: false,
+            log: VecDeque::new(),
         };
         if cfg.enabled() {
             s.window = Some(s.after(0));
@@ -84,6 +93,13 @@ impl Stalls {
         self.window
     }
 
+    /// The stalls that held up a step, oldest first (the last [`HELD_LOG_LEN`]): `[from, end)` in
+    /// engine microseconds, `from` being when the held step would have started. A bench uses them
+    /// to tell the time a request spent waiting out a stall from the time routing cost it.
+    pub fn held(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.log.iter().copied()
+    }
+
     /// A step about to start at `t_us` that falls inside a stall may start only at the stall's
     /// end: returns that end, and whether this is the first step the stall holds up. `None`: no
     /// stall at `t_us`. Stalls that ended by `t_us` are passed over (`t_us` never goes back).
@@ -100,6 +116,12 @@ impl Stalls {
             }
             let first = !self.held;
             self.held = true;
+            if first {
+                if self.log.len() == HELD_LOG_LEN {
+                    self.log.pop_front();
+                }
+                self.log.push_back((t_us, end));
+            }
             return Some((end, first));
         }
     }
@@ -160,11 +182,29 @@ mod tests {
         if start > 0 {
             assert_eq!(s.hold(start - 1), None);
         }
-        assert_eq!(s.hold(start), Some((end, true)));
+        assert_eq!(s.hold(start + 7), Some((end, true)));
         assert_eq!(s.hold(end - 1), Some((end, false)));
+        // Logged once, from when the held step would have started.
+        assert_eq!(s.held().collect::<Vec<_>>(), vec![(start + 7, end)]);
         // At its end the stall is over and the next one starts later.
         assert_eq!(s.hold(end), None);
         let (next, _) = s.window.unwrap();
         assert!(next >= end);
+    }
+
+    #[test]
+    fn the_log_keeps_the_latest_held_stalls() {
+        let mut s = Stalls::new(cfg(1, 1), 5);
+        let mut t = 0;
+        let mut held = Vec::new();
+        while held.len() < HELD_LOG_LEN + 10 {
+            if let Some((end, true)) = s.hold(t) {
+                held.push((t, end));
+            }
+            t += 500;
+        }
+        let log: Vec<_> = s.held().collect();
+        assert_eq!(log.len(), HELD_LOG_LEN);
+        assert_eq!(log, held[10..]);
     }
 }

@@ -578,6 +578,25 @@ fn a_stall_holds_the_first_token_back_by_its_length() {
     assert_eq!(first_token_at(stall, end), (calm, 0, 0));
 }
 
+#[test]
+fn the_engine_lists_the_stalls_that_held_it_up() {
+    let (stall, start, end) = first_stall();
+    let mut e = Engine::new(EngineConfig {
+        stall,
+        ..EngineConfig::default()
+    });
+    assert_eq!(e.held_stalls().count(), 0);
+    e.submit(start + 250_000, req(1, prompt(1, 2000), 4))
+        .unwrap();
+    let mut ev = Vec::new();
+    while e.stats().generation_tokens == 0 {
+        let t = e.next_event_time().expect("busy");
+        e.advance(t, &mut ev);
+    }
+    // Held from the request's arrival (the engine was idle before) to the stall's end.
+    assert_eq!(e.held_stalls().next(), Some((start + 250_000, end)));
+}
+
 /// The longest time between two tokens of one request (the first token's from its arrival).
 fn longest_gap(events: &[EngineEvent], arrivals: &[u64]) -> u64 {
     let mut last = arrivals.to_vec();

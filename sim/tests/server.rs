@@ -356,3 +356,51 @@ fn a_queued_streaming_client_that_leaves_is_dropped_from_the_queue() {
     );
     drop(holder);
 }
+
+#[test]
+fn admin_stalls_lists_the_stalls_that_held_a_step_on_the_wall_clock() {
+    let calm = replica(2000);
+    let v = Client::new(&calm).call("GET", "/admin/stalls", "").json();
+    assert_eq!(v["ranks"], json!([[]]));
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as f64;
+    let started = v["clock_start_unix_us"].as_f64().unwrap();
+    assert!((now_us - started).abs() < 60e6, "{started} vs {now_us}");
+    assert_eq!(v["time_scale"], 50.0);
+
+    // A 50 ms stall after gaps of about 1 ms of engine time: a busy engine meets several.
+    let cfg = ReplicaConfig {
+        name: "s0".into(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        time_scale: 50.0,
+        model: "sim".into(),
+        engine: EngineConfig {
+            kv_blocks: 2000,
+            max_model_len: 4096,
+            stall: kvsteer_sim::stall::StallConfig {
+                mean_gap_us: 1_000,
+                len_us: 50_000,
+                seed: 0,
+            },
+            ..Default::default()
+        },
+        dp_ranks: 1,
+    };
+    let rep = Replica::start(cfg).expect("replica starts");
+    let mut c = Client::new(&rep);
+    let r = c.post(
+        "/v1/completions",
+        &json!({"prompt": ids(1, 2000), "max_tokens": 8, "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200);
+    let v = c.call("GET", "/admin/stalls", "").json();
+    let held = v["ranks"][0].as_array().expect("one rank");
+    assert!(!held.is_empty(), "{v}");
+    for w in held {
+        let (from, end) = (w[0].as_u64().unwrap(), w[1].as_u64().unwrap());
+        assert!(from < end && end - from <= 50_000, "{w}");
+    }
+}

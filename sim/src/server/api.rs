@@ -115,6 +115,7 @@ pub(super) fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/completions", post_only(post(generate::completions)))
         .route("/v1/chat/completions", post_only(post(generate::chat)))
         .route("/admin/fault", post_only(post(fault)))
+        .route("/admin/stalls", get_only(get(stalls)))
         .route("/tokenize", post_only(post(tokenize)))
         .route(
             "/v1/completions/render",
@@ -242,6 +243,21 @@ fn feed_body(s: &Shared, query: &str) -> Result<Vec<u8>, ApiError> {
 
 async fn fault(State(s): S, body: Bytes) -> Response {
     answer(admin::set_faults(&s, &body))
+}
+
+/// `GET /admin/stalls`: the random stalls that held up a step, per data-parallel rank, as
+/// `[from, end]` pairs of engine microseconds, with what places them on the wall clock
+/// (`clock_start_unix_us`, the Unix time of engine time 0, and `time_scale`). A bench reads them
+/// to tell the time a request waited out a stall from the time its routing cost it.
+async fn stalls(State(s): S) -> Response {
+    let g = s.lock();
+    let ranks: Vec<Vec<[u64; 2]>> = g
+        .engines
+        .iter()
+        .map(|e| e.held_stalls().map(|(a, b)| [a, b]).collect())
+        .collect();
+    json_response(&json!({"clock_start_unix_us": s.clock.start_unix_us,
+        "time_scale": s.clock.scale, "ranks": ranks}))
 }
 
 /// `POST /tokenize`, as vLLM answers it: `{"prompt": ...}` or `{"messages": [...]}` to

@@ -79,6 +79,9 @@ struct Core {
 
 struct Clock {
     start: Instant,
+    /// `start` on the Unix clock, in microseconds: lets a client place engine times on its own
+    /// wall clock (`GET /admin/stalls`).
+    start_unix_us: u64,
     scale: f64,
 }
 
@@ -198,6 +201,10 @@ impl Replica {
             cv: Condvar::new(),
             clock: Clock {
                 start: Instant::now(),
+                start_unix_us: SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.as_micros() as u64)
+                    .unwrap_or(0),
                 scale,
             },
             shutdown: AtomicBool::new(false),
