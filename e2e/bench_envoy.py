@@ -112,12 +112,14 @@ def replay(port: int, slice_doc: dict, scale: float, progress,
                     if t.get("think_us"):
                         time.sleep(t["think_us"] / 1e6 / scale)
                     issued = time.perf_counter() - t0
+                    issued_unix = time.time()
                     r = client.complete(t["prompt"], max_tokens=t["max_tokens"], stream=True,
                                         session=s["id"], ignore_eos=True, extra=extra,
                                         headers={h: s["id"] for h in session_headers})
                     with lock:
                         rows.append({
                             "session": s["id"], "turn": i, "issued_s": issued,
+                            "issued_unix": issued_unix,
                             "ok": r.ok and r.completion_tokens > 0, "error": r.error[:200],
                             "status": r.status,
                             "replica": r.replica, "ttft_s": r.ttfb_s, "total_s": r.total_s,

@@ -70,10 +70,26 @@ def replica_stalls(endpoint: str) -> int | None:
         return None
 
 
+def held_stalls(endpoint: str) -> tuple[str, list[list[float]]] | None:
+    """The stalls that held up a step on a replica (`GET /admin/stalls`), as `[from, end]` on the
+    Unix clock in seconds, keyed by the name the replica puts in `x-kvsteer-replica` (what each
+    row's `replica` says)."""
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/admin/stalls", timeout=5) as r:
+            name = r.headers.get("x-kvsteer-replica", "")
+            doc = json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+    t0, scale = doc["clock_start_unix_us"] / 1e6, doc["time_scale"]
+    windows = [[t0 + a / 1e6 / scale, t0 + b / 1e6 / scale] for rank in doc["ranks"]
+               for a, b in rank]
+    return name, windows
+
+
 def on_done(st, rows: list[dict]) -> dict:
     """What a run keeps beside bench_peers' summary, read before its stack closes: every request,
     the filter's learned speeds (per replica, in thousandths; several entries when Envoy shows
-    the gauge under more than one name) and each replica's stalls."""
+    the gauge under more than one name), each replica's stalls and when they held it up."""
     speeds: dict[str, list[int]] = {}
     try:
         for name, v in sorted(st.stats("observed_per_predicted").items()):
@@ -81,17 +97,46 @@ def on_done(st, rows: list[dict]) -> dict:
                 speeds.setdefault(name.split(SPEED_GAUGE, 1)[1], []).append(v)
     except OSError as e:
         speeds = {"error": [str(e)]}
+    held = {}
+    for r in st.replicas:
+        got = held_stalls(r.endpoint)
+        if got is not None:
+            held[got[0]] = got[1]
     return {"rows": rows, "learned_speed_milli": speeds,
-            "stalls_per_replica": {r.name: replica_stalls(r.endpoint) for r in st.replicas}}
+            "stalls_per_replica": {r.name: replica_stalls(r.endpoint) for r in st.replicas},
+            "held_stalls": held}
 
 
-def ttft_figures(rows: list[dict], scale: float, stall_ms: float) -> dict:
-    """TTFT percentiles and mean in ms, and how many first tokens took a stall's length or more
-    (`over_stall`: in a calm run, what the slice's own tail puts there)."""
-    ttft = [r["ttft_s"] * scale * 1e3 for r in rows if r["ok"]]
+def waited_out(row: dict, held: dict[str, list[list[float]]]) -> float:
+    """Seconds of stall a request sat through before its first token: the overlap of its wait
+    (from its issue to its first token, on the client's clock) with the held stalls of the replica
+    that served it. Time no router could give back once the request was placed there; what is
+    left of its TTFT after it is what the placement (and the queue the stall built) cost."""
+    start = row.get("issued_unix")
+    if start is None:
+        return 0.0
+    end = start + row["ttft_s"]
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in held.get(row["replica"], ()))
+
+
+def ttft_figures(rows: list[dict], scale: float, stall_ms: float,
+                 held: dict[str, list[list[float]]] | None = None) -> dict:
+    """TTFT percentiles and mean in ms, how many first tokens took a stall's length or more
+    (`over_stall`: in a calm run, what the slice's own tail puts there), and the same TTFT less
+    the stall time each request waited out on its replica (`less_stalls`: p50, p99, mean; and
+    `met_stall`, the requests that waited one out). `held`: the replicas' held stalls on the
+    Unix clock (`held_stalls`); none in a calm run, where both figures are the same."""
+    ok = [r for r in rows if r["ok"]]
+    ttft = [r["ttft_s"] * scale * 1e3 for r in ok]
     out = {p: pct(ttft, q) for p, q in (("p50", 50), ("p90", 90), ("p99", 99))}
     out["mean"] = statistics.fmean(ttft) if ttft else float("nan")
     out["over_stall"] = sum(t >= stall_ms for t in ttft)
+    held = held or {}
+    lost = [waited_out(r, held) * scale * 1e3 for r in ok]
+    less = [t - w for t, w in zip(ttft, lost)]
+    out["less_stalls"] = {p: pct(less, q) for p, q in (("p50", 50), ("p99", 99))}
+    out["less_stalls"]["mean"] = statistics.fmean(less) if less else float("nan")
+    out["met_stall"] = sum(w > 0 for w in lost)
     return out
 
 
@@ -123,12 +168,14 @@ def run_all(args, slices: dict) -> dict:
                 s = bench_peers.run_one(f"kvsteer {policy}", "kvsteer", policy, doc, args, tag,
                                         replica_extra=extra, on_done=on_done)
                 s["repeat"], s["loadavg_start"], s["loadavg_end"] = rep + 1, before, loadavg()
-                s["ttft"] = ttft_figures(s["rows"], args.time_scale, args.stall_ms)
+                s["ttft"] = ttft_figures(s["rows"], args.time_scale, args.stall_ms,
+                                         s.get("held_stalls"))
                 results["runs"].setdefault(sl, {}).setdefault(policy, {}).setdefault(
                     cond, []).append(s)
                 t = s["ttft"]
                 print(f"   TTFT p50/p90/p99/mean {t['p50']:.0f}/{t['p90']:.0f}/{t['p99']:.0f}/"
-                      f"{t['mean']:.0f} ms, failed {s['failed']}, per replica "
+                      f"{t['mean']:.0f} ms, less stalls p99 {t['less_stalls']['p99']:.0f} ms "
+                      f"({t['met_stall']} met one), failed {s['failed']}, per replica "
                       f"{list(s['requests_per_replica'].values())}, stalls "
                       f"{list(s['stalls_per_replica'].values())}, learned "
                       f"{ {k: v[0] for k, v in s['learned_speed_milli'].items()} }, load "
@@ -149,22 +196,33 @@ def fmt(v, f: str = ".0f") -> str:
     return "-" if v is None or v != v else format(v, f)
 
 
-def p99s(results: dict, sl: str, policy: str, cond: str) -> list[float]:
-    return [r["ttft"]["p99"] for r in results["runs"][sl][policy][cond]]
+def less_p99(run: dict) -> float:
+    """A run's TTFT p99 less the stall time each request waited out (NaN in a result written
+    before the bench read the replicas' stalls)."""
+    return run["ttft"].get("less_stalls", {}).get("p99", float("nan"))
 
 
-def ratios(results: dict, sl: str, policy: str) -> tuple[float, list[float]]:
-    """TTFT p99 stalls / calm: of the medians over repeats, and repeat by repeat."""
-    calm, stalls = p99s(results, sl, policy, "calm"), p99s(results, sl, policy, "stalls")
+def p99s(results: dict, sl: str, policy: str, cond: str, less: bool = False) -> list[float]:
+    return [less_p99(r) if less else r["ttft"]["p99"]
+            for r in results["runs"][sl][policy][cond]]
+
+
+def ratios(results: dict, sl: str, policy: str,
+           less: bool = False) -> tuple[float, list[float]]:
+    """TTFT p99 stalls / calm: of the medians over repeats, and repeat by repeat. `less`: of the
+    TTFT less the stall time waited out (a calm run has none to take off)."""
+    calm = p99s(results, sl, policy, "calm", less)
+    stalls = p99s(results, sl, policy, "stalls", less)
     per = [s / c if c else float("nan") for c, s in zip(calm, stalls)]
     return statistics.median(stalls) / statistics.median(calm), per
 
 
 def slice_table(results: dict, sl: str) -> list[str]:
     md = ["| policy | condition | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms | "
-          "p99 per repeat | TTFT >= stall, per repeat | hit rate % | requests per replica "
-          "(repeat 1) | stalls per replica (repeat 1) | failed |",
-          "|---|---|---:|---:|---:|---:|---|---|---:|---|---|---:|"]
+          "p99 per repeat | TTFT >= stall, per repeat | p99 less stalls ms | met a stall, per "
+          "repeat | hit rate % | requests per replica (repeat 1) | stalls per replica (repeat 1) "
+          "| failed |",
+          "|---|---|---:|---:|---:|---:|---|---|---:|---|---:|---|---|---:|"]
     for policy in POLICIES:
         for cond in CONDITIONS:
             runs = results["runs"][sl][policy][cond]
@@ -174,6 +232,8 @@ def slice_table(results: dict, sl: str) -> list[str]:
                       f"{fmt(med['p99'])} | {fmt(med['mean'])} | "
                       f"{' / '.join(fmt(r['ttft']['p99']) for r in runs)} | "
                       f"{' / '.join(str(r['ttft'].get('over_stall', '-')) for r in runs)} | "
+                      f"{fmt(statistics.median(less_p99(r) for r in runs))} | "
+                      f"{' / '.join(str(r['ttft'].get('met_stall', '-')) for r in runs)} | "
                       f"{fmt(statistics.median(r['hit_rate'] for r in runs) * 100, '.1f')} | "
                       f"{' / '.join(str(v) for v in runs[0]['requests_per_replica'].values())} | "
                       f"{' / '.join(fmt(v, 'd') for v in runs[0]['stalls_per_replica'].values())}"
@@ -199,12 +259,16 @@ def report(results: dict) -> str:
         md.extend(slice_table(results, sl))
         md.append("")
         md.append("TTFT p99, stalls / calm (above 1: the stalls cost tail; the bar asked for is "
-                  "1.10):\n")
-        md.append("| policy | of the medians | per repeat |")
-        md.append("|---|---:|---|")
+                  "1.10). `less stalls`: each request's TTFT less the stall time it waited out on "
+                  "its replica, what routing and the queue a stall built cost:\n")
+        md.append("| policy | of the medians | per repeat | less stalls, of the medians | "
+                  "less stalls, per repeat |")
+        md.append("|---|---:|---|---:|---|")
         for policy in POLICIES:
             med, per = ratios(results, sl, policy)
-            md.append(f"| {policy} | {med:.2f} | {' / '.join(f'{x:.2f}' for x in per)} |")
+            lmed, lper = ratios(results, sl, policy, less=True)
+            md.append(f"| {policy} | {med:.2f} | {' / '.join(f'{x:.2f}' for x in per)} | "
+                      f"{fmt(lmed, '.2f')} | {' / '.join(fmt(x, '.2f') for x in lper)} |")
         md.append("")
         md.append("Load average (1 min) before -> after each run, per repeat:\n")
         for policy in POLICIES:
@@ -238,7 +302,8 @@ def svg(results: dict) -> str:
            f'font-family="sans-serif" font-size="11">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<text x="10" y="18" font-size="13">TTFT p99 per run (dots) and median (bar), calm '
-           f'vs stalls ({results["stall_flags"]}); dashed: calm median +10%</text>',
+           f'vs stalls ({results["stall_flags"]}); dashed: calm median +10%; open circles: stalls '
+           f'p99 less the stall time each request waited out</text>',
            f'<text x="10" y="34">scripts/bench-stalls --repeat {results["repeat"]}, time scale '
            f'{results["time_scale"]:g}, commit {results["commit"]}; lower is better</text>']
     for si, sl in enumerate(slices):
@@ -272,6 +337,15 @@ def svg(results: dict) -> str:
                 y = top + ph - ph * v / hi
                 out.append(f'<circle cx="{cx + dx:.1f}" cy="{y:.1f}" r="3" '
                            f'fill="{colors[pc[1]]}"/>')
+            if pc[1] == "stalls":
+                # Open circles: the same runs' p99 with the stall time each request waited out
+                # taken off its TTFT.
+                less = [v for v in p99s(results, sl, *pc, less=True) if v == v]
+                for i, v in enumerate(less):
+                    dx = (i - (len(less) - 1) / 2) * 6
+                    y = top + ph - ph * v / hi
+                    out.append(f'<circle cx="{cx + dx:.1f}" cy="{y:.1f}" r="3.5" fill="none" '
+                               f'stroke="black"/>')
             calm = [v for v in vals[(pc[0], "calm")] if v == v]
             if pc[1] == "stalls" and calm:
                 # The bar asked for: the calm runs' median + 10%.
