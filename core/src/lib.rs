@@ -18,6 +18,7 @@ mod journal;
 pub mod load;
 pub mod output;
 pub mod policy;
+pub mod record;
 pub mod request;
 pub mod rng;
 pub mod router;

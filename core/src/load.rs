@@ -18,6 +18,7 @@ mod head;
 
 pub use head::{HeadProgress, PREFILL_HEAD_LEN, PrefillHead};
 
+use crate::record::{Record, u32_at, u64_at};
 use hashbrown::HashMap;
 use std::collections::VecDeque;
 
@@ -66,26 +67,6 @@ pub struct Released {
 
 /// Bytes of one encoded [`LoadTotals`].
 pub const LOAD_TOTALS_LEN: usize = 20;
-const LOAD_MAGIC: [u8; 4] = *b"KVLT";
-
-/// Why published totals could not be read back.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LoadDecodeError {
-    BadMagic,
-    /// The length is not a header plus a whole number of entries, or disagrees with the count.
-    BadLength {
-        len: usize,
-    },
-}
-
-impl core::fmt::Display for LoadDecodeError {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        match self {
-            LoadDecodeError::BadMagic => write!(f, "load totals: bad magic"),
-            LoadDecodeError::BadLength { len } => write!(f, "load totals: bad length {len}"),
-        }
-    }
-}
 
 impl LoadTotals {
     /// Takes `o` off field by field (saturating at zero).
@@ -109,50 +90,26 @@ impl LoadTotals {
             o.add(t);
         }
     }
+}
 
-    /// Compact encoding of a per-replica vector for proxy shared data: `KVLT`, a u32 count, then
-    /// `prefill_tokens u64 | decode_blocks u64 | active_requests u32` per replica, little-endian.
-    pub fn encode_all(totals: &[LoadTotals]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8 + totals.len() * LOAD_TOTALS_LEN);
-        out.extend_from_slice(&LOAD_MAGIC);
-        out.extend_from_slice(&(totals.len() as u32).to_le_bytes());
-        for t in totals {
-            out.extend_from_slice(&t.prefill_tokens.to_le_bytes());
-            out.extend_from_slice(&t.decode_blocks.to_le_bytes());
-            out.extend_from_slice(&t.active_requests.to_le_bytes());
-        }
-        out
+/// Shared between a proxy's workers as `KVLT`, a `u32` count, then `prefill_tokens u64 |
+/// decode_blocks u64 | active_requests u32` per replica ([`crate::record`]).
+impl Record for LoadTotals {
+    const LEN: usize = LOAD_TOTALS_LEN;
+    const MAGIC: Option<[u8; 4]> = Some(*b"KVLT");
+
+    fn put(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.prefill_tokens.to_le_bytes());
+        out.extend_from_slice(&self.decode_blocks.to_le_bytes());
+        out.extend_from_slice(&self.active_requests.to_le_bytes());
     }
 
-    /// Decodes [`LoadTotals::encode_all`] output, refusing anything malformed.
-    pub fn decode_all(buf: &[u8]) -> Result<Vec<LoadTotals>, LoadDecodeError> {
-        let bad = LoadDecodeError::BadLength { len: buf.len() };
-        if buf.len() < 8 {
-            return Err(bad);
-        }
-        if buf[..4] != LOAD_MAGIC {
-            return Err(LoadDecodeError::BadMagic);
-        }
-        let count = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
-        let body = &buf[8..];
-        if !body.len().is_multiple_of(LOAD_TOTALS_LEN) || body.len() / LOAD_TOTALS_LEN != count {
-            return Err(bad);
-        }
-        Ok(body
-            .chunks_exact(LOAD_TOTALS_LEN)
-            .map(|c| {
-                let u64_at = |i: usize| {
-                    let mut b = [0u8; 8];
-                    b.copy_from_slice(&c[i..i + 8]);
-                    u64::from_le_bytes(b)
-                };
-                LoadTotals {
-                    prefill_tokens: u64_at(0),
-                    decode_blocks: u64_at(8),
-                    active_requests: u32::from_le_bytes([c[16], c[17], c[18], c[19]]),
-                }
-            })
-            .collect())
+    fn take(b: &[u8]) -> Option<LoadTotals> {
+        Some(LoadTotals {
+            prefill_tokens: u64_at(b, 0),
+            decode_blocks: u64_at(b, 8),
+            active_requests: u32_at(b, 16),
+        })
     }
 }
 

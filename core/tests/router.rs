@@ -3,6 +3,7 @@
 use kvsteer_core::block::BlockHasher;
 use kvsteer_core::config::{KvLoadParams, LoadParams, ReportedLoad};
 use kvsteer_core::feed::{FeedBatch, FeedEvent, ReplicaLoad, Tier};
+use kvsteer_core::record::Record;
 use kvsteer_core::{FallbackReason, FeedOutcome, LoadTotals, PolicyKind, Router, RoutingConfig};
 
 /// Dynamo's coefficients (prefill scale 1, credit 1), so the costs below are easy to follow, and the

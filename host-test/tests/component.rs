@@ -18,6 +18,7 @@ use common::{extend, module, tokens};
 use kvsteer_core::block::BlockHasher;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FeedBatch, FeedEvent, FeedQuery, ReplicaLoad, Tier};
 use kvsteer_core::load::LoadTotals;
+use kvsteer_core::record::Record;
 use kvsteer_core::rng::SplitMix64;
 use kvsteer_host_test::artifact::workspace_root;
 use kvsteer_host_test::host::CLOCK_BASE_NS;

@@ -31,6 +31,7 @@
 use serde::Deserialize;
 
 use crate::config::ConfigError;
+use crate::record::{Record, f64_at};
 
 /// The `health` section of the routing configuration.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -125,9 +126,6 @@ pub struct HealthCounts {
 }
 
 impl HealthCounts {
-    /// Bytes per replica in [`HealthCounts::encode_all`].
-    pub const ENCODED_LEN: usize = 16;
-
     /// The counts `elapsed_ms` later: both halve every `half_life_ms`.
     pub fn decayed(self, elapsed_ms: u64, half_life_ms: u64) -> HealthCounts {
         if elapsed_ms == 0 {
@@ -152,36 +150,24 @@ impl HealthCounts {
             err: (self.err + o.err).min(MAX_COUNT),
         }
     }
+}
 
-    /// Little-endian `f64` pairs, one per replica.
-    pub fn encode_all(all: &[HealthCounts]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(all.len() * Self::ENCODED_LEN);
-        for c in all {
-            out.extend_from_slice(&c.ok.to_le_bytes());
-            out.extend_from_slice(&c.err.to_le_bytes());
-        }
-        out
+/// Shared between a proxy's workers as little-endian `ok f64 | err f64` pairs, one per replica
+/// ([`crate::record`]); a count that is not a finite number in `0..=1e9` is refused.
+impl Record for HealthCounts {
+    const LEN: usize = 16;
+
+    fn put(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.ok.to_le_bytes());
+        out.extend_from_slice(&self.err.to_le_bytes());
     }
 
-    /// Reads [`HealthCounts::encode_all`]'s bytes; `None` for a length that is not a whole number of
-    /// records, or any count that is not a finite number in `0..=1e9`.
-    pub fn decode_all(bytes: &[u8]) -> Option<Vec<HealthCounts>> {
-        if !bytes.len().is_multiple_of(Self::ENCODED_LEN) {
-            return None;
-        }
-        let read = |b: &[u8]| -> Option<f64> {
-            let v = f64::from_le_bytes(b.try_into().ok()?);
-            (v.is_finite() && (0.0..=MAX_COUNT).contains(&v)).then_some(v)
-        };
-        bytes
-            .chunks_exact(Self::ENCODED_LEN)
-            .map(|c| {
-                Some(HealthCounts {
-                    ok: read(&c[..8])?,
-                    err: read(&c[8..])?,
-                })
-            })
-            .collect()
+    fn take(b: &[u8]) -> Option<HealthCounts> {
+        let count = |v: f64| (v.is_finite() && (0.0..=MAX_COUNT).contains(&v)).then_some(v);
+        Some(HealthCounts {
+            ok: count(f64_at(b, 0))?,
+            err: count(f64_at(b, 8))?,
+        })
     }
 }
 

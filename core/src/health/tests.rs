@@ -336,17 +336,17 @@ fn encoding_round_trips_and_refuses_bad_bytes() {
         HealthCounts { ok: 0.0, err: 1e9 },
     ];
     let b = HealthCounts::encode_all(&v);
-    assert_eq!(HealthCounts::decode_all(&b), Some(v));
+    assert_eq!(HealthCounts::decode_all(&b), Ok(v));
     for cut in 1..b.len() {
-        if !cut.is_multiple_of(HealthCounts::ENCODED_LEN) {
-            assert_eq!(HealthCounts::decode_all(&b[..cut]), None);
+        if !cut.is_multiple_of(HealthCounts::LEN) {
+            assert!(HealthCounts::decode_all(&b[..cut]).is_err());
         }
     }
     for bad in [f64::NAN, f64::INFINITY, -1.0, 2e9] {
         let b = HealthCounts::encode_all(&[HealthCounts { ok: bad, err: 0.0 }]);
-        assert_eq!(HealthCounts::decode_all(&b), None, "{bad}");
+        assert!(HealthCounts::decode_all(&b).is_err(), "{bad}");
     }
-    assert_eq!(HealthCounts::decode_all(&[]), Some(vec![]));
+    assert_eq!(HealthCounts::decode_all(&[]), Ok(vec![]));
 }
 
 #[test]

@@ -13,6 +13,8 @@
 //! Each worker knows only the requests it admitted; it publishes its own view per replica and
 //! [`PrefillHead::merge`]s the others' (the oldest head wins; the latest first token is the clock).
 
+use crate::record::{Record, u64_at};
+
 /// What a worker knows of the prefill in progress on one replica; also what it publishes to the
 /// proxy's other workers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,7 +41,6 @@ impl Default for PrefillHead {
 
 /// Bytes of one encoded [`PrefillHead`].
 pub const PREFILL_HEAD_LEN: usize = 24;
-const HEAD_MAGIC: [u8; 4] = *b"KVPH";
 
 /// How long one replica's head has been computing, as a policy reads it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -82,47 +83,26 @@ impl PrefillHead {
             work: self.work as f64,
         }
     }
+}
 
-    /// Compact encoding of a per-replica vector for proxy shared data: `KVPH`, a u32 count, then
-    /// `last_first_token_ms u64 | admitted_ms u64 | work u64` per replica, little-endian.
-    pub fn encode_all(heads: &[PrefillHead]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8 + heads.len() * PREFILL_HEAD_LEN);
-        out.extend_from_slice(&HEAD_MAGIC);
-        out.extend_from_slice(&(heads.len() as u32).to_le_bytes());
-        for h in heads {
-            out.extend_from_slice(&h.last_first_token_ms.to_le_bytes());
-            out.extend_from_slice(&h.admitted_ms.to_le_bytes());
-            out.extend_from_slice(&h.work.to_le_bytes());
-        }
-        out
+/// Shared between a proxy's workers as `KVPH`, a `u32` count, then `last_first_token_ms u64 |
+/// admitted_ms u64 | work u64` per replica ([`crate::record`]).
+impl Record for PrefillHead {
+    const LEN: usize = PREFILL_HEAD_LEN;
+    const MAGIC: Option<[u8; 4]> = Some(*b"KVPH");
+
+    fn put(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.last_first_token_ms.to_le_bytes());
+        out.extend_from_slice(&self.admitted_ms.to_le_bytes());
+        out.extend_from_slice(&self.work.to_le_bytes());
     }
 
-    /// Decodes [`PrefillHead::encode_all`] output; `None` for anything malformed.
-    pub fn decode_all(buf: &[u8]) -> Option<Vec<PrefillHead>> {
-        if buf.get(..4)? != HEAD_MAGIC {
-            return None;
-        }
-        let count = u32::from_le_bytes(buf.get(4..8)?.try_into().ok()?) as usize;
-        let body = &buf[8..];
-        if body.len() != count.checked_mul(PREFILL_HEAD_LEN)? {
-            return None;
-        }
-        Some(
-            body.chunks_exact(PREFILL_HEAD_LEN)
-                .map(|c| {
-                    let at = |i: usize| {
-                        let mut b = [0u8; 8];
-                        b.copy_from_slice(&c[i..i + 8]);
-                        u64::from_le_bytes(b)
-                    };
-                    PrefillHead {
-                        last_first_token_ms: at(0),
-                        admitted_ms: at(8),
-                        work: at(16),
-                    }
-                })
-                .collect(),
-        )
+    fn take(b: &[u8]) -> Option<PrefillHead> {
+        Some(PrefillHead {
+            last_first_token_ms: u64_at(b, 0),
+            admitted_ms: u64_at(b, 8),
+            work: u64_at(b, 16),
+        })
     }
 }
 
@@ -184,12 +164,10 @@ mod tests {
             },
         ];
         let bytes = PrefillHead::encode_all(&v);
-        assert_eq!(PrefillHead::decode_all(&bytes), Some(v));
-        assert_eq!(PrefillHead::decode_all(&bytes[..bytes.len() - 1]), None);
-        assert_eq!(PrefillHead::decode_all(b"KVLT\0\0\0\0"), None);
-        assert_eq!(PrefillHead::decode_all(&[]), None);
-        let mut lying = bytes.clone();
-        lying[4] = 9;
-        assert_eq!(PrefillHead::decode_all(&lying), None);
+        assert_eq!(PrefillHead::decode_all(&bytes), Ok(v));
+        assert!(PrefillHead::decode_all(&bytes[..bytes.len() - 1]).is_err());
+        // Another kind's vector (load totals) is not a head vector.
+        assert!(PrefillHead::decode_all(b"KVLT\0\0\0\0").is_err());
+        assert!(PrefillHead::decode_all(&[]).is_err());
     }
 }

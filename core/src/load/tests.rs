@@ -234,7 +234,10 @@ fn totals_encoding_round_trips_and_refuses_garbage() {
     }
     let mut bad = b.clone();
     bad[0] = b'x';
-    assert_eq!(LoadTotals::decode_all(&bad), Err(LoadDecodeError::BadMagic));
+    assert_eq!(
+        LoadTotals::decode_all(&bad),
+        Err(crate::record::RecordError::BadMagic)
+    );
 }
 
 #[test]

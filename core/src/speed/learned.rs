@@ -27,6 +27,7 @@
 //! Each worker learns from its own share of the requests and takes in the other workers'
 //! estimates ([`SpeedEstimate`]), weighed by the evidence behind each.
 
+use crate::record::{Record, f64_at};
 use std::collections::BTreeMap;
 
 /// Shortest predicted time to first token an observation is learned from: below it, what the
@@ -103,37 +104,22 @@ pub struct SpeedEstimate {
     pub weight: f64,
 }
 
-impl SpeedEstimate {
-    /// Bytes per estimate in [`SpeedEstimate::encode_all`].
-    pub const ENCODED_LEN: usize = 16;
+/// Shared between a proxy's workers as little-endian `log_factor f64 | weight f64` pairs, one
+/// per replica ([`crate::record`]). Values are taken as they are: [`Speeds::set_peer`] discards
+/// those it cannot use.
+impl Record for SpeedEstimate {
+    const LEN: usize = 16;
 
-    /// Little-endian `log_factor f64, weight f64` per replica, for shared memory.
-    pub fn encode_all(all: &[SpeedEstimate]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(all.len() * Self::ENCODED_LEN);
-        for e in all {
-            out.extend_from_slice(&e.log_factor.to_le_bytes());
-            out.extend_from_slice(&e.weight.to_le_bytes());
-        }
-        out
+    fn put(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.log_factor.to_le_bytes());
+        out.extend_from_slice(&self.weight.to_le_bytes());
     }
 
-    /// Reads [`SpeedEstimate::encode_all`]'s bytes; `None` for a length that is not a whole
-    /// number of estimates. Values are taken as they are: [`Speeds::set_peer`] discards those it
-    /// cannot use.
-    pub fn decode_all(bytes: &[u8]) -> Option<Vec<SpeedEstimate>> {
-        if !bytes.len().is_multiple_of(Self::ENCODED_LEN) {
-            return None;
-        }
-        let read = |b: &[u8]| f64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
-        Some(
-            bytes
-                .chunks_exact(Self::ENCODED_LEN)
-                .map(|c| SpeedEstimate {
-                    log_factor: read(&c[..8]),
-                    weight: read(&c[8..]),
-                })
-                .collect(),
-        )
+    fn take(b: &[u8]) -> Option<SpeedEstimate> {
+        Some(SpeedEstimate {
+            log_factor: f64_at(b, 0),
+            weight: f64_at(b, 8),
+        })
     }
 }
 

@@ -5,6 +5,7 @@
 use crate::common::*;
 use kvsteer_core::feed::{FEED_CONTENT_TYPE, FEED_PATH, FeedQuery};
 use kvsteer_core::load::LoadTotals;
+use kvsteer_core::record::Record;
 use kvsteer_host_test::openai::request_headers;
 use kvsteer_host_test::{CallOutcome, Callout, HostMode, Proxy, ProxyOptions, WorkerVm, pairs};
 use kvsteer_sim::kv_link::KvLink;

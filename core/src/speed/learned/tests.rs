@@ -117,9 +117,9 @@ fn estimates_survive_their_encoding_and_odd_lengths_do_not_decode() {
         SpeedEstimate::default(),
     ];
     let bytes = SpeedEstimate::encode_all(&all);
-    assert_eq!(bytes.len(), 2 * SpeedEstimate::ENCODED_LEN);
+    assert_eq!(bytes.len(), 2 * SpeedEstimate::LEN);
     assert_eq!(SpeedEstimate::decode_all(&bytes).unwrap(), all);
-    assert!(SpeedEstimate::decode_all(&bytes[1..]).is_none());
+    assert!(SpeedEstimate::decode_all(&bytes[1..]).is_err());
     assert_eq!(SpeedEstimate::decode_all(&[]).unwrap(), vec![]);
 }
 

@@ -29,16 +29,15 @@
 //! new entries into its own index, so a text follow-up on another worker finds its first turn's
 //! replica (`text.rs`).
 //!
-//! Health learned from completions (`kvsteer_core::health`) is shared the same way, each worker's own
-//! decayed success and failure counts under `<prefix>:health:<worker>`: `published_ms u64`, then
-//! `HealthCounts::encode_all` bytes ([`publish_health`], [`read_health_fresh`]). So are `kv_time`'s
-//! estimates of each replica's speed (`kvsteer_core::speed`), under `<prefix>:speed:<worker>`:
-//! `published_ms u64`, then `SpeedEstimate::encode_all` bytes ([`publish_speeds`],
-//! [`read_speeds_fresh`]): a proxy with N workers learns a slow replica from all its requests, not
-//! from one worker's Nth. With `kv_time` each worker also publishes its view of the prefill in
-//! progress on each replica (`kvsteer_core::load::PrefillHead`) under `<prefix>:head:<worker>`:
-//! `published_ms u64`, then `PrefillHead::encode_all` bytes ([`publish_heads`],
-//! [`read_heads_fresh`]): the head of a replica's queue may be another worker's request.
+//! Records of one value per replica are shared the same way ([`PerReplica`]; [`publish_records`],
+//! [`read_records_fresh`]), under `<prefix>:<kind>:<worker>`: `published_ms u64`, then the core's
+//! fixed-width encoding (`kvsteer_core::record`). The kinds: health learned from completions
+//! (`kvsteer_core::health`, `health`), each worker's own decayed success and failure counts;
+//! `kv_time`'s estimates of each replica's speed (`kvsteer_core::speed`, `speed`), so a proxy with
+//! N workers learns a slow replica from all its requests, not from one worker's Nth; and, with
+//! `kv_time`'s `head_progress`, each worker's view of the prefill in progress on each replica
+//! (`kvsteer_core::load::PrefillHead`, `head`), since the head of a replica's queue may be another
+//! worker's request.
 
 mod text;
 mod tick;
@@ -49,6 +48,7 @@ pub use tick::{Sharing, WORKING_SET_KEEP_TICKS};
 use crate::host::store::SharedStore;
 use kvsteer_core::health::HealthCounts;
 use kvsteer_core::load::{self, LoadTotals, PrefillHead};
+use kvsteer_core::record::Record;
 use kvsteer_core::speed::SpeedEstimate;
 
 pub fn encode(published_ms: u64, rec: &WorkerLoad) -> Vec<u8> {
@@ -110,171 +110,68 @@ pub fn load_key(prefix: &str, worker: u32) -> String {
     format!("{prefix}:load:{worker}")
 }
 
-/// Shared-data key of a worker's health record.
-pub fn health_key(prefix: &str, worker: u32) -> String {
-    format!("{prefix}:health:{worker}")
+/// A per-replica record kind a worker publishes every tick beside its load, under
+/// `<prefix>:<KEY>:<worker>`: `published_ms u64` (little-endian), then the core's
+/// [`Record::encode_all`] bytes of one record per replica.
+pub trait PerReplica: Record {
+    /// The key's middle part.
+    const KEY: &'static str;
 }
 
-/// Publishes worker `me`'s own outcome counts, as of `now_ms`.
-pub fn publish_health(
+/// Health learned from completions: each worker's own decayed outcome counts.
+impl PerReplica for HealthCounts {
+    const KEY: &'static str = "health";
+}
+
+/// `kv_time`'s estimates of each replica's speed from this worker's own requests.
+impl PerReplica for SpeedEstimate {
+    const KEY: &'static str = "speed";
+}
+
+/// This worker's view of the prefill in progress on each replica (`kv_time` with
+/// `head_progress`).
+impl PerReplica for PrefillHead {
+    const KEY: &'static str = "head";
+}
+
+/// Shared-data key of worker `worker`'s records of kind `T`.
+pub fn records_key<T: PerReplica>(prefix: &str, worker: u32) -> String {
+    format!("{prefix}:{}:{worker}", T::KEY)
+}
+
+/// Publishes worker `me`'s own records of kind `T` (one per replica), as of `now_ms`.
+pub fn publish_records<T: PerReplica>(
     store: &dyn SharedStore,
     prefix: &str,
     me: u32,
     now_ms: u64,
-    counts: &[HealthCounts],
+    records: &[T],
 ) {
-    publish_stamped(
-        store,
-        &health_key(prefix, me),
-        now_ms,
-        &HealthCounts::encode_all(counts),
-    );
-}
-
-/// Decodes a health record: `(published_ms, counts)`; `None` for anything malformed or for a
-/// different replica count.
-pub fn decode_health(bytes: &[u8], replicas: usize) -> Option<(u64, Vec<HealthCounts>)> {
-    decode_stamped(bytes, replicas, HealthCounts::decode_all)
-}
-
-/// Worker `peer`'s outcome counts with their publication time, if readable, for `replicas`
-/// replicas, and at most `ttl_ms` old.
-pub fn read_health_fresh(
-    store: &dyn SharedStore,
-    prefix: &str,
-    peer: u32,
-    replicas: usize,
-    now_ms: u64,
-    ttl_ms: u64,
-) -> Option<(u64, Vec<HealthCounts>)> {
-    read_stamped_fresh(
-        store,
-        &health_key(prefix, peer),
-        replicas,
-        now_ms,
-        ttl_ms,
-        HealthCounts::decode_all,
-    )
-}
-
-/// Shared-data key of worker `worker`'s estimates of the replicas' speeds (`kv_time`).
-pub fn speeds_key(prefix: &str, worker: u32) -> String {
-    format!("{prefix}:speed:{worker}")
-}
-
-/// Publishes this worker's estimates of the replicas' speeds: `published_ms u64`, then
-/// `SpeedEstimate::encode_all` bytes.
-pub fn publish_speeds(
-    store: &dyn SharedStore,
-    prefix: &str,
-    me: u32,
-    now_ms: u64,
-    estimates: &[SpeedEstimate],
-) {
-    publish_stamped(
-        store,
-        &speeds_key(prefix, me),
-        now_ms,
-        &SpeedEstimate::encode_all(estimates),
-    );
-}
-
-/// Worker `peer`'s estimates of the replicas' speeds, if readable, for `replicas` replicas, and
-/// at most `ttl_ms` old.
-pub fn read_speeds_fresh(
-    store: &dyn SharedStore,
-    prefix: &str,
-    peer: u32,
-    replicas: usize,
-    now_ms: u64,
-    ttl_ms: u64,
-) -> Option<Vec<SpeedEstimate>> {
-    read_stamped_fresh(
-        store,
-        &speeds_key(prefix, peer),
-        replicas,
-        now_ms,
-        ttl_ms,
-        SpeedEstimate::decode_all,
-    )
-    .map(|(_, estimates)| estimates)
-}
-
-/// Shared-data key of worker `worker`'s view of the prefill in progress on each replica.
-pub fn heads_key(prefix: &str, worker: u32) -> String {
-    format!("{prefix}:head:{worker}")
-}
-
-/// Publishes this worker's view of the prefill in progress on each replica: `published_ms u64`,
-/// then `PrefillHead::encode_all` bytes.
-pub fn publish_heads(
-    store: &dyn SharedStore,
-    prefix: &str,
-    me: u32,
-    now_ms: u64,
-    heads: &[PrefillHead],
-) {
-    publish_stamped(
-        store,
-        &heads_key(prefix, me),
-        now_ms,
-        &PrefillHead::encode_all(heads),
-    );
-}
-
-/// Worker `peer`'s view of the prefill in progress on each replica, if readable, for `replicas`
-/// replicas, and at most `ttl_ms` old.
-pub fn read_heads_fresh(
-    store: &dyn SharedStore,
-    prefix: &str,
-    peer: u32,
-    replicas: usize,
-    now_ms: u64,
-    ttl_ms: u64,
-) -> Option<Vec<PrefillHead>> {
-    read_stamped_fresh(
-        store,
-        &heads_key(prefix, peer),
-        replicas,
-        now_ms,
-        ttl_ms,
-        PrefillHead::decode_all,
-    )
-    .map(|(_, heads)| heads)
-}
-
-/// A record of `published_ms u64` (little-endian) then `body`.
-fn publish_stamped(store: &dyn SharedStore, key: &str, now_ms: u64, body: &[u8]) {
     let mut out = now_ms.to_le_bytes().to_vec();
-    out.extend_from_slice(body);
-    store.overwrite(key, &out);
+    out.extend_from_slice(&T::encode_all(records));
+    store.overwrite(&records_key::<T>(prefix, me), &out);
 }
 
-/// Reads [`publish_stamped`]'s record with a per-replica body: `(published_ms, entries)`; `None`
-/// for anything malformed or for a different replica count.
-fn decode_stamped<T>(
-    bytes: &[u8],
-    replicas: usize,
-    decode_all: impl Fn(&[u8]) -> Option<Vec<T>>,
-) -> Option<(u64, Vec<T>)> {
+/// Reads a [`publish_records`] record: `(published_ms, records)`; `None` for anything malformed
+/// or for a different replica count.
+pub fn decode_records<T: PerReplica>(bytes: &[u8], replicas: usize) -> Option<(u64, Vec<T>)> {
     let ts = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
-    let entries = decode_all(&bytes[8..])?;
-    (entries.len() == replicas).then_some((ts, entries))
+    let records = T::decode_all(&bytes[8..]).ok()?;
+    (records.len() == replicas).then_some((ts, records))
 }
 
-/// The [`publish_stamped`] record under `key`, if readable ([`decode_stamped`]) and at most
-/// `ttl_ms` old at `now_ms`.
-fn read_stamped_fresh<T>(
+/// Worker `peer`'s records of kind `T` with their publication time, if readable
+/// ([`decode_records`]), for `replicas` replicas, and at most `ttl_ms` old at `now_ms`.
+pub fn read_records_fresh<T: PerReplica>(
     store: &dyn SharedStore,
-    key: &str,
+    prefix: &str,
+    peer: u32,
     replicas: usize,
     now_ms: u64,
     ttl_ms: u64,
-    decode_all: impl Fn(&[u8]) -> Option<Vec<T>>,
 ) -> Option<(u64, Vec<T>)> {
-    let (record, _) = store.get(key)?;
-    decode_stamped(&record, replicas, decode_all)
-        .filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
+    let (record, _) = store.get(&records_key::<T>(prefix, peer))?;
+    decode_records(&record, replicas).filter(|(ts, _)| now_ms.saturating_sub(*ts) <= ttl_ms)
 }
 
 /// Shared-data key of the time of `replica`'s last health probe, proxy-wide.
@@ -511,8 +408,8 @@ mod tests {
                 ok: ts as f64,
                 err: 0.0,
             }];
-            publish_health(&s, "k", 1, ts, &c);
-            assert_eq!(read_health_fresh(&s, "k", 1, 1, ts, 0), Some((ts, c)));
+            publish_records(&s, "k", 1, ts, &c);
+            assert_eq!(read_records_fresh(&s, "k", 1, 1, ts, 0), Some((ts, c)));
             publish_working_set(&s, "k", 1, &ts.to_le_bytes());
             assert_eq!(
                 s.get(&working_set_key("k", 1)).map(|(v, _)| v),
@@ -525,23 +422,39 @@ mod tests {
     fn health_records_round_trip_expire_and_refuse_garbage() {
         let s = MemStore::default();
         let c = vec![HealthCounts { ok: 1.0, err: 2.5 }, HealthCounts::default()];
-        publish_health(&s, "k", 3, 1_000, &c);
+        publish_records(&s, "k", 3, 1_000, &c);
+        assert_eq!(s.get("k:health:3").map(|(v, _)| v.len()), Some(8 + 32));
         assert_eq!(
-            read_health_fresh(&s, "k", 3, 2, 1_400, 500),
+            read_records_fresh(&s, "k", 3, 2, 1_400, 500),
             Some((1_000, c.clone()))
         );
-        assert_eq!(read_health_fresh(&s, "k", 3, 2, 1_501, 500), None);
-        assert_eq!(read_health_fresh(&s, "k", 3, 3, 1_000, 500), None);
+        assert_eq!(
+            read_records_fresh::<HealthCounts>(&s, "k", 3, 2, 1_501, 500),
+            None
+        );
+        assert_eq!(
+            read_records_fresh::<HealthCounts>(&s, "k", 3, 3, 1_000, 500),
+            None
+        );
+        // Another kind under another key: a worker's speeds are not its health.
+        assert_eq!(
+            read_records_fresh::<SpeedEstimate>(&s, "k", 3, 2, 1_000, 500),
+            None
+        );
         let mut b = 1_000u64.to_le_bytes().to_vec();
         b.extend_from_slice(&HealthCounts::encode_all(&c));
         for cut in 0..b.len() {
-            assert_eq!(decode_health(&b[..cut], 2), None, "cut {cut}");
+            assert_eq!(
+                decode_records::<HealthCounts>(&b[..cut], 2),
+                None,
+                "cut {cut}"
+            );
         }
         b[12] = 0xff; // a NaN / huge count
         b[13] = 0xff;
         b[14] = 0xff;
         b[15] = 0xff;
-        assert_eq!(decode_health(&b, 2), None);
+        assert_eq!(decode_records::<HealthCounts>(&b, 2), None);
     }
 
     #[test]

@@ -85,14 +85,14 @@ impl WorkerState {
             held: self.router.local_held(),
         };
         share::publish(store, prefix, me, now_ms, &rec);
-        share::publish_health(store, prefix, me, now_ms, &self.router.local_health(now_ms));
+        share::publish_records(store, prefix, me, now_ms, &self.router.local_health(now_ms));
         if self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime {
-            share::publish_speeds(store, prefix, me, now_ms, &self.router.local_speeds());
+            share::publish_records(store, prefix, me, now_ms, &self.router.local_speeds());
         }
         let heads = self.router.tracks_prefill_heads();
         if heads {
             let own = self.router.local_prefill_heads();
-            share::publish_heads(store, prefix, me, now_ms, &own);
+            share::publish_records(store, prefix, me, now_ms, &own);
         }
         // Kept for a few ticks, so every worker reads each entry at least once (ticks drift), and
         // with peer proxies for a few of their polls too (they read the same records).
@@ -118,21 +118,21 @@ impl WorkerState {
                 }
                 None => self.router.clear_peer(peer),
             }
-            match share::read_health_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+            match share::read_records_fresh(store, prefix, peer, replicas, now_ms, ttl) {
                 Some((at, counts)) => self.router.set_peer_health(peer, at, &counts),
                 None => self.router.clear_peer_health(peer),
             }
             if self.cfg.routing.policy == kvsteer_core::PolicyKind::KvTime {
-                match share::read_speeds_fresh(store, prefix, peer, replicas, now_ms, ttl) {
-                    Some(estimates) => self.router.set_peer_speeds(peer, &estimates),
+                match share::read_records_fresh(store, prefix, peer, replicas, now_ms, ttl) {
+                    Some((_, estimates)) => self.router.set_peer_speeds(peer, &estimates),
                     None => self.router.clear_peer_speeds(peer),
                 }
             }
             if heads {
                 // A peer without a fresh record holds no head: nothing of its view is kept.
-                let theirs = share::read_heads_fresh(store, prefix, peer, replicas, now_ms, ttl);
-                self.router
-                    .set_peer_prefill_heads(peer, &theirs.unwrap_or_default());
+                let theirs = share::read_records_fresh(store, prefix, peer, replicas, now_ms, ttl);
+                let peer_heads = theirs.map(|(_, h)| h).unwrap_or_default();
+                self.router.set_peer_prefill_heads(peer, &peer_heads);
             }
             // A VM that has routed nothing yet needs no working set: Envoy's main thread runs one
             // (it gets ticks and callouts, never a stream), and a worker whose connections are all
