@@ -84,6 +84,10 @@ struct BenchCli {
     /// Seeds per scenario and policy (default 3; 1 with --quick or --smoke).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     seeds: Option<u64>,
+    /// The first seed (default 0): `--first-seed 9 --seeds 9` draws seeds 9 to 17, new draws to
+    /// set beside an earlier run's 0 to 8.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    first_seed: u64,
     /// Policies to compare: names, or variants `kv_load@overlap_credit=2@...` setting numbers in
     /// the policy's own section; `oracle` or `oracle@decode=1@stall=1` for the limit (default:
     /// every policy, the presets, then the oracle).
@@ -121,6 +125,8 @@ struct BenchCli {
 pub struct BenchArgs {
     pub scale: Scale,
     pub seeds: Option<u64>,
+    /// The first seed drawn (`--first-seed`).
+    pub first_seed: u64,
     pub policies: Vec<String>,
     pub only: Vec<String>,
     pub jobs: usize,
@@ -165,6 +171,7 @@ impl BenchArgs {
                 Scale::Full
             },
             seeds: c.seeds,
+            first_seed: c.first_seed,
             policies,
             only: c.only.map(|l| l.0).unwrap_or_default(),
             jobs: c.jobs.map_or_else(available_cores, |n| n as usize),
@@ -298,6 +305,9 @@ mod tests {
         .unwrap();
         assert_eq!(a.scale, Scale::Smoke);
         assert_eq!(a.seeds, Some(7));
+        assert_eq!(a.first_seed, 0);
+        assert_eq!(bench(&["--first-seed", "9"]).unwrap().first_seed, 9);
+        assert!(bench(&["--first-seed", "-1"]).is_err());
         assert_eq!(a.policies, ["round_robin", "kv_load"]);
         assert_eq!(a.only, ["rl", "weka-c8"]);
         assert_eq!((a.jobs, a.workers), (3, 4));

@@ -8,7 +8,7 @@
 //!
 //! `scripts/bench` builds everything and runs this. Options:
 //! `--quick` (cut-down workloads, one seed: minutes), `--smoke` (tiny slices, seconds; checks that the
-//! outputs are well-formed and exits non-zero if not), `--seeds N` (default 3; 1 with --quick/--smoke),
+//! outputs are well-formed and exits non-zero if not), `--seeds N` (default 3; 1 with --quick/--smoke) from `--first-seed K` (default 0),
 //! `--policies a,b` (names, or variants `kv_load@overlap_credit=2@...` setting numbers in the policy's
 //! own section; `oracle` or `oracle@decode=1@stall=1` for the limit), `--only id,group,..` (scenario ids or groups: rl, weka, mooncake, azure; also the
 //! many-proxies scenarios, which only `--only` selects: group `proxies` (`rl-p1`, `rl-p2`, `rl-p4`,
@@ -300,8 +300,9 @@ fn plan(scenarios: &[Scenario], args: &Args, seeds: u64) -> Result<Plan, String>
                 arrival_jitter > 0.0
             }
         };
-        for seed in 0..seeds {
-            if seed == 0 || per_seed {
+        let first = args.first_seed;
+        for seed in first..first.saturating_add(seeds) {
+            if seed == first || per_seed {
                 workloads.push(sc.build(&args.traces, seed)?);
             }
             let wi = workloads.len() - 1;
