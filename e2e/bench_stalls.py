@@ -28,7 +28,10 @@ the four cells of a slice in an order rotated each repeat, so host noise falls o
 run: TTFT p50/p90/p99/mean (client wall time x time scale), requests per replica, the host's load
 average (/proc/loadavg) before and after, the replicas' `kvsteer_sim:stalls_total` and the
 filter's learned speeds (`kvsteer_ttft_observed_per_predicted_milli_<replica>`, Envoy's stats)
-at the run's end. Writes <out>/stalls.json (every request), stalls.md (tables) and stalls.svg.
+at the run's end, and the stalls that held each replica up (`GET /admin/stalls`), from which
+every request's TTFT less the stall time it waited out on its replica is computed ("less stalls":
+what routing and the queue a stall built decide, where the whole TTFT also holds the stall itself).
+Writes <out>/stalls.json (every request), stalls.md (tables) and stalls.svg.
 Run by scripts/bench-stalls, which installs Envoy and builds the filter and the sim.
 """
 
