@@ -161,17 +161,18 @@ class TwoEnvoysOneFleet(unittest.TestCase):
 PEER_TOKEN = "e2e-peer-token-0123456789"
 
 
-def exchanging_envoys(peers: bool) -> tuple[Stack, Stack]:
+def exchanging_envoys(peers: bool, routing: dict | None = None) -> tuple[Stack, Stack]:
     """Two Envoys over the same two replicas; with `peers`, each lists the other as its peer proxy
     (a STATIC cluster to the other's listener) with a shared token (docs/reports/proxies.md, "Working set
-    across proxies"). Ports are taken up front: each Envoy's configuration names the other's."""
+    across proxies"). Ports are taken up front: each Envoy's configuration names the other's.
+    `routing`: the plugin's `routing` section (default: `kv_load` with `merge`)."""
     a, b = Stack(), Stack()
     try:
         a.start_replicas(2, extra=["--time-scale", TIME_SCALE])
         b.replicas = a.replicas
         ports = {"a": free_ports(2), "b": free_ports(2)}
         for stack, me, other, node in ((a, "a", "b", "proxy-a"), (b, "b", "a", "proxy-b")):
-            overrides = overrides_for("merge")
+            overrides = {"routing": routing} if routing else overrides_for("merge")
             clusters = None
             if peers:
                 overrides["peers"] = {
@@ -195,8 +196,8 @@ class WorkingSetExchange(unittest.TestCase):
     it B saw each session once and estimates none. A client's request for the reserved path is
     answered by the filter (403 without the token) and never reaches a replica."""
 
-    def run_case(self, peers: bool) -> tuple[int, int, int]:
-        a, b = exchanging_envoys(peers)
+    def run_case(self, peers: bool, routing: dict | None = None) -> tuple[int, int, int]:
+        a, b = exchanging_envoys(peers, routing)
         try:
             ca = Client("127.0.0.1", a.listen_port, timeout_s=60)
             cb = Client("127.0.0.1", b.listen_port, timeout_s=60)
@@ -232,6 +233,16 @@ class WorkingSetExchange(unittest.TestCase):
 
     def test_with_the_exchange_the_other_proxy_sees_the_sessions(self):
         applied, ws, refused = self.run_case(True)
+        self.assertGreater(applied, 0)
+        self.assertGreater(ws, 0, "B sees A's first turns as its sessions' contexts")
+        self.assertGreaterEqual(refused, 2)
+
+    def test_kv_time_with_others_exchanges_its_working_set_too(self):
+        # The setting recommended for several proxies running `kv_time` (docs/reports/proxies.md,
+        # "`peers` with `kv_time` on nine new draws"): its eviction term keeps a working set, and
+        # the other proxy applies this one's admissions to it.
+        routing = {"policy": "kv_time", "load": {"reported_load": "others"}}
+        applied, ws, refused = self.run_case(True, routing)
         self.assertGreater(applied, 0)
         self.assertGreater(ws, 0, "B sees A's first turns as its sessions' contexts")
         self.assertGreaterEqual(refused, 2)
