@@ -371,13 +371,8 @@ fn admin_stalls_lists_the_stalls_that_held_a_step_on_the_wall_clock() {
     assert_eq!(v["time_scale"], 50.0);
 
     // A 50 ms stall after gaps of about 1 ms of engine time: a busy engine meets several.
-    let cfg = ReplicaConfig {
-        name: "s0".into(),
-        host: "127.0.0.1".into(),
-        port: 0,
-        time_scale: 50.0,
-        model: "sim".into(),
-        engine: EngineConfig {
+    let rep = replica_with_engine(
+        EngineConfig {
             kv_blocks: 2000,
             max_model_len: 4096,
             stall: kvsteer_sim::stall::StallConfig {
@@ -387,9 +382,8 @@ fn admin_stalls_lists_the_stalls_that_held_a_step_on_the_wall_clock() {
             },
             ..Default::default()
         },
-        dp_ranks: 1,
-    };
-    let rep = Replica::start(cfg).expect("replica starts");
+        50.0,
+    );
     let mut c = Client::new(&rep);
     let r = c.post(
         "/v1/completions",

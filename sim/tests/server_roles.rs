@@ -276,13 +276,8 @@ fn pd_legs_answer_and_honour_kv_transfer_params() {
 #[test]
 fn the_feed_reports_adapters_only_when_asked() {
     use kvsteer_core::feed::FeedFrame;
-    let cfg = ReplicaConfig {
-        name: "t0".into(),
-        host: "127.0.0.1".into(),
-        port: 0,
-        time_scale: 50.0,
-        model: "sim".into(),
-        engine: EngineConfig {
+    let rep = replica_with_engine(
+        EngineConfig {
             kv_blocks: 2000,
             max_model_len: 4096,
             lora: kvsteer_sim::lora::LoraConfig {
@@ -291,9 +286,8 @@ fn the_feed_reports_adapters_only_when_asked() {
             },
             ..Default::default()
         },
-        dp_ranks: 1,
-    };
-    let rep = Replica::start(cfg).expect("replica starts");
+        50.0,
+    );
     let mut c = Client::new(&rep);
     let adapters = |c: &mut Client, path: &str| {
         let r = c.call("GET", path, "");

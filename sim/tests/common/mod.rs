@@ -14,17 +14,25 @@ pub fn replica(kv_blocks: u32) -> Replica {
 }
 
 pub fn replica_at(kv_blocks: u32, time_scale: f64) -> Replica {
+    replica_with_engine(
+        EngineConfig {
+            kv_blocks,
+            max_model_len: 4096,
+            ..Default::default()
+        },
+        time_scale,
+    )
+}
+
+/// A replica named `t0` with this engine configuration, at `time_scale`.
+pub fn replica_with_engine(engine: EngineConfig, time_scale: f64) -> Replica {
     let cfg = ReplicaConfig {
         name: "t0".into(),
         host: "127.0.0.1".into(),
         port: 0,
         time_scale,
         model: "sim".into(),
-        engine: EngineConfig {
-            kv_blocks,
-            max_model_len: 4096,
-            ..Default::default()
-        },
+        engine,
         dp_ranks: 1,
     };
     Replica::start(cfg).expect("replica starts")
