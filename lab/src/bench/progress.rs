@@ -1,9 +1,12 @@
 //! Running the replays of a bench or demo run on a few threads, with one progress bar of requests
 //! done across them. The bar (indicatif) is drawn on stderr only when stderr is a terminal: a run
-//! whose output goes to a log file gets no bar at all, rather than thousands of `\r` redraws.
+//! whose output goes to a log file gets a line per finished replay instead (replays done, of how
+//! many, and the time so far), rather than thousands of `\r` redraws or nothing for half an hour.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal;
 use std::sync::Mutex;
+use std::time::Instant;
 
 /// The bar for `total` requests; hidden unless stderr is a terminal.
 pub fn bar(total: u64) -> ProgressBar {
@@ -25,6 +28,8 @@ where
     F: Fn(usize, &dyn Fn(u64)) -> R + Sync,
 {
     let bar = bar(total);
+    let lines = !std::io::stderr().is_terminal();
+    let started = Instant::now();
     let max_job = order.iter().max().map_or(0, |&m| m + 1);
     // Requests done per job, so a tick adds only what is new.
     let done = Mutex::new(vec![0u64; max_job]);
@@ -46,6 +51,14 @@ where
                     let r = job(i, &tick);
                     if let Ok(mut res) = results.lock() {
                         res.push((i, r));
+                        if lines {
+                            eprintln!(
+                                "  {} of {} replays done, {:.0} s",
+                                res.len(),
+                                order.len(),
+                                started.elapsed().as_secs_f64()
+                            );
+                        }
                     }
                 }
             });
