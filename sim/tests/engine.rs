@@ -546,9 +546,12 @@ fn first_stall() -> (kvsteer_sim::stall::StallConfig, u64, u64) {
     (cfg, start, end)
 }
 
-/// Submits one request at `at_us` and runs until its first token: (first token's time, stalls
-/// that held a step up, engine time they held it).
-fn first_token_at(stall: kvsteer_sim::stall::StallConfig, at_us: u64) -> (u64, u64, u64) {
+/// An engine with `stall` that got one request at `at_us` and ran until its first token, and the
+/// events it gave so far.
+fn run_to_first_token(
+    stall: kvsteer_sim::stall::StallConfig,
+    at_us: u64,
+) -> (Engine, Vec<EngineEvent>) {
     let mut e = Engine::new(EngineConfig {
         stall,
         ..EngineConfig::default()
@@ -559,6 +562,13 @@ fn first_token_at(stall: kvsteer_sim::stall::StallConfig, at_us: u64) -> (u64, u
         let t = e.next_event_time().expect("busy");
         e.advance(t, &mut ev);
     }
+    (e, ev)
+}
+
+/// Submits one request at `at_us` and runs until its first token: (first token's time, stalls
+/// that held a step up, engine time they held it).
+fn first_token_at(stall: kvsteer_sim::stall::StallConfig, at_us: u64) -> (u64, u64, u64) {
+    let (e, ev) = run_to_first_token(stall, at_us);
     let s = e.stats();
     (first_token_time(&ev, 1) - at_us, s.stalls, s.stalled_us)
 }
@@ -581,18 +591,12 @@ fn a_stall_holds_the_first_token_back_by_its_length() {
 #[test]
 fn the_engine_lists_the_stalls_that_held_it_up() {
     let (stall, start, end) = first_stall();
-    let mut e = Engine::new(EngineConfig {
+    let fresh = Engine::new(EngineConfig {
         stall,
         ..EngineConfig::default()
     });
-    assert_eq!(e.held_stalls().count(), 0);
-    e.submit(start + 250_000, req(1, prompt(1, 2000), 4))
-        .unwrap();
-    let mut ev = Vec::new();
-    while e.stats().generation_tokens == 0 {
-        let t = e.next_event_time().expect("busy");
-        e.advance(t, &mut ev);
-    }
+    assert_eq!(fresh.held_stalls().count(), 0);
+    let (e, _) = run_to_first_token(stall, start + 250_000);
     // Held from the request's arrival (the engine was idle before) to the stall's end.
     assert_eq!(e.held_stalls().next(), Some((start + 250_000, end)));
 }
