@@ -16,7 +16,7 @@
 
 mod head;
 
-pub use head::{HeadProgress, PREFILL_HEAD_LEN, PrefillHead};
+pub use head::{HeadProgress, PrefillHead};
 
 use crate::record::{Record, u32_at, u64_at};
 use hashbrown::HashMap;
@@ -65,9 +65,6 @@ pub struct Released {
     pub share: LoadTotals,
 }
 
-/// Bytes of one encoded [`LoadTotals`].
-pub const LOAD_TOTALS_LEN: usize = 20;
-
 impl LoadTotals {
     /// Takes `o` off field by field (saturating at zero).
     pub fn sub(&mut self, o: &LoadTotals) {
@@ -95,7 +92,7 @@ impl LoadTotals {
 /// Shared between a proxy's workers as `KVLT`, a `u32` count, then `prefill_tokens u64 |
 /// decode_blocks u64 | active_requests u32` per replica ([`crate::record`]).
 impl Record for LoadTotals {
-    const LEN: usize = LOAD_TOTALS_LEN;
+    const LEN: usize = 20;
     const MAGIC: Option<[u8; 4]> = Some(*b"KVLT");
 
     fn put(&self, out: &mut Vec<u8>) {

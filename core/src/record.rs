@@ -85,6 +85,23 @@ pub trait Record: Sized {
             .map(|(index, c)| Self::take(c).ok_or(RecordError::BadValue { index }))
             .collect()
     }
+
+    /// Reads the vector at the front of `bytes` and returns it with the bytes after it, so vectors
+    /// laid end to end read one by one: a kind with a header says by its count where its vector
+    /// ends; one without takes all of `bytes`. The same checks as [`Record::decode_all`].
+    fn decode_front(bytes: &[u8]) -> Result<(Vec<Self>, &[u8]), RecordError> {
+        if Self::MAGIC.is_none() {
+            return Ok((Self::decode_all(bytes)?, &bytes[bytes.len()..]));
+        }
+        let bad_len = RecordError::BadLength { len: bytes.len() };
+        let count = u32_at(bytes.get(..8).ok_or(bad_len)?, 4) as usize;
+        let end = count
+            .checked_mul(Self::LEN)
+            .and_then(|n| n.checked_add(8))
+            .ok_or(bad_len)?;
+        let vector = bytes.get(..end).ok_or(bad_len)?;
+        Ok((Self::decode_all(vector)?, &bytes[end..]))
+    }
 }
 
 /// The little-endian `u64` at `at` in `bytes`; 0 where `bytes` is too short (a record's
@@ -178,6 +195,33 @@ mod tests {
         extra.push(0);
         assert!(Pair::decode_all(&extra).is_err());
         assert!(Bare::decode_all(&[0; 9]).is_err());
+    }
+
+    #[test]
+    fn vectors_end_to_end_read_one_by_one() {
+        let (a, b) = (vec![Pair(1, 0.5)], vec![Pair(2, 1.5), Pair(3, 2.5)]);
+        let mut bytes = Pair::encode_all(&a);
+        bytes.extend_from_slice(&Pair::encode_all(&b));
+        let (first, rest) = Pair::decode_front(&bytes).unwrap();
+        assert_eq!(first, a);
+        let (second, rest) = Pair::decode_front(rest).unwrap();
+        assert_eq!((second, rest.len()), (b, 0));
+        // A vector cut short, a count past the end (or overflowing), another kind's magic.
+        for cut in 0..Pair::encode_all(&a).len() {
+            assert!(Pair::decode_front(&bytes[..cut]).is_err(), "{cut}");
+        }
+        let mut lying = bytes.clone();
+        lying[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Pair::decode_front(&lying).is_err());
+        lying[..4].copy_from_slice(b"KVLT");
+        lying[4..8].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(Pair::decode_front(&lying), Err(RecordError::BadMagic));
+        // A kind without a header takes the whole buffer.
+        let w = Bare::encode_all(&[Bare(4), Bare(5)]);
+        assert_eq!(
+            Bare::decode_front(&w),
+            Ok((vec![Bare(4), Bare(5)], &[][..]))
+        );
     }
 
     #[test]

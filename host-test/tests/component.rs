@@ -303,10 +303,9 @@ fn filter_tracked(proxy: &Proxy) -> Vec<LoadTotals> {
         .expect("the filter publishes its load");
     // `published_ms`, then the bookings (a count-prefixed `LoadTotals::encode_all`), then the bookings
     // and releases since the last polls that `reported_load: merge` reads (filter/src/worker/share/mod.rs).
-    let totals = &bytes[8..];
-    let count = u32::from_le_bytes(totals[4..8].try_into().expect("4 bytes")) as usize;
-    let len = 8 + count * kvsteer_core::load::LOAD_TOTALS_LEN;
-    LoadTotals::decode_all(&totals[..len]).expect("load record")
+    LoadTotals::decode_front(&bytes[8..])
+        .expect("load record")
+        .0
 }
 
 /// Drives the filter and the component through the same scenario and compares them at every step.

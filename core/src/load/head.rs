@@ -39,9 +39,6 @@ impl Default for PrefillHead {
     }
 }
 
-/// Bytes of one encoded [`PrefillHead`].
-pub const PREFILL_HEAD_LEN: usize = 24;
-
 /// How long one replica's head has been computing, as a policy reads it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct HeadProgress {
@@ -88,7 +85,7 @@ impl PrefillHead {
 /// Shared between a proxy's workers as `KVPH`, a `u32` count, then `last_first_token_ms u64 |
 /// admitted_ms u64 | work u64` per replica ([`crate::record`]).
 impl Record for PrefillHead {
-    const LEN: usize = PREFILL_HEAD_LEN;
+    const LEN: usize = 24;
     const MAGIC: Option<[u8; 4]> = Some(*b"KVPH");
 
     fn put(&self, out: &mut Vec<u8>) {

@@ -341,10 +341,7 @@ impl Fleet {
             .proxy
             .shared_data(b"kvsteer:load:0")
             .expect("the filter publishes its load");
-        let totals = &bytes[8..];
-        let count = u32::from_le_bytes(totals[4..8].try_into().unwrap()) as usize;
-        let len = 8 + count * kvsteer_core::load::LOAD_TOTALS_LEN;
-        LoadTotals::decode_all(&totals[..len]).unwrap()
+        LoadTotals::decode_front(&bytes[8..]).unwrap().0
     }
 
     /// Requests the filter has booked, all replicas together.

@@ -47,7 +47,7 @@ pub use tick::{Sharing, WORKING_SET_KEEP_TICKS};
 
 use crate::host::store::SharedStore;
 use kvsteer_core::health::HealthCounts;
-use kvsteer_core::load::{self, LoadTotals, PrefillHead};
+use kvsteer_core::load::{LoadTotals, PrefillHead};
 use kvsteer_core::record::Record;
 use kvsteer_core::speed::SpeedEstimate;
 
@@ -79,14 +79,12 @@ pub fn decode(bytes: &[u8], replicas: usize) -> Option<(u64, WorkerLoad)> {
     let mut parts = Vec::new();
     let mut rest = &bytes[8..];
     while !rest.is_empty() && parts.len() < 4 {
-        let count = u32::from_le_bytes(rest.get(4..8)?.try_into().ok()?) as usize;
-        let len = count.checked_mul(load::LOAD_TOTALS_LEN)?.checked_add(8)?;
-        let v = LoadTotals::decode_all(rest.get(..len)?).ok()?;
+        let (v, after) = LoadTotals::decode_front(rest).ok()?;
         if v.len() != replicas {
             return None;
         }
         parts.push(v);
-        rest = &rest[len..];
+        rest = after;
     }
     if !rest.is_empty() || !matches!(parts.len(), 1 | 3 | 4) {
         return None;
@@ -328,7 +326,7 @@ mod tests {
         let b = encode(99, &rec);
         assert_eq!(decode(&b, 2), Some((99, rec.clone())));
         assert_eq!(decode(&b, 3), None);
-        let part = 8 + 2 * load::LOAD_TOTALS_LEN;
+        let part = 8 + 2 * LoadTotals::LEN;
         let first = 8 + part;
         let third = 8 + 3 * part;
         for cut in (0..b.len()).filter(|&c| c != first && c != third) {
